@@ -1,0 +1,214 @@
+"""KVCacheManager: per-request block tables, prefix look-up and slot allocation."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from scheduler.block_pool import BlockPool, KVCacheBlock
+from scheduler.kv_cache_utils import KVCacheBlocks, PrefixCacheStats, update_block_hashes
+from scheduler.request import Request, RequestStatus
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    """Maps requests to blocks of one instance's paged KV cache.
+
+    Block table of a request, with ``block_size = 4``, 10 tokens computed and 3 scheduled::
+
+        tokens   0 1 2 3 | 4 5 6 7 | 8 9 a b |
+        blocks   [ b17  ] [  b3   ] [  b9   ]      a, b: scheduled this step
+                 hit      computed   computed up to 9, a/b being computed
+                 (shared)            -> hashed at allocation once full (optimistic)
+
+    A block is hashed (made findable by prefix look-ups) as soon as the step that fills it is
+    scheduled, so two identical prompts admitted in the same step share blocks.
+    """
+
+    def __init__(
+        self,
+        block_size: int,
+        num_blocks: int,
+        max_model_len: int,
+        enable_caching: bool = True,
+        watermark: float = 0.0,
+    ) -> None:
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.watermark_blocks = int(watermark * num_blocks)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # How many leading blocks of each request carry a hash.
+        self.num_cached_block: dict[str, int] = {}
+        self.prefix_cache_stats = PrefixCacheStats()
+
+    @property
+    def usage(self) -> float:
+        return self.block_pool.usage
+
+    # -- prefix look-up --------------------------------------------------------------------
+    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
+        """Longest cached prefix of ``request``: (blocks, tokens). No state change.
+
+        The hit is block-aligned and never covers the last token, which must be computed to
+        produce logits: 33 tokens in cached blocks of 16 -> 32 hit; 32 tokens -> 16 hit.
+        """
+        if not self.enable_caching:
+            return KVCacheBlocks(), 0
+        hashes = update_block_hashes(request, self.block_size)
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVCacheBlock] = []
+        get = self.block_pool.get_cached_block
+        for block_hash in hashes[:max_hit_blocks]:
+            block = get(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return KVCacheBlocks(hits), len(hits) * self.block_size
+
+    def record_prefix_hit(self, request: Request, num_hit_tokens: int) -> None:
+        """Count one admission's look-up (called by the scheduler at admission only)."""
+        self.prefix_cache_stats.record(
+            request.num_tokens, num_hit_tokens, request.status == RequestStatus.PREEMPTED
+        )
+
+    # -- allocation ------------------------------------------------------------------------
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: KVCacheBlocks | None = None,
+        num_lookahead_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
+        full_sequence_must_fit: bool = False,
+        has_scheduled_reqs: bool = True,
+    ) -> KVCacheBlocks | None:
+        """Make room for ``num_new_tokens`` more tokens of ``request``.
+
+        ``new_computed_blocks`` are prefix hits (``num_new_computed_tokens`` tokens) taken at
+        admission; ``num_external_computed_tokens`` are tokens a KV connector will load into
+        fresh blocks. Returns the newly allocated blocks, or ``None`` when there is no room --
+        in which case nothing has changed. Unless ``delay_cache_blocks`` (remote KV not yet
+        loaded), the blocks that become full are hashed immediately.
+        """
+        if not (num_new_tokens or num_new_computed_tokens or num_external_computed_tokens):
+            raise ValueError("allocate_slots needs new, hit or external tokens")
+        hits = new_computed_blocks.blocks if new_computed_blocks is not None else []
+        req_id = request.request_id
+        held = self.req_to_blocks.get(req_id)
+        num_held = len(held) if held is not None else 0
+        bs = self.block_size
+
+        num_local = request.num_computed_tokens + num_new_computed_tokens
+        total_computed = min(num_local + num_external_computed_tokens, self.max_model_len)
+        need_tokens = min(
+            total_computed + num_new_tokens + num_lookahead_tokens, self.max_model_len
+        )
+        num_revived = sum(1 for b in hits if b.ref_cnt == 0)  # hits sitting in the free queue
+        num_required = max(cdiv(need_tokens, bs) - len(hits) - num_held, 0) + num_revived
+        if full_sequence_must_fit:
+            full_tokens = min(request.num_tokens, self.max_model_len)
+            num_required = max(
+                num_required, max(cdiv(full_tokens, bs) - len(hits) - num_held, 0) + num_revived
+            )
+        watermark = 0
+        if has_scheduled_reqs and request.status in (
+            RequestStatus.WAITING,
+            RequestStatus.PREEMPTED,
+        ):
+            watermark = self.watermark_blocks
+        if num_required + watermark > self.block_pool.num_free_blocks:
+            return None
+
+        if held is None:
+            held = self.req_to_blocks[req_id] = []
+        if hits:
+            self.block_pool.touch(hits)
+            held.extend(hits)
+            self.num_cached_block[req_id] = len(held)
+        num_new_blocks = cdiv(need_tokens, bs) - len(held)
+        new_blocks = self.block_pool.get_new_blocks(num_new_blocks) if num_new_blocks > 0 else []
+        held.extend(new_blocks)
+
+        if self.enable_caching and not delay_cache_blocks:
+            self.cache_blocks(request, min(total_computed + num_new_tokens, request.num_tokens))
+        return KVCacheBlocks(new_blocks)
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Hash the full blocks among the first ``num_tokens`` tokens of ``request``."""
+        if not self.enable_caching:
+            return
+        req_id = request.request_id
+        num_cached = self.num_cached_block.get(req_id, 0)
+        num_full = num_tokens // self.block_size
+        if num_full <= num_cached:
+            return
+        hashes = update_block_hashes(request, self.block_size)
+        blocks = self.req_to_blocks[req_id]
+        for i in range(num_cached, num_full):
+            self.block_pool.cache_block(blocks[i], hashes[i])
+        self.num_cached_block[req_id] = num_full
+
+    def uncache_uncomputed_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Un-hash blocks that were hashed for a step that will not run after all (a request
+        preempted in the step that scheduled it): their content will never be computed."""
+        req_id = request.request_id
+        num_cached = self.num_cached_block.get(req_id, 0)
+        first = num_computed_tokens // self.block_size
+        if num_cached <= first:
+            return
+        for block in self.req_to_blocks[req_id][first:num_cached]:
+            if block.ref_cnt == 1:
+                self.block_pool.uncache_block(block)
+        self.num_cached_block[req_id] = first
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks, tail first (its last block is evicted first)."""
+        blocks = self.req_to_blocks.pop(request.request_id, None)
+        self.num_cached_block.pop(request.request_id, None)
+        if blocks:
+            self.block_pool.free_blocks(reversed(blocks))
+
+    # -- queries ---------------------------------------------------------------------------
+    def get_blocks(self, request_id: str) -> KVCacheBlocks:
+        return KVCacheBlocks(list(self.req_to_blocks.get(request_id, ())))
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+
+    def num_blocks_freed_by(self, request_id: str) -> int:
+        """Blocks that would return to the free queue if the request were freed now."""
+        return sum(1 for b in self.req_to_blocks.get(request_id, ()) if b.ref_cnt == 1)
+
+    def make_prefix_cache_stats(self) -> PrefixCacheStats:
+        """Counters since the last call (reset on read)."""
+        stats, self.prefix_cache_stats = self.prefix_cache_stats, PrefixCacheStats()
+        return stats
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget all cached prefixes; fails (False) while any block is in use."""
+        if not self.block_pool.reset_prefix_cache():
+            return False
+        self.num_cached_block.clear()
+        return True
+
+    def check_integrity(self) -> None:
+        """The pool's invariants, plus: each block's ref count equals the number of block
+        tables that hold it, and no table holds a free block."""
+        self.block_pool.check_integrity()
+        refs: Counter[int] = Counter()
+        for req_id, blocks in self.req_to_blocks.items():
+            for block in blocks:
+                refs[block.block_id] += 1
+            assert self.num_cached_block.get(req_id, 0) <= len(blocks), (
+                f"{req_id} has more cached blocks than blocks"
+            )
+        for block in self.block_pool.blocks:
+            assert block.ref_cnt == refs.get(block.block_id, 0), (
+                f"{block} has ref_cnt {block.ref_cnt} but {refs.get(block.block_id, 0)} holders"
+            )

@@ -1,0 +1,97 @@
+"""Block hashing for prefix caching, the ``KVCacheBlocks`` result type and prefix-cache stats."""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from dataclasses import dataclass, field
+from typing import Any
+
+from scheduler.block_pool import KVCacheBlock
+from scheduler.request import Request
+
+# Parent of the first block. Stable across processes, so hashes can be compared between
+# instances (the router's prefix affinity, KV events).
+NONE_HASH = hashlib.sha256(b"tandem-none-hash").digest()
+
+
+def hash_block_tokens(
+    parent_hash: bytes | None, token_ids: list[int], extra_keys: tuple[Any, ...] | None
+) -> bytes:
+    """``H_i = sha256(H_{i-1} || tokens || extra_keys)``; a chain, so a hit implies its prefix."""
+    h = hashlib.sha256(parent_hash or NONE_HASH)
+    h.update(array("q", token_ids).tobytes())
+    if extra_keys:
+        h.update(repr(extra_keys).encode())
+    return h.digest()
+
+
+def request_extra_keys(request: Request, block_index: int) -> tuple[Any, ...] | None:
+    """Keys that make equal tokens different content: the LoRA adapter (every block) and the
+    cache salt (first block only, which by the chain separates every later block too)."""
+    keys: tuple[Any, ...] = ()
+    if request.lora_request is not None:
+        keys += (("lora", request.lora_request.lora_name, request.lora_request.lora_path),)
+    if block_index == 0 and request.cache_salt is not None:
+        keys += (("cache_salt", request.cache_salt),)
+    return keys or None
+
+
+def update_block_hashes(request: Request, block_size: int) -> list[bytes]:
+    """Extend ``request.block_hashes`` to cover every full block of its known tokens."""
+    hashes = request.block_hashes
+    num_full = request.num_tokens // block_size
+    if len(hashes) < num_full:
+        tokens = request.all_token_ids
+        parent = hashes[-1] if hashes else None
+        for i in range(len(hashes), num_full):
+            parent = hash_block_tokens(
+                parent,
+                tokens[i * block_size : (i + 1) * block_size],
+                request_extra_keys(request, i),
+            )
+            hashes.append(parent)
+    return hashes
+
+
+@dataclass
+class KVCacheBlocks:
+    """Blocks returned by the KV cache manager. Read the ids; do not mutate the blocks."""
+
+    blocks: list[KVCacheBlock] = field(default_factory=list)
+
+    def get_block_ids(self) -> list[int]:
+        return [b.block_id for b in self.blocks]
+
+    def __add__(self, other: KVCacheBlocks) -> KVCacheBlocks:
+        return KVCacheBlocks(self.blocks + other.blocks)
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+
+@dataclass
+class PrefixCacheStats:
+    """Prefix-cache counters since the last read. Preempted requests are counted apart, so
+    resumptions do not inflate the hit rate of fresh traffic."""
+
+    requests: int = 0
+    queries: int = 0  # tokens looked up
+    hits: int = 0  # tokens found
+    preempted_requests: int = 0
+    preempted_queries: int = 0
+    preempted_hits: int = 0
+
+    def record(self, num_tokens: int, num_hits: int, preempted: bool) -> None:
+        if preempted:
+            self.preempted_requests += 1
+            self.preempted_queries += num_tokens
+            self.preempted_hits += num_hits
+        else:
+            self.requests += 1
+            self.queries += num_tokens
+            self.hits += num_hits
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0

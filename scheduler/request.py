@@ -1,0 +1,209 @@
+"""Requests as the scheduler sees them: token ids, sampling limits, status, KV bookkeeping."""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class RequestStatus(enum.IntEnum):
+    """Ordered so that ``status > PREEMPTED`` is "finished" (one comparison)."""
+
+    WAITING = enum.auto()
+    WAITING_FOR_REMOTE_KVS = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    # Everything below is finished.
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+    FINISHED_IGNORED = enum.auto()
+    FINISHED_ERROR = enum.auto()
+
+    @staticmethod
+    def is_finished(status: RequestStatus) -> bool:
+        return status > RequestStatus.PREEMPTED
+
+    @staticmethod
+    def get_finished_reason(status: RequestStatus) -> FinishReason | None:
+        return _FINISHED_REASONS.get(status)
+
+
+class FinishReason(str, enum.Enum):
+    """OpenAI-style finish reasons reported to clients."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+_FINISHED_REASONS = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_IGNORED: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
+}
+
+
+class SamplingParams(BaseModel):
+    """Per-request sampling and stopping parameters (vLLM's names and defaults).
+
+    The scheduler reads the stopping fields (``max_tokens``, ``min_tokens``, ``stop_token_ids``,
+    ``ignore_eos``); the worker's sampler reads the rest. ``n > 1`` is fanned out into ``n``
+    requests by the front end (engine or ingress), so the scheduler only ever sees ``n == 1``.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    n: int = Field(1, ge=1, le=128)
+    max_tokens: int | None = Field(16, ge=1)
+    min_tokens: int = Field(0, ge=0)
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    temperature: float = Field(1.0, ge=0.0, le=100.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1, description="0 or -1 disables top-k.")
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
+    seed: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=20)
+
+    @model_validator(mode="after")
+    def _check_cross_fields(self) -> SamplingParams:
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})."
+            )
+        return self
+
+    @property
+    def all_stop_token_ids(self) -> frozenset[int]:
+        return frozenset(self.stop_token_ids)
+
+
+class LoRARequest(BaseModel):
+    """A LoRA adapter a request runs with. Equality and hashing use the name, as in vLLM."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    lora_name: str = Field(min_length=1)
+    lora_int_id: int = Field(ge=1)
+    lora_path: str = Field(min_length=1)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, LoRARequest) and self.lora_name == other.lora_name
+
+    def __hash__(self) -> int:
+        return hash(self.lora_name)
+
+
+class Request:
+    """One sequence being generated.
+
+    Invariant the whole scheduler turns on: ``num_computed_tokens`` catches up with
+    ``num_tokens`` (prompt + outputs). It is advanced optimistically when a step is scheduled
+    (``num_in_flight_tokens`` counts what is scheduled but not yet returned) and rolled back only
+    by preemption (to 0), a stop that trims tokens, or a failed KV load.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_id: int | None = None,
+        arrival_time: float = 0.0,
+        priority: int = 0,
+        lora_request: LoRARequest | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
+        cache_salt: str | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.arrival_time = arrival_time
+        self.priority = priority
+        self.lora_request = lora_request
+        self.kv_transfer_params = kv_transfer_params
+        self.cache_salt = cache_salt
+
+        self.status = RequestStatus.WAITING
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self._all_token_ids: list[int] = list(self.prompt_token_ids)
+        self._output_token_ids: list[int] = []
+        # Resolved by the scheduler at add_request (None -> max_model_len - prompt).
+        self.max_tokens: int = sampling_params.max_tokens or 0
+        self.stop_token_ids = sampling_params.all_stop_token_ids
+        self.stop_reason: int | str | None = None
+
+        self.num_computed_tokens = 0
+        self.num_in_flight_tokens = 0  # scheduled, output not yet processed
+        self.num_output_placeholders = 0  # async scheduling: samples not yet returned
+        self.num_preemptions = 0
+        self.num_cached_tokens: int | None = None  # prefix hit at first admission
+        self.num_skipped_steps = 0  # aging: steps passed over while it could not be admitted
+        # Remote-KV state: set when the load was started, consumed when it completes.
+        self.awaiting_remote_kvs = False
+        # One hash per full block of _all_token_ids, extended lazily by the KV cache manager.
+        self.block_hashes: list[bytes] = []
+
+    # -- views -----------------------------------------------------------------------------
+    @property
+    def num_tokens(self) -> int:
+        return len(self._all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self._output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt + outputs. Read-only by convention: mutate through append_output_token_ids."""
+        return self._all_token_ids
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self._output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status > RequestStatus.PREEMPTED
+
+    @property
+    def lora_int_id(self) -> int:
+        return self.lora_request.lora_int_id if self.lora_request else 0
+
+    @property
+    def do_remote_prefill(self) -> bool:
+        return bool(self.kv_transfer_params and self.kv_transfer_params.get("do_remote_prefill"))
+
+    def get_finished_reason(self) -> FinishReason | None:
+        return RequestStatus.get_finished_reason(self.status)
+
+    # -- mutation --------------------------------------------------------------------------
+    def append_output_token_ids(self, token_ids: int | list[int]) -> None:
+        if isinstance(token_ids, int):
+            self._output_token_ids.append(token_ids)
+            self._all_token_ids.append(token_ids)
+        else:
+            self._output_token_ids.extend(token_ids)
+            self._all_token_ids.extend(token_ids)
+
+    def trim_output_tokens(self, num: int) -> None:
+        """Drop the last ``num`` output tokens (tokens sampled after a stop)."""
+        if num > 0:
+            del self._output_token_ids[-num:]
+            del self._all_token_ids[-num:]
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, "
+            f"tokens={self.num_tokens}, computed={self.num_computed_tokens})"
+        )
