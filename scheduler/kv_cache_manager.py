@@ -13,6 +13,10 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+_ADMISSION_STATUSES = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+_NO_BLOCKS = KVCacheBlocks()
+
+
 class KVCacheManager:
     """Maps requests to blocks of one instance's paged KV cache.
 
@@ -67,7 +71,7 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        return KVCacheBlocks(hits), len(hits) * self.block_size
+        return KVCacheBlocks(tuple(hits)), len(hits) * self.block_size
 
     def record_prefix_hit(self, request: Request, num_hit_tokens: int) -> None:
         """Count one admission's look-up (called by the scheduler at admission only)."""
@@ -98,31 +102,39 @@ class KVCacheManager:
         """
         if not (num_new_tokens or num_new_computed_tokens or num_external_computed_tokens):
             raise ValueError("allocate_slots needs new, hit or external tokens")
-        hits = new_computed_blocks.blocks if new_computed_blocks is not None else []
+        # Written for the hot path (a running decode: no hits, nothing external, usually no
+        # new block): plain arithmetic, no helper calls until something must change.
         req_id = request.request_id
         held = self.req_to_blocks.get(req_id)
         num_held = len(held) if held is not None else 0
+        hits = new_computed_blocks.blocks if new_computed_blocks is not None else ()
         bs = self.block_size
+        max_len = self.max_model_len
 
-        num_local = request.num_computed_tokens + num_new_computed_tokens
-        total_computed = min(num_local + num_external_computed_tokens, self.max_model_len)
-        need_tokens = min(
-            total_computed + num_new_tokens + num_lookahead_tokens, self.max_model_len
+        total_computed = (
+            request.num_computed_tokens + num_new_computed_tokens + num_external_computed_tokens
         )
-        num_revived = sum(1 for b in hits if b.ref_cnt == 0)  # hits sitting in the free queue
-        num_required = max(cdiv(need_tokens, bs) - len(hits) - num_held, 0) + num_revived
+        if total_computed > max_len:
+            total_computed = max_len
+        need_tokens = total_computed + num_new_tokens + num_lookahead_tokens
+        if need_tokens > max_len:
+            need_tokens = max_len
+        num_blocks_needed = -(-need_tokens // bs) - len(hits) - num_held
+        num_required = num_blocks_needed if num_blocks_needed > 0 else 0
+        if hits:
+            # Hits sitting in the free queue are taken out of it: they cost a free block.
+            num_revived = sum(1 for b in hits if b.ref_cnt == 0)
+            num_required += num_revived
+        else:
+            num_revived = 0
         if full_sequence_must_fit:
-            full_tokens = min(request.num_tokens, self.max_model_len)
-            num_required = max(
-                num_required, max(cdiv(full_tokens, bs) - len(hits) - num_held, 0) + num_revived
-            )
+            full_tokens = min(request.num_tokens, max_len)
+            num_full = max(cdiv(full_tokens, bs) - len(hits) - num_held, 0) + num_revived
+            num_required = max(num_required, num_full)
         watermark = 0
-        if has_scheduled_reqs and request.status in (
-            RequestStatus.WAITING,
-            RequestStatus.PREEMPTED,
-        ):
+        if has_scheduled_reqs and request.status in _ADMISSION_STATUSES:
             watermark = self.watermark_blocks
-        if num_required + watermark > self.block_pool.num_free_blocks:
+        if num_required + watermark > self.block_pool.free_queue.num_free_blocks:
             return None
 
         if held is None:
@@ -131,13 +143,54 @@ class KVCacheManager:
             self.block_pool.touch(hits)
             held.extend(hits)
             self.num_cached_block[req_id] = len(held)
-        num_new_blocks = cdiv(need_tokens, bs) - len(held)
-        new_blocks = self.block_pool.get_new_blocks(num_new_blocks) if num_new_blocks > 0 else []
-        held.extend(new_blocks)
+        if num_blocks_needed > 0:
+            new_blocks = self.block_pool.get_new_blocks(num_blocks_needed)
+            held.extend(new_blocks)
+            result = KVCacheBlocks(tuple(new_blocks))
+        else:
+            result = _NO_BLOCKS
 
         if self.enable_caching and not delay_cache_blocks:
-            self.cache_blocks(request, min(total_computed + num_new_tokens, request.num_tokens))
-        return KVCacheBlocks(new_blocks)
+            known = total_computed + num_new_tokens
+            num_tokens = request.num_tokens
+            if known > num_tokens:
+                known = num_tokens
+            if known // bs > self.num_cached_block.get(req_id, 0):
+                self.cache_blocks(request, known)
+        return result
+
+    def append_slots(
+        self, request: Request, num_new_tokens: int, num_lookahead_tokens: int = 0
+    ) -> KVCacheBlocks | None:
+        """``allocate_slots`` for a request that already holds blocks and brings no prefix
+        hits or external tokens (a running request): same result, a fraction of the cost.
+        Most calls (decodes within their last block) change nothing and return no blocks."""
+        req_id = request.request_id
+        held = self.req_to_blocks.get(req_id)
+        if held is None or request.status != RequestStatus.RUNNING:
+            return self.allocate_slots(request, num_new_tokens, 0, None, num_lookahead_tokens)
+        computed = request.num_computed_tokens
+        need_tokens = computed + num_new_tokens + num_lookahead_tokens
+        if need_tokens > self.max_model_len:
+            need_tokens = self.max_model_len
+        bs = self.block_size
+        num_blocks_needed = -(-need_tokens // bs) - len(held)
+        if num_blocks_needed > 0:
+            if num_blocks_needed > self.block_pool.free_queue.num_free_blocks:
+                return None
+            new_blocks = self.block_pool.get_new_blocks(num_blocks_needed)
+            held.extend(new_blocks)
+            result = KVCacheBlocks(tuple(new_blocks))
+        else:
+            result = _NO_BLOCKS
+        if self.enable_caching:
+            known = computed + num_new_tokens
+            num_tokens = len(request.all_token_ids)
+            if known > num_tokens:
+                known = num_tokens
+            if known // bs > self.num_cached_block.get(req_id, 0):
+                self.cache_blocks(request, known)
+        return result
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Hash the full blocks among the first ``num_tokens`` tokens of ``request``."""
@@ -176,7 +229,7 @@ class KVCacheManager:
 
     # -- queries ---------------------------------------------------------------------------
     def get_blocks(self, request_id: str) -> KVCacheBlocks:
-        return KVCacheBlocks(list(self.req_to_blocks.get(request_id, ())))
+        return KVCacheBlocks(tuple(self.req_to_blocks.get(request_id, ())))
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]

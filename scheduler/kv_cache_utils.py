@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from scheduler.block_pool import KVCacheBlock
@@ -54,11 +54,11 @@ def update_block_hashes(request: Request, block_size: int) -> list[bytes]:
     return hashes
 
 
-@dataclass
+@dataclass(frozen=True)
 class KVCacheBlocks:
     """Blocks returned by the KV cache manager. Read the ids; do not mutate the blocks."""
 
-    blocks: list[KVCacheBlock] = field(default_factory=list)
+    blocks: tuple[KVCacheBlock, ...] = ()
 
     def get_block_ids(self) -> list[int]:
         return [b.block_id for b in self.blocks]

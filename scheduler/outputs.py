@@ -106,7 +106,7 @@ class ModelRunnerOutput:
         return cls(req_ids=[], sampled_token_ids=[])
 
 
-@dataclass
+@dataclass(slots=True)
 class EngineCoreOutput:
     """What one request produced in one step (vLLM's name): new tokens and, at the end, why."""
 

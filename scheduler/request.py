@@ -136,8 +136,10 @@ class Request:
 
         self.status = RequestStatus.WAITING
         self.num_prompt_tokens = len(self.prompt_token_ids)
-        self._all_token_ids: list[int] = list(self.prompt_token_ids)
-        self._output_token_ids: list[int] = []
+        # Prompt + outputs, and outputs. Plain lists for speed (read on every step); mutate
+        # only through append_output_token_ids / trim_output_tokens.
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.output_token_ids: list[int] = []
         # Resolved by the scheduler at add_request (None -> max_model_len - prompt).
         self.max_tokens: int = sampling_params.max_tokens or 0
         self.stop_token_ids = sampling_params.all_stop_token_ids
@@ -151,26 +153,18 @@ class Request:
         self.num_skipped_steps = 0  # aging: steps passed over while it could not be admitted
         # Remote-KV state: set when the load was started, consumed when it completes.
         self.awaiting_remote_kvs = False
+        self.preempted_before_load = False  # resume as PREEMPTED once the load completes
         # One hash per full block of _all_token_ids, extended lazily by the KV cache manager.
         self.block_hashes: list[bytes] = []
 
     # -- views -----------------------------------------------------------------------------
     @property
     def num_tokens(self) -> int:
-        return len(self._all_token_ids)
+        return len(self.all_token_ids)
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self._output_token_ids)
-
-    @property
-    def all_token_ids(self) -> list[int]:
-        """Prompt + outputs. Read-only by convention: mutate through append_output_token_ids."""
-        return self._all_token_ids
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self._output_token_ids
+        return len(self.output_token_ids)
 
     @property
     def is_finished(self) -> bool:
@@ -190,17 +184,17 @@ class Request:
     # -- mutation --------------------------------------------------------------------------
     def append_output_token_ids(self, token_ids: int | list[int]) -> None:
         if isinstance(token_ids, int):
-            self._output_token_ids.append(token_ids)
-            self._all_token_ids.append(token_ids)
+            self.output_token_ids.append(token_ids)
+            self.all_token_ids.append(token_ids)
         else:
-            self._output_token_ids.extend(token_ids)
-            self._all_token_ids.extend(token_ids)
+            self.output_token_ids.extend(token_ids)
+            self.all_token_ids.extend(token_ids)
 
     def trim_output_tokens(self, num: int) -> None:
         """Drop the last ``num`` output tokens (tokens sampled after a stop)."""
         if num > 0:
-            del self._output_token_ids[-num:]
-            del self._all_token_ids[-num:]
+            del self.output_token_ids[-num:]
+            del self.all_token_ids[-num:]
 
     def __repr__(self) -> str:
         return (

@@ -22,7 +22,10 @@ from scheduler.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutp
 from scheduler.queues import create_request_queue
 from scheduler.request import FinishReason, Request, RequestStatus
 from scheduler.step import StepBuilder
-from scheduler.stop import append_and_check_stop
+from scheduler.stop import append_and_check_stop, check_stop
+
+_RUNNING = RequestStatus.RUNNING
+_PREEMPTED = RequestStatus.PREEMPTED
 
 
 def _priority_key(request: Request) -> tuple[int, float]:
@@ -169,7 +172,7 @@ class Scheduler:
             # Async: a step that reaches the end of the known tokens samples one more; count
             # it now so the next schedule() can run the following decode before it returns.
             if async_scheduling and request.num_computed_tokens >= (
-                request.num_tokens + request.num_output_placeholders
+                len(request.all_token_ids) + request.num_output_placeholders
             ):
                 request.num_output_placeholders += 1
         self.num_steps += 1
@@ -187,38 +190,46 @@ class Scheduler:
         async_scheduling = self.scheduler_config.async_scheduling
         max_model_len = self.scheduler_config.max_model_len
         index = mro.req_id_to_index
+        all_sampled = mro.sampled_token_ids
+        all_logprobs = mro.logprobs
+        requests = self.requests
         stopped_running: set[str] = set()
         stopped_waiting: list[Request] = []
+        # The hot loop (once per scheduled request per step): locals, no helper for the
+        # common single-token case.
         for req_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
-            request = self.requests.get(req_id)
+            request = requests.get(req_id)
             if request is None:
                 continue
             request.num_in_flight_tokens -= num_scheduled
-            if request.is_finished:  # aborted or stopped while this step was in flight
+            status = request.status
+            if status > _PREEMPTED:  # aborted or stopped while this step was in flight
                 continue
             i = index.get(req_id)
             if i is None:
                 continue
-            sampled = mro.sampled_token_ids[i]
+            sampled = all_sampled[i]
             if not sampled:  # a partial prefill samples nothing
                 continue
             # A preempted request still gets the (valid) tokens of a step that was already
             # in flight, but its reset counters are left alone.
-            running = request.status == RequestStatus.RUNNING
+            running = status == _RUNNING
             if async_scheduling and running:
                 request.num_output_placeholders = max(
                     0, request.num_output_placeholders - len(sampled)
                 )
-            kept, stopped = append_and_check_stop(request, sampled, max_model_len)
-            if stopped and running:
-                request.num_computed_tokens -= len(sampled) - len(kept)
-            out = EngineCoreOutput(
-                request_id=req_id,
-                new_token_ids=kept,
-                num_cached_tokens=request.num_cached_tokens or 0,
-            )
-            if mro.logprobs is not None:
-                logprobs = mro.logprobs[i]
+            if len(sampled) == 1:
+                kept = sampled
+                request.output_token_ids.append(sampled[0])
+                request.all_token_ids.append(sampled[0])
+                stopped = check_stop(request, max_model_len)
+            else:
+                kept, stopped = append_and_check_stop(request, sampled, max_model_len)
+                if stopped and running:
+                    request.num_computed_tokens -= len(sampled) - len(kept)
+            out = EngineCoreOutput(req_id, kept, None, None, request.num_cached_tokens or 0)
+            if all_logprobs is not None:
+                logprobs = all_logprobs[i]
                 if logprobs is not None:
                     out.new_logprobs = logprobs[: len(kept)]
             if stopped:
@@ -327,7 +338,16 @@ class Scheduler:
         self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
         if request.num_computed_tokens >= request.num_tokens:
             request.num_computed_tokens = request.num_tokens - 1
-        request.status = RequestStatus.WAITING
+        # The remote copy has been consumed: a later preemption recomputes locally (or hits
+        # the local prefix cache) rather than pulling blocks the prefill side has freed.
+        if request.do_remote_prefill:
+            request.kv_transfer_params = {
+                **(request.kv_transfer_params or {}),
+                "do_remote_prefill": False,
+            }
+        request.status = (
+            RequestStatus.PREEMPTED if request.preempted_before_load else RequestStatus.WAITING
+        )
 
     # -- preemption ----------------------------------------------------------------------
     def pick_victim(self) -> Request:
@@ -384,7 +404,14 @@ class Scheduler:
         for requests, allowed in (
             (self.running, {RequestStatus.RUNNING}),
             (list(self.waiting), {RequestStatus.WAITING, RequestStatus.PREEMPTED}),
-            (self.holding, {RequestStatus.WAITING, RequestStatus.WAITING_FOR_REMOTE_KVS}),
+            (
+                self.holding,
+                {
+                    RequestStatus.WAITING,
+                    RequestStatus.PREEMPTED,
+                    RequestStatus.WAITING_FOR_REMOTE_KVS,
+                },
+            ),
         ):
             for request in requests:
                 assert request.status in allowed, f"{request} is in the wrong queue"

@@ -87,18 +87,28 @@ class StepBuilder:
 
     # -- running -------------------------------------------------------------------------
     def schedule_running(self) -> None:
-        """Give each running request its next tokens, preempting on KV pressure."""
-        s, cfg, kv = self.s, self.cfg, self.kv
+        """Give each running request its next tokens, preempting on KV pressure.
+
+        The hot loop of the scheduler (once per running request per step): locals only."""
+        s, cfg = self.s, self.cfg
+        append_slots = self.kv.append_slots
         async_scheduling = cfg.async_scheduling
         lookahead = cfg.num_lookahead_slots
+        max_computed = cfg.max_model_len - 1  # the last position never needs computing
+        threshold = self.threshold
+        running = s.running
+        num_scheduled = self.num_scheduled_tokens
+        new_blocks_of = self.new_blocks
+        running_reqs = self.running_reqs
+        budget = self.token_budget
         i = 0
-        while i < len(s.running) and self.token_budget > 0:
-            request = s.running[i]
+        while i < len(running) and budget > 0:
+            request = running[i]
+            placeholders = request.num_output_placeholders
             if async_scheduling:
                 # Every remaining output is already on its way.
-                if request.num_output_placeholders and (
-                    request.num_output_tokens + request.num_output_placeholders
-                    >= request.max_tokens
+                if placeholders and (
+                    len(request.output_token_ids) + placeholders >= request.max_tokens
                 ):
                     i += 1
                     continue
@@ -106,19 +116,27 @@ class StepBuilder:
                 # Sync pipelining: a request is in at most one in-flight batch.
                 i += 1
                 continue
-            n = request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
-            n = min(self._clip(request, n), cfg.max_model_len - 1 - request.num_computed_tokens)
+            computed = request.num_computed_tokens
+            n = len(request.all_token_ids) + placeholders - computed
+            if 0 < threshold < n:
+                n = threshold
+            if n > budget:
+                n = budget
+            if n > max_computed - computed:
+                n = max_computed - computed
             if n <= 0:
                 i += 1
                 continue
             while True:
-                new_blocks = kv.allocate_slots(request, n, num_lookahead_tokens=lookahead)
+                new_blocks = append_slots(request, n, lookahead)
                 if new_blocks is not None:
                     break
                 victim = s.pick_victim()
-                if s.running.index(victim) < i:
+                if running.index(victim) < i:
                     i -= 1
-                self._preempt(victim)
+                self.token_budget = budget
+                self._preempt(victim)  # may give back budget of an already scheduled victim
+                budget = self.token_budget
                 self.preempted_for_kv = True
                 if victim is request:
                     break
@@ -126,10 +144,14 @@ class StepBuilder:
                 if cfg.policy == "fcfs":
                     break  # it was the last running request; nothing behind it
                 continue  # running[i] is now the next request
-            self.running_reqs.append(request)
-            self._schedule(request, n, new_blocks)
+            running_reqs.append(request)
+            num_scheduled[request.request_id] = n
+            new_blocks_of[request.request_id] = new_blocks
+            budget -= n
             i += 1
-        self.loras = {r.lora_int_id for r in s.running if r.lora_request is not None}
+        self.token_budget = budget
+        if s.lora_config is not None:  # adapters of every running request hold a slot
+            self.loras = {r.lora_int_id for r in running if r.lora_request is not None}
 
     # -- waiting -------------------------------------------------------------------------
     def _lora_full(self, request: Request) -> bool:
@@ -175,9 +197,7 @@ class StepBuilder:
             ):
                 still.append(request)
                 continue
-            blocks = self.kv.allocate_slots(
-                request, n, num_lookahead_tokens=self.cfg.num_lookahead_slots
-            )
+            blocks = self.kv.append_slots(request, n, self.cfg.num_lookahead_slots)
             if blocks is None:
                 still.append(request)
                 continue
@@ -249,6 +269,7 @@ class StepBuilder:
         if request.num_cached_tokens is None:
             request.num_cached_tokens = num_local + num_external
         if load_async:
+            request.preempted_before_load = request.status == RequestStatus.PREEMPTED
             request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
             request.num_computed_tokens = num_local + num_external
             request.num_skipped_steps = 0
@@ -266,10 +287,28 @@ class StepBuilder:
             NewRequestData.from_request(r, kv.get_block_ids(r.request_id)) for r in self.new_reqs
         ]
         cached = CachedRequestData()
+        req_ids, resumed_flags = cached.req_ids, cached.resumed_from_preemption
+        new_token_ids, new_block_ids = cached.new_token_ids, cached.new_block_ids
+        num_computed = cached.num_computed_tokens
+        num_scheduled = self.num_scheduled_tokens
         for request in self.running_reqs:
-            self._add_cached(cached, request, self.new_blocks[request.request_id].get_block_ids())
+            req_id = request.request_id
+            start = request.num_computed_tokens
+            blocks = self.new_blocks[req_id].blocks
+            req_ids.append(req_id)
+            resumed_flags.append(False)
+            new_token_ids.append(request.all_token_ids[start : start + num_scheduled[req_id]])
+            new_block_ids.append([b.block_id for b in blocks] if blocks else None)
+            num_computed.append(start)
         for request in self.resumed_reqs:
-            self._add_cached(cached, request, kv.get_block_ids(request.request_id), resumed=True)
+            req_id = request.request_id
+            start = request.num_computed_tokens
+            req_ids.append(req_id)
+            resumed_flags.append(True)
+            new_token_ids.append(request.all_token_ids[start : start + num_scheduled[req_id]])
+            new_block_ids.append(kv.get_block_ids(req_id))
+            num_computed.append(start)
+            cached.resumed_token_ids[req_id] = list(request.all_token_ids)
         finished, s.finished_req_ids = s.finished_req_ids, set()
         return SchedulerOutput(
             scheduled_new_reqs=new_reqs,
@@ -280,20 +319,3 @@ class StepBuilder:
             finished_req_ids=finished,
             step_id=s.num_steps,
         )
-
-    def _add_cached(
-        self,
-        cached: CachedRequestData,
-        request: Request,
-        block_ids: list[int],
-        resumed: bool = False,
-    ) -> None:
-        start = request.num_computed_tokens
-        n = self.num_scheduled_tokens[request.request_id]
-        cached.req_ids.append(request.request_id)
-        cached.resumed_from_preemption.append(resumed)
-        cached.new_token_ids.append(request.all_token_ids[start : start + n])
-        cached.new_block_ids.append(block_ids or None)
-        cached.num_computed_tokens.append(start)
-        if resumed:
-            cached.resumed_token_ids[request.request_id] = list(request.all_token_ids)

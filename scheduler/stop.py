@@ -20,7 +20,10 @@ def check_stop(request: Request, max_model_len: int) -> bool:
         request.status = RequestStatus.FINISHED_STOPPED
         request.stop_reason = token
         return True
-    if request.num_tokens >= max_model_len or request.num_output_tokens >= request.max_tokens:
+    if (
+        len(request.all_token_ids) >= max_model_len
+        or len(request.output_token_ids) >= request.max_tokens
+    ):
         request.status = RequestStatus.FINISHED_LENGTH_CAPPED
         return True
     return False
@@ -34,8 +37,10 @@ def append_and_check_stop(
     Returns the tokens kept and whether the request stopped. Tokens after the stop are
     dropped (never appended).
     """
+    outputs, all_tokens = request.output_token_ids, request.all_token_ids
     for i, token in enumerate(token_ids):
-        request.append_output_token_ids(token)
+        outputs.append(token)
+        all_tokens.append(token)
         if check_stop(request, max_model_len):
             return token_ids[: i + 1], True
     return token_ids, False
