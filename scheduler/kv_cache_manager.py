@@ -100,43 +100,23 @@ class KVCacheManager:
         in which case nothing has changed. Unless ``delay_cache_blocks`` (remote KV not yet
         loaded), the blocks that become full are hashed immediately.
         """
-        if not (num_new_tokens or num_new_computed_tokens or num_external_computed_tokens):
-            raise ValueError("allocate_slots needs new, hit or external tokens")
-        # Written for the hot path (a running decode: no hits, nothing external, usually no
-        # new block): plain arithmetic, no helper calls until something must change.
-        req_id = request.request_id
-        held = self.req_to_blocks.get(req_id)
-        num_held = len(held) if held is not None else 0
         hits = new_computed_blocks.blocks if new_computed_blocks is not None else ()
-        bs = self.block_size
-        max_len = self.max_model_len
-
-        total_computed = (
-            request.num_computed_tokens + num_new_computed_tokens + num_external_computed_tokens
+        required, num_blocks_needed, total_computed = self._blocks_required(
+            request,
+            num_new_tokens,
+            num_new_computed_tokens,
+            hits,
+            num_lookahead_tokens,
+            num_external_computed_tokens,
+            full_sequence_must_fit,
+            has_scheduled_reqs,
         )
-        if total_computed > max_len:
-            total_computed = max_len
-        need_tokens = total_computed + num_new_tokens + num_lookahead_tokens
-        if need_tokens > max_len:
-            need_tokens = max_len
-        num_blocks_needed = -(-need_tokens // bs) - len(hits) - num_held
-        num_required = num_blocks_needed if num_blocks_needed > 0 else 0
-        if hits:
-            # Hits sitting in the free queue are taken out of it: they cost a free block.
-            num_revived = sum(1 for b in hits if b.ref_cnt == 0)
-            num_required += num_revived
-        else:
-            num_revived = 0
-        if full_sequence_must_fit:
-            full_tokens = min(request.num_tokens, max_len)
-            num_full = max(cdiv(full_tokens, bs) - len(hits) - num_held, 0) + num_revived
-            num_required = max(num_required, num_full)
-        watermark = 0
-        if has_scheduled_reqs and request.status in _ADMISSION_STATUSES:
-            watermark = self.watermark_blocks
-        if num_required + watermark > self.block_pool.free_queue.num_free_blocks:
+        if required > self.block_pool.free_queue.num_free_blocks:
             return None
 
+        req_id = request.request_id
+        held = self.req_to_blocks.get(req_id)
+        bs = self.block_size
         if held is None:
             held = self.req_to_blocks[req_id] = []
         if hits:
@@ -158,6 +138,74 @@ class KVCacheManager:
             if known // bs > self.num_cached_block.get(req_id, 0):
                 self.cache_blocks(request, known)
         return result
+
+    def can_allocate(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: KVCacheBlocks | None = None,
+        num_lookahead_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+        full_sequence_must_fit: bool = False,
+        has_scheduled_reqs: bool = True,
+        freeing: str | None = None,
+    ) -> bool:
+        """Would ``allocate_slots`` with these arguments succeed -- after freeing the blocks
+        of request ``freeing``, if given? No state change. Hits on blocks only ``freeing``
+        holds would, once it is freed, have to be revived from the free queue: they count."""
+        hits = new_computed_blocks.blocks if new_computed_blocks is not None else ()
+        required, _, _ = self._blocks_required(
+            request,
+            num_new_tokens,
+            num_new_computed_tokens,
+            hits,
+            num_lookahead_tokens,
+            num_external_computed_tokens,
+            full_sequence_must_fit,
+            has_scheduled_reqs,
+        )
+        free = self.block_pool.free_queue.num_free_blocks
+        if freeing is not None:
+            released = {id(b) for b in self.req_to_blocks.get(freeing, ()) if b.ref_cnt == 1}
+            free += len(released)
+            required += sum(1 for b in hits if id(b) in released)
+        return required <= free
+
+    def _blocks_required(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int,
+        hits: tuple[KVCacheBlock, ...],
+        num_lookahead_tokens: int,
+        num_external_computed_tokens: int,
+        full_sequence_must_fit: bool,
+        has_scheduled_reqs: bool,
+    ) -> tuple[int, int, int]:
+        """(free blocks the allocation needs incl. watermark, new blocks it takes, tokens
+        computed once hits and external tokens count)."""
+        if not (num_new_tokens or num_new_computed_tokens or num_external_computed_tokens):
+            raise ValueError("allocate_slots needs new, hit or external tokens")
+        held = self.req_to_blocks.get(request.request_id)
+        num_held = len(held) if held is not None else 0
+        bs, max_len = self.block_size, self.max_model_len
+        total_computed = min(
+            request.num_computed_tokens + num_new_computed_tokens + num_external_computed_tokens,
+            max_len,
+        )
+        need_tokens = min(total_computed + num_new_tokens + num_lookahead_tokens, max_len)
+        num_blocks_needed = cdiv(need_tokens, bs) - len(hits) - num_held
+        # Hits sitting in the free queue are taken out of it: they cost a free block.
+        num_revived = sum(1 for b in hits if b.ref_cnt == 0)
+        required = max(num_blocks_needed, 0) + num_revived
+        if full_sequence_must_fit:
+            full_tokens = min(request.num_tokens, max_len)
+            num_full = max(cdiv(full_tokens, bs) - len(hits) - num_held, 0) + num_revived
+            required = max(required, num_full)
+        if has_scheduled_reqs and request.status in _ADMISSION_STATUSES:
+            required += self.watermark_blocks
+        return required, num_blocks_needed, total_computed
 
     def append_slots(
         self, request: Request, num_new_tokens: int, num_lookahead_tokens: int = 0
@@ -219,6 +267,14 @@ class KVCacheManager:
             if block.ref_cnt == 1:
                 self.block_pool.uncache_block(block)
         self.num_cached_block[req_id] = first
+
+    def uncomputed_blocks_unshared(self, request: Request, num_computed_tokens: int) -> bool:
+        """True if no other request holds the blocks ``request`` hashed beyond
+        ``num_computed_tokens`` (so preempting it loses nobody else's prefix)."""
+        req_id = request.request_id
+        first = num_computed_tokens // self.block_size
+        blocks = self.req_to_blocks.get(req_id, [])[first : self.num_cached_block.get(req_id, 0)]
+        return all(b.ref_cnt == 1 for b in blocks)
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first (its last block is evicted first)."""

@@ -80,6 +80,8 @@ class Scheduler:
         self.finished_recving_kv_req_ids: set[str] = set()
         # Finished (aborted) while their KV was being loaded: freed when the load ends.
         self.free_after_recv: set[str] = set()
+        # Requests freed while a step naming them was still in flight, until it returns.
+        self.freed_in_flight: dict[str, Request] = {}
         self.num_steps = 0
         self._num_preemptions = 0  # since the last make_stats()
 
@@ -148,8 +150,6 @@ class Scheduler:
         num_present = len(self.running) + len(self.waiting) + len(self.holding)
         threshold = cfg.long_prefill_token_threshold if num_present > 1 else 0
         step = StepBuilder(self, cfg.max_num_batched_tokens, threshold)
-        if cfg.policy == "priority":
-            step.preempt_for_priority()
         step.schedule_running()
         # A step that preempted for KV space admits nobody: the freed blocks go to the
         # running requests that needed them next step, not to new arrivals.
@@ -197,7 +197,12 @@ class Scheduler:
         stopped_waiting: list[Request] = []
         # The hot loop (once per scheduled request per step): locals, no helper for the
         # common single-token case.
+        ghosts = self.freed_in_flight
         for req_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
+            if ghosts and req_id in ghosts:
+                # Freed while this step was in flight; its id may even be in use again.
+                self._drain_ghost(req_id, num_scheduled)
+                continue
             request = requests.get(req_id)
             if request is None:
                 continue
@@ -224,9 +229,9 @@ class Scheduler:
                 request.all_token_ids.append(sampled[0])
                 stopped = check_stop(request, max_model_len)
             else:
+                # Tokens after a stop are dropped. No rollback of num_computed_tokens: without
+                # speculative decoding, sampled tokens were never counted as computed.
                 kept, stopped = append_and_check_stop(request, sampled, max_model_len)
-                if stopped and running:
-                    request.num_computed_tokens -= len(sampled) - len(kept)
             out = EngineCoreOutput(req_id, kept, None, None, request.num_cached_tokens or 0)
             if all_logprobs is not None:
                 logprobs = all_logprobs[i]
@@ -275,6 +280,16 @@ class Scheduler:
     def _free_blocks(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
+        if request.num_in_flight_tokens > 0:
+            # A step naming it is still in flight: keep it apart so that step's output drains
+            # into it, not into a new request that reuses the id.
+            self.freed_in_flight[request.request_id] = request
+
+    def _drain_ghost(self, req_id: str, num_scheduled: int) -> None:
+        ghost = self.freed_in_flight[req_id]
+        ghost.num_in_flight_tokens -= num_scheduled
+        if ghost.num_in_flight_tokens <= 0:
+            del self.freed_in_flight[req_id]
 
     def _drop_from_queues(self, running_ids: set[str], waiting: list[Request]) -> None:
         if running_ids:
