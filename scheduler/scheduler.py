@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from scheduler.config import CacheConfig, LoRAConfig, SchedulerConfig
+from scheduler.integrity import check_scheduler_integrity
 from scheduler.kv_cache_manager import KVCacheManager, cdiv
 from scheduler.kv_connector import SchedulerConnector
 from scheduler.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput, SchedulerStats
@@ -412,34 +413,4 @@ class Scheduler:
 
     def check_integrity(self) -> None:
         """Raise ``AssertionError`` if the queues, statuses or block tables disagree."""
-        self.kv_cache_manager.check_integrity()
-        cfg = self.scheduler_config
-        assert len(self.running) <= cfg.max_num_seqs, "more running requests than max_num_seqs"
-        seen: set[str] = set()
-        for requests, allowed in (
-            (self.running, {RequestStatus.RUNNING}),
-            (list(self.waiting), {RequestStatus.WAITING, RequestStatus.PREEMPTED}),
-            (
-                self.holding,
-                {
-                    RequestStatus.WAITING,
-                    RequestStatus.PREEMPTED,
-                    RequestStatus.WAITING_FOR_REMOTE_KVS,
-                },
-            ),
-        ):
-            for request in requests:
-                assert request.status in allowed, f"{request} is in the wrong queue"
-                assert request.request_id not in seen, f"{request} is in two queues"
-                assert self.requests.get(request.request_id) is request, f"{request} is unknown"
-                seen.add(request.request_id)
-        for request in self.waiting:
-            assert request.request_id not in self.kv_cache_manager.req_to_blocks, (
-                f"{request} is waiting but holds blocks"
-            )
-        for req_id, request in self.requests.items():
-            if req_id not in seen:
-                assert request.is_finished, f"{request} is in no queue but not finished"
-        if self.lora_config is not None:
-            loras = {r.lora_int_id for r in self.running if r.lora_request is not None}
-            assert len(loras) <= self.lora_config.max_loras, "more adapters than max_loras"
+        check_scheduler_integrity(self)

@@ -1,0 +1,51 @@
+"""Invariants of a scheduler as code: run by tests after every scenario and by the engine
+when idle in debug mode."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from scheduler.request import RequestStatus
+
+if TYPE_CHECKING:
+    from scheduler.scheduler import Scheduler
+
+
+def check_scheduler_integrity(s: Scheduler) -> None:
+    """Raise ``AssertionError`` if the queues, statuses or block tables disagree: the block
+    pool's own invariants; running <= max_num_seqs; every queued request in the queue its
+    status allows, in one queue only, and known; waiting requests hold no blocks; requests in
+    no queue are finished (their blocks await a send or a load); adapters <= max_loras."""
+    s.kv_cache_manager.check_integrity()
+    cfg = s.scheduler_config
+    assert len(s.running) <= cfg.max_num_seqs, "more running requests than max_num_seqs"
+    seen: set[str] = set()
+    for requests, allowed in (
+        (s.running, {RequestStatus.RUNNING}),
+        (list(s.waiting), {RequestStatus.WAITING, RequestStatus.PREEMPTED}),
+        (
+            s.holding,
+            {
+                RequestStatus.WAITING,
+                RequestStatus.PREEMPTED,
+                RequestStatus.WAITING_FOR_REMOTE_KVS,
+            },
+        ),
+    ):
+        for request in requests:
+            assert request.status in allowed, f"{request} is in the wrong queue"
+            assert request.request_id not in seen, f"{request} is in two queues"
+            assert s.requests.get(request.request_id) is request, f"{request} is unknown"
+            seen.add(request.request_id)
+    for request in s.waiting:
+        assert request.request_id not in s.kv_cache_manager.req_to_blocks, (
+            f"{request} is waiting but holds blocks"
+        )
+    for req_id, request in s.requests.items():
+        if req_id not in seen:
+            assert request.is_finished, f"{request} is in no queue but not finished"
+    if s.lora_config is not None:
+        loras = {r.lora_int_id for r in s.running if r.lora_request is not None}
+        assert len(loras) <= s.lora_config.max_loras, "more adapters than max_loras"
+    for req_id in s.kv_cache_manager.req_to_blocks:
+        assert req_id in s.requests, f"blocks held for unknown request {req_id!r}"
