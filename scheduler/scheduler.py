@@ -339,7 +339,9 @@ class Scheduler:
             # Recompute: the blocks hold nothing valid; start over as a local prefill.
             self.kv_cache_manager.free(request)
             request.num_computed_tokens = 0
-            request.status = RequestStatus.WAITING
+            request.status = (
+                RequestStatus.PREEMPTED if request.preempted_before_load else RequestStatus.WAITING
+            )
             request.kv_transfer_params = {
                 **(request.kv_transfer_params or {}),
                 "do_remote_prefill": False,
