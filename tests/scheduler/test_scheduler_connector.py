@@ -1,0 +1,330 @@
+"""KV-connector hooks on the decode side (DESIGN §3.2, §4.2; reference §1.5, §1.9, §4.3-4.5, §7).
+
+A request with ``do_remote_prefill`` gets its blocks at admission, waits in
+``WAITING_FOR_REMOTE_KVS`` while the worker loads its KV, and runs once the load is reported.
+The test plays the worker: it reports ``finished_recving`` / ``failed_recving`` through
+``helpers.step``. The prefill side is in ``test_scheduler_connector_prefill.py``, loads
+after a preemption in ``test_scheduler_connector_preempt.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from scheduler import Request, RequestStatus, Scheduler, SchedulerOutput
+from tests.scheduler.helpers import (
+    InMemoryConnector,
+    assert_all_free,
+    make_request,
+    make_scheduler,
+    run_to_completion,
+    step,
+)
+
+REMOTE = {"do_remote_prefill": True}
+
+
+def _decode_side(**sched: Any) -> tuple[Scheduler, InMemoryConnector]:
+    connector = InMemoryConnector()
+    return make_scheduler(connector=connector, **sched), connector
+
+
+def _used_blocks(s: Scheduler) -> int:
+    pool = s.kv_cache_manager.block_pool
+    return pool.num_blocks - pool.num_free_blocks
+
+
+def _start_load(s: Scheduler, request: Request) -> SchedulerOutput:
+    """Add a remote-prefill request and run the step that starts its load."""
+    s.add_request(request)
+    out, outputs = step(s)
+    assert request.request_id not in out.num_scheduled_tokens
+    assert not outputs
+    assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    return out
+
+
+# -- decode side: async remote load ------------------------------------------------------------
+
+
+def test_remote_prefill_allocates_blocks_and_waits() -> None:
+    s, c = _decode_side()
+    r = make_request(10, kv_transfer_params=dict(REMOTE))
+    out = _start_load(s, r)
+    block_ids = s.kv_cache_manager.get_block_ids(r.request_id)
+    assert len(block_ids) == 3  # 10 tokens in blocks of 4
+    assert c.alloc_calls == [(r.request_id, block_ids, 10)]
+    assert out.kv_connector_metadata.loads == {r.request_id: (block_ids, 10)}
+    assert r.num_computed_tokens == 10
+    assert r in s.holding and r not in s.running
+    assert s.get_num_unfinished_requests() == 1
+    # Nothing happens until the worker reports the load: no re-allocation, no new load.
+    for _ in range(3):
+        out, outputs = step(s)
+        assert out.total_num_scheduled_tokens == 0 and not outputs
+        assert out.kv_connector_metadata.loads == {}
+        assert r.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert len(c.alloc_calls) == 1
+    assert s.kv_cache_manager.get_block_ids(r.request_id) == block_ids
+    assert c.meta_calls == s.num_steps == 4
+
+
+def test_build_connector_meta_once_per_step_before_computed_advances() -> None:
+    seen: list[dict[str, int]] = []
+
+    class Recording(InMemoryConnector):
+        def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Any:
+            seen.append(
+                {
+                    rid: s.requests[rid].num_computed_tokens
+                    for rid in scheduler_output.num_scheduled_tokens
+                }
+            )
+            return super().build_connector_meta(scheduler_output)
+
+    c = Recording()
+    s = make_scheduler(connector=c)
+    r = make_request(6, max_tokens=3)
+    s.add_request(r)
+    run_to_completion(s)
+    # One prefill (from 0) and two decodes (from 6 and 7); an empty step also builds metadata.
+    assert seen == [{r.request_id: 0}, {r.request_id: 6}, {r.request_id: 7}]
+    step(s)
+    assert c.meta_calls == s.num_steps == 4
+    # A local request is still announced to the connector, with no external tokens.
+    assert c.alloc_calls == [(r.request_id, c.alloc_calls[0][1], 0)]
+    assert_all_free(s)
+
+
+def test_remote_load_done_recomputes_only_the_last_token() -> None:
+    s, _ = _decode_side()
+    r = make_request(10, kv_transfer_params=dict(REMOTE), max_tokens=4)
+    _start_load(s, r)
+    block_ids = s.kv_cache_manager.get_block_ids(r.request_id)
+    out, _ = step(s, finished_recving={r.request_id})  # reported after this step's schedule
+    assert out.total_num_scheduled_tokens == 0
+    out, outputs = step(s, tokens={r.request_id: [41]})
+    assert out.num_scheduled_tokens == {r.request_id: 1}
+    (new,) = out.scheduled_new_reqs
+    assert new.req_id == r.request_id
+    assert new.num_computed_tokens == 9
+    assert new.block_ids == block_ids
+    assert [o.new_token_ids for o in outputs] == [[41]]
+    assert outputs[0].num_cached_tokens == 10
+    produced = run_to_completion(s)
+    assert len(produced[r.request_id]) == 3
+    assert_all_free(s)
+
+
+def test_loaded_blocks_become_prefix_hits_only_after_the_load() -> None:
+    s, _ = _decode_side()
+    prompt = list(range(200, 210))
+    r = make_request(prompt, kv_transfer_params=dict(REMOTE), max_tokens=2)
+    _start_load(s, r)
+    kv = s.kv_cache_manager
+    probe = make_request(prompt)  # never added: get_computed_blocks changes nothing
+    assert kv.get_computed_blocks(probe)[1] == 0
+    step(s, finished_recving={r.request_id})
+    step(s)  # promoted and admitted here
+    hit_blocks, num_hit = kv.get_computed_blocks(probe)
+    assert num_hit == 8
+    assert hit_blocks.get_block_ids() == kv.get_block_ids(r.request_id)[:2]
+    run_to_completion(s)
+    assert_all_free(s)
+
+
+def test_local_request_admitted_during_load_gets_no_hit() -> None:
+    s, _ = _decode_side()
+    prompt = list(range(200, 210))
+    r = make_request(prompt, kv_transfer_params=dict(REMOTE), max_tokens=2)
+    _start_load(s, r)
+    twin = make_request(prompt, max_tokens=2)
+    s.add_request(twin)
+    out, _ = step(s)
+    (new,) = out.scheduled_new_reqs
+    assert new.req_id == twin.request_id and new.num_computed_tokens == 0
+    assert out.num_scheduled_tokens == {twin.request_id: 10}
+    assert not set(new.block_ids) & set(s.kv_cache_manager.get_block_ids(r.request_id))
+    step(s, finished_recving={r.request_id})
+    run_to_completion(s)
+    assert_all_free(s)
+
+
+@pytest.mark.parametrize("remote_num_tokens", [4, 6, 9])
+def test_partial_remote_load_prefills_the_rest(remote_num_tokens: int) -> None:
+    s, c = _decode_side()
+    params = {**REMOTE, "remote_num_tokens": remote_num_tokens}
+    r = make_request(10, kv_transfer_params=params, max_tokens=2)
+    _start_load(s, r)
+    assert c.alloc_calls[-1][2] == remote_num_tokens
+    assert r.num_computed_tokens == remote_num_tokens
+    step(s, finished_recving={r.request_id})
+    out, outputs = step(s)
+    (new,) = out.scheduled_new_reqs
+    assert new.num_computed_tokens == remote_num_tokens
+    assert out.num_scheduled_tokens == {r.request_id: 10 - remote_num_tokens}
+    assert len(outputs) == 1 and len(outputs[0].new_token_ids) == 1
+    run_to_completion(s)
+    assert_all_free(s)
+
+
+def test_remote_load_starts_after_the_local_prefix_hit() -> None:
+    s, c = _decode_side()
+    prompt = list(range(300, 314))
+    first = make_request(prompt[:9], max_tokens=1)  # caches two blocks (8 tokens)
+    s.add_request(first)
+    run_to_completion(s)
+    r = make_request(prompt, kv_transfer_params=dict(REMOTE), max_tokens=2)
+    _start_load(s, r)
+    assert c.alloc_calls[-1][2] == 14 - 8
+    assert r.num_computed_tokens == 14
+    assert r.num_cached_tokens == 14
+    step(s, finished_recving={r.request_id})
+    out, _ = step(s)
+    assert out.num_scheduled_tokens == {r.request_id: 1}
+    run_to_completion(s)
+    assert_all_free(s)
+
+
+# -- failed loads (DESIGN §4.2, reference §4.5) ------------------------------------------------
+
+
+def test_failed_load_recompute_prefills_locally() -> None:
+    s, c = _decode_side()  # kv_load_failure_policy defaults to "recompute"
+    r = make_request(10, kv_transfer_params=dict(REMOTE), max_tokens=3)
+    _start_load(s, r)
+    out, outputs = step(s, failed_recving={r.request_id})
+    assert not outputs
+    assert (r.status, r.num_computed_tokens) == (RequestStatus.WAITING, 0)
+    assert r.kv_transfer_params is not None and not r.kv_transfer_params["do_remote_prefill"]
+    assert _used_blocks(s) == 0  # the load ended: its blocks held nothing valid
+    out, outputs = step(s)
+    (new,) = out.scheduled_new_reqs
+    assert new.num_computed_tokens == 0
+    assert out.num_scheduled_tokens == {r.request_id: 10}
+    assert c.alloc_calls[-1][2] == 0
+    assert len(outputs) == 1 and outputs[0].new_token_ids == [7]
+    produced = run_to_completion(s)
+    assert produced[r.request_id] == [7, 7]
+    assert r.status == RequestStatus.FINISHED_LENGTH_CAPPED
+    assert [call[1] for call in c.finished_calls] == [RequestStatus.FINISHED_LENGTH_CAPPED]
+    assert_all_free(s)
+
+
+def test_failed_load_fail_policy_ends_with_error() -> None:
+    s, c = _decode_side(kv_load_failure_policy="fail")
+    r = make_request(10, kv_transfer_params=dict(REMOTE))
+    _start_load(s, r)
+    out, outputs = step(s, failed_recving={r.request_id})
+    (o,) = outputs
+    assert o.request_id == r.request_id and o.new_token_ids == []
+    assert o.finish_reason is not None and o.finish_reason.value == "error"
+    assert o.error
+    assert r.status == RequestStatus.FINISHED_ERROR
+    assert [call[:2] for call in c.finished_calls] == [(r.request_id, RequestStatus.FINISHED_ERROR)]
+    assert_all_free(s)
+    out, outputs = step(s)
+    assert r.request_id in out.finished_req_ids and not outputs
+
+
+def test_failed_report_after_promotion_is_ignored() -> None:
+    s, c = _decode_side()
+    r = make_request(10, kv_transfer_params=dict(REMOTE), max_tokens=2)
+    _start_load(s, r)
+    step(s, finished_recving={r.request_id})
+    step(s, failed_recving={r.request_id})  # promoted and running by now
+    assert r.status == RequestStatus.RUNNING and r.num_output_tokens == 1
+    run_to_completion(s)
+    assert len(c.finished_calls) == 1
+    assert_all_free(s)
+
+
+# -- aborts during a load (reference §1.9, §7 "P/D aborts") ------------------------------------
+
+
+@pytest.mark.parametrize("report", ["finished_recving", "failed_recving"])
+def test_abort_during_load_holds_blocks_until_the_load_ends(report: str) -> None:
+    s, c = _decode_side()
+    r = make_request(10, kv_transfer_params=dict(REMOTE))
+    _start_load(s, r)
+    block_ids = s.kv_cache_manager.get_block_ids(r.request_id)
+    s.finish_requests(r.request_id, RequestStatus.FINISHED_ABORTED)
+    assert r.status == RequestStatus.FINISHED_ABORTED
+    assert r not in s.holding and s.get_num_unfinished_requests() == 0
+    assert [call[:2] for call in c.finished_calls] == [
+        (r.request_id, RequestStatus.FINISHED_ABORTED)
+    ]
+    # The worker may still be writing into the blocks: they must not be reused yet.
+    other = make_request(list(range(500, 600)), max_tokens=1)  # needs 25 of the 64 blocks
+    s.add_request(other)
+    out, _ = step(s)
+    assert r.request_id in out.finished_req_ids
+    assert not set(out.scheduled_new_reqs[0].block_ids) & set(block_ids)
+    assert s.kv_cache_manager.get_block_ids(r.request_id) == block_ids
+    run_to_completion(s)
+    assert _used_blocks(s) == 3 and r.request_id in s.requests
+    if report == "finished_recving":
+        step(s, finished_recving={r.request_id})
+    else:
+        step(s, failed_recving={r.request_id})
+    assert len(c.finished_calls) == 2  # the abort and `other`; never twice for r
+    assert_all_free(s)
+
+
+def test_abort_after_load_reported_frees_at_once() -> None:
+    s, c = _decode_side()
+    r = make_request(10, kv_transfer_params=dict(REMOTE))
+    _start_load(s, r)
+    step(s, finished_recving={r.request_id})
+    s.finish_requests([r.request_id], RequestStatus.FINISHED_ABORTED)
+    assert len(c.finished_calls) == 1
+    assert_all_free(s)
+    out, _ = step(s)
+    assert out.total_num_scheduled_tokens == 0 and r.request_id in out.finished_req_ids
+
+
+def test_abort_all_with_a_load_in_flight() -> None:
+    s, c = _decode_side()
+    loading = make_request(10, kv_transfer_params=dict(REMOTE))
+    _start_load(s, loading)
+    running = make_request(8)
+    queued = make_request(8)
+    s.add_request(running)
+    step(s)
+    s.add_request(queued)
+    s.finish_requests(None, RequestStatus.FINISHED_ABORTED)
+    assert s.get_num_unfinished_requests() == 0
+    assert list(s.requests) == [loading.request_id]
+    assert _used_blocks(s) == 3
+    step(s, finished_recving={loading.request_id})
+    assert sorted(call[0] for call in c.finished_calls) == sorted(
+        [loading.request_id, running.request_id, queued.request_id]
+    )
+    assert_all_free(s)
+
+
+# -- holding before waiting (reference §1.5, §7 #45388) ----------------------------------------
+
+
+def test_loaded_request_is_admitted_before_better_priority_waiting_request() -> None:
+    s, _ = _decode_side(policy="priority", max_num_seqs=2)
+    a = make_request(list(range(600, 608)), priority=0, max_tokens=3)
+    r = make_request(10, priority=1, kv_transfer_params=dict(REMOTE))
+    s.add_request(a)
+    s.add_request(r)
+    out, _ = step(s)
+    assert out.num_scheduled_tokens == {a.request_id: 8}
+    assert r.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    b = make_request(list(range(700, 708)), priority=0, max_tokens=1)
+    s.add_request(b)
+    out, _ = step(s, finished_recving={r.request_id})  # b takes the second slot, finishes
+    assert out.num_scheduled_tokens == {a.request_id: 1, b.request_id: 8}
+    w = make_request(8, priority=0)  # better priority than r, queued before r is promoted
+    s.add_request(w)
+    out, _ = step(s)
+    assert out.num_scheduled_tokens == {a.request_id: 1, r.request_id: 1}
+    assert w.status == RequestStatus.WAITING
+    run_to_completion(s)
+    assert_all_free(s)
