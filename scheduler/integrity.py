@@ -49,3 +49,5 @@ def check_scheduler_integrity(s: Scheduler) -> None:
         assert len(loras) <= s.lora_config.max_loras, "more adapters than max_loras"
     for req_id in s.kv_cache_manager.req_to_blocks:
         assert req_id in s.requests, f"blocks held for unknown request {req_id!r}"
+    for request in s.requests.values():
+        s.kv_cache_manager.check_hint(request)

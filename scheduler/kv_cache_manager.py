@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections import Counter
 
 from scheduler.block_pool import BlockPool, KVCacheBlock
@@ -14,7 +15,7 @@ def cdiv(a: int, b: int) -> int:
 
 
 _ADMISSION_STATUSES = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
-_NO_BLOCKS = KVCacheBlocks()
+NO_BLOCKS = KVCacheBlocks()  # shared result of an allocation that added nothing
 
 
 class KVCacheManager:
@@ -128,7 +129,7 @@ class KVCacheManager:
             held.extend(new_blocks)
             result = KVCacheBlocks(tuple(new_blocks))
         else:
-            result = _NO_BLOCKS
+            result = NO_BLOCKS
 
         if self.enable_caching and not delay_cache_blocks:
             known = total_computed + num_new_tokens
@@ -137,6 +138,7 @@ class KVCacheManager:
                 known = num_tokens
             if known // bs > self.num_cached_block.get(req_id, 0):
                 self.cache_blocks(request, known)
+        self._refresh_hint(request)
         return result
 
     def can_allocate(
@@ -228,9 +230,10 @@ class KVCacheManager:
                 return None
             new_blocks = self.block_pool.get_new_blocks(num_blocks_needed)
             held.extend(new_blocks)
+            request.kv_slots = len(held) * bs
             result = KVCacheBlocks(tuple(new_blocks))
         else:
-            result = _NO_BLOCKS
+            result = NO_BLOCKS
         if self.enable_caching:
             known = computed + num_new_tokens
             num_tokens = len(request.all_token_ids)
@@ -254,6 +257,7 @@ class KVCacheManager:
         for i in range(num_cached, num_full):
             self.block_pool.cache_block(blocks[i], hashes[i])
         self.num_cached_block[req_id] = num_full
+        request.kv_hash_boundary = (num_full + 1) * self.block_size
 
     def uncache_uncomputed_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Un-hash blocks that were hashed for a step that will not run after all (a request
@@ -267,6 +271,7 @@ class KVCacheManager:
             if block.ref_cnt == 1:
                 self.block_pool.uncache_block(block)
         self.num_cached_block[req_id] = first
+        self._refresh_hint(request)
 
     def uncomputed_blocks_unshared(self, request: Request, num_computed_tokens: int) -> bool:
         """True if no other request holds the blocks ``request`` hashed beyond
@@ -280,8 +285,30 @@ class KVCacheManager:
         """Release the request's blocks, tail first (its last block is evicted first)."""
         blocks = self.req_to_blocks.pop(request.request_id, None)
         self.num_cached_block.pop(request.request_id, None)
+        request.kv_slots = request.kv_hash_boundary = 0
         if blocks:
             self.block_pool.free_blocks(reversed(blocks))
+
+    def _refresh_hint(self, request: Request) -> None:
+        req_id = request.request_id
+        request.kv_slots = len(self.req_to_blocks.get(req_id, ())) * self.block_size
+        request.kv_hash_boundary = (
+            (self.num_cached_block.get(req_id, 0) + 1) * self.block_size
+            if self.enable_caching
+            else sys.maxsize
+        )
+
+    def check_hint(self, request: Request) -> None:
+        """Assert that the request's slot hint matches the tables (see Request.kv_slots)."""
+        held = self.req_to_blocks.get(request.request_id, ())
+        assert request.kv_slots == len(held) * self.block_size, (
+            f"{request} kv_slots {request.kv_slots} != {len(held)} blocks"
+        )
+        if self.enable_caching and held:
+            boundary = (self.num_cached_block.get(request.request_id, 0) + 1) * self.block_size
+            assert request.kv_hash_boundary == boundary, (
+                f"{request} kv_hash_boundary {request.kv_hash_boundary} != {boundary}"
+            )
 
     # -- queries ---------------------------------------------------------------------------
     def get_blocks(self, request_id: str) -> KVCacheBlocks:

@@ -38,19 +38,28 @@ def request_extra_keys(request: Request, block_index: int) -> tuple[Any, ...] | 
 
 
 def update_block_hashes(request: Request, block_size: int) -> list[bytes]:
-    """Extend ``request.block_hashes`` to cover every full block of its known tokens."""
+    """Extend ``request.block_hashes`` to cover every full block of its known tokens.
+
+    Same values as chaining ``hash_block_tokens``, computed from one byte buffer for all new
+    blocks: hashing is the largest per-token cost of admitting a long prompt.
+    """
     hashes = request.block_hashes
-    num_full = request.num_tokens // block_size
-    if len(hashes) < num_full:
-        tokens = request.all_token_ids
-        parent = hashes[-1] if hashes else None
-        for i in range(len(hashes), num_full):
-            parent = hash_block_tokens(
-                parent,
-                tokens[i * block_size : (i + 1) * block_size],
-                request_extra_keys(request, i),
-            )
-            hashes.append(parent)
+    start = len(hashes)
+    num_full = len(request.all_token_ids) // block_size
+    if start >= num_full:
+        return hashes
+    data = array("q", request.all_token_ids[start * block_size : num_full * block_size]).tobytes()
+    stride = 8 * block_size
+    parent = hashes[-1] if hashes else NONE_HASH
+    sha256 = hashlib.sha256
+    for i in range(start, num_full):
+        offset = (i - start) * stride
+        extra = request_extra_keys(request, i)
+        chunk = parent + data[offset : offset + stride]
+        if extra:
+            chunk += repr(extra).encode()
+        parent = sha256(chunk).digest()
+        hashes.append(parent)
     return hashes
 
 

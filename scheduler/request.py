@@ -140,10 +140,14 @@ class Request:
         # only through append_output_token_ids / trim_output_tokens.
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.output_token_ids: list[int] = []
-        # Resolved by the scheduler at add_request (None -> max_model_len - prompt).
+        # Resolved by the scheduler at add_request (set_limits).
         self.max_tokens: int = sampling_params.max_tokens or 0
         self.stop_token_ids = sampling_params.all_stop_token_ids
         self.stop_reason: int | str | None = None
+        # A cheap pre-check for the per-token stop test: any token in stop_check_ids, or
+        # reaching max_num_tokens, may stop the request (check_stop then decides how).
+        self.stop_check_ids: frozenset[int] = frozenset()
+        self.max_num_tokens = 0
 
         self.num_computed_tokens = 0
         self.num_in_flight_tokens = 0  # scheduled, output not yet processed
@@ -154,8 +158,14 @@ class Request:
         # Remote-KV state: set when the load was started, consumed when it completes.
         self.awaiting_remote_kvs = False
         self.preempted_before_load = False  # resume as PREEMPTED once the load completes
-        # One hash per full block of _all_token_ids, extended lazily by the KV cache manager.
+        # One hash per full block of all_token_ids, extended lazily by the KV cache manager.
         self.block_hashes: list[bytes] = []
+        # Derived from the KV cache manager's tables, written only by it (and checked by
+        # check_integrity): token slots its blocks hold, and the token count at which its
+        # next block becomes full and must be hashed. They let the scheduler skip the
+        # manager for the common decode that needs neither a block nor a hash.
+        self.kv_slots = 0
+        self.kv_hash_boundary = 0
 
     # -- views -----------------------------------------------------------------------------
     @property
@@ -182,6 +192,19 @@ class Request:
         return RequestStatus.get_finished_reason(self.status)
 
     # -- mutation --------------------------------------------------------------------------
+    def set_limits(self, max_model_len: int) -> None:
+        """Resolve the stopping limits (the scheduler calls this at add_request): an unset
+        ``max_tokens`` becomes ``max_model_len - prompt length``, as in vLLM."""
+        max_tokens = self.sampling_params.max_tokens
+        self.max_tokens = (
+            max_tokens if max_tokens is not None else (max_model_len - self.num_prompt_tokens)
+        )
+        ids = set(self.stop_token_ids)
+        if self.eos_token_id is not None and not self.sampling_params.ignore_eos:
+            ids.add(self.eos_token_id)
+        self.stop_check_ids = frozenset(ids)
+        self.max_num_tokens = min(self.num_prompt_tokens + self.max_tokens, max_model_len)
+
     def append_output_token_ids(self, token_ids: int | list[int]) -> None:
         if isinstance(token_ids, int):
             self.output_token_ids.append(token_ids)

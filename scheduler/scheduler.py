@@ -105,10 +105,7 @@ class Scheduler:
             raise ValueError("lora_request given but LoRA is not enabled (no lora_config)")
         if request.do_remote_prefill and self.connector is None:
             raise ValueError("kv_transfer_params.do_remote_prefill needs a KV connector")
-        max_tokens = request.sampling_params.max_tokens
-        request.max_tokens = (
-            max_tokens if max_tokens is not None else cfg.max_model_len - request.num_prompt_tokens
-        )
+        request.set_limits(cfg.max_model_len)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.add_request(request)
@@ -226,9 +223,13 @@ class Scheduler:
                 )
             if len(sampled) == 1:
                 kept = sampled
-                request.output_token_ids.append(sampled[0])
-                request.all_token_ids.append(sampled[0])
-                stopped = check_stop(request, max_model_len)
+                token = sampled[0]
+                request.output_token_ids.append(token)
+                all_tokens = request.all_token_ids
+                all_tokens.append(token)
+                stopped = (
+                    token in request.stop_check_ids or len(all_tokens) >= request.max_num_tokens
+                ) and check_stop(request, max_model_len)
             else:
                 # Tokens after a stop are dropped. No rollback of num_computed_tokens: without
                 # speculative decoding, sampled tokens were never counted as computed.

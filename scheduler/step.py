@@ -10,6 +10,7 @@ import enum
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from scheduler.kv_cache_manager import NO_BLOCKS
 from scheduler.kv_cache_utils import KVCacheBlocks
 from scheduler.outputs import CachedRequestData, NewRequestData, SchedulerOutput
 from scheduler.request import Request, RequestStatus
@@ -120,7 +121,12 @@ class StepBuilder:
             if n <= 0:
                 i += 1
                 continue
-            while True:
+            end = computed + n
+            if end + lookahead <= request.kv_slots and end < request.kv_hash_boundary:
+                new_blocks: KVCacheBlocks | None = NO_BLOCKS  # fits its blocks, fills none
+            else:
+                new_blocks = None
+            while new_blocks is None:
                 new_blocks = append_slots(request, n, lookahead)
                 if new_blocks is not None:
                     break
@@ -345,10 +351,10 @@ class StepBuilder:
             start = request.num_computed_tokens
             blocks = self.new_blocks[req_id].blocks
             req_ids.append(req_id)
-            resumed_flags.append(False)
             new_token_ids.append(request.all_token_ids[start : start + num_scheduled[req_id]])
             new_block_ids.append([b.block_id for b in blocks] if blocks else None)
             num_computed.append(start)
+        resumed_flags.extend([False] * len(req_ids))
         for request in self.resumed_reqs:
             req_id = request.request_id
             start = request.num_computed_tokens
