@@ -22,6 +22,7 @@ class NewRequestData:
 
     req_id: str
     prompt_token_ids: list[int]
+    output_token_ids: list[int]  # outputs it arrived with (P/D hand-off, migration); else []
     sampling_params: SamplingParams
     block_ids: list[int]  # the whole block table, prefix hits first
     num_computed_tokens: int  # prefix hit + external tokens; this step starts here
@@ -33,6 +34,7 @@ class NewRequestData:
         return cls(
             req_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=list(request.output_token_ids),
             sampling_params=request.sampling_params,
             block_ids=block_ids,
             num_computed_tokens=request.num_computed_tokens,

@@ -123,7 +123,12 @@ class Request:
         lora_request: LoRARequest | None = None,
         kv_transfer_params: dict[str, Any] | None = None,
         cache_salt: str | None = None,
+        output_token_ids: list[int] | None = None,
     ) -> None:
+        """``output_token_ids``: outputs already produced elsewhere (the first token sampled
+        by a prefill instance; the tokens a client already has when a request moves to
+        another instance). They count toward ``max_tokens`` and are computed (or loaded)
+        like the prompt, and the request continues after them."""
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
@@ -138,8 +143,8 @@ class Request:
         self.num_prompt_tokens = len(self.prompt_token_ids)
         # Prompt + outputs, and outputs. Plain lists for speed (read on every step); mutate
         # only through append_output_token_ids / trim_output_tokens.
-        self.all_token_ids: list[int] = list(self.prompt_token_ids)
-        self.output_token_ids: list[int] = []
+        self.output_token_ids: list[int] = list(output_token_ids or ())
+        self.all_token_ids: list[int] = self.prompt_token_ids + self.output_token_ids
         # Resolved by the scheduler at add_request (set_limits).
         self.max_tokens: int = sampling_params.max_tokens or 0
         self.stop_token_ids = sampling_params.all_stop_token_ids

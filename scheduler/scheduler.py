@@ -99,6 +99,16 @@ class Scheduler:
                 f"prompt has {request.num_prompt_tokens} tokens but max_model_len is "
                 f"{cfg.max_model_len}: the prompt must be shorter, to leave room for output"
             )
+        if request.num_tokens >= cfg.max_model_len:
+            raise ValueError(
+                f"prompt + output_token_ids have {request.num_tokens} tokens but max_model_len "
+                f"is {cfg.max_model_len}"
+            )
+        if request.num_output_tokens >= (request.sampling_params.max_tokens or cfg.max_model_len):
+            raise ValueError(
+                f"output_token_ids already hold {request.num_output_tokens} tokens, the whole "
+                f"max_tokens ({request.sampling_params.max_tokens})"
+            )
         if request.sampling_params.n != 1:
             raise ValueError("sampling_params.n must be 1 here: the front end fans out n > 1")
         if request.lora_request is not None and self.lora_config is None:

@@ -59,6 +59,7 @@ def make_request(
     lora: LoRARequest | None = None,
     kv_transfer_params: dict[str, Any] | None = None,
     cache_salt: str | None = None,
+    output_token_ids: list[int] | None = None,
     **sampling: Any,
 ) -> Request:
     """``prompt`` is a token list, or a length (tokens 100, 101, ... -- never EOS)."""
@@ -75,6 +76,7 @@ def make_request(
         lora_request=lora,
         kv_transfer_params=kv_transfer_params,
         cache_salt=cache_salt,
+        output_token_ids=output_token_ids,
     )
 
 
@@ -104,9 +106,7 @@ def model_output(
     tokens = tokens or {}
     sampling = sampling_reqs(s, out)
     req_ids = list(out.num_scheduled_tokens)
-    sampled = [
-        list(tokens.get(rid, [default_token])) if rid in sampling else [] for rid in req_ids
-    ]
+    sampled = [list(tokens.get(rid, [default_token])) if rid in sampling else [] for rid in req_ids]
     return ModelRunnerOutput(
         req_ids=req_ids,
         sampled_token_ids=sampled,
