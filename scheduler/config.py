@@ -19,7 +19,9 @@ _LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 class _Config(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+    # Frozen: validated once, never half-changed. To change a value, build a new config:
+    # SchedulerConfig(**{**cfg.model_dump(), "max_num_seqs": 64}).
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 class SchedulerConfig(_Config):
@@ -140,7 +142,7 @@ class LoRAConfig(_Config):
                 f"max_lora_rank ({self.max_lora_rank}) must be one of {list(_LORA_RANKS)}."
             )
         if self.max_cpu_loras is None:
-            # Set through __dict__ so validate_assignment does not re-enter this validator.
+            # The model is frozen; the validator may still fill in the derived default.
             self.__dict__["max_cpu_loras"] = self.max_loras
         elif self.max_cpu_loras < self.max_loras:
             raise ValueError(

@@ -41,6 +41,16 @@ def check_scheduler_integrity(s: Scheduler) -> None:
         assert request.request_id not in s.kv_cache_manager.req_to_blocks, (
             f"{request} is waiting but holds blocks"
         )
+        assert request.num_computed_tokens == 0, f"{request} is waiting with computed tokens"
+    for request in s.running:
+        assert request.kv_slots >= request.num_computed_tokens, (
+            f"{request} has computed more tokens than its blocks hold"
+        )
+    for queue in s.discarded_in_flight.values():
+        assert queue and all(r.num_in_flight_tokens > 0 for r in queue), (
+            "a discarded request has no output in flight"
+        )
+    s.remote_kv.check_integrity()
     for req_id, request in s.requests.items():
         if req_id not in seen:
             assert request.is_finished, f"{request} is in no queue but not finished"

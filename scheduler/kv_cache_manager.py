@@ -56,7 +56,8 @@ class KVCacheManager:
 
     # -- prefix look-up --------------------------------------------------------------------
     def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
-        """Longest cached prefix of ``request``: (blocks, tokens). No state change.
+        """Longest cached prefix of ``request``: (blocks, tokens). Changes nothing in the
+        cache (it may extend the request's own list of block hashes).
 
         The hit is block-aligned and never covers the last token, which must be computed to
         produce logits: 33 tokens in cached blocks of 16 -> 32 hit; 32 tokens -> 16 hit.
@@ -131,7 +132,9 @@ class KVCacheManager:
         else:
             result = NO_BLOCKS
 
-        if self.enable_caching and not delay_cache_blocks:
+        if delay_cache_blocks:
+            request.kv_hash_deferred = True
+        if self.enable_caching and not request.kv_hash_deferred:
             known = total_computed + num_new_tokens
             num_tokens = request.num_tokens
             if known > num_tokens:
@@ -234,7 +237,7 @@ class KVCacheManager:
             result = KVCacheBlocks(tuple(new_blocks))
         else:
             result = NO_BLOCKS
-        if self.enable_caching:
+        if self.enable_caching and not request.kv_hash_deferred:
             known = computed + num_new_tokens
             num_tokens = len(request.all_token_ids)
             if known > num_tokens:
@@ -273,13 +276,11 @@ class KVCacheManager:
         self.num_cached_block[req_id] = first
         self._refresh_hint(request)
 
-    def uncomputed_blocks_unshared(self, request: Request, num_computed_tokens: int) -> bool:
-        """True if no other request holds the blocks ``request`` hashed beyond
-        ``num_computed_tokens`` (so preempting it loses nobody else's prefix)."""
+    def uncomputed_blocks(self, request: Request) -> list[KVCacheBlock]:
+        """Blocks ``request`` hashed ahead of ``num_computed_tokens`` (this step fills them)."""
         req_id = request.request_id
-        first = num_computed_tokens // self.block_size
-        blocks = self.req_to_blocks.get(req_id, [])[first : self.num_cached_block.get(req_id, 0)]
-        return all(b.ref_cnt == 1 for b in blocks)
+        first = request.num_computed_tokens // self.block_size
+        return self.req_to_blocks.get(req_id, [])[first : self.num_cached_block.get(req_id, 0)]
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first (its last block is evicted first)."""
@@ -316,10 +317,6 @@ class KVCacheManager:
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
-
-    def num_blocks_freed_by(self, request_id: str) -> int:
-        """Blocks that would return to the free queue if the request were freed now."""
-        return sum(1 for b in self.req_to_blocks.get(request_id, ()) if b.ref_cnt == 1)
 
     def make_prefix_cache_stats(self) -> PrefixCacheStats:
         """Counters since the last call (reset on read)."""

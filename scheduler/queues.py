@@ -11,6 +11,11 @@ from scheduler.config import SchedulingPolicy
 from scheduler.request import Request
 
 
+def priority_key(request: Request) -> tuple[int, float]:
+    """Lower is better: (priority, arrival_time), as in vLLM."""
+    return (request.priority, request.arrival_time)
+
+
 class RequestQueue(ABC):
     """The waiting queue of one scheduler. ``peek``/``pop`` return the next request to admit."""
 

@@ -108,8 +108,8 @@ class Request:
 
     Invariant the whole scheduler turns on: ``num_computed_tokens`` catches up with
     ``num_tokens`` (prompt + outputs). It is advanced optimistically when a step is scheduled
-    (``num_in_flight_tokens`` counts what is scheduled but not yet returned) and rolled back only
-    by preemption (to 0), a stop that trims tokens, or a failed KV load.
+    (``num_in_flight_tokens`` counts what is scheduled but not yet returned) and reset only by
+    preemption or a failed KV load (to 0).
     """
 
     def __init__(
@@ -141,8 +141,8 @@ class Request:
 
         self.status = RequestStatus.WAITING
         self.num_prompt_tokens = len(self.prompt_token_ids)
-        # Prompt + outputs, and outputs. Plain lists for speed (read on every step); mutate
-        # only through append_output_token_ids / trim_output_tokens.
+        # Prompt + outputs, and outputs. Plain lists for speed (read and appended on every
+        # step); outside the scheduler, mutate through append_output_token_ids.
         self.output_token_ids: list[int] = list(output_token_ids or ())
         self.all_token_ids: list[int] = self.prompt_token_ids + self.output_token_ids
         # Resolved by the scheduler at add_request (set_limits).
@@ -171,6 +171,8 @@ class Request:
         # manager for the common decode that needs neither a block nor a hash.
         self.kv_slots = 0
         self.kv_hash_boundary = 0
+        # Its blocks hold externally loaded KV not yet known good: do not hash them.
+        self.kv_hash_deferred = False
 
     # -- views -----------------------------------------------------------------------------
     @property

@@ -20,17 +20,14 @@ from scheduler.integrity import check_scheduler_integrity
 from scheduler.kv_cache_manager import KVCacheManager, cdiv
 from scheduler.kv_connector import SchedulerConnector
 from scheduler.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput, SchedulerStats
-from scheduler.queues import create_request_queue
-from scheduler.request import FinishReason, Request, RequestStatus
+from scheduler.queues import create_request_queue, priority_key
+from scheduler.remote_kv import RemoteKV
+from scheduler.request import Request, RequestStatus
 from scheduler.step import StepBuilder
 from scheduler.stop import append_and_check_stop, check_stop
 
 _RUNNING = RequestStatus.RUNNING
 _PREEMPTED = RequestStatus.PREEMPTED
-
-
-def _priority_key(request: Request) -> tuple[int, float]:
-    return (request.priority, request.arrival_time)
 
 
 class Scheduler:
@@ -77,12 +74,11 @@ class Scheduler:
         self.running: list[Request] = []
         # Shipped to the workers with the next SchedulerOutput.
         self.finished_req_ids: set[str] = set()
-        # Remote loads reported done, waiting for the next schedule() to promote them.
-        self.finished_recving_kv_req_ids: set[str] = set()
-        # Finished (aborted) while their KV was being loaded: freed when the load ends.
-        self.free_after_recv: set[str] = set()
-        # Requests freed while a step naming them was still in flight, until it returns.
-        self.freed_in_flight: dict[str, Request] = {}
+        self.remote_kv = RemoteKV(self)
+        # Requests whose in-flight output must be dropped, oldest first per id: ones freed
+        # while a step naming them was in flight (the id may even be in use again), and
+        # ones whose synchronously loaded KV turned out bad.
+        self.discarded_in_flight: dict[str, list[Request]] = {}
         self.num_steps = 0
         self._num_preemptions = 0  # since the last make_stats()
 
@@ -116,6 +112,11 @@ class Scheduler:
         if request.do_remote_prefill and self.connector is None:
             raise ValueError("kv_transfer_params.do_remote_prefill needs a KV connector")
         request.set_limits(cfg.max_model_len)
+        if request.output_token_ids and request.output_token_ids[-1] in request.stop_check_ids:
+            raise ValueError(
+                f"output_token_ids end with stop token {request.output_token_ids[-1]}: "
+                "the request has already finished"
+            )
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.add_request(request)
@@ -147,7 +148,7 @@ class Scheduler:
             else:
                 stopped_waiting.append(request)
             request.status = finished_status
-            self._free_request(request)
+            self.free_request(request)
         self._drop_from_queues(stopped_running, stopped_waiting)
 
     # -- the step ------------------------------------------------------------------------
@@ -162,7 +163,6 @@ class Scheduler:
         # A step that preempted for KV space admits nobody: the freed blocks go to the
         # running requests that needed them next step, not to new arrivals.
         if not step.preempted_for_kv:
-            step.schedule_holding()
             step.schedule_waiting()
         out = step.make_output()
         if self.connector is not None:
@@ -194,7 +194,7 @@ class Scheduler:
         mro = model_runner_output
         outputs: list[EngineCoreOutput] = []
         if mro.failed_recving:
-            self._handle_failed_recving(mro.failed_recving, outputs)
+            self.remote_kv.on_recv_failed(mro.failed_recving, outputs)
         async_scheduling = self.scheduler_config.async_scheduling
         max_model_len = self.scheduler_config.max_model_len
         index = mro.req_id_to_index
@@ -205,11 +205,10 @@ class Scheduler:
         stopped_waiting: list[Request] = []
         # The hot loop (once per scheduled request per step): locals, no helper for the
         # common single-token case.
-        ghosts = self.freed_in_flight
+        discarded = self.discarded_in_flight
         for req_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
-            if ghosts and req_id in ghosts:
-                # Freed while this step was in flight; its id may even be in use again.
-                self._drain_ghost(req_id, num_scheduled)
+            if discarded and req_id in discarded:
+                self._drain_discarded(req_id, num_scheduled)
                 continue
             request = requests.get(req_id)
             if request is None:
@@ -220,7 +219,7 @@ class Scheduler:
                 continue
             i = index.get(req_id)
             if i is None:
-                continue
+                raise ValueError(f"ModelRunnerOutput has no entry for scheduled {req_id!r}")
             sampled = all_sampled[i]
             if not sampled:  # a partial prefill samples nothing
                 continue
@@ -256,19 +255,21 @@ class Scheduler:
                     stopped_running.add(req_id)
                 else:
                     stopped_waiting.append(request)
-                out.kv_transfer_params = self._free_request(request)
+                out.kv_transfer_params = self.free_request(request)
             outputs.append(out)
         self._drop_from_queues(stopped_running, stopped_waiting)
+        if self.remote_kv.sync_loading:
+            self.remote_kv.confirm_sync_loads(scheduler_output)
         for req_id in mro.finished_recving or ():
-            self._on_recv_finished(req_id)
+            self.remote_kv.on_recv_finished(req_id)
         for req_id in mro.finished_sending or ():
             request = self.requests.get(req_id)
             if request is not None and request.is_finished:
-                self._free_blocks(request)
+                self.free_blocks(request)
         return outputs
 
     # -- freeing -------------------------------------------------------------------------
-    def _free_request(self, request: Request) -> dict[str, object] | None:
+    def free_request(self, request: Request) -> dict[str, object] | None:
         """A request just finished: tell the connector, then free its blocks now, after its
         KV has been sent (delay_free), or after a load into them has ended."""
         delay_free, kv_transfer_params = False, None
@@ -277,31 +278,34 @@ class Scheduler:
             block_ids = self.kv_cache_manager.get_block_ids(request.request_id)[:num_blocks]
             delay_free, kv_transfer_params = self.connector.request_finished(request, block_ids)
         self.finished_req_ids.add(request.request_id)
-        if request.awaiting_remote_kvs:
-            if request.request_id in self.finished_recving_kv_req_ids:
-                self.finished_recving_kv_req_ids.discard(request.request_id)
-                request.awaiting_remote_kvs = False
-            else:
-                # The worker may still be writing into these blocks: keep them until it ends.
-                self.free_after_recv.add(request.request_id)
-                return kv_transfer_params
-        if not delay_free:
-            self._free_blocks(request)
+        self.remote_kv.sync_loading.discard(request.request_id)
+        if not self.remote_kv.hold_until_load_ends(request) and not delay_free:
+            self.free_blocks(request)
         return kv_transfer_params
 
-    def _free_blocks(self, request: Request) -> None:
+    def free_blocks(self, request: Request) -> None:
+        """Return a finished request's blocks and forget it."""
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         if request.num_in_flight_tokens > 0:
-            # A step naming it is still in flight: keep it apart so that step's output drains
-            # into it, not into a new request that reuses the id.
-            self.freed_in_flight[request.request_id] = request
+            # A step naming it is still in flight: that step's output must drain into this
+            # object, not into a new request that reuses the id.
+            self.discard_in_flight_output(request)
 
-    def _drain_ghost(self, req_id: str, num_scheduled: int) -> None:
-        ghost = self.freed_in_flight[req_id]
-        ghost.num_in_flight_tokens -= num_scheduled
-        if ghost.num_in_flight_tokens <= 0:
-            del self.freed_in_flight[req_id]
+    def discard_in_flight_output(self, request: Request) -> None:
+        """Drop the output of every step in flight for ``request`` (if any)."""
+        if request.num_in_flight_tokens > 0:
+            queue = self.discarded_in_flight.setdefault(request.request_id, [])
+            if not any(r is request for r in queue):
+                queue.append(request)
+
+    def _drain_discarded(self, req_id: str, num_scheduled: int) -> None:
+        queue = self.discarded_in_flight[req_id]
+        queue[0].num_in_flight_tokens -= num_scheduled
+        if queue[0].num_in_flight_tokens <= 0:
+            queue.pop(0)
+            if not queue:
+                del self.discarded_in_flight[req_id]
 
     def _drop_from_queues(self, running_ids: set[str], waiting: list[Request]) -> None:
         if running_ids:
@@ -309,81 +313,33 @@ class Scheduler:
         if waiting:
             self.waiting.remove_requests(waiting)
 
-    # -- remote KV -----------------------------------------------------------------------
-    def _on_recv_finished(self, req_id: str) -> None:
-        request = self.requests.get(req_id)
-        if request is None or not request.awaiting_remote_kvs:
-            return
-        if req_id in self.free_after_recv:
-            self.free_after_recv.discard(req_id)
-            request.awaiting_remote_kvs = False
-            self._free_blocks(request)
-        else:
-            self.finished_recving_kv_req_ids.add(req_id)
-
-    def _handle_failed_recving(self, req_ids: set[str], outputs: list[EngineCoreOutput]) -> None:
-        """A remote load failed or timed out: recompute the prompt locally, or fail."""
-        for req_id in req_ids:
-            request = self.requests.get(req_id)
-            if request is None or not request.awaiting_remote_kvs:
-                continue
-            request.awaiting_remote_kvs = False
-            self.finished_recving_kv_req_ids.discard(req_id)
-            if req_id in self.free_after_recv:  # aborted meanwhile
-                self.free_after_recv.discard(req_id)
-                self._free_blocks(request)
-                continue
-            self.holding.remove(request)
-            if self.scheduler_config.kv_load_failure_policy == "fail":
-                request.status = RequestStatus.FINISHED_ERROR
-                params = self._free_request(request)
-                outputs.append(
-                    EngineCoreOutput(
-                        request_id=req_id,
-                        new_token_ids=[],
-                        finish_reason=FinishReason.ERROR,
-                        kv_transfer_params=params,
-                        error="remote KV load failed (kv_load_failure_policy='fail')",
-                    )
-                )
-                continue
-            # Recompute: the blocks hold nothing valid; start over as a local prefill.
-            self.kv_cache_manager.free(request)
-            request.num_computed_tokens = 0
-            request.status = (
-                RequestStatus.PREEMPTED if request.preempted_before_load else RequestStatus.WAITING
-            )
-            request.kv_transfer_params = {
-                **(request.kv_transfer_params or {}),
-                "do_remote_prefill": False,
-            }
-            self.waiting.prepend_request(request)
-
     def promote_loaded_request(self, request: Request) -> None:
-        """Remote KV for ``request`` has arrived: make its blocks findable and let it run.
-        When the whole sequence arrived, the last token is recomputed to get its logits."""
-        self.finished_recving_kv_req_ids.discard(request.request_id)
-        request.awaiting_remote_kvs = False
-        self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
-        if request.num_computed_tokens >= request.num_tokens:
-            request.num_computed_tokens = request.num_tokens - 1
-        # The remote copy has been consumed: a later preemption recomputes locally (or hits
-        # the local prefix cache) rather than pulling blocks the prefill side has freed.
-        if request.do_remote_prefill:
-            request.kv_transfer_params = {
-                **(request.kv_transfer_params or {}),
-                "do_remote_prefill": False,
-            }
-        request.status = (
-            RequestStatus.PREEMPTED if request.preempted_before_load else RequestStatus.WAITING
-        )
+        self.remote_kv.promote(request)
+
+    @property
+    def finished_recving_kv_req_ids(self) -> set[str]:
+        return self.remote_kv.finished_recving
 
     # -- preemption ----------------------------------------------------------------------
     def pick_victim(self) -> Request:
         """FCFS: the last admitted. Priority: the worst (priority, arrival)."""
         if self.scheduler_config.policy == "priority":
-            return max(self.running, key=_priority_key)
+            return max(self.running, key=priority_key)
         return self.running[-1]
+
+    def running_loras(self) -> set[int]:
+        """Adapters of the running requests: each holds one of ``max_loras`` slots."""
+        return {r.lora_int_id for r in self.running if r.lora_request is not None}
+
+    def release_to_waiting(self, request: Request) -> None:
+        """Send a request that holds blocks but is not running back to the front of the
+        waiting queue with nothing computed (a failed load; a deadlocked loaded request)."""
+        self.kv_cache_manager.free(request)
+        request.num_computed_tokens = 0
+        request.status = (
+            RequestStatus.PREEMPTED if request.preempted_before_load else RequestStatus.WAITING
+        )
+        self.waiting.prepend_request(request)
 
     def preempt(self, request: Request) -> None:
         """Evict a running request by recompute: free its blocks, send it back to the front
@@ -403,6 +359,11 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return self.get_num_unfinished_requests() > 0
+
+    def has_requests(self) -> bool:
+        """Unfinished requests, or finished ones whose blocks wait for a KV send or load to
+        report: an engine loop must keep stepping (and collecting reports) while True."""
+        return bool(self.requests)
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()

@@ -114,10 +114,15 @@ def test_scheduler_config_single_field_out_of_range(field: str, value: object) -
         SchedulerConfig(**{field: value})
 
 
-def test_scheduler_config_assignment_is_validated() -> None:
-    cfg = SchedulerConfig()
+def test_scheduler_config_is_immutable_and_rebuilt_with_validation() -> None:
+    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8)
+    with pytest.raises(ValueError, match="frozen"):
+        cfg.max_num_seqs = 16  # type: ignore[misc]
+    assert cfg.max_num_seqs == 4  # a refused change leaves no trace
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
-        cfg.enable_chunked_prefill = False
+        SchedulerConfig(**{**cfg.model_dump(), "max_num_seqs": 16})
+    bigger = SchedulerConfig(**{**cfg.model_dump(), "max_num_seqs": 8})
+    assert bigger.max_num_seqs == 8 and cfg.max_num_seqs == 4
 
 
 @pytest.mark.parametrize("model", [SchedulerConfig, CacheConfig, LoRAConfig, SamplingParams])

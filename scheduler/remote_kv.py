@@ -1,0 +1,154 @@
+"""The remote-KV lifecycle of one scheduler's requests (DESIGN §3.2, reference §4.3–4.5).
+
+Decode side: a request whose KV is loaded asynchronously waits in ``holding`` with
+``WAITING_FOR_REMOTE_KVS`` until the worker reports ``finished_recving`` (promote) or
+``failed_recving`` (recompute or fail). A load into blocks must end before the blocks are
+reused, so a request finished meanwhile keeps them until the report. A synchronous load
+(done inside the step) is confirmed when the step's output arrives; its blocks are hashed
+only then, so a failed load never becomes a prefix hit for anyone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from scheduler.outputs import EngineCoreOutput, SchedulerOutput
+from scheduler.request import FinishReason, Request, RequestStatus
+
+if TYPE_CHECKING:
+    from scheduler.scheduler import Scheduler
+
+
+def _status_before_load(request: Request) -> RequestStatus:
+    # A request preempted before its (re)load goes back as PREEMPTED, so that the worker,
+    # which already knows it, gets it as resumed rather than new.
+    return RequestStatus.PREEMPTED if request.preempted_before_load else RequestStatus.WAITING
+
+
+def _stop_remote_prefill(request: Request) -> None:
+    # Connectors read this to decide whether to load (again): after a failure, recompute.
+    request.kv_transfer_params = {**(request.kv_transfer_params or {}), "do_remote_prefill": False}
+
+
+class RemoteKV:
+    """Load bookkeeping for one ``Scheduler``."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.s = scheduler
+        self.finished_recving: set[str] = set()  # reported done; promoted next schedule()
+        self.free_after_recv: set[str] = set()  # finished while loading; freed at the report
+        self.sync_loading: set[str] = set()  # admitted with a synchronous load, unconfirmed
+
+    # -- reports from the worker ---------------------------------------------------------
+    def on_recv_finished(self, req_id: str) -> None:
+        request = self.s.requests.get(req_id)
+        if request is None or not request.awaiting_remote_kvs:
+            return
+        if req_id in self.free_after_recv:
+            self.free_after_recv.discard(req_id)
+            request.awaiting_remote_kvs = False
+            self.s.free_blocks(request)
+        else:
+            self.finished_recving.add(req_id)
+
+    def on_recv_failed(self, req_ids: set[str], outputs: list[EngineCoreOutput]) -> None:
+        """A load failed or timed out: recompute locally (default) or fail the request."""
+        for req_id in req_ids:
+            request = self.s.requests.get(req_id)
+            if request is None or (request.is_finished and not request.awaiting_remote_kvs):
+                continue
+            if request.awaiting_remote_kvs:
+                request.awaiting_remote_kvs = False
+                self.finished_recving.discard(req_id)
+                if req_id in self.free_after_recv:  # aborted meanwhile: the load has ended
+                    self.free_after_recv.discard(req_id)
+                    self.s.free_blocks(request)
+                    continue
+                self.s.holding.remove(request)
+                self._fail_or_recompute(request, outputs, release=self.s.release_to_waiting)
+            elif req_id in self.sync_loading and request.status == RequestStatus.RUNNING:
+                self.sync_loading.discard(req_id)
+                request.kv_hash_deferred = False
+                # This step's sample was computed from bad KV: drop it (and any other step
+                # in flight), then treat the request as if the load never happened.
+                self.s.discard_in_flight_output(request)
+                self._fail_or_recompute(request, outputs, release=self.s.preempt)
+
+    def _fail_or_recompute(
+        self,
+        request: Request,
+        outputs: list[EngineCoreOutput],
+        release: Callable[[Request], None],
+    ) -> None:
+        if self.s.scheduler_config.kv_load_failure_policy == "fail":
+            if request.status == RequestStatus.RUNNING:
+                self.s.running.remove(request)
+            request.status = RequestStatus.FINISHED_ERROR
+            outputs.append(
+                EngineCoreOutput(
+                    request_id=request.request_id,
+                    new_token_ids=[],
+                    finish_reason=FinishReason.ERROR,
+                    kv_transfer_params=self.s.free_request(request),
+                    error="remote KV load failed (kv_load_failure_policy='fail')",
+                )
+            )
+            return
+        _stop_remote_prefill(request)
+        release(request)
+
+    def confirm_sync_loads(self, scheduler_output: SchedulerOutput) -> None:
+        """The step that ran a synchronous load returned without a failure: its blocks are
+        good, so make them findable."""
+        for req_id in [r for r in self.sync_loading if r in scheduler_output.num_scheduled_tokens]:
+            self.sync_loading.discard(req_id)
+            request = self.s.requests.get(req_id)
+            if request is not None and request.status == RequestStatus.RUNNING:
+                request.kv_hash_deferred = False
+                self.s.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+
+    # -- transitions ---------------------------------------------------------------------
+    def promote(self, request: Request) -> None:
+        """Remote KV for ``request`` has arrived: make its blocks findable and let it run.
+        When the whole sequence arrived, the last token is recomputed to get its logits."""
+        self.finished_recving.discard(request.request_id)
+        request.awaiting_remote_kvs = False
+        request.kv_hash_deferred = False
+        num_loaded = min(request.num_computed_tokens, request.num_tokens)
+        self.s.kv_cache_manager.cache_blocks(request, num_loaded)
+        request.num_computed_tokens = min(num_loaded, request.num_tokens - 1)
+        # A prefill instance's copy has been consumed (and freed there): a later preemption
+        # recomputes locally or hits the local prefix cache. (Other connectors, such as an
+        # offload store, may serve the same KV again; their params are left alone.)
+        if request.do_remote_prefill:
+            _stop_remote_prefill(request)
+        request.status = _status_before_load(request)
+
+    def hold_until_load_ends(self, request: Request) -> bool:
+        """``request`` just finished. True if a load may still write into its blocks (they
+        are freed at the load's report instead of now)."""
+        if not request.awaiting_remote_kvs:
+            return False
+        if request.request_id in self.finished_recving:
+            self.finished_recving.discard(request.request_id)
+            request.awaiting_remote_kvs = False
+            return False
+        self.free_after_recv.add(request.request_id)
+        return True
+
+    def check_integrity(self) -> None:
+        requests = self.s.requests
+        for req_id in self.free_after_recv:
+            r = requests.get(req_id)
+            assert r is not None and r.is_finished and r.awaiting_remote_kvs, (
+                f"{req_id} waits to be freed after a load but is not a finished loading request"
+            )
+        for req_id in self.finished_recving:
+            r = requests.get(req_id)
+            assert r is not None and r.awaiting_remote_kvs, f"{req_id} loaded but not loading"
+        for r in requests.values():
+            if not r.is_finished:
+                assert r.awaiting_remote_kvs == (
+                    r.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+                ), f"{r} awaiting_remote_kvs disagrees with its status"
