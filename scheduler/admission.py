@@ -105,7 +105,7 @@ class Admitter:
         if loaded:
             victim = loaded[-1]
             s.holding.remove(victim)
-            s.release_to_waiting(victim)
+            s.release_to_waiting(victim, preemption=True)
 
     # -- the waiting queue ---------------------------------------------------------------
     def schedule_waiting(self) -> None:

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from scheduler.scheduler import Scheduler
 
 
-def _status_before_load(request: Request) -> RequestStatus:
+def status_before_load(request: Request) -> RequestStatus:
     # A request preempted before its (re)load goes back as PREEMPTED, so that the worker,
     # which already knows it, gets it as resumed rather than new.
     return RequestStatus.PREEMPTED if request.preempted_before_load else RequestStatus.WAITING
@@ -123,7 +123,7 @@ class RemoteKV:
         # offload store, may serve the same KV again; their params are left alone.)
         if request.do_remote_prefill:
             _stop_remote_prefill(request)
-        request.status = _status_before_load(request)
+        request.status = status_before_load(request)
 
     def hold_until_load_ends(self, request: Request) -> bool:
         """``request`` just finished. True if a load may still write into its blocks (they

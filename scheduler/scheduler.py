@@ -21,7 +21,7 @@ from scheduler.kv_cache_manager import KVCacheManager, cdiv
 from scheduler.kv_connector import SchedulerConnector
 from scheduler.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput, SchedulerStats
 from scheduler.queues import create_request_queue, priority_key
-from scheduler.remote_kv import RemoteKV
+from scheduler.remote_kv import RemoteKV, status_before_load
 from scheduler.request import Request, RequestStatus
 from scheduler.step import StepBuilder
 from scheduler.stop import append_and_check_stop, check_stop
@@ -331,14 +331,16 @@ class Scheduler:
         """Adapters of the running requests: each holds one of ``max_loras`` slots."""
         return {r.lora_int_id for r in self.running if r.lora_request is not None}
 
-    def release_to_waiting(self, request: Request) -> None:
+    def release_to_waiting(self, request: Request, preemption: bool = False) -> None:
         """Send a request that holds blocks but is not running back to the front of the
-        waiting queue with nothing computed (a failed load; a deadlocked loaded request)."""
+        waiting queue with nothing computed: after a failed load, or evicted to end a
+        deadlock (``preemption``: counted as one)."""
         self.kv_cache_manager.free(request)
         request.num_computed_tokens = 0
-        request.status = (
-            RequestStatus.PREEMPTED if request.preempted_before_load else RequestStatus.WAITING
-        )
+        if preemption:
+            request.num_preemptions += 1
+            self._num_preemptions += 1
+        request.status = status_before_load(request)
         self.waiting.prepend_request(request)
 
     def preempt(self, request: Request) -> None:
