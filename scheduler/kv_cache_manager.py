@@ -287,6 +287,7 @@ class KVCacheManager:
         blocks = self.req_to_blocks.pop(request.request_id, None)
         self.num_cached_block.pop(request.request_id, None)
         request.kv_slots = request.kv_hash_boundary = 0
+        request.kv_hash_deferred = False  # its loaded blocks are gone with the rest
         if blocks:
             self.block_pool.free_blocks(reversed(blocks))
 
