@@ -7,7 +7,7 @@ and the allowed range. Nothing here asserts on user input.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -29,7 +29,10 @@ class SchedulerConfig(_Config):
 
     max_num_seqs: int = Field(128, ge=1, description="Most requests running at once.")
     max_num_batched_tokens: int = Field(
-        2048, ge=1, description="Token budget of one step, shared by running then waiting requests."
+        2048,
+        ge=1,
+        description="Token budget of one step, shared by running then waiting requests "
+        "(unset with chunked prefill off: max(max_model_len, 2048)).",
     )
     max_model_len: int = Field(
         8192, ge=2, description="Longest sequence (prompt + output) a request may reach."
@@ -77,6 +80,19 @@ class SchedulerConfig(_Config):
         description="What a failed remote KV load does: recompute the prompt locally, or fail "
         "the request.",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_budget(cls, data: Any) -> Any:
+        # vLLM: without chunked prefill, an unset budget grows to hold a whole prompt.
+        if isinstance(data, dict) and data.get("max_num_batched_tokens") is None:
+            data = dict(data)
+            data.pop("max_num_batched_tokens", None)
+            if data.get("enable_chunked_prefill") is False:
+                max_model_len = data.get("max_model_len", 8192)
+                if isinstance(max_model_len, int):
+                    data["max_num_batched_tokens"] = max(max_model_len, 2048)
+        return data
 
     @model_validator(mode="after")
     def _check_cross_fields(self) -> SchedulerConfig:

@@ -96,6 +96,7 @@ class RemoteKV:
             )
             return
         _stop_remote_prefill(request)
+        request.num_cached_tokens = None  # counted again at the local re-admission
         release(request)
 
     def confirm_sync_loads(self, scheduler_output: SchedulerOutput) -> None:

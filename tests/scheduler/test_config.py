@@ -88,10 +88,16 @@ def test_scheduler_config_cross_field_errors_name_fields(
         assert name in str(info.value)
 
 
-def test_chunked_prefill_off_with_default_budget_is_rejected() -> None:
-    # 2048 < 8192: a max-length prompt could never be scheduled in one step.
+def test_chunked_prefill_off_grows_an_unset_budget_like_vllm() -> None:
+    # Unset budget: it grows to hold a whole prompt, max(max_model_len, 2048).
+    assert SchedulerConfig(enable_chunked_prefill=False).max_num_batched_tokens == 8192
+    off_short = SchedulerConfig(enable_chunked_prefill=False, max_model_len=1024)
+    assert off_short.max_num_batched_tokens == 2048
+    assert SchedulerConfig().max_num_batched_tokens == 2048  # chunked prefill on: unchanged
+    # An explicit budget below max_model_len is still an error: a max-length prompt could
+    # never be scheduled in one step.
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
-        SchedulerConfig(enable_chunked_prefill=False)
+        SchedulerConfig(enable_chunked_prefill=False, max_num_batched_tokens=2048)
 
 
 @pytest.mark.parametrize(
