@@ -137,6 +137,14 @@ class Admitter:
         s, cfg, kv, step = self.s, self.cfg, self.kv, self.step
         if request.num_in_flight_tokens or request in step.preempted:
             return Verdict.SKIP  # stale output still to come / just preempted for another
+        if (
+            len(s.running) >= cfg.max_num_seqs
+            and s.connector is None  # no remote load could start without a slot
+            and not (
+                cfg.policy == "priority" and request.priority < max(r.priority for r in s.running)
+            )
+        ):
+            return Verdict.STOP  # decided without planning (prefix look-ups cost)
         plan = self.plan(request, step.token_budget)
         if plan is _NoFit.CONNECTOR_WAIT:
             return Verdict.SKIP
