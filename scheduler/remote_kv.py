@@ -31,6 +31,10 @@ def _stop_remote_prefill(request: Request) -> None:
     request.kv_transfer_params = {**(request.kv_transfer_params or {}), "do_remote_prefill": False}
 
 
+def _already_released(request: Request) -> None:
+    """A request preempted while its loading step was in flight holds no blocks."""
+
+
 class RemoteKV:
     """Load bookkeeping for one ``Scheduler``."""
 
@@ -67,13 +71,17 @@ class RemoteKV:
                     continue
                 self.s.holding.remove(request)
                 self._fail_or_recompute(request, outputs, release=self.s.release_to_waiting)
-            elif req_id in self.sync_loading and request.status == RequestStatus.RUNNING:
+            elif req_id in self.sync_loading:
                 self.sync_loading.discard(req_id)
                 request.kv_hash_deferred = False
                 # This step's sample was computed from bad KV: drop it (and any other step
-                # in flight), then treat the request as if the load never happened.
+                # in flight), then treat the request as if the load never happened. If it was
+                # preempted meanwhile, its blocks are already gone.
                 self.s.discard_in_flight_output(request)
-                self._fail_or_recompute(request, outputs, release=self.s.preempt)
+                running = request.status == RequestStatus.RUNNING
+                self._fail_or_recompute(
+                    request, outputs, release=self.s.preempt if running else _already_released
+                )
 
     def _fail_or_recompute(
         self,
@@ -84,6 +92,8 @@ class RemoteKV:
         if self.s.scheduler_config.kv_load_failure_policy == "fail":
             if request.status == RequestStatus.RUNNING:
                 self.s.running.remove(request)
+            elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+                self.s.waiting.remove_request(request)
             request.status = RequestStatus.FINISHED_ERROR
             outputs.append(
                 EngineCoreOutput(
@@ -107,7 +117,12 @@ class RemoteKV:
             request = self.s.requests.get(req_id)
             if request is not None and request.status == RequestStatus.RUNNING:
                 request.kv_hash_deferred = False
-                self.s.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+                # Later steps may be in flight (async): hash only known, computed tokens.
+                self.s.kv_cache_manager.cache_blocks(
+                    request, min(request.num_computed_tokens, request.num_tokens)
+                )
+                if request.do_remote_prefill:  # the source's copy is consumed, as in promote
+                    _stop_remote_prefill(request)
 
     # -- transitions ---------------------------------------------------------------------
     def promote(self, request: Request) -> None:

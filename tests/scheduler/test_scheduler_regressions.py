@@ -1,0 +1,414 @@
+"""Regression tests for the review findings r1-r10 (fixed in "scheduler: fixes from review").
+
+Each test states the fixed behaviour and fails on the scheduler before that commit. The test
+plays the worker through ``helpers.step`` (connector reports included) unless it needs several
+steps in flight, where it calls ``schedule`` / ``update_from_output`` itself. (Bugs found later
+by the KV simulation are reproduced in ``test_scheduler_kv_simulation.py``.)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from scheduler import (
+    CacheConfig,
+    LoRAConfig,
+    ModelRunnerOutput,
+    Request,
+    RequestStatus,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerOutput,
+)
+from tests.scheduler.helpers import (
+    EOS,
+    InMemoryConnector,
+    assert_all_free,
+    lora,
+    make_request,
+    make_scheduler,
+    model_output,
+    run_to_completion,
+    step,
+)
+
+REMOTE = {"do_remote_prefill": True}
+
+
+def _add(s: Scheduler, *requests: Request) -> None:
+    for request in requests:
+        s.add_request(request)
+
+
+def _decode_side(**sched: Any) -> Scheduler:
+    return make_scheduler(connector=InMemoryConnector(), **sched)
+
+
+def _free(s: Scheduler) -> int:
+    return s.kv_cache_manager.block_pool.num_free_blocks
+
+
+def _run_with_loads(s: Scheduler, max_steps: int = 200) -> None:
+    """Step until nothing holds blocks, reporting every started load done at once."""
+    for _ in range(max_steps):
+        if not s.has_requests():
+            return
+        loading = {r.request_id for r in s.holding if r.awaiting_remote_kvs}
+        step(s, finished_recving=loading or None)
+    raise AssertionError(f"not finished after {max_steps} steps: {list(s.requests)}")
+
+
+class _LoadConnector(InMemoryConnector):
+    """Loads ``remote_num_tokens`` of a ``do_remote_prefill`` request, asynchronously or inside
+    the step (``sync``); ``offloaded`` requests reload their prompt on every admission (a CPU
+    offload store). ``do_remote_prefill=False`` (a failed or consumed load) means no load."""
+
+    def __init__(self, sync: bool = False) -> None:
+        super().__init__()
+        self.sync = sync
+        self.not_ready: set[str] = set()  # answered None: "ask again next step"
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        if request.request_id in self.not_ready:
+            return None, False
+        params = request.kv_transfer_params or {}
+        if params.get("offloaded") and params.get("do_remote_prefill") is not False:
+            count = max(request.num_prompt_tokens - num_computed_tokens, 0)
+            return count, count > 0
+        if not params.get("do_remote_prefill"):
+            return 0, False
+        count = max(int(params["remote_num_tokens"]) - num_computed_tokens, 0)
+        return count, count > 0 and not self.sync
+
+
+def test_r1_loaded_request_is_promoted_past_the_watermark() -> None:
+    s = _decode_side(num_blocks=16, max_model_len=64, watermark=0.25)
+    r = make_request(56, req_id="d", max_tokens=4, kv_transfer_params=dict(REMOTE))
+    s.add_request(r)
+    step(s)  # the load starts: 14 of 16 blocks held
+    assert r.awaiting_remote_kvs and _free(s) == 2
+    step(s, finished_recving={"d"})
+    out, _ = step(s)
+    assert out.num_scheduled_tokens == {"d": 1}
+    assert r.status == RequestStatus.RUNNING
+    assert _free(s) < s.kv_cache_manager.watermark_blocks  # promotion went below the watermark
+    assert len(run_to_completion(s)["d"]) == 3
+    assert_all_free(s)
+
+
+def test_r5_partial_loads_with_lookahead_make_progress() -> None:
+    s = _decode_side(num_blocks=12, max_model_len=48, num_lookahead_slots=4)
+    params = {**REMOTE, "remote_num_tokens": 16}
+    a = make_request(list(range(100, 140)), req_id="A", kv_transfer_params=params)
+    b = make_request(list(range(200, 232)), req_id="B", kv_transfer_params=params)
+    _add(s, a, b)
+    step(s)
+    step(s, finished_recving={r.request_id for r in (a, b) if r.awaiting_remote_kvs})
+    out, _ = step(s)
+    assert out.num_scheduled_tokens, "loaded requests hold blocks and nothing runs"
+    _run_with_loads(s)
+    assert a.num_output_tokens == b.num_output_tokens == 8
+    assert_all_free(s)
+
+
+def test_r5_deadlocked_loaded_request_goes_back_to_waiting() -> None:
+    # Admission reserves each prompt plus lookahead; promotion needs the lookahead past the
+    # whole prompt (2 more blocks each), and the two loads hold all 8 blocks.
+    s = _decode_side(num_blocks=8, max_model_len=32, num_lookahead_slots=8)
+    params = {**REMOTE, "remote_num_tokens": 8}
+    a = make_request(list(range(100, 116)), req_id="A", max_tokens=4, kv_transfer_params=params)
+    b = make_request(list(range(200, 216)), req_id="B", max_tokens=4, kv_transfer_params=params)
+    _add(s, a, b)
+    step(s)
+    assert a.awaiting_remote_kvs and b.awaiting_remote_kvs and _free(s) == 0
+    s.make_stats()
+    step(s, finished_recving={"A", "B"})
+    out, _ = step(s)  # both loaded, neither can continue, nothing runs: B (newest) goes back
+    assert not out.num_scheduled_tokens
+    assert b.status == RequestStatus.WAITING and list(s.waiting) == [b]
+    assert s.holding == [a] and b.num_computed_tokens == 0
+    assert not s.kv_cache_manager.get_block_ids("B")
+    assert s.make_stats().num_preemptions == 1 and b.num_preemptions == 1
+    out, _ = step(s)
+    assert list(out.num_scheduled_tokens) == ["A"]
+    _run_with_loads(s)
+    assert a.num_output_tokens == b.num_output_tokens == 4
+    assert_all_free(s)
+
+
+def test_r5_release_keeps_preempted_status_of_a_request_preempted_before_its_load() -> None:
+    # X runs, is preempted by P (better priority), and reloads its prompt. P finished but
+    # keeps its blocks for the decode side: X, loaded, cannot get the block for its outputs.
+    s = make_scheduler(
+        connector=_LoadConnector(),
+        num_blocks=6,
+        max_model_len=24,
+        num_lookahead_slots=4,
+        max_num_seqs=1,
+        policy="priority",
+        prefix_caching=False,
+    )
+    x = make_request(4, req_id="X", max_tokens=10, priority=1, kv_transfer_params={"offloaded": 1})
+    p = make_request(12, req_id="P", max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+    s.add_request(x)
+    for _ in range(5):
+        step(s, finished_recving={"X"} if x.awaiting_remote_kvs else None)
+    s.add_request(p)
+    out, _ = step(s)
+    assert out.preempted_req_ids == {"X"} and p.status == RequestStatus.FINISHED_LENGTH_CAPPED
+    step(s)  # X reloads its prompt into the last 2 free blocks
+    assert x.awaiting_remote_kvs and _free(s) == 0
+    s.make_stats()
+    step(s, finished_recving={"X"})
+    out, _ = step(s)
+    assert not out.num_scheduled_tokens
+    assert x.status == RequestStatus.PREEMPTED and list(s.waiting) == [x] and not s.holding
+    assert s.make_stats().num_preemptions == 1 and x.num_preemptions == 2
+    step(s, finished_sending={"P"})
+    _run_with_loads(s)
+    assert x.num_output_tokens == 10
+    assert_all_free(s)
+
+
+def _sync_load_scheduler(**sched: Any) -> Scheduler:
+    return make_scheduler(connector=_LoadConnector(sync=True), **sched)
+
+
+def _sync_load_request(req_id: str, **kw: Any) -> Request:
+    params = {**REMOTE, "remote_num_tokens": 8}
+    return make_request(12, req_id=req_id, kv_transfer_params=params, **kw)
+
+
+def test_r6_failed_sync_load_recomputes_and_drops_its_sample() -> None:
+    s = _sync_load_scheduler()
+    a = _sync_load_request("a")
+    twin = make_request(12, req_id="twin")  # same prompt, no load, admitted in the same step
+    _add(s, a, twin)
+    out, outputs = step(s, {"a": [99]}, failed_recving={"a"})
+    assert out.num_scheduled_tokens == {"a": 4, "twin": 12}
+    assert twin.num_cached_tokens == 0  # a's loaded blocks were not findable
+    assert [o.request_id for o in outputs] == ["twin"]  # a's sample came from bad KV
+    assert a.status == RequestStatus.PREEMPTED and a.num_computed_tokens == 0
+    assert a.output_token_ids == [] and a.num_preemptions == 1
+    out, _ = step(s)
+    assert out.num_scheduled_tokens["a"] == 12 - 8  # recomputed: hits twin's blocks only
+    produced = run_to_completion(s)
+    assert a.output_token_ids == [7] * 8 and len(produced["a"]) == 7
+    assert_all_free(s)
+
+
+def test_r6_failed_sync_load_with_fail_policy_ends_in_error() -> None:
+    s = _sync_load_scheduler(kv_load_failure_policy="fail")
+    a = _sync_load_request("a")
+    s.add_request(a)
+    _, outputs = step(s, {"a": [99]}, failed_recving={"a"})
+    assert [(o.request_id, o.new_token_ids) for o in outputs] == [("a", [])]
+    assert outputs[0].finish_reason is not None and outputs[0].finish_reason.value == "error"
+    assert a.status == RequestStatus.FINISHED_ERROR
+    later = make_request(12, req_id="later")
+    s.add_request(later)
+    step(s)
+    assert later.num_cached_tokens == 0  # the failed load's blocks were never hashed
+    run_to_completion(s)
+    assert_all_free(s)
+
+
+def test_r6_sync_loaded_blocks_are_hashed_once_the_step_returns() -> None:
+    s = _sync_load_scheduler()
+    a = _sync_load_request("a")
+    same_step = make_request(12, req_id="same_step")
+    _add(s, a, same_step)
+    out = s.schedule()
+    assert same_step.num_cached_tokens == 0
+    s.update_from_output(out, model_output(s, out))  # no failure reported: the load is good
+    later = make_request(12, req_id="later")
+    s.add_request(later)
+    step(s)
+    assert later.num_cached_tokens == 8
+    run_to_completion(s)
+    assert_all_free(s)
+
+
+def test_r10_over_reported_remote_tokens_are_clipped() -> None:
+    s = _decode_side()
+    r = make_request(
+        10, req_id="d", max_tokens=4, kv_transfer_params={**REMOTE, "remote_num_tokens": 16}
+    )
+    s.add_request(r)
+    out, _ = step(s)
+    assert out.kv_connector_metadata.loads == {"d": (s.kv_cache_manager.get_block_ids("d"), 10)}
+    assert r.num_computed_tokens == 10 and len(s.kv_cache_manager.get_block_ids("d")) == 3
+    step(s, finished_recving={"d"})
+    out, _ = step(s)
+    assert out.num_scheduled_tokens == {"d": 1}  # the last prompt token, for its logits
+    assert len(run_to_completion(s)["d"]) == 3
+    assert_all_free(s)
+
+
+def test_r2_async_load_candidate_preempts_only_once_loaded() -> None:
+    s = _decode_side(policy="priority", max_num_seqs=2)
+    a = make_request(8, req_id="A", priority=5, max_tokens=50)
+    b = make_request(8, req_id="B", priority=5, max_tokens=50)
+    _add(s, a, b)
+    step(s)
+    c = make_request(8, req_id="C", priority=0, kv_transfer_params=dict(REMOTE))
+    d = make_request(8, req_id="D", priority=9)
+    _add(s, c, d)
+    out, _ = step(s)
+    assert not out.preempted_req_ids
+    assert s.running == [a, b] and c.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert d.status == RequestStatus.WAITING
+    step(s, finished_recving={"C"})
+    out, _ = step(s)
+    assert out.preempted_req_ids == {"B"} and out.num_scheduled_tokens["C"] == 1
+    assert s.running == [a, c] and d.status == RequestStatus.WAITING
+    run_to_completion(s)
+    assert c.num_output_tokens == d.num_output_tokens == 8 and b.num_output_tokens == 50
+    assert_all_free(s)
+
+
+@pytest.mark.parametrize("strict_fcfs", [True, False])
+def test_r3_connector_none_never_blocks_the_queue(strict_fcfs: bool) -> None:
+    c = _LoadConnector()
+    c.not_ready.add("x")
+    s = make_scheduler(
+        connector=c,
+        enable_chunked_prefill=False,
+        max_num_batched_tokens=128,
+        strict_fcfs=strict_fcfs,
+        max_skip_steps=2,
+    )
+    _add(s, make_request(8, req_id="x", max_tokens=2), make_request(8, req_id="y", max_tokens=2))
+    scheduled = [sorted(step(s)[0].num_scheduled_tokens) for _ in range(5)]
+    assert scheduled == [["y"]] * 2 + [[]] * 3
+    s.add_request(make_request(8, req_id="z", max_tokens=2))  # after x would have aged
+    assert sorted(step(s)[0].num_scheduled_tokens) == ["z"]
+    assert s.requests["x"].num_skipped_steps == 0
+    c.not_ready.clear()
+    assert len(run_to_completion(s)["x"]) == 2
+    assert_all_free(s)
+
+
+def test_r4_outputs_of_an_id_freed_twice_in_flight_go_to_the_right_request() -> None:
+    s = make_scheduler()  # steps kept in flight by hand (pipeline parallelism)
+    steps: list[tuple[SchedulerOutput, ModelRunnerOutput]] = []
+    requests: list[Request] = []
+    for n, token in ((8, 11), (2, 22), (5, 33)):
+        if requests:
+            s.finish_requests("x", RequestStatus.FINISHED_ABORTED)
+        requests.append(make_request(n, req_id="x", max_tokens=5))
+        s.add_request(requests[-1])
+        out = s.schedule()
+        steps.append((out, model_output(s, out, {"x": [token]})))
+    delivered = [
+        [(o.request_id, o.new_token_ids) for o in s.update_from_output(*st)] for st in steps
+    ]
+    assert delivered == [[], [], [("x", [33])]]
+    assert [r.num_in_flight_tokens for r in requests] == [0, 0, 0]
+    assert requests[2].output_token_ids == [33] and not requests[0].output_token_ids
+    s.check_integrity()
+    run_to_completion(s)
+    assert requests[2].output_token_ids == [33, 7, 7, 7, 7]
+    assert_all_free(s)
+
+
+def test_r7_no_preemption_when_the_plan_hits_blocks_the_victim_is_filling() -> None:
+    s = make_scheduler(
+        policy="priority",
+        max_num_seqs=2,
+        enable_chunked_prefill=False,
+        max_num_batched_tokens=48,
+        max_model_len=48,
+    )
+    v = make_request(7, req_id="V", priority=5, max_tokens=20, arrival_time=0)
+    s.add_request(v)
+    step(s)  # V: prompt computed, one sample: 8 tokens, its 2nd block is filled next step
+    w = make_request(list(range(500, 540)), req_id="W", priority=0, arrival_time=1)
+    c = make_request(v.all_token_ids + list(range(600, 608)), req_id="C", arrival_time=2)
+    _add(s, w, c)
+    out, _ = step(s)
+    assert not out.preempted_req_ids
+    assert out.num_scheduled_tokens == {"V": 1, "W": 40}
+    assert v.status == RequestStatus.RUNNING and c.status == RequestStatus.WAITING
+    run_to_completion(s)
+    assert v.num_output_tokens == 20 and c.num_output_tokens == 8
+    assert_all_free(s)
+
+
+def test_r8_request_whose_adapter_never_gets_a_slot_ages_and_blocks() -> None:
+    s = make_scheduler(lora=LoRAConfig(max_loras=1), max_num_seqs=4, max_skip_steps=4)
+    s.add_request(make_request(8, req_id="a0", lora=lora(1), max_tokens=4))
+    step(s)
+    late = make_request(8, req_id="late", lora=lora(2), max_tokens=4)
+    s.add_request(late)
+    skips = []
+    for i in range(40):
+        if i % 2 == 0:  # a stream that keeps adapter 1 running
+            s.add_request(make_request(8, req_id=f"a{i + 1}", lora=lora(1), max_tokens=4))
+        aged = late.num_skipped_steps == 4 and late.status == RequestStatus.WAITING
+        out, _ = step(s)
+        if aged and late.status == RequestStatus.WAITING:
+            assert not out.scheduled_new_reqs  # it blocks the queue until admitted
+        skips.append(late.num_skipped_steps)
+        if late.is_finished:
+            break
+    assert max(skips) == 4 and late.num_output_tokens == 4
+    run_to_completion(s)
+    assert_all_free(s)
+
+
+def test_r9_has_requests_while_blocks_wait_for_a_send_or_a_load() -> None:
+    s = _decode_side()
+    s.add_request(
+        make_request(10, req_id="p", max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+    )
+    s.add_request(make_request(10, req_id="d", kv_transfer_params=dict(REMOTE)))
+    step(s)  # p finishes and keeps its blocks for the decode side; d's load starts
+    s.finish_requests("d", RequestStatus.FINISHED_ABORTED)  # the load still writes its blocks
+    assert not s.has_unfinished_requests() and s.has_requests()
+    step(s, finished_sending={"p"})
+    assert not s.has_unfinished_requests() and s.has_requests()
+    step(s, finished_recving={"d"})
+    assert not s.has_requests()
+    assert_all_free(s)
+
+
+@pytest.mark.parametrize(("last", "sampling"), [(EOS, {}), (42, {"stop_token_ids": (42,)})])
+def test_add_request_rejects_outputs_ending_in_a_stop_token(
+    last: int, sampling: dict[str, Any]
+) -> None:
+    s = make_scheduler()
+    r = make_request(6, output_token_ids=[1000, last], **sampling)
+    with pytest.raises(ValueError, match="stop token"):
+        s.add_request(r)
+    assert not s.requests and not s.waiting
+    ignored = make_request(6, output_token_ids=[1000, EOS], ignore_eos=True)
+    s.add_request(ignored)  # EOS is an ordinary token when ignored
+    assert s.requests == {ignored.request_id: ignored}
+
+
+def test_update_from_output_rejects_a_missing_scheduled_request() -> None:
+    s = make_scheduler()
+    _add(s, make_request(6, req_id="a"), make_request(6, req_id="b"))
+    out = s.schedule()
+    with pytest.raises(ValueError, match="'b'"):
+        s.update_from_output(out, ModelRunnerOutput(req_ids=["a"], sampled_token_ids=[[7]]))
+
+
+@pytest.mark.parametrize(
+    ("config", "field", "value"),
+    [
+        (SchedulerConfig(), "watermark", 0.5),
+        (CacheConfig(num_blocks=8), "num_blocks", 16),
+        (LoRAConfig(), "max_loras", 4),
+    ],
+)
+def test_configs_are_frozen(config: Any, field: str, value: object) -> None:
+    before = getattr(config, field)
+    with pytest.raises(ValueError, match="frozen"):
+        setattr(config, field, value)
+    assert getattr(config, field) == before
