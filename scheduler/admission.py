@@ -60,10 +60,10 @@ class Admitter:
         still: list[Request] = []
         for request in s.holding:
             if request.awaiting_remote_kvs:
-                if request.request_id not in s.finished_recving_kv_req_ids:
+                if request.request_id not in s.remote_kv.finished_recving:
                     still.append(request)
                     continue
-                s.promote_loaded_request(request)
+                s.remote_kv.promote(request)
             if not self._admit_holding(request):
                 still.append(request)
         s.holding = still

@@ -313,13 +313,6 @@ class Scheduler:
         if waiting:
             self.waiting.remove_requests(waiting)
 
-    def promote_loaded_request(self, request: Request) -> None:
-        self.remote_kv.promote(request)
-
-    @property
-    def finished_recving_kv_req_ids(self) -> set[str]:
-        return self.remote_kv.finished_recving
-
     # -- preemption ----------------------------------------------------------------------
     def pick_victim(self) -> Request:
         """FCFS: the last admitted. Priority: the worst (priority, arrival)."""
