@@ -72,9 +72,6 @@ class KVCacheBlocks:
     def get_block_ids(self) -> list[int]:
         return [b.block_id for b in self.blocks]
 
-    def __add__(self, other: KVCacheBlocks) -> KVCacheBlocks:
-        return KVCacheBlocks(self.blocks + other.blocks)
-
     def __len__(self) -> int:
         return len(self.blocks)
 
