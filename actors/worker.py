@@ -1,0 +1,328 @@
+"""``ModelWorker``: runs one instance's model on a paged KV cache, one ``SchedulerOutput`` at a
+time, and answers with a ``ModelRunnerOutput`` (DESIGN.md §3.3).
+
+A plain class (the cluster wraps it in a Ray actor). It mirrors each request from the
+scheduler's diffs: a new request arrives in full once; afterwards only new block ids, the
+computed-token count and the step's input tokens. Tokens it samples itself are appended at
+once, so a later step whose input tokens the scheduler does not know yet (async scheduling)
+still finds them.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from actors.model.attention import AttentionMetadata, select_backend
+from actors.model.llama import LlamaForCausalLM
+from actors.model.loader import load_model, resolve_model_path
+from actors.sampler import Sampler, SamplingRow
+from scheduler import LoRAConfig, ModelRunnerOutput, SchedulerOutput
+from scheduler.outputs import TokenLogprobs
+from scheduler.request import LoRARequest, SamplingParams
+
+if TYPE_CHECKING:
+    from actors.lora import LoRAManager
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _RequestState:
+    """What the worker keeps per request between steps."""
+
+    req_id: str
+    token_ids: list[int]  # prompt + outputs known so far (including this worker's samples)
+    num_prompt_tokens: int
+    params: SamplingParams
+    block_ids: list[int]
+    lora: LoRARequest | None
+    eos_token_id: int | None
+
+
+@dataclass
+class _Scheduled:
+    state: _RequestState
+    start: int  # num_computed_tokens at this step
+    num_tokens: int  # scheduled this step
+
+    @property
+    def samples(self) -> bool:
+        # Only a request that reaches the end of its known tokens samples; a partial prefill
+        # chunk does not.
+        return self.start + self.num_tokens >= len(self.state.token_ids)
+
+
+class ModelWorker:
+    """One model instance's executor: ``load_model`` → ``init_kv_cache`` → ``execute_model``*."""
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        dtype: str | torch.dtype = "auto",
+        device: str = "cpu",
+        block_size: int = 16,
+        lora_config: LoRAConfig | None = None,
+        attention_backend: str | None = None,
+        max_num_batched_tokens: int = 2048,
+        max_num_seqs: int = 256,
+        progress: bool = True,
+    ) -> None:
+        self.model_path: Path = resolve_model_path(model)
+        self.dtype_arg = dtype
+        self.device = torch.device(device)
+        self.block_size = block_size
+        self.lora_config = lora_config
+        self.attention_backend_arg = attention_backend
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.progress = progress
+        self.model: LlamaForCausalLM | None = None
+        self.kv_caches: list[torch.Tensor] = []
+        self.num_blocks = 0
+        self.requests: dict[str, _RequestState] = {}
+        self.sampler = Sampler()
+        self.lora_manager: LoRAManager | None = None
+        self.num_steps = 0
+
+    # -- set-up ---------------------------------------------------------------------------
+    def load_model(self) -> None:
+        """Load the weights and choose the attention backend (logged)."""
+        model = load_model(self.model_path, self.dtype_arg, self.device, progress=self.progress)
+        cfg = model.config
+        self.model = model
+        self.dtype = model.embed_tokens.weight.dtype
+        self.attn = select_backend(
+            self.device,
+            self.dtype,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            self.block_size,
+            self.attention_backend_arg,
+        )
+        if self.lora_config is not None:
+            from actors.lora import LoRAManager
+
+            self.lora_manager = LoRAManager(cfg, self.lora_config, self.device, self.dtype)
+
+    @property
+    def config(self) -> Any:
+        return self._model.config
+
+    @property
+    def _model(self) -> LlamaForCausalLM:
+        if self.model is None:
+            raise RuntimeError("call load_model() first")
+        return self.model
+
+    def bytes_per_block(self) -> int:
+        cfg = self._model.config
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * cfg.num_hidden_layers * self.block_size * cfg.kv_size * elem
+
+    def weight_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self._model.parameters())
+
+    def activation_bytes(self) -> int:
+        """Peak working memory of one step at ``max_num_batched_tokens`` (an estimate from the
+        shapes: hidden states, the fused projections' outputs, the logits and the sampler)."""
+        cfg = self._model.config
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        tokens = self.max_num_batched_tokens
+        per_token = (
+            4 * cfg.hidden_size + cfg.q_size + 2 * cfg.kv_size + 3 * cfg.intermediate_size
+        ) * elem
+        logits = min(self.max_num_seqs, tokens) * cfg.vocab_size * 4 * 4  # fp32, ~4 copies
+        return tokens * per_token + logits
+
+    def profile_num_blocks(self, memory_budget_bytes: int) -> int:
+        """How many KV blocks fit once weights and the peak activations are paid for. On CUDA
+        the peak is measured; elsewhere it is estimated from the shapes."""
+        overhead = self.weight_bytes() + self.activation_bytes()
+        if self.device.type == "cuda":
+            overhead = torch.cuda.memory_allocated(self.device) + self.activation_bytes()
+        free = memory_budget_bytes - overhead
+        num_blocks = free // self.bytes_per_block()
+        if num_blocks < 1:
+            raise ValueError(
+                f"memory budget {memory_budget_bytes / 2**20:.0f} MiB leaves no room for the KV "
+                f"cache: weights + activations need {overhead / 2**20:.0f} MiB"
+            )
+        return int(num_blocks)
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        """Allocate ``num_blocks`` blocks per layer (zeroed). Drops all request state."""
+        cfg = self._model.config
+        shape = (2, num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
+        self.kv_caches = [
+            torch.zeros(shape, dtype=self.dtype, device=self.device)
+            for _ in range(cfg.num_hidden_layers)
+        ]
+        self.num_blocks = num_blocks
+        self.requests.clear()
+
+    # -- LoRA -------------------------------------------------------------------------------
+    def add_lora(self, lora: LoRARequest) -> bool:
+        if self.lora_manager is None:
+            raise ValueError("LoRA is not enabled on this worker (no lora_config)")
+        return self.lora_manager.add_lora(lora)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self.lora_manager is not None and bool(self.lora_manager.remove_lora(lora_int_id))
+
+    def list_loras(self) -> set[int]:
+        return set() if self.lora_manager is None else self.lora_manager.list_loras()
+
+    def health(self) -> dict[str, Any]:
+        return {
+            "ok": self.model is not None and bool(self.kv_caches),
+            "num_blocks": self.num_blocks,
+            "num_requests": len(self.requests),
+            "num_steps": self.num_steps,
+            "device": str(self.device),
+        }
+
+    # -- one step -------------------------------------------------------------------------
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step: update request state from the diffs, one forward over the flattened
+        batch, sample the requests that reached their last known token."""
+        so = scheduler_output
+        self._update_states(so)
+        batch = self._collect(so)
+        self.num_steps += 1
+        if not batch:
+            return ModelRunnerOutput.empty()
+        # Decodes first: the attention backend batches them.
+        batch.sort(key=lambda s: s.num_tokens != 1)
+        logits = self._forward(batch)
+        sampling = [s for s in batch if s.samples]
+        rows = [
+            SamplingRow(
+                params=s.state.params,
+                prompt_token_ids=s.state.token_ids[: s.state.num_prompt_tokens],
+                output_token_ids=s.state.token_ids[s.state.num_prompt_tokens :],
+                eos_token_id=s.state.eos_token_id,
+            )
+            for s in sampling
+        ]
+        sampled = self.sampler(logits, rows) if rows else None
+        by_req: dict[str, tuple[list[int], list[TokenLogprobs] | None]] = {}
+        for i, s in enumerate(sampling):
+            assert sampled is not None
+            token = sampled.token_ids[i]
+            s.state.token_ids.append(token)
+            lp = sampled.logprobs[i]
+            by_req[s.state.req_id] = ([token], None if lp is None else [lp])
+        req_ids = [s.state.req_id for s in batch]
+        tokens = [by_req.get(r, ([], None))[0] for r in req_ids]
+        logprobs = [by_req.get(r, ([], None))[1] for r in req_ids]
+        return ModelRunnerOutput(
+            req_ids=req_ids,
+            sampled_token_ids=tokens,
+            logprobs=logprobs if any(lp is not None for lp in logprobs) else None,
+        )
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        for req_id in so.finished_req_ids:
+            self.requests.pop(req_id, None)
+        for req_id in so.preempted_req_ids:
+            state = self.requests.get(req_id)
+            if state is not None:  # its blocks are gone; the rest is kept for the resume
+                state.block_ids = []
+        for new in so.scheduled_new_reqs:
+            self.requests[new.req_id] = _RequestState(
+                req_id=new.req_id,
+                token_ids=list(new.prompt_token_ids) + list(new.output_token_ids),
+                num_prompt_tokens=len(new.prompt_token_ids),
+                params=new.sampling_params,
+                block_ids=list(new.block_ids),
+                lora=new.lora_request,
+                eos_token_id=new.eos_token_id,
+            )
+        cached = so.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self.requests.get(req_id)
+            if state is None:
+                raise RuntimeError(f"scheduler sent a diff for unknown request {req_id!r}")
+            new_blocks = cached.new_block_ids[i]
+            if cached.resumed_from_preemption[i]:
+                state.block_ids = list(new_blocks or [])
+                state.token_ids = list(cached.resumed_token_ids[req_id])
+            elif new_blocks:
+                state.block_ids.extend(new_blocks)
+            start = cached.num_computed_tokens[i]
+            for offset, token in enumerate(cached.new_token_ids[i]):
+                pos = start + offset
+                if pos < len(state.token_ids):
+                    state.token_ids[pos] = token
+                else:
+                    state.token_ids.append(token)
+
+    def _collect(self, so: SchedulerOutput) -> list[_Scheduled]:
+        batch = []
+        starts = {new.req_id: new.num_computed_tokens for new in so.scheduled_new_reqs}
+        cached = so.scheduled_cached_reqs
+        starts.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+        for req_id, num_tokens in so.num_scheduled_tokens.items():
+            state = self.requests[req_id]
+            start = starts[req_id]
+            end = start + num_tokens
+            if end > len(state.token_ids):
+                raise RuntimeError(
+                    f"request {req_id!r}: tokens [{start}, {end}) scheduled but only "
+                    f"{len(state.token_ids)} are known"
+                )
+            if -(-end // self.block_size) > len(state.block_ids):
+                raise RuntimeError(
+                    f"request {req_id!r}: {end} tokens need more than its "
+                    f"{len(state.block_ids)} blocks"
+                )
+            batch.append(_Scheduled(state, start, num_tokens))
+        return batch
+
+    def _forward(self, batch: list[_Scheduled]) -> torch.Tensor:
+        """One forward over the flattened batch; returns logits for the sampling requests."""
+        model = self._model
+        input_ids: list[int] = []
+        positions: list[int] = []
+        logit_rows: list[int] = []
+        for s in batch:
+            end = s.start + s.num_tokens
+            input_ids.extend(s.state.token_ids[s.start : end])
+            positions.extend(range(s.start, end))
+            if s.samples:
+                logit_rows.append(len(input_ids) - 1)
+        max_pos = model.config.max_position_embeddings
+        if positions and max(positions) >= max_pos:
+            raise ValueError(f"position {max(positions)} exceeds max_position_embeddings {max_pos}")
+        meta = AttentionMetadata.build(
+            [s.num_tokens for s in batch],
+            [s.start + s.num_tokens for s in batch],
+            [s.state.block_ids for s in batch],
+            self.block_size,
+            self.device,
+            with_flash=self.attn.needs_flash_metadata,
+        )
+        lora = None
+        if self.lora_manager is not None:
+            lora = self.lora_manager.prepare([(s.state.lora, s.num_tokens) for s in batch])
+        dev = self.device
+        hidden = model(
+            torch.tensor(input_ids, dtype=torch.long, device=dev),
+            torch.tensor(positions, dtype=torch.long, device=dev),
+            self.kv_caches,
+            meta,
+            self.attn,
+            lora,
+        )
+        if not logit_rows:
+            return hidden.new_empty((0, model.config.vocab_size))
+        rows = torch.tensor(logit_rows, dtype=torch.long, device=dev)
+        logits: torch.Tensor = model.compute_logits(hidden.index_select(0, rows))
+        return logits

@@ -1,0 +1,212 @@
+"""The in-process engine: one ``Scheduler`` and one ``ModelWorker`` driven by a step loop.
+
+``LLMEngine`` is vLLM's low-level shape (``add_request`` / ``step`` / ``abort_request``); ``LLM``
+(in ``cluster.llm``) is the batch and streaming front end on top of it. The step is the whole
+engine::
+
+    scheduler_output = scheduler.schedule()
+    runner_output = worker.execute_model(scheduler_output)
+    core_outputs = scheduler.update_from_output(scheduler_output, runner_output)
+    return processor.process(core_outputs)      # detokenize, stop strings, fan-in of n
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from actors.model.tokenizer import Tokenizer
+from actors.worker import ModelWorker
+from cluster.outputs import OutputProcessor, RequestOutput
+from scheduler import (
+    CacheConfig,
+    LoRAConfig,
+    LoRARequest,
+    Request,
+    RequestStatus,
+    SamplingParams,
+    Scheduler,
+    SchedulerConfig,
+)
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_KV_CACHE_BYTES = 1 << 30  # CPU default (vLLM's CPU backend uses a fixed space too)
+
+
+class LLMEngine:
+    """Scheduler + worker in one process. Not thread-safe: call it from one thread."""
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        dtype: str | torch.dtype = "auto",
+        device: str = "cpu",
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        kv_cache_memory_bytes: int | None = None,
+        memory_budget_bytes: int | None = None,
+        enable_prefix_caching: bool = True,
+        max_model_len: int | None = None,
+        max_num_seqs: int = 128,
+        max_num_batched_tokens: int | None = None,
+        enable_lora: bool = False,
+        max_loras: int = 1,
+        max_lora_rank: int = 16,
+        max_cpu_loras: int | None = None,
+        attention_backend: str | None = None,
+        progress: bool = True,
+        **scheduler_kwargs: Any,
+    ) -> None:
+        """``num_blocks`` sizes the KV cache directly; else ``memory_budget_bytes`` (weights +
+        activations + cache, profiled by the worker); else ``kv_cache_memory_bytes`` of cache
+        (1 GiB by default). Other keyword arguments go to ``SchedulerConfig``."""
+        lora_config = (
+            LoRAConfig(
+                max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras
+            )
+            if enable_lora
+            else None
+        )
+        budget_tokens = max_num_batched_tokens or 2048
+        self.worker = ModelWorker(
+            model,
+            dtype=dtype,
+            device=device,
+            block_size=block_size,
+            lora_config=lora_config,
+            attention_backend=attention_backend,
+            max_num_batched_tokens=budget_tokens,
+            max_num_seqs=max_num_seqs,
+            progress=progress,
+        )
+        self.worker.load_model()
+        model_config = self.worker.config
+        if num_blocks is None:
+            if memory_budget_bytes is not None:
+                num_blocks = self.worker.profile_num_blocks(memory_budget_bytes)
+            else:
+                kv_bytes = kv_cache_memory_bytes or DEFAULT_KV_CACHE_BYTES
+                num_blocks = max(1, kv_bytes // self.worker.bytes_per_block())
+        self.worker.init_kv_cache(num_blocks)
+        self.tokenizer = Tokenizer.from_path(self.worker.model_path)
+        self.max_model_len = max_model_len or model_config.max_position_embeddings
+        if self.max_model_len > model_config.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len ({self.max_model_len}) exceeds the model's "
+                f"max_position_embeddings ({model_config.max_position_embeddings})"
+            )
+        sched_args: dict[str, Any] = dict(
+            max_num_seqs=max_num_seqs, max_model_len=self.max_model_len, **scheduler_kwargs
+        )
+        if max_num_batched_tokens is not None:
+            sched_args["max_num_batched_tokens"] = max_num_batched_tokens
+        self.scheduler_config = SchedulerConfig(**sched_args)
+        self.cache_config = CacheConfig(
+            block_size=block_size,
+            num_blocks=num_blocks,
+            enable_prefix_caching=enable_prefix_caching,
+        )
+        self.scheduler = Scheduler(self.scheduler_config, self.cache_config, lora_config)
+        # EOS: the tokenizer's, else the config's first; further config EOS ids stop too.
+        eos_ids = list(model_config.eos_token_ids)
+        self.eos_token_id = self.tokenizer.eos_token_id or (eos_ids[0] if eos_ids else None)
+        self.extra_stop_ids = tuple(e for e in eos_ids if e != self.eos_token_id)
+        self.processor = OutputProcessor(self.tokenizer)
+        logger.info(
+            "engine ready: %d KV blocks of %d tokens (%.0f MiB), max_model_len %d",
+            num_blocks,
+            block_size,
+            num_blocks * self.worker.bytes_per_block() / 2**20,
+            self.max_model_len,
+        )
+
+    # -- requests ---------------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        *,
+        lora_request: LoRARequest | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue a prompt (text or token ids). ``n > 1`` fans out into ``n`` scheduler requests
+        (``{id}#{i}``; sample ``i`` of a seeded request uses ``seed + i``)."""
+        params = params or SamplingParams()
+        if request_id in self.processor.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if isinstance(prompt, str):
+            text: str | None = prompt
+            prompt_ids = self.tokenizer.encode(prompt)
+        else:
+            text, prompt_ids = None, [int(t) for t in prompt]
+        self._validate(prompt_ids, params)
+        if lora_request is not None and self.worker.lora_manager is None:
+            raise ValueError("LoRA requests need an engine built with enable_lora=True")
+        if lora_request is not None:
+            self.worker.add_lora(lora_request)  # load now: a bad adapter fails here, not mid-step
+        stop_ids = tuple(params.stop_token_ids) + tuple(
+            e for e in self.extra_stop_ids if e not in params.stop_token_ids
+        )
+        child_ids = self.processor.add(request_id, text, prompt_ids, params)
+        now = time.monotonic() if arrival_time is None else arrival_time
+        for i, child_id in enumerate(child_ids):
+            update: dict[str, Any] = {"n": 1, "stop_token_ids": stop_ids}
+            if params.seed is not None:
+                update["seed"] = params.seed + i
+            self.scheduler.add_request(
+                Request(
+                    request_id=child_id,
+                    prompt_token_ids=prompt_ids,
+                    sampling_params=params.model_copy(update=update),
+                    eos_token_id=self.eos_token_id,
+                    arrival_time=now,
+                    priority=priority,
+                    lora_request=lora_request,
+                )
+            )
+
+    def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_ids:
+            raise ValueError("prompt is empty")
+        vocab = self.worker.config.vocab_size
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(prompt_ids)} tokens; max_model_len is {self.max_model_len} "
+                f"(at least one must be left to generate)"
+            )
+        if params.logprobs is not None and params.logprobs > 20:
+            raise ValueError(f"logprobs ({params.logprobs}) must be <= 20")
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        """Abort requests (by the ids given to ``add_request``); their blocks are freed and the
+        next ``step`` reports them finished with ``finish_reason="abort"``."""
+        ids = [request_ids] if isinstance(request_ids, str) else request_ids
+        children = self.processor.abort(ids)
+        self.scheduler.finish_requests(children, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_requests() or self.processor.has_pending()
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.processor.requests)
+
+    # -- the loop ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, execute and apply one step; return the requests that changed."""
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.worker.execute_model(scheduler_output)
+        core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs, stopped = self.processor.process(core_outputs)
+        if stopped:  # stop strings found while detokenizing
+            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        return outputs

@@ -1,0 +1,139 @@
+"""``LLM``: offline batch and streaming generation on one machine (vLLM's ``LLM`` shape).
+
+from cluster import LLM, SamplingParams
+llm = LLM()                                   # the built-in SmolLM2-135M-Instruct
+for out in llm.generate(["Hello"], SamplingParams(max_tokens=32)):
+    print(out.outputs[0].text)
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from cluster.engine import LLMEngine
+from cluster.outputs import RequestOutput
+from scheduler import LoRARequest, SamplingParams
+
+Prompt = str | list[int] | dict[str, Any]
+
+
+class LLM:
+    """Continuous batching in-process: every prompt is queued at once and the engine steps
+    until all are done; a streaming variant yields each request's progress per step."""
+
+    def __init__(self, model: str | None = None, **config: Any) -> None:
+        self.engine = LLMEngine(model, **config)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; results come back in the prompts' order."""
+        ids = self._add(prompts, sampling_params, lora_request, priority)
+        final: dict[str, RequestOutput] = {}
+        for out in self._run(set(ids)):
+            if out.finished:
+                final[out.request_id] = out
+        return [final[i] for i in ids]
+
+    def generate_stream(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        priority: Sequence[int] | None = None,
+    ) -> Iterator[RequestOutput]:
+        """Yield a ``RequestOutput`` whenever a request advances (``new_text`` /
+        ``new_token_ids`` hold the step's delta). ``abort(request_id)`` may be called while
+        iterating; the request then ends with ``finish_reason="abort"``. Leaving the loop
+        early aborts whatever is left."""
+        ids = self._add(prompts, sampling_params, lora_request, priority)
+        yield from self._run(set(ids))
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        **kwargs: Any,
+    ) -> list[RequestOutput]:
+        """Render each conversation with the model's chat template, then ``generate``."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        tok = self.engine.tokenizer
+        prompts: list[Prompt] = [tok.encode_chat(list(c)) for c in convs]  # type: ignore[arg-type]
+        return self.generate(prompts, sampling_params, **kwargs)
+
+    def abort(self, request_id: str | list[str]) -> None:
+        self.engine.abort_request(request_id)
+
+    # -- internals --------------------------------------------------------------------------
+    def _add(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None,
+        lora: LoRARequest | Sequence[LoRARequest | None] | None,
+        priority: Sequence[int] | None,
+    ) -> list[str]:
+        items = _as_list(prompts)
+        n = len(items)
+        param_list = _broadcast(params if params is not None else SamplingParams(), n, "sampling")
+        lora_list = _broadcast(lora, n, "lora_request")
+        prio = list(priority) if priority is not None else [0] * n
+        if len(prio) != n:
+            raise ValueError(f"priority has {len(prio)} entries for {n} prompts")
+        ids = []
+        for prompt, p, lr, pr in zip(items, param_list, lora_list, prio, strict=True):
+            request_id = str(next(self._ids))
+            if isinstance(prompt, dict):
+                if "prompt_token_ids" in prompt:
+                    prompt = list(prompt["prompt_token_ids"])
+                elif "prompt" in prompt:
+                    prompt = str(prompt["prompt"])
+                else:
+                    raise ValueError("a dict prompt needs 'prompt' or 'prompt_token_ids'")
+            self.engine.add_request(request_id, prompt, p, lora_request=lr, priority=pr)
+            ids.append(request_id)
+        return ids
+
+    def _run(self, ids: set[str]) -> Iterator[RequestOutput]:
+        engine = self.engine
+        remaining = set(ids)
+        try:
+            while remaining and engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        remaining.discard(out.request_id)
+                    if out.request_id in ids:
+                        yield out
+        finally:
+            if remaining:  # the consumer stopped early: nothing may keep running
+                engine.abort_request(sorted(remaining))
+                engine.processor.forget(remaining)
+
+
+def _as_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    items: list[Any] = list(prompts)
+    if items and all(isinstance(t, int) for t in items):
+        return [[int(t) for t in items]]  # one tokenized prompt
+    return items
+
+
+def _broadcast(value: Any, n: int, name: str) -> list[Any]:
+    if value is None or isinstance(value, (SamplingParams, LoRARequest)):
+        return [value] * n
+    values = list(value)
+    if len(values) != n:
+        raise ValueError(f"{name} has {len(values)} entries for {n} prompts")
+    return values

@@ -1,0 +1,177 @@
+"""Turning the scheduler's token outputs into what users read: text (incrementally
+detokenized), stop strings, finish reasons, and the fan-in of ``n`` samples per request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from actors.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from scheduler import EngineCoreOutput, SamplingParams
+from scheduler.outputs import TokenLogprobs
+
+
+@dataclass
+class CompletionOutput:
+    """One of the ``n`` samples of a request. ``text`` / ``token_ids`` are cumulative;
+    ``new_text`` / ``new_token_ids`` are what the last step added (for streaming)."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None  # the stop token id or stop string
+    logprobs: list[TokenLogprobs] | None = None
+    new_text: str = ""
+    new_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """A request's state after a step (vLLM's shape)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(o.finished for o in self.outputs)
+
+
+class _Sample:
+    """Per-child detokenization and stop-string state."""
+
+    def __init__(self, index: int, tokenizer: Tokenizer, params: SamplingParams) -> None:
+        self.out = CompletionOutput(
+            index=index, logprobs=[] if params.logprobs is not None else None
+        )
+        self.detok = IncrementalDetokenizer(tokenizer)
+        self.params = params
+        self.max_stop_len = max((len(s) for s in params.stop), default=0)
+
+    def add(self, core: EngineCoreOutput) -> bool:
+        """Apply one step's tokens; True when a stop string ended the sample."""
+        out = self.out
+        out.new_token_ids = list(core.new_token_ids)
+        out.token_ids.extend(core.new_token_ids)
+        if out.logprobs is not None and core.new_logprobs:
+            out.logprobs.extend(core.new_logprobs)
+        before = len(out.text)
+        delta = self.detok.add(core.new_token_ids) if core.new_token_ids else ""
+        text = out.text + delta
+        stopped = False
+        if self.params.stop and delta:
+            # Only the tail that could hold a new match is searched.
+            window_start = max(0, before - self.max_stop_len + 1)
+            hit = _find_stop(text, self.params.stop, window_start)
+            if hit is not None:
+                pos, stop = hit
+                end = pos + len(stop) if self.params.include_stop_str_in_output else pos
+                text = text[:end]
+                out.finish_reason, out.stop_reason = "stop", stop
+                stopped = True
+        out.new_text = text[before:] if len(text) >= before else ""
+        out.text = text
+        if not stopped and core.finish_reason is not None:
+            out.finish_reason = core.finish_reason.value
+            out.stop_reason = core.stop_reason
+        return stopped
+
+
+def _find_stop(text: str, stops: tuple[str, ...], start: int) -> tuple[int, str] | None:
+    best: tuple[int, str] | None = None
+    for stop in stops:
+        pos = text.find(stop, start)
+        if pos != -1 and (best is None or pos < best[0]):
+            best = (pos, stop)
+    return best
+
+
+class _Parent:
+    def __init__(
+        self, request_id: str, prompt: str | None, prompt_ids: list[int], samples: list[_Sample]
+    ) -> None:
+        self.output = RequestOutput(request_id, prompt, prompt_ids, [s.out for s in samples])
+        self.samples = samples
+
+
+class OutputProcessor:
+    """Owns per-request output state between ``add`` and the final output."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.requests: dict[str, _Parent] = {}
+        self.children: dict[str, tuple[_Parent, _Sample]] = {}
+        self.pending: set[str] = set()  # parents with an update not yet returned (aborts)
+
+    def add(
+        self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams
+    ) -> list[str]:
+        samples = [_Sample(i, self.tokenizer, params) for i in range(params.n)]
+        parent = _Parent(request_id, prompt, prompt_ids, samples)
+        self.requests[request_id] = parent
+        child_ids = [request_id if params.n == 1 else f"{request_id}#{i}" for i in range(params.n)]
+        for child_id, sample in zip(child_ids, samples, strict=True):
+            self.children[child_id] = (parent, sample)
+        return child_ids
+
+    def abort(self, request_ids: list[str]) -> list[str]:
+        """Mark samples aborted; returns the child ids for the scheduler."""
+        children = []
+        for child_id, (parent, sample) in list(self.children.items()):
+            if parent.output.request_id in request_ids:
+                sample.out.finish_reason = "abort"
+                sample.out.new_text, sample.out.new_token_ids = "", []
+                children.append(child_id)
+                del self.children[child_id]
+                self.pending.add(parent.output.request_id)
+        return children
+
+    def forget(self, request_ids: set[str]) -> None:
+        """Drop aborted requests whose final output nobody will read."""
+        self.pending -= request_ids
+        for rid in request_ids:
+            self.requests.pop(rid, None)
+
+    def has_pending(self) -> bool:
+        return bool(self.pending)
+
+    def process(
+        self, core_outputs: list[EngineCoreOutput]
+    ) -> tuple[list[RequestOutput], list[str]]:
+        """Returns the changed requests and the child ids a stop string ended."""
+        changed: dict[str, _Parent] = {rid: self.requests[rid] for rid in self.pending}
+        self.pending.clear()
+        for parent in changed.values():
+            for sample in parent.samples:
+                sample.out.new_text, sample.out.new_token_ids = "", []
+        stopped: list[str] = []
+        for core in core_outputs:
+            entry = self.children.get(core.request_id)
+            if entry is None:
+                continue  # aborted or stopped by a string already
+            parent, sample = entry
+            rid = parent.output.request_id
+            if rid not in changed:
+                for s in parent.samples:
+                    s.out.new_text, s.out.new_token_ids = "", []
+                changed[rid] = parent
+            if core.num_cached_tokens:
+                parent.output.num_cached_tokens = max(
+                    parent.output.num_cached_tokens, core.num_cached_tokens
+                )
+            if sample.add(core):
+                stopped.append(core.request_id)
+            if sample.out.finished:
+                del self.children[core.request_id]
+        for rid, parent in changed.items():
+            if parent.output.finished:
+                del self.requests[rid]
+        return [p.output for p in changed.values()], stopped

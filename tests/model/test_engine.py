@@ -1,0 +1,164 @@
+"""The in-process engine end to end on tiny random checkpoints: greedy output equals
+transformers' ``generate``, and prefix caching, preemption, chunking and seeds keep it exact."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from cluster import LLM, SamplingParams
+from tests.model.conftest import transformers
+
+PROMPT_LENGTHS = [5, 23, 11, 40, 2, 17]
+
+
+def make_prompts(seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
+
+
+def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new: int) -> list[list[int]]:
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    outs = []
+    for p in prompts:  # one at a time: no padding in the reference
+        with torch.no_grad():
+            seq = model.generate(
+                torch.tensor([p]),
+                attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                max_new_tokens=max_new,
+                min_new_tokens=max_new,
+                do_sample=False,
+            )
+        outs.append(seq[0, len(p) :].tolist())
+    return outs
+
+
+def engine(model_dir: Path, **kw: object) -> LLM:
+    kw.setdefault("block_size", 4)
+    kw.setdefault("num_blocks", 256)
+    return LLM(str(model_dir), dtype="float32", progress=False, **kw)
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+
+
+@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen2"])
+def test_greedy_equals_transformers_generate(arch: str, request: pytest.FixtureRequest) -> None:
+    model_dir: Path = request.getfixturevalue(arch)
+    prompts = make_prompts()
+    ref = hf_greedy(model_dir, prompts, 32)
+    outs = engine(model_dir).generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    for i, (out, expected) in enumerate(zip(outs, ref, strict=True)):
+        assert out.outputs[0].token_ids == expected, f"prompt {i}"
+        assert out.outputs[0].finish_reason == "length"
+
+
+def test_chunked_prefill_and_small_budget_same_tokens(tiny_llama: Path) -> None:
+    prompts = make_prompts(1)
+    base = engine(tiny_llama).generate(prompts, GREEDY)
+    chunked = engine(tiny_llama, max_num_batched_tokens=8, max_num_seqs=3).generate(prompts, GREEDY)
+    assert [o.outputs[0].token_ids for o in chunked] == [o.outputs[0].token_ids for o in base]
+
+
+def test_preemption_and_resume_same_greedy_tokens(tiny_llama: Path) -> None:
+    prompts = make_prompts(2)
+    base = engine(tiny_llama).generate(prompts, GREEDY)
+    # 30 blocks of 4 tokens cannot hold six ~50-token sequences: requests get preempted.
+    small = engine(tiny_llama, num_blocks=30, max_model_len=100)
+    outs = small.generate(prompts, GREEDY)
+    assert small.engine.scheduler.make_stats().num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in base]
+    sched = small.engine.scheduler
+    sched.check_integrity()
+    assert sched.kv_cache_manager.usage == 0.0
+
+
+def test_prefix_cache_hit_same_output(tiny_llama: Path) -> None:
+    llm = engine(tiny_llama)
+    prompt = make_prompts(3)[3]  # 40 tokens: 10 full blocks
+    first = llm.generate(prompt, GREEDY)[0]
+    second = llm.generate([*prompt, 1, 2, 3], GREEDY)[0]
+    again = llm.generate(prompt, GREEDY)[0]
+    assert again.num_cached_tokens >= 36
+    assert second.num_cached_tokens >= 36
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    fresh = engine(tiny_llama, enable_prefix_caching=False).generate([*prompt, 1, 2, 3], GREEDY)
+    assert second.outputs[0].token_ids == fresh[0].outputs[0].token_ids
+
+
+def test_seed_same_text_alone_and_in_batch_of_8(tiny_llama: Path) -> None:
+    llm = engine(tiny_llama)
+    prompts = make_prompts(4)
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=24, ignore_eos=True)
+    alone = llm.generate(prompts[1], seeded)[0].outputs[0].token_ids
+    others = [
+        SamplingParams(temperature=0.8, seed=s, max_tokens=20, ignore_eos=True) for s in range(7)
+    ]
+    batch_prompts = [prompts[0], prompts[1], *[prompts[i % 6] for i in range(2, 8)]]
+    batch_params = [others[0], seeded, *others[1:7]]
+    assert len(batch_prompts) == 8
+    batch = llm.generate(batch_prompts, batch_params)
+    assert batch[1].outputs[0].token_ids == alone
+    unseeded = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=24, ignore_eos=True)
+    draws = {tuple(llm.generate(prompts[1], unseeded)[0].outputs[0].token_ids) for _ in range(3)}
+    assert len(draws) > 1  # without a seed the samples differ (so the check above can fail)
+
+
+def test_n_samples_and_stop_strings(tiny_llama: Path) -> None:
+    llm = engine(tiny_llama)
+    prompt = make_prompts(5)[1]
+    out = llm.generate(prompt, SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=16))[0]
+    assert [o.index for o in out.outputs] == [0, 1, 2]
+    assert len({tuple(o.token_ids) for o in out.outputs}) > 1
+    # A stop string taken from the greedy text ends generation there (excluded from text).
+    text = llm.generate(prompt, GREEDY)[0].outputs[0].text
+    stop = text[6:9]
+    assert stop and text.find(stop) == 6
+    stopped = llm.generate(prompt, GREEDY.model_copy(update={"stop": (stop,)}))[0].outputs[0]
+    assert stopped.text == text[:6]
+    assert stopped.finish_reason == "stop" and stopped.stop_reason == stop
+    sched = llm.engine.scheduler
+    assert not sched.has_requests() and sched.kv_cache_manager.usage == 0.0
+
+
+def test_stream_and_abort(tiny_llama: Path) -> None:
+    llm = engine(tiny_llama)
+    prompts = make_prompts(6)[:3]
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    seen: dict[str, list[int]] = {}
+    finals: dict[str, str | None] = {}
+    for out in llm.generate_stream(prompts, params):
+        seen.setdefault(out.request_id, []).extend(out.outputs[0].new_token_ids)
+        if len(seen[out.request_id]) == 5 and out.request_id == "1":
+            llm.abort("1")
+        if out.finished:
+            finals[out.request_id] = out.outputs[0].finish_reason
+    assert finals == {"0": "length", "1": "abort", "2": "length"}
+    assert len(seen["0"]) == 30 and len(seen["1"]) == 5
+    sched = llm.engine.scheduler
+    sched.check_integrity()
+    assert not sched.has_requests() and sched.kv_cache_manager.usage == 0.0
+
+
+def test_stream_left_early_aborts_the_rest(tiny_llama: Path) -> None:
+    llm = engine(tiny_llama)
+    stream = llm.generate_stream(make_prompts(7)[:2], GREEDY)
+    next(stream)
+    stream.close()
+    sched = llm.engine.scheduler
+    assert not sched.has_requests() and sched.kv_cache_manager.usage == 0.0
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_bad_inputs_are_refused(tiny_llama: Path) -> None:
+    llm = engine(tiny_llama, max_model_len=64)
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate([1] * 64, GREEDY)
+    with pytest.raises(ValueError, match="vocabulary"):
+        llm.generate([1, 999], GREEDY)
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate({"prompt_token_ids": []}, GREEDY)
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        engine(tiny_llama, max_model_len=10_000)
