@@ -94,7 +94,14 @@ class LLMEngine:
                 num_blocks = max(1, kv_bytes // self.worker.bytes_per_block())
         self.worker.init_kv_cache(num_blocks)
         self.tokenizer = Tokenizer.from_path(self.worker.model_path)
-        self.max_model_len = max_model_len or model_config.max_position_embeddings
+        if max_model_len is None:  # the model's context, as far as the cache can hold it
+            max_model_len = min(model_config.max_position_embeddings, num_blocks * block_size)
+            if max_model_len < model_config.max_position_embeddings:
+                logger.warning(
+                    "max_model_len capped at %d tokens: the KV cache holds no more",
+                    max_model_len,
+                )
+        self.max_model_len = max_model_len
         if self.max_model_len > model_config.max_position_embeddings:
             raise ValueError(
                 f"max_model_len ({self.max_model_len}) exceeds the model's "

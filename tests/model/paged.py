@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from actors.model.attention import AttentionMetadata, TorchAttention
+from actors.model.llama import LlamaForCausalLM
 from actors.model.loader import load_model
 
 
@@ -15,12 +16,16 @@ class PagedRunner:
 
     def __init__(
         self,
-        model_dir: Path,
+        model: Path | LlamaForCausalLM,
         block_size: int = 4,
         num_blocks: int = 256,
         dtype: torch.dtype = torch.float32,
     ) -> None:
-        self.model = load_model(model_dir, dtype, progress=False)
+        """``model``: a checkpoint directory, or an already loaded model (``dtype`` unused)."""
+        if isinstance(model, LlamaForCausalLM):
+            self.model, dtype = model, model.embed_tokens.weight.dtype
+        else:
+            self.model = load_model(model, dtype, progress=False)
         cfg = self.model.config
         self.block_size = block_size
         self.attn = TorchAttention(
