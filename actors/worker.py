@@ -11,6 +11,7 @@ still finds them.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -97,6 +98,9 @@ class ModelWorker:
         cfg = model.config
         self.model = model
         self.dtype = model.embed_tokens.weight.dtype
+        if self.device.type == "cpu" and os.environ.get("TANDEM_CPU_KERNELS", "1") != "0":
+            packed = model.pack_for_cpu(batch_hint=min(64, self.max_num_seqs))
+            logger.info("CPU GEMMs with pre-packed weights: %s", "on" if packed else "off")
         self.attn = select_backend(
             self.device,
             self.dtype,
@@ -127,7 +131,9 @@ class ModelWorker:
         return 2 * cfg.num_hidden_layers * self.block_size * cfg.kv_size * elem
 
     def weight_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self._model.parameters())
+        """Parameters, counted twice when the CPU GEMMs keep a pre-packed copy."""
+        params = sum(p.numel() * p.element_size() for p in self._model.parameters())
+        return 2 * params if self._model._packed_logits is not None else params
 
     def activation_bytes(self) -> int:
         """Peak working memory of one step at ``max_num_batched_tokens`` (an estimate from the

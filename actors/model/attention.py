@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from actors.model.cpu_kernels import PagedDecodeKernel, paged_decode_kernel
+
 logger = logging.getLogger(__name__)
 
 
@@ -44,6 +46,7 @@ class AttentionMetadata:
     num_decodes: int  # tokens [0, num_decodes) are single-token decodes
     decode_block_table: torch.Tensor  # [num_decodes, max_blocks] long (padded with block 0)
     decode_mask: torch.Tensor  # [num_decodes, 1, 1, max_blocks * block_size] bool
+    decode_seq_lens: torch.Tensor  # [num_decodes] long: keys each decode attends
     prefills: list[PrefillSpan] = field(default_factory=list)
     # Flash-attention (CUDA) view of the same batch: all requests, decodes included.
     query_start_loc: torch.Tensor | None = None  # [num_reqs + 1] int32
@@ -97,7 +100,7 @@ class AttentionMetadata:
             prefills.append(PrefillSpan(start, q_len, ctx, ctx_table, mask))
             start += q_len
 
-        meta = cls(slot_mapping, num_decodes, decode_table, decode_mask, prefills)
+        meta = cls(slot_mapping, num_decodes, decode_table, decode_mask, lens, prefills)
         if with_flash:
             cum = [0]
             for q_len in query_lens:
@@ -114,15 +117,29 @@ class AttentionMetadata:
 
 
 class TorchAttention:
-    """CPU (and fallback) backend: batched SDPA for decodes, one SDPA per prefill chunk."""
+    """CPU (and fallback) backend: one SDPA per prefill chunk; decodes go to our C kernel
+    reading the paged cache in place (``cpu_kernels``) when it is available, else to one
+    batched SDPA over gathered blocks."""
 
     name = "torch-sdpa"
     needs_flash_metadata = False
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> None:
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        block_size: int,
+        use_cpu_kernel: bool = True,
+    ) -> None:
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.block_size = block_size
         self.scale = head_dim**-0.5
+        self.kernel: PagedDecodeKernel | None = None
+        if use_cpu_kernel:
+            self.kernel = paged_decode_kernel()
+            if self.kernel is not None:
+                self.name = "torch-sdpa+cpu-paged-decode"
 
     def forward(
         self,
@@ -145,7 +162,23 @@ class TorchAttention:
         # 2. Decodes: gather each request's blocks (index_select is several times faster than
         # advanced indexing), attend with a padding mask.
         n = meta.num_decodes
-        if n:
+        kernel = self.kernel
+        if (
+            n
+            and kernel is not None
+            and q.device.type == "cpu"
+            and kernel.supports(q.dtype, h, kvh, d)
+        ):
+            kernel(
+                q3[:n].contiguous(),
+                k_cache,
+                v_cache,
+                meta.decode_block_table,
+                meta.decode_seq_lens,
+                out[:n],
+                self.scale,
+            )
+        elif n:
             width = meta.decode_block_table.shape[1]
             flat_ids = meta.decode_block_table.view(-1)
             kd = k_cache.view(k_cache.shape[0], -1).index_select(0, flat_ids)

@@ -9,6 +9,7 @@ checkpoint's separate matrices into them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -18,6 +19,56 @@ from torch import nn
 from actors.model.attention import AttentionBackend, AttentionMetadata
 from actors.model.config import ModelConfig
 from actors.model.rope import RotaryEmbedding
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` that can switch to a pre-packed CPU GEMM (see ``pack_for_cpu``).
+
+    oneDNN re-lays the weight once into its blocked format, which makes the small-M products
+    of decoding about 1.2-2x faster than ``F.linear``. The packed copy sits next to the
+    original weight, which stays the source of truth (loading, LoRA, the tests' references)."""
+
+    _packed: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._packed is not None:
+            return self._packed(x)
+        return F.linear(x, self.weight, self.bias)
+
+    def pack_for_cpu(self, batch_hint: int = 64) -> bool:
+        """Pack the weight for this CPU's GEMM library; False when not applicable."""
+        packed = pack_linear(self.weight, self.bias, batch_hint)
+        self._packed = packed
+        return packed is not None
+
+
+def pack_linear(
+    weight: torch.Tensor, bias: torch.Tensor | None, batch_hint: int = 64
+) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """A ``x @ weight.T + bias`` on a oneDNN-packed weight (CPU float32 / bfloat16), or None.
+
+    The batch size is only a hint: any number of rows works. A single float32 row goes to
+    ``F.linear`` instead, which is faster there (a GEMV); bfloat16 is faster packed at every
+    size. MKL's own packed GEMM (``torch.ops.mkl``) is not used: it silently falls back to
+    ``mm`` unless the row count equals the hint."""
+    if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if not torch.backends.mkldnn.is_available():
+        return None
+    w = weight.detach()
+    b = None if bias is None else bias.detach()
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, batch_hint)
+    except (RuntimeError, AttributeError):  # an op missing from this torch build
+        return None
+    min_rows = 2 if w.dtype == torch.float32 else 1
+
+    def onednn(x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] < min_rows:
+            return F.linear(x, w, b)
+        return torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
+
+    return onednn
 
 
 class LoRAHook(Protocol):
@@ -46,18 +97,18 @@ class DecoderLayer(nn.Module):
         self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.qkv_proj = nn.Linear(
+        self.qkv_proj = Linear(
             cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias
         )
-        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
         self.intermediate_size = cfg.intermediate_size
 
     def forward(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
+        rope_cache: tuple[torch.Tensor, torch.Tensor],
         rope: RotaryEmbedding,
         attn: AttentionBackend,
         kv_cache: torch.Tensor,
@@ -68,8 +119,10 @@ class DecoderLayer(nn.Module):
         qkv = self.qkv_proj(h)
         if lora is not None:
             lora.apply(self.index, "qkv_proj", h, qkv)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = rope(positions, q, k)
+        # q and k are rotated in one pass: they sit side by side in the fused output.
+        qk = rope.rotate(qkv[:, : self.q_size + self.kv_size], *rope_cache)
+        q, k = qk.split([self.q_size, self.kv_size], dim=-1)
+        v = qkv[:, self.q_size + self.kv_size :]
         a = attn.forward(q, k, v.contiguous(), kv_cache, meta)
         o = self.o_proj(a)
         if lora is not None:
@@ -100,6 +153,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head: nn.Linear | None = (
             None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, False)
         )
+        self._packed_logits: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.rope = RotaryEmbedding(
             cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, dtype
         )
@@ -115,13 +169,28 @@ class LlamaForCausalLM(nn.Module):
         lora: LoRAHook | None = None,
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        rope_cache = self.rope.lookup(positions)
         for layer, cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, positions, self.rope, attn, cache, meta, lora)
+            x = layer(x, rope_cache, self.rope, attn, cache, meta, lora)
         out: torch.Tensor = self.norm(x)
         return out
 
+    @torch.no_grad()
+    def pack_for_cpu(self, batch_hint: int = 64) -> bool:
+        """Pre-pack every projection and the output head for the CPU GEMM libraries. Call
+        after loading the weights (and again if they change). True when packing applied."""
+        ok = True
+        for layer in self.layers:
+            for module in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
+                ok = module.pack_for_cpu(batch_hint) and ok
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        self._packed_logits = pack_linear(weight, None, batch_hint)
+        return ok and self._packed_logits is not None
+
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self._packed_logits is not None:
+            return self._packed_logits(hidden.contiguous())
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         logits: torch.Tensor = F.linear(hidden, weight)
         return logits

@@ -90,17 +90,14 @@ class RotaryEmbedding(torch.nn.Module):
         self.register_buffer("cos_table", (emb.cos() * mscale).to(dtype), persistent=False)
         self.register_buffer("sin_table", (emb.sin() * mscale).to(dtype), persistent=False)
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos_table[positions].unsqueeze(1)  # [T, 1, D]
-        sin = self.sin_table[positions].unsqueeze(1)
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin rows for a step's positions, ``[T, 1, D]`` each; shared by every layer."""
+        return self.cos_table[positions].unsqueeze(1), self.sin_table[positions].unsqueeze(1)
 
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        t = x.shape[0]
-        x = x.view(t, -1, self.head_dim)
+    def rotate(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate ``[T, n_heads * D]`` (q and k heads side by side are fine: same positions)."""
+        t = qk.shape[0]
+        x = qk.view(t, -1, self.head_dim)
         half = self.head_dim // 2
-        x1, x2 = x[..., :half], x[..., half:]
-        rotated = torch.cat((-x2, x1), dim=-1)
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return (x * cos + rotated * sin).view(t, -1)

@@ -26,6 +26,7 @@ class PagedRunner:
             self.model, dtype = model, model.embed_tokens.weight.dtype
         else:
             self.model = load_model(model, dtype, progress=False)
+        self.model.pack_for_cpu()  # the worker's CPU path
         cfg = self.model.config
         self.block_size = block_size
         self.attn = TorchAttention(
