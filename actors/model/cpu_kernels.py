@@ -19,6 +19,7 @@ import subprocess
 import tempfile
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -63,7 +64,7 @@ def _build() -> Path:
     return target
 
 
-_ARGTYPES = [
+_ARGTYPES: list[Any] = [
     ctypes.c_void_p,  # q
     ctypes.c_void_p,  # k_cache
     ctypes.c_void_p,  # v_cache

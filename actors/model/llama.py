@@ -53,7 +53,7 @@ def pack_linear(
     ``mm`` unless the row count equals the hint."""
     if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
         return None
-    if not torch.backends.mkldnn.is_available():
+    if not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
         return None
     w = weight.detach()
     b = None if bias is None else bias.detach()
@@ -120,8 +120,8 @@ class DecoderLayer(nn.Module):
         if lora is not None:
             lora.apply(self.index, "qkv_proj", h, qkv)
         # q and k are rotated in one pass: they sit side by side in the fused output.
-        qk = rope.rotate(qkv[:, : self.q_size + self.kv_size], *rope_cache)
-        q, k = qk.split([self.q_size, self.kv_size], dim=-1)
+        qk: torch.Tensor = rope.rotate(qkv[:, : self.q_size + self.kv_size], *rope_cache)
+        q, k = qk[:, : self.q_size], qk[:, self.q_size :]
         v = qkv[:, self.q_size + self.kv_size :]
         a = attn.forward(q, k, v.contiguous(), kv_cache, meta)
         o = self.o_proj(a)
@@ -181,6 +181,7 @@ class LlamaForCausalLM(nn.Module):
         after loading the weights (and again if they change). True when packing applied."""
         ok = True
         for layer in self.layers:
+            assert isinstance(layer, DecoderLayer)
             for module in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
                 ok = module.pack_for_cpu(batch_hint) and ok
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
