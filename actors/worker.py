@@ -276,7 +276,9 @@ class ModelWorker:
         cached = so.scheduled_cached_reqs
         starts.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
         for req_id, num_tokens in so.num_scheduled_tokens.items():
-            state = self.requests[req_id]
+            state = self.requests.get(req_id)
+            if state is None:
+                raise RuntimeError(f"request {req_id!r} scheduled but never sent to this worker")
             start = starts[req_id]
             end = start + num_tokens
             if end > len(state.token_ids):
