@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: test lint bench-scheduler clean
+.PHONY: test lint generate bench-scheduler bench-model clean
 
 $(BIN)/activate: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,13 @@ lint: $(BIN)/activate
 
 test: lint
 	$(BIN)/python -m pytest -q
+
+PROMPT ?= What is the capital of France?
+generate: $(BIN)/activate
+	$(BIN)/tandem generate "$(PROMPT)"
+
+bench-model: $(BIN)/activate
+	$(BIN)/python bench/model_throughput.py --out bench/results/model_throughput.json
 
 bench-scheduler: $(BIN)/activate
 	$(BIN)/python bench/scheduler_overhead.py --out bench/results/scheduler_overhead.json

@@ -43,13 +43,17 @@ class Linear(nn.Linear):
 
 
 def pack_linear(
-    weight: torch.Tensor, bias: torch.Tensor | None, batch_hint: int = 64
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    batch_hint: int = 64,
+    min_rows: int | None = None,
 ) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """A ``x @ weight.T + bias`` on a oneDNN-packed weight (CPU float32 / bfloat16), or None.
 
     The batch size is only a hint: any number of rows works. A single float32 row goes to
-    ``F.linear`` instead, which is faster there (a GEMV); bfloat16 is faster packed at every
-    size. MKL's own packed GEMM (``torch.ops.mkl``) is not used: it silently falls back to
+    ``F.linear`` instead, which is faster there (a GEMV), unless ``min_rows`` says otherwise
+    (the wide output head is faster packed even for one row); bfloat16 is faster packed at
+    every size. MKL's own packed GEMM (``torch.ops.mkl``) is not used: it silently falls back to
     ``mm`` unless the row count equals the hint."""
     if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
         return None
@@ -61,7 +65,8 @@ def pack_linear(
         packed = torch.ops.mkldnn._reorder_linear_weight(w, batch_hint)
     except (RuntimeError, AttributeError):  # an op missing from this torch build
         return None
-    min_rows = 2 if w.dtype == torch.float32 else 1
+    if min_rows is None:
+        min_rows = 2 if w.dtype == torch.float32 else 1
 
     def onednn(x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] < min_rows:
@@ -84,10 +89,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        # Hugging Face normalises in float32, casts back, then scales by the weight; the fused
+        # op gives the same bits (checked against transformers in the tests).
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
 
 
 class DecoderLayer(nn.Module):
@@ -185,7 +191,7 @@ class LlamaForCausalLM(nn.Module):
             for module in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
                 ok = module.pack_for_cpu(batch_hint) and ok
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        self._packed_logits = pack_linear(weight, None, batch_hint)
+        self._packed_logits = pack_linear(weight, None, batch_hint, min_rows=1)
         return ok and self._packed_logits is not None
 
     @torch.inference_mode()

@@ -85,19 +85,26 @@ class RotaryEmbedding(torch.nn.Module):
         freqs = torch.outer(t, inv)
         emb = torch.cat((freqs, freqs), dim=-1)
         # Kept in the model's dtype: Hugging Face casts cos/sin to the activations' dtype too.
+        sin = emb.sin() * mscale
+        sin[:, : head_dim // 2] *= -1  # rotate_half's sign, folded in (see ``rotate``)
         self.cos_table: torch.Tensor
-        self.sin_table: torch.Tensor
+        self.signed_sin_table: torch.Tensor
         self.register_buffer("cos_table", (emb.cos() * mscale).to(dtype), persistent=False)
-        self.register_buffer("sin_table", (emb.sin() * mscale).to(dtype), persistent=False)
+        self.register_buffer("signed_sin_table", sin.to(dtype), persistent=False)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin rows for a step's positions, ``[T, 1, D]`` each; shared by every layer."""
-        return self.cos_table[positions].unsqueeze(1), self.sin_table[positions].unsqueeze(1)
+        """cos and sign-folded sin rows for a step's positions, ``[T, 1, D]`` each; computed
+        once per step and shared by every layer."""
+        return (
+            self.cos_table[positions].unsqueeze(1),
+            self.signed_sin_table[positions].unsqueeze(1),
+        )
 
-    def rotate(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Rotate ``[T, n_heads * D]`` (q and k heads side by side are fine: same positions)."""
+    def rotate(self, qk: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+        """Rotate ``[T, n_heads * D]`` (q and k heads side by side are fine: same positions).
+
+        rotate_half(x) = [-x2, x1] = roll(x, D/2) * [-1..., +1...]; the signs live in
+        ``signed_sin``, so a rotation is one roll, two multiplies and an add."""
         t = qk.shape[0]
         x = qk.view(t, -1, self.head_dim)
-        half = self.head_dim // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return (x * cos + rotated * sin).view(t, -1)
+        return (x * cos + x.roll(self.head_dim // 2, dims=-1) * signed_sin).view(t, -1)
