@@ -52,7 +52,7 @@ class _Sample:
         self.out = CompletionOutput(
             index=index, logprobs=[] if params.logprobs is not None else None
         )
-        self.detok = IncrementalDetokenizer(tokenizer)
+        self.detok = IncrementalDetokenizer(tokenizer, params.skip_special_tokens)
         self.params = params
         self.max_stop_len = max((len(s) for s in params.stop), default=0)
 

@@ -124,20 +124,21 @@ class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas without re-decoding from the start and
     without emitting half of a multi-byte character (held back while it decodes to U+FFFD)."""
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int] | None = None) -> None:
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = []
         self.prefix_offset = 0  # window start: context so merges render as in the full text
         self.read_offset = 0  # tokens already turned into emitted text
         self.text = ""
-        del prompt_ids  # decoding starts fresh at the first output token
 
     def add(self, new_ids: list[int]) -> str:
         """Append tokens; return the newly completed text (may be empty)."""
         self.ids.extend(new_ids)
         tok = self.tokenizer
-        prefix = tok.decode(self.ids[self.prefix_offset : self.read_offset])
-        full = tok.decode(self.ids[self.prefix_offset :])
+        skip = self.skip_special_tokens
+        prefix = tok.decode(self.ids[self.prefix_offset : self.read_offset], skip)
+        full = tok.decode(self.ids[self.prefix_offset :], skip)
         if full.endswith("\ufffd") or len(full) <= len(prefix):
             return ""  # an incomplete UTF-8 sequence (or nothing visible yet): wait
         delta = full[len(prefix) :]

@@ -36,12 +36,13 @@ def make_checkpoint(path: Path, arch: str = "llama", seed: int = 0, **overrides:
         model = transformers.Qwen2ForCausalLM(config)
     else:
         raise ValueError(arch)
-    with torch.no_grad():  # random init is small; widen it so logits are not all near-equal
-        for p in model.parameters():
-            if p.dim() == 1 and "norm" not in str(p.shape):
-                p.normal_(0, 0.1)
+    with torch.no_grad():
+        # Non-trivial norm weights (HF initialises them to 1, which would hide a missing or
+        # misplaced scale) and biases large enough to matter.
         for name, p in model.named_parameters():
-            if name.endswith("bias"):
+            if name.endswith("norm.weight"):
+                p.normal_(1.0, 0.2)
+            elif name.endswith("bias"):
                 p.normal_(0, 0.5)
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = None

@@ -54,9 +54,7 @@ def test_step_beyond_known_tokens_is_refused(tiny_llama: Path) -> None:
     worker = ModelWorker(str(tiny_llama), dtype="float32", block_size=4, progress=False)
     worker.load_model()
     worker.init_kv_cache(16)
-    sched = Scheduler(
-        SchedulerConfig(max_model_len=64), CacheConfig(block_size=4, num_blocks=16)
-    )
+    sched = Scheduler(SchedulerConfig(max_model_len=64), CacheConfig(block_size=4, num_blocks=16))
     sched.add_request(Request("r", [1, 2, 3], SamplingParams(max_tokens=4)))
     out = sched.schedule()
     worker.execute_model(out)
