@@ -163,3 +163,20 @@ def test_bad_inputs_are_refused(tiny_llama: Path) -> None:
         llm.generate({"prompt_token_ids": []}, GREEDY)
     with pytest.raises(ValueError, match="max_position_embeddings"):
         engine(tiny_llama, max_model_len=10_000)
+
+
+def test_logprobs_through_the_engine(tiny_llama: Path) -> None:
+    llm = engine(tiny_llama)
+    prompt = make_prompts(8)[2]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=3)
+    sample = llm.generate(prompt, params)[0].outputs[0]
+    assert sample.logprobs is not None and len(sample.logprobs) == len(sample.token_ids) == 6
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+    with torch.no_grad():
+        logits = ref(torch.tensor([prompt + sample.token_ids])).logits[0, len(prompt) - 1 : -1]
+    expected = logits.log_softmax(-1)
+    for pos, (token, entry) in enumerate(zip(sample.token_ids, sample.logprobs, strict=True)):
+        top3 = expected[pos].topk(3).indices.tolist()
+        assert list(entry)[:3] == top3 and token == top3[0]  # greedy: the best is sampled
+        for tid, lp in entry.items():
+            assert abs(lp - expected[pos, tid].item()) <= 1e-4
