@@ -40,7 +40,7 @@ class Tokenizer:
     def from_path(cls, path: Path) -> Tokenizer:
         """A model directory (tokenizer.json + tokenizer_config.json) or a GGUF file."""
         if path.is_file() and path.suffix.lower() == ".gguf":
-            from actors.model.gguf_loader import gguf_tokenizer
+            from actors.model.gguf_tokenizer import gguf_tokenizer
 
             tok, info = gguf_tokenizer(path)
             return cls(

@@ -20,11 +20,11 @@ from actors.model.chat_template import render_chat
 from actors.model.gguf_loader import (
     count_gguf_tensors,
     dequantize,
-    gguf_tokenizer,
     iter_gguf_tensors,
     open_gguf,
     read_gguf_config,
 )
+from actors.model.gguf_tokenizer import gguf_tokenizer
 
 QT = gguf.GGMLQuantizationType
 OUR_TYPES = [QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1]
