@@ -146,7 +146,7 @@ class LLMEngine:
         """Queue a prompt (text or token ids). ``n > 1`` fans out into ``n`` scheduler requests
         (``{id}#{i}``; sample ``i`` of a seeded request uses ``seed + i``)."""
         params = params or SamplingParams()
-        if request_id in self.processor.requests:
+        if self.processor.in_use(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
         if isinstance(prompt, str):
             text: str | None = prompt
@@ -161,13 +161,17 @@ class LLMEngine:
         stop_ids = tuple(params.stop_token_ids) + tuple(
             e for e in self.extra_stop_ids if e not in params.stop_token_ids
         )
-        child_ids = self.processor.add(request_id, text, prompt_ids, params)
+        child_ids = self.processor.child_ids(request_id, params.n)
+        taken = [c for c in child_ids if c in self.scheduler.requests or self.processor.in_use(c)]
+        if taken:  # e.g. a request named "x#0" next to an n > 1 request "x"
+            raise ValueError(f"request id {taken[0]!r} is already in use")
         now = time.monotonic() if arrival_time is None else arrival_time
+        requests = []
         for i, child_id in enumerate(child_ids):
             update: dict[str, Any] = {"n": 1, "stop_token_ids": stop_ids}
             if params.seed is not None:
                 update["seed"] = params.seed + i
-            self.scheduler.add_request(
+            requests.append(
                 Request(
                     request_id=child_id,
                     prompt_token_ids=prompt_ids,
@@ -178,6 +182,9 @@ class LLMEngine:
                     lora_request=lora_request,
                 )
             )
+        self.processor.add(request_id, text, prompt_ids, params)
+        for request in requests:
+            self.scheduler.add_request(request)
 
     def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         if not prompt_ids:

@@ -8,7 +8,9 @@ for out in llm.generate(["Hello"], SamplingParams(max_tokens=32)):
 
 from __future__ import annotations
 
+import copy
 import itertools
+from collections import deque
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -26,6 +28,7 @@ class LLM:
     def __init__(self, model: str | None = None, **config: Any) -> None:
         self.engine = LLMEngine(model, **config)
         self._ids = itertools.count()
+        self._queues: dict[str, deque[RequestOutput]] = {}  # per live request, see ``_run``
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
@@ -106,16 +109,35 @@ class LLM:
         return ids
 
     def _run(self, ids: set[str]) -> Iterator[RequestOutput]:
+        """Step the engine until ``ids`` finish. Outputs of requests that belong to another
+        live ``generate`` / ``generate_stream`` call (interleaved streams) are queued for it as
+        snapshots, never dropped."""
         engine = self.engine
         remaining = set(ids)
+        for rid in ids:
+            self._queues[rid] = deque()
         try:
-            while remaining and engine.has_unfinished_requests():
-                for out in engine.step():
-                    if out.finished:
-                        remaining.discard(out.request_id)
-                    if out.request_id in ids:
+            while remaining:
+                for rid in sorted(remaining):  # what other calls' steps produced for us
+                    queue = self._queues[rid]
+                    while queue:
+                        out = queue.popleft()
+                        if out.finished:
+                            remaining.discard(rid)
                         yield out
+                if not remaining or not engine.has_unfinished_requests():
+                    break
+                for out in engine.step():
+                    rid = out.request_id
+                    if rid in ids:
+                        if out.finished:
+                            remaining.discard(rid)
+                        yield out
+                    elif rid in self._queues:
+                        self._queues[rid].append(copy.deepcopy(out))
         finally:
+            for rid in ids:
+                self._queues.pop(rid, None)
             if remaining:  # the consumer stopped early: nothing may keep running
                 engine.abort_request(sorted(remaining))
                 engine.processor.forget(remaining)

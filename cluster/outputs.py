@@ -55,6 +55,7 @@ class _Sample:
         self.detok = IncrementalDetokenizer(tokenizer, params.skip_special_tokens)
         self.params = params
         self.max_stop_len = max((len(s) for s in params.stop), default=0)
+        self.emitted = 0  # characters of ``out.text`` already handed out as ``new_text``
 
     def add(self, core: EngineCoreOutput) -> bool:
         """Apply one step's tokens; True when a stop string ended the sample."""
@@ -67,7 +68,8 @@ class _Sample:
         delta = self.detok.add(core.new_token_ids) if core.new_token_ids else ""
         text = out.text + delta
         stopped = False
-        if self.params.stop and delta:
+        # vLLM's rule: stop strings count only once min_tokens outputs exist.
+        if self.params.stop and delta and len(out.token_ids) > self.params.min_tokens:
             # Only the tail that could hold a new match is searched.
             window_start = max(0, before - self.max_stop_len + 1)
             hit = _find_stop(text, self.params.stop, window_start)
@@ -77,11 +79,17 @@ class _Sample:
                 text = text[:end]
                 out.finish_reason, out.stop_reason = "stop", stop
                 stopped = True
-        out.new_text = text[before:] if len(text) >= before else ""
         out.text = text
         if not stopped and core.finish_reason is not None:
             out.finish_reason = core.finish_reason.value
             out.stop_reason = core.stop_reason
+        # Stream only text that can no longer turn out to be the start of a stop string, so the
+        # deltas always add up to the final text (the held-back tail goes out at the finish).
+        safe_end = len(text)
+        if self.params.stop and out.finish_reason is None:
+            safe_end = max(self.emitted, len(text) - (self.max_stop_len - 1))
+        out.new_text = text[self.emitted : safe_end]
+        self.emitted = safe_end
         return stopped
 
 
@@ -111,13 +119,22 @@ class OutputProcessor:
         self.children: dict[str, tuple[_Parent, _Sample]] = {}
         self.pending: set[str] = set()  # parents with an update not yet returned (aborts)
 
+    @staticmethod
+    def child_ids(request_id: str, n: int) -> list[str]:
+        """Scheduler ids of a request's samples: the id itself, or ``{id}#{i}`` when n > 1."""
+        return [request_id] if n == 1 else [f"{request_id}#{i}" for i in range(n)]
+
+    def in_use(self, request_id: str) -> bool:
+        """True if the id names a live request or one of its samples."""
+        return request_id in self.requests or request_id in self.children
+
     def add(
         self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams
     ) -> list[str]:
         samples = [_Sample(i, self.tokenizer, params) for i in range(params.n)]
         parent = _Parent(request_id, prompt, prompt_ids, samples)
         self.requests[request_id] = parent
-        child_ids = [request_id if params.n == 1 else f"{request_id}#{i}" for i in range(params.n)]
+        child_ids = self.child_ids(request_id, params.n)
         for child_id, sample in zip(child_ids, samples, strict=True):
             self.children[child_id] = (parent, sample)
         return child_ids

@@ -180,3 +180,54 @@ def test_logprobs_through_the_engine(tiny_llama: Path) -> None:
         assert list(entry)[:3] == top3 and token == top3[0]  # greedy: the best is sampled
         for tid, lp in entry.items():
             assert abs(lp - expected[pos, tid].item()) <= 1e-4
+
+
+def test_streamed_deltas_never_show_a_stop_string(tiny_llama: Path) -> None:
+    """A stop string that spans tokens is held back while it could still match, so the
+    streamed deltas add up to the final text."""
+    llm = engine(tiny_llama)
+    prompt = make_prompts(9)[3]
+    text = llm.generate(prompt, GREEDY)[0].outputs[0].text
+    at = next(i for i in range(4, len(text) - 3) if text.find(text[i : i + 3]) == i)
+    params = GREEDY.model_copy(update={"stop": (text[at : at + 3],)})
+    streamed, final = "", None
+    for out in llm.generate_stream(prompt, params):
+        streamed += out.outputs[0].new_text
+        final = out.outputs[0]
+    assert final is not None and final.finish_reason == "stop"
+    assert streamed == final.text == text[:at]
+    # min_tokens: the stop string is ignored until that many tokens exist (vLLM's rule).
+    late = GREEDY.model_copy(update={"stop": (text[at : at + 3],), "min_tokens": 30})
+    assert llm.generate(prompt, late)[0].outputs[0].finish_reason == "length"
+
+
+def test_child_id_collisions_are_refused_without_side_effects(tiny_llama: Path) -> None:
+    eng = engine(tiny_llama).engine
+    eng.add_request("x", [1, 2, 3], SamplingParams(n=2, max_tokens=3, temperature=1.0))
+    with pytest.raises(ValueError, match="already in use"):
+        eng.add_request("x#0", [4, 5], SamplingParams(max_tokens=3))
+    eng.add_request("y#1", [4, 5], SamplingParams(max_tokens=3))
+    with pytest.raises(ValueError, match="already in use"):
+        eng.add_request("y", [6], SamplingParams(n=2, max_tokens=3))
+    finished = set()
+    while eng.has_unfinished_requests():
+        finished |= {o.request_id for o in eng.step() if o.finished}
+    assert finished == {"x", "y#1"} and eng.get_num_unfinished_requests() == 0
+
+
+def test_interleaved_streams_lose_nothing(tiny_llama: Path) -> None:
+    llm = engine(tiny_llama)
+    prompts = make_prompts(10)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    alone = [o.outputs[0].token_ids for o in llm.generate(prompts[:2], params)]
+    stream = llm.generate_stream(prompts[0], params)
+    first = next(stream)
+    tokens = list(first.outputs[0].new_token_ids)
+    other = llm.generate(prompts[1], params)  # steps the engine while the stream is paused
+    finals = []
+    for out in stream:
+        tokens += out.outputs[0].new_token_ids
+        if out.finished:
+            finals.append(out)
+    assert len(finals) == 1 and tokens == alone[0]
+    assert other[0].outputs[0].token_ids == alone[1]

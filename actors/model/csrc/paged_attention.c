@@ -13,6 +13,7 @@
  * values. Each K/V row is converted to float32 once and used by all heads of its group.
  * Common head sizes (64, 128) get loops with a compile-time trip count, which gcc vectorizes.
  */
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -51,7 +52,7 @@ static inline __attribute__((always_inline)) void NAME(                         
     float maxs[MAX_GROUP], sums[MAX_GROUP];                                                   \
     for (int g = 0; g < group; ++g) {                                                         \
         for (int d = 0; d < HD; ++d) qf[g][d] = LOAD(q[g * HD + d]) * scale;                  \
-        maxs[g] = -INFINITY;                                                                  \
+        maxs[g] = -FLT_MAX; /* not -INFINITY: built with -ffast-math (finite math only) */    \
     }                                                                                         \
     int64_t l = 0;                                                                            \
     for (int64_t b = 0; l < len; ++b) {                                                       \
