@@ -1,0 +1,153 @@
+"""``ClusterConfig``: one file configures a whole deployment (DESIGN.md §5).
+
+    model: null                       # the built-in SmolLM2; or a path
+    pools:
+      - {name: prefill, role: prefill, replicas: 1, resources: {prefill: 0.01}}
+      - {name: decode,  role: decode,  replicas: 1, resources: {decode: 0.01},
+         scheduler: {max_num_seqs: 64}}
+    router: {disaggregation: 256}     # uncached prompt tokens below this stay on a decode
+    kv_transfer: {transport: ray, timeout_s: 5, failure_policy: recompute}
+
+Pydantic models with ``extra="forbid"``: a misspelt key is an error naming it. The cluster
+layer (SchedulerActor, Router, workers) reads these; this module only validates.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from scheduler import CacheConfig, LoRAConfig, SchedulerConfig
+
+Role = Literal["prefill", "decode", "both"]
+
+
+class _Config(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class InstancePool(_Config):
+    """``replicas`` identical instances with one role, placed by node resources."""
+
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
+    role: Role = "both"
+    replicas: int = Field(1, ge=1, le=1024)
+    pp_size: int = Field(1, ge=1, le=64, description="Pipeline stages per instance.")
+    resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Custom Ray resources each worker needs, e.g. {'prefill': 0.01}.",
+    )
+    num_cpus: float = Field(0.0, ge=0.0)
+    num_gpus: float = Field(0.0, ge=0.0)
+    num_blocks: int | None = Field(None, ge=1, description="KV blocks; else sized by memory.")
+    kv_cache_memory_bytes: int | None = Field(None, ge=1)
+    memory_budget_bytes: int | None = Field(
+        None, ge=1, description="Weights + activations + KV cache; the worker profiles."
+    )
+    scheduler: dict[str, Any] = Field(
+        default_factory=dict, description="SchedulerConfig fields for this pool."
+    )
+    cache: dict[str, Any] = Field(
+        default_factory=dict, description="CacheConfig fields (num_blocks comes from above)."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> InstancePool:
+        sizes = [self.num_blocks, self.kv_cache_memory_bytes, self.memory_budget_bytes]
+        if sum(s is not None for s in sizes) > 1:
+            raise ValueError(
+                f"pool {self.name!r}: set at most one of num_blocks, kv_cache_memory_bytes, "
+                "memory_budget_bytes"
+            )
+        if "num_blocks" in self.cache:
+            raise ValueError(f"pool {self.name!r}: set num_blocks on the pool, not in cache")
+        if any(v < 0 for v in self.resources.values()):
+            raise ValueError(f"pool {self.name!r}: resources must be >= 0")
+        # Validate the nested configs now, so a bad knob fails at load time with its name.
+        self.scheduler_config(max_model_len=None)
+        CacheConfig(**self.cache)
+        return self
+
+    def scheduler_config(self, max_model_len: int | None) -> SchedulerConfig:
+        args = dict(self.scheduler)
+        if max_model_len is not None:
+            args.setdefault("max_model_len", max_model_len)
+        try:
+            return SchedulerConfig(**args)
+        except ValueError as exc:
+            raise ValueError(f"pool {self.name!r} scheduler: {exc}") from exc
+
+
+class RouterConfig(_Config):
+    """How the Router picks instances and when a request is disaggregated."""
+
+    policy: Literal["least_loaded"] = "least_loaded"
+    prefix_affinity: bool = Field(True, description="Prefer the instance caching the prefix.")
+    disaggregation: Literal["always", "never"] | int = Field(
+        256,
+        description="'always', 'never', or the uncached prompt length (tokens) from which a "
+        "request goes through a prefill instance; shorter ones run on a decode instance.",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> RouterConfig:
+        if isinstance(self.disaggregation, int) and self.disaggregation < 0:
+            raise ValueError(f"router.disaggregation ({self.disaggregation}) must be >= 0")
+        return self
+
+
+class KVTransferConfig(_Config):
+    """The KV connector between prefill and decode instances."""
+
+    transport: Literal["ray", "grpc"] = "ray"
+    timeout_s: float = Field(5.0, gt=0.0, le=600.0, description="Deadline of one transfer.")
+    failure_policy: Literal["recompute", "fail"] = "recompute"
+
+
+class ClusterConfig(_Config):
+    """A whole deployment: the model, the instance pools and how they cooperate."""
+
+    model: str | None = Field(None, description="Path, or null for the built-in SmolLM2.")
+    dtype: str = "auto"
+    max_model_len: int | None = Field(None, ge=2)
+    pools: list[InstancePool] = Field(
+        default_factory=lambda: [InstancePool(name="default", role="both")], min_length=1
+    )
+    router: RouterConfig = Field(default_factory=RouterConfig)
+    kv_transfer: KVTransferConfig = Field(default_factory=KVTransferConfig)
+    lora: LoRAConfig | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> ClusterConfig:
+        names = [p.name for p in self.pools]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"pool names must be unique; repeated: {', '.join(duplicates)}")
+        roles = {p.role for p in self.pools}
+        if "prefill" in roles and not roles & {"decode", "both"}:
+            raise ValueError("a prefill pool needs a decode (or both) pool to hand KV to")
+        if self.router.disaggregation == "always" and "prefill" not in roles:
+            raise ValueError("router.disaggregation 'always' needs a pool with role 'prefill'")
+        return self
+
+    def pools_with_role(self, *roles: Role) -> list[InstancePool]:
+        return [p for p in self.pools if p.role in roles]
+
+    @classmethod
+    def from_yaml(cls, source: str | Path) -> ClusterConfig:
+        """Load from a YAML file path or a YAML string (an empty document = all defaults)."""
+        import yaml
+
+        text = Path(source).read_text() if _is_path(source) else str(source)
+        data = yaml.safe_load(text) or {}
+        if not isinstance(data, dict):
+            raise ValueError("a cluster config must be a YAML mapping")
+        return cls.model_validate(data)
+
+
+def _is_path(source: str | Path) -> bool:
+    if isinstance(source, Path):
+        return True
+    return "\n" not in source and source.endswith((".yaml", ".yml"))

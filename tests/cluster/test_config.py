@@ -1,0 +1,70 @@
+"""ClusterConfig: YAML loading and the errors a misconfigured deployment gets at load time."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from cluster.config import ClusterConfig
+
+PD = """
+model: null
+pools:
+  - {name: prefill, role: prefill, replicas: 2, resources: {prefill: 0.01}}
+  - name: decode
+    role: decode
+    resources: {decode: 0.01}
+    num_blocks: 512
+    scheduler: {max_num_seqs: 64, enable_chunked_prefill: true}
+    cache: {block_size: 16}
+router: {disaggregation: 128, prefix_affinity: true}
+kv_transfer: {transport: grpc, timeout_s: 3, failure_policy: fail}
+lora: {max_loras: 2, max_lora_rank: 16}
+"""
+
+
+def test_pd_yaml_loads(tmp_path: Path) -> None:
+    cfg = ClusterConfig.from_yaml(PD)
+    assert [p.name for p in cfg.pools_with_role("prefill")] == ["prefill"]
+    decode = cfg.pools_with_role("decode", "both")[0]
+    assert decode.num_blocks == 512 and decode.resources == {"decode": 0.01}
+    assert decode.scheduler_config(max_model_len=4096).max_num_seqs == 64
+    assert cfg.router.disaggregation == 128
+    assert cfg.kv_transfer.transport == "grpc" and cfg.kv_transfer.failure_policy == "fail"
+    assert cfg.lora is not None and cfg.lora.max_loras == 2
+    path = tmp_path / "cluster.yaml"
+    path.write_text(PD)
+    assert ClusterConfig.from_yaml(path) == cfg == ClusterConfig.from_yaml(str(path))
+
+
+def test_defaults_are_one_colocated_instance() -> None:
+    cfg = ClusterConfig.from_yaml("")
+    assert [(p.name, p.role, p.replicas) for p in cfg.pools] == [("default", "both", 1)]
+    assert cfg.kv_transfer.transport == "ray" and cfg.kv_transfer.timeout_s == 5.0
+    assert cfg.kv_transfer.failure_policy == "recompute"
+
+
+@pytest.mark.parametrize(
+    ("yaml_text", "message"),
+    [
+        ("pools: [{name: a, role: prefill}]", "needs a decode"),
+        ("pools: [{name: a}, {name: a}]", "repeated: a"),
+        ("router: {disaggregation: always}", "needs a pool with role 'prefill'"),
+        ("router: {disaggregation: -1}", "must be >= 0"),
+        ("pools: [{name: a, replicas: 0}]", "replicas"),
+        ("pools: [{name: a, num_blocks: 8, kv_cache_memory_bytes: 8}]", "at most one"),
+        ("pools: [{name: a, scheduler: {max_num_seqs: 0}}]", "max_num_seqs"),
+        ("pools: [{name: a, scheduler: {max_num_sequences: 4}}]", "max_num_sequences"),
+        ("pools: [{name: a, cache: {num_blocks: 4}}]", "not in cache"),
+        ("kv_transfer: {transport: nccl}", "transport"),
+        ("kv_transfer: {timeout_s: 0}", "timeout_s"),
+        ("pools: [{name: 'bad name'}]", "name"),
+        ("modle: x", "modle"),
+        ("- 1\n- 2", "mapping"),
+    ],
+)
+def test_bad_configs_name_the_field(yaml_text: str, message: str) -> None:
+    with pytest.raises((ValidationError, ValueError), match=message):
+        ClusterConfig.from_yaml(yaml_text)
