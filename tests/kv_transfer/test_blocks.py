@@ -1,0 +1,49 @@
+"""Moving KV blocks between paged caches: the data lands where the decode side's table says,
+layer ranges compose, and a mismatch is refused before anything is written."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kv_transfer.blocks import extract_blocks, insert_blocks
+
+
+def caches(num_layers: int, num_blocks: int, dtype: torch.dtype, seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(2, num_blocks, 4, 2, 8, generator=gen).to(dtype) for _ in range(num_layers)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_round_trip_into_other_block_ids(dtype: torch.dtype) -> None:
+    src, dst = caches(3, 10, dtype, 0), caches(3, 12, dtype, 1)
+    before = [c.clone() for c in dst]
+    src_ids, dst_ids = [7, 2, 5], [0, 11, 3]
+    insert_blocks(dst, dst_ids, extract_blocks(src, src_ids))
+    for layer in range(3):
+        for s, d in zip(src_ids, dst_ids, strict=True):
+            assert torch.equal(dst[layer][:, d], src[layer][:, s])
+        untouched = [b for b in range(12) if b not in dst_ids]
+        assert torch.equal(dst[layer][:, untouched], before[layer][:, untouched])
+
+
+def test_layer_ranges_compose_like_pipeline_stages() -> None:
+    src, dst = caches(4, 6, torch.float32, 2), caches(4, 6, torch.float32, 3)
+    ids = [1, 4]
+    for stage in (range(0, 2), range(2, 4)):  # two stages, each with its own layers
+        insert_blocks(dst, [0, 5], extract_blocks(src, ids, stage), stage)
+    for layer in range(4):
+        assert torch.equal(dst[layer][:, [0, 5]], src[layer][:, ids])
+
+
+def test_mismatches_are_refused_before_writing() -> None:
+    src, dst = caches(2, 6, torch.float32, 4), caches(2, 6, torch.float32, 5)
+    before = [c.clone() for c in dst]
+    data = extract_blocks(src, [1, 2])
+    with pytest.raises(ValueError, match="expected"):
+        insert_blocks(dst, [1, 2, 3], data)
+    with pytest.raises(ValueError, match=r"is torch\.float32, the cache is torch\.float16"):
+        insert_blocks(caches(2, 6, torch.float16, 6), [1, 2], data)
+    with pytest.raises(ValueError, match="not within"):
+        extract_blocks(src, [1], range(1, 3))
+    assert all(torch.equal(a, b) for a, b in zip(dst, before, strict=True))
