@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from actors.model.attention import AttentionMetadata, TorchAttention
-from actors.model.llama import LlamaForCausalLM
+from actors.model.llama import LlamaForCausalLM, LoRAHook
 from actors.model.loader import load_model
 
 
@@ -44,7 +44,9 @@ class PagedRunner:
         assert num_tokens % self.block_size == 0
         self.tables[dst] = list(self.tables[src][: num_tokens // self.block_size])
 
-    def step(self, batch: list[tuple[str, list[int], int]]) -> list[torch.Tensor]:
+    def step(
+        self, batch: list[tuple[str, list[int], int]], lora: LoRAHook | None = None
+    ) -> list[torch.Tensor]:
         """``batch``: (seq id, token ids, start position). Returns each entry's logits for all
         its tokens. Entries with one token must come first (decodes)."""
         ids: list[int] = []
@@ -63,6 +65,6 @@ class PagedRunner:
             self.block_size,
             torch.device("cpu"),
         )
-        hidden = self.model(torch.tensor(ids), torch.tensor(pos), self.kv, meta, self.attn)
+        hidden = self.model(torch.tensor(ids), torch.tensor(pos), self.kv, meta, self.attn, lora)
         logits = self.model.compute_logits(hidden).float()
         return list(logits.split([len(t) for _, t, _ in batch]))

@@ -11,13 +11,13 @@ from typing import Any
 import pytest
 import torch
 
-from actors.lora import LoRABatch, LoRAManager
-from actors.model.attention import AttentionMetadata, TorchAttention
+from actors.lora import LoRAManager
 from actors.model.llama import LlamaForCausalLM
 from actors.model.loader import load_model
 from scheduler.config import LoRAConfig
 from scheduler.request import LoRARequest
 from tests.model.conftest import transformers
+from tests.model.paged import PagedRunner
 
 peft = pytest.importorskip("peft")
 
@@ -83,47 +83,6 @@ def model(tiny_llama: Path) -> LlamaForCausalLM:
     return load_model(tiny_llama, dtype=torch.float32, progress=False)
 
 
-class Runner:
-    """Our model on a paged cache; each sequence gets its own blocks as it grows."""
-
-    def __init__(
-        self, model: LlamaForCausalLM, block_size: int = 4, dtype: torch.dtype = torch.float32
-    ) -> None:
-        cfg = model.config
-        self.model, self.block_size = model, block_size
-        self.attn = TorchAttention(
-            cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, block_size
-        )
-        num_blocks = 128
-        shape = (2, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
-        self.kv = [torch.zeros(shape, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
-        self.free = list(range(num_blocks))
-        self.tables: dict[str, list[int]] = {}
-
-    def step(
-        self, batch: list[tuple[str, list[int], int]], hook: LoRABatch | None
-    ) -> list[torch.Tensor]:
-        """``batch``: (seq id, new tokens, start position), single-token entries first."""
-        ids: list[int] = []
-        pos: list[int] = []
-        for seq, tokens, start in batch:
-            table = self.tables.setdefault(seq, [])
-            while len(table) * self.block_size < start + len(tokens):
-                table.append(self.free.pop())
-            ids += tokens
-            pos += range(start, start + len(tokens))
-        meta = AttentionMetadata.build(
-            [len(t) for _, t, _ in batch],
-            [s + len(t) for _, t, s in batch],
-            [self.tables[seq] for seq, _, _ in batch],
-            self.block_size,
-            torch.device("cpu"),
-        )
-        hidden = self.model(torch.tensor(ids), torch.tensor(pos), self.kv, meta, self.attn, hook)
-        logits: torch.Tensor = self.model.compute_logits(hidden)
-        return list(torch.split(logits, [len(t) for _, t, _ in batch]))
-
-
 def prompt(length: int, seed: int) -> list[int]:
     return torch.randint(0, 256, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 
@@ -152,7 +111,7 @@ def run_prefill(
     assert (hook is None) == all(lr is None for lr in loras)
     order = sorted(range(len(reqs)), key=lambda i: len(reqs[i][1]) != 1)
     assert order == list(range(len(reqs))), "single-token prompts must come first"
-    out = Runner(model).step([(f"s{i}", t, 0) for i, (_, t) in enumerate(reqs)], hook)
+    out = PagedRunner(model).step([(f"s{i}", t, 0) for i, (_, t) in enumerate(reqs)], hook)
     for i, ((name, tokens), got) in enumerate(zip(reqs, out, strict=True)):
         diff = (got - reference(name, tokens)).abs().max().item()
         assert diff <= TOL, f"request {i} ({name}): max |diff| {diff}"
@@ -206,7 +165,7 @@ def test_prefill_then_mixed_decodes(
     names: list[str | None] = ["a", None, "b"]
     seqs = [prompt(n, 20 + n) for n in (6, 9, 3)]
     loras = [None if n is None else lora(adapters, n) for n in names]
-    runner = Runner(model)
+    runner = PagedRunner(model)
     hook = mgr.prepare([(lr, len(s)) for lr, s in zip(loras, seqs, strict=True)])
     runner.step([(f"s{i}", s, 0) for i, s in enumerate(seqs)], hook)
     for step in range(4):
@@ -338,7 +297,7 @@ def test_bfloat16_adapter_close_to_reference(
     mgr = LoRAManager(bf16.config, LoRAConfig(), torch.device("cpu"), torch.bfloat16)
     tokens = prompt(10, 40)
     hook = mgr.prepare([(lora(adapters, "a"), len(tokens))])
-    got = Runner(bf16, dtype=torch.bfloat16).step([("s", tokens, 0)], hook)[0].float()
+    got = PagedRunner(bf16).step([("s", tokens, 0)], hook)[0].float()
     ref = reference("a", tokens)
     base = reference(None, tokens)
     err = (got - ref).abs().max().item()
