@@ -198,8 +198,6 @@ class LLMEngine:
                 f"prompt has {len(prompt_ids)} tokens; max_model_len is {self.max_model_len} "
                 f"(at least one must be left to generate)"
             )
-        if params.logprobs is not None and params.logprobs > 20:
-            raise ValueError(f"logprobs ({params.logprobs}) must be <= 20")
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         """Abort requests (by the ids given to ``add_request``); their blocks are freed and the

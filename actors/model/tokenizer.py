@@ -130,7 +130,6 @@ class IncrementalDetokenizer:
         self.ids: list[int] = []
         self.prefix_offset = 0  # window start: context so merges render as in the full text
         self.read_offset = 0  # tokens already turned into emitted text
-        self.text = ""
 
     def add(self, new_ids: list[int]) -> str:
         """Append tokens; return the newly completed text (may be empty)."""
@@ -144,5 +143,4 @@ class IncrementalDetokenizer:
         delta = full[len(prefix) :]
         self.prefix_offset = self.read_offset  # keep the last chunk as context
         self.read_offset = len(self.ids)
-        self.text += delta
         return delta

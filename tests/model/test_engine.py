@@ -3,6 +3,7 @@ transformers' ``generate``, and prefix caching, preemption, chunking and seeds k
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -35,10 +36,29 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new: int) -> list[l
     return outs
 
 
+_ENGINES: list[LLM] = []
+
+
 def engine(model_dir: Path, **kw: object) -> LLM:
     kw.setdefault("block_size", 4)
     kw.setdefault("num_blocks", 256)
-    return LLM(str(model_dir), dtype="float32", progress=False, **kw)
+    llm = LLM(str(model_dir), dtype="float32", progress=False, **kw)
+    _ENGINES.append(llm)
+    return llm
+
+
+@pytest.fixture(autouse=True)
+def _nothing_left_behind() -> Iterator[None]:
+    """Every scenario ends with no request anywhere and every KV block back in the pool."""
+    _ENGINES.clear()
+    yield
+    for llm in _ENGINES:
+        sched = llm.engine.scheduler
+        sched.check_integrity()
+        assert not sched.has_requests() and not llm.engine.has_unfinished_requests()
+        assert sched.kv_cache_manager.usage == 0.0
+        assert llm.engine.worker.health()["ok"]
+    _ENGINES.clear()
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
