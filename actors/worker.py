@@ -28,6 +28,7 @@ from scheduler.request import LoRARequest, SamplingParams
 
 if TYPE_CHECKING:
     from actors.lora import LoRAManager
+    from kv_transfer.base import WorkerConnector
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +74,13 @@ class ModelWorker:
         max_num_batched_tokens: int = 2048,
         max_num_seqs: int = 256,
         progress: bool = True,
+        kv_transfer: str | None = None,
+        num_threads: int | None = None,
     ) -> None:
+        """``kv_transfer`` names a KV transport (``ray``) for prefill/decode hand-off;
+        ``num_threads`` sets torch's intra-op threads (a Ray actor otherwise gets one)."""
+        if num_threads is not None:
+            torch.set_num_threads(num_threads)
         self.model_path: Path = resolve_model_path(model)
         self.dtype_arg = dtype
         self.device = torch.device(device)
@@ -90,6 +97,8 @@ class ModelWorker:
         self.sampler = Sampler()
         self.lora_manager: LoRAManager | None = None
         self.num_steps = 0
+        self.kv_transfer = kv_transfer
+        self.connector: WorkerConnector | None = None
 
     # -- set-up ---------------------------------------------------------------------------
     def load_model(self) -> None:
@@ -172,6 +181,12 @@ class ModelWorker:
         ]
         self.num_blocks = num_blocks
         self.requests.clear()
+        if self.kv_transfer is not None:
+            from kv_transfer.registry import create_worker_connector
+
+            if self.connector is None:
+                self.connector = create_worker_connector(self.kv_transfer)
+            self.connector.register_kv_caches(self.kv_caches, range(cfg.num_hidden_layers))
 
     # -- LoRA -------------------------------------------------------------------------------
     def add_lora(self, lora: LoRARequest) -> bool:
@@ -192,18 +207,50 @@ class ModelWorker:
             "num_requests": len(self.requests),
             "num_steps": self.num_steps,
             "device": str(self.device),
+            "num_loading": 0 if self.connector is None else self.connector.num_loading(),
+            "node_id": _ray_node_id(),
+            "pid": os.getpid(),
         }
+
+    def info(self) -> dict[str, Any]:
+        """What the control plane needs to build this instance's scheduler."""
+        cfg = self._model.config
+        return {
+            "model_path": str(self.model_path),
+            "num_blocks": self.num_blocks,
+            "block_size": self.block_size,
+            "bytes_per_block": self.bytes_per_block(),
+            "num_layers": cfg.num_hidden_layers,
+            "vocab_size": cfg.vocab_size,
+            "max_position_embeddings": cfg.max_position_embeddings,
+            "eos_token_ids": list(cfg.eos_token_ids),
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "node_id": _ray_node_id(),
+        }
+
+    def transfer_history(self) -> list[Any]:
+        """Finished KV loads (for benchmarks); empty without a connector."""
+        return [] if self.connector is None else list(self.connector.history)
+
+    def set_fault_injection(self, load_delay_s: float = 0.0) -> None:
+        """Testing: delay every KV fetch by ``load_delay_s`` (to trip the transfer deadline)."""
+        if self.connector is None:
+            raise ValueError("no KV connector on this worker")
+        self.connector.load_delay_s = load_delay_s
 
     # -- one step -------------------------------------------------------------------------
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step: update request state from the diffs, one forward over the flattened
         batch, sample the requests that reached their last known token."""
         so = scheduler_output
+        meta = so.kv_connector_metadata
+        if self.connector is not None:
+            self.connector.start_load_kv(meta, idle=so.total_num_scheduled_tokens == 0)
         self._update_states(so)
         batch = self._collect(so)
         self.num_steps += 1
         if not batch:
-            return ModelRunnerOutput.empty()
+            return self._with_connector_reports(ModelRunnerOutput.empty(), meta)
         # Decodes first: the attention backend batches them.
         batch.sort(key=lambda s: s.num_tokens != 1)
         logits = self._forward(batch)
@@ -228,11 +275,30 @@ class ModelWorker:
         req_ids = [s.state.req_id for s in batch]
         tokens = [by_req.get(r, ([], None))[0] for r in req_ids]
         logprobs = [by_req.get(r, ([], None))[1] for r in req_ids]
-        return ModelRunnerOutput(
+        output = ModelRunnerOutput(
             req_ids=req_ids,
             sampled_token_ids=tokens,
             logprobs=logprobs if any(lp is not None for lp in logprobs) else None,
         )
+        return self._with_connector_reports(output, meta)
+
+    def _with_connector_reports(self, output: ModelRunnerOutput, meta: Any) -> ModelRunnerOutput:
+        """Save this step's hand-offs (the forward pass has written their KV) and attach the
+        connector's reports."""
+        if self.connector is None:
+            return output
+        tables = {r: s.block_ids for r, s in self.requests.items()}
+        self.connector.wait_for_save(meta, tables)
+        sending, recving, failed = self.connector.get_finished()
+        output.finished_sending = sending
+        output.finished_recving = recving
+        output.failed_recving = failed
+        output.kv_connector_output = self.connector.report()
+        return output
+
+    def shutdown(self) -> None:
+        if self.connector is not None:
+            self.connector.close()
 
     def _update_states(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids:
@@ -334,3 +400,15 @@ class ModelWorker:
         rows = torch.tensor(logit_rows, dtype=torch.long, device=dev)
         logits: torch.Tensor = model.compute_logits(hidden.index_select(0, rows))
         return logits
+
+
+def _ray_node_id() -> str | None:
+    """The Ray node this process runs on, or None outside Ray."""
+    try:
+        import ray
+    except ImportError:
+        return None
+    if not ray.is_initialized():
+        return None
+    node_id: str = ray.get_runtime_context().get_node_id()
+    return node_id

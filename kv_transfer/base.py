@@ -1,24 +1,41 @@
-"""The worker side of a KV connector, and the shape of ``kv_transfer_params``.
+"""The worker side of a KV connector: the per-step hooks a model worker calls, the load
+pipeline every transport shares, and the shape of ``kv_transfer_params``.
 
-Per-step order on a worker (DESIGN §3.2, as in vLLM v1)::
+Per-step order on a worker (DESIGN §3.2, vLLM v1's names)::
 
-    bind the step's connector metadata
-    start_load_kv(...)                 loads of remote KV into this step's blocks begin
-    for each layer:
-        wait_for_layer_load(layer)     before attention reads the layer's KV
-        save_kv_layer(layer, ...)      after the layer's KV is written (prefill side)
-    wait_for_save()                    saves of this step are complete
-    get_finished(finished_req_ids)     -> (sending done, receiving done, failed receives)
+    start_load_kv(metadata)         fetches of this step's loads begin (background threads);
+                                    fetched data is written into its blocks now, between
+                                    forward passes, so a load never races the model
+    wait_for_layer_load(layer)      no-op here: loads land before the forward starts
+    forward pass
+    save_kv_layer(layer, ...)       no-op here: the whole prompt is copied at once, below
+    wait_for_save(metadata, tables) this step's saves are copied out of the cache
+    get_finished()                  -> (sending done, receiving done, receives failed)
+    report()                        -> KVConnectorReport (handles of saved KV, bytes moved)
 
-The three sets travel back in ``ModelRunnerOutput.finished_sending / finished_recving /
-failed_recving``. No implementation lives here yet: the Ray and gRPC transports arrive with
-the cluster issues and subclass ``WorkerConnector``.
+A transport subclasses ``WorkerConnector`` and implements ``_save`` (packed blocks -> handle)
+and ``_fetch`` (handle -> packed blocks); ``kv_transfer.blocks`` does the packing.
 """
 
 from __future__ import annotations
 
+import concurrent.futures as cf
+import logging
+import time
 from abc import ABC, abstractmethod
-from typing import Any, TypedDict
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, TypedDict
+
+from kv_transfer.blocks import extract_blocks, insert_blocks
+from kv_transfer.connector import KVConnectorMetadata, KVConnectorReport, LoadSpec
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+
+logger = logging.getLogger(__name__)
 
 
 class KVTransferParams(TypedDict, total=False):
@@ -30,42 +47,166 @@ class KVTransferParams(TypedDict, total=False):
     remote_block_ids: list[int]
     remote_num_tokens: int
     handle: Any  # transport-specific: an object reference, or a gRPC address + token
-    deadline: float  # absolute time (time.time()) after which the load counts as failed
+    deadline: float  # absolute time (time.time()) after which the source may be gone
+
+
+@dataclass
+class _Load:
+    spec: LoadSpec
+    future: cf.Future[np.ndarray]
+    started: float  # time.monotonic()
+    deadline: float  # time.monotonic()
+
+
+@dataclass(frozen=True)
+class TransferRecord:
+    """One finished load, for benchmarks and metrics."""
+
+    req_id: str
+    num_bytes: int
+    seconds: float  # from the start of the fetch to the data sitting in the blocks
+    ok: bool
 
 
 class WorkerConnector(ABC):
-    """Hooks a model worker calls around its forward pass to move KV blocks.
+    """Moves KV blocks in and out of one worker's paged cache (or a stage's layer range).
 
-    ``transport`` names the implementation in config (``ray``, ``grpc``); capabilities are
-    class attributes so the control plane can check a pairing without instantiating it.
+    Not thread-safe: every public method is called from the worker's step thread; only
+    ``_fetch`` runs on the background pool.
     """
 
-    transport: str = ""
-    supports_cross_node: bool = False
-    supports_layer_ranges: bool = False  # can move a pipeline stage's layer range alone
+    transport: ClassVar[str] = ""
+    supports_cross_node: ClassVar[bool] = False
+    supports_layer_ranges: ClassVar[bool] = False  # can move a pipeline stage's layers alone
 
-    @abstractmethod
-    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        """The worker's KV cache tensors, by layer name, once allocated."""
+    def __init__(self, max_parallel_loads: int = 4) -> None:
+        self.kv_caches: list[torch.Tensor] = []
+        self.layers = range(0)
+        self._pool = cf.ThreadPoolExecutor(max_parallel_loads, thread_name_prefix="kv-load")
+        self._loads: dict[str, _Load] = {}
+        self._recving_done: set[str] = set()
+        self._recving_failed: set[str] = set()
+        self._report = KVConnectorReport()
+        self.history: deque[TransferRecord] = deque(maxlen=4096)
+        self.load_delay_s = 0.0  # fault injection for tests: every fetch starts this late
 
-    @abstractmethod
-    def start_load_kv(self, metadata: Any) -> None:
-        """Begin loading the remote KV named in this step's metadata into local blocks."""
+    # -- set-up ----------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: list[torch.Tensor], layers: range) -> None:
+        """The worker's caches (one tensor per layer it holds) and which model layers they
+        are. Drops any load in progress."""
+        self.kv_caches = kv_caches
+        self.layers = layers
+        self._loads.clear()
 
-    @abstractmethod
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        """Block until the layer's loads of this step are in place."""
+    # -- loading (decode side) -------------------------------------------------------------
+    def start_load_kv(self, metadata: KVConnectorMetadata | None, idle: bool = False) -> None:
+        """Start this step's fetches; write every fetched load into its blocks. ``idle``: the
+        step computes nothing, so wait briefly for a pending fetch rather than spin."""
+        now = time.monotonic()
+        for spec in metadata.loads if metadata else ():
+            future = self._pool.submit(self._delayed_fetch, spec.handle, spec.timeout_s)
+            self._loads[spec.req_id] = _Load(spec, future, now, now + spec.timeout_s)
+        if idle and self._loads:
+            soonest = min(load.deadline for load in self._loads.values())
+            wait = min(0.05, max(0.0, soonest - time.monotonic()))
+            cf.wait([load.future for load in self._loads.values()], wait, cf.FIRST_COMPLETED)
+        self._apply_loads()
 
-    @abstractmethod
-    def save_kv_layer(self, layer_name: str, kv_layer: Any, metadata: Any) -> None:
-        """Save the layer's KV for requests that hand off to a decode instance."""
+    def wait_for_layer_load(self, layer: int) -> None:  # noqa: B027
+        """Loads are written before the forward pass, so every layer is ready."""
 
-    @abstractmethod
-    def wait_for_save(self) -> None:
-        """Block until this step's saves are complete (their blocks may then be reused)."""
+    def _delayed_fetch(self, handle: Any, timeout_s: float) -> np.ndarray:
+        if self.load_delay_s:
+            time.sleep(self.load_delay_s)
+        return self._fetch(handle, timeout_s)
 
-    @abstractmethod
-    def get_finished(
-        self, finished_req_ids: set[str]
-    ) -> tuple[set[str] | None, set[str] | None, set[str] | None]:
+    def _apply_loads(self) -> None:
+        now = time.monotonic()
+        for req_id, load in list(self._loads.items()):
+            if load.future.done():
+                del self._loads[req_id]
+                ok = self._write(load)
+            elif now >= load.deadline:
+                # The fetch thread may still finish; its result is dropped unread, so it can
+                # never write into blocks that have been handed to someone else.
+                del self._loads[req_id]
+                load.future.cancel()
+                logger.warning("KV load of %s timed out after %.1fs", req_id, now - load.started)
+                ok = False
+            else:
+                continue
+            (self._recving_done if ok else self._recving_failed).add(req_id)
+
+    def _write(self, load: _Load) -> bool:
+        spec = load.spec
+        try:
+            data = load.future.result()
+            first, count = spec.first_block, len(spec.block_ids)
+            if data.shape[2] < first + count:
+                raise ValueError(
+                    f"the source holds {data.shape[2]} blocks, blocks [{first}, "
+                    f"{first + count}) were asked for"
+                )
+            insert_blocks(self.kv_caches, spec.block_ids, data[:, :, first : first + count])
+            num_bytes = data[:, :, first : first + count].nbytes
+            del data  # release the transport's buffer (an object store pin) now
+        except Exception as exc:  # any failure of a load means "recompute" (or "fail")
+            logger.warning("KV load of %s failed: %s: %s", spec.req_id, type(exc).__name__, exc)
+            self.history.append(
+                TransferRecord(spec.req_id, 0, time.monotonic() - load.started, False)
+            )
+            return False
+        self._report.bytes_loaded += num_bytes
+        self.history.append(
+            TransferRecord(spec.req_id, num_bytes, time.monotonic() - load.started, True)
+        )
+        return True
+
+    def num_loading(self) -> int:
+        return len(self._loads)
+
+    # -- saving (prefill side) -------------------------------------------------------------
+    def save_kv_layer(self, layer: int, kv_layer: Any, metadata: Any) -> None:  # noqa: B027
+        """Saves copy all layers at once in ``wait_for_save``."""
+
+    def wait_for_save(
+        self, metadata: KVConnectorMetadata | None, block_tables: Mapping[str, list[int]]
+    ) -> None:
+        """Copy out the KV of this step's saves (after the forward pass wrote it)."""
+        if not metadata or not metadata.saves:
+            return
+        block_size = self.kv_caches[0].shape[2]
+        for spec in metadata.saves:
+            table = block_tables.get(spec.req_id)
+            if table is None:  # finished meanwhile: nothing to hand off
+                continue
+            num_blocks = -(-spec.num_tokens // block_size)
+            data = extract_blocks(self.kv_caches, table[:num_blocks])
+            self._report.saved[spec.req_id] = self._save(spec.req_id, data)
+            self._report.bytes_saved += data.nbytes
+
+    # -- reports ---------------------------------------------------------------------------
+    def get_finished(self) -> tuple[set[str] | None, set[str] | None, set[str] | None]:
         """``(sending done, receiving done, receives failed)`` since the last call."""
+        done, failed = self._recving_done, self._recving_failed
+        self._recving_done, self._recving_failed = set(), set()
+        return None, done or None, failed or None
+
+    def report(self) -> KVConnectorReport:
+        """Handles of this step's saves and bytes moved since the last call."""
+        report, self._report = self._report, KVConnectorReport()
+        return report
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._loads.clear()
+
+    # -- the transport ---------------------------------------------------------------------
+    @abstractmethod
+    def _save(self, req_id: str, data: np.ndarray) -> Any:
+        """Make ``data`` (packed blocks) fetchable elsewhere; return its handle."""
+
+    @abstractmethod
+    def _fetch(self, handle: Any, timeout_s: float) -> np.ndarray:
+        """The packed blocks behind ``handle``; raise on failure or after ``timeout_s``.
+        Runs on a background thread."""

@@ -14,6 +14,8 @@ bfloat16, which numpy lacks, travels as its raw 16-bit pattern.
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import torch
 
@@ -47,7 +49,10 @@ def insert_blocks(
     expected = (len(layers), 2, len(block_ids), *cache.shape[2:])
     if tuple(data.shape) != expected:
         raise ValueError(f"KV data has shape {tuple(data.shape)}, expected {expected}")
-    source = torch.from_numpy(np.ascontiguousarray(data))
+    with warnings.catch_warnings():
+        # A zero-copy buffer from the object store is read-only; it is only read here.
+        warnings.simplefilter("ignore", UserWarning)
+        source = torch.from_numpy(np.ascontiguousarray(data))
     if cache.dtype == torch.bfloat16:
         if source.dtype != torch.int16:
             raise ValueError(f"bfloat16 caches take int16 bit patterns, not {source.dtype}")

@@ -45,6 +45,10 @@ class SchedulerConnector(ABC):
         """Once per step, before ``num_computed_tokens`` advances: the worker-side
         instructions for this step (loads to start, saves to make). Resets per-step state."""
 
+    def update_connector_output(self, connector_output: Any) -> None:  # noqa: B027
+        """Once per step, before the step's outputs are applied: the worker side's report
+        (``ModelRunnerOutput.kv_connector_output``, when not None). No-op by default."""
+
     @abstractmethod
     def request_finished(
         self, request: Request, block_ids: list[int]

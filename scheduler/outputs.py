@@ -94,6 +94,9 @@ class ModelRunnerOutput:
     finished_sending: set[str] | None = None
     finished_recving: set[str] | None = None
     failed_recving: set[str] | None = None
+    # Transport-specific reports for the scheduler-side connector (e.g. where a saved
+    # request's KV now lives); handed to ``SchedulerConnector.update_connector_output``.
+    kv_connector_output: Any = None
 
     def __post_init__(self) -> None:
         if len(self.req_ids) != len(self.sampled_token_ids):

@@ -28,7 +28,12 @@ def status_before_load(request: Request) -> RequestStatus:
 
 def _stop_remote_prefill(request: Request) -> None:
     # Connectors read this to decide whether to load (again): after a failure, recompute.
-    request.kv_transfer_params = {**(request.kv_transfer_params or {}), "do_remote_prefill": False}
+    # The transport's handle goes too: the source's copy is no longer needed, and dropping
+    # the reference lets the transport release it (an object store entry, a lease).
+    params = dict(request.kv_transfer_params or {})
+    params.pop("handle", None)
+    params["do_remote_prefill"] = False
+    request.kv_transfer_params = params
 
 
 def _already_released(request: Request) -> None:

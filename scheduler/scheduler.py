@@ -193,6 +193,8 @@ class Scheduler:
         Returns one output per request that produced tokens or finished."""
         mro = model_runner_output
         outputs: list[EngineCoreOutput] = []
+        if self.connector is not None and mro.kv_connector_output is not None:
+            self.connector.update_connector_output(mro.kv_connector_output)
         if mro.failed_recving:
             self.remote_kv.on_recv_failed(mro.failed_recving, outputs)
         async_scheduling = self.scheduler_config.async_scheduling

@@ -1,0 +1,189 @@
+"""The scheduler side of Tandem's P/D connector, and the per-step metadata it sends to workers.
+
+One class serves both roles, because an instance may be both a hand-off source and a target:
+
+Prefill side (the request carries ``do_remote_decode``)::
+
+    admitted ─▶ ... ─▶ the step that computes its last prompt token: SaveSpec in the metadata
+            worker: saves the prompt's blocks (transport), reports ``finished_sending`` and the
+                    handle in ``kv_connector_output``
+    request_finished ─▶ (delay_free=False, kv_transfer_params with the handle): the data is
+            already out of the blocks, so they are freed at once (a transport that serves
+            the blocks in place, like gRPC, would delay the free until ``finished_sending``)
+
+Decode side (the request carries ``do_remote_prefill`` and ``remote_num_tokens``)::
+
+    get_num_new_matched_tokens ─▶ the prompt tokens not already in the local prefix cache,
+                                  loaded asynchronously (WAITING_FOR_REMOTE_KVS)
+    update_state_after_alloc   ─▶ LoadSpec: the handle, the destination blocks, the timeout
+            worker: fetches in the background, writes the blocks between steps, reports
+                    ``finished_recving`` (or ``failed_recving`` past the timeout)
+
+Nothing here imports a transport: handles are opaque. Transports live in ``kv_transfer/``
+modules of their own and are picked by name (``kv_transfer.registry``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from scheduler.kv_connector import SchedulerConnector
+from scheduler.request import RequestStatus
+
+if TYPE_CHECKING:
+    from scheduler.kv_cache_utils import KVCacheBlocks
+    from scheduler.outputs import SchedulerOutput
+    from scheduler.request import Request
+
+
+@dataclass(frozen=True)
+class SaveSpec:
+    """Prefill side: save the KV of the first ``num_tokens`` positions of ``req_id`` at the end
+    of this step (the worker knows the request's block table)."""
+
+    req_id: str
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """Decode side: fetch ``handle`` and write its blocks ``[first_block, first_block +
+    len(block_ids))`` into the local ``block_ids``; give up after ``timeout_s``."""
+
+    req_id: str
+    handle: Any
+    block_ids: list[int]
+    first_block: int
+    timeout_s: float
+
+
+@dataclass
+class KVConnectorMetadata:
+    """The connector's instructions for one step (``SchedulerOutput.kv_connector_metadata``)."""
+
+    saves: list[SaveSpec] = field(default_factory=list)
+    loads: list[LoadSpec] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.saves or self.loads)
+
+
+@dataclass
+class KVConnectorReport:
+    """What a worker tells the scheduler side after a step (``kv_connector_output``)."""
+
+    saved: dict[str, Any] = field(default_factory=dict)  # req_id -> handle of its saved KV
+    bytes_saved: int = 0
+    bytes_loaded: int = 0
+
+
+class PDConnector(SchedulerConnector):
+    """Scheduler-side connector of one instance (``instance_id``) for prefill/decode hand-off."""
+
+    def __init__(self, instance_id: str, block_size: int, timeout_s: float) -> None:
+        self.instance_id = instance_id
+        self.block_size = block_size
+        self.timeout_s = timeout_s
+        self._to_save: dict[str, int] = {}  # prefill side: req_id -> prompt length
+        self._saving: set[str] = set()  # save requested from the worker, no handle yet
+        self._saved: dict[str, Any] = {}  # handles of saved requests, until they finish
+        self._loads: list[LoadSpec] = []  # built since the last step
+        self.num_saves = 0
+        self.num_loads = 0
+
+    # -- decode side -----------------------------------------------------------------------
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        if not request.do_remote_prefill:
+            return 0, False
+        params = request.kv_transfer_params or {}
+        if params.get("handle") is None:
+            return 0, False  # nothing to load from: compute locally
+        remote = min(int(params.get("remote_num_tokens", 0)), request.num_prompt_tokens)
+        count = max(remote - num_computed_tokens, 0)
+        return count, count > 0
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        params = request.kv_transfer_params or {}
+        if params.get("do_remote_decode"):
+            self._to_save[request.request_id] = request.num_prompt_tokens
+        if num_external_tokens <= 0:
+            return
+        remote = min(int(params["remote_num_tokens"]), request.num_prompt_tokens)
+        # The external tokens are the positions just before ``remote``; the local prefix hit
+        # is block-aligned, so they start on a block boundary.
+        first = (remote - num_external_tokens) // self.block_size
+        last = -(-remote // self.block_size)
+        self._loads.append(
+            LoadSpec(
+                req_id=request.request_id,
+                handle=params["handle"],
+                block_ids=blocks.get_block_ids()[first:last],
+                first_block=first,
+                timeout_s=self.timeout_s,
+            )
+        )
+        self.num_loads += 1
+
+    # -- both ------------------------------------------------------------------------------
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = KVConnectorMetadata(loads=self._loads)
+        self._loads = []
+        if self._to_save:
+            new_reqs = scheduler_output.scheduled_new_reqs
+            starts = {new.req_id: new.num_computed_tokens for new in new_reqs}
+            cached = scheduler_output.scheduled_cached_reqs
+            starts.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+            for req_id, n in scheduler_output.num_scheduled_tokens.items():
+                num_prompt = self._to_save.get(req_id)
+                if num_prompt is not None and starts[req_id] + n >= num_prompt:
+                    meta.saves.append(SaveSpec(req_id, num_prompt))
+                    del self._to_save[req_id]
+                    self._saving.add(req_id)
+        return meta
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        if not isinstance(connector_output, KVConnectorReport):
+            return
+        for req_id, handle in connector_output.saved.items():
+            # A request aborted while its saving step ran is no longer expected: dropping
+            # the handle releases the saved copy.
+            if req_id in self._saving:
+                self._saving.discard(req_id)
+                self._saved[req_id] = handle
+                self.num_saves += 1
+
+    # -- prefill side ----------------------------------------------------------------------
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        req_id = request.request_id
+        self._to_save.pop(req_id, None)
+        self._saving.discard(req_id)
+        handle = self._saved.pop(req_id, None)
+        if handle is None or request.status not in (
+            RequestStatus.FINISHED_LENGTH_CAPPED,
+            RequestStatus.FINISHED_STOPPED,
+        ):
+            return False, None
+        # The saved copy is independent of the blocks (the transport copied them out), so
+        # the prefill side frees them now.
+        params = {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_instance_id": self.instance_id,
+            "remote_block_ids": block_ids,
+            "remote_num_tokens": request.num_prompt_tokens,
+            "handle": handle,
+            "deadline": time.time() + self.timeout_s,
+        }
+        return False, params
+
+    def num_pending(self) -> int:
+        """Saves requested or done whose request has not finished yet (0 when idle)."""
+        return len(self._to_save) + len(self._saving) + len(self._saved) + len(self._loads)
