@@ -41,6 +41,10 @@ class InstancePool(_Config):
     )
     num_cpus: float = Field(0.0, ge=0.0)
     num_gpus: float = Field(0.0, ge=0.0)
+    num_threads: int | None = Field(
+        None, ge=1, le=1024, description="torch threads per worker (Ray's default is 1)."
+    )
+    device: str = Field("cpu", description="torch device of the workers: cpu or cuda.")
     num_blocks: int | None = Field(None, ge=1, description="KV blocks; else sized by memory.")
     kv_cache_memory_bytes: int | None = Field(None, ge=1)
     memory_budget_bytes: int | None = Field(
@@ -63,6 +67,11 @@ class InstancePool(_Config):
             )
         if "num_blocks" in self.cache:
             raise ValueError(f"pool {self.name!r}: set num_blocks on the pool, not in cache")
+        if "block_size" in self.cache:
+            raise ValueError(
+                f"pool {self.name!r}: block_size is cluster-wide (KV moves between pools); "
+                "set it at the top level"
+            )
         if any(v < 0 for v in self.resources.values()):
             raise ValueError(f"pool {self.name!r}: resources must be >= 0")
         # Validate the nested configs now, so a bad knob fails at load time with its name.
@@ -112,12 +121,28 @@ class ClusterConfig(_Config):
     model: str | None = Field(None, description="Path, or null for the built-in SmolLM2.")
     dtype: str = "auto"
     max_model_len: int | None = Field(None, ge=2)
+    block_size: int = Field(16, ge=1, le=1024, description="KV block size of every instance.")
     pools: list[InstancePool] = Field(
         default_factory=lambda: [InstancePool(name="default", role="both")], min_length=1
     )
     router: RouterConfig = Field(default_factory=RouterConfig)
     kv_transfer: KVTransferConfig = Field(default_factory=KVTransferConfig)
     lora: LoRAConfig | None = None
+    admission_window_s: float = Field(
+        0.002,
+        ge=0.0,
+        le=1.0,
+        description="How long an idle instance waits after a first arrival so that requests "
+        "sent together are admitted in one step.",
+    )
+    startup_timeout_s: float = Field(
+        600.0, gt=0.0, description="Time allowed for placing workers and loading the model."
+    )
+
+    @property
+    def disaggregated(self) -> bool:
+        """True when some pool prefills for others (workers then need a KV transport)."""
+        return any(p.role == "prefill" for p in self.pools)
 
     @model_validator(mode="after")
     def _check(self) -> ClusterConfig:

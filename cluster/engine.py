@@ -13,19 +13,18 @@ engine::
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any
 
 import torch
 
 from actors.model.tokenizer import Tokenizer
 from actors.worker import ModelWorker
+from cluster.frontend import RequestFactory
 from cluster.outputs import OutputProcessor, RequestOutput
 from scheduler import (
     CacheConfig,
     LoRAConfig,
     LoRARequest,
-    Request,
     RequestStatus,
     SamplingParams,
     Scheduler,
@@ -119,10 +118,13 @@ class LLMEngine:
             enable_prefix_caching=enable_prefix_caching,
         )
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config, lora_config)
-        # EOS: the tokenizer's, else the config's first; further config EOS ids stop too.
-        eos_ids = list(model_config.eos_token_ids)
-        self.eos_token_id = self.tokenizer.eos_token_id or (eos_ids[0] if eos_ids else None)
-        self.extra_stop_ids = tuple(e for e in eos_ids if e != self.eos_token_id)
+        self.factory = RequestFactory(
+            self.tokenizer,
+            vocab_size=model_config.vocab_size,
+            max_model_len=self.max_model_len,
+            eos_token_ids=list(model_config.eos_token_ids),
+        )
+        self.eos_token_id = self.factory.eos_token_id
         self.processor = OutputProcessor(self.tokenizer)
         logger.info(
             "engine ready: %d KV blocks of %d tokens (%.0f MiB), max_model_len %d",
@@ -145,59 +147,29 @@ class LLMEngine:
     ) -> None:
         """Queue a prompt (text or token ids). ``n > 1`` fans out into ``n`` scheduler requests
         (``{id}#{i}``; sample ``i`` of a seeded request uses ``seed + i``)."""
-        params = params or SamplingParams()
         if self.processor.in_use(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
-        if isinstance(prompt, str):
-            text: str | None = prompt
-            prompt_ids = self.tokenizer.encode(prompt)
-        else:
-            text, prompt_ids = None, [int(t) for t in prompt]
-        self._validate(prompt_ids, params)
+        params = params or SamplingParams()
         if lora_request is not None and self.worker.lora_manager is None:
             raise ValueError("LoRA requests need an engine built with enable_lora=True")
-        if lora_request is not None:
-            self.worker.add_lora(lora_request)  # load now: a bad adapter fails here, not mid-step
-        stop_ids = tuple(params.stop_token_ids) + tuple(
-            e for e in self.extra_stop_ids if e not in params.stop_token_ids
-        )
         child_ids = self.processor.child_ids(request_id, params.n)
         taken = [c for c in child_ids if c in self.scheduler.requests or self.processor.in_use(c)]
         if taken:  # e.g. a request named "x#0" next to an n > 1 request "x"
             raise ValueError(f"request id {taken[0]!r} is already in use")
-        now = time.monotonic() if arrival_time is None else arrival_time
-        requests = []
-        for i, child_id in enumerate(child_ids):
-            update: dict[str, Any] = {"n": 1, "stop_token_ids": stop_ids}
-            if params.seed is not None:
-                update["seed"] = params.seed + i
-            requests.append(
-                Request(
-                    request_id=child_id,
-                    prompt_token_ids=prompt_ids,
-                    sampling_params=params.model_copy(update=update),
-                    eos_token_id=self.eos_token_id,
-                    arrival_time=now,
-                    priority=priority,
-                    lora_request=lora_request,
-                )
-            )
-        self.processor.add(request_id, text, prompt_ids, params)
-        for request in requests:
+        prepared = self.factory.prepare(
+            request_id,
+            prompt,
+            params,
+            lora_request=lora_request,
+            priority=priority,
+            arrival_time=arrival_time,
+            child_ids=child_ids,
+        )
+        if lora_request is not None:
+            self.worker.add_lora(lora_request)  # load now: a bad adapter fails here, not mid-step
+        self.processor.add(request_id, prepared.prompt, prepared.prompt_token_ids, params)
+        for request in prepared.requests:
             self.scheduler.add_request(request)
-
-    def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        if not prompt_ids:
-            raise ValueError("prompt is empty")
-        vocab = self.worker.config.vocab_size
-        bad = [t for t in prompt_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        if len(prompt_ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(prompt_ids)} tokens; max_model_len is {self.max_model_len} "
-                f"(at least one must be left to generate)"
-            )
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         """Abort requests (by the ids given to ``add_request``); their blocks are freed and the

@@ -24,6 +24,7 @@ class CompletionOutput:
     logprobs: list[TokenLogprobs] | None = None
     new_text: str = ""
     new_token_ids: list[int] = field(default_factory=list)
+    error: str | None = None  # why, when finish_reason is "error"
 
     @property
     def finished(self) -> bool:
@@ -83,6 +84,7 @@ class _Sample:
         if not stopped and core.finish_reason is not None:
             out.finish_reason = core.finish_reason.value
             out.stop_reason = core.stop_reason
+            out.error = core.error
         # Stream only text that can no longer turn out to be the start of a stop string, so the
         # deltas always add up to the final text (the held-back tail goes out at the finish).
         safe_end = len(text)

@@ -1,0 +1,216 @@
+"""``EngineLoop``: drives one instance -- its ``Scheduler`` and its worker -- on an asyncio loop.
+
+The step is the in-process engine's, with the worker call awaited::
+
+    admit every pending arrival            (requests sent together are admitted together)
+    out = scheduler.schedule()
+    result = await executor.execute_model(out)
+    outputs = scheduler.update_from_output(out, result)
+    on_outputs(self, outputs)              (the SchedulerActor streams them / hands them off)
+
+All loops of a ``SchedulerActor`` share its event loop and nothing else: no locks, and the
+Router only reads their load. An idle loop waits on an event (no polling); the first arrival
+after idleness waits ``admission_window_s`` so that a burst is admitted as one batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from scheduler import ModelRunnerOutput, Request, RequestStatus, Scheduler, SchedulerOutput
+from scheduler.outputs import EngineCoreOutput
+from scheduler.request import FinishReason
+
+logger = logging.getLogger(__name__)
+
+
+class Executor(Protocol):
+    """Runs one instance's steps (a Ray worker actor, or an in-process worker)."""
+
+    async def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+
+class RayExecutor:
+    """Steps a ``ModelWorker`` Ray actor."""
+
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+
+    async def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        result: ModelRunnerOutput = await self.handle.execute_model.remote(scheduler_output)
+        return result
+
+
+class LocalExecutor:
+    """Steps an in-process ``ModelWorker`` on a thread (tests, single-process runs)."""
+
+    def __init__(self, worker: Any) -> None:
+        self.worker = worker
+
+    async def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        result: ModelRunnerOutput = await asyncio.to_thread(
+            self.worker.execute_model, scheduler_output
+        )
+        return result
+
+
+@dataclass
+class LoopCounters:
+    """Totals since the loop started (for tests, benchmarks and metrics)."""
+
+    num_steps: int = 0
+    num_idle_steps: int = 0  # steps that computed nothing (waiting for KV, for room)
+    num_prompt_tokens_computed: int = 0  # prompt positions run through the model
+    num_output_tokens_computed: int = 0  # positions of earlier outputs (decode inputs)
+    num_requests_added: int = 0
+
+
+OutputsCallback = Callable[["EngineLoop", list[EngineCoreOutput]], None]
+
+
+class EngineLoop:
+    """One instance's step loop. ``add_request`` / ``abort`` may be called at any time from the
+    same event loop; ``run`` steps until ``stop`` (or until the worker fails)."""
+
+    def __init__(
+        self,
+        instance_id: str,
+        scheduler: Scheduler,
+        executor: Executor,
+        on_outputs: OutputsCallback,
+        *,
+        admission_window_s: float = 0.002,
+        idle_sleep_s: float = 0.002,
+    ) -> None:
+        self.instance_id = instance_id
+        self.scheduler = scheduler
+        self.executor = executor
+        self.on_outputs = on_outputs
+        self.admission_window_s = admission_window_s
+        self.idle_sleep_s = idle_sleep_s
+        self.pending: list[Request] = []  # arrived, not yet given to the scheduler
+        self.counters = LoopCounters()
+        self.error: str | None = None  # set when the worker failed; the loop has stopped
+        self._wake = asyncio.Event()
+        self._stopping = False
+        self._task: asyncio.Task[None] | None = None
+
+    # -- control -----------------------------------------------------------------------------
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self.run(), name=self.instance_id)
+
+    async def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        if self._task is not None:
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    @property
+    def alive(self) -> bool:
+        return self.error is None and not self._stopping
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request; it is admitted before the next ``schedule()``."""
+        self.pending.append(request)
+        self._wake.set()
+
+    def abort(self, request_ids: list[str]) -> None:
+        """End requests wherever they are; their blocks are freed (after a load in progress
+        into them ends). Nothing is reported for them: the caller answers its client."""
+        ids = set(request_ids)
+        self.pending = [r for r in self.pending if r.request_id not in ids]
+        self.scheduler.finish_requests(list(ids), RequestStatus.FINISHED_ABORTED)
+        self._wake.set()  # a finished request still has blocks to free on the next step
+
+    def queued_tokens(self) -> int:
+        """Tokens this instance still has to compute for the requests it knows (its load)."""
+        s = self.scheduler
+        total = sum(r.num_tokens for r in self.pending)
+        for queue in (s.running, s.holding, s.waiting):
+            for r in queue:
+                total += max(r.num_tokens - r.num_computed_tokens, 0)
+        return total
+
+    def num_active(self) -> int:
+        return len(self.pending) + self.scheduler.get_num_unfinished_requests()
+
+    # -- the loop ----------------------------------------------------------------------------
+    async def run(self) -> None:
+        scheduler = self.scheduler
+        while not self._stopping:
+            if not self.pending and not scheduler.has_requests():
+                self._wake.clear()
+                await self._wake.wait()
+                if not self.alive:  # stop() woke us
+                    break
+                if self.admission_window_s > 0:
+                    await asyncio.sleep(self.admission_window_s)
+            self._admit_pending()
+            if not scheduler.has_requests():
+                continue
+            out = scheduler.schedule()
+            self._count(out)
+            try:
+                result = await self.executor.execute_model(out)
+            except Exception as exc:  # the worker is gone or broken: fail what it holds
+                self._fail_all(f"instance {self.instance_id} failed: {type(exc).__name__}: {exc}")
+                return
+            outputs = scheduler.update_from_output(out, result)
+            if outputs:
+                self.on_outputs(self, outputs)
+            idle = out.total_num_scheduled_tokens == 0
+            # The step's objects may hold KV handles (load specs, saved-KV reports): drop them
+            # now, not when the next step replaces them, or an idle loop keeps them alive.
+            del out, result, outputs
+            if idle:
+                # Nothing to compute: loads in flight (the worker already waited a little for
+                # them) or no room yet. Yield rather than spin on the worker.
+                self.counters.num_idle_steps += 1
+                await asyncio.sleep(self.idle_sleep_s)
+
+    def _admit_pending(self) -> None:
+        pending, self.pending = self.pending, []
+        errors = []
+        for request in pending:
+            try:
+                self.scheduler.add_request(request)
+                self.counters.num_requests_added += 1
+            except ValueError as exc:
+                errors.append(
+                    EngineCoreOutput(request.request_id, [], FinishReason.ERROR, error=str(exc))
+                )
+        if errors:
+            self.on_outputs(self, errors)
+
+    def _count(self, out: SchedulerOutput) -> None:
+        c = self.counters
+        c.num_steps += 1
+        n = out.num_scheduled_tokens
+        for new in out.scheduled_new_reqs:
+            prompt = len(new.prompt_token_ids)
+            self._count_span(new.num_computed_tokens, n[new.req_id], prompt)
+        cached = out.scheduled_cached_reqs
+        requests = self.scheduler.requests
+        for req_id, start in zip(cached.req_ids, cached.num_computed_tokens, strict=True):
+            self._count_span(start, n[req_id], requests[req_id].num_prompt_tokens)
+
+    def _count_span(self, start: int, num: int, num_prompt: int) -> None:
+        in_prompt = max(0, min(start + num, num_prompt) - start)
+        self.counters.num_prompt_tokens_computed += in_prompt
+        self.counters.num_output_tokens_computed += num - in_prompt
+
+    def _fail_all(self, message: str) -> None:
+        logger.error(message)
+        self.error = message
+        s = self.scheduler
+        ids = [r.request_id for r in self.pending]
+        ids += [rid for rid, r in s.requests.items() if not r.is_finished]
+        self.pending = []
+        s.finish_requests(None, RequestStatus.FINISHED_ERROR)
+        self.on_outputs(
+            self, [EngineCoreOutput(rid, [], FinishReason.ERROR, error=message) for rid in ids]
+        )

@@ -1,0 +1,112 @@
+"""Starting Ray and the cluster: ``init_ray`` (a local Ray on 127.0.0.1, or join one by
+address) and ``build_cluster`` (the named ``SchedulerActor``, which starts its workers).
+
+    init_ray()                                   # local, loopback only
+    handle = build_cluster(ClusterConfig(...))   # blocks until every instance is ready
+    client = ClusterClient(handle)
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from cluster.config import ClusterConfig
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_NAME = "tandem-scheduler"
+DEFAULT_NAMESPACE = "tandem"
+
+
+def ray_env_defaults() -> None:
+    """Environment a loopback Ray needs (see docs/cluster.md): without the first variable a
+    127.0.0.1 node address hangs ``ray.init``; the second keeps local runs free of tokens."""
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+
+def init_ray(
+    address: str | None = None,
+    *,
+    namespace: str = DEFAULT_NAMESPACE,
+    num_cpus: int | None = None,
+    resources: dict[str, float] | None = None,
+    object_store_memory: int | None = None,
+) -> None:
+    """Connect to Ray: join the cluster at ``address`` (``"auto"``: the one started on this
+    machine by ``ray start``), or start a local one bound to 127.0.0.1."""
+    import ray
+
+    ray_env_defaults()
+    if ray.is_initialized():
+        return
+    if address is not None:
+        ray.init(address=address, namespace=namespace, log_to_driver=False)
+        return
+    ray.init(
+        _node_ip_address="127.0.0.1",
+        namespace=namespace,
+        num_cpus=num_cpus,
+        resources=resources,
+        object_store_memory=object_store_memory,
+        include_dashboard=False,
+        log_to_driver=False,
+    )
+
+
+def scheduler_actor_class() -> Any:
+    import ray
+
+    from cluster.scheduler_actor import SchedulerActor
+
+    # An async actor: every generate() stream and the engine loops share its event loop.
+    return ray.remote(SchedulerActor)
+
+
+def build_cluster(
+    config: ClusterConfig,
+    *,
+    name: str = DEFAULT_NAME,
+    namespace: str = DEFAULT_NAMESPACE,
+    detached: bool = False,
+) -> Any:
+    """Create the named SchedulerActor and start every instance (workers placed by their
+    pools' resources, models loaded in parallel). Returns the actor handle once ready; the
+    workers live and die with it."""
+    import ray
+
+    options: dict[str, Any] = {
+        "name": name,
+        "namespace": namespace,
+        "num_cpus": 0,
+        "max_concurrency": 10_000,  # one slot per concurrent generate() stream
+    }
+    if detached:
+        options["lifetime"] = "detached"
+    handle = scheduler_actor_class().options(**options).remote(config)
+    try:
+        described = ray.get(handle.start.remote())
+    except BaseException:
+        ray.kill(handle)
+        raise
+    logger.info("cluster %s ready: %s", name, described)
+    return handle
+
+
+def get_cluster(name: str = DEFAULT_NAME, namespace: str = DEFAULT_NAMESPACE) -> Any:
+    """The handle of a running cluster's SchedulerActor (``ValueError`` if there is none)."""
+    import ray
+
+    return ray.get_actor(name, namespace=namespace)
+
+
+def shutdown_cluster(handle: Any) -> None:
+    """Stop the loops, end what is in flight, kill the workers and the actor."""
+    import ray
+
+    try:
+        ray.get(handle.shutdown.remote(), timeout=60)
+    finally:
+        ray.kill(handle)

@@ -1,0 +1,125 @@
+"""Starting an instance's workers on the Ray cluster (the Ray wiring of DESIGN §2).
+
+Each instance of a pool is one ``ModelWorker`` actor, placed by the pool's resources (custom
+node resources such as ``{"prefill": 0.01}``, CPUs, GPUs). All workers are created at once and
+load their weights in parallel; then each sizes and allocates its KV cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from actors.worker import ModelWorker
+from cluster.config import ClusterConfig, InstancePool
+from cluster.engine import DEFAULT_KV_CACHE_BYTES
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class InstanceSpec:
+    """One started instance: its worker and what the scheduler needs to know about it."""
+
+    instance_id: str
+    pool: InstancePool
+    executor: Any  # an ``Executor``
+    handle: Any  # the Ray actor (None for in-process workers)
+    info: dict[str, Any]
+
+
+def worker_options(pool: InstancePool) -> dict[str, Any]:
+    return {
+        "num_cpus": pool.num_cpus,
+        "num_gpus": pool.num_gpus,
+        "resources": dict(pool.resources),
+        "max_concurrency": 2,  # health() answers while a step runs
+    }
+
+
+def worker_kwargs(config: ClusterConfig, pool: InstancePool) -> dict[str, Any]:
+    sched = pool.scheduler_config(max_model_len=None)
+    threads = pool.num_threads if pool.num_threads is not None else None
+    return {
+        "model": config.model,
+        "dtype": config.dtype,
+        "device": pool.device,
+        "block_size": config.block_size,
+        "lora_config": config.lora,
+        "max_num_batched_tokens": sched.max_num_batched_tokens,
+        "max_num_seqs": sched.max_num_seqs,
+        "progress": False,
+        "kv_transfer": config.kv_transfer.transport if config.disaggregated else None,
+        "num_threads": threads,
+    }
+
+
+async def start_workers(config: ClusterConfig, timeout_s: float) -> list[InstanceSpec]:
+    """Create every instance's worker, load the model everywhere in parallel, size and
+    allocate the KV caches. Raises ``TimeoutError`` naming the pools whose workers could not
+    be placed or loaded in time (usually: no node offers their resources)."""
+    from cluster.engine_loop import RayExecutor
+
+    remote_worker = ray.remote(ModelWorker)
+    created: list[tuple[str, InstancePool, Any]] = []
+    for pool in config.pools:
+        for replica in range(pool.replicas):
+            handle = remote_worker.options(**worker_options(pool)).remote(
+                **worker_kwargs(config, pool)
+            )
+            created.append((f"{pool.name}-{replica}", pool, handle))
+    try:
+        await _wait_all(
+            [h.load_model.remote() for _, _, h in created], created, "load the model", timeout_s
+        )
+        sizes = await _wait_all(
+            [_num_blocks(pool, h) for _, pool, h in created], created, "size", timeout_s
+        )
+        await _wait_all(
+            [h.init_kv_cache.remote(n) for (_, _, h), n in zip(created, sizes, strict=True)],
+            created,
+            "allocate the KV cache",
+            timeout_s,
+        )
+        infos = await _wait_all(
+            [h.info.remote() for _, _, h in created], created, "report", timeout_s
+        )
+    except BaseException:
+        for _, _, handle in created:
+            ray.kill(handle)
+        raise
+    return [
+        InstanceSpec(iid, pool, RayExecutor(handle), handle, info)
+        for (iid, pool, handle), info in zip(created, infos, strict=True)
+    ]
+
+
+async def _num_blocks(pool: InstancePool, handle: Any) -> int:
+    if pool.num_blocks is not None:
+        return pool.num_blocks
+    if pool.memory_budget_bytes is not None:
+        n: int = await handle.profile_num_blocks.remote(pool.memory_budget_bytes)
+        return n
+    per_block: int = await handle.bytes_per_block.remote()
+    return max(1, (pool.kv_cache_memory_bytes or DEFAULT_KV_CACHE_BYTES) // per_block)
+
+
+async def _wait_all(
+    calls: list[Any], created: list[tuple[str, InstancePool, Any]], what: str, timeout_s: float
+) -> list[Any]:
+    tasks = [asyncio.ensure_future(c) for c in calls]
+    _, pending = await asyncio.wait(tasks, timeout=timeout_s)
+    if pending:
+        for task in pending:
+            task.cancel()
+        late = [created[i] for i, t in enumerate(tasks) if t in pending]
+        names = ", ".join(f"{iid} (resources {pool.resources or 'none'})" for iid, pool, _ in late)
+        raise TimeoutError(
+            f"workers did not {what} within {timeout_s:.0f}s: {names}. Does a node offer "
+            "those resources?"
+        )
+    return [t.result() for t in tasks]

@@ -1,0 +1,99 @@
+"""The Router: which instance prefills a request, which decodes it, and whether to split them.
+
+Every instance is scored by the work it would do before this request's next token::
+
+    prefill cost(i) = (uncached_i + queued_i) * (1 + kv_usage_i)
+    decode cost(i)  = (queued_i + running_i) * (1 + kv_usage_i)        (KV arrives by transfer)
+
+``uncached_i`` is the prompt minus the prefix instance ``i`` already caches (prefix affinity:
+a repeated system prompt goes where its blocks are), ``queued_i`` the tokens it still has to
+compute for the requests it holds, ``kv_usage_i`` the fraction of its blocks in use. Ties go
+round-robin, so an idle cluster spreads requests.
+
+Conditional disaggregation: the best decode-capable instance is found as if it ran the whole
+request; if the part of the prompt it does not cache is shorter than the threshold (or
+``disaggregation: never``, or there is no prefill instance) it does, else the request is
+prefilled on the best prefill instance and handed to the best decode instance.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from scheduler.kv_cache_utils import update_block_hashes
+
+if TYPE_CHECKING:
+    from cluster.config import RouterConfig
+    from cluster.engine_loop import EngineLoop
+    from scheduler import Request
+
+
+@dataclass(frozen=True)
+class Route:
+    prefill: EngineLoop | None  # None: the decode instance runs the whole request
+    decode: EngineLoop
+
+
+class Router:
+    """Stateless apart from the round-robin counter; reads the loops' schedulers."""
+
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        self._turn = itertools.count()
+
+    def route(self, request: Request, prefill: list[EngineLoop], decode: list[EngineLoop]) -> Route:
+        """``prefill``: live instances with role prefill; ``decode``: live instances with role
+        decode or both. Raises ``RuntimeError`` when no decode-capable instance is left."""
+        if not decode:
+            raise RuntimeError("no live decode-capable instance (role decode or both)")
+        turn = next(self._turn)
+        full = self._best(decode, turn, lambda loop: self._prefill_cost(request, loop))
+        threshold = self.config.disaggregation
+        if not prefill or threshold == "never":
+            return Route(None, full)
+        if threshold != "always" and self.uncached_tokens(request, full) < threshold:
+            return Route(None, full)
+        p = self._best(prefill, turn, lambda loop: self._prefill_cost(request, loop))
+        d = self._best(decode, turn, self._decode_cost)
+        return Route(p, d)
+
+    # -- costs -------------------------------------------------------------------------------
+    def uncached_tokens(self, request: Request, loop: EngineLoop) -> int:
+        """Prompt tokens ``loop``'s instance would have to compute (its prefix cache aside)."""
+        return request.num_tokens - self.cached_tokens(request, loop)
+
+    def cached_tokens(self, request: Request, loop: EngineLoop) -> int:
+        """Length of the prefix of ``request`` whose blocks ``loop``'s instance caches now
+        (block-aligned, never the last token: as the scheduler would find it)."""
+        kv = loop.scheduler.kv_cache_manager
+        if not (self.config.prefix_affinity and kv.enable_caching):
+            return 0
+        block_size = kv.block_size
+        # The request's own hash list is shared by every instance with this block size.
+        hashes = update_block_hashes(request, block_size)
+        max_blocks = (request.num_tokens - 1) // block_size
+        get = kv.block_pool.get_cached_block
+        hits = 0
+        for block_hash in hashes[:max_blocks]:
+            if get(block_hash) is None:
+                break
+            hits += 1
+        return hits * block_size
+
+    def _prefill_cost(self, request: Request, loop: EngineLoop) -> float:
+        work = self.uncached_tokens(request, loop) + loop.queued_tokens()
+        return work * (1.0 + loop.scheduler.kv_cache_manager.usage)
+
+    @staticmethod
+    def _decode_cost(loop: EngineLoop) -> float:
+        work = loop.queued_tokens() + loop.num_active()
+        return work * (1.0 + loop.scheduler.kv_cache_manager.usage)
+
+    @staticmethod
+    def _best(loops: list[EngineLoop], turn: int, cost: object) -> EngineLoop:
+        assert callable(cost)
+        n = len(loops)
+        order = [loops[(turn + i) % n] for i in range(n)]  # rotate: ties go round-robin
+        return min(order, key=cost)

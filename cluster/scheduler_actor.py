@@ -1,0 +1,381 @@
+"""``SchedulerActor``: the central coordinator of a Tandem cluster (DESIGN §2).
+
+It owns one ``Scheduler`` + ``EngineLoop`` per instance, the Router, and every request in
+flight. ``generate`` is a streaming method: token ids flow back as they are produced -- the
+first from the prefill instance (TTFT), the rest from the decode instance::
+
+    generate(req) ─▶ Router ─▶ P? ──────────────────────────────▶ D
+                              prefill, 1st token ─▶ client     decode tokens ─▶ client
+                              KV saved (handle) ─▶ D request (do_remote_prefill, [1st token])
+
+A plain class: ``build_scheduler_actor`` (``cluster.launch``) wraps it as a named async Ray
+actor; tests may inject in-process instances instead of Ray workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from cluster.config import ClusterConfig
+from cluster.engine_loop import EngineLoop
+from cluster.placement import InstanceSpec
+from cluster.router import Router
+from kv_transfer.connector import PDConnector
+from scheduler import CacheConfig, Request, Scheduler
+from scheduler.outputs import EngineCoreOutput
+from scheduler.request import FinishReason
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Flight:
+    """A request between ``generate`` and its final output."""
+
+    request: Request  # as the client sent it
+    queue: asyncio.Queue[EngineCoreOutput]
+    loop: EngineLoop  # where it runs now
+    stage: str  # "prefill" (on P, to be handed off) or "decode" (running to the end)
+    num_cached_tokens: int | None = None  # the prefix hit where the prompt was computed
+    prefill_instance: str | None = None
+    decode_target: EngineLoop | None = None  # chosen by the Router at arrival
+    handoffs: int = 0
+    events: list[tuple[str, float]] = field(default_factory=list)
+
+
+class SchedulerActor:
+    """Routes requests to instances, drives their loops and streams their tokens."""
+
+    def __init__(self, config: ClusterConfig, instances: list[InstanceSpec] | None = None) -> None:
+        self.config = config
+        self._specs = instances
+        self.router = Router(config.router)
+        self.loops: dict[str, EngineLoop] = {}
+        self.roles: dict[str, str] = {}
+        self.specs: dict[str, InstanceSpec] = {}
+        self.flights: dict[str, _Flight] = {}
+        self.max_model_len = 0
+        self._loras: dict[str, set[int]] = {}
+        self.started = False
+
+    # -- life cycle --------------------------------------------------------------------------
+    async def start(self) -> dict[str, Any]:
+        """Start the workers (unless injected), build each instance's scheduler and loop."""
+        if self.started:
+            return self.describe()
+        if self._specs is None:
+            from cluster.placement import start_workers
+
+            self._specs = await start_workers(self.config, self.config.startup_timeout_s)
+        specs = self._specs
+        self.max_model_len = self._common_max_model_len(specs)
+        for spec in specs:
+            self.specs[spec.instance_id] = spec
+            self.roles[spec.instance_id] = spec.pool.role
+            self.loops[spec.instance_id] = self._build_loop(spec)
+            self._loras[spec.instance_id] = set()
+        for loop in self.loops.values():
+            loop.start()
+        self.started = True
+        logger.info("cluster started: %s", ", ".join(f"{i} ({r})" for i, r in self.roles.items()))
+        return self.describe()
+
+    def _common_max_model_len(self, specs: list[InstanceSpec]) -> int:
+        """One context length for the whole cluster: a request may land anywhere."""
+        limits = [
+            min(s.info["max_position_embeddings"], s.info["num_blocks"] * s.info["block_size"])
+            for s in specs
+        ]
+        cap = min(limits)
+        wanted = self.config.max_model_len
+        if wanted is not None and wanted > cap:
+            raise ValueError(
+                f"max_model_len ({wanted}) exceeds what the smallest instance holds ({cap} "
+                "tokens: its KV cache or the model's max_position_embeddings)"
+            )
+        return wanted or cap
+
+    def _build_loop(self, spec: InstanceSpec) -> EngineLoop:
+        pool = spec.pool
+        sched_config = pool.scheduler_config(self.max_model_len)
+        if pool.role != "prefill":  # the side that loads applies the failure policy
+            sched_config = sched_config.model_copy(
+                update={"kv_load_failure_policy": self.config.kv_transfer.failure_policy}
+            )
+        cache = CacheConfig(
+            **{**pool.cache, "block_size": spec.info["block_size"]},
+            num_blocks=spec.info["num_blocks"],
+        )
+        connector = None
+        if self.config.disaggregated:
+            connector = PDConnector(
+                spec.instance_id, spec.info["block_size"], self.config.kv_transfer.timeout_s
+            )
+        scheduler = Scheduler(sched_config, cache, self.config.lora, connector)
+        return EngineLoop(
+            spec.instance_id,
+            scheduler,
+            spec.executor,
+            self._on_outputs,
+            admission_window_s=self.config.admission_window_s,
+        )
+
+    async def shutdown(self) -> None:
+        """Stop every loop, fail what is in flight, release the workers."""
+        for loop in self.loops.values():
+            await loop.stop()
+        for rid in list(self.flights):
+            self._finish(rid, EngineCoreOutput(rid, [], FinishReason.ABORT, error="shutdown"))
+        for spec in self.specs.values():
+            if spec.handle is not None:
+                import ray
+
+                ray.kill(spec.handle)
+
+    # -- requests ----------------------------------------------------------------------------
+    async def generate(self, request: Request) -> AsyncIterator[EngineCoreOutput]:
+        """Stream ``request``'s progress: one ``EngineCoreOutput`` per step that produced
+        tokens for it (several steps' worth merged when the consumer lags), the last one with
+        ``finish_reason`` set. Raises ``ValueError`` before the first output for a request that
+        can never be served. A consumer that goes away aborts the request."""
+        flight = await self._submit(request)
+        rid = request.request_id
+        try:
+            while True:
+                out = await flight.queue.get()
+                while not out.finished and not flight.queue.empty():
+                    out = _merge(out, flight.queue.get_nowait())
+                yield out
+                if out.finished:
+                    return
+        finally:
+            if self.flights.get(rid) is flight:  # the consumer left early
+                self.abort(rid)
+
+    async def _submit(self, request: Request) -> _Flight:
+        if not self.started:
+            raise RuntimeError("the cluster is not started")
+        rid = request.request_id
+        if rid in self.flights:
+            raise ValueError(f"request_id {rid!r} is already in use")
+        if request.sampling_params.n != 1:
+            raise ValueError("sampling_params.n must be 1: clients fan out n > 1")
+        if request.num_tokens >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {request.num_tokens} tokens; max_model_len is {self.max_model_len}"
+            )
+        prefill = [lp for i, lp in self.loops.items() if self.roles[i] == "prefill" and lp.alive]
+        decode = [lp for i, lp in self.loops.items() if self.roles[i] != "prefill" and lp.alive]
+        route = self.router.route(request, prefill, decode)
+        target = route.prefill or route.decode
+        if request.lora_request is not None:
+            for loop in {route.decode, target}:
+                await self._ensure_lora(loop, request)
+        if rid in self.flights:  # the same id arrived while the adapter loaded
+            raise ValueError(f"request_id {rid!r} is already in use")
+        flight = _Flight(request, asyncio.Queue(), target, "decode")
+        flight.events.append(("queued", time.time()))
+        self.flights[rid] = flight
+        if route.prefill is None:
+            target.add_request(_clone(request))
+        else:
+            flight.stage = "prefill"
+            flight.prefill_instance = route.prefill.instance_id
+            flight.decode_target = route.decode
+            target.add_request(_prefill_request(request))
+        return flight
+
+    async def _ensure_lora(self, loop: EngineLoop, request: Request) -> None:
+        lora = request.lora_request
+        assert lora is not None
+        loaded = self._loras[loop.instance_id]
+        if lora.lora_int_id not in loaded:
+            handle = self.specs[loop.instance_id].handle
+            if handle is not None:
+                await handle.add_lora.remote(lora)
+            else:
+                self.specs[loop.instance_id].executor.worker.add_lora(lora)
+            loaded.add(lora.lora_int_id)
+
+    def abort(self, request_id: str) -> bool:
+        """End a request at whatever stage it is (queued, prefilling, transferring, decoding):
+        its blocks are freed on every instance and its stream ends with ``abort``. False if
+        the request is unknown or already finished."""
+        flight = self.flights.get(request_id)
+        if flight is None:
+            return False
+        flight.loop.abort([request_id])
+        self._finish(request_id, EngineCoreOutput(request_id, [], FinishReason.ABORT))
+        return True
+
+    # -- outputs -----------------------------------------------------------------------------
+    def _on_outputs(self, loop: EngineLoop, outputs: list[EngineCoreOutput]) -> None:
+        for out in outputs:
+            flight = self.flights.get(out.request_id)
+            if flight is None or flight.loop is not loop:
+                continue  # aborted, or a stale output of an earlier stage
+            if flight.stage == "prefill" and out.finished and self._hand_off(flight, out):
+                continue
+            if flight.num_cached_tokens is None:
+                flight.num_cached_tokens = out.num_cached_tokens
+            client_out = EngineCoreOutput(
+                out.request_id,
+                out.new_token_ids,
+                out.finish_reason,
+                out.stop_reason,
+                flight.num_cached_tokens,
+                None,  # kv_transfer_params (handles) never leave the actor
+                out.new_logprobs,
+                out.error,
+            )
+            if out.finished:
+                self._finish(out.request_id, client_out)
+            else:
+                flight.queue.put_nowait(client_out)
+
+    def _hand_off(self, flight: _Flight, out: EngineCoreOutput) -> bool:
+        """The prefill instance sampled the first token. Send the request on to its decode
+        instance with that token and the KV handle; False if it is already complete."""
+        request = flight.request
+        wanted = request.sampling_params.max_tokens
+        if out.finish_reason != FinishReason.LENGTH or (wanted is not None and wanted <= 1):
+            return False
+        if request.num_prompt_tokens + 1 >= self.max_model_len or out.error:
+            return False
+        decode = flight.decode_target
+        if decode is None or not decode.alive:
+            alive = [lp for i, lp in self.loops.items() if self.roles[i] != "prefill" and lp.alive]
+            if not alive:
+                return False
+            decode = alive[0]
+        params = out.kv_transfer_params
+        flight.num_cached_tokens = out.num_cached_tokens
+        flight.stage = "decode"
+        flight.loop = decode
+        flight.handoffs += 1
+        flight.events.append(("handoff", time.time()))
+        decode.add_request(
+            _clone(
+                request,
+                output_token_ids=list(out.new_token_ids),
+                kv_transfer_params=dict(params) if params else None,
+            )
+        )
+        flight.queue.put_nowait(
+            EngineCoreOutput(
+                out.request_id,
+                out.new_token_ids,
+                None,
+                None,
+                out.num_cached_tokens,
+                None,
+                out.new_logprobs,
+            )
+        )
+        return True
+
+    def _finish(self, request_id: str, final: EngineCoreOutput) -> None:
+        flight = self.flights.pop(request_id, None)
+        if flight is not None:
+            flight.queue.put_nowait(final)
+
+    # -- introspection -----------------------------------------------------------------------
+    def model_info(self) -> dict[str, Any]:
+        """What a client needs to tokenize and validate: the model and the context length."""
+        first = next(iter(self.specs.values())).info
+        return {**first, "max_model_len": self.max_model_len}
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "instances": {
+                iid: {
+                    "role": self.roles[iid],
+                    "pool": spec.pool.name,
+                    "node_id": spec.info.get("node_id"),
+                    "num_blocks": spec.info["num_blocks"],
+                }
+                for iid, spec in self.specs.items()
+            },
+            "max_model_len": self.max_model_len,
+        }
+
+    def stats(self) -> dict[str, Any]:
+        """Per-instance state: requests held, KV usage, counters (for tests and metrics)."""
+        result: dict[str, Any] = {"num_flights": len(self.flights), "instances": {}}
+        for iid, loop in self.loops.items():
+            s = loop.scheduler
+            c = loop.counters
+            connector = s.connector if isinstance(s.connector, PDConnector) else None
+            result["instances"][iid] = {
+                "role": self.roles[iid],
+                "alive": loop.alive,
+                "error": loop.error,
+                "num_requests": len(s.requests),
+                "num_unfinished": s.get_num_unfinished_requests(),
+                "num_pending": len(loop.pending),
+                "kv_cache_usage": s.kv_cache_manager.usage,
+                "num_free_blocks": s.kv_cache_manager.block_pool.num_free_blocks,
+                "num_blocks": s.cache_config.num_blocks,
+                "num_steps": c.num_steps,
+                "num_prompt_tokens_computed": c.num_prompt_tokens_computed,
+                "num_output_tokens_computed": c.num_output_tokens_computed,
+                "num_requests_added": c.num_requests_added,
+                "connector_pending": 0 if connector is None else connector.num_pending(),
+                "num_kv_saves": 0 if connector is None else connector.num_saves,
+                "num_kv_loads": 0 if connector is None else connector.num_loads,
+            }
+        return result
+
+    def check_integrity(self) -> None:
+        """Raise ``AssertionError`` if any instance's scheduler is inconsistent."""
+        for loop in self.loops.values():
+            loop.scheduler.check_integrity()
+
+    def reset_prefix_cache(self) -> bool:
+        return all(loop.scheduler.reset_prefix_cache() for loop in self.loops.values())
+
+
+def _clone(request: Request, **overrides: Any) -> Request:
+    """A fresh scheduler request with the client's fields (schedulers own their copies)."""
+    args: dict[str, Any] = dict(
+        request_id=request.request_id,
+        prompt_token_ids=request.prompt_token_ids,
+        sampling_params=request.sampling_params,
+        eos_token_id=request.eos_token_id,
+        arrival_time=request.arrival_time,
+        priority=request.priority,
+        lora_request=request.lora_request,
+        kv_transfer_params=None,
+        cache_salt=request.cache_salt,
+        output_token_ids=list(request.output_token_ids),
+    )
+    args.update(overrides)
+    return Request(**args)
+
+
+def _prefill_request(request: Request) -> Request:
+    """The prefill instance's part: compute the prompt, sample the first token, save the KV."""
+    params = request.sampling_params
+    first = params.model_copy(update={"max_tokens": 1, "min_tokens": min(params.min_tokens, 1)})
+    return _clone(request, sampling_params=first, kv_transfer_params={"do_remote_decode": True})
+
+
+def _merge(a: EngineCoreOutput, b: EngineCoreOutput) -> EngineCoreOutput:
+    logprobs = None
+    if a.new_logprobs is not None or b.new_logprobs is not None:
+        logprobs = (a.new_logprobs or []) + (b.new_logprobs or [])
+    return EngineCoreOutput(
+        a.request_id,
+        a.new_token_ids + b.new_token_ids,
+        b.finish_reason,
+        b.stop_reason,
+        b.num_cached_tokens or a.num_cached_tokens,
+        None,
+        logprobs,
+        b.error,
+    )
