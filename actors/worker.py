@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -99,6 +100,7 @@ class ModelWorker:
         self.num_steps = 0
         self.kv_transfer = kv_transfer
         self.connector: WorkerConnector | None = None
+        self.step_delay_s = 0.0  # fault injection (tests)
 
     # -- set-up ---------------------------------------------------------------------------
     def load_model(self) -> None:
@@ -232,17 +234,22 @@ class ModelWorker:
         """Finished KV loads (for benchmarks); empty without a connector."""
         return [] if self.connector is None else list(self.connector.history)
 
-    def set_fault_injection(self, load_delay_s: float = 0.0) -> None:
-        """Testing: delay every KV fetch by ``load_delay_s`` (to trip the transfer deadline)."""
-        if self.connector is None:
+    def set_fault_injection(self, load_delay_s: float = 0.0, step_delay_s: float = 0.0) -> None:
+        """Testing: delay every KV fetch by ``load_delay_s`` (to trip the transfer deadline)
+        and every step by ``step_delay_s`` (to catch a request mid-step)."""
+        if load_delay_s and self.connector is None:
             raise ValueError("no KV connector on this worker")
-        self.connector.load_delay_s = load_delay_s
+        if self.connector is not None:
+            self.connector.load_delay_s = load_delay_s
+        self.step_delay_s = step_delay_s
 
     # -- one step -------------------------------------------------------------------------
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step: update request state from the diffs, one forward over the flattened
         batch, sample the requests that reached their last known token."""
         so = scheduler_output
+        if self.step_delay_s:
+            time.sleep(self.step_delay_s)
         meta = so.kv_connector_metadata
         if self.connector is not None:
             self.connector.start_load_kv(meta, idle=so.total_num_scheduled_tokens == 0)

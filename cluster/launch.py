@@ -22,9 +22,16 @@ DEFAULT_NAMESPACE = "tandem"
 
 def ray_env_defaults() -> None:
     """Environment a loopback Ray needs (see docs/cluster.md): without the first variable a
-    127.0.0.1 node address hangs ``ray.init``; the second keeps local runs free of tokens."""
+    127.0.0.1 node address hangs ``ray.init`` (Ray then looks up an external address); the
+    second keeps local runs free of auth tokens. Ray reads the first at import, so if it is
+    imported already its constant is set as well."""
+    import sys
+
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    constants = sys.modules.get("ray._private.ray_constants")
+    if constants is not None and os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0":
+        constants.ENABLE_RAY_CLUSTER = False  # type: ignore[attr-defined]
 
 
 def init_ray(

@@ -285,6 +285,10 @@ class SchedulerActor:
             flight.queue.put_nowait(final)
 
     # -- introspection -----------------------------------------------------------------------
+    def live_request_ids(self) -> list[str]:
+        """Ids of the requests in flight (for operators and tests)."""
+        return sorted(self.flights)
+
     def model_info(self) -> dict[str, Any]:
         """What a client needs to tokenize and validate: the model and the context length."""
         first = next(iter(self.specs.values())).info
@@ -318,6 +322,8 @@ class SchedulerActor:
                 "num_requests": len(s.requests),
                 "num_unfinished": s.get_num_unfinished_requests(),
                 "num_pending": len(loop.pending),
+                "num_running": len(s.running),
+                "num_waiting_for_remote_kvs": sum(r.awaiting_remote_kvs for r in s.holding),
                 "kv_cache_usage": s.kv_cache_manager.usage,
                 "num_free_blocks": s.kv_cache_manager.block_pool.num_free_blocks,
                 "num_blocks": s.cache_config.num_blocks,
@@ -330,6 +336,36 @@ class SchedulerActor:
                 "num_kv_loads": 0 if connector is None else connector.num_loads,
             }
         return result
+
+    async def transfer_history(self) -> dict[str, list[Any]]:
+        """Every instance's finished KV loads (``TransferRecord``s), for benchmarks."""
+        result: dict[str, list[Any]] = {}
+        for iid, spec in self.specs.items():
+            if spec.handle is not None:
+                result[iid] = await spec.handle.transfer_history.remote()
+            else:
+                result[iid] = spec.executor.worker.transfer_history()
+        return result
+
+    async def worker_health(self) -> dict[str, dict[str, Any]]:
+        """Each worker's ``health()`` (its node id, pid, state)."""
+        result: dict[str, dict[str, Any]] = {}
+        for iid, spec in self.specs.items():
+            if spec.handle is not None:
+                result[iid] = await spec.handle.health.remote()
+            else:
+                result[iid] = spec.executor.worker.health()
+        return result
+
+    async def set_fault_injection(
+        self, instance_id: str, load_delay_s: float = 0.0, step_delay_s: float = 0.0
+    ) -> None:
+        """Testing: slow one instance's worker down (``ModelWorker.set_fault_injection``)."""
+        spec = self.specs[instance_id]
+        if spec.handle is not None:
+            await spec.handle.set_fault_injection.remote(load_delay_s, step_delay_s)
+        else:
+            spec.executor.worker.set_fault_injection(load_delay_s, step_delay_s)
 
     def check_integrity(self) -> None:
         """Raise ``AssertionError`` if any instance's scheduler is inconsistent."""

@@ -132,6 +132,7 @@ class WorkerConnector(ABC):
                 del self._loads[req_id]
                 load.future.cancel()
                 logger.warning("KV load of %s timed out after %.1fs", req_id, now - load.started)
+                self.history.append(TransferRecord(req_id, 0, now - load.started, False))
                 ok = False
             else:
                 continue

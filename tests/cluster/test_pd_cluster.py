@@ -1,0 +1,335 @@
+"""The Ray cluster end to end: prefill and decode workers on their own nodes, KV handed off
+through the object store, streamed tokens equal to colocated and in-process runs, aborts at
+every stage, transfer deadlines. A real ``ray.cluster_utils.Cluster`` (tests/cluster/conftest).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.cluster.conftest import RayCluster, assert_clean, wait_until
+
+ray = pytest.importorskip("ray")
+
+from cluster.client import ClusterClient  # noqa: E402
+from cluster.config import ClusterConfig  # noqa: E402
+from cluster.launch import build_cluster, shutdown_cluster  # noqa: E402
+from scheduler import SamplingParams  # noqa: E402
+
+BLOCK_SIZE = 4
+NUM_BLOCKS = 160
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
+TIMEOUT_S = 1.0  # the clusters' KV transfer deadline
+
+
+def _config(model: Path, pools: list[dict[str, Any]], **extra: Any) -> ClusterConfig:
+    return ClusterConfig.model_validate(
+        {"model": str(model), "block_size": BLOCK_SIZE, "pools": pools, **extra}
+    )
+
+
+PREFILL = {"name": "p", "role": "prefill", "resources": {"prefill": 0.01}, "num_blocks": NUM_BLOCKS}
+DECODE = {"name": "d", "role": "decode", "resources": {"decode": 0.01}, "num_blocks": NUM_BLOCKS}
+BOTH = {"name": "c", "role": "both", "num_blocks": NUM_BLOCKS}
+
+
+def _prompts(count: int, seed: int = 0) -> list[list[int]]:
+    """Mixed lengths (1 to 61 tokens), no shared prefixes, no EOS (token 2) inside."""
+    rng = random.Random(seed)
+    lengths = [1 + (i * 37) % 61 for i in range(count)]
+    return [[rng.randrange(3, 256) for _ in range(n)] for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def disagg(ray_cluster: RayCluster, tiny_model: Path) -> Iterator[Any]:
+    """1 prefill + 1 decode instance, every request disaggregated, recompute on failure."""
+    config = _config(
+        tiny_model,
+        [PREFILL, DECODE],
+        router={"disaggregation": "always"},
+        kv_transfer={"timeout_s": TIMEOUT_S},
+    )
+    handle = build_cluster(config, name="disagg", namespace="tandem-tests")
+    yield handle
+    shutdown_cluster(handle)
+
+
+@pytest.fixture(scope="module")
+def client(disagg: Any) -> ClusterClient:
+    return ClusterClient(disagg)
+
+
+@pytest.fixture(autouse=True)
+def _no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
+    yield
+    for name in ("disagg", "conditional"):
+        if name in request.fixturenames:
+            handle = request.getfixturevalue(name)
+            ray.get(handle.set_fault_injection.remote("p-0", 0.0, 0.0))
+            ray.get(handle.set_fault_injection.remote("d-0", 0.0, 0.0))
+            assert_clean(handle)
+
+
+def _ids(outputs: list[Any]) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def _stats(client: ClusterClient) -> dict[str, Any]:
+    instances: dict[str, Any] = client.stats()["instances"]
+    return instances
+
+
+# -- placement and equality ------------------------------------------------------------------
+def test_workers_land_on_their_nodes(disagg: Any, ray_cluster: RayCluster) -> None:
+    health = ray.get(disagg.worker_health.remote())
+    assert health["p-0"]["node_id"] == ray_cluster.prefill_node_id
+    assert health["d-0"]["node_id"] == ray_cluster.decode_node_id
+    described = ray.get(disagg.describe.remote())["instances"]
+    assert described["p-0"]["role"] == "prefill" and described["d-0"]["role"] == "decode"
+
+
+def test_disaggregated_equals_colocated_equals_in_process(
+    disagg: Any, client: ClusterClient, tiny_model: Path
+) -> None:
+    prompts = _prompts(16)
+    before = _stats(client)
+    history_before = ray.get(disagg.transfer_history.remote())["d-0"]
+    disaggregated = _ids(client.generate(prompts, GREEDY))
+    after = _stats(client)
+
+    colocated_handle = build_cluster(
+        _config(tiny_model, [BOTH]), name="colocated", namespace="tandem-tests"
+    )
+    try:
+        colocated = _ids(ClusterClient(colocated_handle).generate(prompts, GREEDY))
+        assert_clean(colocated_handle)
+    finally:
+        shutdown_cluster(colocated_handle)
+    from cluster.llm import LLM
+
+    llm = LLM(str(tiny_model), block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, progress=False)
+    in_process = _ids(llm.generate(prompts, GREEDY))
+
+    assert disaggregated == in_process
+    assert colocated == in_process
+    handed_off = [t for t in disaggregated if len(t) > 1]  # EOS first: nothing to decode
+    assert len(handed_off) >= 12 and max(map(len, handed_off)) == GREEDY.max_tokens
+
+    # The KV really crossed: the decode instance computed no prompt token, only the outputs
+    # after the first (sampled on the prefill instance); the prefill instance computed every
+    # prompt token and no output; one load per request, each carrying bytes.
+    p, d = (
+        {k: after[i][k] - before[i][k] for k in after[i] if isinstance(after[i][k], int)}
+        for i in ("p-0", "d-0")
+    )
+    assert p["num_prompt_tokens_computed"] == sum(map(len, prompts))
+    assert p["num_output_tokens_computed"] == 0
+    assert d["num_prompt_tokens_computed"] == 0
+    assert d["num_output_tokens_computed"] == sum(len(t) - 1 for t in handed_off)
+    assert p["num_kv_saves"] == len(prompts)
+    assert d["num_kv_loads"] == len(handed_off)
+    history = ray.get(disagg.transfer_history.remote())["d-0"][len(history_before) :]
+    assert len(history) == len(handed_off) and all(r.ok and r.num_bytes > 0 for r in history)
+
+
+def test_streaming_first_token_from_prefill_then_decode(client: ClusterClient) -> None:
+    prompt = _prompts(1, seed=3)[0] + [9] * 20
+    params = GREEDY.model_copy(update={"ignore_eos": True})
+
+    async def run() -> list[list[int]]:
+        deltas = []
+        async for out in client.generate_async(prompt, params):
+            if out.outputs[0].new_token_ids:
+                deltas.append(list(out.outputs[0].new_token_ids))
+        return deltas
+
+    deltas = asyncio.run(run())
+    assert len(deltas[0]) == 1  # the prefill instance's token arrives on its own
+    assert sum(map(len, deltas)) == GREEDY.max_tokens
+    assert len(deltas) > 2  # decode tokens stream, not one final batch
+
+
+def test_n_and_seeded_sampling_match_in_process(client: ClusterClient, tiny_model: Path) -> None:
+    from cluster.llm import LLM
+
+    params = SamplingParams(max_tokens=10, temperature=0.9, top_k=50, seed=7, n=3)
+    prompts = _prompts(3, seed=5)
+    llm = LLM(str(tiny_model), block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, progress=False)
+    expected = [[s.token_ids for s in o.outputs] for o in llm.generate(prompts, params)]
+    got = [[s.token_ids for s in o.outputs] for o in client.generate(prompts, params)]
+    assert got == expected
+    assert len({tuple(t) for t in got[0]}) > 1  # the three samples differ
+
+
+# -- abort at every stage --------------------------------------------------------------------
+async def _collect(client: ClusterClient, prompt: list[int], params: SamplingParams) -> Any:
+    final = None
+    async for out in client.generate_async(prompt, params, request_id=f"r{time.monotonic()}"):
+        final = out
+    return final
+
+
+def test_abort_while_queued_and_while_prefilling(disagg: Any, client: ClusterClient) -> None:
+    ray.get(disagg.set_fault_injection.remote("p-0", 0.0, 0.5))  # every prefill step: +0.5 s
+    before = _stats(client)
+
+    async def run() -> tuple[Any, Any]:
+        first = asyncio.ensure_future(_collect(client, _prompts(1, 1)[0] + [5] * 8, GREEDY))
+        # Wait until the first request's step is running on the prefill worker ...
+        await _until(lambda: _stats(client)["p-0"]["num_steps"] > before["p-0"]["num_steps"])
+        second = asyncio.ensure_future(_collect(client, [7, 8, 9, 10], GREEDY))
+        await asyncio.sleep(0.1)  # ... and the second is queued behind it
+        stats = ray.get(disagg.stats.remote())["instances"]["p-0"]
+        assert stats["num_pending"] == 1 and stats["num_running"] == 1
+        for rid in await _live_ids(disagg):
+            ray.get(disagg.abort.remote(rid))
+        return await first, await second
+
+    a, b = asyncio.run(run())
+    for out in (a, b):
+        assert out.outputs[0].finish_reason == "abort"
+    after = _stats(client)
+    assert after["d-0"]["num_requests_added"] == before["d-0"]["num_requests_added"]
+
+
+def test_abort_while_transferring(disagg: Any, client: ClusterClient) -> None:
+    ray.get(disagg.set_fault_injection.remote("d-0", TIMEOUT_S / 2, 0.0))  # slow, in time
+
+    async def run() -> Any:
+        task = asyncio.ensure_future(_collect(client, _prompts(1, 2)[0] + [4] * 30, GREEDY))
+        await _until(lambda: _stats(client)["d-0"]["num_waiting_for_remote_kvs"] == 1)
+        (rid,) = await _live_ids(disagg)
+        assert ray.get(disagg.abort.remote(rid))
+        return await task
+
+    out = asyncio.run(run())
+    assert out.outputs[0].finish_reason == "abort"
+    assert len(out.outputs[0].token_ids) == 1  # only the prefill instance's token
+    # The load was still writing into the decode blocks: they are freed once it ends
+    # (checked by the leak check after the test).
+
+
+def test_abort_while_decoding(disagg: Any, client: ClusterClient) -> None:
+    params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+
+    async def run() -> Any:
+        got: list[int] = []
+        aborted = False
+        async for out in client.generate_async(_prompts(1, 4)[0], params):
+            got.extend(out.outputs[0].new_token_ids)
+            if len(got) >= 5 and not out.finished and not aborted:
+                (rid,) = await _live_ids(disagg)
+                assert ray.get(disagg.abort.remote(rid))
+                aborted = True
+            if out.finished:
+                return out
+        raise AssertionError("the stream ended without a final output")
+
+    out = asyncio.run(run())
+    assert out.outputs[0].finish_reason == "abort"
+    assert 5 <= len(out.outputs[0].token_ids) < 400
+
+
+def test_client_leaving_early_aborts(disagg: Any, client: ClusterClient) -> None:
+    params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+
+    async def run() -> None:
+        async for out in client.generate_async(_prompts(1, 6)[0], params):
+            if len(out.outputs[0].token_ids) >= 3:
+                break
+
+    asyncio.run(run())  # the leak check waits for the cluster to drop the request
+
+
+# -- transfer deadlines ----------------------------------------------------------------------
+def test_transfer_timeout_recomputes_on_decode(client: ClusterClient, tiny_model: Path) -> None:
+    from cluster.llm import LLM
+
+    prompt = _prompts(1, seed=8)[0] + [11] * 17
+    llm = LLM(str(tiny_model), block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, progress=False)
+    expected = _ids(llm.generate([prompt], GREEDY))[0]
+    before = _stats(client)
+    ray.get(client.handle.set_fault_injection.remote("d-0", 2 * TIMEOUT_S, 0.0))
+    started = time.monotonic()
+    got = _ids(client.generate([prompt], GREEDY))[0]
+    elapsed = time.monotonic() - started
+    after = _stats(client)
+    assert got == expected
+    # The decode instance recomputed the whole prompt (and the prefill instance's token).
+    d_after, d_before = after["d-0"], before["d-0"]
+    computed = d_after["num_prompt_tokens_computed"] - d_before["num_prompt_tokens_computed"]
+    assert computed == len(prompt)
+    assert elapsed < 2 * TIMEOUT_S + 10  # bounded by the deadline, not by the slow fetch
+    history = ray.get(client.handle.transfer_history.remote())["d-0"]
+    assert not history[-1].ok
+
+
+@pytest.fixture(scope="module")
+def conditional(ray_cluster: RayCluster, tiny_model: Path) -> Iterator[Any]:
+    """Prompts of 24+ uncached tokens go through prefill; a failed transfer fails the request."""
+    config = _config(
+        tiny_model,
+        [PREFILL, DECODE],
+        router={"disaggregation": 24},
+        kv_transfer={"timeout_s": TIMEOUT_S, "failure_policy": "fail"},
+    )
+    handle = build_cluster(config, name="conditional", namespace="tandem-tests")
+    yield handle
+    shutdown_cluster(handle)
+
+
+def test_conditional_disaggregation(conditional: Any) -> None:
+    client = ClusterClient(conditional)
+    short, long = [3, 4, 5, 6, 7], _prompts(1, seed=9)[0] + [12] * 30
+    before = _stats(client)
+    client.generate([short], GREEDY)
+    middle = _stats(client)
+    assert middle["p-0"]["num_requests_added"] == before["p-0"]["num_requests_added"]
+    assert middle["d-0"]["num_prompt_tokens_computed"] - before["d-0"][
+        "num_prompt_tokens_computed"
+    ] == len(short)
+    client.generate([long], GREEDY)
+    after = _stats(client)
+    assert after["p-0"]["num_requests_added"] == middle["p-0"]["num_requests_added"] + 1
+    assert after["d-0"]["num_prompt_tokens_computed"] == middle["d-0"]["num_prompt_tokens_computed"]
+    # The same long prompt again: its prefix is cached on the decode instance? No: the decode
+    # instance loaded it, so its blocks are in its prefix cache and the uncached part is short.
+    client.generate([long], GREEDY)
+    again = _stats(client)
+    assert again["p-0"]["num_requests_added"] == after["p-0"]["num_requests_added"]
+
+
+def test_fail_policy_returns_an_error(conditional: Any) -> None:
+    client = ClusterClient(conditional)
+    ray.get(conditional.set_fault_injection.remote("d-0", 2 * TIMEOUT_S, 0.0))
+    (out,) = client.generate([_prompts(1, seed=10)[0] + [13] * 40], GREEDY)
+    sample = out.outputs[0]
+    assert sample.finish_reason == "error"
+    assert sample.error is not None and "KV load failed" in sample.error
+    assert len(sample.token_ids) == 1  # the first token came from the prefill instance
+
+
+# -- helpers ---------------------------------------------------------------------------------
+async def _until(predicate: Any, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("timed out")
+        await asyncio.sleep(0.02)
+
+
+async def _live_ids(handle: Any) -> list[str]:
+    ids: list[str] = await handle.live_request_ids.remote()
+    return ids
+
+
+def test_wait_until_helper_fails_when_never_true() -> None:
+    with pytest.raises(AssertionError, match="timed out"):
+        wait_until(lambda: False, timeout_s=0.05)

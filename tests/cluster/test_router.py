@@ -1,0 +1,212 @@
+"""The Router over real ``Scheduler``s in ``EngineLoop``s (never run): conditional
+disaggregation, least-loaded choice with round-robin ties, and prefix affinity. Load and cache
+contents are made by driving the schedulers with hand-built outputs."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from cluster.config import RouterConfig
+from cluster.engine_loop import EngineLoop
+from cluster.router import Route, Router
+from scheduler import (
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    Request,
+    RequestStatus,
+    SchedulerOutput,
+)
+from tests.scheduler.helpers import make_request, make_scheduler, run_to_completion
+
+BLOCK = 4
+PREFIX = list(range(300, 308))  # two full blocks
+
+
+class _NoExecutor:
+    """The loops are never run: routing only reads their schedulers."""
+
+    async def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        raise AssertionError("the router must not step an instance")
+
+
+def _ignore(loop: EngineLoop, outputs: list[EngineCoreOutput]) -> None:
+    raise AssertionError("no outputs expected")
+
+
+def _loop(name: str) -> EngineLoop:
+    s = make_scheduler(block_size=BLOCK, num_blocks=16, max_model_len=64)
+    return EngineLoop(name, s, _NoExecutor(), _ignore)
+
+
+def _router(**config: object) -> Router:
+    return Router(RouterConfig.model_validate(config))
+
+
+def _cache_prefix(loop: EngineLoop, tail: list[int]) -> None:
+    """Run a request starting with ``PREFIX`` to completion on ``loop``: its blocks stay in the
+    prefix cache, free."""
+    loop.scheduler.add_request(make_request([*PREFIX, *tail], max_tokens=2))
+    run_to_completion(loop.scheduler)
+    _assert_free(loop)
+
+
+def _assert_free(*loops: EngineLoop) -> None:
+    for loop in loops:
+        s = loop.scheduler
+        s.check_integrity()
+        pool = s.kv_cache_manager.block_pool
+        assert pool.num_free_blocks == pool.num_blocks
+        assert not s.requests and not s.has_unfinished_requests()
+
+
+def _busy(loop: EngineLoop, num_tokens: int = 12) -> Request:
+    """Give ``loop`` queued work: a request waiting in its scheduler, nothing computed."""
+    r = make_request(num_tokens, max_tokens=4)
+    loop.scheduler.add_request(r)
+    assert loop.queued_tokens() == num_tokens
+    return r
+
+
+def _names(route: Route) -> tuple[str | None, str]:
+    return (None if route.prefill is None else route.prefill.instance_id, route.decode.instance_id)
+
+
+# -- conditional disaggregation ----------------------------------------------------------------
+
+
+def test_never_keeps_every_request_on_a_decode_instance() -> None:
+    p, d = _loop("p"), _loop("d")
+    router = _router(disaggregation="never")
+    for _ in range(3):
+        assert _names(router.route(make_request(40), [p], [d])) == (None, "d")
+    _assert_free(p, d)
+
+
+def test_always_goes_through_a_prefill_instance() -> None:
+    p, d = _loop("p"), _loop("d")
+    router = _router(disaggregation="always")
+    assert _names(router.route(make_request(3), [p], [d])) == ("p", "d")
+    # Without a live prefill instance the decode instance runs it all.
+    assert _names(router.route(make_request(3), [], [d])) == (None, "d")
+    _assert_free(p, d)
+
+
+def test_threshold_splits_only_long_uncached_prompts() -> None:
+    p, d = _loop("p"), _loop("d")
+    router = _router(disaggregation=10)
+    assert _names(router.route(make_request(9), [p], [d])) == (None, "d")
+    assert _names(router.route(make_request(10), [p], [d])) == ("p", "d")
+    assert _names(router.route(make_request(30), [p], [d])) == ("p", "d")
+    _assert_free(p, d)
+
+
+def test_long_prompt_mostly_cached_on_the_decode_instance_stays_there() -> None:
+    p, d = _loop("p"), _loop("d")
+    _cache_prefix(d, [1, 3])
+    prompt = [*PREFIX, 20, 21, 22, 23, 24, 25]  # 14 tokens, 8 of them cached on d
+    router = _router(disaggregation=10)
+    assert router.uncached_tokens(make_request(prompt), d) == 6
+    assert _names(router.route(make_request(prompt), [p], [d])) == (None, "d")
+    # The same prompt with another prefix is computed in full: it is prefilled apart.
+    other = [50 + t for t in prompt]
+    assert _names(router.route(make_request(other), [p], [d])) == ("p", "d")
+    _assert_free(p, d)
+
+
+# -- least loaded ------------------------------------------------------------------------------
+
+
+def test_new_request_goes_to_the_idle_instance() -> None:
+    a, b = _loop("a"), _loop("b")
+    queued = _busy(a)
+    router = _router(disaggregation="never")
+    for _ in range(4):  # whatever the round-robin turn
+        assert _names(router.route(make_request(6), [], [a, b])) == (None, "b")
+    a.scheduler.finish_requests(queued.request_id, RequestStatus.FINISHED_ABORTED)
+    _assert_free(a, b)
+
+
+def test_decode_instance_of_a_split_request_is_the_least_loaded() -> None:
+    p1, p2, d1, d2 = _loop("p1"), _loop("p2"), _loop("d1"), _loop("d2")
+    queued = [_busy(p1), _busy(d2)]
+    router = _router(disaggregation="always")
+    for _ in range(4):
+        assert _names(router.route(make_request(20), [p1, p2], [d1, d2])) == ("p2", "d1")
+    p1.scheduler.finish_requests(queued[0].request_id, RequestStatus.FINISHED_ABORTED)
+    d2.scheduler.finish_requests(queued[1].request_id, RequestStatus.FINISHED_ABORTED)
+    _assert_free(p1, p2, d1, d2)
+
+
+def test_pending_arrivals_count_as_load() -> None:
+    a, b = _loop("a"), _loop("b")
+    b.add_request(make_request(12))  # not yet admitted by b's (idle) loop
+    router = _router(disaggregation="never")
+    for _ in range(4):
+        assert _names(router.route(make_request(6), [], [a, b])) == (None, "a")
+    _assert_free(a, b)
+
+
+@pytest.mark.parametrize("num_instances", [2, 3])
+def test_ties_are_spread_round_robin(num_instances: int) -> None:
+    loops = [_loop(f"i{k}") for k in range(num_instances)]
+    router = _router(disaggregation="never")
+    picks = [_names(router.route(make_request(6), [], loops))[1] for _ in range(2 * num_instances)]
+    # Every instance in turn, each window of num_instances consecutive calls covering all.
+    assert Counter(picks) == {loop.instance_id: 2 for loop in loops}
+    assert len(set(picks[:num_instances])) == num_instances
+    _assert_free(*loops)
+
+
+def test_split_requests_spread_over_idle_prefill_and_decode_instances() -> None:
+    ps, ds = [_loop("p0"), _loop("p1")], [_loop("d0"), _loop("d1")]
+    router = _router(disaggregation="always")
+    routes = [_names(router.route(make_request(20), ps, ds)) for _ in range(4)]
+    assert Counter(p for p, _ in routes) == {"p0": 2, "p1": 2}
+    assert Counter(d for _, d in routes) == {"d0": 2, "d1": 2}
+    _assert_free(*ps, *ds)
+
+
+# -- prefix affinity ---------------------------------------------------------------------------
+
+
+def test_prompt_goes_where_its_prefix_is_cached() -> None:
+    a, b = _loop("a"), _loop("b")
+    _cache_prefix(b, [1, 3])
+    router = _router(disaggregation="never")
+    prompt = [*PREFIX, 40, 41, 42]
+    assert router.cached_tokens(make_request(prompt), b) == 8
+    assert router.cached_tokens(make_request(prompt), a) == 0
+    for _ in range(4):  # a is as idle as b: only the cache tells them apart
+        assert _names(router.route(make_request(prompt), [], [a, b])) == (None, "b")
+    _assert_free(a, b)
+
+
+def test_cached_prefix_never_counts_the_last_token() -> None:
+    b = _loop("b")
+    _cache_prefix(b, [1, 3])
+    router = _router()
+    # 8 tokens, all cached: the last must still be computed, so one block (4) is the hit.
+    assert router.cached_tokens(make_request(PREFIX), b) == 4
+    assert router.cached_tokens(make_request([*PREFIX, 9]), b) == 8
+    _assert_free(b)
+
+
+def test_without_prefix_affinity_the_cache_is_not_preferred() -> None:
+    a, b = _loop("a"), _loop("b")
+    _cache_prefix(b, [1, 3])
+    router = _router(disaggregation="never", prefix_affinity=False)
+    prompt = [*PREFIX, 40, 41, 42]
+    assert router.cached_tokens(make_request(prompt), b) == 0
+    picks = [_names(router.route(make_request(prompt), [], [a, b]))[1] for _ in range(4)]
+    assert Counter(picks) == {"a": 2, "b": 2}
+    _assert_free(a, b)
+
+
+def test_no_decode_instance_is_an_error() -> None:
+    p = _loop("p")
+    router = _router(disaggregation="always")
+    with pytest.raises(RuntimeError, match="no live decode-capable instance"):
+        router.route(make_request(6), [p], [])
+    _assert_free(p)

@@ -1,0 +1,383 @@
+"""``PDConnector`` driving a real ``Scheduler`` on both sides of a prefill/decode hand-off.
+
+The test plays the worker with hand-built ``ModelRunnerOutput``s: it reports the handle of a
+save in ``kv_connector_output`` and the end of a load in ``finished_recving`` /
+``failed_recving``. Block size 4, a few blocks, no Ray, no model.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+from kv_transfer.connector import (
+    KVConnectorMetadata,
+    KVConnectorReport,
+    LoadSpec,
+    PDConnector,
+    SaveSpec,
+)
+from scheduler import (
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    Request,
+    RequestStatus,
+    Scheduler,
+    SchedulerOutput,
+)
+from scheduler.request import FinishReason
+from tests.scheduler.helpers import EOS, make_request, make_scheduler, model_output
+
+BLOCK = 4
+TIMEOUT_S = 5.0
+
+
+def _instance(**sched: Any) -> tuple[Scheduler, PDConnector]:
+    connector = PDConnector("inst-0", block_size=BLOCK, timeout_s=TIMEOUT_S)
+    sched.setdefault("max_num_seqs", 4)
+    sched.setdefault("max_model_len", 32)
+    s = make_scheduler(block_size=BLOCK, num_blocks=16, connector=connector, **sched)
+    return s, connector
+
+
+def _meta(out: SchedulerOutput) -> KVConnectorMetadata:
+    meta = out.kv_connector_metadata
+    assert isinstance(meta, KVConnectorMetadata)
+    return meta
+
+
+def _run(
+    s: Scheduler,
+    tokens: dict[str, list[int]] | None = None,
+    *,
+    saved: dict[str, Any] | None = None,
+    finished_recving: set[str] | None = None,
+    failed_recving: set[str] | None = None,
+) -> tuple[SchedulerOutput, list[EngineCoreOutput]]:
+    """One step: schedule, a hand-built worker result (with the connector's reports), apply."""
+    out = s.schedule()
+    result = model_output(
+        s, out, tokens, finished_recving=finished_recving, failed_recving=failed_recving
+    )
+    if saved is not None:
+        result.kv_connector_output = KVConnectorReport(saved=saved)
+    outputs = s.update_from_output(out, result)
+    s.check_integrity()
+    return out, outputs
+
+
+def _assert_idle(s: Scheduler, c: PDConnector) -> None:
+    """Nothing leaked: every block free, no request anywhere, no save or load pending."""
+    s.check_integrity()
+    pool = s.kv_cache_manager.block_pool
+    assert pool.num_free_blocks == pool.num_blocks
+    assert not s.requests and not s.kv_cache_manager.req_to_blocks
+    assert not s.has_unfinished_requests()
+    assert c.num_pending() == 0
+
+
+def _finish_all(s: Scheduler, max_steps: int = 50) -> dict[str, list[int]]:
+    produced: dict[str, list[int]] = {}
+    for _ in range(max_steps):
+        if not s.has_requests():
+            return produced
+        _, outputs = _run(s)
+        for o in outputs:
+            produced.setdefault(o.request_id, []).extend(o.new_token_ids)
+    raise AssertionError(f"not finished after {max_steps} steps")
+
+
+# -- prefill side ------------------------------------------------------------------------------
+
+
+def _prefill_request(prompt: list[int] | int, req_id: str) -> Request:
+    return make_request(
+        prompt, req_id=req_id, max_tokens=1, kv_transfer_params={"do_remote_decode": True}
+    )
+
+
+@pytest.mark.parametrize("chunking", ["budget", "long_prefill_threshold", "none"])
+def test_prefill_saves_once_at_the_end_of_the_prompt(chunking: str) -> None:
+    if chunking == "budget":
+        s, c = _instance(max_num_batched_tokens=4)
+    elif chunking == "long_prefill_threshold":
+        s, c = _instance(long_prefill_token_threshold=4)
+    else:
+        s, c = _instance()
+    r = _prefill_request(10, "p")
+    s.add_request(r)
+    if chunking == "long_prefill_threshold":  # the threshold applies with others present
+        s.add_request(make_request(3, req_id="other", max_tokens=20))
+    metas: list[KVConnectorMetadata] = []
+    while True:
+        out = s.schedule()
+        meta = _meta(out)
+        metas.append(meta)
+        if meta.saves:
+            break
+        assert "p" in out.num_scheduled_tokens  # not starved: a chunk of the prompt ran
+        s.update_from_output(out, model_output(s, out))
+        s.check_integrity()
+        assert len(metas) < 10
+    expected_steps = 1 if chunking == "none" else 3  # 10 tokens: 4 + 4 + 2
+    assert len(metas) == expected_steps
+    assert all(not m.saves and not m.loads for m in metas[:-1])
+    assert metas[-1].saves == [SaveSpec("p", 10)] and not metas[-1].loads
+    assert r.num_computed_tokens == 10  # this step reaches the end of the prompt
+    block_ids = s.kv_cache_manager.get_block_ids("p")
+    assert len(block_ids) == 3
+    assert c.num_pending() == 1  # the save is in flight
+
+    before = time.time()
+    result = model_output(s, out, {"p": [41]})
+    result.kv_connector_output = KVConnectorReport(saved={"p": "H"})
+    outputs = s.update_from_output(out, result)
+    s.check_integrity()
+    finished = [o for o in outputs if o.request_id == "p"]
+    assert len(finished) == 1
+    (o,) = finished
+    assert o.new_token_ids == [41] and o.finish_reason == FinishReason.LENGTH
+    params = o.kv_transfer_params
+    assert params is not None
+    assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
+    assert params["remote_num_tokens"] == 10
+    assert params["handle"] == "H"
+    assert params["remote_block_ids"] == block_ids
+    assert params["remote_instance_id"] == "inst-0"
+    assert params["deadline"] >= before + TIMEOUT_S
+    # The saved copy is independent of the blocks: they are free at once, no send to await.
+    assert "p" not in s.requests and "p" not in s.kv_cache_manager.req_to_blocks
+    assert c.num_pending() == 0 and c.num_saves == 1
+    _finish_all(s)
+    _assert_idle(s, c)
+
+
+def test_prefill_preempted_mid_prompt_saves_once_when_it_completes() -> None:
+    # 8 blocks: a decode that grows past 4 blocks evicts the half-prefilled request.
+    connector = PDConnector("inst-0", block_size=BLOCK, timeout_s=TIMEOUT_S)
+    s = make_scheduler(
+        block_size=BLOCK,
+        num_blocks=8,
+        connector=connector,
+        max_num_seqs=4,
+        max_model_len=32,
+        max_num_batched_tokens=4,
+    )
+    s.add_request(make_request(12, req_id="a", max_tokens=12))
+    for _ in range(4):  # a's prompt, then its first decode
+        _run(s)
+    p = _prefill_request(list(range(500, 516)), "p")
+    s.add_request(p)
+    saves: list[SaveSpec] = []
+    handles: list[Any] = []
+    preempted = False
+    for _ in range(40):
+        if not s.has_requests():
+            break
+        out = s.schedule()
+        preempted |= "p" in out.preempted_req_ids
+        meta = _meta(out)
+        if meta.saves:
+            assert p.num_computed_tokens == 16  # only the step that completes the prompt
+        saves += meta.saves
+        result = model_output(s, out)
+        result.kv_connector_output = KVConnectorReport({x.req_id: "H" for x in meta.saves})
+        for o in s.update_from_output(out, result):
+            if o.request_id == "p" and o.finished:
+                handles.append((o.kv_transfer_params or {}).get("handle"))
+        s.check_integrity()
+    assert preempted
+    assert saves == [SaveSpec("p", 16)]
+    assert handles == ["H"]
+    _assert_idle(s, connector)
+
+
+def test_save_of_a_request_aborted_during_its_saving_step_is_dropped() -> None:
+    s, c = _instance()
+    s.add_request(_prefill_request(10, "p"))
+    out = s.schedule()
+    assert _meta(out).saves == [SaveSpec("p", 10)]
+    s.finish_requests("p", RequestStatus.FINISHED_ABORTED)
+    assert c.num_pending() == 0
+    # Built by hand: the worker sampled and saved before it learnt of the abort.
+    result = ModelRunnerOutput(
+        req_ids=["p"], sampled_token_ids=[[41]], kv_connector_output=KVConnectorReport({"p": "H"})
+    )
+    outputs = s.update_from_output(out, result)
+    assert outputs == []  # nothing for the aborted request, no params with the handle
+    assert c.num_pending() == 0 and c.num_saves == 0
+    _assert_idle(s, c)
+
+
+def test_prefill_whose_first_token_is_eos_still_returns_params() -> None:
+    s, c = _instance()
+    s.add_request(_prefill_request(9, "p"))
+    out = s.schedule()
+    block_ids = s.kv_cache_manager.get_block_ids("p")
+    result = model_output(s, out, {"p": [EOS]})
+    result.kv_connector_output = KVConnectorReport(saved={"p": "H"})
+    (o,) = s.update_from_output(out, result)
+    assert o.new_token_ids == [EOS] and o.finish_reason == FinishReason.STOP
+    # The scheduler actor, not the connector, decides that there is nothing to decode.
+    assert o.kv_transfer_params is not None
+    assert o.kv_transfer_params["handle"] == "H"
+    assert o.kv_transfer_params["remote_block_ids"] == block_ids
+    assert o.kv_transfer_params["remote_num_tokens"] == 9
+    _assert_idle(s, c)
+
+
+def test_prefill_without_a_reported_handle_returns_no_params() -> None:
+    s, c = _instance()
+    s.add_request(_prefill_request(6, "p"))
+    out = s.schedule()
+    assert _meta(out).saves == [SaveSpec("p", 6)]
+    (o,) = s.update_from_output(out, model_output(s, out, {"p": [41]}))
+    assert o.finished and o.kv_transfer_params is None
+    _assert_idle(s, c)
+
+
+# -- decode side -------------------------------------------------------------------------------
+
+PROMPT = list(range(200, 210))  # 10 tokens: blocks of 4, 4 and 2
+FIRST = 41  # the token the prefill instance sampled
+
+
+def _decode_request(
+    prompt: list[int], req_id: str = "d", handle: Any = "H", max_tokens: int = 4
+) -> Request:
+    params: dict[str, Any] = {"do_remote_prefill": True, "remote_num_tokens": len(prompt)}
+    if handle is not None:
+        params["handle"] = handle
+    return make_request(
+        prompt,
+        req_id=req_id,
+        max_tokens=max_tokens,
+        output_token_ids=[FIRST],
+        kv_transfer_params=params,
+    )
+
+
+def _start_load(s: Scheduler, r: Request) -> LoadSpec:
+    """Admit ``r``; the step computes nothing and starts its load."""
+    s.add_request(r)
+    out, outputs = _run(s)
+    assert out.num_scheduled_tokens == {} and outputs == []
+    assert r.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    meta = _meta(out)
+    assert not meta.saves and len(meta.loads) == 1
+    return meta.loads[0]
+
+
+def test_decode_loads_the_prompt_then_runs_only_the_first_output_token() -> None:
+    s, c = _instance()
+    r = _decode_request(PROMPT)
+    spec = _start_load(s, r)
+    block_ids = s.kv_cache_manager.get_block_ids("d")
+    assert spec == LoadSpec("d", "H", block_ids[:3], 0, TIMEOUT_S)
+    assert len(block_ids) == 3  # every block covering the prompt
+    assert r.num_computed_tokens == len(PROMPT)
+    assert c.num_pending() == 0  # the spec went out with the step
+
+    out, outputs = _run(s, finished_recving={"d"})
+    assert out.num_scheduled_tokens == {} and outputs == []
+    out, outputs = _run(s, {"d": [42]})
+    assert out.num_scheduled_tokens == {"d": 1}  # the first output token, at position 10
+    (new,) = out.scheduled_new_reqs
+    assert new.num_computed_tokens == len(PROMPT) and new.output_token_ids == [FIRST]
+    assert not _meta(out).loads
+    assert r.kv_transfer_params is not None and "handle" not in r.kv_transfer_params
+    assert [o.new_token_ids for o in outputs] == [[42]]
+    assert _finish_all(s) == {"d": [7, 7]}  # max_tokens 4: FIRST, 42, 7, 7
+    _assert_idle(s, c)
+
+
+def test_load_reported_done_by_the_step_that_started_it() -> None:
+    # An idle worker step waits briefly for its fetch: a fast load ends within that step.
+    s, c = _instance()
+    r = _decode_request(PROMPT)
+    s.add_request(r)
+    out, outputs = _run(s, finished_recving={"d"})
+    assert out.num_scheduled_tokens == {} and outputs == [] and len(_meta(out).loads) == 1
+    out, outputs = _run(s, {"d": [42]})
+    assert out.num_scheduled_tokens == {"d": 1}
+    assert [o.new_token_ids for o in outputs] == [[42]]
+    _finish_all(s)
+    _assert_idle(s, c)
+
+
+def test_decode_loads_only_what_the_local_prefix_cache_lacks() -> None:
+    s, c = _instance()
+    shared = PROMPT[:8]
+    s.add_request(make_request([*shared, 1, 3], req_id="local", max_tokens=2))
+    _finish_all(s)
+    cached = s.kv_cache_manager.get_computed_blocks(make_request([*shared, 5, 6]))[0]
+    assert len(cached) == 2
+    r = _decode_request(PROMPT)
+    spec = _start_load(s, r)
+    block_ids = s.kv_cache_manager.get_block_ids("d")
+    assert block_ids[:2] == cached.get_block_ids()  # the local hit
+    assert spec.first_block == 2 and spec.block_ids == block_ids[2:3]
+    _run(s, finished_recving={"d"})
+    out, _ = _run(s)
+    assert out.num_scheduled_tokens == {"d": 1}
+    _finish_all(s)
+    _assert_idle(s, c)
+
+
+def test_failed_load_with_recompute_policy_computes_the_prompt_locally() -> None:
+    s, c = _instance(kv_load_failure_policy="recompute")
+    r = _decode_request(PROMPT)
+    _start_load(s, r)
+    out, outputs = _run(s, failed_recving={"d"})
+    assert outputs == []
+    assert r.kv_transfer_params is not None
+    assert "handle" not in r.kv_transfer_params
+    assert r.kv_transfer_params["do_remote_prefill"] is False
+    out, outputs = _run(s, {"d": [42]})
+    assert out.num_scheduled_tokens == {"d": len(PROMPT) + 1}  # prompt and FIRST
+    (new,) = out.scheduled_new_reqs
+    assert new.num_computed_tokens == 0
+    assert not _meta(out).loads
+    assert [o.new_token_ids for o in outputs] == [[42]]
+    _finish_all(s)
+    _assert_idle(s, c)
+
+
+def test_failed_load_with_fail_policy_ends_the_request_with_an_error() -> None:
+    s, c = _instance(kv_load_failure_policy="fail")
+    r = _decode_request(PROMPT)
+    _start_load(s, r)
+    _, outputs = _run(s, failed_recving={"d"})
+    (o,) = outputs
+    assert o.request_id == "d" and o.new_token_ids == []
+    assert o.finish_reason == FinishReason.ERROR
+    assert o.error is not None and "load failed" in o.error
+    assert r.status == RequestStatus.FINISHED_ERROR
+    _assert_idle(s, c)
+
+
+def test_remote_prefill_without_a_handle_computes_locally() -> None:
+    s, c = _instance()
+    r = _decode_request(PROMPT, handle=None)
+    s.add_request(r)
+    out, outputs = _run(s, {"d": [42]})
+    assert out.num_scheduled_tokens == {"d": len(PROMPT) + 1}
+    assert not _meta(out).loads and c.num_loads == 0
+    assert [o.new_token_ids for o in outputs] == [[42]]
+    _finish_all(s)
+    _assert_idle(s, c)
+
+
+def test_decode_aborted_while_loading_keeps_its_blocks_until_the_load_ends() -> None:
+    s, c = _instance()
+    r = _decode_request(PROMPT)
+    _start_load(s, r)
+    s.finish_requests("d", RequestStatus.FINISHED_ABORTED)
+    # The worker may still write into the blocks: they stay taken until it reports.
+    assert s.kv_cache_manager.get_block_ids("d")
+    _run(s)
+    assert "d" in s.requests
+    _run(s, finished_recving={"d"})
+    _assert_idle(s, c)

@@ -1,0 +1,286 @@
+"""``WorkerConnector``'s save/load pipeline through an in-memory transport: saved blocks land
+bit for bit in other block ids, failures and timeouts are reported once and never write, and an
+idle step waits a little (not forever) for a fetch in flight."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from kv_transfer.base import WorkerConnector
+from kv_transfer.connector import KVConnectorMetadata, LoadSpec, SaveSpec
+
+NUM_LAYERS, BLOCK, KV_HEADS, HEAD_DIM = 2, 4, 2, 8
+
+
+class MemoryConnector(WorkerConnector):
+    """Handles are keys of a dict shared by the connectors of one test. ``_fetch`` can be told
+    to raise, or to hold until ``release`` is set (at most ``hold_s``)."""
+
+    transport = "memory"
+
+    def __init__(self, store: dict[str, np.ndarray]) -> None:
+        super().__init__()
+        self.store = store
+        self.raise_on_fetch = False
+        self.hold_s = 0.0
+        self.release = threading.Event()
+        self.fetch_done = threading.Event()  # set when a fetch returns or raises
+        self._ids = itertools.count()
+
+    def _save(self, req_id: str, data: np.ndarray) -> Any:
+        handle = f"{req_id}#{next(self._ids)}"
+        self.store[handle] = data
+        return handle
+
+    def _fetch(self, handle: Any, timeout_s: float) -> np.ndarray:
+        try:
+            if self.hold_s:
+                self.release.wait(self.hold_s)
+            if self.raise_on_fetch:
+                raise ConnectionError("the source is gone")
+            return self.store[handle]
+        finally:
+            self.fetch_done.set()
+
+
+def _caches(num_blocks: int, dtype: torch.dtype, seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    shape = (2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
+    return [torch.randn(*shape, generator=gen).to(dtype) for _ in range(NUM_LAYERS)]
+
+
+def _bytes_per_block(dtype: torch.dtype) -> int:
+    itemsize = torch.tensor([], dtype=dtype).element_size()
+    return NUM_LAYERS * 2 * BLOCK * KV_HEADS * HEAD_DIM * itemsize
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[MemoryConnector, MemoryConnector]]:
+    """A prefill-side and a decode-side connector on one store, float32 caches."""
+    store: dict[str, np.ndarray] = {}
+    src, dst = MemoryConnector(store), MemoryConnector(store)
+    src.register_kv_caches(_caches(8, torch.float32, 0), range(NUM_LAYERS))
+    dst.register_kv_caches(_caches(12, torch.float32, 1), range(NUM_LAYERS))
+    yield src, dst
+    for c in (src, dst):
+        c.release.set()
+        c.close()
+
+
+SRC_TABLE = [5, 1, 7, 2]  # the saved request's block table; 10 tokens fill its first three
+
+
+def _save(src: WorkerConnector, num_tokens: int = 10) -> Any:
+    src.wait_for_save(
+        KVConnectorMetadata(saves=[SaveSpec("r", num_tokens)]), {"r": SRC_TABLE, "x": [0]}
+    )
+    report = src.report()
+    assert set(report.saved) == {"r"}
+    return report.saved["r"]
+
+
+def _load(dst: WorkerConnector, spec: LoadSpec, max_calls: int = 100) -> int:
+    """Start ``spec``'s load, then step idle until it is reported; returns the calls made."""
+    dst.start_load_kv(KVConnectorMetadata(loads=[spec]))
+    calls = 1
+    while dst.num_loading() and calls < max_calls:
+        dst.start_load_kv(None, idle=True)
+        calls += 1
+    assert dst.num_loading() == 0, "the load never ended"
+    return calls
+
+
+def _snapshot(c: WorkerConnector) -> list[torch.Tensor]:
+    return [t.clone() for t in c.kv_caches]
+
+
+def _unchanged(c: WorkerConnector, before: list[torch.Tensor]) -> bool:
+    return all(torch.equal(a, b) for a, b in zip(c.kv_caches, before, strict=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_saved_blocks_load_bit_for_bit_into_other_block_ids(dtype: torch.dtype) -> None:
+    store: dict[str, np.ndarray] = {}
+    src, dst = MemoryConnector(store), MemoryConnector(store)
+    try:
+        src.register_kv_caches(_caches(8, dtype, 0), range(NUM_LAYERS))
+        dst.register_kv_caches(_caches(12, dtype, 1), range(NUM_LAYERS))
+        src.wait_for_save(
+            KVConnectorMetadata(saves=[SaveSpec("r", 10), SaveSpec("gone", 4)]), {"r": SRC_TABLE}
+        )
+        report = src.report()
+        assert set(report.saved) == {"r"}  # "gone" has no block table: finished meanwhile
+        assert report.bytes_saved == 3 * _bytes_per_block(dtype)
+        assert src.report().saved == {}  # reported once
+        before = _snapshot(dst)
+        dst_ids = [11, 0, 6]
+        _load(dst, LoadSpec("r", report.saved["r"], dst_ids, 0, timeout_s=5.0))
+        assert dst.get_finished() == (None, {"r"}, None)
+        assert dst.get_finished() == (None, None, None)  # exactly once
+        others = [b for b in range(12) if b not in dst_ids]
+        for layer in range(NUM_LAYERS):
+            got, want = dst.kv_caches[layer], src.kv_caches[layer]
+            for s, d in zip(SRC_TABLE[:3], dst_ids, strict=True):
+                # Compare bit patterns: bit for bit, not merely equal values.
+                assert torch.equal(got[:, d].view(torch.int16), want[:, s].view(torch.int16))
+            assert torch.equal(got[:, others], before[layer][:, others])
+        assert dst.report().bytes_loaded == 3 * _bytes_per_block(dtype)
+    finally:
+        src.close()
+        dst.close()
+
+
+def test_first_block_copies_only_the_tail(pair: tuple[MemoryConnector, MemoryConnector]) -> None:
+    src, dst = pair
+    handle = _save(src)
+    before = _snapshot(dst)
+    _load(dst, LoadSpec("r", handle, [9], first_block=2, timeout_s=5.0))
+    assert dst.get_finished() == (None, {"r"}, None)
+    for layer in range(NUM_LAYERS):
+        assert torch.equal(dst.kv_caches[layer][:, 9], src.kv_caches[layer][:, SRC_TABLE[2]])
+        others = [b for b in range(12) if b != 9]
+        assert torch.equal(dst.kv_caches[layer][:, others], before[layer][:, others])
+    (record,) = dst.history
+    assert record.req_id == "r" and record.ok
+    assert record.num_bytes == _bytes_per_block(torch.float32)
+
+
+def test_fetch_that_raises_is_reported_failed_and_writes_nothing(
+    pair: tuple[MemoryConnector, MemoryConnector],
+) -> None:
+    src, dst = pair
+    handle = _save(src)
+    dst.raise_on_fetch = True
+    before = _snapshot(dst)
+    _load(dst, LoadSpec("r", handle, [0, 1, 2], 0, timeout_s=5.0))
+    assert dst.get_finished() == (None, None, {"r"})
+    assert dst.get_finished() == (None, None, None)
+    assert _unchanged(dst, before)
+    (record,) = dst.history
+    assert record.req_id == "r" and not record.ok and record.num_bytes == 0
+    assert dst.report().bytes_loaded == 0
+
+
+@pytest.mark.parametrize("slow", ["transport", "load_delay_s"])
+def test_fetch_past_the_timeout_fails_and_its_late_data_is_never_written(
+    pair: tuple[MemoryConnector, MemoryConnector], slow: str
+) -> None:
+    src, dst = pair
+    handle = _save(src)
+    if slow == "transport":
+        dst.hold_s = 0.3
+    else:
+        dst.load_delay_s = 0.3
+    before = _snapshot(dst)
+    _load(dst, LoadSpec("r", handle, [0, 1, 2], 0, timeout_s=0.05))
+    # Given up at the deadline, while the fetch was still running.
+    assert not dst.fetch_done.is_set()
+    assert dst.get_finished() == (None, None, {"r"})
+    assert dst.fetch_done.wait(2.0)
+    time.sleep(0.01)  # let the pool thread hand the result to its future
+    dst.start_load_kv(None, idle=True)
+    dst.start_load_kv(None)
+    assert dst.get_finished() == (None, None, None)
+    assert _unchanged(dst, before)  # the blocks may belong to someone else by now
+    assert dst.report().bytes_loaded == 0
+    assert all(not record.ok for record in dst.history)
+
+
+def test_timed_out_load_is_recorded_as_failed_in_history(
+    pair: tuple[MemoryConnector, MemoryConnector],
+) -> None:
+    src, dst = pair
+    handle = _save(src)
+    dst.hold_s = 1.0
+    _load(dst, LoadSpec("r", handle, [0, 1, 2], 0, timeout_s=0.02))
+    assert dst.get_finished() == (None, None, {"r"})
+    # Every finished load leaves a record, as a fetch that raised does: a benchmark that
+    # trips the deadline (set_fault_injection) must see its failures in transfer_history.
+    assert [(record.req_id, record.ok, record.num_bytes) for record in dst.history] == [
+        ("r", False, 0)
+    ]
+
+
+def test_source_with_fewer_blocks_than_asked_fails_and_writes_nothing(
+    pair: tuple[MemoryConnector, MemoryConnector],
+) -> None:
+    src, dst = pair
+    handle = _save(src, num_tokens=6)  # two blocks saved
+    before = _snapshot(dst)
+    _load(dst, LoadSpec("r", handle, [3, 4], first_block=1, timeout_s=5.0))  # blocks 1 and 2
+    assert dst.get_finished() == (None, None, {"r"})
+    assert _unchanged(dst, before)
+    (record,) = dst.history
+    assert not record.ok and record.num_bytes == 0
+
+
+def test_idle_step_waits_for_a_fetch_about_to_finish(
+    pair: tuple[MemoryConnector, MemoryConnector],
+) -> None:
+    src, dst = pair
+    handle = _save(src)
+    dst.hold_s = 0.02
+    dst.start_load_kv(KVConnectorMetadata(loads=[LoadSpec("r", handle, [0, 1, 2], 0, 5.0)]), True)
+    assert dst.num_loading() == 0
+    assert dst.get_finished() == (None, {"r"}, None)
+
+
+def test_idle_step_does_not_wait_for_a_slow_fetch(
+    pair: tuple[MemoryConnector, MemoryConnector],
+) -> None:
+    src, dst = pair
+    handle = _save(src)
+    dst.hold_s = 5.0
+    before = _snapshot(dst)
+    spec = LoadSpec("r", handle, [0, 1, 2], 0, timeout_s=5.0)
+    start = time.monotonic()
+    dst.start_load_kv(KVConnectorMetadata(loads=[spec]), idle=True)
+    dst.start_load_kv(None, idle=True)
+    elapsed = time.monotonic() - start
+    assert not dst.fetch_done.is_set() and dst.num_loading() == 1
+    assert elapsed < 1.0  # two short waits (~50 ms each), not the fetch's 5 s
+    assert dst.get_finished() == (None, None, None)
+    dst.release.set()  # the fetch returns now; the load completes normally
+    assert dst.fetch_done.wait(2.0)
+    _load(dst, spec)
+    assert dst.get_finished() == (None, {"r"}, None)
+    assert not _unchanged(dst, before)
+
+
+def test_non_idle_step_never_waits(pair: tuple[MemoryConnector, MemoryConnector]) -> None:
+    src, dst = pair
+    handle = _save(src)
+    dst.hold_s = 5.0
+    dst.start_load_kv(KVConnectorMetadata(loads=[LoadSpec("r", handle, [0], 0, 5.0)]))
+    assert dst.num_loading() == 1 and not dst.fetch_done.is_set()
+    dst.start_load_kv(None)
+    assert dst.num_loading() == 1 and dst.get_finished() == (None, None, None)
+
+
+def test_history_records_bytes_and_outcome_of_each_load(
+    pair: tuple[MemoryConnector, MemoryConnector],
+) -> None:
+    src, dst = pair
+    handle = _save(src)
+    _load(dst, LoadSpec("ok", handle, [0, 1, 2], 0, timeout_s=5.0))
+    _load(dst, LoadSpec("short", handle, [4, 5], first_block=2, timeout_s=5.0))
+    dst.raise_on_fetch = True
+    _load(dst, LoadSpec("raised", handle, [6], 0, timeout_s=5.0))
+    assert dst.get_finished() == (None, {"ok"}, {"short", "raised"})
+    per_block = _bytes_per_block(torch.float32)
+    assert [(r.req_id, r.num_bytes, r.ok) for r in dst.history] == [
+        ("ok", 3 * per_block, True),
+        ("short", 0, False),
+        ("raised", 0, False),
+    ]
+    assert all(r.seconds >= 0 for r in dst.history)
+    assert dst.report().bytes_loaded == 3 * per_block
+    assert dst.report().bytes_loaded == 0  # reset by each report
