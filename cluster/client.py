@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from pathlib import Path
 from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import ray
