@@ -63,7 +63,14 @@ async def start_workers(config: ClusterConfig, timeout_s: float) -> list[Instanc
     allocate the KV caches. Raises ``TimeoutError`` naming the pools whose workers could not
     be placed or loaded in time (usually: no node offers their resources)."""
     from cluster.engine_loop import RayExecutor
+    from kv_transfer.registry import available_transports
 
+    transport = config.kv_transfer.transport
+    if config.disaggregated and transport not in available_transports():
+        raise ValueError(
+            f"kv_transfer.transport {transport!r} is not available; "
+            f"available: {', '.join(available_transports())}"
+        )
     remote_worker = ray.remote(ModelWorker)
     created: list[tuple[str, InstancePool, Any]] = []
     for pool in config.pools:

@@ -13,8 +13,8 @@ Per-step order on a worker (DESIGN §3.2, vLLM v1's names)::
     get_finished()                  -> (sending done, receiving done, receives failed)
     report()                        -> KVConnectorReport (handles of saved KV, bytes moved)
 
-A transport subclasses ``WorkerConnector`` and implements ``_save`` (packed blocks -> handle)
-and ``_fetch`` (handle -> packed blocks); ``kv_transfer.blocks`` does the packing.
+A transport subclasses ``WorkerConnector`` and implements ``_save`` (a ``KVPayload`` -> handle)
+and ``_fetch`` (handle -> ``KVPayload``); ``kv_transfer.blocks`` gathers and scatters blocks.
 """
 
 from __future__ import annotations
@@ -28,11 +28,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, TypedDict
 
-from kv_transfer.blocks import extract_blocks, insert_blocks
+from kv_transfer.blocks import KVPayload, gather_blocks, scatter_blocks
 from kv_transfer.connector import KVConnectorMetadata, KVConnectorReport, LoadSpec
 
 if TYPE_CHECKING:
-    import numpy as np
     import torch
 
 logger = logging.getLogger(__name__)
@@ -53,19 +52,23 @@ class KVTransferParams(TypedDict, total=False):
 @dataclass
 class _Load:
     spec: LoadSpec
-    future: cf.Future[np.ndarray]
+    future: cf.Future[tuple[KVPayload, float]]  # the data and the seconds the fetch took
     started: float  # time.monotonic()
     deadline: float  # time.monotonic()
+    started_at: float  # time.time()
 
 
 @dataclass(frozen=True)
 class TransferRecord:
-    """One finished load, for benchmarks and metrics."""
+    """One save or one finished load, for benchmarks and metrics."""
 
     req_id: str
     num_bytes: int
-    seconds: float  # from the start of the fetch to the data sitting in the blocks
+    seconds: float  # load: from the start of the fetch to the data in the blocks (waits too)
     ok: bool
+    kind: str = "load"  # "load" (decode side) or "save" (prefill side)
+    copy_seconds: float = 0.0  # moving the data only: save = gather + publish, load = fetch + write
+    started_at: float = 0.0  # time.time() when it started
 
 
 class WorkerConnector(ABC):
@@ -102,10 +105,10 @@ class WorkerConnector(ABC):
     def start_load_kv(self, metadata: KVConnectorMetadata | None, idle: bool = False) -> None:
         """Start this step's fetches; write every fetched load into its blocks. ``idle``: the
         step computes nothing, so wait briefly for a pending fetch rather than spin."""
-        now = time.monotonic()
+        now, wall = time.monotonic(), time.time()
         for spec in metadata.loads if metadata else ():
             future = self._pool.submit(self._delayed_fetch, spec.handle, spec.timeout_s)
-            self._loads[spec.req_id] = _Load(spec, future, now, now + spec.timeout_s)
+            self._loads[spec.req_id] = _Load(spec, future, now, now + spec.timeout_s, wall)
         if idle and self._loads:
             soonest = min(load.deadline for load in self._loads.values())
             wait = min(0.05, max(0.0, soonest - time.monotonic()))
@@ -115,10 +118,12 @@ class WorkerConnector(ABC):
     def wait_for_layer_load(self, layer: int) -> None:  # noqa: B027
         """Loads are written before the forward pass, so every layer is ready."""
 
-    def _delayed_fetch(self, handle: Any, timeout_s: float) -> np.ndarray:
+    def _delayed_fetch(self, handle: Any, timeout_s: float) -> tuple[KVPayload, float]:
         if self.load_delay_s:
             time.sleep(self.load_delay_s)
-        return self._fetch(handle, timeout_s)
+        start = time.perf_counter()
+        data = self._fetch(handle, timeout_s)
+        return data, time.perf_counter() - start
 
     def _apply_loads(self) -> None:
         now = time.monotonic()
@@ -132,7 +137,9 @@ class WorkerConnector(ABC):
                 del self._loads[req_id]
                 load.future.cancel()
                 logger.warning("KV load of %s timed out after %.1fs", req_id, now - load.started)
-                self.history.append(TransferRecord(req_id, 0, now - load.started, False))
+                self.history.append(
+                    TransferRecord(req_id, 0, now - load.started, False, started_at=load.started_at)
+                )
                 ok = False
             else:
                 continue
@@ -141,25 +148,34 @@ class WorkerConnector(ABC):
     def _write(self, load: _Load) -> bool:
         spec = load.spec
         try:
-            data = load.future.result()
-            first, count = spec.first_block, len(spec.block_ids)
-            if data.shape[2] < first + count:
-                raise ValueError(
-                    f"the source holds {data.shape[2]} blocks, blocks [{first}, "
-                    f"{first + count}) were asked for"
-                )
-            insert_blocks(self.kv_caches, spec.block_ids, data[:, :, first : first + count])
-            num_bytes = data[:, :, first : first + count].nbytes
-            del data  # release the transport's buffer (an object store pin) now
+            data, fetch_seconds = load.future.result()
+            start = time.perf_counter()
+            num_bytes = scatter_blocks(self.kv_caches, spec.block_ids, data, spec.first_block)
+            del data  # release the transport's buffers (an object store pin) now
+            copy_seconds = fetch_seconds + time.perf_counter() - start
         except Exception as exc:  # any failure of a load means "recompute" (or "fail")
             logger.warning("KV load of %s failed: %s: %s", spec.req_id, type(exc).__name__, exc)
             self.history.append(
-                TransferRecord(spec.req_id, 0, time.monotonic() - load.started, False)
+                TransferRecord(
+                    spec.req_id,
+                    0,
+                    time.monotonic() - load.started,
+                    False,
+                    started_at=load.started_at,
+                )
             )
             return False
         self._report.bytes_loaded += num_bytes
         self.history.append(
-            TransferRecord(spec.req_id, num_bytes, time.monotonic() - load.started, True)
+            TransferRecord(
+                spec.req_id,
+                num_bytes,
+                time.monotonic() - load.started,
+                True,
+                "load",
+                copy_seconds,
+                load.started_at,
+            )
         )
         return True
 
@@ -182,9 +198,14 @@ class WorkerConnector(ABC):
             if table is None:  # finished meanwhile: nothing to hand off
                 continue
             num_blocks = -(-spec.num_tokens // block_size)
-            data = extract_blocks(self.kv_caches, table[:num_blocks])
+            started_at, start = time.time(), time.perf_counter()
+            data = gather_blocks(self.kv_caches, table[:num_blocks])
             self._report.saved[spec.req_id] = self._save(spec.req_id, data)
+            seconds = time.perf_counter() - start
             self._report.bytes_saved += data.nbytes
+            self.history.append(
+                TransferRecord(spec.req_id, data.nbytes, seconds, True, "save", seconds, started_at)
+            )
 
     # -- reports ---------------------------------------------------------------------------
     def get_finished(self) -> tuple[set[str] | None, set[str] | None, set[str] | None]:
@@ -204,10 +225,11 @@ class WorkerConnector(ABC):
 
     # -- the transport ---------------------------------------------------------------------
     @abstractmethod
-    def _save(self, req_id: str, data: np.ndarray) -> Any:
-        """Make ``data`` (packed blocks) fetchable elsewhere; return its handle."""
+    def _save(self, req_id: str, data: KVPayload) -> Any:
+        """Make ``data`` fetchable elsewhere and return its handle. Its pieces are views of
+        the cache: copy them before returning."""
 
     @abstractmethod
-    def _fetch(self, handle: Any, timeout_s: float) -> np.ndarray:
-        """The packed blocks behind ``handle``; raise on failure or after ``timeout_s``.
+    def _fetch(self, handle: Any, timeout_s: float) -> KVPayload:
+        """The blocks behind ``handle``; raise on failure or after ``timeout_s``.
         Runs on a background thread."""

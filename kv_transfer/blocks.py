@@ -15,11 +15,12 @@ bfloat16, which numpy lacks, travels as its raw 16-bit pattern.
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-__all__ = ["extract_blocks", "insert_blocks"]
+__all__ = ["KVPayload", "extract_blocks", "gather_blocks", "insert_blocks", "scatter_blocks"]
 
 
 def extract_blocks(
@@ -28,8 +29,14 @@ def extract_blocks(
     """A fresh numpy array holding ``block_ids`` of the given layers (all by default)."""
     layers = range(len(kv_caches)) if layers is None else layers
     _check_layers(kv_caches, layers)
-    index = torch.tensor(block_ids, dtype=torch.long, device=kv_caches[0].device)
-    packed = torch.stack([kv_caches[layer].index_select(1, index) for layer in layers])
+    first = kv_caches[layers[0]]
+    index = torch.tensor(block_ids, dtype=torch.long, device=first.device)
+    # One copy: each layer's blocks are gathered straight into their slot of the result.
+    packed = torch.empty(
+        (len(layers), 2, len(block_ids), *first.shape[2:]), dtype=first.dtype, device=first.device
+    )
+    for i, layer in enumerate(layers):
+        torch.index_select(kv_caches[layer], 1, index, out=packed[i])
     if packed.dtype == torch.bfloat16:
         packed = packed.view(torch.int16)
     return packed.cpu().numpy()
@@ -68,3 +75,143 @@ def insert_blocks(
 def _check_layers(kv_caches: list[torch.Tensor], layers: range) -> None:
     if len(layers) == 0 or layers.start < 0 or layers.stop > len(kv_caches) or layers.step != 1:
         raise ValueError(f"layer range {layers} is not within the {len(kv_caches)} layers")
+
+
+# -- the transport format: contiguous pieces, gathered without a copy ---------------------------
+@dataclass
+class KVPayload:
+    """One request's KV blocks for a layer range, as contiguous numpy pieces.
+
+    Block ids are split into runs of consecutive ids; each (layer, K or V, run) is one piece,
+    a plain slice of the cache, so gathering copies nothing::
+
+        block_ids  7 8 9 | 2 | 5 6          runs = [3, 1, 2]
+        pieces     [(layer i, kv, run r) for i in layers for kv in (K, V) for r in runs]
+                   piece shape [run length, block_size, kv_heads, head_dim]
+
+    Pieces gathered from a cache are views: valid until those blocks change, so a transport
+    copies them out at once (``ray.put`` does; the decode side reads its copy zero-copy).
+    """
+
+    runs: list[int]
+    pieces: list[np.ndarray]
+    num_layers: int
+    bfloat16: bool  # pieces hold bfloat16 bit patterns as int16
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(self.runs)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.pieces)
+
+    def piece(self, layer_index: int, kv: int, run: int) -> np.ndarray:
+        return self.pieces[(layer_index * 2 + kv) * len(self.runs) + run]
+
+    def copy(self) -> KVPayload:
+        """A payload that owns its memory (for transports that keep it in process)."""
+        return KVPayload(
+            list(self.runs), [p.copy() for p in self.pieces], self.num_layers, self.bfloat16
+        )
+
+
+def _runs(block_ids: list[int]) -> list[tuple[int, int]]:
+    """(first id, length) of each run of consecutive ids, in order."""
+    runs: list[tuple[int, int]] = []
+    for block_id in block_ids:
+        if runs and runs[-1][0] + runs[-1][1] == block_id:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((block_id, 1))
+    return runs
+
+
+def _numpy_view(cache: torch.Tensor) -> np.ndarray:
+    t = cache.view(torch.int16) if cache.dtype == torch.bfloat16 else cache
+    if t.device.type != "cpu":
+        t = t.cpu()  # a device cache is copied to the host once per layer
+    return t.numpy()
+
+
+def gather_blocks(
+    kv_caches: list[torch.Tensor], block_ids: list[int], layers: range | None = None
+) -> KVPayload:
+    """``block_ids`` of the given layers (all by default) as a payload of views (no copy on
+    CPU)."""
+    layers = range(len(kv_caches)) if layers is None else layers
+    _check_layers(kv_caches, layers)
+    runs = _runs(block_ids)
+    pieces: list[np.ndarray] = []
+    for layer in layers:
+        array = _numpy_view(kv_caches[layer])
+        for kv in (0, 1):
+            pieces.extend(array[kv, start : start + n] for start, n in runs)
+    bf16 = kv_caches[layers[0]].dtype == torch.bfloat16
+    return KVPayload([n for _, n in runs], pieces, len(layers), bf16)
+
+
+def scatter_blocks(
+    kv_caches: list[torch.Tensor],
+    block_ids: list[int],
+    payload: KVPayload,
+    first_block: int = 0,
+    layers: range | None = None,
+) -> int:
+    """Write the payload's blocks ``[first_block, first_block + len(block_ids))`` into
+    ``block_ids`` of the given layers; returns the bytes written. Everything is checked before
+    the first write: a mismatch raises ``ValueError`` and leaves the cache untouched."""
+    layers = range(len(kv_caches)) if layers is None else layers
+    _check_layers(kv_caches, layers)
+    cache = kv_caches[layers[0]]
+    count = len(block_ids)
+    if payload.num_layers != len(layers):
+        raise ValueError(f"KV payload has {payload.num_layers} layers, expected {len(layers)}")
+    if first_block < 0 or payload.num_blocks < first_block + count:
+        raise ValueError(
+            f"the source holds {payload.num_blocks} blocks, blocks [{first_block}, "
+            f"{first_block + count}) were asked for"
+        )
+    if payload.bfloat16 != (cache.dtype == torch.bfloat16):
+        raise ValueError("KV payload and cache disagree on bfloat16")
+    expected = (tuple(cache.shape[2:]), np.dtype(np.int16) if payload.bfloat16 else None)
+    for piece in payload.pieces:
+        if tuple(piece.shape[1:]) != expected[0]:
+            raise ValueError(f"KV piece has block shape {piece.shape[1:]}, expected {expected[0]}")
+        if not payload.bfloat16 and torch.from_numpy(piece[:0]).dtype != cache.dtype:
+            raise ValueError(f"KV payload is {piece.dtype}, the cache is {cache.dtype}")
+    segments = _segments(payload.runs, first_block, _runs(block_ids))
+    written = 0
+    with warnings.catch_warnings():
+        # Zero-copy buffers from the object store are read-only; they are only read here.
+        warnings.simplefilter("ignore", UserWarning)
+        for i, layer in enumerate(layers):
+            target = kv_caches[layer]
+            if target.dtype == torch.bfloat16:
+                target = target.view(torch.int16)
+            for kv in (0, 1):
+                for run, offset, dst, n in segments:
+                    source = torch.from_numpy(payload.piece(i, kv, run)[offset : offset + n])
+                    target[kv, dst : dst + n].copy_(source)
+                    written += source.nbytes
+    return written
+
+
+def _segments(
+    src_runs: list[int], first: int, dst_runs: list[tuple[int, int]]
+) -> list[tuple[int, int, int, int]]:
+    """Copies that move source blocks ``[first, ...)`` to the destination runs, as
+    (source run, offset in it, destination block id, length)."""
+    segments = []
+    run, offset = 0, first
+    while run < len(src_runs) and offset >= src_runs[run]:  # skip to the first source block
+        offset -= src_runs[run]
+        run += 1
+    for dst, length in dst_runs:
+        while length > 0:
+            n = min(length, src_runs[run] - offset)
+            segments.append((run, offset, dst, n))
+            dst, length, offset = dst + n, length - n, offset + n
+            if offset == src_runs[run]:
+                run, offset = run + 1, 0
+    return segments

@@ -1,6 +1,7 @@
 """The ``ray`` KV transport: saved KV goes into the Ray object store as one numpy array.
 
-The prefill worker ``ray.put``s the packed blocks and hands the ``ObjectRef`` to the scheduler;
+The prefill worker ``ray.put``s the request's blocks (a ``KVPayload``: its pieces are slices of
+the cache, so the put is the only copy on that side) and hands the ``ObjectRef`` to the scheduler;
 the reference travels inside ``kv_transfer_params`` to the decode instance, whose worker
 ``ray.get``s it (zero-copy from shared memory on the same node, pulled by Ray's object manager
 from another node) and writes it into its own blocks.
@@ -16,10 +17,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import ray
 
 from kv_transfer.base import WorkerConnector
+from kv_transfer.blocks import KVPayload
 
 
 class RayWorkerConnector(WorkerConnector):
@@ -27,11 +28,11 @@ class RayWorkerConnector(WorkerConnector):
     supports_cross_node = True
     supports_layer_ranges = True
 
-    def _save(self, req_id: str, data: np.ndarray) -> Any:
-        return ray.put(data)
+    def _save(self, req_id: str, data: KVPayload) -> Any:
+        return ray.put(data)  # copies the pieces into the object store before returning
 
-    def _fetch(self, handle: Any, timeout_s: float) -> np.ndarray:
+    def _fetch(self, handle: Any, timeout_s: float) -> KVPayload:
         data = ray.get(handle, timeout=timeout_s)
-        if not isinstance(data, np.ndarray):
-            raise TypeError(f"KV object holds {type(data).__name__}, not a numpy array")
+        if not isinstance(data, KVPayload):
+            raise TypeError(f"KV object holds {type(data).__name__}, not a KVPayload")
         return data

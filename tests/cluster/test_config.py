@@ -11,6 +11,7 @@ from cluster.config import ClusterConfig
 
 PD = """
 model: null
+block_size: 16
 pools:
   - {name: prefill, role: prefill, replicas: 2, resources: {prefill: 0.01}}
   - name: decode
@@ -18,7 +19,7 @@ pools:
     resources: {decode: 0.01}
     num_blocks: 512
     scheduler: {max_num_seqs: 64, enable_chunked_prefill: true}
-    cache: {block_size: 16}
+    cache: {enable_prefix_caching: true}
 router: {disaggregation: 128, prefix_affinity: true}
 kv_transfer: {transport: grpc, timeout_s: 3, failure_policy: fail}
 lora: {max_loras: 2, max_lora_rank: 16}
@@ -34,6 +35,7 @@ def test_pd_yaml_loads(tmp_path: Path) -> None:
     assert cfg.router.disaggregation == 128
     assert cfg.kv_transfer.transport == "grpc" and cfg.kv_transfer.failure_policy == "fail"
     assert cfg.lora is not None and cfg.lora.max_loras == 2
+    assert cfg.block_size == 16 and cfg.disaggregated
     path = tmp_path / "cluster.yaml"
     path.write_text(PD)
     assert ClusterConfig.from_yaml(path) == cfg == ClusterConfig.from_yaml(str(path))
@@ -68,3 +70,11 @@ def test_defaults_are_one_colocated_instance() -> None:
 def test_bad_configs_name_the_field(yaml_text: str, message: str) -> None:
     with pytest.raises((ValidationError, ValueError), match=message):
         ClusterConfig.from_yaml(yaml_text)
+
+
+def test_block_size_is_cluster_wide() -> None:
+    with pytest.raises(ValidationError, match="block_size is cluster-wide"):
+        ClusterConfig.model_validate(
+            {"pools": [{"name": "a", "role": "both", "cache": {"block_size": 32}}]}
+        )
+    assert not ClusterConfig().disaggregated

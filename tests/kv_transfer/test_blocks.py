@@ -47,3 +47,66 @@ def test_mismatches_are_refused_before_writing() -> None:
     with pytest.raises(ValueError, match="not within"):
         extract_blocks(src, [1], range(1, 3))
     assert all(torch.equal(a, b) for a, b in zip(dst, before, strict=True))
+
+
+# -- KVPayload: pieces per run of consecutive blocks, gathered as views ------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("src_ids", "first", "dst_ids"),
+    [
+        ([3, 4, 5, 6], 0, [0, 1, 2, 3]),  # one run to one run
+        ([7, 8, 9, 2, 5, 6], 0, [11, 0, 1, 2, 9, 4]),  # runs [3, 1, 2] to runs [1, 3, 1, 1]
+        ([7, 8, 9, 2, 5, 6], 2, [10, 11, 3, 4]),  # a tail that starts inside the first run
+        ([7, 8, 9, 2, 5, 6], 3, [0, 1]),  # a tail that starts on a run boundary
+    ],
+)
+def test_gather_scatter_round_trip(
+    dtype: torch.dtype, src_ids: list[int], first: int, dst_ids: list[int]
+) -> None:
+    from kv_transfer.blocks import gather_blocks, scatter_blocks
+
+    src, dst = caches(3, 12, dtype, 7), caches(3, 12, dtype, 8)
+    before = [c.clone() for c in dst]
+    payload = gather_blocks(src, src_ids).copy()
+    assert payload.num_blocks == len(src_ids)
+    written = scatter_blocks(dst, dst_ids, payload, first)
+    moved = src_ids[first : first + len(dst_ids)]
+    assert written == 3 * 2 * len(dst_ids) * src[0][0, 0].numel() * src[0].element_size()
+    for layer in range(3):
+        for s, d in zip(moved, dst_ids, strict=True):
+            assert torch.equal(dst[layer][:, d], src[layer][:, s])
+        untouched = [b for b in range(12) if b not in dst_ids]
+        assert torch.equal(dst[layer][:, untouched], before[layer][:, untouched])
+
+
+def test_gathered_pieces_are_views_until_copied() -> None:
+    from kv_transfer.blocks import gather_blocks
+
+    src = caches(2, 6, torch.float32, 9)
+    views = gather_blocks(src, [1, 2, 4])
+    assert views.runs == [2, 1] and len(views.pieces) == 2 * 2 * 2
+    owned = views.copy()
+    src[0][0, 1].fill_(123.0)  # the cache changes after the gather
+    assert (views.piece(0, 0, 0)[0] == 123.0).all()
+    assert not (owned.piece(0, 0, 0)[0] == 123.0).any()
+
+
+def test_scatter_refuses_mismatches_before_writing() -> None:
+    from kv_transfer.blocks import gather_blocks, scatter_blocks
+
+    src, dst = caches(2, 6, torch.float32, 10), caches(2, 6, torch.float32, 11)
+    before = [c.clone() for c in dst]
+    payload = gather_blocks(src, [1, 2]).copy()
+    with pytest.raises(ValueError, match="holds 2 blocks"):
+        scatter_blocks(dst, [0, 3], payload, first_block=1)
+    with pytest.raises(ValueError, match="layers"):
+        scatter_blocks(dst, [0], payload, layers=range(0, 1))
+    with pytest.raises(ValueError, match="bfloat16"):
+        scatter_blocks(caches(2, 6, torch.bfloat16, 12), [0, 1], payload)
+    with pytest.raises(ValueError, match="float16"):
+        scatter_blocks(caches(2, 6, torch.float16, 12), [0, 1], payload)
+    wider = [torch.zeros(2, 6, 4, 3, 8) for _ in range(2)]
+    with pytest.raises(ValueError, match="block shape"):
+        scatter_blocks(wider, [0, 1], payload)
+    for layer in range(2):
+        assert torch.equal(dst[layer], before[layer])

@@ -10,11 +10,11 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 
 from kv_transfer.base import WorkerConnector
+from kv_transfer.blocks import KVPayload
 from kv_transfer.connector import KVConnectorMetadata, LoadSpec, SaveSpec
 
 NUM_LAYERS, BLOCK, KV_HEADS, HEAD_DIM = 2, 4, 2, 8
@@ -26,7 +26,7 @@ class MemoryConnector(WorkerConnector):
 
     transport = "memory"
 
-    def __init__(self, store: dict[str, np.ndarray]) -> None:
+    def __init__(self, store: dict[str, KVPayload]) -> None:
         super().__init__()
         self.store = store
         self.raise_on_fetch = False
@@ -35,12 +35,12 @@ class MemoryConnector(WorkerConnector):
         self.fetch_done = threading.Event()  # set when a fetch returns or raises
         self._ids = itertools.count()
 
-    def _save(self, req_id: str, data: np.ndarray) -> Any:
+    def _save(self, req_id: str, data: KVPayload) -> Any:
         handle = f"{req_id}#{next(self._ids)}"
-        self.store[handle] = data
+        self.store[handle] = data.copy()  # the pieces are views of the cache
         return handle
 
-    def _fetch(self, handle: Any, timeout_s: float) -> np.ndarray:
+    def _fetch(self, handle: Any, timeout_s: float) -> KVPayload:
         try:
             if self.hold_s:
                 self.release.wait(self.hold_s)
@@ -65,7 +65,7 @@ def _bytes_per_block(dtype: torch.dtype) -> int:
 @pytest.fixture
 def pair() -> Iterator[tuple[MemoryConnector, MemoryConnector]]:
     """A prefill-side and a decode-side connector on one store, float32 caches."""
-    store: dict[str, np.ndarray] = {}
+    store: dict[str, KVPayload] = {}
     src, dst = MemoryConnector(store), MemoryConnector(store)
     src.register_kv_caches(_caches(8, torch.float32, 0), range(NUM_LAYERS))
     dst.register_kv_caches(_caches(12, torch.float32, 1), range(NUM_LAYERS))
@@ -108,7 +108,7 @@ def _unchanged(c: WorkerConnector, before: list[torch.Tensor]) -> bool:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_saved_blocks_load_bit_for_bit_into_other_block_ids(dtype: torch.dtype) -> None:
-    store: dict[str, np.ndarray] = {}
+    store: dict[str, KVPayload] = {}
     src, dst = MemoryConnector(store), MemoryConnector(store)
     try:
         src.register_kv_caches(_caches(8, dtype, 0), range(NUM_LAYERS))
