@@ -1,15 +1,20 @@
 """The ``tandem`` command line.
 
-tandem generate "What is the capital of France?"          # built-in SmolLM2, streamed
+tandem generate "What is the capital of France?"          # built-in SmolLM2, in-process
 tandem generate --model ./my-llama --raw --max-tokens 64 "Once upon a time"
+tandem up [cluster.yaml] [--address ADDR]                 # a prefill + a decode instance on Ray
+tandem generate --cluster "What is the capital of France?"   # through the running cluster
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import sys
+import time
 from collections.abc import Sequence
+from typing import Any
 
 from scheduler import SamplingParams
 
@@ -40,11 +45,152 @@ def _generate_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     p.add_argument("--device", default="cpu")
     p.add_argument("-v", "--verbose", action="store_true", help="log engine details")
+    p.add_argument(
+        "--cluster",
+        action="store_true",
+        help="generate through a running cluster (tandem up) instead of in-process",
+    )
+    _ray_arguments(p, default_address="auto")
+
+
+def _ray_arguments(p: argparse.ArgumentParser, default_address: str | None) -> None:
+    p.add_argument(
+        "--address",
+        default=default_address,
+        help="Ray cluster to join (host:port, or 'auto' for the one on this machine)"
+        + ("" if default_address else "; default: start a local Ray on 127.0.0.1"),
+    )
+    p.add_argument("--name", default=None, help="name of the cluster's SchedulerActor")
+
+
+def _up_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "up",
+        help="start a cluster (SchedulerActor + workers) on Ray and keep it running",
+        description="Start the cluster described by CONFIG (default: the built-in SmolLM2 "
+        "with one prefill and one decode instance) on a local Ray bound to 127.0.0.1, or on "
+        "the Ray cluster at --address. Runs until Ctrl-C, then shuts everything down.",
+    )
+    p.add_argument("config", nargs="?", default=None, help="a ClusterConfig YAML file")
+    _ray_arguments(p, default_address=None)
+    p.add_argument("--num-cpus", type=int, default=None, help="CPUs of a local Ray")
+    p.add_argument(
+        "--object-store-mb", type=int, default=512, help="object store of a local Ray (MiB)"
+    )
+    p.add_argument("-v", "--verbose", action="store_true", help="log cluster details")
+
+
+def _run_up(args: argparse.Namespace) -> int:
+    from cluster.config import ClusterConfig, default_cluster_config
+    from cluster.launch import (
+        DEFAULT_NAME,
+        build_cluster,
+        init_ray,
+        local_node_resources,
+        shutdown_cluster,
+    )
+
+    try:
+        config = ClusterConfig.from_yaml(args.config) if args.config else default_cluster_config()
+    except (OSError, ValueError) as exc:
+        print(f"tandem up: {exc}", file=sys.stderr)
+        return 2
+    init_ray(
+        args.address,
+        num_cpus=args.num_cpus,
+        resources=local_node_resources(config) if args.address is None else None,
+        object_store_memory=args.object_store_mb << 20 if args.address is None else None,
+    )
+    name = args.name or DEFAULT_NAME
+    print(
+        f"starting cluster {name!r}: "
+        + ", ".join(f"{p.name} ({p.role} x{p.replicas})" for p in config.pools),
+        flush=True,
+    )
+    try:
+        handle = build_cluster(config, name=name)
+    except Exception as exc:  # placement or model loading failed: say why and stop
+        print(f"tandem up: {exc}", file=sys.stderr)
+        return 1
+    import ray
+
+    described = ray.get(handle.describe.remote())
+    for iid, inst in described["instances"].items():
+        print(f"  {iid}: {inst['role']}, {inst['num_blocks']} KV blocks, node {inst['node_id']}")
+    print(
+        f"ready (max_model_len {described['max_model_len']}). From another shell:\n"
+        f'  tandem generate --cluster "What is the capital of France?"\n'
+        "Ctrl-C stops the cluster.",
+        flush=True,
+    )
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        print("\nshutting down", flush=True)
+    finally:
+        shutdown_cluster(handle)
+        ray.shutdown()
+    return 0
+
+
+def _generate_on_cluster(args: argparse.Namespace, params: SamplingParams) -> int:
+    from cluster.client import ClusterClient
+    from cluster.launch import DEFAULT_NAME, init_ray
+
+    try:
+        init_ray(args.address)
+    except ConnectionError as exc:
+        print(
+            f"tandem generate: no Ray cluster at {args.address!r} ({exc}); start one with "
+            "`tandem up`",
+            file=sys.stderr,
+        )
+        return 1
+    try:
+        client = ClusterClient.connect(args.name or DEFAULT_NAME)
+    except ValueError as exc:
+        print(
+            f"tandem generate: no running cluster ({exc}); start one with `tandem up`",
+            file=sys.stderr,
+        )
+        return 1
+    prompt = _prompt(args, client.tokenizer)
+
+    async def stream() -> str | None:
+        finish = None
+        async for out in client.generate_async(prompt, params):
+            sample = out.outputs[0]
+            if sample.new_text:
+                sys.stdout.write(sample.new_text)
+                sys.stdout.flush()
+            finish = sample.finish_reason
+        return finish
+
+    try:
+        finish = asyncio.run(stream())
+    except ValueError as exc:
+        print(f"tandem generate: {exc}", file=sys.stderr)
+        return 1
+    sys.stdout.write("\n")
+    if args.verbose:
+        print(f"[finish_reason={finish}]", file=sys.stderr)
+    return 0
+
+
+def _prompt(args: argparse.Namespace, tokenizer: Any) -> str | list[int]:
+    """The chat-formatted prompt (unless --raw or the model has no chat template)."""
+    text = " ".join(args.prompt)
+    if args.raw or not tokenizer.chat_template:
+        return text
+    messages = [{"role": "user", "content": text}]
+    if args.system:
+        messages.insert(0, {"role": "system", "content": args.system})
+    ids: list[int] = tokenizer.encode_chat(messages)
+    return ids
 
 
 def _run_generate(args: argparse.Namespace) -> int:
-    from cluster.llm import LLM  # torch import is slow: only when the command runs
-
     try:
         params = SamplingParams(
             max_tokens=args.max_tokens,
@@ -59,19 +205,16 @@ def _run_generate(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"tandem generate: {exc}", file=sys.stderr)
         return 2
+    if args.cluster:
+        return _generate_on_cluster(args, params)
+    from cluster.llm import LLM  # torch import is slow: only when the command runs
+
     try:
         llm = LLM(args.model, dtype=args.dtype, device=args.device)
     except (FileNotFoundError, ValueError) as exc:
         print(f"tandem generate: {exc}", file=sys.stderr)
         return 1
-    text = " ".join(args.prompt)
-    tokenizer = llm.get_tokenizer()
-    prompt: str | list[int] = text
-    if not args.raw and tokenizer.chat_template:
-        messages = [{"role": "user", "content": text}]
-        if args.system:
-            messages.insert(0, {"role": "system", "content": args.system})
-        prompt = tokenizer.encode_chat(messages)
+    prompt = _prompt(args, llm.get_tokenizer())
     finish = None
     try:
         for out in llm.generate_stream(prompt, params):
@@ -93,12 +236,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tandem", description="Tandem LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
+    _up_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
     )
-    assert args.command == "generate"  # argparse refuses anything else
+    if args.command == "up":
+        return _run_up(args)
     return _run_generate(args)
 
 

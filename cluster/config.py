@@ -176,3 +176,15 @@ def _is_path(source: str | Path) -> bool:
     if isinstance(source, Path):
         return True
     return "\n" not in source and source.endswith((".yaml", ".yml"))
+
+
+def default_cluster_config(model: str | None = None) -> ClusterConfig:
+    """The laptop default: the built-in SmolLM2 (or ``model``), one prefill and one decode
+    instance, each worker with one torch thread, anywhere in the Ray cluster."""
+    return ClusterConfig(
+        model=model,
+        pools=[
+            InstancePool(name="prefill", role="prefill", num_threads=1),
+            InstancePool(name="decode", role="decode", num_threads=1),
+        ],
+    )

@@ -1,0 +1,84 @@
+"""``tandem up`` starts a local Ray and the cluster, ``tandem generate --cluster`` streams
+through it from another process, and Ctrl-C shuts everything down."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("ray")
+
+
+def test_up_generate_and_ctrl_c(tiny_model: Path, tmp_path: Path) -> None:
+    config = tmp_path / "cluster.yaml"
+    config.write_text(
+        f"model: {tiny_model}\n"
+        "block_size: 4\n"
+        "pools:\n"
+        "  - {name: p, role: prefill, num_blocks: 64, num_threads: 1, resources: {prefill: 1}}\n"
+        "  - {name: d, role: decode, num_blocks: 64, num_threads: 1, resources: {decode: 1}}\n"
+        "router: {disaggregation: always}\n"
+    )
+    ray_dir = tempfile.mkdtemp(prefix="tandem-cli-")  # its own Ray, found by address 'auto'
+    env = {**os.environ, "RAY_TMPDIR": ray_dir}
+    tandem = [sys.executable, "-m", "cluster.cli"]
+    up = subprocess.Popen(
+        [*tandem, "up", str(config), "--num-cpus", "2", "--object-store-mb", "80"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        lines = []
+        deadline = time.monotonic() + 120
+        assert up.stdout is not None
+        while time.monotonic() < deadline:
+            line = up.stdout.readline()
+            assert line, f"tandem up exited early:\n{''.join(lines)}"
+            lines.append(line)
+            if line.startswith("ready"):
+                break
+        assert any("p-0: prefill" in x for x in lines) and any("d-0: decode" in x for x in lines)
+        out = subprocess.run(
+            [*tandem, "generate", "--cluster", "--raw", "--max-tokens", "8", "-v", "hello"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert out.returncode == 0, out.stderr
+        assert "[finish_reason=" in out.stderr
+        up.send_signal(signal.SIGINT)
+        rest, _ = up.communicate(timeout=60)
+        assert up.returncode == 0, rest
+        assert "shutting down" in rest
+    finally:
+        if up.poll() is None:
+            up.kill()
+        shutil.rmtree(ray_dir, ignore_errors=True)
+
+
+def test_generate_without_a_cluster_says_how_to_start_one(tmp_path: Path) -> None:
+    ray_dir = tempfile.mkdtemp(prefix="tandem-cli-")
+    env = {**os.environ, "RAY_TMPDIR": ray_dir, "RAY_ADDRESS": ""}
+    try:
+        out = subprocess.run(
+            [sys.executable, "-m", "cluster.cli", "generate", "--cluster", "hi"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        shutil.rmtree(ray_dir, ignore_errors=True)
+    assert out.returncode != 0
+    assert "tandem up" in out.stderr
