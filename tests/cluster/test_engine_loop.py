@@ -1,0 +1,153 @@
+"""``EngineLoop`` and ``SchedulerActor`` in one process (no Ray): a real ``ModelWorker`` on the
+tiny model behind ``LocalExecutor``. Arrivals sent together are admitted together, an idle loop
+does not step, a failing worker fails its requests instead of hanging them."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from actors.worker import ModelWorker
+from cluster.config import ClusterConfig, InstancePool
+from cluster.engine_loop import EngineLoop, LocalExecutor
+from cluster.placement import InstanceSpec
+from cluster.scheduler_actor import SchedulerActor
+from scheduler import (
+    CacheConfig,
+    ModelRunnerOutput,
+    Request,
+    SamplingParams,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerOutput,
+)
+from scheduler.outputs import EngineCoreOutput
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+def _worker(model: Path) -> ModelWorker:
+    worker = ModelWorker(str(model), block_size=4, progress=False)
+    worker.load_model()
+    worker.init_kv_cache(128)
+    return worker
+
+
+class RecordingExecutor(LocalExecutor):
+    def __init__(self, worker: Any, fail_at_step: int | None = None) -> None:
+        super().__init__(worker)
+        self.outputs: list[SchedulerOutput] = []
+        self.fail_at_step = fail_at_step
+
+    async def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self.outputs.append(scheduler_output)
+        if self.fail_at_step is not None and len(self.outputs) > self.fail_at_step:
+            raise ConnectionError("worker died")
+        return await super().execute_model(scheduler_output)
+
+
+def _loop(model: Path, **executor_args: Any) -> tuple[EngineLoop, RecordingExecutor, list[Any]]:
+    scheduler = Scheduler(
+        SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=512, max_model_len=256),
+        CacheConfig(block_size=4, num_blocks=128),
+    )
+    executor = RecordingExecutor(_worker(model), **executor_args)
+    seen: list[EngineCoreOutput] = []
+    loop = EngineLoop("i0", scheduler, executor, lambda _, outs: seen.extend(outs))
+    return loop, executor, seen
+
+
+def _request(i: int) -> Request:
+    return Request(f"r{i}", [3 + i, 4, 5, 6 + i], GREEDY, eos_token_id=2)
+
+
+def test_requests_sent_together_are_admitted_together(tiny_model: Path) -> None:
+    loop, executor, seen = _loop(tiny_model)
+
+    async def run() -> None:
+        loop.start()
+        for i in range(16):  # one burst, as 16 generate() calls arriving at once
+            loop.add_request(_request(i))
+        while sum(o.finished for o in seen) < 16:
+            await asyncio.sleep(0.01)
+        await loop.stop()
+
+    asyncio.run(run())
+    assert len(executor.outputs[0].scheduled_new_reqs) == 16
+    assert loop.scheduler.kv_cache_manager.usage == 0.0 and not loop.scheduler.requests
+
+
+def test_idle_loop_does_not_step(tiny_model: Path) -> None:
+    loop, executor, seen = _loop(tiny_model)
+
+    async def run() -> int:
+        loop.start()
+        loop.add_request(_request(0))
+        while not any(o.finished for o in seen):
+            await asyncio.sleep(0.01)
+        steps = loop.counters.num_steps
+        await asyncio.sleep(0.3)  # idle: waits on its event, no steps
+        idle_steps = loop.counters.num_steps - steps
+        loop.add_request(_request(1))  # and wakes up for the next arrival
+        while sum(o.finished for o in seen) < 2:
+            await asyncio.sleep(0.01)
+        await loop.stop()
+        return idle_steps
+
+    assert asyncio.run(run()) == 0
+    assert len(executor.outputs) == loop.counters.num_steps
+
+
+def test_failing_worker_fails_its_requests(tiny_model: Path) -> None:
+    loop, _, seen = _loop(tiny_model, fail_at_step=2)
+
+    async def run() -> None:
+        loop.start()
+        for i in range(3):
+            loop.add_request(_request(i))
+        while sum(o.finished for o in seen) < 3:
+            await asyncio.sleep(0.01)
+
+    asyncio.run(asyncio.wait_for(run(), 30))
+    finals = [o for o in seen if o.finished]
+    assert {o.request_id for o in finals} == {"r0", "r1", "r2"}
+    assert all(o.error and "worker died" in o.error for o in finals)
+    assert not loop.alive and loop.error is not None
+
+
+def test_scheduler_actor_in_process(tiny_model: Path) -> None:
+    """The actor's logic without Ray: a colocated instance, streaming, abort, duplicate ids,
+    bad requests refused before the first output."""
+    config = ClusterConfig(
+        model=str(tiny_model), block_size=4, pools=[InstancePool(name="c", num_blocks=128)]
+    )
+    worker = _worker(tiny_model)
+    spec = InstanceSpec("c-0", config.pools[0], LocalExecutor(worker), None, worker.info())
+    actor = SchedulerActor(config, [spec])
+
+    async def run() -> None:
+        await actor.start()
+        outs = [o async for o in actor.generate(_request(0))]
+        assert outs[-1].finished and sum(len(o.new_token_ids) for o in outs) == 6
+        with pytest.raises(ValueError, match="max_model_len"):
+            async for _ in actor.generate(Request("long", [5] * 600, GREEDY)):
+                pass
+        long_run = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+        stream = actor.generate(Request("a", [5, 6, 7], long_run))
+        first = await stream.__anext__()
+        with pytest.raises(ValueError, match="already in use"):
+            await actor.generate(Request("a", [5], GREEDY)).__anext__()
+        assert actor.abort("a") and not actor.abort("a")
+        rest = [o async for o in stream]
+        assert rest[-1].finish_reason is not None and rest[-1].finish_reason.value == "abort"
+        assert not first.finished
+        await asyncio.sleep(0.05)  # the loop frees the aborted request's blocks
+        stats = actor.stats()["instances"]["c-0"]
+        assert stats["num_requests"] == 0 and stats["kv_cache_usage"] == 0.0
+        actor.check_integrity()
+        await actor.shutdown()
+
+    asyncio.run(run())
