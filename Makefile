@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: test lint generate bench-scheduler bench-model clean
+.PHONY: test lint generate cluster bench-scheduler bench-model bench-pd clean
 
 $(BIN)/activate: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,11 +25,20 @@ test: lint
 	$(BIN)/python -m pytest -q
 
 PROMPT ?= What is the capital of France?
+# CLUSTER=1: through the cluster started by `make cluster` (in another shell).
 generate: $(BIN)/activate
-	$(BIN)/tandem generate "$(PROMPT)"
+	$(BIN)/tandem generate $(if $(CLUSTER),--cluster) "$(PROMPT)"
+
+# The main job: a local Ray on 127.0.0.1 with the built-in SmolLM2, one prefill and one decode
+# instance (or CONFIG=cluster.yaml). Runs until Ctrl-C.
+cluster: $(BIN)/activate
+	$(BIN)/tandem up $(CONFIG)
 
 bench-model: $(BIN)/activate
 	$(BIN)/python bench/model_throughput.py --out bench/results/model_throughput.json
+
+bench-pd: $(BIN)/activate
+	$(BIN)/python bench/pd_cluster.py --out bench/results/pd_cluster.json
 
 bench-scheduler: $(BIN)/activate
 	$(BIN)/python bench/scheduler_overhead.py --out bench/results/scheduler_overhead.json

@@ -71,6 +71,7 @@ async def start_workers(config: ClusterConfig, timeout_s: float) -> list[Instanc
             f"kv_transfer.transport {transport!r} is not available; "
             f"available: {', '.join(available_transports())}"
         )
+    check_placeable(config, ray.nodes())  # type: ignore[no-untyped-call]
     remote_worker = ray.remote(ModelWorker)
     created: list[tuple[str, InstancePool, Any]] = []
     for pool in config.pools:
@@ -103,6 +104,22 @@ async def start_workers(config: ClusterConfig, timeout_s: float) -> list[Instanc
         InstanceSpec(iid, pool, RayExecutor(handle), handle, info)
         for (iid, pool, handle), info in zip(created, infos, strict=True)
     ]
+
+
+def check_placeable(config: ClusterConfig, nodes: list[dict[str, Any]]) -> None:
+    """Fail fast, naming the pool, when no live node offers what one of its workers needs
+    (Ray would otherwise keep the actor pending until the start-up timeout)."""
+    alive = [n.get("Resources", {}) for n in nodes if n.get("Alive", n.get("alive", True))]
+    for pool in config.pools:
+        need = {**pool.resources, "CPU": pool.num_cpus, "GPU": pool.num_gpus}
+        need = {k: v for k, v in need.items() if v > 0}
+        if not any(all(res.get(k, 0.0) >= v for k, v in need.items()) for res in alive):
+            offered = sorted({k for res in alive for k in res if not k.startswith("node:")})
+            raise ValueError(
+                f"pool {pool.name!r} needs {need} per worker but no node offers that; the "
+                f"cluster's nodes offer: {', '.join(offered) or 'nothing'}. Start nodes with "
+                "those resources (ray start --resources='{...}'), or change the pool."
+            )
 
 
 async def _num_blocks(pool: InstancePool, handle: Any) -> int:
