@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -101,6 +102,9 @@ class ModelWorker:
         self.kv_transfer = kv_transfer
         self.connector: WorkerConnector | None = None
         self.step_delay_s = 0.0  # fault injection (tests)
+        # A Ray actor answers health() while a step runs (two threads); steps and adapter
+        # changes must not interleave.
+        self._step_lock = threading.Lock()
 
     # -- set-up ---------------------------------------------------------------------------
     def load_model(self) -> None:
@@ -194,10 +198,14 @@ class ModelWorker:
     def add_lora(self, lora: LoRARequest) -> bool:
         if self.lora_manager is None:
             raise ValueError("LoRA is not enabled on this worker (no lora_config)")
-        return self.lora_manager.add_lora(lora)
+        with self._step_lock:
+            return self.lora_manager.add_lora(lora)
 
     def remove_lora(self, lora_int_id: int) -> bool:
-        return self.lora_manager is not None and bool(self.lora_manager.remove_lora(lora_int_id))
+        if self.lora_manager is None:
+            return False
+        with self._step_lock:
+            return bool(self.lora_manager.remove_lora(lora_int_id))
 
     def list_loras(self) -> set[int]:
         return set() if self.lora_manager is None else self.lora_manager.list_loras()
@@ -247,6 +255,10 @@ class ModelWorker:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step: update request state from the diffs, one forward over the flattened
         batch, sample the requests that reached their last known token."""
+        with self._step_lock:
+            return self._execute_model(scheduler_output)
+
+    def _execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         so = scheduler_output
         if self.step_delay_s:
             time.sleep(self.step_delay_s)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import uuid
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -42,7 +43,7 @@ class ClusterClient:
             eos_token_ids=self.info["eos_token_ids"],
         )
         self._ids = itertools.count()
-        self._prefix = f"c{id(self):x}-"
+        self._prefix = f"c{uuid.uuid4().hex[:12]}-"  # unique across processes
 
     @classmethod
     def connect(cls, name: str | None = None, namespace: str | None = None) -> ClusterClient:

@@ -67,6 +67,16 @@ class InstancePool(_Config):
             )
         if "num_blocks" in self.cache:
             raise ValueError(f"pool {self.name!r}: set num_blocks on the pool, not in cache")
+        if self.pp_size > 1:
+            raise ValueError(
+                f"pool {self.name!r}: pp_size {self.pp_size} is not supported yet (pipeline-"
+                "parallel instances come with the PP issue); use 1"
+            )
+        if "max_model_len" in self.scheduler:
+            raise ValueError(
+                f"pool {self.name!r}: max_model_len is cluster-wide (a request may move between "
+                "pools); set it at the top level"
+            )
         if "block_size" in self.cache:
             raise ValueError(
                 f"pool {self.name!r}: block_size is cluster-wide (KV moves between pools); "

@@ -114,7 +114,14 @@ class EngineLoop:
         return self.error is None and not self._stopping
 
     def add_request(self, request: Request) -> None:
-        """Queue a request; it is admitted before the next ``schedule()``."""
+        """Queue a request; it is admitted before the next ``schedule()``. On a loop that has
+        stopped, the request ends at once with an error (never silently queued)."""
+        if not self.alive:
+            reason = self.error or f"instance {self.instance_id} is stopped"
+            self.on_outputs(
+                self, [EngineCoreOutput(request.request_id, [], FinishReason.ERROR, error=reason)]
+            )
+            return
         self.pending.append(request)
         self._wake.set()
 
@@ -140,6 +147,18 @@ class EngineLoop:
 
     # -- the loop ----------------------------------------------------------------------------
     async def run(self) -> None:
+        """Step until ``stop``. Any error -- the worker's, or a bug in scheduling -- ends the
+        loop with every request it holds failed, never with requests silently stranded."""
+        try:
+            await self._run()
+        except asyncio.CancelledError:
+            self._fail_all(f"instance {self.instance_id} was cancelled")
+            raise
+        except BaseException as exc:
+            logger.exception("engine loop %s failed", self.instance_id)
+            self._fail_all(f"instance {self.instance_id} failed: {type(exc).__name__}: {exc}")
+
+    async def _run(self) -> None:
         scheduler = self.scheduler
         while not self._stopping:
             if not self.pending and not scheduler.has_requests():
@@ -154,11 +173,7 @@ class EngineLoop:
                 continue
             out = scheduler.schedule()
             self._count(out)
-            try:
-                result = await self.executor.execute_model(out)
-            except Exception as exc:  # the worker is gone or broken: fail what it holds
-                self._fail_all(f"instance {self.instance_id} failed: {type(exc).__name__}: {exc}")
-                return
+            result = await self.executor.execute_model(out)  # raises: the worker is gone
             outputs = scheduler.update_from_output(out, result)
             if outputs:
                 self.on_outputs(self, outputs)
@@ -204,13 +219,25 @@ class EngineLoop:
         self.counters.num_output_tokens_computed += num - in_prompt
 
     def _fail_all(self, message: str) -> None:
+        """The instance is unusable: fail every request it holds and forget its KV state (its
+        worker's cache is gone or untrusted), so no block, request or KV handle lingers."""
         logger.error(message)
         self.error = message
         s = self.scheduler
         ids = [r.request_id for r in self.pending]
         ids += [rid for rid, r in s.requests.items() if not r.is_finished]
         self.pending = []
-        s.finish_requests(None, RequestStatus.FINISHED_ERROR)
-        self.on_outputs(
-            self, [EngineCoreOutput(rid, [], FinishReason.ERROR, error=message) for rid in ids]
-        )
+        try:
+            s.finish_requests(None, RequestStatus.FINISHED_ERROR)
+        finally:
+            # Requests still waiting for a load report (which will never come) and finished
+            # ones whose blocks wait for a report are dropped, with their KV handles.
+            for request in list(s.requests.values()):
+                request.kv_transfer_params = None
+                request.awaiting_remote_kvs = False
+                s.remote_kv.free_after_recv.discard(request.request_id)
+                s.free_blocks(request)
+            s.discarded_in_flight.clear()
+            self.on_outputs(
+                self, [EngineCoreOutput(rid, [], FinishReason.ERROR, error=message) for rid in ids]
+            )

@@ -59,6 +59,11 @@ class Router:
         d = self._best(decode, turn, self._decode_cost)
         return Route(p, d)
 
+    def best_decode(self, decode: list[EngineLoop]) -> EngineLoop:
+        """The decode instance to continue a prefilled request on (its KV arrives by
+        transfer, so only load counts)."""
+        return self._best(decode, next(self._turn), self._decode_cost)
+
     # -- costs -------------------------------------------------------------------------------
     def uncached_tokens(self, request: Request, loop: EngineLoop) -> int:
         """Prompt tokens ``loop``'s instance would have to compute (its prefix cache aside)."""

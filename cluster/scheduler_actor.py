@@ -15,6 +15,7 @@ actor; tests may inject in-process instances instead of Ray workers.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -41,6 +42,7 @@ class _Flight:
     queue: asyncio.Queue[EngineCoreOutput]
     loop: EngineLoop  # where it runs now
     stage: str  # "prefill" (on P, to be handed off) or "decode" (running to the end)
+    internal_id: str = ""  # the id the schedulers know it by
     num_cached_tokens: int | None = None  # the prefix hit where the prompt was computed
     prefill_instance: str | None = None
     decode_target: EngineLoop | None = None  # chosen by the Router at arrival
@@ -58,7 +60,9 @@ class SchedulerActor:
         self.loops: dict[str, EngineLoop] = {}
         self.roles: dict[str, str] = {}
         self.specs: dict[str, InstanceSpec] = {}
-        self.flights: dict[str, _Flight] = {}
+        self.flights: dict[str, _Flight] = {}  # by the client's request id
+        self._internal: dict[str, _Flight] = {}  # by the schedulers' id
+        self._seq = itertools.count()
         self.max_model_len = 0
         self._loras: dict[str, set[int]] = {}
         self.started = False
@@ -129,8 +133,8 @@ class SchedulerActor:
         """Stop every loop, fail what is in flight, release the workers."""
         for loop in self.loops.values():
             await loop.stop()
-        for rid in list(self.flights):
-            self._finish(rid, EngineCoreOutput(rid, [], FinishReason.ABORT, error="shutdown"))
+        for rid, flight in list(self.flights.items()):
+            self._finish(flight, EngineCoreOutput(rid, [], FinishReason.ABORT, error="shutdown"))
         for spec in self.specs.values():
             if spec.handle is not None:
                 import ray
@@ -169,26 +173,42 @@ class SchedulerActor:
             raise ValueError(
                 f"prompt has {request.num_tokens} tokens; max_model_len is {self.max_model_len}"
             )
-        prefill = [lp for i, lp in self.loops.items() if self.roles[i] == "prefill" and lp.alive]
-        decode = [lp for i, lp in self.loops.items() if self.roles[i] != "prefill" and lp.alive]
-        route = self.router.route(request, prefill, decode)
-        target = route.prefill or route.decode
-        if request.lora_request is not None:
-            for loop in {route.decode, target}:
-                await self._ensure_lora(loop, request)
+        # Arrival is stamped here: clients' clocks are not comparable (priority tie-breaks).
+        request.arrival_time = time.monotonic()
+        for _ in range(3):  # an instance may fail while an adapter loads: route again
+            prefill, decode = self._live("prefill"), self._live("decode")
+            route = self.router.route(request, prefill, decode)
+            target = route.prefill or route.decode
+            if request.lora_request is not None:
+                for loop in {route.decode, target}:
+                    await self._ensure_lora(loop, request)
+            if target.alive and route.decode.alive:
+                break
+        else:
+            raise RuntimeError("instances kept failing while the request was being routed")
         if rid in self.flights:  # the same id arrived while the adapter loaded
             raise ValueError(f"request_id {rid!r} is already in use")
-        flight = _Flight(request, asyncio.Queue(), target, "decode")
+        # Schedulers see a unique internal id: an aborted request may linger in one (its
+        # blocks wait for a load to end) while the client already reuses its id.
+        internal = f"{rid}@{next(self._seq)}"
+        flight = _Flight(request, asyncio.Queue(), target, "decode", internal_id=internal)
         flight.events.append(("queued", time.time()))
         self.flights[rid] = flight
+        self._internal[internal] = flight
         if route.prefill is None:
-            target.add_request(_clone(request))
+            target.add_request(_clone(request, request_id=internal))
         else:
             flight.stage = "prefill"
             flight.prefill_instance = route.prefill.instance_id
             flight.decode_target = route.decode
-            target.add_request(_prefill_request(request))
+            target.add_request(_prefill_request(request, internal))
         return flight
+
+    def _live(self, role: str) -> list[EngineLoop]:
+        """Live instances that can take ``role`` work (decode: roles decode and both)."""
+        if role == "prefill":
+            return [lp for i, lp in self.loops.items() if self.roles[i] == "prefill" and lp.alive]
+        return [lp for i, lp in self.loops.items() if self.roles[i] != "prefill" and lp.alive]
 
     async def _ensure_lora(self, loop: EngineLoop, request: Request) -> None:
         lora = request.lora_request
@@ -209,14 +229,14 @@ class SchedulerActor:
         flight = self.flights.get(request_id)
         if flight is None:
             return False
-        flight.loop.abort([request_id])
-        self._finish(request_id, EngineCoreOutput(request_id, [], FinishReason.ABORT))
+        flight.loop.abort([flight.internal_id])
+        self._finish(flight, EngineCoreOutput(request_id, [], FinishReason.ABORT))
         return True
 
     # -- outputs -----------------------------------------------------------------------------
     def _on_outputs(self, loop: EngineLoop, outputs: list[EngineCoreOutput]) -> None:
         for out in outputs:
-            flight = self.flights.get(out.request_id)
+            flight = self._internal.get(out.request_id)
             if flight is None or flight.loop is not loop:
                 continue  # aborted, or a stale output of an earlier stage
             if flight.stage == "prefill" and out.finished and self._hand_off(flight, out):
@@ -224,7 +244,7 @@ class SchedulerActor:
             if flight.num_cached_tokens is None:
                 flight.num_cached_tokens = out.num_cached_tokens
             client_out = EngineCoreOutput(
-                out.request_id,
+                flight.request.request_id,
                 out.new_token_ids,
                 out.finish_reason,
                 out.stop_reason,
@@ -234,7 +254,7 @@ class SchedulerActor:
                 out.error,
             )
             if out.finished:
-                self._finish(out.request_id, client_out)
+                self._finish(flight, client_out)
             else:
                 flight.queue.put_nowait(client_out)
 
@@ -247,41 +267,44 @@ class SchedulerActor:
             return False
         if request.num_prompt_tokens + 1 >= self.max_model_len or out.error:
             return False
+        rid = request.request_id
+        first = EngineCoreOutput(
+            rid, out.new_token_ids, None, None, out.num_cached_tokens, None, out.new_logprobs
+        )
         decode = flight.decode_target
         if decode is None or not decode.alive:
-            alive = [lp for i, lp in self.loops.items() if self.roles[i] != "prefill" and lp.alive]
+            alive = self._live("decode")
             if not alive:
-                return False
-            decode = alive[0]
+                flight.queue.put_nowait(first)  # the client keeps the token it was owed
+                self._finish(
+                    flight,
+                    EngineCoreOutput(
+                        rid, [], FinishReason.ERROR, error="no live decode instance to continue"
+                    ),
+                )
+                return True
+            decode = self.router.best_decode(alive)
         params = out.kv_transfer_params
         flight.num_cached_tokens = out.num_cached_tokens
         flight.stage = "decode"
         flight.loop = decode
         flight.handoffs += 1
         flight.events.append(("handoff", time.time()))
+        flight.queue.put_nowait(first)
         decode.add_request(
             _clone(
                 request,
+                request_id=flight.internal_id,
                 output_token_ids=list(out.new_token_ids),
                 kv_transfer_params=dict(params) if params else None,
             )
         )
-        flight.queue.put_nowait(
-            EngineCoreOutput(
-                out.request_id,
-                out.new_token_ids,
-                None,
-                None,
-                out.num_cached_tokens,
-                None,
-                out.new_logprobs,
-            )
-        )
         return True
 
-    def _finish(self, request_id: str, final: EngineCoreOutput) -> None:
-        flight = self.flights.pop(request_id, None)
-        if flight is not None:
+    def _finish(self, flight: _Flight, final: EngineCoreOutput) -> None:
+        if self.flights.get(flight.request.request_id) is flight:
+            del self.flights[flight.request.request_id]
+            self._internal.pop(flight.internal_id, None)
             flight.queue.put_nowait(final)
 
     # -- introspection -----------------------------------------------------------------------
@@ -394,11 +417,16 @@ def _clone(request: Request, **overrides: Any) -> Request:
     return Request(**args)
 
 
-def _prefill_request(request: Request) -> Request:
+def _prefill_request(request: Request, request_id: str) -> Request:
     """The prefill instance's part: compute the prompt, sample the first token, save the KV."""
     params = request.sampling_params
     first = params.model_copy(update={"max_tokens": 1, "min_tokens": min(params.min_tokens, 1)})
-    return _clone(request, sampling_params=first, kv_transfer_params={"do_remote_decode": True})
+    return _clone(
+        request,
+        request_id=request_id,
+        sampling_params=first,
+        kv_transfer_params={"do_remote_decode": True},
+    )
 
 
 def _merge(a: EngineCoreOutput, b: EngineCoreOutput) -> EngineCoreOutput:

@@ -199,8 +199,17 @@ class WorkerConnector(ABC):
                 continue
             num_blocks = -(-spec.num_tokens // block_size)
             started_at, start = time.time(), time.perf_counter()
-            data = gather_blocks(self.kv_caches, table[:num_blocks])
-            self._report.saved[spec.req_id] = self._save(spec.req_id, data)
+            try:
+                data = gather_blocks(self.kv_caches, table[:num_blocks])
+                self._report.saved[spec.req_id] = self._save(spec.req_id, data)
+            except Exception as exc:  # e.g. the object store is full: the decode side recomputes
+                logger.warning("KV save of %s failed: %s: %s", spec.req_id, type(exc).__name__, exc)
+                self.history.append(
+                    TransferRecord(
+                        spec.req_id, 0, time.perf_counter() - start, False, "save", 0.0, started_at
+                    )
+                )
+                continue
             seconds = time.perf_counter() - start
             self._report.bytes_saved += data.nbytes
             self.history.append(

@@ -128,10 +128,9 @@ def _runs(block_ids: list[int]) -> list[tuple[int, int]]:
 
 
 def _numpy_view(cache: torch.Tensor) -> np.ndarray:
+    """The tensor as numpy (bfloat16 as int16 bits): a view on CPU, a host copy otherwise."""
     t = cache.view(torch.int16) if cache.dtype == torch.bfloat16 else cache
-    if t.device.type != "cpu":
-        t = t.cpu()  # a device cache is copied to the host once per layer
-    return t.numpy()
+    return t.cpu().numpy()
 
 
 def gather_blocks(
@@ -141,13 +140,22 @@ def gather_blocks(
     CPU)."""
     layers = range(len(kv_caches)) if layers is None else layers
     _check_layers(kv_caches, layers)
+    bf16 = kv_caches[layers[0]].dtype == torch.bfloat16
+    if kv_caches[layers[0]].device.type != "cpu":
+        # A device cache: gather the request's blocks on the device, copy only those to the
+        # host (one run per layer and K/V), never the whole cache.
+        index = torch.tensor(block_ids, dtype=torch.long, device=kv_caches[layers[0]].device)
+        host: list[np.ndarray] = []
+        for layer in layers:
+            blocks = kv_caches[layer].index_select(1, index)
+            host.extend(_numpy_view(blocks)[kv] for kv in (0, 1))
+        return KVPayload([len(block_ids)], host, len(layers), bf16)
     runs = _runs(block_ids)
     pieces: list[np.ndarray] = []
     for layer in layers:
         array = _numpy_view(kv_caches[layer])
         for kv in (0, 1):
             pieces.extend(array[kv, start : start + n] for start, n in runs)
-    bf16 = kv_caches[layers[0]].dtype == torch.bfloat16
     return KVPayload([n for _, n in runs], pieces, len(layers), bf16)
 
 
@@ -178,7 +186,7 @@ def scatter_blocks(
     for piece in payload.pieces:
         if tuple(piece.shape[1:]) != expected[0]:
             raise ValueError(f"KV piece has block shape {piece.shape[1:]}, expected {expected[0]}")
-        if not payload.bfloat16 and torch.from_numpy(piece[:0]).dtype != cache.dtype:
+        if not payload.bfloat16 and torch.from_numpy(np.empty(0, piece.dtype)).dtype != cache.dtype:
             raise ValueError(f"KV payload is {piece.dtype}, the cache is {cache.dtype}")
     segments = _segments(payload.runs, first_block, _runs(block_ids))
     written = 0

@@ -113,6 +113,12 @@ class PDConnector(SchedulerConnector):
         if params.get("do_remote_decode"):
             self._to_save[request.request_id] = request.num_prompt_tokens
         if num_external_tokens <= 0:
+            if request.do_remote_prefill and "handle" in params:
+                # Nothing to load (the local prefix cache covers the prompt): let the source's
+                # copy go now rather than when the request ends.
+                request.kv_transfer_params = {k: v for k, v in params.items() if k != "handle"} | {
+                    "do_remote_prefill": False
+                }
             return
         remote = min(int(params["remote_num_tokens"]), request.num_prompt_tokens)
         # The external tokens are the positions just before ``remote``; the local prefix hit

@@ -78,3 +78,15 @@ def test_block_size_is_cluster_wide() -> None:
             {"pools": [{"name": "a", "role": "both", "cache": {"block_size": 32}}]}
         )
     assert not ClusterConfig().disaggregated
+
+
+@pytest.mark.parametrize(
+    ("pool", "message"),
+    [
+        ({"pp_size": 2}, "pp_size 2 is not supported yet"),
+        ({"scheduler": {"max_model_len": 512}}, "max_model_len is cluster-wide"),
+    ],
+)
+def test_pool_settings_not_supported_per_pool(pool: dict[str, object], message: str) -> None:
+    with pytest.raises(ValidationError, match=message):
+        ClusterConfig.model_validate({"pools": [{"name": "a", **pool}]})

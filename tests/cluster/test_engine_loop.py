@@ -141,6 +141,8 @@ def test_scheduler_actor_in_process(tiny_model: Path) -> None:
         with pytest.raises(ValueError, match="already in use"):
             await actor.generate(Request("a", [5], GREEDY)).__anext__()
         assert actor.abort("a") and not actor.abort("a")
+        reused = [o async for o in actor.generate(Request("a", [5, 6], GREEDY))]
+        assert reused[-1].finish_reason is not None and reused[-1].finish_reason.value == "length"
         rest = [o async for o in stream]
         assert rest[-1].finish_reason is not None and rest[-1].finish_reason.value == "abort"
         assert not first.finished
@@ -151,3 +153,32 @@ def test_scheduler_actor_in_process(tiny_model: Path) -> None:
         await actor.shutdown()
 
     asyncio.run(run())
+
+
+def test_a_bug_in_scheduling_fails_requests_instead_of_stranding_them(tiny_model: Path) -> None:
+    loop, _, seen = _loop(tiny_model)
+    real = loop.scheduler.update_from_output
+    calls = []
+
+    def broken(*args: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyError("a scheduler bug")
+        return real(*args)
+
+    loop.scheduler.update_from_output = broken  # type: ignore[method-assign]
+
+    async def run() -> None:
+        loop.start()
+        for i in range(2):
+            loop.add_request(_request(i))
+        while sum(o.finished for o in seen) < 2:
+            await asyncio.sleep(0.01)
+        loop.add_request(_request(5))  # a dead loop answers at once
+
+    asyncio.run(asyncio.wait_for(run(), 30))
+    finals = {o.request_id: o for o in seen if o.finished}
+    assert set(finals) == {"r0", "r1", "r5"}
+    assert all(o.error and "KeyError" in o.error for o in finals.values())
+    assert not loop.alive
+    assert not loop.scheduler.requests and loop.scheduler.kv_cache_manager.usage == 0.0

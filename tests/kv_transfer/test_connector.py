@@ -381,3 +381,20 @@ def test_decode_aborted_while_loading_keeps_its_blocks_until_the_load_ends() -> 
     assert "d" in s.requests
     _run(s, finished_recving={"d"})
     _assert_idle(s, c)
+
+
+def test_nothing_to_load_drops_the_handle_at_admission() -> None:
+    """The local prefix cache covers the whole prompt: no load, and the source's copy is let
+    go at once instead of staying referenced until the request ends."""
+    s, c = _instance()
+    prompt = PROMPT[:8]
+    s.add_request(make_request([*prompt, 1, 3], req_id="local", max_tokens=2))
+    _finish_all(s)
+    r = _decode_request(prompt)
+    s.add_request(r)
+    out, _ = _run(s, {"d": [42]})
+    assert not _meta(out).loads
+    assert out.num_scheduled_tokens == {"d": 1}  # only the first output token's position
+    assert r.kv_transfer_params is not None and "handle" not in r.kv_transfer_params
+    _finish_all(s)
+    _assert_idle(s, c)
