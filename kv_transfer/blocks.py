@@ -82,12 +82,14 @@ def _check_layers(kv_caches: list[torch.Tensor], layers: range) -> None:
 class KVPayload:
     """One request's KV blocks for a layer range, as contiguous numpy pieces.
 
-    Block ids are split into runs of consecutive ids; each (layer, K or V, run) is one piece,
-    a plain slice of the cache, so gathering copies nothing::
+    Block ids are split into runs of consecutive ids, ascending or descending (a freed table
+    returns to the pool tail first, so fresh allocations often count down); each (layer, K or
+    V, run) is one piece, a plain slice of the cache, so gathering copies nothing::
 
-        block_ids  7 8 9 | 2 | 5 6          runs = [3, 1, 2]
+        block_ids  7 8 9 | 2 | 6 5          runs = [3, 1, 2], descending = [F, F, T]
         pieces     [(layer i, kv, run r) for i in layers for kv in (K, V) for r in runs]
-                   piece shape [run length, block_size, kv_heads, head_dim]
+                   piece shape [run length, block_size, kv_heads, head_dim], rows in
+                   ascending id order (a descending run's rows are its blocks backwards)
 
     Pieces gathered from a cache are views: valid until those blocks change, so a transport
     copies them out at once (``ray.put`` does; the decode side reads its copy zero-copy).
@@ -97,6 +99,7 @@ class KVPayload:
     pieces: list[np.ndarray]
     num_layers: int
     bfloat16: bool  # pieces hold bfloat16 bit patterns as int16
+    descending: list[bool] | None = None  # per run; None: all ascending
 
     @property
     def num_blocks(self) -> int:
@@ -112,19 +115,32 @@ class KVPayload:
     def copy(self) -> KVPayload:
         """A payload that owns its memory (for transports that keep it in process)."""
         return KVPayload(
-            list(self.runs), [p.copy() for p in self.pieces], self.num_layers, self.bfloat16
+            list(self.runs),
+            [p.copy() for p in self.pieces],
+            self.num_layers,
+            self.bfloat16,
+            None if self.descending is None else list(self.descending),
         )
 
 
-def _runs(block_ids: list[int]) -> list[tuple[int, int]]:
-    """(first id, length) of each run of consecutive ids, in order."""
-    runs: list[tuple[int, int]] = []
+def _runs(block_ids: list[int]) -> list[tuple[int, int, int]]:
+    """(first id, length, step) of each run of consecutive ids, in order; step is +1 or -1."""
+    runs: list[tuple[int, int, int]] = []
     for block_id in block_ids:
-        if runs and runs[-1][0] + runs[-1][1] == block_id:
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-        else:
-            runs.append((block_id, 1))
+        if runs:
+            first, n, step = runs[-1]
+            if n == 1 and abs(block_id - first) == 1:
+                runs[-1] = (first, 2, block_id - first)
+                continue
+            if n > 1 and block_id == first + step * n:
+                runs[-1] = (first, n + 1, step)
+                continue
+        runs.append((block_id, 1, 1))
     return runs
+
+
+def _lowest(first: int, n: int, step: int) -> int:
+    return first if step == 1 else first - n + 1
 
 
 def _numpy_view(cache: torch.Tensor) -> np.ndarray:
@@ -151,12 +167,16 @@ def gather_blocks(
             host.extend(_numpy_view(blocks)[kv] for kv in (0, 1))
         return KVPayload([len(block_ids)], host, len(layers), bf16)
     runs = _runs(block_ids)
+    spans = [(_lowest(first, n, step), n) for first, n, step in runs]
     pieces: list[np.ndarray] = []
     for layer in layers:
         array = _numpy_view(kv_caches[layer])
         for kv in (0, 1):
-            pieces.extend(array[kv, start : start + n] for start, n in runs)
-    return KVPayload([n for _, n in runs], pieces, len(layers), bf16)
+            pieces.extend(array[kv, lo : lo + n] for lo, n in spans)
+    descending = [step == -1 for _, _, step in runs]
+    return KVPayload(
+        [n for _, n, _ in runs], pieces, len(layers), bf16, descending if any(descending) else None
+    )
 
 
 def scatter_blocks(
@@ -188,7 +208,7 @@ def scatter_blocks(
             raise ValueError(f"KV piece has block shape {piece.shape[1:]}, expected {expected[0]}")
         if not payload.bfloat16 and torch.from_numpy(np.empty(0, piece.dtype)).dtype != cache.dtype:
             raise ValueError(f"KV payload is {piece.dtype}, the cache is {cache.dtype}")
-    segments = _segments(payload.runs, first_block, _runs(block_ids))
+    segments = _segments(payload, first_block, _runs(block_ids))
     written = 0
     with warnings.catch_warnings():
         # Zero-copy buffers from the object store are read-only; they are only read here.
@@ -198,28 +218,38 @@ def scatter_blocks(
             if target.dtype == torch.bfloat16:
                 target = target.view(torch.int16)
             for kv in (0, 1):
-                for run, offset, dst, n in segments:
-                    source = torch.from_numpy(payload.piece(i, kv, run)[offset : offset + n])
-                    target[kv, dst : dst + n].copy_(source)
+                for run, row, dst, n, flip in segments:
+                    source = torch.from_numpy(payload.piece(i, kv, run)[row : row + n])
+                    target[kv, dst : dst + n].copy_(source.flip(0) if flip else source)
                     written += source.nbytes
     return written
 
 
 def _segments(
-    src_runs: list[int], first: int, dst_runs: list[tuple[int, int]]
-) -> list[tuple[int, int, int, int]]:
-    """Copies that move source blocks ``[first, ...)`` to the destination runs, as
-    (source run, offset in it, destination block id, length)."""
+    payload: KVPayload, first: int, dst_runs: list[tuple[int, int, int]]
+) -> list[tuple[int, int, int, int, bool]]:
+    """Copies that move payload blocks ``[first, ...)`` into the destination runs, as
+    (source run, first piece row, lowest destination id, length, reversed): each copies a
+    contiguous slice of a piece onto a contiguous slice of the cache."""
+    runs = payload.runs
+    descending = payload.descending or [False] * len(runs)
     segments = []
-    run, offset = 0, first
-    while run < len(src_runs) and offset >= src_runs[run]:  # skip to the first source block
-        offset -= src_runs[run]
+    run, offset = 0, first  # position in the payload's block order
+    while run < len(runs) and offset >= runs[run]:
+        offset -= runs[run]
         run += 1
-    for dst, length in dst_runs:
-        while length > 0:
-            n = min(length, src_runs[run] - offset)
-            segments.append((run, offset, dst, n))
-            dst, length, offset = dst + n, length - n, offset + n
-            if offset == src_runs[run]:
+    for dst_first, length, dst_step in dst_runs:
+        done = 0
+        while done < length:
+            n = min(length - done, runs[run] - offset)
+            # Piece rows of payload blocks [offset, offset + n) of this run.
+            src_desc = descending[run]
+            row = runs[run] - offset - n if src_desc else offset
+            # Destination ids of destination positions [done, done + n) of this run.
+            dst_desc = dst_step == -1
+            dst = dst_first - done - n + 1 if dst_desc else dst_first + done
+            segments.append((run, row, dst, n, src_desc != dst_desc))
+            done, offset = done + n, offset + n
+            if offset == runs[run]:
                 run, offset = run + 1, 0
     return segments

@@ -58,6 +58,10 @@ def test_mismatches_are_refused_before_writing() -> None:
         ([7, 8, 9, 2, 5, 6], 0, [11, 0, 1, 2, 9, 4]),  # runs [3, 1, 2] to runs [1, 3, 1, 1]
         ([7, 8, 9, 2, 5, 6], 2, [10, 11, 3, 4]),  # a tail that starts inside the first run
         ([7, 8, 9, 2, 5, 6], 3, [0, 1]),  # a tail that starts on a run boundary
+        ([9, 8, 7, 6], 0, [5, 4, 3, 2]),  # descending to descending: one slice each
+        ([9, 8, 7, 6], 1, [0, 1, 2]),  # descending to ascending (reversed copies)
+        ([1, 2, 3, 11, 10, 9, 0], 2, [8, 7, 6, 5, 4]),  # mixed runs, a tail, mixed directions
+        ([4, 3, 5, 6], 0, [11, 10, 0, 1]),  # a descending pair then an ascending pair
     ],
 )
 def test_gather_scatter_round_trip(
@@ -85,6 +89,9 @@ def test_gathered_pieces_are_views_until_copied() -> None:
     src = caches(2, 6, torch.float32, 9)
     views = gather_blocks(src, [1, 2, 4])
     assert views.runs == [2, 1] and len(views.pieces) == 2 * 2 * 2
+    backwards = gather_blocks(src, [5, 4, 3, 1, 0])
+    assert backwards.runs == [3, 2] and backwards.descending == [True, True]
+    assert len(backwards.pieces) == 2 * 2 * 2  # one piece per run, not per block
     owned = views.copy()
     src[0][0, 1].fill_(123.0)  # the cache changes after the gather
     assert (views.piece(0, 0, 0)[0] == 123.0).all()
