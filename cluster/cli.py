@@ -117,9 +117,11 @@ def _run_up(args: argparse.Namespace) -> int:
     described = ray.get(handle.describe.remote())
     for iid, inst in described["instances"].items():
         print(f"  {iid}: {inst['role']}, {inst['num_blocks']} KV blocks, node {inst['node_id']}")
+    address = ray.get_runtime_context().gcs_address
     print(
-        f"ready (max_model_len {described['max_model_len']}). From another shell:\n"
-        f'  tandem generate --cluster "What is the capital of France?"\n'
+        f"ready (max_model_len {described['max_model_len']}, Ray at {address}). "
+        "From another shell:\n"
+        f'  tandem generate --cluster --address {address} "What is the capital of France?"\n'
         "Ctrl-C stops the cluster.",
         flush=True,
     )

@@ -49,8 +49,10 @@ def test_up_generate_and_ctrl_c(tiny_model: Path, tmp_path: Path) -> None:
             if line.startswith("ready"):
                 break
         assert any("p-0: prefill" in x for x in lines) and any("d-0: decode" in x for x in lines)
+        address = lines[-1].split("Ray at ")[1].split(")")[0]  # as `tandem up` tells users
+        assert address.startswith("127.0.0.1:")
         out = subprocess.run(
-            [*tandem, "generate", "--cluster", "--raw", "--max-tokens", "8", "-v", "hello"],
+            [*tandem, "generate", "--cluster", "--address", address, "--raw", "-v", "hello"],
             env=env,
             capture_output=True,
             text=True,
