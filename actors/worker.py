@@ -81,6 +81,7 @@ class ModelWorker:
     ) -> None:
         """``kv_transfer`` names a KV transport (``ray``) for prefill/decode hand-off;
         ``num_threads`` sets torch's intra-op threads (a Ray actor otherwise gets one)."""
+        self.num_threads = num_threads
         if num_threads is not None:
             torch.set_num_threads(num_threads)
         self.model_path: Path = resolve_model_path(model)
@@ -102,6 +103,7 @@ class ModelWorker:
         self.kv_transfer = kv_transfer
         self.connector: WorkerConnector | None = None
         self.step_delay_s = 0.0  # fault injection (tests)
+        self.step_seconds = 0.0  # time spent in execute_model (for benchmarks)
         # A Ray actor answers health() while a step runs (two threads); steps and adapter
         # changes must not interleave.
         self._step_lock = threading.Lock()
@@ -216,6 +218,7 @@ class ModelWorker:
             "num_blocks": self.num_blocks,
             "num_requests": len(self.requests),
             "num_steps": self.num_steps,
+            "step_seconds": self.step_seconds,
             "device": str(self.device),
             "num_loading": 0 if self.connector is None else self.connector.num_loading(),
             "node_id": _ray_node_id(),
@@ -256,9 +259,15 @@ class ModelWorker:
         """Run one step: update request state from the diffs, one forward over the flattened
         batch, sample the requests that reached their last known token."""
         with self._step_lock:
-            return self._execute_model(scheduler_output)
+            start = time.perf_counter()
+            try:
+                return self._execute_model(scheduler_output)
+            finally:
+                self.step_seconds += time.perf_counter() - start
 
     def _execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        if self.num_threads is not None and torch.get_num_threads() != self.num_threads:
+            torch.set_num_threads(self.num_threads)
         so = scheduler_output
         if self.step_delay_s:
             time.sleep(self.step_delay_s)

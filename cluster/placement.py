@@ -20,6 +20,8 @@ from cluster.engine import DEFAULT_KV_CACHE_BYTES
 
 logger = logging.getLogger(__name__)
 
+MONITOR = "monitor"  # the workers' concurrency group for health and history calls
+
 
 @dataclass
 class InstanceSpec:
@@ -33,12 +35,22 @@ class InstanceSpec:
 
 
 def worker_options(pool: InstancePool) -> dict[str, Any]:
-    return {
+    options: dict[str, Any] = {
         "num_cpus": pool.num_cpus,
         "num_gpus": pool.num_gpus,
         "resources": dict(pool.resources),
-        "max_concurrency": 2,  # health() answers while a step runs
+        # Steps always run on one thread (OpenMP teams and oneDNN caches are per thread:
+        # alternating threads cost ~10% per step); health() answers from the MONITOR group's
+        # thread while a step runs (see start_workers).
+        "max_concurrency": 1,
     }
+    if pool.num_threads is not None:
+        # Ray sets OMP_NUM_THREADS=1 for actors; threads other than the one that ran __init__
+        # start their OpenMP teams from it, not from torch.set_num_threads: without this the
+        # steps ran single-threaded (96 ms instead of 45 ms per SmolLM2 token).
+        threads = str(pool.num_threads)
+        options["runtime_env"] = {"env_vars": {"OMP_NUM_THREADS": threads}}
+    return options
 
 
 def worker_kwargs(config: ClusterConfig, pool: InstancePool) -> dict[str, Any]:
@@ -72,7 +84,7 @@ async def start_workers(config: ClusterConfig, timeout_s: float) -> list[Instanc
             f"available: {', '.join(available_transports())}"
         )
     check_placeable(config, ray.nodes())  # type: ignore[no-untyped-call]
-    remote_worker = ray.remote(ModelWorker)
+    remote_worker = ray.remote(concurrency_groups={MONITOR: 1})(ModelWorker)  # type: ignore[call-overload]
     created: list[tuple[str, InstancePool, Any]] = []
     for pool in config.pools:
         for replica in range(pool.replicas):

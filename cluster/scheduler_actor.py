@@ -24,7 +24,7 @@ from typing import Any
 
 from cluster.config import ClusterConfig
 from cluster.engine_loop import EngineLoop
-from cluster.placement import InstanceSpec
+from cluster.placement import MONITOR, InstanceSpec
 from cluster.router import Router
 from kv_transfer.connector import PDConnector
 from scheduler import CacheConfig, Request, Scheduler
@@ -365,7 +365,8 @@ class SchedulerActor:
         result: dict[str, list[Any]] = {}
         for iid, spec in self.specs.items():
             if spec.handle is not None:
-                result[iid] = await spec.handle.transfer_history.remote()
+                call = spec.handle.transfer_history.options(concurrency_group=MONITOR)
+                result[iid] = await call.remote()
             else:
                 result[iid] = spec.executor.worker.transfer_history()
         return result
@@ -375,7 +376,7 @@ class SchedulerActor:
         result: dict[str, dict[str, Any]] = {}
         for iid, spec in self.specs.items():
             if spec.handle is not None:
-                result[iid] = await spec.handle.health.remote()
+                result[iid] = await spec.handle.health.options(concurrency_group=MONITOR).remote()
             else:
                 result[iid] = spec.executor.worker.health()
         return result
