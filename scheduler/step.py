@@ -64,6 +64,18 @@ class StepBuilder:
         return min(n, self.token_budget)
 
     # -- running -------------------------------------------------------------------------
+    @staticmethod
+    def _release_loaded(s: Scheduler) -> bool:
+        """KV is short: a request whose remote KV has arrived but that waits for a running
+        slot gives its blocks back before any running request is preempted (its blocks stay
+        hashed, so it may find them again). True if one was released."""
+        for request in reversed(s.holding):
+            if not request.awaiting_remote_kvs:
+                s.holding.remove(request)
+                s.release_to_waiting(request, preemption=True)
+                return True
+        return False
+
     def schedule_running(self) -> None:
         """Give each running request its next tokens, preempting on KV pressure.
 
@@ -114,6 +126,8 @@ class StepBuilder:
                 new_blocks = append_slots(request, n, lookahead)
                 if new_blocks is not None:
                     break
+                if self._release_loaded(s):
+                    continue
                 victim = s.pick_victim()
                 if running.index(victim) < i:
                     i -= 1

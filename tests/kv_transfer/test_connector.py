@@ -398,3 +398,40 @@ def test_nothing_to_load_drops_the_handle_at_admission() -> None:
     assert r.kv_transfer_params is not None and "handle" not in r.kv_transfer_params
     _finish_all(s)
     _assert_idle(s, c)
+
+
+def test_loaded_requests_give_blocks_back_before_running_ones_are_preempted() -> None:
+    """At max_num_seqs, hand-offs still load (no running slot needed) and then wait holding
+    their blocks. When the running requests run out of blocks, those loaded requests are
+    released first: no running request is preempted while one of them holds blocks."""
+    connector = PDConnector("d", block_size=BLOCK, timeout_s=TIMEOUT_S)
+    s = make_scheduler(
+        block_size=BLOCK,
+        num_blocks=24,
+        connector=connector,
+        max_num_seqs=2,
+        max_model_len=64,
+        prefix_caching=False,
+    )
+    for i in range(2):
+        s.add_request(make_request(list(range(1, 9)), req_id=f"run{i}", max_tokens=40))
+    _run(s)
+    handoffs = [_decode_request(list(range(20 + i, 32 + i)), req_id=f"h{i}") for i in range(3)]
+    for r in handoffs:
+        s.add_request(r)
+    loading: set[str] = set()
+    released = 0
+    for _ in range(40):
+        loaded_before = [r for r in s.holding if not r.awaiting_remote_kvs]
+        out = s.schedule()
+        meta = _meta(out)
+        if loaded_before and out.preempted_req_ids:
+            assert not out.preempted_req_ids & {"run0", "run1"}, "running preempted first"
+        released += sum(r.status.name in ("WAITING", "PREEMPTED") for r in loaded_before)
+        result = model_output(s, out, None, finished_recving=loading or None)
+        loading = {spec.req_id for spec in meta.loads}
+        s.update_from_output(out, result)
+        s.check_integrity()
+    assert released > 0  # the scenario did run short of blocks with loaded requests waiting
+    _finish_all(s)
+    _assert_idle(s, connector)
