@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -125,6 +126,14 @@ def _run_up(args: argparse.Namespace) -> int:
         "Ctrl-C stops the cluster.",
         flush=True,
     )
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    # Ctrl-C, and `kill` / a container stop: both shut the cluster down cleanly (a job started
+    # in the background of a script would otherwise ignore SIGINT).
+    signal.signal(signal.SIGINT, interrupt)
+    signal.signal(signal.SIGTERM, interrupt)
     try:
         while True:
             time.sleep(3600)

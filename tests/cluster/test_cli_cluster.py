@@ -1,5 +1,6 @@
 """``tandem up`` starts a local Ray and the cluster, ``tandem generate --cluster`` streams
-through it from another process, and Ctrl-C shuts everything down."""
+through it from another process, and a signal (Ctrl-C's SIGINT, or SIGTERM) shuts everything
+down."""
 
 from __future__ import annotations
 
@@ -60,7 +61,7 @@ def test_up_generate_and_ctrl_c(tiny_model: Path, tmp_path: Path) -> None:
         )
         assert out.returncode == 0, out.stderr
         assert "[finish_reason=" in out.stderr
-        up.send_signal(signal.SIGINT)
+        up.send_signal(signal.SIGTERM)  # a `kill` or container stop shuts down like Ctrl-C
         rest, _ = up.communicate(timeout=60)
         assert up.returncode == 0, rest
         assert "shutting down" in rest
