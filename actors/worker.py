@@ -34,6 +34,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+DEFAULT_KV_CACHE_BYTES = 1 << 30  # CPU default (vLLM's CPU backend uses a fixed space too)
+
 
 @dataclass
 class _RequestState:
@@ -179,6 +181,22 @@ class ModelWorker:
             )
         return int(num_blocks)
 
+    def size_kv_cache(
+        self,
+        num_blocks: int | None = None,
+        kv_cache_memory_bytes: int | None = None,
+        memory_budget_bytes: int | None = None,
+    ) -> int:
+        """How many KV blocks to allocate: ``num_blocks`` as given; else what fits in
+        ``memory_budget_bytes`` after weights and activations (profiled); else
+        ``kv_cache_memory_bytes`` of cache (``DEFAULT_KV_CACHE_BYTES`` by default)."""
+        if num_blocks is not None:
+            return num_blocks
+        if memory_budget_bytes is not None:
+            return self.profile_num_blocks(memory_budget_bytes)
+        kv_bytes = kv_cache_memory_bytes or DEFAULT_KV_CACHE_BYTES
+        return max(1, kv_bytes // self.bytes_per_block())
+
     def init_kv_cache(self, num_blocks: int) -> None:
         """Allocate ``num_blocks`` blocks per layer (zeroed). Drops all request state."""
         cfg = self._model.config
@@ -315,8 +333,8 @@ class ModelWorker:
         connector's reports."""
         if self.connector is None:
             return output
-        tables = {r: s.block_ids for r, s in self.requests.items()}
-        self.connector.wait_for_save(meta, tables)
+        if meta and meta.saves:  # block tables only for the (rare) steps that save
+            self.connector.wait_for_save(meta, {r: s.block_ids for r, s in self.requests.items()})
         sending, recving, failed = self.connector.get_finished()
         output.finished_sending = sending
         output.finished_recving = recving

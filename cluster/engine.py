@@ -33,8 +33,6 @@ from scheduler import (
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_KV_CACHE_BYTES = 1 << 30  # CPU default (vLLM's CPU backend uses a fixed space too)
-
 
 class LLMEngine:
     """Scheduler + worker in one process. Not thread-safe: call it from one thread."""
@@ -85,12 +83,9 @@ class LLMEngine:
         )
         self.worker.load_model()
         model_config = self.worker.config
-        if num_blocks is None:
-            if memory_budget_bytes is not None:
-                num_blocks = self.worker.profile_num_blocks(memory_budget_bytes)
-            else:
-                kv_bytes = kv_cache_memory_bytes or DEFAULT_KV_CACHE_BYTES
-                num_blocks = max(1, kv_bytes // self.worker.bytes_per_block())
+        num_blocks = self.worker.size_kv_cache(
+            num_blocks, kv_cache_memory_bytes, memory_budget_bytes
+        )
         self.worker.init_kv_cache(num_blocks)
         self.tokenizer = Tokenizer.from_path(self.worker.model_path)
         if max_model_len is None:  # the model's context, as far as the cache can hold it

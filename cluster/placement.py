@@ -16,7 +16,6 @@ import ray
 
 from actors.worker import ModelWorker
 from cluster.config import ClusterConfig, InstancePool
-from cluster.engine import DEFAULT_KV_CACHE_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +96,15 @@ async def start_workers(config: ClusterConfig, timeout_s: float) -> list[Instanc
             [h.load_model.remote() for _, _, h in created], created, "load the model", timeout_s
         )
         sizes = await _wait_all(
-            [_num_blocks(pool, h) for _, pool, h in created], created, "size", timeout_s
+            [
+                h.size_kv_cache.remote(
+                    pool.num_blocks, pool.kv_cache_memory_bytes, pool.memory_budget_bytes
+                )
+                for _, pool, h in created
+            ],
+            created,
+            "size the KV cache",
+            timeout_s,
         )
         await _wait_all(
             [h.init_kv_cache.remote(n) for (_, _, h), n in zip(created, sizes, strict=True)],
@@ -132,16 +139,6 @@ def check_placeable(config: ClusterConfig, nodes: list[dict[str, Any]]) -> None:
                 f"cluster's nodes offer: {', '.join(offered) or 'nothing'}. Start nodes with "
                 "those resources (ray start --resources='{...}'), or change the pool."
             )
-
-
-async def _num_blocks(pool: InstancePool, handle: Any) -> int:
-    if pool.num_blocks is not None:
-        return pool.num_blocks
-    if pool.memory_budget_bytes is not None:
-        n: int = await handle.profile_num_blocks.remote(pool.memory_budget_bytes)
-        return n
-    per_block: int = await handle.bytes_per_block.remote()
-    return max(1, (pool.kv_cache_memory_bytes or DEFAULT_KV_CACHE_BYTES) // per_block)
 
 
 async def _wait_all(

@@ -19,6 +19,7 @@ prefilled on the best prefill instance and handed to the best decode instance.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -97,8 +98,9 @@ class Router:
         return work * (1.0 + loop.scheduler.kv_cache_manager.usage)
 
     @staticmethod
-    def _best(loops: list[EngineLoop], turn: int, cost: object) -> EngineLoop:
-        assert callable(cost)
+    def _best(
+        loops: list[EngineLoop], turn: int, cost: Callable[[EngineLoop], float]
+    ) -> EngineLoop:
         n = len(loops)
         order = [loops[(turn + i) % n] for i in range(n)]  # rotate: ties go round-robin
         return min(order, key=cost)

@@ -4,7 +4,6 @@ Ray reads ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER`` when it is imported; set it (and
 token auth) before any test module imports Ray, so every Ray node stays on 127.0.0.1.
 """
 
-import os
+from cluster.launch import ray_env_defaults  # imports no Ray
 
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+ray_env_defaults()
