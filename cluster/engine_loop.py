@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from kv_transfer.connector import PDConnector
 from scheduler import ModelRunnerOutput, Request, RequestStatus, Scheduler, SchedulerOutput
 from scheduler.outputs import EngineCoreOutput
 from scheduler.request import FinishReason
@@ -145,6 +146,30 @@ class EngineLoop:
     def num_active(self) -> int:
         return len(self.pending) + self.scheduler.get_num_unfinished_requests()
 
+    def stats(self) -> dict[str, Any]:
+        """State and counters of this instance (for tests, benchmarks and metrics)."""
+        s, c = self.scheduler, self.counters
+        connector = s.connector if isinstance(s.connector, PDConnector) else None
+        return {
+            "alive": self.alive,
+            "error": self.error,
+            "num_requests": len(s.requests),
+            "num_unfinished": s.get_num_unfinished_requests(),
+            "num_pending": len(self.pending),
+            "num_running": len(s.running),
+            "num_waiting_for_remote_kvs": sum(r.awaiting_remote_kvs for r in s.holding),
+            "kv_cache_usage": s.kv_cache_manager.usage,
+            "num_free_blocks": s.kv_cache_manager.block_pool.num_free_blocks,
+            "num_blocks": s.cache_config.num_blocks,
+            "num_steps": c.num_steps,
+            "num_prompt_tokens_computed": c.num_prompt_tokens_computed,
+            "num_output_tokens_computed": c.num_output_tokens_computed,
+            "num_requests_added": c.num_requests_added,
+            "connector_pending": 0 if connector is None else connector.num_pending(),
+            "num_kv_saves": 0 if connector is None else connector.num_saves,
+            "num_kv_loads": 0 if connector is None else connector.num_loads,
+        }
+
     # -- the loop ----------------------------------------------------------------------------
     async def run(self) -> None:
         """Step until ``stop``. Any error -- the worker's, or a bug in scheduling -- ends the
@@ -223,21 +248,11 @@ class EngineLoop:
         worker's cache is gone or untrusted), so no block, request or KV handle lingers."""
         logger.error(message)
         self.error = message
-        s = self.scheduler
         ids = [r.request_id for r in self.pending]
-        ids += [rid for rid, r in s.requests.items() if not r.is_finished]
         self.pending = []
         try:
-            s.finish_requests(None, RequestStatus.FINISHED_ERROR)
+            ids += self.scheduler.abandon_all(RequestStatus.FINISHED_ERROR)
         finally:
-            # Requests still waiting for a load report (which will never come) and finished
-            # ones whose blocks wait for a report are dropped, with their KV handles.
-            for request in list(s.requests.values()):
-                request.kv_transfer_params = None
-                request.awaiting_remote_kvs = False
-                s.remote_kv.free_after_recv.discard(request.request_id)
-                s.free_blocks(request)
-            s.discarded_in_flight.clear()
             self.on_outputs(
                 self, [EngineCoreOutput(rid, [], FinishReason.ERROR, error=message) for rid in ids]
             )

@@ -19,11 +19,11 @@ import itertools
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any
 
 from cluster.config import ClusterConfig
 from cluster.engine_loop import EngineLoop
+from cluster.flights import Flight, clone_request, merge_outputs, prefill_request
 from cluster.placement import MONITOR, InstanceSpec
 from cluster.router import Router
 from kv_transfer.connector import PDConnector
@@ -32,22 +32,6 @@ from scheduler.outputs import EngineCoreOutput
 from scheduler.request import FinishReason
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _Flight:
-    """A request between ``generate`` and its final output."""
-
-    request: Request  # as the client sent it
-    queue: asyncio.Queue[EngineCoreOutput]
-    loop: EngineLoop  # where it runs now
-    stage: str  # "prefill" (on P, to be handed off) or "decode" (running to the end)
-    internal_id: str = ""  # the id the schedulers know it by
-    num_cached_tokens: int | None = None  # the prefix hit where the prompt was computed
-    prefill_instance: str | None = None
-    decode_target: EngineLoop | None = None  # chosen by the Router at arrival
-    handoffs: int = 0
-    events: list[tuple[str, float]] = field(default_factory=list)
 
 
 class SchedulerActor:
@@ -60,8 +44,8 @@ class SchedulerActor:
         self.loops: dict[str, EngineLoop] = {}
         self.roles: dict[str, str] = {}
         self.specs: dict[str, InstanceSpec] = {}
-        self.flights: dict[str, _Flight] = {}  # by the client's request id
-        self._internal: dict[str, _Flight] = {}  # by the schedulers' id
+        self.flights: dict[str, Flight] = {}  # by the client's request id
+        self._internal: dict[str, Flight] = {}  # by the schedulers' id
         self._seq = itertools.count()
         self.max_model_len = 0
         self._loras: dict[str, set[int]] = {}
@@ -153,7 +137,7 @@ class SchedulerActor:
             while True:
                 out = await flight.queue.get()
                 while not out.finished and not flight.queue.empty():
-                    out = _merge(out, flight.queue.get_nowait())
+                    out = merge_outputs(out, flight.queue.get_nowait())
                 yield out
                 if out.finished:
                     return
@@ -161,7 +145,7 @@ class SchedulerActor:
             if self.flights.get(rid) is flight:  # the consumer left early
                 self.abort(rid)
 
-    async def _submit(self, request: Request) -> _Flight:
+    async def _submit(self, request: Request) -> Flight:
         if not self.started:
             raise RuntimeError("the cluster is not started")
         rid = request.request_id
@@ -191,17 +175,15 @@ class SchedulerActor:
         # Schedulers see a unique internal id: an aborted request may linger in one (its
         # blocks wait for a load to end) while the client already reuses its id.
         internal = f"{rid}@{next(self._seq)}"
-        flight = _Flight(request, asyncio.Queue(), target, "decode", internal_id=internal)
-        flight.events.append(("queued", time.time()))
+        flight = Flight(request, asyncio.Queue(), target, "decode", internal_id=internal)
         self.flights[rid] = flight
         self._internal[internal] = flight
         if route.prefill is None:
-            target.add_request(_clone(request, request_id=internal))
+            target.add_request(clone_request(request, request_id=internal))
         else:
             flight.stage = "prefill"
-            flight.prefill_instance = route.prefill.instance_id
             flight.decode_target = route.decode
-            target.add_request(_prefill_request(request, internal))
+            target.add_request(prefill_request(request, internal))
         return flight
 
     def _live(self, role: str) -> list[EngineLoop]:
@@ -258,7 +240,7 @@ class SchedulerActor:
             else:
                 flight.queue.put_nowait(client_out)
 
-    def _hand_off(self, flight: _Flight, out: EngineCoreOutput) -> bool:
+    def _hand_off(self, flight: Flight, out: EngineCoreOutput) -> bool:
         """The prefill instance sampled the first token. Send the request on to its decode
         instance with that token and the KV handle; False if it is already complete."""
         request = flight.request
@@ -288,11 +270,9 @@ class SchedulerActor:
         flight.num_cached_tokens = out.num_cached_tokens
         flight.stage = "decode"
         flight.loop = decode
-        flight.handoffs += 1
-        flight.events.append(("handoff", time.time()))
         flight.queue.put_nowait(first)
         decode.add_request(
-            _clone(
+            clone_request(
                 request,
                 request_id=flight.internal_id,
                 output_token_ids=list(out.new_token_ids),
@@ -301,7 +281,7 @@ class SchedulerActor:
         )
         return True
 
-    def _finish(self, flight: _Flight, final: EngineCoreOutput) -> None:
+    def _finish(self, flight: Flight, final: EngineCoreOutput) -> None:
         if self.flights.get(flight.request.request_id) is flight:
             del self.flights[flight.request.request_id]
             self._internal.pop(flight.internal_id, None)
@@ -335,29 +315,7 @@ class SchedulerActor:
         """Per-instance state: requests held, KV usage, counters (for tests and metrics)."""
         result: dict[str, Any] = {"num_flights": len(self.flights), "instances": {}}
         for iid, loop in self.loops.items():
-            s = loop.scheduler
-            c = loop.counters
-            connector = s.connector if isinstance(s.connector, PDConnector) else None
-            result["instances"][iid] = {
-                "role": self.roles[iid],
-                "alive": loop.alive,
-                "error": loop.error,
-                "num_requests": len(s.requests),
-                "num_unfinished": s.get_num_unfinished_requests(),
-                "num_pending": len(loop.pending),
-                "num_running": len(s.running),
-                "num_waiting_for_remote_kvs": sum(r.awaiting_remote_kvs for r in s.holding),
-                "kv_cache_usage": s.kv_cache_manager.usage,
-                "num_free_blocks": s.kv_cache_manager.block_pool.num_free_blocks,
-                "num_blocks": s.cache_config.num_blocks,
-                "num_steps": c.num_steps,
-                "num_prompt_tokens_computed": c.num_prompt_tokens_computed,
-                "num_output_tokens_computed": c.num_output_tokens_computed,
-                "num_requests_added": c.num_requests_added,
-                "connector_pending": 0 if connector is None else connector.num_pending(),
-                "num_kv_saves": 0 if connector is None else connector.num_saves,
-                "num_kv_loads": 0 if connector is None else connector.num_loads,
-            }
+            result["instances"][iid] = {"role": self.roles[iid], **loop.stats()}
         return result
 
     async def transfer_history(self) -> dict[str, list[Any]]:
@@ -398,49 +356,3 @@ class SchedulerActor:
 
     def reset_prefix_cache(self) -> bool:
         return all(loop.scheduler.reset_prefix_cache() for loop in self.loops.values())
-
-
-def _clone(request: Request, **overrides: Any) -> Request:
-    """A fresh scheduler request with the client's fields (schedulers own their copies)."""
-    args: dict[str, Any] = dict(
-        request_id=request.request_id,
-        prompt_token_ids=request.prompt_token_ids,
-        sampling_params=request.sampling_params,
-        eos_token_id=request.eos_token_id,
-        arrival_time=request.arrival_time,
-        priority=request.priority,
-        lora_request=request.lora_request,
-        kv_transfer_params=None,
-        cache_salt=request.cache_salt,
-        output_token_ids=list(request.output_token_ids),
-    )
-    args.update(overrides)
-    return Request(**args)
-
-
-def _prefill_request(request: Request, request_id: str) -> Request:
-    """The prefill instance's part: compute the prompt, sample the first token, save the KV."""
-    params = request.sampling_params
-    first = params.model_copy(update={"max_tokens": 1, "min_tokens": min(params.min_tokens, 1)})
-    return _clone(
-        request,
-        request_id=request_id,
-        sampling_params=first,
-        kv_transfer_params={"do_remote_decode": True},
-    )
-
-
-def _merge(a: EngineCoreOutput, b: EngineCoreOutput) -> EngineCoreOutput:
-    logprobs = None
-    if a.new_logprobs is not None or b.new_logprobs is not None:
-        logprobs = (a.new_logprobs or []) + (b.new_logprobs or [])
-    return EngineCoreOutput(
-        a.request_id,
-        a.new_token_ids + b.new_token_ids,
-        b.finish_reason,
-        b.stop_reason,
-        b.num_cached_tokens or a.num_cached_tokens,
-        None,
-        logprobs,
-        b.error,
-    )

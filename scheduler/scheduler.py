@@ -151,6 +151,20 @@ class Scheduler:
             self.free_request(request)
         self._drop_from_queues(stopped_running, stopped_waiting)
 
+    def abandon_all(self, finished_status: RequestStatus) -> list[str]:
+        """The instance's worker is gone: end every request with ``finished_status`` and forget
+        all KV state at once -- no report will come for loads or sends in flight, so nothing
+        may wait for one. Returns the ids of the requests that were unfinished."""
+        unfinished = [rid for rid, r in self.requests.items() if not r.is_finished]
+        self.finish_requests(None, finished_status)
+        for request in list(self.requests.values()):  # still holding blocks for a report
+            request.kv_transfer_params = None  # drop transport handles too
+            request.awaiting_remote_kvs = False
+            self.remote_kv.free_after_recv.discard(request.request_id)
+            self.free_blocks(request)
+        self.discarded_in_flight.clear()
+        return unfinished
+
     # -- the step ------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         """Pick this step's tokens. Mutates queues, block tables and, optimistically,

@@ -1,0 +1,77 @@
+"""A request in flight through the SchedulerActor, and the request copies it hands to instances.
+
+The client's ``Request`` is never given to a scheduler: each instance gets its own copy under
+the flight's internal id -- the prefill instance a one-token copy that saves its KV
+(``prefill_request``), the decode instance one that carries the first token and the KV handle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from scheduler import Request
+from scheduler.outputs import EngineCoreOutput
+
+if TYPE_CHECKING:
+    from cluster.engine_loop import EngineLoop
+
+
+@dataclass
+class Flight:
+    """A request between ``generate`` and its final output."""
+
+    request: Request  # as the client sent it
+    queue: asyncio.Queue[EngineCoreOutput]
+    loop: EngineLoop  # where it runs now
+    stage: str  # "prefill" (on P, to be handed off) or "decode" (running to the end)
+    internal_id: str = ""  # the id the schedulers know it by
+    num_cached_tokens: int | None = None  # the prefix hit where the prompt was computed
+    decode_target: EngineLoop | None = None  # chosen by the Router at arrival
+
+
+def clone_request(request: Request, **overrides: Any) -> Request:
+    """A fresh scheduler request with the client's fields (schedulers own their copies)."""
+    args: dict[str, Any] = dict(
+        request_id=request.request_id,
+        prompt_token_ids=request.prompt_token_ids,
+        sampling_params=request.sampling_params,
+        eos_token_id=request.eos_token_id,
+        arrival_time=request.arrival_time,
+        priority=request.priority,
+        lora_request=request.lora_request,
+        kv_transfer_params=None,
+        cache_salt=request.cache_salt,
+        output_token_ids=list(request.output_token_ids),
+    )
+    args.update(overrides)
+    return Request(**args)
+
+
+def prefill_request(request: Request, request_id: str) -> Request:
+    """The prefill instance's part: compute the prompt, sample the first token, save the KV."""
+    params = request.sampling_params
+    first = params.model_copy(update={"max_tokens": 1, "min_tokens": min(params.min_tokens, 1)})
+    return clone_request(
+        request,
+        request_id=request_id,
+        sampling_params=first,
+        kv_transfer_params={"do_remote_decode": True},
+    )
+
+
+def merge_outputs(a: EngineCoreOutput, b: EngineCoreOutput) -> EngineCoreOutput:
+    logprobs = None
+    if a.new_logprobs is not None or b.new_logprobs is not None:
+        logprobs = (a.new_logprobs or []) + (b.new_logprobs or [])
+    return EngineCoreOutput(
+        a.request_id,
+        a.new_token_ids + b.new_token_ids,
+        b.finish_reason,
+        b.stop_reason,
+        b.num_cached_tokens or a.num_cached_tokens,
+        None,
+        logprobs,
+        b.error,
+    )
