@@ -13,8 +13,14 @@ Per-step order on a worker (DESIGN §3.2, vLLM v1's names)::
     get_finished()                  -> (sending done, receiving done, receives failed)
     report()                        -> KVConnectorReport (handles of saved KV, bytes moved)
 
-A transport subclasses ``WorkerConnector`` and implements ``_save`` (a ``KVPayload`` -> handle)
-and ``_fetch`` (handle -> ``KVPayload``); ``kv_transfer.blocks`` gathers and scatters blocks.
+A transport subclasses ``WorkerConnector`` and implements ``_save`` (a ``KVPayload`` -> handle;
+a transport that serves blocks in place overrides ``_publish`` instead) and ``_fetch`` (handle and
+layer range -> ``KVPayload``); ``kv_transfer.blocks`` gathers and scatters blocks.
+
+Pipeline stages: each stage's connector holds its own layers (``register_kv_caches``). A save
+yields one ``KVSegment`` per stage; a load fetches every segment overlapping the stage's layers
+and writes only those layers, so a prefill instance with one split hands off to a decode
+instance with another.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, TypedDict
 
 from kv_transfer.blocks import KVPayload, gather_blocks, scatter_blocks
-from kv_transfer.connector import KVConnectorMetadata, KVConnectorReport, LoadSpec
+from kv_transfer.connector import KVConnectorMetadata, KVConnectorReport, KVSegment, LoadSpec
 
 if TYPE_CHECKING:
     import torch
@@ -45,14 +51,14 @@ class KVTransferParams(TypedDict, total=False):
     remote_instance_id: str
     remote_block_ids: list[int]
     remote_num_tokens: int
-    handle: Any  # transport-specific: an object reference, or a gRPC address + token
+    handle: list[KVSegment]  # per layer range: an object reference, or a gRPC lease
     deadline: float  # absolute time (time.time()) after which the source may be gone
 
 
 @dataclass
 class _Load:
     spec: LoadSpec
-    future: cf.Future[tuple[KVPayload, float]]  # the data and the seconds the fetch took
+    future: cf.Future[tuple[list[KVPayload], float]]  # the data, seconds the fetch took
     started: float  # time.monotonic()
     deadline: float  # time.monotonic()
     started_at: float  # time.time()
@@ -81,6 +87,7 @@ class WorkerConnector(ABC):
     transport: ClassVar[str] = ""
     supports_cross_node: ClassVar[bool] = False
     supports_layer_ranges: ClassVar[bool] = False  # can move a pipeline stage's layers alone
+    serves_in_place: ClassVar[bool] = False  # the source keeps the blocks until pulled
 
     def __init__(self, max_parallel_loads: int = 4) -> None:
         self.kv_caches: list[torch.Tensor] = []
@@ -118,11 +125,29 @@ class WorkerConnector(ABC):
     def wait_for_layer_load(self, layer: int) -> None:  # noqa: B027
         """Loads are written before the forward pass, so every layer is ready."""
 
-    def _delayed_fetch(self, handle: Any, timeout_s: float) -> tuple[KVPayload, float]:
+    def _delayed_fetch(
+        self, segments: list[KVSegment], timeout_s: float
+    ) -> tuple[list[KVPayload], float]:
         if self.load_delay_s:
             time.sleep(self.load_delay_s)
         start = time.perf_counter()
-        data = self._fetch(handle, timeout_s)
+        deadline = start + timeout_s
+        mine = self.layers
+        data, covered = [], 0
+        for segment in segments:
+            lo, hi = max(segment.first_layer, mine.start), min(segment.last_layer, mine.stop)
+            if lo >= hi:
+                continue  # another stage's layers
+            payload = self._fetch(segment.handle, range(lo, hi), deadline - time.perf_counter())
+            if not (payload.first_layer <= lo and hi <= payload.first_layer + payload.num_layers):
+                raise ValueError(f"the source sent layers {payload.layers}, not [{lo}, {hi})")
+            data.append(payload)
+            covered += hi - lo
+        if covered != len(mine):
+            raise ValueError(
+                f"the saved KV covers {covered} of this worker's {len(mine)} layers "
+                f"({[s.layers for s in segments]} vs {mine})"
+            )
         return data, time.perf_counter() - start
 
     def _apply_loads(self) -> None:
@@ -150,7 +175,7 @@ class WorkerConnector(ABC):
         try:
             data, fetch_seconds = load.future.result()
             start = time.perf_counter()
-            num_bytes = scatter_blocks(self.kv_caches, spec.block_ids, data, spec.first_block)
+            num_bytes = self._scatter(spec, data)
             del data  # release the transport's buffers (an object store pin) now
             copy_seconds = fetch_seconds + time.perf_counter() - start
         except Exception as exc:  # any failure of a load means "recompute" (or "fail")
@@ -179,6 +204,24 @@ class WorkerConnector(ABC):
         )
         return True
 
+    def _scatter(self, spec: LoadSpec, data: list[KVPayload]) -> int:
+        """Write each fetched payload's overlap with this worker's layers. A payload that does
+        not fit raises before writing; one written earlier only touched this request's own
+        blocks, which a failed load recomputes anyway."""
+        mine, written = self.layers, 0
+        for payload in data:
+            lo = max(payload.first_layer, mine.start)
+            hi = min(payload.first_layer + payload.num_layers, mine.stop)
+            written += scatter_blocks(
+                self.kv_caches,
+                spec.block_ids,
+                payload,
+                spec.first_block,
+                range(lo - mine.start, hi - mine.start),
+                payload_layer_offset=lo - payload.first_layer,
+            )
+        return written
+
     def num_loading(self) -> int:
         return len(self._loads)
 
@@ -200,8 +243,11 @@ class WorkerConnector(ABC):
             num_blocks = -(-spec.num_tokens // block_size)
             started_at, start = time.time(), time.perf_counter()
             try:
-                data = gather_blocks(self.kv_caches, table[:num_blocks])
-                self._report.saved[spec.req_id] = self._save(spec.req_id, data)
+                handle, nbytes = self._publish(spec.req_id, table[:num_blocks])
+                segment = KVSegment(
+                    self.layers.start, self.layers.stop, handle, self.serves_in_place
+                )
+                self._report.saved[spec.req_id] = [segment]
             except Exception as exc:  # e.g. the object store is full: the decode side recomputes
                 logger.warning("KV save of %s failed: %s: %s", spec.req_id, type(exc).__name__, exc)
                 self.history.append(
@@ -211,17 +257,31 @@ class WorkerConnector(ABC):
                 )
                 continue
             seconds = time.perf_counter() - start
-            self._report.bytes_saved += data.nbytes
+            self._report.bytes_saved += nbytes
             self.history.append(
-                TransferRecord(spec.req_id, data.nbytes, seconds, True, "save", seconds, started_at)
+                TransferRecord(spec.req_id, nbytes, seconds, True, "save", seconds, started_at)
             )
+
+    def _publish(self, req_id: str, block_ids: list[int]) -> tuple[Any, int]:
+        """Make the blocks of this worker's layers fetchable; ``(handle, bytes)``. Copy-out
+        transports gather the blocks and ``_save`` them; an in-place transport overrides this
+        to lease the blocks instead."""
+        data = gather_blocks(self.kv_caches, block_ids)
+        data.first_layer = self.layers.start
+        return self._save(req_id, data), data.nbytes
 
     # -- reports ---------------------------------------------------------------------------
     def get_finished(self) -> tuple[set[str] | None, set[str] | None, set[str] | None]:
         """``(sending done, receiving done, receives failed)`` since the last call."""
         done, failed = self._recving_done, self._recving_failed
         self._recving_done, self._recving_failed = set(), set()
-        return None, done or None, failed or None
+        sending = self._finished_sending()
+        return sending or None, done or None, failed or None
+
+    def _finished_sending(self) -> set[str]:
+        """In-place transports: requests whose blocks the source no longer needs (pulled,
+        or the lease expired) since the last call."""
+        return set()
 
     def report(self) -> KVConnectorReport:
         """Handles of this step's saves and bytes moved since the last call."""
@@ -233,12 +293,13 @@ class WorkerConnector(ABC):
         self._loads.clear()
 
     # -- the transport ---------------------------------------------------------------------
-    @abstractmethod
     def _save(self, req_id: str, data: KVPayload) -> Any:
         """Make ``data`` fetchable elsewhere and return its handle. Its pieces are views of
         the cache: copy them before returning."""
+        raise NotImplementedError(f"{type(self).__name__} must implement _save or _publish")
 
     @abstractmethod
-    def _fetch(self, handle: Any, timeout_s: float) -> KVPayload:
-        """The blocks behind ``handle``; raise on failure or after ``timeout_s``.
-        Runs on a background thread."""
+    def _fetch(self, handle: Any, layers: range, timeout_s: float) -> KVPayload:
+        """The blocks behind ``handle`` for at least the model ``layers`` (a transport may
+        return more, e.g. a whole object); raise on failure or after ``timeout_s``. Runs on a
+        background thread."""

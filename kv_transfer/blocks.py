@@ -100,6 +100,12 @@ class KVPayload:
     num_layers: int
     bfloat16: bool  # pieces hold bfloat16 bit patterns as int16
     descending: list[bool] | None = None  # per run; None: all ascending
+    first_layer: int = 0  # the model layer of layer index 0 (a pipeline stage's range)
+
+    @property
+    def layers(self) -> range:
+        """The model layers this payload holds."""
+        return range(self.first_layer, self.first_layer + self.num_layers)
 
     @property
     def num_blocks(self) -> int:
@@ -120,6 +126,7 @@ class KVPayload:
             self.num_layers,
             self.bfloat16,
             None if self.descending is None else list(self.descending),
+            self.first_layer,
         )
 
 
@@ -185,16 +192,27 @@ def scatter_blocks(
     payload: KVPayload,
     first_block: int = 0,
     layers: range | None = None,
+    payload_layer_offset: int | None = None,
 ) -> int:
     """Write the payload's blocks ``[first_block, first_block + len(block_ids))`` into
-    ``block_ids`` of the given layers; returns the bytes written. Everything is checked before
-    the first write: a mismatch raises ``ValueError`` and leaves the cache untouched."""
+    ``block_ids`` of the given layers (cache indices); returns the bytes written. Cache layer
+    ``layers[i]`` takes payload layer ``payload_layer_offset + i``; without an offset the
+    payload's layers must be exactly ``layers`` (a pipeline stage takes a sub-range of a wider
+    payload by giving one). Everything is checked before the first write: a mismatch raises
+    ``ValueError`` and leaves the cache untouched."""
     layers = range(len(kv_caches)) if layers is None else layers
     _check_layers(kv_caches, layers)
     cache = kv_caches[layers[0]]
     count = len(block_ids)
-    if payload.num_layers != len(layers):
-        raise ValueError(f"KV payload has {payload.num_layers} layers, expected {len(layers)}")
+    if payload_layer_offset is None:
+        if payload.num_layers != len(layers):
+            raise ValueError(f"KV payload has {payload.num_layers} layers, expected {len(layers)}")
+        payload_layer_offset = 0
+    if payload_layer_offset < 0 or payload_layer_offset + len(layers) > payload.num_layers:
+        raise ValueError(
+            f"KV payload has {payload.num_layers} layers; layers [{payload_layer_offset}, "
+            f"{payload_layer_offset + len(layers)}) were asked for"
+        )
     if first_block < 0 or payload.num_blocks < first_block + count:
         raise ValueError(
             f"the source holds {payload.num_blocks} blocks, blocks [{first_block}, "
@@ -220,7 +238,7 @@ def scatter_blocks(
             host = target.numpy() if target.device.type == "cpu" else None
             for kv in (0, 1):
                 for run, row, dst, n, flip in segments:
-                    piece = payload.piece(i, kv, run)[row : row + n]
+                    piece = payload.piece(payload_layer_offset + i, kv, run)[row : row + n]
                     if host is not None:  # numpy's copy is ~20% faster than torch's here
                         np.copyto(host[kv, dst : dst + n], piece[::-1] if flip else piece)
                     else:

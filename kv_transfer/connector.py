@@ -48,12 +48,31 @@ class SaveSpec:
 
 
 @dataclass(frozen=True)
+class KVSegment:
+    """Where the KV of model layers ``[first_layer, last_layer)`` of one saved request is:
+    a transport handle. A request's saved KV is a list of segments, one per pipeline stage of
+    the prefill instance; each decode stage fetches the segments that overlap its own layers.
+
+    ``in_place``: the source serves the blocks themselves (gRPC lease), so the prefill side
+    must keep them until the source reports the send finished (``finished_sending``)."""
+
+    first_layer: int
+    last_layer: int
+    handle: Any
+    in_place: bool = False
+
+    @property
+    def layers(self) -> range:
+        return range(self.first_layer, self.last_layer)
+
+
+@dataclass(frozen=True)
 class LoadSpec:
     """Decode side: fetch ``handle`` and write its blocks ``[first_block, first_block +
     len(block_ids))`` into the local ``block_ids``; give up after ``timeout_s``."""
 
     req_id: str
-    handle: Any
+    handle: list[KVSegment]
     block_ids: list[int]
     first_block: int
     timeout_s: float
@@ -74,7 +93,8 @@ class KVConnectorMetadata:
 class KVConnectorReport:
     """What a worker tells the scheduler side after a step (``kv_connector_output``)."""
 
-    saved: dict[str, Any] = field(default_factory=dict)  # req_id -> handle of its saved KV
+    # req_id -> where its saved KV is (a pipeline instance's stages each add their segment)
+    saved: dict[str, list[KVSegment]] = field(default_factory=dict)
     bytes_saved: int = 0
     bytes_loaded: int = 0
 
@@ -172,13 +192,18 @@ class PDConnector(SchedulerConnector):
         self._to_save.pop(req_id, None)
         self._saving.discard(req_id)
         handle = self._saved.pop(req_id, None)
-        if handle is None or request.status not in (
+        if handle is None:
+            return False, None
+        # A copy-out transport's data is independent of the blocks, so they are freed now; a
+        # transport serving the blocks in place keeps them until it reports the send done
+        # (pulled, or its lease expired), even when the request did not end normally: the
+        # lease is already out.
+        delay_free = any(segment.in_place for segment in handle)
+        if request.status not in (
             RequestStatus.FINISHED_LENGTH_CAPPED,
             RequestStatus.FINISHED_STOPPED,
         ):
-            return False, None
-        # The saved copy is independent of the blocks (the transport copied them out), so
-        # the prefill side frees them now.
+            return delay_free, None
         params = {
             "do_remote_prefill": True,
             "do_remote_decode": False,
@@ -188,7 +213,7 @@ class PDConnector(SchedulerConnector):
             "handle": handle,
             "deadline": time.time() + self.timeout_s,
         }
-        return False, params
+        return delay_free, params
 
     def num_pending(self) -> int:
         """Saves requested or done whose request has not finished yet (0 when idle)."""

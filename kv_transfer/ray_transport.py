@@ -31,8 +31,9 @@ class RayWorkerConnector(WorkerConnector):
     def _save(self, req_id: str, data: KVPayload) -> Any:
         return ray.put(data)  # copies the pieces into the object store before returning
 
-    def _fetch(self, handle: Any, timeout_s: float) -> KVPayload:
-        data = ray.get(handle, timeout=timeout_s)
+    def _fetch(self, handle: Any, layers: range, timeout_s: float) -> KVPayload:
+        # The object holds the source stage's layers; the caller writes the ones it needs.
+        data = ray.get(handle, timeout=max(timeout_s, 0.001))
         if not isinstance(data, KVPayload):
             raise TypeError(f"KV object holds {type(data).__name__}, not a KVPayload")
         return data

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+from typing import Any
 
 from kv_transfer.base import WorkerConnector
 
@@ -15,8 +16,9 @@ def available_transports() -> list[str]:
     return sorted(_TRANSPORTS)
 
 
-def create_worker_connector(transport: str) -> WorkerConnector:
-    """A new worker-side connector for ``transport``; ``ValueError`` names the known ones."""
+def create_worker_connector(transport: str, **options: Any) -> WorkerConnector:
+    """A new worker-side connector for ``transport`` built with the transport's ``options``
+    (``KVTransferConfig.connector_options``); ``ValueError`` names the known transports."""
     target = _TRANSPORTS.get(transport)
     if target is None:
         raise ValueError(
@@ -24,5 +26,5 @@ def create_worker_connector(transport: str) -> WorkerConnector:
         )
     module_name, cls_name = target.split(":")
     cls = getattr(importlib.import_module(module_name), cls_name)
-    connector: WorkerConnector = cls()
+    connector: WorkerConnector = cls(**options)
     return connector

@@ -15,6 +15,7 @@ import pytest
 from kv_transfer.connector import (
     KVConnectorMetadata,
     KVConnectorReport,
+    KVSegment,
     LoadSpec,
     PDConnector,
     SaveSpec,
@@ -32,6 +33,7 @@ from tests.scheduler.helpers import EOS, make_request, make_scheduler, model_out
 
 BLOCK = 4
 TIMEOUT_S = 5.0
+SEG = [KVSegment(0, 2, "H")]  # a saved request's KV: one copy-out segment of both layers
 
 
 def _instance(**sched: Any) -> tuple[Scheduler, PDConnector]:
@@ -132,7 +134,7 @@ def test_prefill_saves_once_at_the_end_of_the_prompt(chunking: str) -> None:
 
     before = time.time()
     result = model_output(s, out, {"p": [41]})
-    result.kv_connector_output = KVConnectorReport(saved={"p": "H"})
+    result.kv_connector_output = KVConnectorReport(saved={"p": SEG})
     outputs = s.update_from_output(out, result)
     s.check_integrity()
     finished = [o for o in outputs if o.request_id == "p"]
@@ -143,7 +145,7 @@ def test_prefill_saves_once_at_the_end_of_the_prompt(chunking: str) -> None:
     assert params is not None
     assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
     assert params["remote_num_tokens"] == 10
-    assert params["handle"] == "H"
+    assert params["handle"] == SEG
     assert params["remote_block_ids"] == block_ids
     assert params["remote_instance_id"] == "inst-0"
     assert params["deadline"] >= before + TIMEOUT_S
@@ -183,14 +185,14 @@ def test_prefill_preempted_mid_prompt_saves_once_when_it_completes() -> None:
             assert p.num_computed_tokens == 16  # only the step that completes the prompt
         saves += meta.saves
         result = model_output(s, out)
-        result.kv_connector_output = KVConnectorReport({x.req_id: "H" for x in meta.saves})
+        result.kv_connector_output = KVConnectorReport({x.req_id: SEG for x in meta.saves})
         for o in s.update_from_output(out, result):
             if o.request_id == "p" and o.finished:
                 handles.append((o.kv_transfer_params or {}).get("handle"))
         s.check_integrity()
     assert preempted
     assert saves == [SaveSpec("p", 16)]
-    assert handles == ["H"]
+    assert handles == [SEG]
     _assert_idle(s, connector)
 
 
@@ -203,7 +205,7 @@ def test_save_of_a_request_aborted_during_its_saving_step_is_dropped() -> None:
     assert c.num_pending() == 0
     # Built by hand: the worker sampled and saved before it learnt of the abort.
     result = ModelRunnerOutput(
-        req_ids=["p"], sampled_token_ids=[[41]], kv_connector_output=KVConnectorReport({"p": "H"})
+        req_ids=["p"], sampled_token_ids=[[41]], kv_connector_output=KVConnectorReport({"p": SEG})
     )
     outputs = s.update_from_output(out, result)
     assert outputs == []  # nothing for the aborted request, no params with the handle
@@ -217,12 +219,12 @@ def test_prefill_whose_first_token_is_eos_still_returns_params() -> None:
     out = s.schedule()
     block_ids = s.kv_cache_manager.get_block_ids("p")
     result = model_output(s, out, {"p": [EOS]})
-    result.kv_connector_output = KVConnectorReport(saved={"p": "H"})
+    result.kv_connector_output = KVConnectorReport(saved={"p": SEG})
     (o,) = s.update_from_output(out, result)
     assert o.new_token_ids == [EOS] and o.finish_reason == FinishReason.STOP
     # The scheduler actor, not the connector, decides that there is nothing to decode.
     assert o.kv_transfer_params is not None
-    assert o.kv_transfer_params["handle"] == "H"
+    assert o.kv_transfer_params["handle"] == SEG
     assert o.kv_transfer_params["remote_block_ids"] == block_ids
     assert o.kv_transfer_params["remote_num_tokens"] == 9
     _assert_idle(s, c)

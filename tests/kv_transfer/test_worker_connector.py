@@ -40,7 +40,7 @@ class MemoryConnector(WorkerConnector):
         self.store[handle] = data.copy()  # the pieces are views of the cache
         return handle
 
-    def _fetch(self, handle: Any, timeout_s: float) -> KVPayload:
+    def _fetch(self, handle: Any, layers: range, timeout_s: float) -> KVPayload:
         try:
             if self.hold_s:
                 self.release.wait(self.hold_s)
