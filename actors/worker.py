@@ -23,6 +23,7 @@ import torch
 from actors.model.attention import AttentionMetadata, select_backend
 from actors.model.llama import LlamaForCausalLM
 from actors.model.loader import load_model, resolve_model_path
+from actors.pipeline import IntermediateOutput, stage_report
 from actors.sampler import Sampler, SamplingRow
 from scheduler import LoRAConfig, ModelRunnerOutput, SchedulerOutput
 from scheduler.outputs import TokenLogprobs
@@ -79,11 +80,18 @@ class ModelWorker:
         max_num_seqs: int = 256,
         progress: bool = True,
         kv_transfer: str | None = None,
+        kv_transfer_options: dict[str, Any] | None = None,
         num_threads: int | None = None,
+        pp_rank: int = 0,
+        pp_size: int = 1,
     ) -> None:
-        """``kv_transfer`` names a KV transport (``ray``) for prefill/decode hand-off;
-        ``num_threads`` sets torch's intra-op threads (a Ray actor otherwise gets one)."""
+        """``kv_transfer`` names a KV transport (``ray``, ``grpc``) for prefill/decode
+        hand-off, built with ``kv_transfer_options``; ``num_threads`` sets torch's intra-op
+        threads (a Ray actor otherwise gets one). ``pp_rank`` of ``pp_size``: this worker is
+        one pipeline stage and holds only its layers (``actors.pipeline``)."""
         self.num_threads = num_threads
+        self.pp_rank, self.pp_size = pp_rank, pp_size
+        self.layers = range(0)  # the model layers this worker holds (set by load_model)
         if num_threads is not None:
             torch.set_num_threads(num_threads)
         self.model_path: Path = resolve_model_path(model)
@@ -103,6 +111,7 @@ class ModelWorker:
         self.lora_manager: LoRAManager | None = None
         self.num_steps = 0
         self.kv_transfer = kv_transfer
+        self.kv_transfer_options = dict(kv_transfer_options or {})
         self.connector: WorkerConnector | None = None
         self.step_delay_s = 0.0  # fault injection (tests)
         self.step_seconds = 0.0  # time spent in execute_model (for benchmarks)
@@ -113,10 +122,18 @@ class ModelWorker:
     # -- set-up ---------------------------------------------------------------------------
     def load_model(self) -> None:
         """Load the weights and choose the attention backend (logged)."""
-        model = load_model(self.model_path, self.dtype_arg, self.device, progress=self.progress)
+        model = load_model(
+            self.model_path,
+            self.dtype_arg,
+            self.device,
+            progress=self.progress,
+            pp_rank=self.pp_rank,
+            pp_size=self.pp_size,
+        )
         cfg = model.config
         self.model = model
-        self.dtype = model.embed_tokens.weight.dtype
+        self.layers = model.layer_range
+        self.dtype = model.dtype
         if self.device.type == "cpu" and os.environ.get("TANDEM_CPU_KERNELS", "1") != "0":
             packed = model.pack_for_cpu(batch_hint=min(64, self.max_num_seqs))
             logger.info("CPU GEMMs with pre-packed weights: %s", "on" if packed else "off")
@@ -147,7 +164,7 @@ class ModelWorker:
     def bytes_per_block(self) -> int:
         cfg = self._model.config
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * cfg.num_hidden_layers * self.block_size * cfg.kv_size * elem
+        return 2 * len(self.layers) * self.block_size * cfg.kv_size * elem
 
     def weight_bytes(self) -> int:
         """Parameters, counted twice when the CPU GEMMs keep a pre-packed copy."""
@@ -202,8 +219,7 @@ class ModelWorker:
         cfg = self._model.config
         shape = (2, num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
         self.kv_caches = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device)
-            for _ in range(cfg.num_hidden_layers)
+            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers
         ]
         self.num_blocks = num_blocks
         self.requests.clear()
@@ -211,8 +227,10 @@ class ModelWorker:
             from kv_transfer.registry import create_worker_connector
 
             if self.connector is None:
-                self.connector = create_worker_connector(self.kv_transfer)
-            self.connector.register_kv_caches(self.kv_caches, range(cfg.num_hidden_layers))
+                self.connector = create_worker_connector(
+                    self.kv_transfer, **self.kv_transfer_options
+                )
+            self.connector.register_kv_caches(self.kv_caches, self.layers)
 
     # -- LoRA -------------------------------------------------------------------------------
     def add_lora(self, lora: LoRARequest) -> bool:
@@ -252,6 +270,9 @@ class ModelWorker:
             "block_size": self.block_size,
             "bytes_per_block": self.bytes_per_block(),
             "num_layers": cfg.num_hidden_layers,
+            "layers": [self.layers.start, self.layers.stop],
+            "pp_rank": self.pp_rank,
+            "pp_size": self.pp_size,
             "vocab_size": cfg.vocab_size,
             "max_position_embeddings": cfg.max_position_embeddings,
             "eos_token_ids": list(cfg.eos_token_ids),
@@ -273,17 +294,27 @@ class ModelWorker:
         self.step_delay_s = step_delay_s
 
     # -- one step -------------------------------------------------------------------------
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, intermediate: IntermediateOutput | None = None
+    ) -> ModelRunnerOutput | IntermediateOutput:
         """Run one step: update request state from the diffs, one forward over the flattened
-        batch, sample the requests that reached their last known token."""
+        batch, sample the requests that reached their last known token. A pipeline stage
+        other than the first continues from the previous stage's ``intermediate``; one other
+        than the last returns its own for the next stage instead of sampling."""
         with self._step_lock:
             start = time.perf_counter()
             try:
-                return self._execute_model(scheduler_output)
+                return self._execute_model(scheduler_output, intermediate)
             finally:
                 self.step_seconds += time.perf_counter() - start
 
-    def _execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    def _execute_model(
+        self, scheduler_output: SchedulerOutput, intermediate: IntermediateOutput | None
+    ) -> ModelRunnerOutput | IntermediateOutput:
         if self.num_threads is not None and torch.get_num_threads() != self.num_threads:
             torch.set_num_threads(self.num_threads)
         so = scheduler_output
@@ -296,10 +327,14 @@ class ModelWorker:
         batch = self._collect(so)
         self.num_steps += 1
         if not batch:
-            return self._with_connector_reports(ModelRunnerOutput.empty(), meta)
-        # Decodes first: the attention backend batches them.
+            return self._with_connector_reports(ModelRunnerOutput.empty(), None, meta, intermediate)
+        # Decodes first: the attention backend batches them. (Every stage sorts the same
+        # scheduler output the same way, so hidden-state rows line up across stages.)
         batch.sort(key=lambda s: s.num_tokens != 1)
-        logits = self._forward(batch)
+        hidden = self._forward(batch, None if intermediate is None else intermediate.hidden_states)
+        if not self.is_last_stage:
+            return self._with_connector_reports(None, hidden, meta, intermediate)
+        logits = self._logits(batch, hidden)
         sampling = [s for s in batch if s.samples]
         rows = [
             SamplingRow(
@@ -326,20 +361,41 @@ class ModelWorker:
             sampled_token_ids=tokens,
             logprobs=logprobs if any(lp is not None for lp in logprobs) else None,
         )
-        return self._with_connector_reports(output, meta)
+        return self._with_connector_reports(output, None, meta, intermediate)
 
-    def _with_connector_reports(self, output: ModelRunnerOutput, meta: Any) -> ModelRunnerOutput:
+    def _with_connector_reports(
+        self,
+        output: ModelRunnerOutput | None,
+        hidden: torch.Tensor | None,
+        meta: Any,
+        intermediate: IntermediateOutput | None,
+    ) -> ModelRunnerOutput | IntermediateOutput:
         """Save this step's hand-offs (the forward pass has written their KV) and attach the
-        connector's reports."""
-        if self.connector is None:
+        connector's reports: to ``output`` for a single worker; for a pipeline stage, to the
+        stages' list that travels with the hidden states (``actors.pipeline``)."""
+        report = None
+        if self.connector is not None:
+            if meta and meta.saves:  # block tables only for the (rare) steps that save
+                tables = {r: s.block_ids for r, s in self.requests.items()}
+                self.connector.wait_for_save(meta, tables)
+            report = stage_report(
+                self.pp_rank, self.connector.get_finished(), self.connector.report()
+            )
+        if self.pp_size == 1:
+            assert output is not None
+            if report is not None:
+                output.finished_sending = report.finished_sending
+                output.finished_recving = report.finished_recving
+                output.failed_recving = report.failed_recving
+                output.kv_connector_output = report.kv
             return output
-        if meta and meta.saves:  # block tables only for the (rare) steps that save
-            self.connector.wait_for_save(meta, {r: s.block_ids for r, s in self.requests.items()})
-        sending, recving, failed = self.connector.get_finished()
-        output.finished_sending = sending
-        output.finished_recving = recving
-        output.failed_recving = failed
-        output.kv_connector_output = self.connector.report()
+        reports = [] if intermediate is None else list(intermediate.stage_reports)
+        if report is not None:
+            reports.append(report)
+        if not self.is_last_stage:
+            return IntermediateOutput(hidden, reports)
+        assert output is not None
+        output.kv_connector_output = reports  # merged by the instance's StageReportMerger
         return output
 
     def shutdown(self) -> None:
@@ -406,18 +462,17 @@ class ModelWorker:
             batch.append(_Scheduled(state, start, num_tokens))
         return batch
 
-    def _forward(self, batch: list[_Scheduled]) -> torch.Tensor:
-        """One forward over the flattened batch; returns logits for the sampling requests."""
+    def _forward(self, batch: list[_Scheduled], hidden_in: torch.Tensor | None) -> torch.Tensor:
+        """One forward over the flattened batch (this stage's layers); hidden states of every
+        token."""
         model = self._model
         input_ids: list[int] = []
         positions: list[int] = []
-        logit_rows: list[int] = []
         for s in batch:
             end = s.start + s.num_tokens
-            input_ids.extend(s.state.token_ids[s.start : end])
+            if model.is_first:
+                input_ids.extend(s.state.token_ids[s.start : end])
             positions.extend(range(s.start, end))
-            if s.samples:
-                logit_rows.append(len(input_ids) - 1)
         max_pos = model.config.max_position_embeddings
         if positions and max(positions) >= max_pos:
             raise ValueError(f"position {max(positions)} exceeds max_position_embeddings {max_pos}")
@@ -433,17 +488,31 @@ class ModelWorker:
         if self.lora_manager is not None:
             lora = self.lora_manager.prepare([(s.state.lora, s.num_tokens) for s in batch])
         dev = self.device
-        hidden = model(
+        if hidden_in is not None:
+            hidden_in = hidden_in.to(dev)
+        hidden: torch.Tensor = model(
             torch.tensor(input_ids, dtype=torch.long, device=dev),
             torch.tensor(positions, dtype=torch.long, device=dev),
             self.kv_caches,
             meta,
             self.attn,
             lora,
+            hidden_in,
         )
+        return hidden
+
+    def _logits(self, batch: list[_Scheduled], hidden: torch.Tensor) -> torch.Tensor:
+        """Logits of the last token of each sampling request."""
+        model = self._model
+        logit_rows: list[int] = []
+        row = 0
+        for s in batch:
+            row += s.num_tokens
+            if s.samples:
+                logit_rows.append(row - 1)
         if not logit_rows:
             return hidden.new_empty((0, model.config.vocab_size))
-        rows = torch.tensor(logit_rows, dtype=torch.long, device=dev)
+        rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
         logits: torch.Tensor = model.compute_logits(hidden.index_select(0, rows))
         return logits
 

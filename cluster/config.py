@@ -34,10 +34,17 @@ class InstancePool(_Config):
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
     role: Role = "both"
     replicas: int = Field(1, ge=1, le=1024)
-    pp_size: int = Field(1, ge=1, le=64, description="Pipeline stages per instance.")
+    pp_size: int = Field(
+        1, ge=1, le=64, description="Pipeline stages per instance (one worker actor each)."
+    )
     resources: dict[str, float] = Field(
         default_factory=dict,
-        description="Custom Ray resources each worker needs, e.g. {'prefill': 0.01}.",
+        description="Custom Ray resources each worker (each stage) needs, e.g. {'prefill': 0.01}.",
+    )
+    stage_resources: list[dict[str, float]] | None = Field(
+        None,
+        description="Per pipeline stage, resources added to `resources` (e.g. to put the "
+        "stages of one instance on different nodes); one entry per stage.",
     )
     num_cpus: float = Field(0.0, ge=0.0)
     num_gpus: float = Field(0.0, ge=0.0)
@@ -67,10 +74,16 @@ class InstancePool(_Config):
             )
         if "num_blocks" in self.cache:
             raise ValueError(f"pool {self.name!r}: set num_blocks on the pool, not in cache")
-        if self.pp_size > 1:
+        if self.stage_resources is not None and len(self.stage_resources) != self.pp_size:
             raise ValueError(
-                f"pool {self.name!r}: pp_size {self.pp_size} is not supported yet (pipeline-"
-                "parallel instances come with the PP issue); use 1"
+                f"pool {self.name!r}: stage_resources has {len(self.stage_resources)} entries; "
+                f"it needs one per pipeline stage (pp_size {self.pp_size})"
+            )
+        if self.pp_size > 1 and self.scheduler.get("async_scheduling"):
+            raise ValueError(
+                f"pool {self.name!r}: async_scheduling needs pp_size 1 (the first stage would "
+                "need samples the last stage has not returned); pipeline stages already keep "
+                "pp_size batches in flight"
             )
         if "max_model_len" in self.scheduler:
             raise ValueError(
@@ -82,12 +95,21 @@ class InstancePool(_Config):
                 f"pool {self.name!r}: block_size is cluster-wide (KV moves between pools); "
                 "set it at the top level"
             )
-        if any(v < 0 for v in self.resources.values()):
+        stages = self.stage_resources or []
+        if any(v < 0 for r in [self.resources, *stages] for v in r.values()):
             raise ValueError(f"pool {self.name!r}: resources must be >= 0")
         # Validate the nested configs now, so a bad knob fails at load time with its name.
         self.scheduler_config(max_model_len=None)
         CacheConfig(**self.cache)
         return self
+
+    def resources_of_stage(self, pp_rank: int) -> dict[str, float]:
+        """The resources stage ``pp_rank`` of an instance asks for."""
+        extra = self.stage_resources[pp_rank] if self.stage_resources else {}
+        merged = dict(self.resources)
+        for key, value in extra.items():
+            merged[key] = merged.get(key, 0.0) + value
+        return merged
 
     def scheduler_config(self, max_model_len: int | None) -> SchedulerConfig:
         args = dict(self.scheduler)
@@ -123,6 +145,10 @@ class KVTransferConfig(_Config):
     transport: Literal["ray", "grpc"] = "ray"
     timeout_s: float = Field(5.0, gt=0.0, le=600.0, description="Deadline of one transfer.")
     failure_policy: Literal["recompute", "fail"] = "recompute"
+
+    def connector_options(self) -> dict[str, Any]:
+        """Keyword arguments of the workers' connector for this transport."""
+        return {}
 
 
 class ClusterConfig(_Config):

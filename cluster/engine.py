@@ -25,6 +25,7 @@ from scheduler import (
     CacheConfig,
     LoRAConfig,
     LoRARequest,
+    ModelRunnerOutput,
     RequestStatus,
     SamplingParams,
     Scheduler,
@@ -184,6 +185,7 @@ class LLMEngine:
         """Schedule, execute and apply one step; return the requests that changed."""
         scheduler_output = self.scheduler.schedule()
         runner_output = self.worker.execute_model(scheduler_output)
+        assert isinstance(runner_output, ModelRunnerOutput)  # one worker, no pipeline stages
         core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         outputs, stopped = self.processor.process(core_outputs)
         if stopped:  # stop strings found while detokenizing

@@ -3,8 +3,9 @@
 The step is the in-process engine's, with the worker call awaited::
 
     admit every pending arrival            (requests sent together are admitted together)
-    out = scheduler.schedule()
-    result = await executor.execute_model(out)
+    out = scheduler.schedule()             } up to ``max_in_flight`` steps started (pipeline
+    start executor.execute_model(out)      } stages, async scheduling), oldest first
+    result = await the oldest step
     outputs = scheduler.update_from_output(out, result)
     on_outputs(self, outputs)              (the SchedulerActor streams them / hands them off)
 
@@ -17,46 +18,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
+from cluster.executors import Executor
 from kv_transfer.connector import PDConnector
 from scheduler import ModelRunnerOutput, Request, RequestStatus, Scheduler, SchedulerOutput
 from scheduler.outputs import EngineCoreOutput
 from scheduler.request import FinishReason
 
 logger = logging.getLogger(__name__)
-
-
-class Executor(Protocol):
-    """Runs one instance's steps (a Ray worker actor, or an in-process worker)."""
-
-    async def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
-
-
-class RayExecutor:
-    """Steps a ``ModelWorker`` Ray actor."""
-
-    def __init__(self, handle: Any) -> None:
-        self.handle = handle
-
-    async def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        result: ModelRunnerOutput = await self.handle.execute_model.remote(scheduler_output)
-        return result
-
-
-class LocalExecutor:
-    """Steps an in-process ``ModelWorker`` on a thread (tests, single-process runs)."""
-
-    def __init__(self, worker: Any) -> None:
-        self.worker = worker
-
-    async def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        result: ModelRunnerOutput = await asyncio.to_thread(
-            self.worker.execute_model, scheduler_output
-        )
-        return result
 
 
 @dataclass
@@ -68,6 +41,8 @@ class LoopCounters:
     num_prompt_tokens_computed: int = 0  # prompt positions run through the model
     num_output_tokens_computed: int = 0  # positions of earlier outputs (decode inputs)
     num_requests_added: int = 0
+    max_in_flight: int = 0  # the most steps in flight at once
+    in_flight_sum: int = 0  # steps in flight right after each start (mean = sum / num_steps)
 
 
 OutputsCallback = Callable[["EngineLoop", list[EngineCoreOutput]], None]
@@ -86,7 +61,10 @@ class EngineLoop:
         *,
         admission_window_s: float = 0.002,
         idle_sleep_s: float = 0.002,
+        max_in_flight: int = 1,
     ) -> None:
+        """``max_in_flight``: steps started before the oldest returns -- ``pp_size`` for a
+        pipeline-parallel instance, 2 with async scheduling, else 1."""
         self.instance_id = instance_id
         self.scheduler = scheduler
         self.executor = executor
@@ -96,6 +74,9 @@ class EngineLoop:
         self.pending: list[Request] = []  # arrived, not yet given to the scheduler
         self.counters = LoopCounters()
         self.error: str | None = None  # set when the worker failed; the loop has stopped
+        self.max_in_flight = max_in_flight
+        self._async = scheduler.scheduler_config.async_scheduling
+        self._in_flight: deque[tuple[SchedulerOutput, asyncio.Future[ModelRunnerOutput]]] = deque()
         self._wake = asyncio.Event()
         self._stopping = False
         self._task: asyncio.Task[None] | None = None
@@ -165,6 +146,8 @@ class EngineLoop:
             "num_prompt_tokens_computed": c.num_prompt_tokens_computed,
             "num_output_tokens_computed": c.num_output_tokens_computed,
             "num_requests_added": c.num_requests_added,
+            "max_in_flight": c.max_in_flight,
+            "mean_in_flight": c.in_flight_sum / c.num_steps if c.num_steps else 0.0,
             "connector_pending": 0 if connector is None else connector.num_pending(),
             "num_kv_saves": 0 if connector is None else connector.num_saves,
             "num_kv_loads": 0 if connector is None else connector.num_loads,
@@ -185,8 +168,9 @@ class EngineLoop:
 
     async def _run(self) -> None:
         scheduler = self.scheduler
+        in_flight = self._in_flight
         while not self._stopping:
-            if not self.pending and not scheduler.has_requests():
+            if not in_flight and not self.pending and not scheduler.has_requests():
                 self._wake.clear()
                 await self._wake.wait()
                 if not self.alive:  # stop() woke us
@@ -194,23 +178,61 @@ class EngineLoop:
                 if self.admission_window_s > 0:
                     await asyncio.sleep(self.admission_window_s)
             self._admit_pending()
-            if not scheduler.has_requests():
+            self._fill_pipeline()
+            if not in_flight:
                 continue
-            out = scheduler.schedule()
-            self._count(out)
-            result = await self.executor.execute_model(out)  # raises: the worker is gone
+            out, future = in_flight[0]
+            result = await future  # raises: the worker is gone
+            in_flight.popleft()
             outputs = scheduler.update_from_output(out, result)
             if outputs:
                 self.on_outputs(self, outputs)
-            idle = out.total_num_scheduled_tokens == 0
+            idle = out.total_num_scheduled_tokens == 0 and not in_flight
             # The step's objects may hold KV handles (load specs, saved-KV reports): drop them
             # now, not when the next step replaces them, or an idle loop keeps them alive.
-            del out, result, outputs
+            del out, future, result, outputs
             if idle:
                 # Nothing to compute: loads in flight (the worker already waited a little for
                 # them) or no room yet. Yield rather than spin on the worker.
                 self.counters.num_idle_steps += 1
                 await asyncio.sleep(self.idle_sleep_s)
+
+    def _fill_pipeline(self) -> None:
+        """Start steps until ``max_in_flight`` are running or nothing more can overlap.
+
+        Sync pipelining (``pp_size`` stages): a request is in at most one step in flight, and
+        the running requests are split into ``max_in_flight`` micro-batches so every stage has
+        work. Async scheduling: the next step is scheduled while this one runs, with output
+        placeholders. A step that schedules nothing is still sent (it carries finished ids and
+        KV instructions) but ends the filling."""
+        scheduler, in_flight = self.scheduler, self._in_flight
+        while len(in_flight) < self.max_in_flight and scheduler.has_requests():
+            if in_flight and not self._can_overlap():
+                break
+            cap = None
+            if self.max_in_flight > 1 and not self._async:
+                cap = -(-len(scheduler.running) // self.max_in_flight) or None
+            out = scheduler.schedule(cap)
+            self._count(out)
+            future = asyncio.ensure_future(self.executor.execute_model(out))
+            in_flight.append((out, future))
+            c = self.counters
+            c.max_in_flight = max(c.max_in_flight, len(in_flight))
+            c.in_flight_sum += len(in_flight)
+            if out.total_num_scheduled_tokens == 0:
+                break
+
+    def _can_overlap(self) -> bool:
+        """Whether another step started now could compute something (steps are in flight)."""
+        s = self.scheduler
+        if s.waiting:
+            return True
+        if self._async:
+            return any(
+                len(r.output_token_ids) + r.num_output_placeholders < r.max_tokens
+                for r in s.running
+            )
+        return any(r.num_in_flight_tokens == 0 for r in s.running)
 
     def _admit_pending(self) -> None:
         pending, self.pending = self.pending, []
@@ -248,6 +270,9 @@ class EngineLoop:
         worker's cache is gone or untrusted), so no block, request or KV handle lingers."""
         logger.error(message)
         self.error = message
+        for _, future in self._in_flight:
+            future.cancel()
+        self._in_flight.clear()
         ids = [r.request_id for r in self.pending]
         self.pending = []
         try:

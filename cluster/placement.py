@@ -1,15 +1,17 @@
 """Starting an instance's workers on the Ray cluster (the Ray wiring of DESIGN §2).
 
-Each instance of a pool is one ``ModelWorker`` actor, placed by the pool's resources (custom
-node resources such as ``{"prefill": 0.01}``, CPUs, GPUs). All workers are created at once and
-load their weights in parallel; then each sizes and allocates its KV cache.
+Each instance of a pool is one ``ModelWorker`` actor, or ``pp_size`` of them (pipeline stages,
+each holding a contiguous range of layers), placed by the pool's resources (custom node resources
+such as ``{"prefill": 0.01}``, CPUs, GPUs; ``stage_resources`` adds per-stage ones). All workers
+are created at once and load their weights in parallel; then each sizes its KV cache, and the
+stages of an instance all allocate the smallest of their sizes (one block table serves them all).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -29,15 +31,21 @@ class InstanceSpec:
     instance_id: str
     pool: InstancePool
     executor: Any  # an ``Executor``
-    handle: Any  # the Ray actor (None for in-process workers)
-    info: dict[str, Any]
+    handle: Any  # the Ray actor, the first stage's for a pipeline (None for in-process workers)
+    info: dict[str, Any]  # the last stage's (for a pipeline; it holds the output head)
+    stages: list[Any] = field(default_factory=list)  # every stage's actor, in order
+
+    @property
+    def actors(self) -> list[Any]:
+        """Every Ray actor of the instance (empty for in-process workers)."""
+        return self.stages or ([] if self.handle is None else [self.handle])
 
 
-def worker_options(pool: InstancePool) -> dict[str, Any]:
+def worker_options(pool: InstancePool, pp_rank: int = 0) -> dict[str, Any]:
     options: dict[str, Any] = {
         "num_cpus": pool.num_cpus,
         "num_gpus": pool.num_gpus,
-        "resources": dict(pool.resources),
+        "resources": pool.resources_of_stage(pp_rank),
         # Steps always run on one thread (OpenMP teams and oneDNN caches are per thread:
         # alternating threads cost ~10% per step); health() answers from the MONITOR group's
         # thread while a step runs (see start_workers).
@@ -52,7 +60,7 @@ def worker_options(pool: InstancePool) -> dict[str, Any]:
     return options
 
 
-def worker_kwargs(config: ClusterConfig, pool: InstancePool) -> dict[str, Any]:
+def worker_kwargs(config: ClusterConfig, pool: InstancePool, pp_rank: int = 0) -> dict[str, Any]:
     sched = pool.scheduler_config(max_model_len=None)
     threads = pool.num_threads if pool.num_threads is not None else None
     return {
@@ -65,7 +73,10 @@ def worker_kwargs(config: ClusterConfig, pool: InstancePool) -> dict[str, Any]:
         "max_num_seqs": sched.max_num_seqs,
         "progress": False,
         "kv_transfer": config.kv_transfer.transport if config.disaggregated else None,
+        "kv_transfer_options": config.kv_transfer.connector_options(),
         "num_threads": threads,
+        "pp_rank": pp_rank,
+        "pp_size": pool.pp_size,
     }
 
 
@@ -73,7 +84,7 @@ async def start_workers(config: ClusterConfig, timeout_s: float) -> list[Instanc
     """Create every instance's worker, load the model everywhere in parallel, size and
     allocate the KV caches. Raises ``TimeoutError`` naming the pools whose workers could not
     be placed or loaded in time (usually: no node offers their resources)."""
-    from cluster.engine_loop import RayExecutor
+    from cluster.executors import PipelineExecutor, RayExecutor
     from kv_transfer.registry import available_transports
 
     transport = config.kv_transfer.transport
@@ -84,44 +95,61 @@ async def start_workers(config: ClusterConfig, timeout_s: float) -> list[Instanc
         )
     check_placeable(config, ray.nodes())  # type: ignore[no-untyped-call]
     remote_worker = ray.remote(concurrency_groups={MONITOR: 1})(ModelWorker)  # type: ignore[call-overload]
-    created: list[tuple[str, InstancePool, Any]] = []
+    created: list[tuple[str, InstancePool, list[Any]]] = []
     for pool in config.pools:
         for replica in range(pool.replicas):
-            handle = remote_worker.options(**worker_options(pool)).remote(
-                **worker_kwargs(config, pool)
-            )
-            created.append((f"{pool.name}-{replica}", pool, handle))
+            stages = [
+                remote_worker.options(**worker_options(pool, rank)).remote(
+                    **worker_kwargs(config, pool, rank)
+                )
+                for rank in range(pool.pp_size)
+            ]
+            created.append((f"{pool.name}-{replica}", pool, stages))
+    workers = [(iid, pool, h) for iid, pool, stages in created for h in stages]
     try:
         await _wait_all(
-            [h.load_model.remote() for _, _, h in created], created, "load the model", timeout_s
+            [h.load_model.remote() for _, _, h in workers], workers, "load the model", timeout_s
         )
         sizes = await _wait_all(
             [
                 h.size_kv_cache.remote(
                     pool.num_blocks, pool.kv_cache_memory_bytes, pool.memory_budget_bytes
                 )
-                for _, pool, h in created
+                for _, pool, h in workers
             ],
-            created,
+            workers,
             "size the KV cache",
             timeout_s,
         )
+        smallest: dict[str, int] = {}
+        for (iid, _, _), n in zip(workers, sizes, strict=True):
+            smallest[iid] = min(n, smallest.get(iid, n))
         await _wait_all(
-            [h.init_kv_cache.remote(n) for (_, _, h), n in zip(created, sizes, strict=True)],
-            created,
+            [h.init_kv_cache.remote(smallest[iid]) for iid, _, h in workers],
+            workers,
             "allocate the KV cache",
             timeout_s,
         )
         infos = await _wait_all(
-            [h.info.remote() for _, _, h in created], created, "report", timeout_s
+            [stages[-1].info.remote() for _, _, stages in created],
+            [(iid, pool, stages[-1]) for iid, pool, stages in created],
+            "report",
+            timeout_s,
         )
     except BaseException:
-        for _, _, handle in created:
+        for _, _, handle in workers:
             ray.kill(handle)
         raise
     return [
-        InstanceSpec(iid, pool, RayExecutor(handle), handle, info)
-        for (iid, pool, handle), info in zip(created, infos, strict=True)
+        InstanceSpec(
+            iid,
+            pool,
+            RayExecutor(stages[0]) if len(stages) == 1 else PipelineExecutor(stages),
+            stages[0],
+            info,
+            stages,
+        )
+        for (iid, pool, stages), info in zip(created, infos, strict=True)
     ]
 
 
@@ -130,15 +158,21 @@ def check_placeable(config: ClusterConfig, nodes: list[dict[str, Any]]) -> None:
     (Ray would otherwise keep the actor pending until the start-up timeout)."""
     alive = [n.get("Resources", {}) for n in nodes if n.get("Alive", n.get("alive", True))]
     for pool in config.pools:
-        need = {**pool.resources, "CPU": pool.num_cpus, "GPU": pool.num_gpus}
-        need = {k: v for k, v in need.items() if v > 0}
-        if not any(all(res.get(k, 0.0) >= v for k, v in need.items()) for res in alive):
-            offered = sorted({k for res in alive for k in res if not k.startswith("node:")})
-            raise ValueError(
-                f"pool {pool.name!r} needs {need} per worker but no node offers that; the "
-                f"cluster's nodes offer: {', '.join(offered) or 'nothing'}. Start nodes with "
-                "those resources (ray start --resources='{...}'), or change the pool."
-            )
+        for rank in range(pool.pp_size):
+            _check_stage(pool, rank, alive)
+
+
+def _check_stage(pool: InstancePool, rank: int, alive: list[dict[str, float]]) -> None:
+    need = {**pool.resources_of_stage(rank), "CPU": pool.num_cpus, "GPU": pool.num_gpus}
+    need = {k: v for k, v in need.items() if v > 0}
+    if not any(all(res.get(k, 0.0) >= v for k, v in need.items()) for res in alive):
+        offered = sorted({k for res in alive for k in res if not k.startswith("node:")})
+        what = f"stage {rank} of each instance" if pool.pp_size > 1 else "per worker"
+        raise ValueError(
+            f"pool {pool.name!r} needs {need} {what} but no node offers that; the "
+            f"cluster's nodes offer: {', '.join(offered) or 'nothing'}. Start nodes with "
+            "those resources (ray start --resources='{...}'), or change the pool."
+        )
 
 
 async def _wait_all(

@@ -105,12 +105,15 @@ class SchedulerActor:
                 spec.instance_id, spec.info["block_size"], self.config.kv_transfer.timeout_s
             )
         scheduler = Scheduler(sched_config, cache, self.config.lora, connector)
+        # Pipeline stages each hold one step; async scheduling overlaps two on one worker.
+        in_flight = pool.pp_size if pool.pp_size > 1 else 2 if sched_config.async_scheduling else 1
         return EngineLoop(
             spec.instance_id,
             scheduler,
             spec.executor,
             self._on_outputs,
             admission_window_s=self.config.admission_window_s,
+            max_in_flight=in_flight,
         )
 
     async def shutdown(self) -> None:
@@ -120,10 +123,10 @@ class SchedulerActor:
         for rid, flight in list(self.flights.items()):
             self._finish(flight, EngineCoreOutput(rid, [], FinishReason.ABORT, error="shutdown"))
         for spec in self.specs.values():
-            if spec.handle is not None:
+            for actor in spec.actors:
                 import ray
 
-                ray.kill(spec.handle)
+                ray.kill(actor)
 
     # -- requests ----------------------------------------------------------------------------
     async def generate(self, request: Request) -> AsyncIterator[EngineCoreOutput]:
@@ -197,11 +200,11 @@ class SchedulerActor:
         assert lora is not None
         loaded = self._loras[loop.instance_id]
         if lora.lora_int_id not in loaded:
-            handle = self.specs[loop.instance_id].handle
-            if handle is not None:
-                await handle.add_lora.remote(lora)
+            spec = self.specs[loop.instance_id]
+            if spec.actors:  # every pipeline stage applies the adapter to its layers
+                await asyncio.gather(*(actor.add_lora.remote(lora) for actor in spec.actors))
             else:
-                self.specs[loop.instance_id].executor.worker.add_lora(lora)
+                spec.executor.worker.add_lora(lora)
             loaded.add(lora.lora_int_id)
 
     def abort(self, request_id: str) -> bool:
@@ -322,21 +325,27 @@ class SchedulerActor:
         """Every instance's finished KV loads (``TransferRecord``s), for benchmarks."""
         result: dict[str, list[Any]] = {}
         for iid, spec in self.specs.items():
-            if spec.handle is not None:
-                call = spec.handle.transfer_history.options(concurrency_group=MONITOR)
-                result[iid] = await call.remote()
+            if spec.actors:  # every stage's records (each moves its own layers)
+                calls = [
+                    a.transfer_history.options(concurrency_group=MONITOR).remote()
+                    for a in spec.actors
+                ]
+                result[iid] = [record for stage in await asyncio.gather(*calls) for record in stage]
             else:
                 result[iid] = spec.executor.worker.transfer_history()
         return result
 
     async def worker_health(self) -> dict[str, dict[str, Any]]:
-        """Each worker's ``health()`` (its node id, pid, state)."""
+        """Each instance's ``health()`` (node id, pid, state): its first worker's, with every
+        pipeline stage's under ``stages``."""
         result: dict[str, dict[str, Any]] = {}
         for iid, spec in self.specs.items():
-            if spec.handle is not None:
-                result[iid] = await spec.handle.health.options(concurrency_group=MONITOR).remote()
+            if spec.actors:
+                calls = [a.health.options(concurrency_group=MONITOR).remote() for a in spec.actors]
+                stages = list(await asyncio.gather(*calls))
             else:
-                result[iid] = spec.executor.worker.health()
+                stages = [spec.executor.worker.health()]
+            result[iid] = {**stages[0], "stages": stages}
         return result
 
     async def set_fault_injection(
@@ -344,8 +353,10 @@ class SchedulerActor:
     ) -> None:
         """Testing: slow one instance's worker down (``ModelWorker.set_fault_injection``)."""
         spec = self.specs[instance_id]
-        if spec.handle is not None:
-            await spec.handle.set_fault_injection.remote(load_delay_s, step_delay_s)
+        if spec.actors:
+            await asyncio.gather(
+                *(a.set_fault_injection.remote(load_delay_s, step_delay_s) for a in spec.actors)
+            )
         else:
             spec.executor.worker.set_fault_injection(load_delay_s, step_delay_s)
 

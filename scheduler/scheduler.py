@@ -166,13 +166,17 @@ class Scheduler:
         return unfinished
 
     # -- the step ------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, max_running_reqs: int | None = None) -> SchedulerOutput:
         """Pick this step's tokens. Mutates queues, block tables and, optimistically,
-        ``num_computed_tokens`` of every scheduled request (outputs arrive later)."""
+        ``num_computed_tokens`` of every scheduled request (outputs arrive later).
+
+        ``max_running_reqs`` caps how many already-running requests this step continues (a
+        pipeline-parallel loop splits them into micro-batches, one per stage in flight; the
+        rest go in the next step). Admission is unaffected."""
         cfg = self.scheduler_config
         num_present = len(self.running) + len(self.waiting) + len(self.holding)
         threshold = cfg.long_prefill_token_threshold if num_present > 1 else 0
-        step = StepBuilder(self, cfg.max_num_batched_tokens, threshold)
+        step = StepBuilder(self, cfg.max_num_batched_tokens, threshold, max_running_reqs)
         step.schedule_running()
         # A step that preempted for KV space admits nobody: the freed blocks go to the
         # running requests that needed them next step, not to new arrivals.

@@ -19,8 +19,15 @@ if TYPE_CHECKING:
 
 
 class StepBuilder:
-    def __init__(self, scheduler: Scheduler, token_budget: int, threshold: int) -> None:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        token_budget: int,
+        threshold: int,
+        max_running_reqs: int | None = None,
+    ) -> None:
         self.s = scheduler
+        self.max_running_reqs = max_running_reqs
         self.cfg = scheduler.scheduler_config
         self.kv = scheduler.kv_cache_manager
         self.token_budget = token_budget
@@ -91,8 +98,9 @@ class StepBuilder:
         new_blocks_of = self.new_blocks
         running_reqs = self.running_reqs
         budget = self.token_budget
+        cap = len(running) if self.max_running_reqs is None else self.max_running_reqs
         i = 0
-        while i < len(running) and budget > 0:
+        while i < len(running) and budget > 0 and len(running_reqs) < cap:
             request = running[i]
             placeholders = request.num_output_placeholders
             if async_scheduling:

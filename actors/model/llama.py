@@ -146,38 +146,91 @@ class DecoderLayer(nn.Module):
         return x + d
 
 
-class LlamaForCausalLM(nn.Module):
-    """The decoder. ``forward`` returns hidden states for every token of the flattened batch;
-    ``compute_logits`` projects the rows the caller samples from."""
+def pp_layer_range(num_layers: int, pp_rank: int, pp_size: int) -> range:
+    """The layers pipeline stage ``pp_rank`` of ``pp_size`` holds: contiguous, as even as
+    possible, the earlier stages taking one more when the count does not divide."""
+    if not 0 <= pp_rank < pp_size:
+        raise ValueError(f"pp_rank {pp_rank} is not in [0, {pp_size})")
+    if pp_size > num_layers:
+        raise ValueError(f"pp_size {pp_size} exceeds the model's {num_layers} layers")
+    base, extra = divmod(num_layers, pp_size)
+    start = pp_rank * base + min(pp_rank, extra)
+    return range(start, start + base + (pp_rank < extra))
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> None:
+
+class LlamaForCausalLM(nn.Module):
+    """The decoder, or one pipeline stage of it (``layers``: the model layers it holds).
+
+    ``forward`` returns hidden states for every token of the flattened batch: the first stage
+    embeds token ids, later stages continue from the previous stage's hidden states, and only
+    the last stage applies the final norm. ``compute_logits`` (last stage) projects the rows
+    the caller samples from."""
+
+    def __init__(
+        self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, layers: range | None = None
+    ) -> None:
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layer_range = range(cfg.num_hidden_layers) if layers is None else layers
+        if not (0 <= self.layer_range.start < self.layer_range.stop <= cfg.num_hidden_layers):
+            raise ValueError(f"layers {layers} are not within the {cfg.num_hidden_layers} layers")
+        self.is_first = self.layer_range.start == 0
+        self.is_last = self.layer_range.stop == cfg.num_hidden_layers
+        # A tied output head reads the embedding, so the last stage keeps it too.
+        needs_embedding = self.is_first or (self.is_last and cfg.tie_word_embeddings)
+        self.embed_tokens: nn.Embedding | None = (
+            nn.Embedding(cfg.vocab_size, cfg.hidden_size) if needs_embedding else None
+        )
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in self.layer_range)
+        self.norm: RMSNorm | None = (
+            RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if self.is_last else None
+        )
         self.lm_head: nn.Linear | None = (
-            None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, False)
+            nn.Linear(cfg.hidden_size, cfg.vocab_size, False)
+            if self.is_last and not cfg.tie_word_embeddings
+            else None
         )
         self._packed_logits: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.rope = RotaryEmbedding(
             cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, dtype
         )
 
+    @property
+    def output_embedding(self) -> torch.Tensor:
+        """The output head's weight (the last stage's)."""
+        if self.lm_head is not None:
+            return self.lm_head.weight
+        if self.embed_tokens is None or not self.is_last:
+            raise RuntimeError(f"stage {self.layer_range} has no output head")
+        return self.embed_tokens.weight
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.parameters()).dtype
+
     @torch.inference_mode()
     def forward(
         self,
-        input_ids: torch.Tensor,  # [T]
+        input_ids: torch.Tensor,  # [T]; ignored by a stage that is not the first
         positions: torch.Tensor,  # [T]
-        kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, KV, D]
+        kv_caches: list[torch.Tensor],  # per held layer [2, num_blocks, block_size, KV, D]
         meta: AttentionMetadata,
         attn: AttentionBackend,
         lora: LoRAHook | None = None,
+        hidden_states: torch.Tensor | None = None,  # [T, hidden]: the previous stage's output
     ) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        if self.is_first:
+            assert self.embed_tokens is not None
+            x = self.embed_tokens(input_ids)
+        elif hidden_states is None:
+            raise ValueError(f"stage {self.layer_range} needs the previous stage's hidden states")
+        else:
+            x = hidden_states
         rope_cache = self.rope.lookup(positions)
         for layer, cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, rope_cache, self.rope, attn, cache, meta, lora)
+        if self.norm is None:
+            return x
         out: torch.Tensor = self.norm(x)
         return out
 
@@ -190,14 +243,14 @@ class LlamaForCausalLM(nn.Module):
             assert isinstance(layer, DecoderLayer)
             for module in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
                 ok = module.pack_for_cpu(batch_hint) and ok
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        self._packed_logits = pack_linear(weight, None, batch_hint, min_rows=1)
+        if not self.is_last:
+            return ok
+        self._packed_logits = pack_linear(self.output_embedding, None, batch_hint, min_rows=1)
         return ok and self._packed_logits is not None
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self._packed_logits is not None:
             return self._packed_logits(hidden.contiguous())
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits: torch.Tensor = F.linear(hidden, weight)
+        logits: torch.Tensor = F.linear(hidden, self.output_embedding)
         return logits

@@ -17,7 +17,7 @@ import torch
 from tqdm import tqdm
 
 from actors.model.config import ModelConfig
-from actors.model.llama import LlamaForCausalLM
+from actors.model.llama import LlamaForCausalLM, pp_layer_range
 from actors.model.rope import RotaryEmbedding
 
 logger = logging.getLogger(__name__)
@@ -144,13 +144,16 @@ def _target(model: LlamaForCausalLM, name: str) -> tuple[torch.Tensor, slice | N
     if name == "lm_head.weight":
         return None if model.lm_head is None else (model.lm_head.weight, None)
     if name == "embed_tokens.weight":
-        return model.embed_tokens.weight, None
+        return None if model.embed_tokens is None else (model.embed_tokens.weight, None)
     if name == "norm.weight":
-        return model.norm.weight, None
+        return None if model.norm is None else (model.norm.weight, None)
     parts = name.split(".")
     if parts[0] != "layers" or len(parts) < 4:
         return None
-    layer = model.layers[int(parts[1])]
+    index = int(parts[1])
+    if index not in model.layer_range:
+        return None  # another pipeline stage's layer
+    layer = model.layers[index - model.layer_range.start]
     module, kind = parts[-2], parts[-1]
     q, kv, inter = cfg.q_size, cfg.kv_size, cfg.intermediate_size
     fused = {
@@ -174,14 +177,18 @@ def load_model(
     dtype: str | torch.dtype = "auto",
     device: str | torch.device = "cpu",
     progress: bool = True,
+    pp_rank: int = 0,
+    pp_size: int = 1,
 ) -> LlamaForCausalLM:
-    """Build the model and fill every parameter from the checkpoint; a missing tensor is an
-    error naming it. Shows a progress bar on stderr when ``progress``."""
+    """Build the model -- or pipeline stage ``pp_rank`` of ``pp_size``, with only its layers
+    (``pp_layer_range``) -- and fill every parameter from the checkpoint; a missing tensor is
+    an error naming it. Shows a progress bar on stderr when ``progress``."""
     device = torch.device(device)
     cfg = read_model_config(path)
     torch_dtype = resolve_dtype(dtype, cfg, device)
+    layers = pp_layer_range(cfg.num_hidden_layers, pp_rank, pp_size)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, torch_dtype)
+        model = LlamaForCausalLM(cfg, torch_dtype, layers)
     model = model.to_empty(device=device).to(torch_dtype)
     model.rope = RotaryEmbedding(
         cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, torch_dtype
@@ -217,9 +224,11 @@ def load_model(
         raise ValueError(f"{path}: checkpoint lacks weights for {', '.join(missing[:5])}")
     model.eval()
     logger.info(
-        "loaded %s: %s, %d layers, %.1f M parameters, %s on %s",
+        "loaded %s: %s, layers %d-%d of %d, %.1f M parameters, %s on %s",
         path.name,
         cfg.model_type,
+        layers.start,
+        layers.stop - 1,
         cfg.num_hidden_layers,
         sum(p.numel() for p in model.parameters()) / 1e6,
         torch_dtype,

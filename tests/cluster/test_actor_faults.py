@@ -17,7 +17,7 @@ pytest.importorskip("ray")
 
 from actors.worker import ModelWorker
 from cluster.config import ClusterConfig, InstancePool
-from cluster.engine_loop import LocalExecutor
+from cluster.executors import LocalExecutor
 from cluster.placement import InstanceSpec
 from cluster.scheduler_actor import SchedulerActor
 from scheduler import ModelRunnerOutput, Request, SamplingParams, SchedulerOutput

@@ -83,10 +83,32 @@ def test_block_size_is_cluster_wide() -> None:
 @pytest.mark.parametrize(
     ("pool", "message"),
     [
-        ({"pp_size": 2}, "pp_size 2 is not supported yet"),
+        (
+            {"pp_size": 2, "scheduler": {"async_scheduling": True}},
+            "async_scheduling needs pp_size 1",
+        ),
+        ({"pp_size": 2, "stage_resources": [{"a": 1}]}, "needs one per pipeline stage"),
         ({"scheduler": {"max_model_len": 512}}, "max_model_len is cluster-wide"),
     ],
 )
 def test_pool_settings_not_supported_per_pool(pool: dict[str, object], message: str) -> None:
     with pytest.raises(ValidationError, match=message):
         ClusterConfig.model_validate({"pools": [{"name": "a", **pool}]})
+
+
+def test_pipeline_stages_add_their_resources_to_the_pools() -> None:
+    config = ClusterConfig.model_validate(
+        {
+            "pools": [
+                {
+                    "name": "p",
+                    "pp_size": 2,
+                    "resources": {"prefill": 0.5},
+                    "stage_resources": [{"prefill": 0.25}, {"gpu_node": 1}],
+                }
+            ]
+        }
+    )
+    pool = config.pools[0]
+    assert pool.resources_of_stage(0) == {"prefill": 0.75}
+    assert pool.resources_of_stage(1) == {"prefill": 0.5, "gpu_node": 1}

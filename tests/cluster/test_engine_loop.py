@@ -12,7 +12,8 @@ import pytest
 
 from actors.worker import ModelWorker
 from cluster.config import ClusterConfig, InstancePool
-from cluster.engine_loop import EngineLoop, LocalExecutor
+from cluster.engine_loop import EngineLoop
+from cluster.executors import LocalExecutor
 from cluster.placement import InstanceSpec
 from cluster.scheduler_actor import SchedulerActor
 from scheduler import (
