@@ -14,10 +14,11 @@ layer (SchedulerActor, Router, workers) reads these; this module only validates.
 
 from __future__ import annotations
 
+import secrets
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from scheduler import CacheConfig, LoRAConfig, SchedulerConfig
 
@@ -47,6 +48,13 @@ class InstancePool(_Config):
         "stages of one instance on different nodes); one entry per stage.",
     )
     num_cpus: float = Field(0.0, ge=0.0)
+    max_restarts: int = Field(
+        0,
+        ge=0,
+        le=1000,
+        description="Ray restarts a dead worker this many times; the instance then rejoins "
+        "routing with an empty cache.",
+    )
     num_gpus: float = Field(0.0, ge=0.0)
     num_threads: int | None = Field(
         None, ge=1, le=1024, description="torch threads per worker (Ray's default is 1)."
@@ -140,15 +148,76 @@ class RouterConfig(_Config):
 
 
 class KVTransferConfig(_Config):
-    """The KV connector between prefill and decode instances."""
+    """The KV connector between prefill and decode instances.
+
+    The ``grpc`` transport's knobs are ignored by ``ray``. Its ``auth_token`` is the cluster
+    token every KV request carries: unset, a random one is made when the config is built, and
+    every worker started from this config shares it (the config travels to the actors
+    pickled). It is a ``SecretStr``: never in reprs, logs or ``model_dump_json`` (which shows
+    ``**********``, not to be fed back in).
+    """
 
     transport: Literal["ray", "grpc"] = "ray"
     timeout_s: float = Field(5.0, gt=0.0, le=600.0, description="Deadline of one transfer.")
     failure_policy: Literal["recompute", "fail"] = "recompute"
+    auth_token: SecretStr = Field(
+        default_factory=lambda: SecretStr(secrets.token_urlsafe(32)),
+        description="grpc: the cluster token KV requests carry (random per cluster if unset; "
+        "set it when several processes build their own config for one cluster).",
+    )
+    lease_s: float | None = Field(
+        None,
+        gt=0.0,
+        le=3600.0,
+        description="grpc: how long a prefill worker holds a request's blocks for the pull "
+        "(default: timeout_s plus a grace of max(1 s, timeout_s / 2), so that the lease "
+        "outlives the decode side's deadline).",
+    )
+    bind_host: str = Field(
+        "127.0.0.1",
+        min_length=1,
+        description="grpc: the address each worker's KV server binds (port chosen by the "
+        "system); 0.0.0.0 for a cluster of several machines.",
+    )
+    advertise_host: str | None = Field(
+        None,
+        min_length=1,
+        description="grpc: the address other workers reach a KV server at (default: bind_host, "
+        "or this machine's address when bind_host is a wildcard).",
+    )
+    chunk_size_bytes: int = Field(
+        1 << 20, ge=4096, le=64 << 20, description="grpc: the largest data message of a pull."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> KVTransferConfig:
+        token = self.auth_token.get_secret_value()
+        if len(token) < 16:
+            raise ValueError("kv_transfer.auth_token must be at least 16 characters")
+        if set(token) == {"*"}:
+            raise ValueError(
+                "kv_transfer.auth_token is a masked secret (from a JSON dump): set the real one"
+            )
+        return self
+
+    @property
+    def effective_lease_s(self) -> float:
+        """``lease_s``, or its default derived from ``timeout_s``."""
+        if self.lease_s is not None:
+            return self.lease_s
+        return self.timeout_s + max(1.0, self.timeout_s / 2)
 
     def connector_options(self) -> dict[str, Any]:
         """Keyword arguments of the workers' connector for this transport."""
-        return {}
+        if self.transport != "grpc":
+            return {}
+        return {
+            "auth_token": self.auth_token,  # unwrapped by the connector only
+            "lease_s": self.effective_lease_s,
+            "bind_host": self.bind_host,
+            "advertise_host": self.advertise_host,
+            "chunk_size_bytes": self.chunk_size_bytes,
+        }
 
 
 class ClusterConfig(_Config):
@@ -173,6 +242,14 @@ class ClusterConfig(_Config):
     )
     startup_timeout_s: float = Field(
         600.0, gt=0.0, description="Time allowed for placing workers and loading the model."
+    )
+    health_check_interval_s: float = Field(
+        1.0,
+        ge=0.0,
+        le=60.0,
+        description="How often every worker is asked whether it is alive (0: never; a step "
+        "still finds a dead worker). A dead worker's instance leaves routing and its requests "
+        "move to live instances.",
     )
 
     @property

@@ -46,6 +46,8 @@ class LoopCounters:
 
 
 OutputsCallback = Callable[["EngineLoop", list[EngineCoreOutput]], None]
+# (loop, ids of the requests it held, why): the instance is gone; the callee re-homes them.
+FailureCallback = Callable[["EngineLoop", list[str], str], None]
 
 
 class EngineLoop:
@@ -62,13 +64,18 @@ class EngineLoop:
         admission_window_s: float = 0.002,
         idle_sleep_s: float = 0.002,
         max_in_flight: int = 1,
+        on_failure: FailureCallback | None = None,
     ) -> None:
         """``max_in_flight``: steps started before the oldest returns -- ``pp_size`` for a
-        pipeline-parallel instance, 2 with async scheduling, else 1."""
+        pipeline-parallel instance, 2 with async scheduling, else 1. ``on_failure``: when the
+        instance fails, its unfinished requests go there (to move elsewhere) instead of ending
+        with an error."""
         self.instance_id = instance_id
         self.scheduler = scheduler
         self.executor = executor
         self.on_outputs = on_outputs
+        self.on_failure = on_failure
+        self._failure: str | None = None  # why fail() stopped the loop
         self.admission_window_s = admission_window_s
         self.idle_sleep_s = idle_sleep_s
         self.pending: list[Request] = []  # arrived, not yet given to the scheduler
@@ -100,9 +107,7 @@ class EngineLoop:
         stopped, the request ends at once with an error (never silently queued)."""
         if not self.alive:
             reason = self.error or f"instance {self.instance_id} is stopped"
-            self.on_outputs(
-                self, [EngineCoreOutput(request.request_id, [], FinishReason.ERROR, error=reason)]
-            )
+            self._lost([request.request_id], reason)
             return
         self.pending.append(request)
         self._wake.set()
@@ -156,12 +161,14 @@ class EngineLoop:
     # -- the loop ----------------------------------------------------------------------------
     async def run(self) -> None:
         """Step until ``stop``. Any error -- the worker's, or a bug in scheduling -- ends the
-        loop with every request it holds failed, never with requests silently stranded."""
+        loop with every request it holds re-homed (``on_failure``) or failed, never with
+        requests silently stranded."""
         try:
             await self._run()
         except asyncio.CancelledError:
-            self._fail_all(f"instance {self.instance_id} was cancelled")
-            raise
+            self._fail_all(self._failure or f"instance {self.instance_id} was cancelled")
+            if self._failure is None:
+                raise
         except BaseException as exc:
             logger.exception("engine loop %s failed", self.instance_id)
             self._fail_all(f"instance {self.instance_id} failed: {type(exc).__name__}: {exc}")
@@ -265,6 +272,17 @@ class EngineLoop:
         self.counters.num_prompt_tokens_computed += in_prompt
         self.counters.num_output_tokens_computed += num - in_prompt
 
+    def fail(self, reason: str) -> None:
+        """Declare the instance failed from outside (its worker is known dead, e.g. by a
+        health check): the loop stops and its requests go to ``on_failure``."""
+        if not self.alive:
+            return
+        self._failure = reason
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+        else:
+            self._fail_all(reason)
+
     def _fail_all(self, message: str) -> None:
         """The instance is unusable: fail every request it holds and forget its KV state (its
         worker's cache is gone or untrusted), so no block, request or KV handle lingers."""
@@ -278,6 +296,15 @@ class EngineLoop:
         try:
             ids += self.scheduler.abandon_all(RequestStatus.FINISHED_ERROR)
         finally:
-            self.on_outputs(
-                self, [EngineCoreOutput(rid, [], FinishReason.ERROR, error=message) for rid in ids]
-            )
+            self._lost(ids, message)
+
+    def _lost(self, request_ids: list[str], message: str) -> None:
+        """Requests this (dead) instance cannot serve: re-homed by ``on_failure`` (called even
+        with none: the failure itself matters), or ended with the error."""
+        if self.on_failure is not None:
+            self.on_failure(self, request_ids, message)
+            return
+        self.on_outputs(
+            self,
+            [EngineCoreOutput(rid, [], FinishReason.ERROR, error=message) for rid in request_ids],
+        )

@@ -8,7 +8,7 @@ the flight's internal id -- the prefill instance a one-token copy that saves its
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from scheduler import Request
@@ -29,6 +29,8 @@ class Flight:
     internal_id: str = ""  # the id the schedulers know it by
     num_cached_tokens: int | None = None  # the prefix hit where the prompt was computed
     decode_target: EngineLoop | None = None  # chosen by the Router at arrival
+    sent: list[int] = field(default_factory=list)  # tokens already given to the client
+    num_moves: int = 0  # times it moved off a failed instance
 
 
 def clone_request(request: Request, **overrides: Any) -> Request:

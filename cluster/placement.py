@@ -50,6 +50,10 @@ def worker_options(pool: InstancePool, pp_rank: int = 0) -> dict[str, Any]:
         # alternating threads cost ~10% per step); health() answers from the MONITOR group's
         # thread while a step runs (see start_workers).
         "max_concurrency": 1,
+        # A restarted worker comes back empty (the SchedulerActor reloads it); a step is never
+        # retried on it: the requests move elsewhere instead.
+        "max_restarts": pool.max_restarts,
+        "max_task_retries": 0,
     }
     if pool.num_threads is not None:
         # Ray sets OMP_NUM_THREADS=1 for actors; threads other than the one that ran __init__

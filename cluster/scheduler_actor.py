@@ -25,7 +25,7 @@ from cluster.config import ClusterConfig
 from cluster.engine_loop import EngineLoop
 from cluster.flights import Flight, clone_request, merge_outputs, prefill_request
 from cluster.placement import MONITOR, InstanceSpec
-from cluster.router import Router
+from cluster.router import Route, Router
 from kv_transfer.connector import PDConnector
 from scheduler import CacheConfig, Request, Scheduler
 from scheduler.outputs import EngineCoreOutput
@@ -50,6 +50,10 @@ class SchedulerActor:
         self.max_model_len = 0
         self._loras: dict[str, set[int]] = {}
         self.started = False
+        self.num_moves = 0  # requests moved off failed instances
+        self.failures: list[dict[str, Any]] = []  # instance failures and rejoins, in order
+        self._tasks: set[asyncio.Task[None]] = set()  # moves, rejoins, the health monitor
+        self._failed_loops: set[int] = set()  # id() of loops whose failure was handled
 
     # -- life cycle --------------------------------------------------------------------------
     async def start(self) -> dict[str, Any]:
@@ -69,6 +73,8 @@ class SchedulerActor:
             self._loras[spec.instance_id] = set()
         for loop in self.loops.values():
             loop.start()
+        if any(spec.actors for spec in specs) and self.config.health_check_interval_s > 0:
+            self._spawn(self._monitor_health())
         self.started = True
         logger.info("cluster started: %s", ", ".join(f"{i} ({r})" for i, r in self.roles.items()))
         return self.describe()
@@ -114,11 +120,15 @@ class SchedulerActor:
             self._on_outputs,
             admission_window_s=self.config.admission_window_s,
             max_in_flight=in_flight,
+            on_failure=self._on_instance_failed,
         )
 
     async def shutdown(self) -> None:
         """Stop every loop, fail what is in flight, release the workers."""
+        for task in list(self._tasks):
+            task.cancel()
         for loop in self.loops.values():
+            loop.on_failure = None  # stopping is not a failure to recover from
             await loop.stop()
         for rid, flight in list(self.flights.items()):
             self._finish(flight, EngineCoreOutput(rid, [], FinishReason.ABORT, error="shutdown"))
@@ -162,9 +172,30 @@ class SchedulerActor:
             )
         # Arrival is stamped here: clients' clocks are not comparable (priority tie-breaks).
         request.arrival_time = time.monotonic()
+        flight = Flight(request, asyncio.Queue(), next(iter(self.loops.values())), "decode")
+        self.flights[rid] = flight
+        try:
+            await self._place(flight)
+        except BaseException:
+            if self.flights.get(rid) is flight:
+                del self.flights[rid]
+                self._internal.pop(flight.internal_id, None)
+            raise
+        return flight
+
+    async def _place(self, flight: Flight) -> None:
+        """Route the flight and give its request to the chosen instance(s), under a fresh
+        internal id. Tokens already sent travel with it (a move after a failure): the new
+        instance recomputes prompt + those tokens and continues after them."""
+        request = flight.request
         for _ in range(3):  # an instance may fail while an adapter loads: route again
             prefill, decode = self._live("prefill"), self._live("decode")
-            route = self.router.route(request, prefill, decode)
+            if not decode:
+                raise RuntimeError(self._none_left("decode"))
+            if flight.sent:  # moving mid-stream: straight to a decode instance
+                route = Route(None, self.router.best_decode(decode))
+            else:
+                route = self.router.route(request, prefill, decode)
             target = route.prefill or route.decode
             if request.lora_request is not None:
                 for loop in {route.decode, target}:
@@ -173,21 +204,133 @@ class SchedulerActor:
                 break
         else:
             raise RuntimeError("instances kept failing while the request was being routed")
-        if rid in self.flights:  # the same id arrived while the adapter loaded
-            raise ValueError(f"request_id {rid!r} is already in use")
+        if self.flights.get(request.request_id) is not flight:
+            return  # aborted while an adapter loaded
         # Schedulers see a unique internal id: an aborted request may linger in one (its
         # blocks wait for a load to end) while the client already reuses its id.
-        internal = f"{rid}@{next(self._seq)}"
-        flight = Flight(request, asyncio.Queue(), target, "decode", internal_id=internal)
-        self.flights[rid] = flight
+        self._internal.pop(flight.internal_id, None)
+        flight.internal_id = internal = f"{request.request_id}@{next(self._seq)}"
         self._internal[internal] = flight
+        flight.loop = target
         if route.prefill is None:
-            target.add_request(clone_request(request, request_id=internal))
+            flight.stage = "decode"
+            target.add_request(
+                clone_request(request, request_id=internal, output_token_ids=list(flight.sent))
+            )
         else:
             flight.stage = "prefill"
             flight.decode_target = route.decode
             target.add_request(prefill_request(request, internal))
-        return flight
+
+    def _none_left(self, role: str) -> str:
+        roles = ("decode", "both") if role == "decode" else ("prefill",)
+        ids = [i for i, r in self.roles.items() if r in roles]
+        failed = [f for f in self.failures if f["instance_id"] in ids and f["event"] == "failed"]
+        last = f"; last failure: {failed[-1]['reason']}" if failed else ""
+        return (
+            f"no live {role}-capable instance (role {' or '.join(roles)}): "
+            f"{len(ids)} configured, none alive{last}"
+        )
+
+    # -- failures ----------------------------------------------------------------------------
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _on_instance_failed(self, loop: EngineLoop, internal_ids: list[str], reason: str) -> None:
+        """An instance failed: its requests move to live instances (re-prefilled there from
+        prompt + tokens already sent), and a restartable worker is brought back."""
+        iid = loop.instance_id
+        if self.loops.get(iid) is loop and id(loop) not in self._failed_loops:
+            self._failed_loops.add(id(loop))
+            logger.warning("instance %s failed: %s", iid, reason)
+            self.failures.append(
+                {"instance_id": iid, "event": "failed", "reason": reason, "time": time.time()}
+            )
+            spec = self.specs[iid]
+            if spec.pool.max_restarts > 0 and spec.actors:
+                self._spawn(self._rejoin(spec))
+        flights = []
+        for internal in internal_ids:
+            flight = self._internal.get(internal)
+            if flight is not None and flight.loop is loop:
+                flights.append(flight)
+        if flights:
+            self._spawn(self._move(flights, reason))
+
+    async def _move(self, flights: list[Flight], reason: str) -> None:
+        for flight in flights:
+            if self.flights.get(flight.request.request_id) is not flight:
+                continue  # aborted meanwhile
+            flight.num_moves += 1
+            self.num_moves += 1
+            try:
+                await self._place(flight)
+            except Exception as exc:
+                error = f"{reason}; the request could not move: {exc}"
+                rid = flight.request.request_id
+                self._finish(flight, EngineCoreOutput(rid, [], FinishReason.ERROR, error=error))
+
+    async def _monitor_health(self) -> None:
+        """Find dead workers of idle instances too (a step finds them on its own): every
+        ``health_check_interval_s``, ask each worker; one that died fails its instance."""
+        import ray
+
+        interval = self.config.health_check_interval_s
+        while True:
+            await asyncio.sleep(interval)
+            for iid, loop in list(self.loops.items()):
+                actors = self.specs[iid].actors
+                if not loop.alive or not actors:
+                    continue
+                calls = [a.health.options(concurrency_group=MONITOR).remote() for a in actors]
+                done, _ = await asyncio.wait(
+                    [asyncio.ensure_future(_awaitable(c)) for c in calls], timeout=10 * interval
+                )
+                for task in done:
+                    exc = task.exception()
+                    if isinstance(exc, ray.exceptions.RayActorError) and loop.alive:
+                        loop.fail(f"instance {iid}: a worker died ({type(exc).__name__})")
+                    elif exc is None and not task.result()["ok"] and loop.alive:
+                        # Ray restarted it (max_restarts): a new, empty process.
+                        loop.fail(f"instance {iid}: a worker restarted and lost its state")
+
+    async def _rejoin(self, spec: InstanceSpec) -> None:
+        """Bring a restarted instance back (Ray ``max_restarts``): reload the model where the
+        process is new, reset every stage's cache, and give it a fresh scheduler -- it
+        rejoins routing with an empty cache."""
+        import ray
+
+        iid = spec.instance_id
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        while time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+            try:
+                health = [
+                    await a.health.options(concurrency_group=MONITOR).remote() for a in spec.actors
+                ]
+                for actor, state in zip(spec.actors, health, strict=True):
+                    if not state["ok"]:
+                        await actor.load_model.remote()
+                for actor in spec.actors:  # survivors too: their requests' state is stale
+                    await actor.init_kv_cache.remote(spec.info["num_blocks"])
+                spec.info = await spec.actors[-1].info.remote()
+            except ray.exceptions.RayActorError:
+                continue  # still restarting (or dead for good: then until the deadline)
+            merger = getattr(spec.executor, "merger", None)
+            if merger is not None:
+                merger.forget()
+            loop = self._build_loop(spec)
+            self.loops[iid] = loop
+            self._loras[iid] = set()
+            loop.start()
+            logger.info("instance %s rejoined with an empty cache", iid)
+            self.failures.append(
+                {"instance_id": iid, "event": "rejoined", "reason": "", "time": time.time()}
+            )
+            return
+        logger.error("instance %s did not come back; it stays out of routing", iid)
 
     def _live(self, role: str) -> list[EngineLoop]:
         """Live instances that can take ``role`` work (decode: roles decode and both)."""
@@ -238,6 +381,7 @@ class SchedulerActor:
                 out.new_logprobs,
                 out.error,
             )
+            flight.sent.extend(out.new_token_ids)
             if out.finished:
                 self._finish(flight, client_out)
             else:
@@ -273,6 +417,7 @@ class SchedulerActor:
         flight.num_cached_tokens = out.num_cached_tokens
         flight.stage = "decode"
         flight.loop = decode
+        flight.sent.extend(first.new_token_ids)
         flight.queue.put_nowait(first)
         decode.add_request(
             clone_request(
@@ -316,7 +461,12 @@ class SchedulerActor:
 
     def stats(self) -> dict[str, Any]:
         """Per-instance state: requests held, KV usage, counters (for tests and metrics)."""
-        result: dict[str, Any] = {"num_flights": len(self.flights), "instances": {}}
+        result: dict[str, Any] = {
+            "num_flights": len(self.flights),
+            "num_moves": self.num_moves,
+            "failures": list(self.failures),
+            "instances": {},
+        }
         for iid, loop in self.loops.items():
             result["instances"][iid] = {"role": self.roles[iid], **loop.stats()}
         return result
@@ -330,7 +480,9 @@ class SchedulerActor:
                     a.transfer_history.options(concurrency_group=MONITOR).remote()
                     for a in spec.actors
                 ]
-                result[iid] = [record for stage in await asyncio.gather(*calls) for record in stage]
+                stages = await asyncio.gather(*calls, return_exceptions=True)
+                # A dead worker's history died with it.
+                result[iid] = [r for stage in stages if isinstance(stage, list) for r in stage]
             else:
                 result[iid] = spec.executor.worker.transfer_history()
         return result
@@ -342,7 +494,10 @@ class SchedulerActor:
         for iid, spec in self.specs.items():
             if spec.actors:
                 calls = [a.health.options(concurrency_group=MONITOR).remote() for a in spec.actors]
-                stages = list(await asyncio.gather(*calls))
+                stages = [
+                    s if isinstance(s, dict) else {"ok": False, "error": f"{type(s).__name__}"}
+                    for s in await asyncio.gather(*calls, return_exceptions=True)
+                ]
             else:
                 stages = [spec.executor.worker.health()]
             result[iid] = {**stages[0], "stages": stages}
@@ -367,3 +522,7 @@ class SchedulerActor:
 
     def reset_prefix_cache(self) -> bool:
         return all(loop.scheduler.reset_prefix_cache() for loop in self.loops.values())
+
+
+async def _awaitable(ref: Any) -> Any:
+    return await ref

@@ -56,9 +56,20 @@ class KVTransferParams(TypedDict, total=False):
 
 
 @dataclass
+class _Fetched:
+    """A fetch's outcome. A failure is a message, not the exception: its traceback would hold
+    the fetch's frames -- and the transport handles in them -- in a reference cycle until the
+    garbage collector runs (Ray objects would outlive their request)."""
+
+    data: list[KVPayload] | None
+    seconds: float
+    error: str | None = None
+
+
+@dataclass
 class _Load:
     spec: LoadSpec
-    future: cf.Future[tuple[list[KVPayload], float]]  # the data, seconds the fetch took
+    future: cf.Future[_Fetched]
     started: float  # time.monotonic()
     deadline: float  # time.monotonic()
     started_at: float  # time.time()
@@ -125,9 +136,15 @@ class WorkerConnector(ABC):
     def wait_for_layer_load(self, layer: int) -> None:  # noqa: B027
         """Loads are written before the forward pass, so every layer is ready."""
 
-    def _delayed_fetch(
-        self, segments: list[KVSegment], timeout_s: float
-    ) -> tuple[list[KVPayload], float]:
+    def _delayed_fetch(self, segments: list[KVSegment], timeout_s: float) -> _Fetched:
+        start = time.perf_counter()
+        try:
+            data = self._fetch_segments(segments, timeout_s)
+        except Exception as exc:
+            return _Fetched(None, time.perf_counter() - start, f"{type(exc).__name__}: {exc}")
+        return _Fetched(data, time.perf_counter() - start)
+
+    def _fetch_segments(self, segments: list[KVSegment], timeout_s: float) -> list[KVPayload]:
         if self.load_delay_s:
             time.sleep(self.load_delay_s)
         start = time.perf_counter()
@@ -148,7 +165,7 @@ class WorkerConnector(ABC):
                 f"the saved KV covers {covered} of this worker's {len(mine)} layers "
                 f"({[s.layers for s in segments]} vs {mine})"
             )
-        return data, time.perf_counter() - start
+        return data
 
     def _apply_loads(self) -> None:
         now = time.monotonic()
@@ -172,14 +189,21 @@ class WorkerConnector(ABC):
 
     def _write(self, load: _Load) -> bool:
         spec = load.spec
+        fetched = load.future.result()
+        data, error = fetched.data, fetched.error
         try:
-            data, fetch_seconds = load.future.result()
+            if data is None:
+                raise ConnectionError(error)
             start = time.perf_counter()
             num_bytes = self._scatter(spec, data)
-            del data  # release the transport's buffers (an object store pin) now
-            copy_seconds = fetch_seconds + time.perf_counter() - start
+            copy_seconds = fetched.seconds + time.perf_counter() - start
         except Exception as exc:  # any failure of a load means "recompute" (or "fail")
-            logger.warning("KV load of %s failed: %s: %s", spec.req_id, type(exc).__name__, exc)
+            error = f"{type(exc).__name__}: {exc}"
+        finally:
+            # Release the transport's buffers (an object store pin) now.
+            del data, fetched
+        if error is not None:
+            logger.warning("KV load of %s failed: %s", spec.req_id, error)
             self.history.append(
                 TransferRecord(
                     spec.req_id,
