@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: test lint generate cluster bench-scheduler bench-model bench-pd clean
+.PHONY: test lint generate cluster bench-scheduler bench-model bench-pd bench-pp bench-kv bench-recovery clean
 
 $(BIN)/activate: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -40,8 +40,19 @@ bench-model: $(BIN)/activate
 bench-pd: $(BIN)/activate
 	$(BIN)/python bench/pd_cluster.py --out bench/results/pd_cluster.json
 
+bench-pp: $(BIN)/activate
+	$(BIN)/python bench/pp_cluster.py --out bench/results/pp_cluster.json
+
+# KV transport bandwidth: grpc vs ray vs memcpy, one node and two.
+bench-kv: $(BIN)/activate
+	$(BIN)/python bench/kv_transport.py --out bench/results/kv_transport.json
+
 bench-scheduler: $(BIN)/activate
 	$(BIN)/python bench/scheduler_overhead.py --out bench/results/scheduler_overhead.json
+
+# Time to recovery from killed prefill / decode workers (SmolLM2, max_restarts).
+bench-recovery: $(BIN)/activate
+	$(BIN)/python bench/recovery.py --out bench/results/recovery.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

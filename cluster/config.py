@@ -15,6 +15,7 @@ layer (SchedulerActor, Router, workers) reads these; this module only validates.
 from __future__ import annotations
 
 import secrets
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal
 
@@ -150,19 +151,19 @@ class RouterConfig(_Config):
 class KVTransferConfig(_Config):
     """The KV connector between prefill and decode instances.
 
-    The ``grpc`` transport's knobs are ignored by ``ray``. Its ``auth_token`` is the cluster
-    token every KV request carries: unset, a random one is made when the config is built, and
-    every worker started from this config shares it (the config travels to the actors
-    pickled). It is a ``SecretStr``: never in reprs, logs or ``model_dump_json`` (which shows
-    ``**********``, not to be fed back in).
+    The ``grpc`` transport's knobs are ignored by ``ray``. Its cluster token, which every KV
+    request carries, is ``auth_token`` or, unset, a random one made when the config is built:
+    every worker started from this config shares it (copies and the pickles sent to the actors
+    keep it), while two configs loaded from one file still compare equal. A ``SecretStr``:
+    never in reprs, logs or dumps.
     """
 
     transport: Literal["ray", "grpc"] = "ray"
     timeout_s: float = Field(5.0, gt=0.0, le=600.0, description="Deadline of one transfer.")
     failure_policy: Literal["recompute", "fail"] = "recompute"
-    auth_token: SecretStr = Field(
-        default_factory=lambda: SecretStr(secrets.token_urlsafe(32)),
-        description="grpc: the cluster token KV requests carry (random per cluster if unset; "
+    auth_token: SecretStr | None = Field(
+        None,
+        description="grpc: the cluster token KV requests carry (random per config if unset; "
         "set it when several processes build their own config for one cluster).",
     )
     lease_s: float | None = Field(
@@ -191,14 +192,23 @@ class KVTransferConfig(_Config):
 
     @model_validator(mode="after")
     def _check(self) -> KVTransferConfig:
-        token = self.auth_token.get_secret_value()
-        if len(token) < 16:
+        token = None if self.auth_token is None else self.auth_token.get_secret_value()
+        if token is not None and len(token) < 16:
             raise ValueError("kv_transfer.auth_token must be at least 16 characters")
-        if set(token) == {"*"}:
+        if token is not None and set(token) == {"*"}:
             raise ValueError(
-                "kv_transfer.auth_token is a masked secret (from a JSON dump): set the real one"
+                "kv_transfer.auth_token is a masked secret (from a dump): set the real one"
             )
         return self
+
+    def model_post_init(self, context: Any, /) -> None:
+        _ = self.cluster_token  # made now, so that every copy of this config carries it
+
+    @cached_property
+    def cluster_token(self) -> SecretStr:
+        """``auth_token``, or the random token made for this config when it was built. Kept
+        in the instance, not in a field: not dumped, not compared."""
+        return self.auth_token or SecretStr(secrets.token_urlsafe(32))
 
     @property
     def effective_lease_s(self) -> float:
@@ -212,7 +222,7 @@ class KVTransferConfig(_Config):
         if self.transport != "grpc":
             return {}
         return {
-            "auth_token": self.auth_token,  # unwrapped by the connector only
+            "auth_token": self.cluster_token,  # unwrapped by the connector only
             "lease_s": self.effective_lease_s,
             "bind_host": self.bind_host,
             "advertise_host": self.advertise_host,

@@ -1,5 +1,5 @@
 """The KV connector: a role-split API (scheduler side / worker side) and transports (the Ray
-object store; gRPC later) that move KV blocks between workers on any nodes.
+object store, gRPC) that move KV blocks between workers on any nodes.
 
 The scheduler side's abstract hooks are defined in ``scheduler.kv_connector`` (so the scheduler
 depends on nothing above it); ``PDConnector`` implements them for prefill/decode hand-off.

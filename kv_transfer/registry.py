@@ -9,6 +9,7 @@ from kv_transfer.base import WorkerConnector
 
 _TRANSPORTS = {
     "ray": "kv_transfer.ray_transport:RayWorkerConnector",
+    "grpc": "kv_transfer.grpc_transport:GrpcWorkerConnector",
 }
 
 

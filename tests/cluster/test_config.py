@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
 
-from cluster.config import ClusterConfig
+from cluster.config import ClusterConfig, KVTransferConfig
 
 PD = """
 model: null
@@ -112,3 +113,64 @@ def test_pipeline_stages_add_their_resources_to_the_pools() -> None:
     pool = config.pools[0]
     assert pool.resources_of_stage(0) == {"prefill": 0.75}
     assert pool.resources_of_stage(1) == {"prefill": 0.5, "gpu_node": 1}
+
+
+# -- kv_transfer: the grpc transport's options ----------------------------------------------------
+def test_grpc_options_reach_the_connector() -> None:
+    cfg = ClusterConfig.from_yaml(
+        "kv_transfer: {transport: grpc, timeout_s: 2, lease_s: 9, bind_host: 0.0.0.0, "
+        "advertise_host: kv-node-1, chunk_size_bytes: 65536, auth_token: a-token-of-16-chars}"
+    )
+    options = cfg.kv_transfer.connector_options()
+    assert options["auth_token"].get_secret_value() == "a-token-of-16-chars"
+    assert {k: v for k, v in options.items() if k != "auth_token"} == {
+        "lease_s": 9.0,
+        "bind_host": "0.0.0.0",
+        "advertise_host": "kv-node-1",
+        "chunk_size_bytes": 65536,
+    }
+    assert (
+        ClusterConfig.from_yaml("kv_transfer: {transport: ray}").kv_transfer.connector_options()
+        == {}
+    )
+
+
+def test_grpc_lease_outlives_the_transfer_deadline_by_default() -> None:
+    for timeout_s, lease_s in [(1.0, 2.0), (5.0, 7.5), (60.0, 90.0)]:
+        kv = KVTransferConfig(transport="grpc", timeout_s=timeout_s)
+        assert kv.effective_lease_s == lease_s == kv.connector_options()["lease_s"]
+
+
+def test_a_generated_cluster_token_is_shared_by_every_copy_and_never_shown() -> None:
+    cfg = ClusterConfig.from_yaml("kv_transfer: {transport: grpc}")
+    token = cfg.kv_transfer.cluster_token.get_secret_value()
+    assert len(token) >= 32
+    # Every worker gets the config's token: pickled to the actors, or copied.
+    assert pickle.loads(pickle.dumps(cfg)).kv_transfer.cluster_token.get_secret_value() == token
+    assert (
+        cfg.model_copy(update={"block_size": 8}).kv_transfer.cluster_token
+        == cfg.kv_transfer.cluster_token
+    )
+    assert cfg.kv_transfer.connector_options()["auth_token"].get_secret_value() == token
+    # Another config gets another token, yet loading one file twice gives equal configs.
+    other = ClusterConfig.from_yaml("kv_transfer: {transport: grpc}")
+    assert other.kv_transfer.cluster_token.get_secret_value() != token
+    assert other == cfg
+    options = cfg.kv_transfer.connector_options()
+    for text in (repr(cfg), str(cfg), cfg.model_dump_json(), repr(options), str(cfg.model_dump())):
+        assert token not in text
+
+
+@pytest.mark.parametrize(
+    ("kv_transfer", "message"),
+    [
+        ({"auth_token": "short"}, "at least 16"),
+        ({"auth_token": "*" * 20}, "masked secret"),
+        ({"lease_s": 0}, "lease_s"),
+        ({"chunk_size_bytes": 100}, "chunk_size_bytes"),
+        ({"bind_host": ""}, "bind_host"),
+    ],
+)
+def test_bad_grpc_options_name_the_field(kv_transfer: dict[str, object], message: str) -> None:
+    with pytest.raises(ValidationError, match=message):
+        ClusterConfig.model_validate({"kv_transfer": {"transport": "grpc", **kv_transfer}})

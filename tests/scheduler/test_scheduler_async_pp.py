@@ -45,9 +45,9 @@ class Pipeline:
         self.steps: list[SchedulerOutput] = []
         self.max_in_flight = 0
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, max_running_reqs: int | None = None) -> SchedulerOutput:
         s = self.s
-        out = s.schedule()
+        out = s.schedule(max_running_reqs)
         self.steps.append(out)
         for req_id, n in out.num_scheduled_tokens.items():
             assert s.requests[req_id].status == RequestStatus.RUNNING
@@ -330,3 +330,118 @@ def test_preempted_request_room_free_still_waits_for_its_stale_output(
     p.run()
     assert p.produced["b"] == [1000 + i for i in range(20)]
     assert_all_free(s)
+
+
+# -- micro-batches: schedule(max_running_reqs) -------------------------------------------------
+
+
+def _decoding(s: Scheduler, n: int) -> Pipeline:
+    """``n`` requests ``d0``.. whose prompts are computed and first token sampled: all running,
+    nothing in flight."""
+    for k in range(n):
+        s.add_request(make_request(list(range(k * 10, k * 10 + 4)), req_id=f"d{k}", max_tokens=6))
+    p = Pipeline(s, depth=2)
+    p.schedule()
+    p.update()
+    assert len(s.running) == n and all(r.num_in_flight_tokens == 0 for r in s.running)
+    assert all(len(r.output_token_ids) == 1 for r in s.running)
+    return p
+
+
+@pytest.mark.parametrize("n", [2, 5, 8])
+def test_cap_splits_running_decodes_into_disjoint_micro_batches(n: int) -> None:
+    s = make_scheduler()
+    p = _decoding(s, n)
+    k = -(-n // 2)
+    first = p.schedule(k)
+    second = p.schedule(k)  # the first is still in flight
+    a, b = set(first.num_scheduled_tokens), set(second.num_scheduled_tokens)
+    assert len(a) == k and len(b) == n - k
+    assert not a & b and a | b == {f"d{i}" for i in range(n)}
+    assert all(v == 1 for v in first.num_scheduled_tokens.values())
+    assert all(v == 1 for v in second.num_scheduled_tokens.values())
+    assert first.scheduled_cached_reqs.req_ids == [f"d{i}" for i in range(k)]  # in queue order
+    assert not first.scheduled_new_reqs and not second.scheduled_new_reqs
+    # Both micro-batches are out: a third step has nothing to continue.
+    assert p.schedule(k).total_num_scheduled_tokens == 0
+    p.in_flight.pop()
+    p.update()
+    # The first micro-batch is back: it forms the next step again, the second still in flight.
+    third = p.schedule(k)
+    assert set(third.num_scheduled_tokens) == a
+    p.update()
+    p.update()
+    assert {rid: len(t) for rid, t in p.produced.items()} == {
+        f"d{i}": 3 if f"d{i}" in a else 2 for i in range(n)
+    }
+
+
+def test_cap_larger_than_the_idle_requests_takes_what_is_not_in_flight() -> None:
+    s = make_scheduler()
+    p = _decoding(s, 3)
+    assert set(p.schedule(1).num_scheduled_tokens) == {"d0"}
+    assert set(p.schedule(5).num_scheduled_tokens) == {"d1", "d2"}
+
+
+def test_cap_still_admits_waiting_requests() -> None:
+    s = make_scheduler()
+    p = _decoding(s, 4)
+    s.add_request(make_request(list(range(500, 506)), req_id="w0", max_tokens=3))
+    s.add_request(make_request(list(range(600, 603)), req_id="w1", max_tokens=3))
+    first = p.schedule(2)
+    assert first.num_scheduled_tokens == {"d0": 1, "d1": 1, "w0": 6, "w1": 3}
+    assert [r.req_id for r in first.scheduled_new_reqs] == ["w0", "w1"]
+    assert [r.request_id for r in s.running] == ["d0", "d1", "d2", "d3", "w0", "w1"]
+    second = p.schedule(2)
+    assert second.num_scheduled_tokens == {"d2": 1, "d3": 1}
+    assert not second.scheduled_new_reqs
+    p.update()
+    p.update()
+    assert p.produced["w0"] == [1000] and p.produced["w1"] == [1000]
+    assert not s.waiting
+
+
+def test_no_cap_continues_every_running_request_in_one_step() -> None:
+    s = make_scheduler()
+    p = _decoding(s, 5)
+    first = p.schedule(None)
+    assert set(first.num_scheduled_tokens) == {f"d{i}" for i in range(5)}
+    assert p.schedule(None).total_num_scheduled_tokens == 0  # all in flight
+    p.in_flight.pop()
+    p.update()
+    assert set(p.schedule().num_scheduled_tokens) == {f"d{i}" for i in range(5)}
+
+
+@pytest.mark.parametrize("depth", [2, 3])
+def test_capped_micro_batches_give_the_tokens_of_one_batch_at_a_time(depth: int) -> None:
+    """The engine loop's policy -- cap = ceil(running / depth) for every step -- changes no
+    token, and splits requests that are all idle at once (here: admitted in one step) into
+    micro-batches within the cap."""
+    eos = _eos_at({"r1": 2, "r4": 0})
+    results = []
+    for pipelined in (False, True):
+        s = make_scheduler(max_num_batched_tokens=128, max_num_seqs=8)
+        _workload(s)
+        p = Pipeline(s, depth if pipelined else 1, eos)
+        split_steps = 0
+        while s.has_unfinished_requests() or p.in_flight:
+            if len(p.in_flight) < p.depth and s.has_unfinished_requests():
+                cap = -(-len(s.running) // p.depth) or None
+                idle = {r.request_id for r in s.running if not r.num_in_flight_tokens}
+                out = p.schedule(cap)
+                if cap is not None:
+                    assert len(idle & set(out.num_scheduled_tokens)) <= cap
+                    split_steps += len(idle) > cap
+                if out.total_num_scheduled_tokens:
+                    continue
+                p.in_flight.pop()
+            p.update()
+            assert s.num_steps < 500
+        assert_all_free(s)
+        assert (split_steps > 0) == pipelined, "the scenario must split the running requests"
+        assert p.max_in_flight == p.depth
+        results.append((p.produced, p.finish))
+    assert results[0] == results[1]
+    produced, finish = results[0]
+    assert produced["r1"] == [1000, 1001, EOS] and finish["r1"] == "stop"
+    assert produced["r0"] == [1000 + i for i in range(6)] and finish["r0"] == "length"

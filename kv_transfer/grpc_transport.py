@@ -1,0 +1,396 @@
+"""The ``grpc`` KV transport: every worker serves its own KV blocks in place; decode workers
+pull them over gRPC (protocol: ``kv_transfer/proto/kv_transfer.proto``).
+
+Prefill side: a save copies nothing. ``_publish`` puts the request's blocks under a *lease*
+(a random id, the block ids, an expiry) and returns a ``GrpcLease`` handle: the worker's KV
+server address, the lease id, the layers it covers. The segment is ``in_place``, so the
+scheduler keeps the blocks allocated until ``finished_sending`` reports the lease ended::
+
+    save ─▶ lease (blocks held) ─┬─ every layer pulled at least once ─▶ ended ─▶ blocks freed
+                                 └─ expired (lease_s), no pull running ─▶ ended ─▶ blocks freed
+
+An ended lease is gone: a later pull gets NOT_FOUND. A pull in progress pins its lease, so
+blocks are never freed (and reused) under a stream that still reads them; a pull cannot
+outlive the puller's deadline, after which gRPC cancels it on both sides.
+
+Decode side: ``_fetch`` sends one ``Pull`` for the layers it needs (a pipeline stage pulls its
+own range of a lease; the lease ends once all of its layers have been pulled) with the transfer
+deadline, and gets a ``PullHeader`` then raw bytes: per layer, K then V, the lease's blocks in
+order. They land in one buffer that the ``KVPayload`` views (one run of all blocks). No pickle
+crosses the network: protobuf headers, raw tensor bytes. The data messages are encoded and
+decoded by hand (``_frame``, ``_unframe``: protobuf's copies cost more than the network on one
+machine), yet they are ordinary ``PullChunk`` messages that any client of the proto can read.
+
+Every call carries the cluster token (``KVTransferConfig.auth_token``) in its metadata; the
+server refuses a missing or wrong one with UNAUTHENTICATED, before reading anything. A source
+that is gone fails the pull at once (UNAVAILABLE: the call does not wait for the server).
+"""
+
+from __future__ import annotations
+
+import hmac
+import itertools
+import logging
+import socket
+import threading
+from collections.abc import Iterator
+from concurrent import futures
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import grpc
+import numpy as np
+import torch
+
+from kv_transfer.base import WorkerConnector
+from kv_transfer.blocks import KVPayload
+from kv_transfer.leases import Lease, LeaseTable
+
+try:
+    from kv_transfer.proto import kv_transfer_pb2 as pb
+except ImportError as exc:  # a source checkout that was never installed
+    raise ImportError(
+        "the gRPC KV transport's modules are generated from kv_transfer/proto/kv_transfer.proto "
+        "at install time: run `pip install -e .` (or `make`) in the repository"
+    ) from exc
+
+if TYPE_CHECKING:
+    from pydantic import SecretStr
+
+logger = logging.getLogger(__name__)
+
+TOKEN_METADATA_KEY = "tandem-kv-token"  # gRPC metadata keys are lower case
+_DTYPES: dict[torch.dtype, tuple[int, np.dtype[Any]]] = {
+    torch.float32: (pb.DTYPE_FLOAT32, np.dtype(np.float32)),
+    torch.float16: (pb.DTYPE_FLOAT16, np.dtype(np.float16)),
+    torch.bfloat16: (pb.DTYPE_BFLOAT16, np.dtype(np.int16)),  # bit patterns, as everywhere
+}
+_NUMPY_DTYPES: dict[int, np.dtype[Any]] = {code: dtype for code, dtype in _DTYPES.values()}
+_WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
+_SERVICE = pb.DESCRIPTOR.services_by_name["KVTransfer"].full_name  # tandem.kv.v1.KVTransfer
+_PULL = f"/{_SERVICE}/Pull"
+# The key of PullChunk.data on the wire: field 2, length-delimited.
+_DATA_KEY = bytes([2 << 3 | 2])
+
+
+@dataclass(frozen=True)
+class GrpcLease:
+    """A ``KVSegment.handle`` of this transport: where a lease is served. Small and picklable;
+    it travels in ``kv_transfer_params``. Holds no secret: pulls need the cluster token too."""
+
+    address: str  # host:port of the source worker's KV server
+    lease_id: str
+    first_layer: int  # the model layers [first_layer, last_layer) the lease covers
+    last_layer: int
+    num_blocks: int
+
+
+class _KVServicer:
+    """The ``KVTransfer`` service of one connector (runs on the gRPC server's threads)."""
+
+    def __init__(self, connector: GrpcWorkerConnector) -> None:
+        self.connector = connector
+
+    def Pull(self, request: Any, context: Any) -> Iterator[bytes]:  # the RPC's name
+        c = self.connector
+        if not c.is_authorized(context.invocation_metadata()):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong cluster token")
+        layers = range(request.first_layer, request.last_layer)
+        try:
+            lease = c.leases.pin(request.lease_id, layers)
+        except KeyError:
+            lease = None
+            context.abort(grpc.StatusCode.NOT_FOUND, "no such lease (expired or pulled)")
+        except ValueError as exc:
+            lease = None
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        assert lease is not None  # abort() raises
+        complete = False
+        try:
+            yield from c.stream(lease, layers, context)
+            complete = True
+        finally:
+            c.leases.unpin(request.lease_id, layers, complete)
+
+
+class GrpcWorkerConnector(WorkerConnector):
+    """Serves this worker's blocks under leases and pulls other workers' over gRPC.
+
+    ``auth_token``: the cluster token (requests without it are refused). ``lease_s``: how long
+    saved blocks wait for their pull. ``bind_host``: the address the KV server binds (port
+    chosen by the system); ``advertise_host``: the one handles name, by default ``bind_host``
+    or, for a wildcard, this machine's address. ``chunk_size_bytes``: the largest data message.
+    """
+
+    transport: ClassVar[str] = "grpc"
+    supports_cross_node: ClassVar[bool] = True
+    supports_layer_ranges: ClassVar[bool] = True
+    serves_in_place: ClassVar[bool] = True
+
+    def __init__(
+        self,
+        *,
+        auth_token: str | SecretStr,
+        lease_s: float = 10.0,
+        bind_host: str = "127.0.0.1",
+        advertise_host: str | None = None,
+        chunk_size_bytes: int = 1 << 20,
+        max_parallel_loads: int = 4,
+        server_threads: int = 8,
+    ) -> None:
+        super().__init__(max_parallel_loads)
+        token = auth_token if isinstance(auth_token, str) else auth_token.get_secret_value()
+        if not token:
+            raise ValueError("the grpc KV transport needs a non-empty auth_token")
+        if lease_s <= 0 or chunk_size_bytes <= 0:
+            raise ValueError("lease_s and chunk_size_bytes must be > 0")
+        self._token = token.encode()
+        self.lease_s = lease_s
+        self.bind_host = bind_host
+        self.advertise_host = advertise_host
+        self.chunk_size_bytes = chunk_size_bytes
+        self.server_threads = server_threads
+        self.leases = LeaseTable()
+        self.address: str | None = None  # host:port of the KV server, once started
+        self._server: Any = None
+        self._channels: dict[str, Any] = {}  # address -> grpc.Channel, shared by fetches
+        self._channels_lock = threading.Lock()
+
+    # -- set-up ----------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: list[torch.Tensor], layers: range) -> None:
+        """Also starts the KV server (once). New caches end every lease: the blocks they
+        named are gone."""
+        self.leases.end_all()
+        super().register_kv_caches(kv_caches, layers)
+        if self._server is None:
+            self._start_server()
+
+    def _start_server(self) -> None:
+        server = grpc.server(
+            futures.ThreadPoolExecutor(self.server_threads, thread_name_prefix="kv-serve"),
+            options=[("grpc.max_receive_message_length", 1 << 16), ("grpc.so_reuseport", 0)],
+        )
+        # Data messages are framed by hand (``_frame``), so responses go out as they are.
+        pull = grpc.unary_stream_rpc_method_handler(
+            _KVServicer(self).Pull,
+            request_deserializer=pb.PullRequest.FromString,
+            response_serializer=_as_is,
+        )
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(_SERVICE, {"Pull": pull}),)
+        )
+        port = server.add_insecure_port(_join(self.bind_host, 0))
+        server.start()
+        self._server = server
+        host = self.advertise_host or self.bind_host
+        if host in _WILDCARD_HOSTS:
+            host = socket.gethostbyname(socket.gethostname())
+        self.address = _join(host, port)
+        logger.info("KV server on %s, advertised as %s", self.bind_host, self.address)
+
+    def close(self) -> None:
+        """Stop the KV server (pulls in progress are cancelled) and drop the channels."""
+        if self._server is not None:
+            self._server.stop(grace=None)
+            self._server = None
+        with self._channels_lock:
+            channels, self._channels = self._channels, {}
+        for channel in channels.values():
+            channel.close()
+        super().close()
+
+    # -- prefill side ----------------------------------------------------------------------
+    def _publish(self, req_id: str, block_ids: list[int]) -> tuple[Any, int]:
+        if self.address is None:
+            raise RuntimeError("register_kv_caches first: the KV server is not running")
+        lease_id = self.leases.add(req_id, block_ids, self.layers, self.lease_s)
+        handle = GrpcLease(
+            self.address, lease_id, self.layers.start, self.layers.stop, len(block_ids)
+        )
+        per_block = sum(cache[:, 0].nbytes for cache in self.kv_caches)
+        return handle, per_block * len(block_ids)
+
+    def _finished_sending(self) -> set[str]:
+        return self.leases.take_ended()
+
+    def is_authorized(self, metadata: Any) -> bool:
+        """Whether gRPC ``metadata`` carries the cluster token (constant-time comparison)."""
+        for key, value in metadata or ():
+            if key == TOKEN_METADATA_KEY:
+                given = value if isinstance(value, bytes) else str(value).encode()
+                return hmac.compare_digest(given, self._token)
+        return False
+
+    def stream(self, lease: Lease, layers: range, context: Any) -> Iterator[bytes]:
+        """The encoded messages of a pull: the header, then the layers' K and V blocks as one
+        byte stream cut into ``chunk_size_bytes`` messages (a message may span layers: fewer,
+        larger messages are what makes gRPC fast). Each layer's blocks are gathered (one
+        copy) just before they are sent; framing builds each message (a second)."""
+        caches = [self.kv_caches[layer - self.layers.start] for layer in layers]
+        first = caches[0]
+        code, _ = _DTYPES[first.dtype]
+        num_blocks = len(lease.block_ids)
+        layer_bytes = 2 * num_blocks * first[0, 0].nbytes
+        header = pb.PullHeader(
+            first_layer=layers.start,
+            num_layers=len(layers),
+            num_blocks=num_blocks,
+            block_size=first.shape[2],
+            kv_heads=first.shape[3],
+            head_dim=first.shape[4],
+            dtype=code,
+            total_bytes=layer_bytes * len(layers),
+        )
+        yield pb.PullChunk(header=header).SerializeToString()
+        index = torch.tensor(lease.block_ids, dtype=torch.long, device=first.device)
+        chunk = self.chunk_size_bytes
+        parts: list[memoryview] = []  # views of gathered layers, for the next message
+        size = 0
+        for cache in caches:
+            if not context.is_active():
+                return  # the puller gave up (its deadline): stop reading the blocks
+            blocks = cache.index_select(1, index)  # [2, num_blocks, ...]: K then V, in order
+            if blocks.dtype == torch.bfloat16:
+                blocks = blocks.view(torch.int16)
+            data = blocks.cpu().numpy().reshape(-1).view(np.uint8).data
+            pos = 0
+            while pos < layer_bytes:
+                take = min(chunk - size, layer_bytes - pos)
+                parts.append(data[pos : pos + take])
+                size, pos = size + take, pos + take
+                if size == chunk:
+                    yield _frame(parts, size)
+                    parts, size = [], 0
+        if parts:
+            yield _frame(parts, size)
+
+    # -- decode side -----------------------------------------------------------------------
+    def _fetch(self, handle: Any, layers: range, timeout_s: float) -> KVPayload:
+        if not isinstance(handle, GrpcLease):
+            raise TypeError(f"the grpc transport cannot fetch a {type(handle).__name__}")
+        if timeout_s <= 0:
+            raise TimeoutError("no time left for the KV pull")
+        request = pb.PullRequest(
+            lease_id=handle.lease_id, first_layer=layers.start, last_layer=layers.stop
+        )
+        call = self._stub(handle.address)(
+            request,
+            timeout=timeout_s,
+            metadata=((TOKEN_METADATA_KEY, self._token.decode()),),
+            wait_for_ready=False,  # a source that is gone fails at once, not at the deadline
+        )
+        try:
+            return _receive(call, handle, layers)
+        except grpc.RpcError as exc:
+            code = exc.code() if hasattr(exc, "code") else None
+            details = exc.details() if hasattr(exc, "details") else str(exc)
+            name = code.name if code is not None else "error"
+            raise ConnectionError(
+                f"KV pull from {handle.address} failed: {name}: {details}"
+            ) from None
+        finally:
+            call.cancel()  # a no-op once the stream ended; stops the server after an error
+
+    def _stub(self, address: str) -> Any:
+        """The ``Pull`` call on a channel to ``address`` (one channel per address, shared)."""
+        with self._channels_lock:
+            channel = self._channels.get(address)
+            if channel is None:
+                limit = max(self.chunk_size_bytes, 4 << 20) + (64 << 10)
+                channel = grpc.insecure_channel(
+                    address, options=[("grpc.max_receive_message_length", limit)]
+                )
+                self._channels[address] = channel
+        # Responses arrive encoded: ``_receive`` decodes them.
+        return channel.unary_stream(
+            _PULL, request_serializer=pb.PullRequest.SerializeToString, response_deserializer=_as_is
+        )
+
+
+def _receive(call: Iterator[bytes], handle: GrpcLease, layers: range) -> KVPayload:
+    """Read a pull's stream into one buffer; check it against the handle and the request
+    before anything is allocated or kept."""
+    first = next(call, None)
+    message = None if first is None else pb.PullChunk.FromString(first)
+    if message is None or message.WhichOneof("kind") != "header":
+        raise ValueError("the KV stream did not start with a header")
+    h = message.header
+    dtype = _NUMPY_DTYPES.get(h.dtype)
+    shape = (h.num_layers, 2, h.num_blocks, h.block_size, h.kv_heads, h.head_dim)
+    if dtype is None:
+        raise ValueError(f"the KV stream has an unknown dtype ({h.dtype})")
+    expected = (layers.start, len(layers), handle.num_blocks)
+    if (h.first_layer, h.num_layers, h.num_blocks) != expected:
+        raise ValueError(
+            f"the KV stream holds layers [{h.first_layer}, +{h.num_layers}) x {h.num_blocks} "
+            f"blocks; asked for {layers} x {handle.num_blocks}"
+        )
+    if h.total_bytes != int(np.prod(shape)) * dtype.itemsize:
+        raise ValueError(f"the KV stream's size ({h.total_bytes} B) does not match its shape")
+    buffer = np.empty(h.total_bytes, dtype=np.uint8)
+    filled = 0
+    for raw in call:
+        start, size = _unframe(raw)
+        if filled + size > h.total_bytes:
+            raise ValueError("the KV stream sent more than its header announced")
+        buffer[filled : filled + size] = np.frombuffer(raw, np.uint8, size, start)
+        filled += size
+    if filled != h.total_bytes:
+        raise ValueError(f"the KV stream ended after {filled} of {h.total_bytes} bytes")
+    data = buffer.view(dtype).reshape(shape)
+    pieces = [data[i, kv] for i, kv in itertools.product(range(h.num_layers), (0, 1))]
+    return KVPayload(
+        runs=[h.num_blocks],
+        pieces=pieces,
+        num_layers=h.num_layers,
+        bfloat16=h.dtype == pb.DTYPE_BFLOAT16,
+        first_layer=h.first_layer,
+    )
+
+
+# -- PullChunk.data on the wire ---------------------------------------------------------------
+# A data message is built and read by hand: protobuf would copy each payload three more times
+# (into the message, out to the wire, out of the parsed message), which costs more than the
+# network on one machine. The bytes are a valid PullChunk all the same:
+#
+#     0x12  varint(len(data))  data          (field 2, length-delimited)
+def _frame(parts: list[memoryview], size: int) -> bytes:
+    """The encoded ``PullChunk(data=b"".join(parts))``, in one copy."""
+    return b"".join([_DATA_KEY, _varint(size), *parts])
+
+
+def _unframe(message: bytes) -> tuple[int, int]:
+    """(offset, length) of the data in an encoded ``PullChunk``; ``ValueError`` if it is not
+    a data message (or is malformed)."""
+    if message[:1] != _DATA_KEY:
+        raise ValueError("the KV stream sent something other than data after its header")
+    size, shift, i = 0, 0, 1
+    while True:
+        if i >= len(message) or shift > 63:
+            raise ValueError("the KV stream sent a malformed data message")
+        byte = message[i]
+        size |= (byte & 0x7F) << shift
+        i, shift = i + 1, shift + 7
+        if not byte & 0x80:
+            break
+    if i + size != len(message):
+        raise ValueError("the KV stream sent a malformed data message")
+    return i, size
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _as_is(data: bytes) -> bytes:
+    return data
+
+
+def _join(host: str, port: int) -> str:
+    """``host:port``, with an IPv6 address in brackets."""
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"

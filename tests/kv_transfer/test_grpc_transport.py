@@ -1,0 +1,365 @@
+"""The gRPC KV transport in one process: connectors on loopback serve leased blocks and pull
+them bit for bit, by layer range, in chunks of any size; the token is checked; leases end when
+pulled or expired (then a pull gets NOT_FOUND); a source that is gone fails a load at once."""
+
+from __future__ import annotations
+
+import pickle
+import socket
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+import pytest
+import torch
+
+from kv_transfer.base import WorkerConnector
+from kv_transfer.connector import KVConnectorMetadata, KVSegment, LoadSpec, SaveSpec
+from kv_transfer.grpc_transport import (
+    TOKEN_METADATA_KEY,
+    GrpcLease,
+    GrpcWorkerConnector,
+    _frame,
+    _unframe,
+)
+from kv_transfer.leases import LeaseTable
+from kv_transfer.proto import kv_transfer_pb2 as pb
+from kv_transfer.proto import kv_transfer_pb2_grpc as pb_grpc
+from kv_transfer.registry import create_worker_connector
+
+NUM_LAYERS, BLOCK, KV_HEADS, HEAD_DIM = 4, 4, 2, 8
+TOKEN = "test-token-0123456789abcdef"
+SRC_TABLE = [5, 1, 7, 2]  # the saved request's block table; 10 tokens fill its first three
+DST_IDS = [11, 0, 6]
+
+
+def _caches(
+    num_blocks: int, dtype: torch.dtype, seed: int, layers: range = range(NUM_LAYERS)
+) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    shape = (2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
+    return [torch.randn(*shape, generator=gen).to(dtype) for _ in layers]
+
+
+@pytest.fixture
+def make() -> Iterator[Callable[..., GrpcWorkerConnector]]:
+    """Builds connectors holding ``layers`` of a cache (closed after the test)."""
+    made: list[GrpcWorkerConnector] = []
+
+    def build(
+        num_blocks: int = 8,
+        seed: int = 0,
+        layers: range = range(NUM_LAYERS),
+        dtype: torch.dtype = torch.float32,
+        **options: Any,
+    ) -> GrpcWorkerConnector:
+        connector = GrpcWorkerConnector(auth_token=options.pop("auth_token", TOKEN), **options)
+        connector.register_kv_caches(_caches(num_blocks, dtype, seed, layers), layers)
+        made.append(connector)
+        return connector
+
+    yield build
+    for connector in made:
+        connector.close()
+
+
+def _save(src: WorkerConnector, num_tokens: int = 10, req_id: str = "r") -> list[KVSegment]:
+    src.wait_for_save(
+        KVConnectorMetadata(saves=[SaveSpec(req_id, num_tokens)]), {req_id: SRC_TABLE}
+    )
+    saved: list[KVSegment] = src.report().saved[req_id]
+    return saved
+
+
+def _load(
+    dst: WorkerConnector, handle: list[KVSegment], timeout_s: float = 5.0, req_id: str = "r"
+) -> tuple[set[str] | None, set[str] | None]:
+    """Load ``handle`` into ``DST_IDS``, stepping idle until the load ends; (done, failed)."""
+    dst.start_load_kv(KVConnectorMetadata(loads=[LoadSpec(req_id, handle, DST_IDS, 0, timeout_s)]))
+    deadline = time.monotonic() + timeout_s + 5.0
+    while dst.num_loading() and time.monotonic() < deadline:
+        dst.start_load_kv(None, idle=True)
+    assert dst.num_loading() == 0, "the load never ended"
+    _, done, failed = dst.get_finished()
+    return done, failed
+
+
+def _same_blocks(dst: WorkerConnector, src: WorkerConnector, layers: range) -> bool:
+    """Whether the destination's ``DST_IDS`` hold the source's first three blocks, bit for bit,
+    in the model ``layers`` (both connectors hold them)."""
+    for layer in layers:
+        got = dst.kv_caches[layer - dst.layers.start]
+        want = src.kv_caches[layer - src.layers.start]
+        for s, d in zip(SRC_TABLE[:3], DST_IDS, strict=True):
+            if not torch.equal(got[:, d].view(torch.uint8), want[:, s].view(torch.uint8)):
+                return False
+    return True
+
+
+def _snapshot(c: WorkerConnector) -> list[torch.Tensor]:
+    return [t.clone() for t in c.kv_caches]
+
+
+def _unchanged(c: WorkerConnector, before: list[torch.Tensor]) -> bool:
+    return all(torch.equal(a, b) for a, b in zip(c.kv_caches, before, strict=True))
+
+
+def _sending(c: WorkerConnector) -> set[str] | None:
+    return c.get_finished()[0]
+
+
+# -- the round trip --------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pulled_blocks_land_bit_for_bit_and_end_the_lease(
+    make: Callable[..., GrpcWorkerConnector], dtype: torch.dtype
+) -> None:
+    src, dst = make(dtype=dtype), make(num_blocks=12, seed=1, dtype=dtype)
+    handle = _save(src)
+    (segment,) = handle
+    assert segment.in_place and segment.layers == range(NUM_LAYERS)
+    lease = segment.handle
+    assert isinstance(lease, GrpcLease) and lease.address == src.address
+    assert lease.num_blocks == 3 and pickle.loads(pickle.dumps(lease)) == lease
+    assert _sending(src) is None  # held until pulled
+    before = _snapshot(dst)
+
+    assert _load(dst, handle) == ({"r"}, None)
+    assert _same_blocks(dst, src, range(NUM_LAYERS))
+    others = [b for b in range(12) if b not in DST_IDS]
+    for layer, old in zip(dst.kv_caches, before, strict=True):
+        assert torch.equal(layer[:, others], old[:, others])
+    per_block = NUM_LAYERS * 2 * BLOCK * KV_HEADS * HEAD_DIM * dtype.itemsize
+    assert dst.report().bytes_loaded == 3 * per_block
+    # The lease ended with the pull: reported once, and gone.
+    assert _sending(src) == {"r"}
+    assert _sending(src) is None and len(src.leases) == 0
+    with pytest.raises(ConnectionError, match="NOT_FOUND"):
+        dst._fetch(lease, range(NUM_LAYERS), 5.0)
+
+
+def test_registry_builds_it_from_the_config_options() -> None:
+    from cluster.config import KVTransferConfig
+
+    options = KVTransferConfig(transport="grpc", timeout_s=2.0).connector_options()
+    connector = create_worker_connector("grpc", **options)
+    try:
+        assert isinstance(connector, GrpcWorkerConnector)
+        assert connector.lease_s == 3.0 and connector.serves_in_place
+    finally:
+        connector.close()
+
+
+def test_a_chunk_smaller_than_a_block_works(make: Callable[..., GrpcWorkerConnector]) -> None:
+    block_bytes = BLOCK * KV_HEADS * HEAD_DIM * 4  # one block of K (float32): 256 bytes
+    src = make(chunk_size_bytes=block_bytes // 3)  # 86 bytes: chunks straddle blocks
+    dst = make(num_blocks=12, seed=1, chunk_size_bytes=block_bytes // 3)
+    assert _load(dst, _save(src)) == ({"r"}, None)
+    assert _same_blocks(dst, src, range(NUM_LAYERS))
+
+
+def test_the_stream_is_plain_protobuf_for_any_client(
+    make: Callable[..., GrpcWorkerConnector],
+) -> None:
+    """The generated stub (protobuf all the way) reads what the hand-framed server sends."""
+    src = make(dtype=torch.bfloat16, chunk_size_bytes=1000)
+    (segment,) = _save(src)
+    lease = segment.handle
+    request = pb.PullRequest(lease_id=lease.lease_id, first_layer=1, last_layer=3)
+    with grpc.insecure_channel(lease.address) as channel:
+        stub = pb_grpc.KVTransferStub(channel)
+        messages = list(stub.Pull(request, timeout=5.0, metadata=((TOKEN_METADATA_KEY, TOKEN),)))
+    header = messages[0].header
+    assert messages[0].WhichOneof("kind") == "header"
+    assert (header.first_layer, header.num_layers, header.num_blocks) == (1, 2, 3)
+    assert header.dtype == pb.DTYPE_BFLOAT16
+    assert all(m.WhichOneof("kind") == "data" for m in messages[1:])
+    data = b"".join(m.data for m in messages[1:])
+    assert {len(m.data) for m in messages[1:-1]} == {1000}
+    index = torch.tensor(SRC_TABLE[:3])
+    want = b"".join(
+        src.kv_caches[layer].index_select(1, index).view(torch.int16).numpy().tobytes()
+        for layer in (1, 2)
+    )
+    assert header.total_bytes == len(data) and data == want
+
+
+@pytest.mark.parametrize("size", [0, 1, 127, 128, 16383, 16384, (1 << 20) + 3])
+def test_data_framing_round_trips_through_protobuf(size: int) -> None:
+    payload = bytes(i % 251 for i in range(size))
+    parts = [memoryview(payload)[: size // 2], memoryview(payload)[size // 2 :]]
+    framed = _frame(parts, size)
+    assert pb.PullChunk.FromString(framed).data == payload
+    assert pb.PullChunk(data=payload).SerializeToString() == framed
+    start, length = _unframe(framed)
+    assert framed[start : start + length] == payload
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        b"",
+        pb.PullChunk(header=pb.PullHeader(num_layers=1)).SerializeToString(),
+        b"\x12\x05abc",  # shorter than announced
+        b"\x12\x80",  # a varint cut short
+        b"\x12\x01ab",  # longer than announced
+    ],
+)
+def test_malformed_data_messages_are_refused(message: bytes) -> None:
+    with pytest.raises(ValueError):
+        _unframe(message)
+
+
+# -- layer ranges (pipeline stages on either side) ---------------------------------------------
+def test_decode_stages_pull_their_ranges_and_the_lease_ends_after_both(
+    make: Callable[..., GrpcWorkerConnector],
+) -> None:
+    src = make()
+    low = make(num_blocks=12, seed=1, layers=range(0, 1))
+    high = make(num_blocks=12, seed=2, layers=range(1, NUM_LAYERS))
+    handle = _save(src)
+    assert _load(low, handle) == ({"r"}, None)
+    assert _same_blocks(low, src, range(0, 1))
+    assert _sending(src) is None  # layers 1-3 not pulled yet: still held
+    assert _load(high, handle) == ({"r"}, None)
+    assert _same_blocks(high, src, range(1, NUM_LAYERS))
+    assert _sending(src) == {"r"}
+    assert high.report().bytes_loaded == 3 * low.report().bytes_loaded
+
+
+def test_prefill_stages_each_lease_their_layers_for_one_decode_worker(
+    make: Callable[..., GrpcWorkerConnector],
+) -> None:
+    first, second = make(layers=range(0, 3)), make(seed=5, layers=range(3, NUM_LAYERS))
+    dst = make(num_blocks=12, seed=1)
+    handle = sorted(_save(first) + _save(second), key=lambda s: s.first_layer)
+    assert [s.layers for s in handle] == [range(0, 3), range(3, NUM_LAYERS)]
+    assert _load(dst, handle) == ({"r"}, None)
+    assert _same_blocks(dst, first, range(0, 3))
+    assert _same_blocks(dst, second, range(3, NUM_LAYERS))
+    assert _sending(first) == {"r"} and _sending(second) == {"r"}
+
+
+def test_layers_outside_the_lease_are_refused(make: Callable[..., GrpcWorkerConnector]) -> None:
+    src, dst = make(layers=range(0, 2)), make(num_blocks=12, seed=1)
+    (segment,) = _save(src)
+    with pytest.raises(ConnectionError, match="INVALID_ARGUMENT"):
+        dst._fetch(segment.handle, range(1, 3), 5.0)
+    assert _sending(src) is None  # a refused pull pulls nothing
+
+
+# -- the token ------------------------------------------------------------------------------
+def test_a_wrong_token_is_refused_and_nothing_is_written(
+    make: Callable[..., GrpcWorkerConnector],
+) -> None:
+    src = make()
+    dst = make(num_blocks=12, seed=1, auth_token="another-token-0123456789")
+    handle = _save(src)
+    before = _snapshot(dst)
+    assert _load(dst, handle) == (None, {"r"})
+    assert _unchanged(dst, before)
+    with pytest.raises(ConnectionError, match="UNAUTHENTICATED"):
+        dst._fetch(handle[0].handle, range(NUM_LAYERS), 5.0)
+    assert _sending(src) is None and len(src.leases) == 1  # the lease is untouched
+
+
+@pytest.mark.parametrize("metadata", [None, ((TOKEN_METADATA_KEY, ""),), (("other", TOKEN),)])
+def test_a_missing_token_is_refused(
+    make: Callable[..., GrpcWorkerConnector], metadata: Any
+) -> None:
+    src = make()
+    (segment,) = _save(src)
+    lease = segment.handle
+    request = pb.PullRequest(lease_id=lease.lease_id, first_layer=0, last_layer=NUM_LAYERS)
+    with grpc.insecure_channel(lease.address) as channel:
+        call = pb_grpc.KVTransferStub(channel).Pull(request, timeout=5.0, metadata=metadata)
+        with pytest.raises(grpc.RpcError) as info:
+            list(call)
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert len(src.leases) == 1
+
+
+# -- lease expiry -----------------------------------------------------------------------------
+def test_an_expired_lease_is_reported_and_a_later_pull_fails(
+    make: Callable[..., GrpcWorkerConnector],
+) -> None:
+    src, dst = make(lease_s=0.2), make(num_blocks=12, seed=1)
+    handle = _save(src)
+    assert _sending(src) is None
+    time.sleep(0.3)
+    assert _sending(src) == {"r"}  # expired: the prefill side may free the blocks
+    assert _sending(src) is None and len(src.leases) == 0
+    before = _snapshot(dst)
+    assert _load(dst, handle) == (None, {"r"})
+    assert _unchanged(dst, before)
+    with pytest.raises(ConnectionError, match="NOT_FOUND"):
+        dst._fetch(handle[0].handle, range(NUM_LAYERS), 5.0)
+
+
+def test_a_pull_in_progress_holds_its_lease_past_the_expiry() -> None:
+    table = LeaseTable()
+    lease_id = table.add("r", [1, 2], range(0, 4), duration_s=0.01)
+    other = table.add("s", [3], range(0, 4), duration_s=0.01)
+    table.pin(lease_id, range(0, 2))
+    time.sleep(0.02)
+    assert table.take_ended() == {"s"}  # "r" is being read: its blocks must stay
+    table.unpin(lease_id, range(0, 2), complete=False)  # the puller gave up
+    assert table.take_ended() == {"r"}
+    with pytest.raises(KeyError):
+        table.pin(other, range(0, 1))
+
+
+def test_a_request_ends_when_its_last_lease_does() -> None:
+    table = LeaseTable()
+    first = table.add("r", [1], range(0, 2), duration_s=60.0)
+    second = table.add("r", [1], range(0, 2), duration_s=60.0)
+    for lease_id in (first, second):
+        table.pin(lease_id, range(0, 2))
+    table.unpin(first, range(0, 2), complete=True)
+    assert table.take_ended() == set()
+    table.unpin(second, range(0, 2), complete=True)
+    assert table.take_ended() == {"r"}
+
+
+def test_new_caches_end_every_lease(make: Callable[..., GrpcWorkerConnector]) -> None:
+    src = make()
+    _save(src)
+    src.register_kv_caches(_caches(8, torch.float32, 3), range(NUM_LAYERS))
+    assert _sending(src) == {"r"} and len(src.leases) == 0
+
+
+# -- a source that is gone ------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@pytest.mark.parametrize("how", ["server stopped", "nothing listening"])
+def test_a_source_that_is_gone_fails_the_load_fast(
+    make: Callable[..., GrpcWorkerConnector], how: str
+) -> None:
+    src, dst = make(), make(num_blocks=12, seed=1)
+    handle = _save(src)
+    if how == "server stopped":
+        assert _load(dst, _save(src, req_id="warm"), req_id="warm") == ({"warm"}, None)
+        src.close()  # the channel to it was open: it finds the server gone
+    else:
+        lease = handle[0].handle
+        moved = GrpcLease(f"127.0.0.1:{_free_port()}", lease.lease_id, 0, NUM_LAYERS, 3)
+        handle = [KVSegment(0, NUM_LAYERS, moved, in_place=True)]
+    before = _snapshot(dst)
+    start = time.monotonic()
+    assert _load(dst, handle, timeout_s=10.0) == (None, {"r"})
+    assert time.monotonic() - start < 3.0  # refused at once, not at the 10 s deadline
+    assert _unchanged(dst, before)
+    assert not dst.history[-1].ok
+
+
+def test_no_time_left_fails_without_a_call(make: Callable[..., GrpcWorkerConnector]) -> None:
+    src, dst = make(), make(num_blocks=12, seed=1)
+    (segment,) = _save(src)
+    with pytest.raises(TimeoutError):
+        dst._fetch(segment.handle, range(NUM_LAYERS), 0.0)
+    assert len(src.leases) == 1
