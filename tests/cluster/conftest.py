@@ -80,6 +80,22 @@ def plasma_objects() -> int:
     raise AssertionError(f"no object store stats in:\n{summary}")
 
 
+# Copies that outlive a dead owner: after a process that put an object dies while another
+# node is pulling it, Ray can keep that node's copy with no owner and no reference left (see
+# docs/cluster.md, faults). Fault tests accept them explicitly; later tests check against it.
+_orphans = 0
+
+
+def accept_orphaned_objects(settle_s: float = 3.0) -> int:
+    """After a fault (and after ``assert_clean(..., objects=False)``): the objects still in
+    the stores once Ray has freed what it frees on its own become the floor for every later
+    leak check. Returns how many there are."""
+    global _orphans
+    time.sleep(settle_s)
+    _orphans = max(_orphans, plasma_objects())
+    return _orphans
+
+
 def wait_until(predicate: Any, timeout_s: float = 10.0, what: str = "condition") -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
@@ -109,4 +125,15 @@ def assert_clean(handle: Any, timeout_s: float = 10.0, objects: bool = True) -> 
     wait_until(idle, timeout_s, "every instance to be idle with all blocks free")
     ray.get(handle.check_integrity.remote())
     if objects:
-        wait_until(lambda: plasma_objects() == 0, timeout_s, "the object store to be empty")
+        try:
+            wait_until(
+                lambda: plasma_objects() <= _orphans,
+                timeout_s,
+                f"the object stores to be empty (but for {_orphans} accepted orphans)",
+            )
+        except AssertionError as e:
+            from ray._private.internal_api import memory_summary
+
+            raise AssertionError(
+                f"{e}; what is left:\n{memory_summary(stats_only=False)}"
+            ) from None

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from tests.cluster.conftest import RayCluster, assert_clean, wait_until
+from tests.cluster.conftest import RayCluster, accept_orphaned_objects, assert_clean, wait_until
 
 ray = pytest.importorskip("ray")
 
@@ -174,10 +174,12 @@ def test_prefill_worker_killed_with_queued_and_transferring_requests(
         assert any(not r.ok for r in history)  # a transfer from p-0 failed and was recomputed
         for iid in ("p-1", "d-0"):
             ray.get(handle.set_fault_injection.remote(iid, 0.0, 0.0))
-        # Blocks, requests and connector state are all clean; the object store is not
-        # checked here: after the owner of a KV object dies mid-transfer, Ray keeps one or two
-        # small objects pinned on the decode worker's node (see docs/cluster.md, faults).
+        # Blocks, requests and connector state are all clean; but after the owner of a KV
+        # object dies mid-transfer, Ray can keep the decode node's copy with no owner (see
+        # docs/cluster.md, faults): at most the transfers that were in flight, accepted as
+        # the floor of the object count for later tests.
         assert_clean(handle, objects=False)
+        assert accept_orphaned_objects() <= 2
     finally:
         shutdown_cluster(handle)
 
@@ -225,7 +227,8 @@ def test_no_decode_instance_left_is_a_clear_error(
         for tokens, last in results:  # the streams end, with what was sent and an error
             assert last.finish_reason.value == "error"
             assert "no live decode-capable instance" in last.error
-            assert 3 <= len(tokens) < LONG.max_tokens
+            assert 1 <= len(tokens) < LONG.max_tokens  # the first token came from prefill
+        assert max(len(tokens) for tokens, _ in results) >= 3  # killed mid-stream
         with pytest.raises(ray.exceptions.RayTaskError, match="no live decode-capable"):
             _run_all(handle, _prompts(1))
         assert _stats(handle)["instances"]["p-0"]["num_free_blocks"] == NUM_BLOCKS
