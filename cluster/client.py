@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,9 +31,15 @@ class ClusterClient:
     """Streams requests through a SchedulerActor handle. Safe to use from one event loop (or
     one thread for the blocking ``generate``)."""
 
-    def __init__(self, handle: Any, tokenizer: Tokenizer | None = None) -> None:
+    def __init__(
+        self,
+        handle: Any,
+        tokenizer: Tokenizer | None = None,
+        info: dict[str, Any] | None = None,
+    ) -> None:
+        """``info``: the actor's ``model_info()`` when the caller has it (from async code)."""
         self.handle = handle
-        self.info: dict[str, Any] = ray.get(handle.model_info.remote())
+        self.info: dict[str, Any] = info or ray.get(handle.model_info.remote())
         self.tokenizer = tokenizer or Tokenizer.from_path(Path(self.info["model_path"]))
         self.max_model_len: int = self.info["max_model_len"]
         self.factory = RequestFactory(
@@ -91,7 +97,7 @@ class ClusterClient:
         request_id: str | None = None,
         lora_request: LoRARequest | None = None,
         priority: int = 0,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Yield the request's ``RequestOutput`` each time it advances (deltas in ``new_text``
         / ``new_token_ids``). Raises ``ValueError`` for a prompt the cluster cannot serve.
         Leaving the loop early aborts the request on the cluster."""

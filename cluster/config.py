@@ -230,6 +230,51 @@ class KVTransferConfig(_Config):
         }
 
 
+class ServeConfig(_Config):
+    """The Ray Serve application in front of the cluster (``cluster.serve:build_app``)."""
+
+    served_model_name: str | None = Field(
+        None,
+        min_length=1,
+        description="The model's name in the API (default: the model "
+        "file or directory name; SmolLM2-135M-Instruct for the built-in one).",
+    )
+    api_key: SecretStr | None = Field(
+        None, description="When set, every /v1 request must carry it as a Bearer token."
+    )
+    lora_modules: dict[str, str] = Field(
+        default_factory=dict,
+        description="LoRA adapters served as model names from the start: name -> path "
+        "(needs the lora section). More can be loaded at run time (/v1/load_lora_adapter).",
+    )
+    max_waiting_requests: int | None = Field(
+        None,
+        ge=0,
+        description="Requests waiting to be scheduled, cluster-wide, above which "
+        "new ones are refused with 429 (unset: no bound).",
+    )
+    retry_after_s: int = Field(1, ge=1, le=3600, description="Retry-After of a 429.")
+    host: str = Field("127.0.0.1", min_length=1, description="HTTP bind address (tandem serve).")
+    port: int = Field(8000, ge=1, le=65535, description="HTTP port (tandem serve).")
+    grpc_port: int | None = Field(
+        9000, ge=1, le=65535, description="gRPC port of tandem.v1.Generate (null: no gRPC)."
+    )
+    ingress_replicas: int = Field(
+        1, ge=1, le=256, description="Ingress replicas (tokenization, detokenization, HTTP)."
+    )
+    ingress_num_cpus: float = Field(0.0, ge=0.0, description="CPUs each ingress replica takes.")
+    max_ongoing_requests: int = Field(
+        1024, ge=1, description="Concurrent requests one ingress replica accepts."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> ServeConfig:
+        for name in self.lora_modules:
+            if not name or name == self.served_model_name:
+                raise ValueError(f"serve.lora_modules: {name!r} is not a valid adapter name")
+        return self
+
+
 class ClusterConfig(_Config):
     """A whole deployment: the model, the instance pools and how they cooperate."""
 
@@ -243,6 +288,7 @@ class ClusterConfig(_Config):
     router: RouterConfig = Field(default_factory=RouterConfig)
     kv_transfer: KVTransferConfig = Field(default_factory=KVTransferConfig)
     lora: LoRAConfig | None = None
+    serve: ServeConfig = Field(default_factory=ServeConfig)
     admission_window_s: float = Field(
         0.002,
         ge=0.0,
@@ -278,6 +324,8 @@ class ClusterConfig(_Config):
             raise ValueError("a prefill pool needs a decode (or both) pool to hand KV to")
         if self.router.disaggregation == "always" and "prefill" not in roles:
             raise ValueError("router.disaggregation 'always' needs a pool with role 'prefill'")
+        if self.serve.lora_modules and self.lora is None:
+            raise ValueError("serve.lora_modules needs LoRA enabled: add a lora section")
         return self
 
     def pools_with_role(self, *roles: Role) -> list[InstancePool]:

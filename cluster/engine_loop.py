@@ -129,6 +129,10 @@ class EngineLoop:
                 total += max(r.num_tokens - r.num_computed_tokens, 0)
         return total
 
+    def num_waiting(self) -> int:
+        """Requests not yet scheduled: still arriving, or in the scheduler's waiting queue."""
+        return len(self.pending) + len(self.scheduler.waiting)
+
     def num_active(self) -> int:
         return len(self.pending) + self.scheduler.get_num_unfinished_requests()
 
@@ -142,6 +146,7 @@ class EngineLoop:
             "num_requests": len(s.requests),
             "num_unfinished": s.get_num_unfinished_requests(),
             "num_pending": len(self.pending),
+            "num_waiting": self.num_waiting(),
             "num_running": len(s.running),
             "num_waiting_for_remote_kvs": sum(r.awaiting_remote_kvs for r in s.holding),
             "kv_cache_usage": s.kv_cache_manager.usage,

@@ -23,11 +23,12 @@ from typing import Any
 
 from cluster.config import ClusterConfig
 from cluster.engine_loop import EngineLoop
+from cluster.errors import OverloadedError
 from cluster.flights import Flight, clone_request, merge_outputs, prefill_request
 from cluster.placement import MONITOR, InstanceSpec
 from cluster.router import Route, Router
 from kv_transfer.connector import PDConnector
-from scheduler import CacheConfig, Request, Scheduler
+from scheduler import CacheConfig, LoRARequest, Request, Scheduler
 from scheduler.outputs import EngineCoreOutput
 from scheduler.request import FinishReason
 
@@ -54,6 +55,13 @@ class SchedulerActor:
         self.failures: list[dict[str, Any]] = []  # instance failures and rejoins, in order
         self._tasks: set[asyncio.Task[None]] = set()  # moves, rejoins, the health monitor
         self._failed_loops: set[int] = set()  # id() of loops whose failure was handled
+        # LoRA adapters served as model names (the API's registry, shared by every ingress).
+        self.adapters: dict[str, LoRARequest] = {}
+        self._adapter_ids = itertools.count(1)
+        for name, path in config.serve.lora_modules.items():
+            self.adapters[name] = LoRARequest(
+                lora_name=name, lora_int_id=next(self._adapter_ids), lora_path=path
+            )
 
     # -- life cycle --------------------------------------------------------------------------
     async def start(self) -> dict[str, Any]:
@@ -170,6 +178,11 @@ class SchedulerActor:
             raise ValueError(
                 f"prompt has {request.num_tokens} tokens; max_model_len is {self.max_model_len}"
             )
+        bound = self.config.serve.max_waiting_requests
+        if bound is not None:
+            waiting = sum(loop.num_waiting() for loop in self.loops.values() if loop.alive)
+            if waiting >= bound:
+                raise OverloadedError(waiting, bound, self.config.serve.retry_after_s)
         # Arrival is stamped here: clients' clocks are not comparable (priority tie-breaks).
         request.arrival_time = time.monotonic()
         flight = Flight(request, asyncio.Queue(), next(iter(self.loops.values())), "decode")
@@ -199,7 +212,7 @@ class SchedulerActor:
             target = route.prefill or route.decode
             if request.lora_request is not None:
                 for loop in {route.decode, target}:
-                    await self._ensure_lora(loop, request)
+                    await self._ensure_lora(loop, request.lora_request)
             if target.alive and route.decode.alive:
                 break
         else:
@@ -338,9 +351,7 @@ class SchedulerActor:
             return [lp for i, lp in self.loops.items() if self.roles[i] == "prefill" and lp.alive]
         return [lp for i, lp in self.loops.items() if self.roles[i] != "prefill" and lp.alive]
 
-    async def _ensure_lora(self, loop: EngineLoop, request: Request) -> None:
-        lora = request.lora_request
-        assert lora is not None
+    async def _ensure_lora(self, loop: EngineLoop, lora: LoRARequest) -> None:
         loaded = self._loras[loop.instance_id]
         if lora.lora_int_id not in loaded:
             spec = self.specs[loop.instance_id]
@@ -349,6 +360,34 @@ class SchedulerActor:
             else:
                 spec.executor.worker.add_lora(lora)
             loaded.add(lora.lora_int_id)
+
+    # -- LoRA adapters by name (the API's /v1/load_lora_adapter) ------------------------------
+    def lora_adapters(self) -> dict[str, LoRARequest]:
+        return dict(self.adapters)
+
+    async def load_lora_adapter(self, name: str, path: str) -> LoRARequest:
+        """Serve the adapter at ``path`` as model ``name``. It is loaded on a live instance
+        first, so a bad path or an adapter the model cannot take is a ``ValueError`` here,
+        not on a request. Other instances load it on first use."""
+        if self.config.lora is None:
+            raise ValueError("LoRA is not enabled on this cluster (no lora section)")
+        if name in self.adapters:
+            raise ValueError(f"lora_name {name!r} is already loaded")
+        lora = LoRARequest(lora_name=name, lora_int_id=next(self._adapter_ids), lora_path=path)
+        live = self._live("decode")
+        if live:
+            try:
+                await self._ensure_lora(live[0], lora)
+            except Exception as exc:
+                cause = getattr(exc, "cause", None) or exc  # a worker's error, without Ray's
+                raise ValueError(f"lora_path {path!r} could not be loaded: {cause}") from None
+        self.adapters[name] = lora
+        return lora
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """Stop serving ``name`` (workers drop it from their cache as others come in)."""
+        if self.adapters.pop(name, None) is None:
+            raise KeyError(f"lora_name {name!r} is not loaded")
 
     def abort(self, request_id: str) -> bool:
         """End a request at whatever stage it is (queued, prefilling, transferring, decoding):

@@ -137,3 +137,120 @@ def assert_clean(handle: Any, timeout_s: float = 10.0, objects: bool = True) -> 
             raise AssertionError(
                 f"{e}; what is left:\n{memory_summary(stats_only=False)}"
             ) from None
+
+
+# -- the Serve app (tests/cluster/test_serve_*.py) ---------------------------------------------
+API_KEY = "tandem-test-key"
+
+
+@dataclass
+class ServeApp:
+    url: str  # http://127.0.0.1:PORT
+    grpc_target: str  # 127.0.0.1:PORT
+    model: str  # the served model name
+    model_dir: Path
+    lora_path: str  # adapter "a", served from the start
+    spare_lora_path: str  # another adapter, for load_lora_adapter
+    config: Any
+
+    @property
+    def scheduler(self) -> Any:
+        from ray import serve
+
+        cluster = serve.get_deployment_handle("TandemCluster", "tandem-test")
+        return cluster.scheduler.remote().result()
+
+    def openai(self, **kwargs: Any) -> Any:
+        import openai
+
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=API_KEY, max_retries=0, **kwargs)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def make_adapter(base_dir: Path, path: Path, seed: int) -> str:
+    import peft
+    import torch
+    import transformers
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    torch.manual_seed(seed)
+    config = peft.LoraConfig(
+        r=8, lora_alpha=16, init_lora_weights=False, target_modules=["q_proj", "v_proj", "up_proj"]
+    )
+    peft.get_peft_model(base, config).save_pretrained(path)
+    return str(path)
+
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+@pytest.fixture(scope="session")
+def serve_app(
+    ray_cluster: RayCluster, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServeApp]:
+    """The Serve app on the test cluster: a tiny model with a chat template, a prefill and a
+    decode instance on their nodes, an API key, adapter "a", a misconfigured adapter
+    "broken" and a bound of 6 waiting requests."""
+    import json
+
+    from ray import serve
+    from ray.serve.config import HTTPOptions, gRPCOptions
+
+    from cluster.config import ClusterConfig
+    from cluster.serve import GRPC_SERVICER, build_app_from_config
+
+    root = tmp_path_factory.mktemp("serve")
+    model_dir = root / "tiny-chat"
+    shutil.copytree(tiny_model, model_dir)
+    (model_dir / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
+    lora = make_adapter(model_dir, root / "a", seed=3)
+    spare = make_adapter(model_dir, root / "b", seed=4)
+    pool = {"num_blocks": 160, "scheduler": {"max_num_seqs": 8}}
+    config = ClusterConfig.model_validate(
+        {
+            "model": str(model_dir),
+            "block_size": 4,
+            "pools": [
+                {"name": "p", "role": "prefill", "resources": {"prefill": 0.01}, **pool},
+                {"name": "d", "role": "decode", "resources": {"decode": 0.01}, **pool},
+            ],
+            "router": {"disaggregation": "always"},
+            "lora": {"max_loras": 2, "max_lora_rank": 16},
+            "serve": {
+                "api_key": API_KEY,
+                "lora_modules": {"a": lora, "broken": str(root / "missing-adapter")},
+                "max_waiting_requests": 6,
+                "retry_after_s": 2,
+                "ingress_replicas": 2,
+            },
+        }
+    )
+    http_port, grpc_port = free_port(), free_port()
+    serve.start(
+        proxy_location="HeadOnly",
+        http_options=HTTPOptions(host="127.0.0.1", port=http_port),
+        grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=[GRPC_SERVICER]),
+    )
+    try:
+        serve.run(build_app_from_config(config), name="tandem-test", route_prefix="/")
+        yield ServeApp(
+            f"http://127.0.0.1:{http_port}",
+            f"127.0.0.1:{grpc_port}",
+            "tiny-chat",
+            model_dir,
+            lora,
+            spare,
+            config,
+        )
+    finally:
+        serve.shutdown()

@@ -1,0 +1,34 @@
+"""Errors the SchedulerActor raises to its callers, which the API maps to status codes.
+
+``ValueError`` stays what it is everywhere (a request that can never be served: 400);
+these are the other outcomes a client can act on.
+"""
+
+from __future__ import annotations
+
+
+class OverloadedError(RuntimeError):
+    """More requests wait to be scheduled than ``serve.max_waiting_requests`` allows (429)."""
+
+    def __init__(self, num_waiting: int, bound: int, retry_after_s: int) -> None:
+        super().__init__(
+            f"the cluster is overloaded: {num_waiting} requests are waiting to be scheduled "
+            f"(bound: {bound}); retry in {retry_after_s} s"
+        )
+        self.num_waiting = num_waiting
+        self.bound = bound
+        self.retry_after_s = retry_after_s
+
+    def __reduce__(self) -> tuple[type, tuple[int, int, int]]:  # crosses Ray intact
+        return (type(self), (self.num_waiting, self.bound, self.retry_after_s))
+
+
+class UnknownModelError(LookupError):
+    """A model name that is neither the served model nor a loaded LoRA adapter (404)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"The model `{name}` does not exist.")
+        self.name = name
+
+    def __reduce__(self) -> tuple[type, tuple[str]]:
+        return (type(self), (self.name,))

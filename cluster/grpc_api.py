@@ -1,0 +1,114 @@
+"""``tandem.v1.Generate`` (cluster/proto/tandem.proto) on the ingress: the request becomes a
+``CompletionRequest`` (the HTTP API's validation, word for word) and each streamed step a
+``GenerateResponse``; ``APIError`` statuses map to gRPC status codes.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+import grpc
+from pydantic import ValidationError
+
+from cluster.openai_protocol import CompletionRequest
+from cluster.openai_serving import APIError, api_error
+
+if TYPE_CHECKING:
+    from cluster.serve import OpenAIIngress
+
+STATUS_CODES = {
+    400: grpc.StatusCode.INVALID_ARGUMENT,
+    401: grpc.StatusCode.UNAUTHENTICATED,
+    404: grpc.StatusCode.NOT_FOUND,
+    429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    503: grpc.StatusCode.UNAVAILABLE,
+}
+
+
+def completion_request(message: Any) -> CompletionRequest:
+    """The HTTP body equivalent of a ``GenerateRequest`` (unset optional fields stay unset)."""
+    body: dict[str, Any] = {"model": message.model, "stream": True}
+    if message.prompt_token_ids:
+        body["prompt"] = list(message.prompt_token_ids)
+    else:
+        body["prompt"] = message.prompt
+    body["max_tokens"] = message.max_tokens if message.HasField("max_tokens") else None
+    for name in ("temperature", "top_p", "top_k", "min_p", "seed"):
+        if message.HasField(name):
+            body[name] = getattr(message, name)
+    if message.stop:
+        body["stop"] = list(message.stop)
+    if message.stop_token_ids:
+        body["stop_token_ids"] = list(message.stop_token_ids)
+    body.update(
+        min_tokens=message.min_tokens,
+        ignore_eos=message.ignore_eos,
+        presence_penalty=message.presence_penalty,
+        frequency_penalty=message.frequency_penalty,
+        priority=message.priority,
+    )
+    try:
+        return CompletionRequest.model_validate(body)
+    except ValidationError as exc:
+        problems = [
+            f"{'.'.join(str(p) for p in e['loc']) or 'request'}: {e['msg']}" for e in exc.errors()
+        ]
+        raise APIError(400, "; ".join(problems)) from None
+
+
+def _metadata(grpc_context: Any, key: str) -> str | None:
+    if grpc_context is None:
+        return None
+    for k, v in grpc_context.invocation_metadata():
+        if k.lower() == key:
+            return str(v)
+    return None
+
+
+async def generate_stream(
+    ingress: OpenAIIngress, message: Any, grpc_context: Any
+) -> AsyncIterator[Any]:
+    from cluster.proto import tandem_pb2
+
+    try:
+        ingress._authorize(_metadata(grpc_context, "authorization"))
+        request = completion_request(message)
+        serving = await ingress.serving()
+        lora = await serving.resolve(request.model)
+        jobs = serving._completion_jobs(request)
+        if len(jobs) != 1:
+            raise APIError(400, "one prompt per call")
+        job = jobs[0]
+        rid = f"grpc-{uuid.uuid4().hex}"
+        outputs = serving._run(rid, jobs, lora, request.priority)
+        async for _, out in outputs:
+            sample = out.outputs[0]
+            if sample.finish_reason == "error":
+                raise APIError(503, sample.error or "generation failed")
+            if not (sample.new_token_ids or sample.new_text or sample.finished):
+                continue
+            response = tandem_pb2.GenerateResponse(
+                request_id=rid,
+                text=sample.new_text,
+                token_ids=sample.new_token_ids,
+                finish_reason=sample.finish_reason or "",
+                stop_reason="" if sample.stop_reason is None else str(sample.stop_reason),
+            )
+            if sample.finished:
+                response.usage.CopyFrom(
+                    tandem_pb2.Usage(
+                        prompt_tokens=len(job.prompt_ids),
+                        completion_tokens=len(sample.token_ids),
+                        cached_tokens=out.num_cached_tokens,
+                    )
+                )
+            yield response
+    except Exception as exc:
+        error = exc if isinstance(exc, APIError) else api_error(exc)  # 500: no details leak
+        if grpc_context is None:
+            raise error from None
+        grpc_context.set_code(STATUS_CODES.get(error.status, grpc.StatusCode.INTERNAL))
+        grpc_context.set_details(error.message)
+        raise error from None

@@ -1,0 +1,247 @@
+"""The Ray Serve application: Tandem's OpenAI-compatible HTTP API and its gRPC service.
+
+Two deployments::
+
+    HTTP :8000 / gRPC :9000 ─▶ OpenAIIngress (N replicas: tokenize, validate, detokenize)
+                                   │  token ids, straight to the actor (Ray streaming calls)
+                                   ▼
+                          TandemCluster (1 replica) owns SchedulerActor ─▶ workers
+
+``build_app(args)`` builds the application from a ``ClusterConfig`` (``args`` are its fields),
+so a Serve config file runs it as ``import_path: cluster.serve:build_app``. The ingress scales
+on its own (``serve.ingress_replicas``); every replica asks the one SchedulerActor.
+"""
+
+# No `from __future__ import annotations`: FastAPI reads the routes' annotations at run time
+# (Serve rebinds the methods, so string annotations would not resolve).
+import asyncio
+import logging
+import secrets
+import uuid
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi import Request as HTTPRequest
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from ray import serve
+
+from cluster.config import ClusterConfig
+from cluster.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    LoadLoRAAdapterRequest,
+    UnloadLoRAAdapterRequest,
+)
+from cluster.openai_serving import APIError, OpenAIServing, api_error
+
+logger = logging.getLogger(__name__)
+
+GRPC_SERVICER = "cluster.proto.tandem_pb2_grpc.add_GenerateServicer_to_server"
+
+app = FastAPI(
+    title="Tandem",
+    description="OpenAI-compatible API of a Tandem cluster (disaggregated prefill/decode).",
+    version="0.1.0",
+)
+
+
+@app.exception_handler(APIError)
+async def _api_error(request: HTTPRequest, exc: APIError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+@app.exception_handler(RequestValidationError)
+async def _validation_error(request: HTTPRequest, exc: RequestValidationError) -> JSONResponse:
+    """400 (not FastAPI's 422), naming the field and what it allows."""
+    problems, param = [], None
+    for error in exc.errors():
+        loc = [str(p) for p in error.get("loc", ()) if p != "body"]
+        field = ".".join(loc) or "body"
+        param = param or field
+        problems.append(f"{field}: {error.get('msg', 'invalid')}")
+    body = APIError(400, "; ".join(problems) or "invalid request", param=param).body()
+    return JSONResponse(body, status_code=400)
+
+
+@app.exception_handler(Exception)
+async def _internal_error(request: HTTPRequest, exc: Exception) -> JSONResponse:
+    logger.exception("unhandled error on %s", request.url.path)
+    return JSONResponse(APIError(500, "internal server error").body(), status_code=500)
+
+
+def served_model_name(config: ClusterConfig) -> str:
+    if config.serve.served_model_name:
+        return config.serve.served_model_name
+    if config.model is None:
+        from actors.model.loader import BUILTIN_MODEL
+
+        return BUILTIN_MODEL
+    path = Path(config.model)
+    return path.stem if path.suffix.lower() == ".gguf" else path.name
+
+
+def _respond(result: dict[str, Any] | Any) -> Any:
+    # (Above the ingress: Serve freezes the app, with what it references, when decorating.)
+    if isinstance(result, dict):
+        return JSONResponse(result)
+    return StreamingResponse(result, media_type="text/event-stream")
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=64)
+class TandemCluster:
+    """Owns the cluster: its SchedulerActor and workers live and die with this replica."""
+
+    def __init__(self, config: ClusterConfig) -> None:
+        from cluster.launch import build_cluster
+
+        context = serve.get_replica_context()
+        self.name = f"tandem-{context.app_name}-{uuid.uuid4().hex[:8]}"
+        self.handle = build_cluster(config, name=self.name)
+
+    def scheduler(self) -> Any:
+        return self.handle
+
+    async def check_health(self) -> None:
+        """Serve's health check: the SchedulerActor answers."""
+        await asyncio.wait_for(self.handle.describe.remote(), timeout=30)
+
+    def __del__(self) -> None:
+        try:
+            from cluster.launch import shutdown_cluster
+
+            shutdown_cluster(self.handle)
+        except Exception:  # the actor may be gone already
+            pass
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0})
+@serve.ingress(app)
+class OpenAIIngress:
+    """HTTP routes and the gRPC method; tokenization and detokenization happen here."""
+
+    def __init__(self, cluster: Any, config: ClusterConfig) -> None:
+        self._cluster = cluster
+        self._config = config
+        self._model_name = served_model_name(config)
+        key = config.serve.api_key
+        self._api_key = None if key is None else key.get_secret_value()
+        self._serving: OpenAIServing | None = None
+        self._lock = asyncio.Lock()
+
+    async def serving(self) -> OpenAIServing:
+        """Connect to the SchedulerActor on first use (it is ready once the app is)."""
+        if self._serving is None:
+            async with self._lock:
+                if self._serving is None:
+                    from cluster.client import ClusterClient
+
+                    handle = await self._cluster.scheduler.remote()
+                    info = await handle.model_info.remote()
+                    client = await asyncio.to_thread(ClusterClient, handle, None, info)
+                    self._serving = OpenAIServing(client, self._model_name)
+        return self._serving
+
+    def _authorize(self, authorization: str | None) -> None:
+        if self._api_key is None:
+            return
+        scheme, _, token = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(
+            token.strip().encode(), self._api_key.encode()
+        ):
+            raise APIError(401, "missing or wrong API key (Authorization: Bearer <key>)")
+
+    # -- OpenAI ------------------------------------------------------------------------------
+    @app.get("/v1/models")
+    async def models(self, request: HTTPRequest) -> JSONResponse:
+        self._authorize(request.headers.get("authorization"))
+        return JSONResponse(await (await self.serving()).models())
+
+    @app.post("/v1/completions")
+    async def completions(self, body: CompletionRequest, request: HTTPRequest) -> Any:
+        self._authorize(request.headers.get("authorization"))
+        return _respond(await (await self.serving()).completion(body))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, body: ChatCompletionRequest, request: HTTPRequest) -> Any:
+        self._authorize(request.headers.get("authorization"))
+        return _respond(await (await self.serving()).chat(body))
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(
+        self, body: LoadLoRAAdapterRequest, request: HTTPRequest
+    ) -> PlainTextResponse:
+        self._authorize(request.headers.get("authorization"))
+        serving = await self.serving()
+        if body.lora_name == self._model_name:
+            raise APIError(400, "lora_name is the base model's name", param="lora_name")
+        try:
+            await serving.client.handle.load_lora_adapter.remote(body.lora_name, body.lora_path)
+        except Exception as exc:
+            raise api_error(exc, param="lora_path") from None
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(
+        self, body: UnloadLoRAAdapterRequest, request: HTTPRequest
+    ) -> PlainTextResponse:
+        self._authorize(request.headers.get("authorization"))
+        serving = await self.serving()
+        try:
+            await serving.client.handle.unload_lora_adapter.remote(body.lora_name)
+        except Exception as exc:
+            raise APIError(
+                404, f"The lora adapter '{body.lora_name}' cannot be found.", param="lora_name"
+            ) from exc
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
+
+    # -- operations --------------------------------------------------------------------------
+    @app.get("/health")
+    async def health(self) -> JSONResponse:
+        """200 when every instance's workers answer; 503 naming the ones that do not."""
+        try:
+            serving = await self.serving()
+            workers = await asyncio.wait_for(serving.client.handle.worker_health.remote(), 10)
+        except Exception as exc:
+            return JSONResponse({"status": "unavailable", "error": str(exc)}, status_code=503)
+        down = sorted(i for i, h in workers.items() if not all(s.get("ok") for s in h["stages"]))
+        if down:
+            return JSONResponse({"status": "unavailable", "down": down}, status_code=503)
+        return JSONResponse({"status": "ok", "instances": sorted(workers)})
+
+    @app.get("/metrics")
+    async def metrics(self) -> PlainTextResponse:
+        from cluster.metrics import render_metrics
+
+        serving = await self.serving()
+        stats = await serving.client.handle.stats.remote()
+        text, content_type = render_metrics(stats, self._model_name)
+        return PlainTextResponse(text, media_type=content_type)
+
+    # -- gRPC (tandem.v1.Generate, through Serve's gRPC proxy) -------------------------------
+    async def Generate(self, request: Any, grpc_context: Any = None) -> Any:
+        from cluster.grpc_api import generate_stream
+
+        async for response in generate_stream(self, request, grpc_context):
+            yield response
+
+
+def build_app(args: dict[str, Any] | None = None) -> Any:
+    """The Serve application for a ``ClusterConfig`` (``args``: its fields, as in a Serve
+    config file's ``args``; empty: the built-in model, one prefill and one decode instance)."""
+    from cluster.config import default_cluster_config
+
+    config = ClusterConfig.model_validate(args) if args else default_cluster_config()
+    return build_app_from_config(config)
+
+
+def build_app_from_config(config: ClusterConfig) -> Any:
+    s = config.serve
+    cluster = TandemCluster.bind(config)  # type: ignore[attr-defined]
+    ingress = OpenAIIngress.options(  # type: ignore[attr-defined]
+        num_replicas=s.ingress_replicas,
+        max_ongoing_requests=s.max_ongoing_requests,
+        ray_actor_options={"num_cpus": s.ingress_num_cpus},
+    )
+    return ingress.bind(cluster, config)

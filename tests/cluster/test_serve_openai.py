@@ -1,0 +1,310 @@
+"""The OpenAI-compatible API through the official ``openai`` SDK, on a multi-node cluster:
+prefill on one node, decode on another, two ingress replicas (tests/cluster/conftest.py).
+
+Outputs are checked against the cluster's own client (``ClusterClient``: what the API must
+reproduce) and usage against the tokenizer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.cluster.conftest import ServeApp, assert_clean
+
+openai = pytest.importorskip("openai")
+
+from actors.model.tokenizer import Tokenizer  # noqa: E402
+from cluster.client import ClusterClient  # noqa: E402
+from scheduler import LoRARequest, SamplingParams  # noqa: E402
+
+PROMPT = "The quick brown fox"
+GREEDY = {"temperature": 0, "max_tokens": 12, "extra_body": {"ignore_eos": True}}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(serve_app: ServeApp) -> Tokenizer:
+    return Tokenizer.from_path(serve_app.model_dir)
+
+
+@pytest.fixture(scope="module")
+def direct(serve_app: ServeApp) -> ClusterClient:
+    """The same cluster without the API."""
+    return ClusterClient(serve_app.scheduler)
+
+
+@pytest.fixture(autouse=True)
+def _no_leaks(serve_app: ServeApp) -> Any:
+    yield
+    assert_clean(serve_app.scheduler, objects=False)
+
+
+def _greedy(direct: ClusterClient, prompt: str | list[int], n: int = 12, **kw: Any) -> Any:
+    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    return direct.generate([prompt], params, **kw)[0].outputs[0]
+
+
+def test_models_lists_the_model_and_its_adapters(serve_app: ServeApp) -> None:
+    models = serve_app.openai().models.list().data
+    assert models[0].id == serve_app.model
+    by_id = {m.id: m for m in models}
+    assert {"a", "broken"} <= set(by_id)
+    assert by_id["a"].parent == serve_app.model  # type: ignore[attr-defined]
+
+
+def test_completion_equals_the_cluster_and_usage_matches_the_tokenizer(
+    serve_app: ServeApp, direct: ClusterClient, tokenizer: Tokenizer
+) -> None:
+    out = serve_app.openai().completions.create(model=serve_app.model, prompt=PROMPT, **GREEDY)
+    expected = _greedy(direct, PROMPT)
+    assert out.choices[0].text == expected.text
+    assert out.choices[0].finish_reason == "length"
+    assert out.usage.prompt_tokens == len(tokenizer.encode(PROMPT))
+    assert out.usage.completion_tokens == 12
+    assert out.usage.total_tokens == out.usage.prompt_tokens + 12
+    assert out.model == serve_app.model and out.object == "text_completion"
+
+
+def test_completion_stream_adds_up_to_the_whole_and_reports_usage(
+    serve_app: ServeApp, direct: ClusterClient
+) -> None:
+    client = serve_app.openai()
+    whole = client.completions.create(model=serve_app.model, prompt=PROMPT, **GREEDY)
+    chunks = list(
+        client.completions.create(
+            model=serve_app.model,
+            prompt=PROMPT,
+            stream=True,
+            stream_options={"include_usage": True},
+            **GREEDY,
+        )
+    )
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert len([c for c in chunks if c.choices]) > 1  # streamed, not one lump
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+def test_token_id_prompts_and_batches(serve_app: ServeApp, direct: ClusterClient) -> None:
+    client = serve_app.openai()
+    ids, other = [40, 41, 42, 43, 44], [50, 51, 52]
+    out = client.completions.create(model=serve_app.model, prompt=[ids, other], **GREEDY)
+    assert [c.index for c in out.choices] == [0, 1]
+    assert out.choices[0].text == _greedy(direct, ids).text
+    assert out.choices[1].text == _greedy(direct, other).text
+    assert out.usage.completion_tokens == 24 and out.usage.prompt_tokens == 8
+    texts = client.completions.create(model=serve_app.model, prompt=["Hi", PROMPT], **GREEDY)
+    assert [c.text for c in texts.choices] == [_greedy(direct, p).text for p in ("Hi", PROMPT)]
+
+
+def test_chat_stream_and_whole_agree_and_prompt_follows_the_template(
+    serve_app: ServeApp, direct: ClusterClient, tokenizer: Tokenizer
+) -> None:
+    client = serve_app.openai()
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Name a colour."},
+    ]
+    whole = client.chat.completions.create(model=serve_app.model, messages=messages, **GREEDY)
+    ids = tokenizer.encode_chat(messages)
+    assert whole.usage.prompt_tokens == len(ids)
+    assert whole.choices[0].message.content == _greedy(direct, ids).text
+    assert whole.choices[0].message.role == "assistant"
+    chunks = list(
+        client.chat.completions.create(
+            model=serve_app.model,
+            messages=messages,
+            stream=True,
+            stream_options={"include_usage": True},
+            **GREEDY,
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[-1].usage.total_tokens == whole.usage.total_tokens
+
+
+def test_max_completion_tokens_and_defaults(serve_app: ServeApp) -> None:
+    client = serve_app.openai()
+    messages = [{"role": "user", "content": "x"}]
+    out = client.chat.completions.create(
+        model=serve_app.model,
+        messages=messages,
+        max_completion_tokens=5,
+        extra_body={"ignore_eos": True},
+    )
+    assert out.usage.completion_tokens == 5
+
+
+def test_n_and_seeds(serve_app: ServeApp) -> None:
+    client = serve_app.openai()
+
+    def sample(seed: int) -> list[str]:
+        out = client.completions.create(
+            model=serve_app.model,
+            prompt=PROMPT,
+            n=2,
+            seed=seed,
+            temperature=1.0,
+            max_tokens=10,
+            extra_body={"ignore_eos": True},
+        )
+        assert [c.index for c in out.choices] == [0, 1]
+        assert out.usage.completion_tokens == 20
+        return [c.text for c in out.choices]
+
+    first = sample(7)
+    assert sample(7) == first  # reproducible
+    assert first[0] != first[1]  # the two samples use different seeds
+    assert sample(8) != first
+    # Streaming: n interleaved choices, each ending once.
+    chunks = list(
+        client.chat.completions.create(
+            model=serve_app.model,
+            messages=[{"role": "user", "content": "hi"}],
+            n=2,
+            seed=3,
+            max_tokens=6,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+    )
+    ends = [c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert sorted(ends) == [0, 1]
+
+
+def test_stop_strings_end_the_request_in_the_scheduler(
+    serve_app: ServeApp, direct: ClusterClient
+) -> None:
+    full = _greedy(direct, PROMPT, n=24).text
+    # A printable character first seen as late as possible (the tiny model's bytes are random).
+    firsts = {ch: full.index(ch) for ch in full if ch.isascii() and ch.isprintable()}
+    assert firsts and max(firsts.values()) > 0, full
+    stop = max(firsts, key=lambda ch: firsts[ch])
+    client = serve_app.openai()
+    kwargs: dict[str, Any] = {**GREEDY, "max_tokens": 24}
+    out = client.completions.create(model=serve_app.model, prompt=PROMPT, stop=[stop], **kwargs)
+    choice = out.choices[0]
+    assert choice.text == full[: full.index(stop)]
+    assert choice.finish_reason == "stop"
+    assert choice.stop_reason == stop  # type: ignore[attr-defined]
+    assert out.usage.completion_tokens < 24  # the scheduler stopped generating
+    streamed = client.completions.create(
+        model=serve_app.model, prompt=PROMPT, stop=stop, stream=True, **kwargs
+    )
+    assert "".join(c.choices[0].text for c in streamed) == choice.text
+
+
+def test_stop_token_ids(serve_app: ServeApp, direct: ClusterClient) -> None:
+    tokens = _greedy(direct, PROMPT).token_ids
+    out = serve_app.openai().completions.create(
+        model=serve_app.model,
+        prompt=PROMPT,
+        temperature=0,
+        max_tokens=12,
+        extra_body={"stop_token_ids": [tokens[4]], "ignore_eos": True},
+    )
+    assert out.choices[0].finish_reason == "stop"
+    assert out.usage.completion_tokens == tokens.index(tokens[4]) + 1
+
+
+def test_logprobs_shape(serve_app: ServeApp) -> None:
+    client = serve_app.openai()
+    out = client.completions.create(model=serve_app.model, prompt=PROMPT, logprobs=3, **GREEDY)
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 12
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert 1 <= len(top) <= 3 and logprob <= 0.0
+        # Greedy: the best. (Top entries are keyed by text: ids that decode alike collide.)
+        assert logprob >= max(top.values()) - 1e-4
+        assert token in top
+    chat = client.chat.completions.create(
+        model=serve_app.model,
+        messages=[{"role": "user", "content": "hi"}],
+        logprobs=True,
+        top_logprobs=2,
+        **GREEDY,
+    )
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 12
+    assert all(len(c.top_logprobs) == 2 and bytes(c.bytes).decode() == c.token for c in content)
+    assert all(c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob for c in content)
+
+
+def test_penalties_and_vllm_extras_are_accepted(serve_app: ServeApp) -> None:
+    out = serve_app.openai().completions.create(
+        model=serve_app.model,
+        prompt=PROMPT,
+        max_tokens=8,
+        temperature=0.8,
+        top_p=0.9,
+        presence_penalty=0.5,
+        frequency_penalty=0.5,
+        user="tester",
+        seed=1,
+        extra_body={"top_k": 5, "min_p": 0.05, "min_tokens": 8, "priority": 1},
+    )
+    assert out.usage.completion_tokens == 8  # min_tokens == max_tokens: exactly 8
+
+
+def test_cached_prompt_tokens_are_reported(serve_app: ServeApp) -> None:
+    client = serve_app.openai()
+    prompt = "A long shared prefix that spans several KV blocks of four tokens each."
+    client.completions.create(model=serve_app.model, prompt=prompt, max_tokens=2)
+    again = client.completions.create(model=serve_app.model, prompt=prompt, max_tokens=2)
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_lora_adapters_by_model_name(serve_app: ServeApp, direct: ClusterClient) -> None:
+    client = serve_app.openai()
+    base = client.completions.create(model=serve_app.model, prompt=PROMPT, **GREEDY)
+    tuned = client.completions.create(model="a", prompt=PROMPT, **GREEDY)
+    adapter = LoRARequest(lora_name="a", lora_int_id=1, lora_path=serve_app.lora_path)
+    assert tuned.choices[0].text == _greedy(direct, PROMPT, lora_request=adapter).text
+    assert tuned.choices[0].text != base.choices[0].text
+    assert tuned.model == "a"
+
+
+def test_load_and_unload_lora_adapters_at_run_time(serve_app: ServeApp) -> None:
+    import requests
+
+    client = serve_app.openai()
+    with requests.Session() as http:
+        http.headers["Authorization"] = "Bearer tandem-test-key"
+
+        def post(path: str, body: dict[str, str]) -> Any:
+            return http.post(f"{serve_app.url}{path}", json=body, timeout=60)
+
+        r = post("/v1/load_lora_adapter", {"lora_name": "b", "lora_path": "/nope"})
+        assert r.status_code == 400 and "lora_path" in r.json()["error"]["message"]
+        r = post(
+            "/v1/load_lora_adapter", {"lora_name": "b", "lora_path": serve_app.spare_lora_path}
+        )
+        assert r.status_code == 200, r.text
+        assert "b" in [m.id for m in client.models.list().data]
+        b = client.completions.create(model="b", prompt=PROMPT, **GREEDY)
+        a = client.completions.create(model="a", prompt=PROMPT, **GREEDY)
+        assert b.choices[0].text != a.choices[0].text
+        r = post("/v1/load_lora_adapter", {"lora_name": "b", "lora_path": "/x"})
+        assert r.status_code == 400 and "already" in r.json()["error"]["message"]
+        assert post("/v1/unload_lora_adapter", {"lora_name": "b"}).status_code == 200
+        assert post("/v1/unload_lora_adapter", {"lora_name": "b"}).status_code == 404
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="b", prompt=PROMPT, max_tokens=2)
+
+
+def test_health_and_metrics(serve_app: ServeApp) -> None:
+    import requests
+
+    r = requests.get(f"{serve_app.url}/health", timeout=30)
+    assert r.status_code == 200 and r.json()["instances"] == ["d-0", "p-0"]
+    text = requests.get(f"{serve_app.url}/metrics", timeout=30).text
+    assert 'tandem:num_requests_running{instance="d-0",model_name="tiny-chat",role="decode"}' in (
+        text
+    )
+    assert "tandem:kv_cache_usage_perc" in text and "tandem:generation_tokens_total" in text
