@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: test lint generate cluster bench-scheduler bench-model bench-pd bench-pp bench-kv bench-recovery clean
+.PHONY: test lint generate cluster serve bench-serve bench-scheduler bench-model bench-pd bench-pp bench-kv bench-recovery clean
 
 $(BIN)/activate: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,16 @@ generate: $(BIN)/activate
 # instance (or CONFIG=cluster.yaml). Runs until Ctrl-C.
 cluster: $(BIN)/activate
 	$(BIN)/tandem up $(CONFIG)
+
+# The OpenAI-compatible API (Ray Serve) on 127.0.0.1:8000 (gRPC :9000), built-in SmolLM2, one
+# prefill and one decode instance (or CONFIG=cluster.yaml). Runs until Ctrl-C.
+serve: $(BIN)/activate
+	$(BIN)/tandem serve $(CONFIG)
+
+# Load test of the server started by `make serve` (in another shell).
+bench-serve: $(BIN)/activate
+	$(BIN)/tandem bench --concurrency 1,4,16 --num-prompts 32 --input-len 128 --output-len 64 \
+		--slo-ttft-ms 2000 --slo-tpot-ms 200 --out bench/results/serve.json --plot-dir bench/results
 
 bench-model: $(BIN)/activate
 	$(BIN)/python bench/model_throughput.py --out bench/results/model_throughput.json

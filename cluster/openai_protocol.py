@@ -113,7 +113,8 @@ class CompletionRequest(_Sampling):
         if isinstance(value, list):
             if not value:
                 raise ValueError("prompt must not be an empty list")
-            if len(value) > 64:
+            batch = not all(isinstance(x, int) for x in value)
+            if batch and len(value) > 64:
                 raise ValueError(f"at most 64 prompts in one request, got {len(value)}")
         return value
 

@@ -53,6 +53,9 @@ class APIError(Exception):
         self.param = param
         self.headers = headers or {}
 
+    def __reduce__(self) -> tuple[type, tuple[Any, ...]]:  # crosses Ray (the gRPC proxy) intact
+        return (type(self), (self.status, self.message, self.param, self.headers))
+
     def body(self) -> dict[str, Any]:
         return {
             "error": {

@@ -160,6 +160,11 @@ class ServeApp:
         cluster = serve.get_deployment_handle("TandemCluster", "tandem-test")
         return cluster.scheduler.remote().result()
 
+    @property
+    def scheduler_info(self) -> dict[str, Any]:
+        info: dict[str, Any] = ray.get(self.scheduler.model_info.remote())
+        return info
+
     def openai(self, **kwargs: Any) -> Any:
         import openai
 

@@ -1,0 +1,248 @@
+"""Errors of the API, in OpenAI's JSON shape with the right status; the gRPC service with the
+same validation mapped to status codes; a client that leaves mid-stream frees its blocks."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from tests.cluster.conftest import API_KEY, ServeApp, assert_clean, wait_until
+
+requests = pytest.importorskip("requests")
+
+PROMPT = "The quick brown fox"
+
+
+def _post(app: ServeApp, path: str, body: Any, key: str | None = API_KEY, **kw: Any) -> Any:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return requests.post(f"{app.url}{path}", json=body, headers=headers, timeout=60, **kw)
+
+
+def _error(response: Any, status: int) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    error: dict[str, Any] = response.json()["error"]
+    assert error["code"] == status and error["message"] and error["type"]
+    return error
+
+
+@pytest.fixture(autouse=True)
+def _no_leaks(serve_app: ServeApp) -> Any:
+    yield
+    assert_clean(serve_app.scheduler, objects=False)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "allowed"),
+    [
+        ("temperature", 5, "2"),
+        ("top_p", 0, "0"),
+        ("n", 0, "1"),
+        ("max_tokens", 0, "1"),
+        ("presence_penalty", -3, "-2"),
+        ("logprobs", 50, "20"),
+        ("top_k", -5, "-1"),
+    ],
+)
+def test_bad_parameters_are_400_naming_the_field_and_range(
+    serve_app: ServeApp, field: str, value: Any, allowed: str
+) -> None:
+    body = {"model": serve_app.model, "prompt": PROMPT, field: value}
+    error = _error(_post(serve_app, "/v1/completions", body), 400)
+    assert error["param"] == field
+    assert field in error["message"] and allowed in error["message"]
+
+
+def test_malformed_bodies_are_400(serve_app: ServeApp) -> None:
+    error = _error(_post(serve_app, "/v1/chat/completions", {"model": serve_app.model}), 400)
+    assert "messages" in error["message"]
+    r = requests.post(
+        f"{serve_app.url}/v1/completions",
+        data="{not json",
+        headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"},
+        timeout=30,
+    )
+    _error(r, 400)
+    body = {
+        "model": serve_app.model,
+        "messages": [{"role": "user", "content": "x"}],
+        "top_logprobs": 3,
+    }
+    assert "logprobs" in _error(_post(serve_app, "/v1/chat/completions", body), 400)["message"]
+    body = {"model": serve_app.model, "prompt": [99999]}
+    assert "vocabulary" in _error(_post(serve_app, "/v1/completions", body), 400)["message"]
+
+
+def test_prompt_longer_than_the_context_is_400_with_both_lengths(serve_app: ServeApp) -> None:
+    max_len = serve_app.scheduler_info["max_model_len"]
+    body = {"model": serve_app.model, "prompt": [65] * (max_len + 5)}
+    error = _error(_post(serve_app, "/v1/completions", body), 400)
+    assert str(max_len) in error["message"] and str(max_len + 5) in error["message"]
+    body = {"model": serve_app.model, "prompt": [65] * 10, "max_tokens": max_len}
+    error = _error(_post(serve_app, "/v1/completions", body), 400)
+    assert error["param"] == "max_tokens"
+    assert (
+        f"{max_len + 10} tokens (10 in the prompt, {max_len} in the completion)"
+        in (error["message"])
+    )
+
+
+def test_unknown_model_is_404(serve_app: ServeApp) -> None:
+    body = {"model": "no-such-model", "prompt": PROMPT}
+    error = _error(_post(serve_app, "/v1/completions", body), 404)
+    assert "no-such-model" in error["message"] and error["param"] == "model"
+
+
+def test_missing_or_wrong_api_key_is_401(serve_app: ServeApp) -> None:
+    body = {"model": serve_app.model, "prompt": PROMPT}
+    _error(_post(serve_app, "/v1/completions", body, key=None), 401)
+    _error(_post(serve_app, "/v1/completions", body, key="wrong"), 401)
+    assert requests.get(f"{serve_app.url}/v1/models", timeout=30).status_code == 401
+    assert requests.get(f"{serve_app.url}/health", timeout=30).status_code == 200  # open
+
+
+def test_internal_failure_is_500_without_a_trace(serve_app: ServeApp) -> None:
+    # "broken" is configured with an adapter path that does not exist: a server-side fault.
+    body = {"model": "broken", "prompt": PROMPT, "max_tokens": 2}
+    r = _post(serve_app, "/v1/completions", body)
+    error = _error(r, 500)
+    assert error["message"] == "internal server error"
+    assert "Traceback" not in r.text and "missing-adapter" not in r.text
+
+
+def test_overload_is_429_with_retry_after(serve_app: ServeApp) -> None:
+    scheduler = serve_app.scheduler
+    import ray
+
+    # Slow the prefill instance so that requests pile up in its waiting queue (bound: 6).
+    ray.get(scheduler.set_fault_injection.remote("p-0", 0.0, 0.3))
+    try:
+        body = {"model": serve_app.model, "prompt": PROMPT, "max_tokens": 2}
+        results: list[Any] = [None] * 24
+
+        def send(i: int) -> None:
+            results[i] = _post(serve_app, "/v1/completions", body)
+
+        threads = [threading.Thread(target=send, args=(i,)) for i in range(24)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        codes = sorted(r.status_code for r in results)
+        assert set(codes) <= {200, 429} and codes.count(200) >= 6 and 429 in codes, codes
+        refused = next(r for r in results if r.status_code == 429)
+        assert refused.headers["Retry-After"] == "2"
+        assert "overloaded" in _error(refused, 429)["message"]
+    finally:
+        ray.get(scheduler.set_fault_injection.remote("p-0", 0.0, 0.0))
+
+
+def test_client_leaving_mid_stream_frees_the_blocks(serve_app: ServeApp) -> None:
+    import ray
+
+    scheduler = serve_app.scheduler
+    ray.get(scheduler.set_fault_injection.remote("d-0", 0.0, 0.05))
+    try:
+        body = {
+            "model": serve_app.model,
+            "prompt": PROMPT,
+            "max_tokens": 400,
+            "stream": True,
+            "ignore_eos": True,
+        }
+        with _post(serve_app, "/v1/completions", body, stream=True) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            data = [line for line in (next(lines) for _ in range(12)) if line]
+            assert len(data) >= 4  # tokens are flowing
+
+            def decoding() -> bool:
+                stats = ray.get(scheduler.stats.remote())
+                return stats["instances"]["d-0"]["num_running"] == 1
+
+            wait_until(decoding, 20, "the request to decode")
+        # The connection is closed: the request is aborted and its blocks return.
+        start = time.monotonic()
+        wait_until(lambda: ray.get(scheduler.stats.remote())["num_flights"] == 0, 20, "abort")
+        assert time.monotonic() - start < 20
+        stats = ray.get(scheduler.stats.remote())["instances"]["d-0"]
+        assert stats["num_free_blocks"] == stats["num_blocks"]
+        assert stats["num_output_tokens_computed"] > 0
+    finally:
+        ray.get(scheduler.set_fault_injection.remote("d-0", 0.0, 0.0))
+
+
+# -- gRPC ------------------------------------------------------------------------------------
+def _grpc_generate(app: ServeApp, key: str | None = API_KEY, **fields: Any) -> list[Any]:
+    import grpc
+
+    from cluster.proto import tandem_pb2, tandem_pb2_grpc
+
+    async def run() -> list[Any]:
+        async with grpc.aio.insecure_channel(app.grpc_target) as channel:
+            stub = tandem_pb2_grpc.GenerateStub(channel)
+            metadata = [("authorization", f"Bearer {key}")] if key else []
+            request = tandem_pb2.GenerateRequest(**fields)
+            return [r async for r in stub.Generate(request, metadata=metadata, timeout=60)]
+
+    return asyncio.run(run())
+
+
+def test_grpc_streams_what_http_returns(serve_app: ServeApp) -> None:
+    body = {
+        "model": serve_app.model,
+        "prompt": PROMPT,
+        "max_tokens": 10,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    http = _post(serve_app, "/v1/completions", body).json()
+    responses = _grpc_generate(
+        serve_app,
+        model=serve_app.model,
+        prompt=PROMPT,
+        max_tokens=10,
+        temperature=0,
+        ignore_eos=True,
+    )
+    assert len(responses) > 1  # streamed
+    assert "".join(r.text for r in responses) == http["choices"][0]["text"]
+    assert sum(len(r.token_ids) for r in responses) == 10
+    last = responses[-1]
+    assert last.finish_reason == "length" and last.usage.completion_tokens == 10
+    assert last.usage.prompt_tokens == http["usage"]["prompt_tokens"]
+    assert all(not r.finish_reason for r in responses[:-1])
+
+
+def test_grpc_errors_are_status_codes(serve_app: ServeApp) -> None:
+    import grpc
+
+    cases = [
+        (
+            {"model": serve_app.model, "prompt": PROMPT, "temperature": 5.0},
+            API_KEY,
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "temperature",
+        ),
+        ({"model": "nope", "prompt": PROMPT}, API_KEY, grpc.StatusCode.NOT_FOUND, "nope"),
+        (
+            {"model": serve_app.model, "prompt": PROMPT},
+            None,
+            grpc.StatusCode.UNAUTHENTICATED,
+            "API key",
+        ),
+        (
+            {"model": serve_app.model, "prompt": ""},
+            API_KEY,
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "empty",
+        ),
+    ]
+    for fields, key, code, text in cases:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            _grpc_generate(serve_app, key=key, **fields)
+        assert info.value.code() == code, (fields, info.value)
+        assert text in (info.value.details() or ""), info.value.details()
