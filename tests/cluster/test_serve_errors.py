@@ -19,7 +19,8 @@ PROMPT = "The quick brown fox"
 
 def _post(app: ServeApp, path: str, body: Any, key: str | None = API_KEY, **kw: Any) -> Any:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
-    return requests.post(f"{app.url}{path}", json=body, headers=headers, timeout=60, **kw)
+    kw.setdefault("timeout", 60)
+    return requests.post(f"{app.url}{path}", json=body, headers=headers, **kw)
 
 
 def _error(response: Any, status: int) -> dict[str, Any]:
@@ -246,3 +247,19 @@ def test_grpc_errors_are_status_codes(serve_app: ServeApp) -> None:
             _grpc_generate(serve_app, key=key, **fields)
         assert info.value.code() == code, (fields, info.value)
         assert text in (info.value.details() or ""), info.value.details()
+
+
+def test_client_leaving_a_whole_response_aborts_it(serve_app: ServeApp) -> None:
+    import ray
+
+    scheduler = serve_app.scheduler
+    ray.get(scheduler.set_fault_injection.remote("d-0", 0.0, 0.05))
+    try:
+        body = {"model": serve_app.model, "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True}
+        with pytest.raises(requests.exceptions.ReadTimeout):
+            _post(serve_app, "/v1/completions", body, timeout=2.0)  # gives up, closes
+        wait_until(lambda: ray.get(scheduler.stats.remote())["num_flights"] == 0, 20, "abort")
+        stats = ray.get(scheduler.stats.remote())["instances"]["d-0"]
+        assert stats["num_free_blocks"] == stats["num_blocks"]
+    finally:
+        ray.get(scheduler.set_fault_injection.remote("d-0", 0.0, 0.0))
