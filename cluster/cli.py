@@ -248,6 +248,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
     _up_parser(sub)
+    from cluster.serve_cli import add_serve_arguments
+
+    add_serve_arguments(
+        sub.add_parser(
+            "serve",
+            help="serve the OpenAI-compatible API (Ray Serve) on 127.0.0.1:8000",
+            description="Start a local Ray, the cluster described by CONFIG (default: the "
+            "built-in SmolLM2, one prefill and one decode instance) and the Serve app: HTTP "
+            "on :8000, gRPC on :9000. Runs until Ctrl-C, then shuts everything down.",
+        )
+    )
+    from cluster.loadgen import add_bench_arguments
+
+    add_bench_arguments(
+        sub.add_parser(
+            "bench",
+            help="load-test an OpenAI-compatible endpoint (TTFT, TPOT, throughput, goodput)",
+        )
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
@@ -255,6 +274,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     if args.command == "up":
         return _run_up(args)
+    if args.command == "serve":
+        from cluster.serve_cli import run_serve
+
+        return run_serve(args)
+    if args.command == "bench":
+        from cluster.loadgen import run_bench
+
+        return run_bench(args)
     return _run_generate(args)
 
 
