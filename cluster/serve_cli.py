@@ -155,7 +155,7 @@ def run_serve(args: argparse.Namespace) -> int:
         print("\nshutting down", flush=True)
     finally:
         try:
-            serve.shutdown()
+            serve.shutdown()  # type: ignore[no-untyped-call]
         finally:
             ray.shutdown()
     return 0
