@@ -18,12 +18,12 @@ from tests.cluster.conftest import API_KEY, ServeApp, assert_clean  # noqa: E402
 
 def _prepare(case: Any, app: ServeApp) -> None:
     body = case.body if isinstance(case.body, dict) else None
-    if body is not None and isinstance(body.get("model"), str):
-        # Mostly the real model, so that generation runs (random names stop at the 404);
-        # never "broken", the adapter the fixture misconfigures on purpose (its 500 is tested
-        # in test_serve_errors).
-        if body["model"] == "broken" or len(body["model"]) % 4:
-            body["model"] = app.model
+    # Mostly the real model, so that generation runs (random names stop at the 404); never
+    # "broken", the adapter the fixture misconfigures on purpose (its 500 is tested in
+    # test_serve_errors).
+    model = None if body is None else body.get("model")
+    if body is not None and isinstance(model, str) and (model == "broken" or len(model) % 4):
+        body["model"] = app.model
     if case.path == "/v1/unload_lora_adapter" and body is not None:
         body["lora_name"] = f"x-{body.get('lora_name')}"  # never the real adapters
 
