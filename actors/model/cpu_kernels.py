@@ -26,7 +26,23 @@ import torch
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).parent / "csrc" / "paged_attention.c"
-_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+# The parts of -ffast-math the reductions need to vectorize, not -ffast-math itself: with it,
+# gcc links crtfastmath.o into the library, whose constructor turns on flush-to-zero for the
+# whole process when the kernel loads (subnormals vanish everywhere: numpy, torch, hypothesis).
+_FLAGS = [
+    "-O3",
+    "-march=native",
+    "-fno-math-errno",
+    "-fno-trapping-math",
+    "-fno-signed-zeros",
+    "-fassociative-math",
+    "-freciprocal-math",
+    "-ffinite-math-only",
+    "-fopenmp",
+    "-shared",
+    "-fPIC",
+    "-std=c11",
+]
 
 
 def _cache_dir() -> Path:
