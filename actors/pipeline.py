@@ -91,6 +91,7 @@ class StageReportMerger:
             if report.kv is not None:
                 kv.bytes_saved += report.kv.bytes_saved
                 kv.bytes_loaded += report.kv.bytes_loaded
+                kv.loads.extend(report.kv.loads)
                 for req_id, segs in report.kv.saved.items():
                     segments.setdefault(req_id, []).extend(segs)
         # A save's segments all arrive in the step that finishes the prompt (every stage ran

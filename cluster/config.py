@@ -230,6 +230,17 @@ class KVTransferConfig(_Config):
         }
 
 
+class MetricsConfig(_Config):
+    """Prometheus metrics (``/metrics``) and the SLOs that define goodput."""
+
+    slo_ttft_ms: float | None = Field(
+        2000.0, gt=0.0, description="Goodput: a request's time to first token at most this."
+    )
+    slo_tpot_ms: float | None = Field(
+        200.0, gt=0.0, description="Goodput: a request's mean time per output token at most this."
+    )
+
+
 class ServeConfig(_Config):
     """The Ray Serve application in front of the cluster (``cluster.serve:build_app``)."""
 
@@ -289,6 +300,7 @@ class ClusterConfig(_Config):
     kv_transfer: KVTransferConfig = Field(default_factory=KVTransferConfig)
     lora: LoRAConfig | None = None
     serve: ServeConfig = Field(default_factory=ServeConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     admission_window_s: float = Field(
         0.002,
         ge=0.0,
@@ -347,6 +359,17 @@ def _is_path(source: str | Path) -> bool:
     if isinstance(source, Path):
         return True
     return "\n" not in source and source.endswith((".yaml", ".yml"))
+
+
+def served_model_name(config: ClusterConfig) -> str:
+    """The model's name in the API and in metrics: ``serve.served_model_name``, else the model
+    file's or directory's name (the built-in one: SmolLM2-135M-Instruct)."""
+    if config.serve.served_model_name:
+        return config.serve.served_model_name
+    if config.model is None:
+        return "SmolLM2-135M-Instruct"  # actors.model.loader.BUILTIN_MODEL
+    path = Path(config.model)
+    return path.stem if path.suffix.lower() == ".gguf" else path.name
 
 
 def default_cluster_config(model: str | None = None) -> ClusterConfig:

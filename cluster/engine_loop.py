@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cluster.executors import Executor
-from kv_transfer.connector import PDConnector
+from kv_transfer.connector import KVConnectorReport, PDConnector
 from scheduler import ModelRunnerOutput, Request, RequestStatus, Scheduler, SchedulerOutput
 from scheduler.outputs import EngineCoreOutput
 from scheduler.request import FinishReason
@@ -43,11 +43,19 @@ class LoopCounters:
     num_requests_added: int = 0
     max_in_flight: int = 0  # the most steps in flight at once
     in_flight_sum: int = 0  # steps in flight right after each start (mean = sum / num_steps)
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of which found
+    num_preemptions: int = 0
+    kv_bytes_saved: int = 0
+    kv_bytes_loaded: int = 0
+    num_kv_loads: int = 0  # loads that ended (per stage of a pipeline instance)
+    num_kv_load_failures: int = 0  # failed or timed out: recomputed (or failed, by policy)
 
 
 OutputsCallback = Callable[["EngineLoop", list[EngineCoreOutput]], None]
 # (loop, ids of the requests it held, why): the instance is gone; the callee re-homes them.
 FailureCallback = Callable[["EngineLoop", list[str], str], None]
+KVLoadsCallback = Callable[["EngineLoop", list[tuple[float, int, bool]]], None]
 
 
 class EngineLoop:
@@ -75,6 +83,10 @@ class EngineLoop:
         self.executor = executor
         self.on_outputs = on_outputs
         self.on_failure = on_failure
+        # Set by the owner for metrics: (loop, [(seconds, bytes, ok)] of the loads that ended).
+        self.on_kv_loads: KVLoadsCallback | None = None
+        # ... and (loop, request id) when a request is first scheduled here (queue time).
+        self.on_scheduled: Callable[[EngineLoop, str], None] | None = None
         self._failure: str | None = None  # why fail() stopped the loop
         self.admission_window_s = admission_window_s
         self.idle_sleep_s = idle_sleep_s
@@ -158,6 +170,13 @@ class EngineLoop:
             "num_requests_added": c.num_requests_added,
             "max_in_flight": c.max_in_flight,
             "mean_in_flight": c.in_flight_sum / c.num_steps if c.num_steps else 0.0,
+            "prefix_cache_queries": c.prefix_cache_queries,
+            "prefix_cache_hits": c.prefix_cache_hits,
+            "num_preemptions": c.num_preemptions,
+            "kv_bytes_saved": c.kv_bytes_saved,
+            "kv_bytes_loaded": c.kv_bytes_loaded,
+            "num_kv_loads_ended": c.num_kv_loads,
+            "num_kv_load_failures": c.num_kv_load_failures,
             "connector_pending": 0 if connector is None else connector.num_pending(),
             "num_kv_saves": 0 if connector is None else connector.num_saves,
             "num_kv_loads": 0 if connector is None else connector.num_loads,
@@ -197,6 +216,7 @@ class EngineLoop:
             result = await future  # raises: the worker is gone
             in_flight.popleft()
             outputs = scheduler.update_from_output(out, result)
+            self._count_result(result)
             if outputs:
                 self.on_outputs(self, outputs)
             idle = out.total_num_scheduled_tokens == 0 and not in_flight
@@ -208,6 +228,20 @@ class EngineLoop:
                 # them) or no room yet. Yield rather than spin on the worker.
                 self.counters.num_idle_steps += 1
                 await asyncio.sleep(self.idle_sleep_s)
+
+    def _count_result(self, result: Any) -> None:
+        c, stats = self.counters, self.scheduler.make_stats()
+        c.prefix_cache_queries += stats.prefix_cache_queries
+        c.prefix_cache_hits += stats.prefix_cache_hits
+        c.num_preemptions += stats.num_preemptions
+        report = getattr(result, "kv_connector_output", None)
+        if isinstance(report, KVConnectorReport):
+            c.kv_bytes_saved += report.bytes_saved
+            c.kv_bytes_loaded += report.bytes_loaded
+            c.num_kv_loads += len(report.loads)
+            c.num_kv_load_failures += sum(not ok for _, _, ok in report.loads)
+            if self.on_kv_loads is not None and report.loads:
+                self.on_kv_loads(self, report.loads)
 
     def _fill_pipeline(self) -> None:
         """Start steps until ``max_in_flight`` are running or nothing more can overlap.
@@ -265,6 +299,8 @@ class EngineLoop:
         c.num_steps += 1
         n = out.num_scheduled_tokens
         for new in out.scheduled_new_reqs:
+            if self.on_scheduled is not None:
+                self.on_scheduled(self, new.req_id)
             prompt = len(new.prompt_token_ids)
             self._count_span(new.num_computed_tokens, n[new.req_id], prompt)
         cached = out.scheduled_cached_reqs

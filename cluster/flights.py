@@ -31,6 +31,10 @@ class Flight:
     decode_target: EngineLoop | None = None  # chosen by the Router at arrival
     sent: list[int] = field(default_factory=list)  # tokens already given to the client
     num_moves: int = 0  # times it moved off a failed instance
+    # For metrics (time.monotonic(); arrival is request.arrival_time):
+    scheduled_at: float | None = None  # its first step anywhere
+    first_token_at: float | None = None
+    last_token_at: float | None = None
 
 
 def clone_request(request: Request, **overrides: Any) -> Request:

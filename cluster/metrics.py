@@ -1,8 +1,13 @@
-"""``/metrics``: the cluster's state in Prometheus' text format, named like vLLM's metrics with
-a ``tandem:`` prefix and ``model_name`` / ``instance`` / ``role`` labels.
+"""Prometheus metrics, named like vLLM's with a ``tandem:`` prefix and ``model_name`` /
+``instance`` / ``role`` labels (DESIGN §6).
 
-Read from ``SchedulerActor.stats()`` at scrape time (one call), so every ingress replica
-reports the same cluster-wide numbers.
+Two sources, rendered together by ``SchedulerActor.metrics_text()`` (so every ingress replica
+serves the same cluster-wide numbers on ``/metrics``):
+
+- ``ClusterMetrics``: per-request histograms and counters the SchedulerActor observes as
+  requests move (TTFT, inter-token latency, TPOT, end-to-end latency, queue time, KV transfer
+  durations, finished requests, goodput against ``metrics.slo_ttft_ms`` / ``slo_tpot_ms``);
+- the instances' own gauges and counters (``EngineLoop.stats()``), read at scrape time.
 """
 
 from __future__ import annotations
@@ -10,21 +15,103 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 LABELS = ["model_name", "instance", "role"]
 
-# (name, help, stats key, kind)
+# vLLM's buckets (seconds).
+_TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+_ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+_E2E_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
+_TRANSFER_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+)
+
+# Per-instance values of EngineLoop.stats(): (name, help, key, kind).
 _PER_INSTANCE: list[tuple[str, str, str, str]] = [
     ("tandem:num_requests_running", "Requests in the running set.", "num_running", "gauge"),
-    (
-        "tandem:num_requests_waiting",
-        "Requests waiting to be scheduled.",
-        "num_waiting",
-        "gauge",
-    ),
+    ("tandem:num_requests_waiting", "Requests waiting to be scheduled.", "num_waiting", "gauge"),
     (
         "tandem:num_requests_waiting_for_remote_kvs",
         "Requests whose KV is being loaded from a prefill instance.",
@@ -34,16 +121,53 @@ _PER_INSTANCE: list[tuple[str, str, str, str]] = [
     ("tandem:kv_cache_usage_perc", "KV cache usage (1 = full).", "kv_cache_usage", "gauge"),
     ("tandem:num_free_blocks", "Free KV cache blocks.", "num_free_blocks", "gauge"),
     ("tandem:instance_alive", "1 while the instance serves.", "alive", "gauge"),
-    (
-        "tandem:prompt_tokens",
-        "Prompt tokens computed.",
-        "num_prompt_tokens_computed",
-        "counter",
-    ),
+    ("tandem:prompt_tokens", "Prompt tokens computed.", "num_prompt_tokens_computed", "counter"),
     (
         "tandem:generation_tokens",
         "Generated tokens computed.",
         "num_output_tokens_computed",
+        "counter",
+    ),
+    (
+        "tandem:prefix_cache_queries",
+        "Prompt tokens looked up in the prefix cache.",
+        "prefix_cache_queries",
+        "counter",
+    ),
+    (
+        "tandem:prefix_cache_hits",
+        "Prompt tokens found in the prefix cache.",
+        "prefix_cache_hits",
+        "counter",
+    ),
+    (
+        "tandem:num_preemptions",
+        "Requests preempted (recomputed later).",
+        "num_preemptions",
+        "counter",
+    ),
+    (
+        "tandem:kv_transfer_bytes_saved",
+        "KV bytes published for decode instances.",
+        "kv_bytes_saved",
+        "counter",
+    ),
+    (
+        "tandem:kv_transfer_bytes_loaded",
+        "KV bytes loaded from prefill instances.",
+        "kv_bytes_loaded",
+        "counter",
+    ),
+    (
+        "tandem:kv_transfer_loads",
+        "KV loads that ended (per pipeline stage).",
+        "num_kv_loads_ended",
+        "counter",
+    ),
+    (
+        "tandem:kv_transfer_failures",
+        "KV loads that failed or timed out.",
+        "num_kv_load_failures",
         "counter",
     ),
     ("tandem:num_steps", "Engine steps executed.", "num_steps", "counter"),
@@ -77,8 +201,127 @@ class _StatsCollector:
         yield moves
 
 
-def render_metrics(stats: dict[str, Any], model_name: str) -> tuple[str, str]:
-    """The exposition text and its content type."""
+class ClusterMetrics:
+    """The SchedulerActor's request-level metrics (one registry per actor)."""
+
+    def __init__(self, model_name: str, slo_ttft_s: float | None, slo_tpot_s: float | None) -> None:
+        self.model_name = model_name
+        self.slo_ttft_s = slo_ttft_s
+        self.slo_tpot_s = slo_tpot_s
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        self.ttft = Histogram(
+            "tandem:time_to_first_token_seconds",
+            "Time to first token (arrival to the first token, from the instance that sampled it).",
+            LABELS,
+            registry=r,
+            buckets=_TTFT_BUCKETS,
+        )
+        self.itl = Histogram(
+            "tandem:inter_token_latency_seconds",
+            "Time between two outputs of a request.",
+            LABELS,
+            registry=r,
+            buckets=_ITL_BUCKETS,
+        )
+        self.tpot = Histogram(
+            "tandem:request_time_per_output_token_seconds",
+            "A request's mean time per output token after the first.",
+            LABELS,
+            registry=r,
+            buckets=_ITL_BUCKETS,
+        )
+        self.e2e = Histogram(
+            "tandem:e2e_request_latency_seconds",
+            "Arrival to the last token.",
+            LABELS,
+            registry=r,
+            buckets=_E2E_BUCKETS,
+        )
+        self.queue = Histogram(
+            "tandem:request_queue_time_seconds",
+            "Arrival to the request's first step.",
+            LABELS,
+            registry=r,
+            buckets=_E2E_BUCKETS,
+        )
+        self.transfer = Histogram(
+            "tandem:kv_transfer_duration_seconds",
+            "One KV load, start to data in the blocks (failed ones too).",
+            [*LABELS, "outcome"],
+            registry=r,
+            buckets=_TRANSFER_BUCKETS,
+        )
+        self.finished = Counter(
+            "tandem:request_success",
+            "Finished requests by finish reason.",
+            [*LABELS, "finished_reason"],
+            registry=r,
+        )
+        self.goodput = Counter(
+            "tandem:goodput_requests",
+            "Finished requests (stop or length) that met the TTFT "
+            "and TPOT SLOs (compare with tandem:requests_finished).",
+            LABELS,
+            registry=r,
+        )
+        self.total = Counter(
+            "tandem:requests_finished",
+            "Finished requests, any reason (goodput's total).",
+            LABELS,
+            registry=r,
+        )
+        self.recompute = Counter(
+            "tandem:kv_recompute_fallbacks",
+            "Decode-side recomputes after a failed KV load.",
+            LABELS,
+            registry=r,
+        )
+
+    def labels(self, instance: str, role: str) -> tuple[str, str, str]:
+        return (self.model_name, instance, role)
+
+    def request_finished(
+        self,
+        instance: str,
+        role: str,
+        reason: str,
+        e2e_s: float,
+        ttft_s: float | None,
+        tpot_s: float | None,
+    ) -> None:
+        labels = self.labels(instance, role)
+        self.e2e.labels(*labels).observe(e2e_s)
+        self.finished.labels(*labels, reason).inc()
+        self.total.labels(*labels).inc()
+        if tpot_s is not None:
+            self.tpot.labels(*labels).observe(tpot_s)
+        good = reason in ("stop", "length") and ttft_s is not None
+        if good and self.slo_ttft_s is not None:
+            good = ttft_s is not None and ttft_s <= self.slo_ttft_s
+        if good and self.slo_tpot_s is not None and tpot_s is not None:
+            good = tpot_s <= self.slo_tpot_s
+        if good:
+            self.goodput.labels(*labels).inc()
+
+    def kv_loads(
+        self, instance: str, role: str, loads: list[tuple[float, int, bool]], recompute: bool
+    ) -> None:
+        labels = self.labels(instance, role)
+        for seconds, _, ok in loads:
+            self.transfer.labels(*labels, "ok" if ok else "failed").observe(seconds)
+            if not ok and recompute:
+                self.recompute.labels(*labels).inc()
+
+    def render(self, stats: dict[str, Any]) -> str:
+        own = generate_latest(self.registry).decode()
+        return own + render_stats(stats, self.model_name)[0]
+
+
+def render_stats(stats: dict[str, Any], model_name: str) -> tuple[str, str]:
+    """The instances' gauges and counters as exposition text, and its content type."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_StatsCollector(stats, model_name))
     return generate_latest(registry).decode(), CONTENT_TYPE_LATEST
+
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST

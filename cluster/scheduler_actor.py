@@ -21,10 +21,11 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from cluster.config import ClusterConfig
+from cluster.config import ClusterConfig, served_model_name
 from cluster.engine_loop import EngineLoop
 from cluster.errors import OverloadedError
 from cluster.flights import Flight, clone_request, merge_outputs, prefill_request
+from cluster.metrics import ClusterMetrics
 from cluster.placement import MONITOR, InstanceSpec
 from cluster.router import Route, Router
 from kv_transfer.connector import PDConnector
@@ -55,6 +56,12 @@ class SchedulerActor:
         self.failures: list[dict[str, Any]] = []  # instance failures and rejoins, in order
         self._tasks: set[asyncio.Task[None]] = set()  # moves, rejoins, the health monitor
         self._failed_loops: set[int] = set()  # id() of loops whose failure was handled
+        slo = config.metrics
+        self.metrics = ClusterMetrics(
+            served_model_name(config),
+            None if slo.slo_ttft_ms is None else slo.slo_ttft_ms / 1000,
+            None if slo.slo_tpot_ms is None else slo.slo_tpot_ms / 1000,
+        )
         # LoRA adapters served as model names (the API's registry, shared by every ingress).
         self.adapters: dict[str, LoRARequest] = {}
         self._adapter_ids = itertools.count(1)
@@ -121,7 +128,7 @@ class SchedulerActor:
         scheduler = Scheduler(sched_config, cache, self.config.lora, connector)
         # Pipeline stages each hold one step; async scheduling overlaps two on one worker.
         in_flight = pool.pp_size if pool.pp_size > 1 else 2 if sched_config.async_scheduling else 1
-        return EngineLoop(
+        loop = EngineLoop(
             spec.instance_id,
             scheduler,
             spec.executor,
@@ -130,6 +137,9 @@ class SchedulerActor:
             max_in_flight=in_flight,
             on_failure=self._on_instance_failed,
         )
+        loop.on_scheduled = self._on_scheduled
+        loop.on_kv_loads = self._on_kv_loads
+        return loop
 
     async def shutdown(self) -> None:
         """Stop every loop, fail what is in flight, release the workers."""
@@ -421,6 +431,7 @@ class SchedulerActor:
                 out.error,
             )
             flight.sent.extend(out.new_token_ids)
+            self._tokens_out(flight, loop, len(out.new_token_ids))
             if out.finished:
                 self._finish(flight, client_out)
             else:
@@ -454,6 +465,7 @@ class SchedulerActor:
             decode = self.router.best_decode(alive)
         params = out.kv_transfer_params
         flight.num_cached_tokens = out.num_cached_tokens
+        self._tokens_out(flight, flight.loop, len(first.new_token_ids))
         flight.stage = "decode"
         flight.loop = decode
         flight.sent.extend(first.new_token_ids)
@@ -473,6 +485,57 @@ class SchedulerActor:
             del self.flights[flight.request.request_id]
             self._internal.pop(flight.internal_id, None)
             flight.queue.put_nowait(final)
+            self._observe_finish(flight, final)
+
+    # -- metrics -----------------------------------------------------------------------------
+    def _role(self, loop: EngineLoop) -> str:
+        return self.roles.get(loop.instance_id, "")
+
+    def _on_scheduled(self, loop: EngineLoop, internal_id: str) -> None:
+        flight = self._internal.get(internal_id)
+        if flight is not None and flight.scheduled_at is None:
+            flight.scheduled_at = now = time.monotonic()
+            queued = now - flight.request.arrival_time
+            self.metrics.queue.labels(
+                *self.metrics.labels(loop.instance_id, self._role(loop))
+            ).observe(max(queued, 0.0))
+
+    def _tokens_out(self, flight: Flight, loop: EngineLoop, num: int) -> None:
+        if num <= 0:
+            return
+        now = time.monotonic()
+        labels = self.metrics.labels(loop.instance_id, self._role(loop))
+        if flight.first_token_at is None:
+            flight.first_token_at = now
+            self.metrics.ttft.labels(*labels).observe(now - flight.request.arrival_time)
+        elif flight.last_token_at is not None:
+            self.metrics.itl.labels(*labels).observe(now - flight.last_token_at)
+        flight.last_token_at = now
+
+    def _observe_finish(self, flight: Flight, final: EngineCoreOutput) -> None:
+        if final.finish_reason is None:
+            return
+        now = time.monotonic()
+        first = flight.first_token_at
+        ttft = None if first is None else first - flight.request.arrival_time
+        num = len(flight.sent)
+        tpot = (now - first) / (num - 1) if first is not None and num > 1 else None
+        self.metrics.request_finished(
+            flight.loop.instance_id,
+            self._role(flight.loop),
+            final.finish_reason.value,
+            now - flight.request.arrival_time,
+            ttft,
+            tpot,
+        )
+
+    def _on_kv_loads(self, loop: EngineLoop, loads: list[tuple[float, int, bool]]) -> None:
+        recompute = self.config.kv_transfer.failure_policy == "recompute"
+        self.metrics.kv_loads(loop.instance_id, self._role(loop), loads, recompute)
+
+    def metrics_text(self) -> str:
+        """Prometheus exposition text of the whole cluster (``/metrics``)."""
+        return self.metrics.render(self.stats())
 
     # -- introspection -----------------------------------------------------------------------
     def live_request_ids(self) -> list[str]:

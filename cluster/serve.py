@@ -18,7 +18,6 @@ import asyncio
 import logging
 import secrets
 import uuid
-from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI
@@ -27,7 +26,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from ray import serve
 
-from cluster.config import ClusterConfig
+from cluster.config import ClusterConfig, served_model_name
 from cluster.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -69,17 +68,6 @@ async def _validation_error(request: HTTPRequest, exc: RequestValidationError) -
 async def _internal_error(request: HTTPRequest, exc: Exception) -> JSONResponse:
     logger.exception("unhandled error on %s", request.url.path)
     return JSONResponse(APIError(500, "internal server error").body(), status_code=500)
-
-
-def served_model_name(config: ClusterConfig) -> str:
-    if config.serve.served_model_name:
-        return config.serve.served_model_name
-    if config.model is None:
-        from actors.model.loader import BUILTIN_MODEL
-
-        return BUILTIN_MODEL
-    path = Path(config.model)
-    return path.stem if path.suffix.lower() == ".gguf" else path.name
 
 
 def _respond(result: dict[str, Any] | Any) -> Any:
@@ -212,12 +200,11 @@ class OpenAIIngress:
 
     @app.get("/metrics")
     async def metrics(self) -> PlainTextResponse:
-        from cluster.metrics import render_metrics
+        from cluster.metrics import CONTENT_TYPE
 
         serving = await self.serving()
-        stats = await serving.client.handle.stats.remote()
-        text, content_type = render_metrics(stats, self._model_name)
-        return PlainTextResponse(text, media_type=content_type)
+        text = await serving.client.handle.metrics_text.remote()
+        return PlainTextResponse(text, media_type=CONTENT_TYPE)
 
     # -- gRPC (tandem.v1.Generate, through Serve's gRPC proxy) -------------------------------
     async def Generate(self, request: Any, grpc_context: Any = None) -> Any:

@@ -100,7 +100,7 @@ def run_serve(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from cluster.serve import served_model_name
+    from cluster.config import served_model_name
 
     try:
         config = serve_config(args)

@@ -300,11 +300,36 @@ def test_load_and_unload_lora_adapters_at_run_time(serve_app: ServeApp) -> None:
 
 def test_health_and_metrics(serve_app: ServeApp) -> None:
     import requests
+    from prometheus_client.parser import text_string_to_metric_families
 
+    serve_app.openai().completions.create(model=serve_app.model, prompt=PROMPT, **GREEDY)
     r = requests.get(f"{serve_app.url}/health", timeout=30)
     assert r.status_code == 200 and r.json()["instances"] == ["d-0", "p-0"]
     text = requests.get(f"{serve_app.url}/metrics", timeout=30).text
-    assert 'tandem:num_requests_running{instance="d-0",model_name="tiny-chat",role="decode"}' in (
-        text
-    )
-    assert "tandem:kv_cache_usage_perc" in text and "tandem:generation_tokens_total" in text
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+    def value(name: str, instance: str, **extra: str) -> float:
+        role = "decode" if instance == "d-0" else "prefill"
+        labels = {"model_name": "tiny-chat", "instance": instance, "role": role, **extra}
+        return samples[(name, tuple(sorted(labels.items())))]
+
+    assert value("tandem:num_requests_running", "d-0") == 0
+    assert value("tandem:kv_cache_usage_perc", "d-0") == 0
+    assert value("tandem:generation_tokens_total", "d-0") > 0
+    assert value("tandem:prompt_tokens_total", "p-0") > 0
+    assert value("tandem:prefix_cache_queries_total", "p-0") > 0
+    # The first token comes from the prefill instance, the rest from the decode instance.
+    assert value("tandem:time_to_first_token_seconds_count", "p-0") > 0
+    assert value("tandem:inter_token_latency_seconds_count", "d-0") > 0
+    assert value("tandem:request_queue_time_seconds_count", "p-0") > 0
+    finished = value("tandem:requests_finished_total", "d-0")
+    assert finished > 0
+    assert 0 < value("tandem:goodput_requests_total", "d-0") <= finished  # generous test SLOs
+    assert value("tandem:request_success_total", "d-0", finished_reason="length") > 0
+    assert value("tandem:kv_transfer_duration_seconds_count", "d-0", outcome="ok") > 0
+    assert value("tandem:kv_transfer_bytes_loaded_total", "d-0") > 0
+    assert value("tandem:kv_transfer_bytes_saved_total", "p-0") > 0
