@@ -277,6 +277,19 @@ class ClusterMetrics:
             registry=r,
         )
 
+    def add_instance(self, instance: str, role: str) -> None:
+        """Export every series of an instance from the start, at 0 (a dashboard's rate() of a
+        series that appears only at its first event misses that event)."""
+        labels = self.labels(instance, role)
+        for metric in (self.ttft, self.itl, self.tpot, self.e2e, self.queue):
+            metric.labels(*labels)
+        for counter in (self.goodput, self.total, self.recompute):
+            counter.labels(*labels)
+        for outcome in ("ok", "failed"):
+            self.transfer.labels(*labels, outcome)
+        for reason in ("stop", "length", "abort", "error"):
+            self.finished.labels(*labels, reason)
+
     def labels(self, instance: str, role: str) -> tuple[str, str, str]:
         return (self.model_name, instance, role)
 

@@ -86,6 +86,7 @@ class SchedulerActor:
             self.roles[spec.instance_id] = spec.pool.role
             self.loops[spec.instance_id] = self._build_loop(spec)
             self._loras[spec.instance_id] = set()
+            self.metrics.add_instance(spec.instance_id, spec.pool.role)
         for loop in self.loops.values():
             loop.start()
         if any(spec.actors for spec in specs) and self.config.health_check_interval_s > 0:

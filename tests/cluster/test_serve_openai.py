@@ -333,3 +333,29 @@ def test_health_and_metrics(serve_app: ServeApp) -> None:
     assert value("tandem:kv_transfer_duration_seconds_count", "d-0", outcome="ok") > 0
     assert value("tandem:kv_transfer_bytes_loaded_total", "d-0") > 0
     assert value("tandem:kv_transfer_bytes_saved_total", "p-0") > 0
+
+
+def test_every_metric_the_grafana_dashboard_queries_is_exported(serve_app: ServeApp) -> None:
+    import json
+    import re
+    from pathlib import Path
+
+    import requests
+    from prometheus_client.parser import text_string_to_metric_families
+
+    dashboard = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "tandem.json"
+    doc = json.loads(dashboard.read_text())
+    rows = [p["title"] for p in doc["panels"] if p["type"] == "row"]
+    assert rows == ["Traffic", "Latency", "KV cache", "P/D transfer", "Goodput"]
+    queried = {
+        name
+        for panel in doc["panels"]
+        for target in panel.get("targets", [])
+        for name in re.findall(r"tandem:[a-z0-9_:]+", target["expr"])
+    }
+    assert len(queried) >= 20
+    serve_app.openai().completions.create(model=serve_app.model, prompt=PROMPT, **GREEDY)
+    text = requests.get(f"{serve_app.url}/metrics", timeout=30).text
+    exported = {s.name for f in text_string_to_metric_families(text) for s in f.samples}
+    missing = sorted(queried - exported)
+    assert not missing, missing
