@@ -97,6 +97,7 @@ class ClusterClient:
         request_id: str | None = None,
         lora_request: LoRARequest | None = None,
         priority: int = 0,
+        trace_context: dict[str, str] | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Yield the request's ``RequestOutput`` each time it advances (deltas in ``new_text``
         / ``new_token_ids``). Raises ``ValueError`` for a prompt the cluster cannot serve.
@@ -110,7 +111,9 @@ class ClusterClient:
         )
         processor.add(rid, prepared.prompt, prepared.prompt_token_ids, params)
         queue: asyncio.Queue[EngineCoreOutput | BaseException] = asyncio.Queue()
-        tasks = [asyncio.ensure_future(self._pump(r, queue)) for r in prepared.requests]
+        tasks = [
+            asyncio.ensure_future(self._pump(r, queue, trace_context)) for r in prepared.requests
+        ]
         open_children = set(child_ids)
         try:
             while open_children:
@@ -132,10 +135,13 @@ class ClusterClient:
                 self.handle.abort.remote(child)
 
     async def _pump(
-        self, request: Request, queue: asyncio.Queue[EngineCoreOutput | BaseException]
+        self,
+        request: Request,
+        queue: asyncio.Queue[EngineCoreOutput | BaseException],
+        trace_context: dict[str, str] | None = None,
     ) -> None:
         try:
-            async for ref in self.handle.generate.remote(request):
+            async for ref in self.handle.generate.remote(request, trace_context):
                 queue.put_nowait(await ref)
         except ray.exceptions.RayTaskError as exc:
             # A request the cluster refuses raises ValueError there; re-raise it as such.

@@ -230,6 +230,24 @@ class KVTransferConfig(_Config):
         }
 
 
+class TracingConfig(_Config):
+    """OpenTelemetry tracing (cluster/tracing.py). Unset exporter fields fall back to the
+    standard ``OTEL_EXPORTER_OTLP_*`` environment variables."""
+
+    enabled: bool = False
+    otlp_endpoint: str | None = Field(
+        None,
+        description="Collector address, e.g. http://127.0.0.1:4317 (gRPC) or "
+        "http://127.0.0.1:4318/v1/traces (HTTP).",
+    )
+    otlp_protocol: Literal["grpc", "http/protobuf"] | None = None
+    sampling_ratio: float = Field(1.0, ge=0.0, le=1.0, description="Share of traces kept.")
+    service_name: str = Field("tandem", min_length=1)
+    export_delay_ms: int = Field(
+        2000, ge=10, le=60_000, description="Longest wait before buffered spans are sent."
+    )
+
+
 class MetricsConfig(_Config):
     """Prometheus metrics (``/metrics``) and the SLOs that define goodput."""
 
@@ -301,6 +319,7 @@ class ClusterConfig(_Config):
     lora: LoRAConfig | None = None
     serve: ServeConfig = Field(default_factory=ServeConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    tracing: TracingConfig = Field(default_factory=TracingConfig)
     admission_window_s: float = Field(
         0.002,
         ge=0.0,

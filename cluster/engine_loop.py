@@ -55,7 +55,7 @@ class LoopCounters:
 OutputsCallback = Callable[["EngineLoop", list[EngineCoreOutput]], None]
 # (loop, ids of the requests it held, why): the instance is gone; the callee re-homes them.
 FailureCallback = Callable[["EngineLoop", list[str], str], None]
-KVLoadsCallback = Callable[["EngineLoop", list[tuple[float, int, bool]]], None]
+KVLoadsCallback = Callable[["EngineLoop", list[tuple[str, float, int, bool]]], None]
 
 
 class EngineLoop:
@@ -83,7 +83,7 @@ class EngineLoop:
         self.executor = executor
         self.on_outputs = on_outputs
         self.on_failure = on_failure
-        # Set by the owner for metrics: (loop, [(seconds, bytes, ok)] of the loads that ended).
+        # Set by the owner for metrics: (loop, [(req_id, seconds, bytes, ok)] of ended loads).
         self.on_kv_loads: KVLoadsCallback | None = None
         # ... and (loop, request id) when a request is first scheduled here (queue time).
         self.on_scheduled: Callable[[EngineLoop, str], None] | None = None
@@ -239,7 +239,7 @@ class EngineLoop:
             c.kv_bytes_saved += report.bytes_saved
             c.kv_bytes_loaded += report.bytes_loaded
             c.num_kv_loads += len(report.loads)
-            c.num_kv_load_failures += sum(not ok for _, _, ok in report.loads)
+            c.num_kv_load_failures += sum(not ok for *_, ok in report.loads)
             if self.on_kv_loads is not None and report.loads:
                 self.on_kv_loads(self, report.loads)
 

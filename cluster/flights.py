@@ -35,6 +35,7 @@ class Flight:
     scheduled_at: float | None = None  # its first step anywhere
     first_token_at: float | None = None
     last_token_at: float | None = None
+    trace: Any = None  # a RequestTrace while tracing is on
 
 
 def clone_request(request: Request, **overrides: Any) -> Request:

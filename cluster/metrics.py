@@ -317,10 +317,14 @@ class ClusterMetrics:
             self.goodput.labels(*labels).inc()
 
     def kv_loads(
-        self, instance: str, role: str, loads: list[tuple[float, int, bool]], recompute: bool
+        self,
+        instance: str,
+        role: str,
+        loads: list[tuple[str, float, int, bool]],
+        recompute: bool,
     ) -> None:
         labels = self.labels(instance, role)
-        for seconds, _, ok in loads:
+        for _, seconds, _, ok in loads:
             self.transfer.labels(*labels, "ok" if ok else "failed").observe(seconds)
             if not ok and recompute:
                 self.recompute.labels(*labels).inc()

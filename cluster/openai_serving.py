@@ -99,8 +99,9 @@ class _Job:
 class OpenAIServing:
     """Serves ``/v1/models``, completions and chat completions for one cluster."""
 
-    def __init__(self, client: ClusterClient, served_model_name: str) -> None:
+    def __init__(self, client: ClusterClient, served_model_name: str, tracer: Any = None) -> None:
         self.client = client
+        self.tracer = tracer  # an OpenTelemetry tracer while tracing is on
         self.tokenizer = client.tokenizer
         self.model_name = served_model_name
         self.max_model_len = client.max_model_len
@@ -204,10 +205,16 @@ class OpenAIServing:
         jobs: list[_Job],
         lora: LoRARequest | None,
         priority: int,
+        span: Any = None,
     ) -> AsyncGenerator[tuple[_Job, RequestOutput], None]:
         """Every job's outputs as they come, merged. The first output of each job is awaited
         before anything is yielded, so a request the cluster refuses is an ``APIError`` here
         (not a broken stream). Leaving early aborts every job."""
+        carrier = None
+        if span is not None:
+            from cluster.tracing import inject
+
+            carrier = inject(span)
         streams = [
             self.client.generate_async(
                 job.prompt_ids,
@@ -215,6 +222,7 @@ class OpenAIServing:
                 request_id=f"{request_id}-{k}" if len(jobs) > 1 else request_id,
                 lora_request=lora,
                 priority=priority,
+                trace_context=carrier,
             )
             for k, job in enumerate(jobs)
         ]
@@ -267,14 +275,24 @@ class OpenAIServing:
             await asyncio.gather(*closing, return_exceptions=True)
 
     # -- completions -------------------------------------------------------------------------
-    async def completion(self, req: CompletionRequest) -> dict[str, Any] | AsyncIterator[str]:
+    async def completion(
+        self, req: CompletionRequest, trace_headers: dict[str, str] | None = None
+    ) -> dict[str, Any] | AsyncIterator[str]:
+        from cluster.tracing import start_api_span
+
+        span = start_api_span(self.tracer, "text_completion", req, trace_headers)
+        return await _traced(self._completion(req, span), span)
+
+    async def _completion(
+        self, req: CompletionRequest, span: Any
+    ) -> dict[str, Any] | AsyncIterator[str]:
         lora = await self.resolve(req.model)
         jobs = self._completion_jobs(req)
         rid = f"cmpl-{uuid.uuid4().hex}"
-        outputs = self._run(rid, jobs, lora, req.priority)
+        outputs = self._run(rid, jobs, lora, req.priority, span)
         if req.stream:
             first = await _prime(outputs)
-            return self._completion_stream(req, rid, jobs, first, outputs)
+            return self._completion_stream(req, rid, jobs, first, outputs, span)
         finals = await _collect(outputs)
         choices = []
         for job in jobs:
@@ -310,6 +328,7 @@ class OpenAIServing:
         jobs: list[_Job],
         first: tuple[_Job, RequestOutput] | None,
         outputs: AsyncGenerator[tuple[_Job, RequestOutput], None],
+        span: Any = None,
     ) -> AsyncIterator[str]:
         created = int(time.time())
         finals: dict[int, RequestOutput] = {}
@@ -372,6 +391,8 @@ class OpenAIServing:
                 yield chunk([], _usage(jobs, finals))
         except APIError as exc:
             yield sse(exc.body())
+        finally:
+            _end_stream_span(span, rid, jobs, finals)
         yield "data: [DONE]\n\n"
 
     def _token_text(self, token_id: int) -> str:
@@ -397,14 +418,24 @@ class OpenAIServing:
         }
 
     # -- chat --------------------------------------------------------------------------------
-    async def chat(self, req: ChatCompletionRequest) -> dict[str, Any] | AsyncIterator[str]:
+    async def chat(
+        self, req: ChatCompletionRequest, trace_headers: dict[str, str] | None = None
+    ) -> dict[str, Any] | AsyncIterator[str]:
+        from cluster.tracing import start_api_span
+
+        span = start_api_span(self.tracer, "chat", req, trace_headers)
+        return await _traced(self._chat(req, span), span)
+
+    async def _chat(
+        self, req: ChatCompletionRequest, span: Any
+    ) -> dict[str, Any] | AsyncIterator[str]:
         lora = await self.resolve(req.model)
         job = self._chat_job(req)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        outputs = self._run(rid, [job], lora, req.priority)
+        outputs = self._run(rid, [job], lora, req.priority, span)
         if req.stream:
             first = await _prime(outputs)
-            return self._chat_stream(req, rid, job, first, outputs)
+            return self._chat_stream(req, rid, job, first, outputs, span)
         finals = await _collect(outputs)
         final = finals[id(job)]
         choices = [
@@ -435,6 +466,7 @@ class OpenAIServing:
         job: _Job,
         first: tuple[_Job, RequestOutput] | None,
         outputs: AsyncGenerator[tuple[_Job, RequestOutput], None],
+        span: Any = None,
     ) -> AsyncIterator[str]:
         created = int(time.time())
         finals: dict[int, RequestOutput] = {}
@@ -494,6 +526,8 @@ class OpenAIServing:
                 yield chunk([], _usage([job], finals))
         except APIError as exc:
             yield sse(exc.body())
+        finally:
+            _end_stream_span(span, rid, [job], finals)
         yield "data: [DONE]\n\n"
 
     def _chat_logprobs(
@@ -522,6 +556,34 @@ class OpenAIServing:
 
 
 # -- helpers ---------------------------------------------------------------------------------
+async def _traced(result: Any, span: Any) -> Any:
+    """Await a handler; end its ingress span with the outcome (a stream ends it itself)."""
+    if span is None:
+        return await result
+    from cluster.tracing import end_api_span
+
+    try:
+        body = await result
+    except BaseException as exc:
+        end_api_span(span, error=exc)
+        raise
+    if isinstance(body, dict):
+        reasons = [c["finish_reason"] or "" for c in body["choices"]]
+        end_api_span(span, body["id"], body["usage"], reasons)
+    return body
+
+
+def _end_stream_span(
+    span: Any, rid: str, jobs: list[_Job], finals: dict[int, RequestOutput]
+) -> None:
+    if span is None:
+        return
+    from cluster.tracing import end_api_span
+
+    reasons = [o.finish_reason or "" for f in finals.values() for o in f.outputs]
+    end_api_span(span, rid, _usage(jobs, finals), reasons)
+
+
 def sse(body: dict[str, Any]) -> str:
     import json
 

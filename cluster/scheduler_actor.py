@@ -62,6 +62,9 @@ class SchedulerActor:
             None if slo.slo_ttft_ms is None else slo.slo_ttft_ms / 1000,
             None if slo.slo_tpot_ms is None else slo.slo_tpot_ms / 1000,
         )
+        from cluster.tracing import init_tracing
+
+        self.tracer = init_tracing(config.tracing, "scheduler")
         # LoRA adapters served as model names (the API's registry, shared by every ingress).
         self.adapters: dict[str, LoRARequest] = {}
         self._adapter_ids = itertools.count(1)
@@ -158,12 +161,15 @@ class SchedulerActor:
                 ray.kill(actor)
 
     # -- requests ----------------------------------------------------------------------------
-    async def generate(self, request: Request) -> AsyncIterator[EngineCoreOutput]:
+    async def generate(
+        self, request: Request, trace_context: dict[str, str] | None = None
+    ) -> AsyncIterator[EngineCoreOutput]:
         """Stream ``request``'s progress: one ``EngineCoreOutput`` per step that produced
         tokens for it (several steps' worth merged when the consumer lags), the last one with
         ``finish_reason`` set. Raises ``ValueError`` before the first output for a request that
-        can never be served. A consumer that goes away aborts the request."""
-        flight = await self._submit(request)
+        can never be served. A consumer that goes away aborts the request. ``trace_context``:
+        the caller's span (a W3C carrier) when tracing is on."""
+        flight = await self._submit(request, trace_context)
         rid = request.request_id
         try:
             while True:
@@ -177,7 +183,9 @@ class SchedulerActor:
             if self.flights.get(rid) is flight:  # the consumer left early
                 self.abort(rid)
 
-    async def _submit(self, request: Request) -> Flight:
+    async def _submit(
+        self, request: Request, trace_context: dict[str, str] | None = None
+    ) -> Flight:
         if not self.started:
             raise RuntimeError("the cluster is not started")
         rid = request.request_id
@@ -197,6 +205,17 @@ class SchedulerActor:
         # Arrival is stamped here: clients' clocks are not comparable (priority tie-breaks).
         request.arrival_time = time.monotonic()
         flight = Flight(request, asyncio.Queue(), next(iter(self.loops.values())), "decode")
+        if self.tracer is not None:
+            from cluster.request_trace import RequestTrace
+            from cluster.tracing import extract
+
+            flight.trace = RequestTrace(
+                self.tracer,
+                extract(trace_context),
+                rid,
+                request.num_prompt_tokens,
+                request.arrival_time,
+            )
         self.flights[rid] = flight
         try:
             await self._place(flight)
@@ -289,6 +308,8 @@ class SchedulerActor:
                 continue  # aborted meanwhile
             flight.num_moves += 1
             self.num_moves += 1
+            if flight.trace is not None:
+                flight.trace.moved(reason)
             try:
                 await self._place(flight)
             except Exception as exc:
@@ -466,6 +487,14 @@ class SchedulerActor:
             decode = self.router.best_decode(alive)
         params = out.kv_transfer_params
         flight.num_cached_tokens = out.num_cached_tokens
+        if flight.trace is not None:
+            block_size = self.specs[decode.instance_id].info["block_size"]
+            flight.trace.handed_off(
+                decode.instance_id,
+                self._node(decode),
+                self.config.kv_transfer.transport,
+                -(-request.num_prompt_tokens // block_size),
+            )
         self._tokens_out(flight, flight.loop, len(first.new_token_ids))
         flight.stage = "decode"
         flight.loop = decode
@@ -494,6 +523,8 @@ class SchedulerActor:
 
     def _on_scheduled(self, loop: EngineLoop, internal_id: str) -> None:
         flight = self._internal.get(internal_id)
+        if flight is not None and flight.trace is not None:
+            flight.trace.scheduled(loop.instance_id, self._role(loop), self._node(loop))
         if flight is not None and flight.scheduled_at is None:
             flight.scheduled_at = now = time.monotonic()
             queued = now - flight.request.arrival_time
@@ -501,9 +532,15 @@ class SchedulerActor:
                 *self.metrics.labels(loop.instance_id, self._role(loop))
             ).observe(max(queued, 0.0))
 
+    def _node(self, loop: EngineLoop) -> str | None:
+        spec = self.specs.get(loop.instance_id)
+        return None if spec is None else spec.info.get("node_id")
+
     def _tokens_out(self, flight: Flight, loop: EngineLoop, num: int) -> None:
         if num <= 0:
             return
+        if flight.trace is not None:
+            flight.trace.tokens(num, flight.num_cached_tokens, loop.instance_id, self._node(loop))
         now = time.monotonic()
         labels = self.metrics.labels(loop.instance_id, self._role(loop))
         if flight.first_token_at is None:
@@ -516,6 +553,8 @@ class SchedulerActor:
     def _observe_finish(self, flight: Flight, final: EngineCoreOutput) -> None:
         if final.finish_reason is None:
             return
+        if flight.trace is not None:
+            flight.trace.finish(final.finish_reason.value, final.error)
         now = time.monotonic()
         first = flight.first_token_at
         ttft = None if first is None else first - flight.request.arrival_time
@@ -530,9 +569,13 @@ class SchedulerActor:
             tpot,
         )
 
-    def _on_kv_loads(self, loop: EngineLoop, loads: list[tuple[float, int, bool]]) -> None:
+    def _on_kv_loads(self, loop: EngineLoop, loads: list[tuple[str, float, int, bool]]) -> None:
         recompute = self.config.kv_transfer.failure_policy == "recompute"
         self.metrics.kv_loads(loop.instance_id, self._role(loop), loads, recompute)
+        for req_id, seconds, num_bytes, ok in loads:
+            flight = self._internal.get(req_id)
+            if flight is not None and flight.trace is not None:
+                flight.trace.kv_loaded(seconds, num_bytes, ok)
 
     def metrics_text(self) -> str:
         """Prometheus exposition text of the whole cluster (``/metrics``)."""

@@ -127,8 +127,11 @@ class OpenAIIngress:
 
                     handle = await self._cluster.scheduler.remote()
                     info = await handle.model_info.remote()
+                    from cluster.tracing import init_tracing
+
                     client = await asyncio.to_thread(ClusterClient, handle, None, info)
-                    self._serving = OpenAIServing(client, self._model_name)
+                    tracer = init_tracing(self._config.tracing, "ingress")
+                    self._serving = OpenAIServing(client, self._model_name, tracer)
         return self._serving
 
     def _authorize(self, authorization: str | None) -> None:
@@ -149,12 +152,14 @@ class OpenAIIngress:
     @app.post("/v1/completions")
     async def completions(self, body: CompletionRequest, request: HTTPRequest) -> Any:
         self._authorize(request.headers.get("authorization"))
-        return _respond(await (await self.serving()).completion(body))
+        serving = await self.serving()
+        return _respond(await serving.completion(body, dict(request.headers)))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest, request: HTTPRequest) -> Any:
         self._authorize(request.headers.get("authorization"))
-        return _respond(await (await self.serving()).chat(body))
+        serving = await self.serving()
+        return _respond(await serving.chat(body, dict(request.headers)))
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(

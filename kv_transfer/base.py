@@ -179,7 +179,7 @@ class WorkerConnector(ABC):
                 del self._loads[req_id]
                 load.future.cancel()
                 logger.warning("KV load of %s timed out after %.1fs", req_id, now - load.started)
-                self._report.loads.append((now - load.started, 0, False))
+                self._report.loads.append((req_id, now - load.started, 0, False))
                 self.history.append(
                     TransferRecord(req_id, 0, now - load.started, False, started_at=load.started_at)
                 )
@@ -205,7 +205,7 @@ class WorkerConnector(ABC):
             del data, fetched
         if error is not None:
             logger.warning("KV load of %s failed: %s", spec.req_id, error)
-            self._report.loads.append((time.monotonic() - load.started, 0, False))
+            self._report.loads.append((spec.req_id, time.monotonic() - load.started, 0, False))
             self.history.append(
                 TransferRecord(
                     spec.req_id,
@@ -217,7 +217,7 @@ class WorkerConnector(ABC):
             )
             return False
         self._report.bytes_loaded += num_bytes
-        self._report.loads.append((time.monotonic() - load.started, num_bytes, True))
+        self._report.loads.append((spec.req_id, time.monotonic() - load.started, num_bytes, True))
         self.history.append(
             TransferRecord(
                 spec.req_id,

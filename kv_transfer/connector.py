@@ -97,9 +97,9 @@ class KVConnectorReport:
     saved: dict[str, list[KVSegment]] = field(default_factory=dict)
     bytes_saved: int = 0
     bytes_loaded: int = 0
-    # Loads that ended this step, for metrics: (seconds from start to the data in the blocks,
-    # bytes written, succeeded). A pipeline instance has one per stage and request.
-    loads: list[tuple[float, int, bool]] = field(default_factory=list)
+    # Loads that ended this step, for metrics and traces: (req_id, seconds from start to the
+    # data in the blocks, bytes written, succeeded). A pipeline instance has one per stage.
+    loads: list[tuple[str, float, int, bool]] = field(default_factory=list)
 
 
 class PDConnector(SchedulerConnector):

@@ -152,6 +152,7 @@ class ServeApp:
     lora_path: str  # adapter "a", served from the start
     spare_lora_path: str  # another adapter, for load_lora_adapter
     config: Any
+    traces: Any = None  # the OTLP receiver the app exports its spans to
 
     @property
     def scheduler(self) -> Any:
@@ -199,6 +200,61 @@ CHAT_TEMPLATE = (
 )
 
 
+class OTLPReceiver:
+    """An OTLP/gRPC trace receiver on 127.0.0.1 (the collector's TraceService from
+    ``opentelemetry-proto``): keeps every span it is sent, with its resource attributes."""
+
+    def __init__(self) -> None:
+        import threading
+        from concurrent import futures
+
+        import grpc
+        from opentelemetry.proto.collector.trace.v1 import (
+            trace_service_pb2,
+            trace_service_pb2_grpc,
+        )
+
+        receiver = self
+        self.spans: list[tuple[dict[str, Any], Any]] = []  # (resource attributes, span)
+        self._lock = threading.Lock()
+
+        class Service(trace_service_pb2_grpc.TraceServiceServicer):  # type: ignore[misc]
+            def Export(self, request: Any, context: Any) -> Any:
+                with receiver._lock:
+                    for rs in request.resource_spans:
+                        resource = {a.key: _any_value(a.value) for a in rs.resource.attributes}
+                        for ss in rs.scope_spans:
+                            receiver.spans.extend((resource, span) for span in ss.spans)
+                return trace_service_pb2.ExportTraceServiceResponse()
+
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Service(), self.server)
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.server.start()
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def trace(self, trace_id: bytes) -> list[tuple[dict[str, Any], Any]]:
+        with self._lock:
+            return [(r, s) for r, s in self.spans if s.trace_id == trace_id]
+
+    def stop(self) -> None:
+        self.server.stop(0)
+
+
+def _any_value(value: Any) -> Any:
+    kind = value.WhichOneof("value")
+    if kind == "array_value":
+        return [_any_value(v) for v in value.array_value.values]
+    return getattr(value, kind) if kind else None
+
+
+def span_attributes(span: Any) -> dict[str, Any]:
+    return {a.key: _any_value(a.value) for a in span.attributes}
+
+
 @pytest.fixture(scope="session")
 def serve_app(
     ray_cluster: RayCluster, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
@@ -219,6 +275,7 @@ def serve_app(
     shutil.copytree(tiny_model, model_dir)
     (model_dir / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
     lora = make_adapter(model_dir, root / "a", seed=3)
+    receiver = OTLPReceiver()
     spare = make_adapter(model_dir, root / "b", seed=4)
     pool = {"num_blocks": 160, "scheduler": {"max_num_seqs": 8}}
     config = ClusterConfig.model_validate(
@@ -238,6 +295,11 @@ def serve_app(
                 "retry_after_s": 2,
                 "ingress_replicas": 2,
             },
+            "tracing": {
+                "enabled": True,
+                "otlp_endpoint": receiver.endpoint,
+                "export_delay_ms": 100,
+            },
         }
     )
     http_port, grpc_port = free_port(), free_port()
@@ -256,6 +318,8 @@ def serve_app(
             lora,
             spare,
             config,
+            receiver,
         )
     finally:
         serve.shutdown()
+        receiver.stop()

@@ -1,0 +1,136 @@
+"""A request's spans in the SchedulerActor (child of the ingress span, which sends its context
+with ``generate``)::
+
+    <ingress>  chat {model}                             gen_ai.* request/response/usage
+      └ tandem.request                                  events: first_token, moved, abort,
+          ├ tandem.queue        arrival → first step      recompute_fallback
+          ├ tandem.prefill      first step → first token  instance, node, prompt/cached tokens
+          ├ tandem.kv_transfer  hand-off → KV loaded      transport, bytes, blocks, outcome
+          └ tandem.decode       hand-off → last token     instance, node, output tokens
+
+A colocated request (no hand-off) has no kv_transfer span; its decode span starts at its first
+token on the same instance.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span, Tracer
+
+
+def _ns(monotonic: float) -> int:
+    """A ``time.monotonic()`` instant as the wall-clock nanoseconds spans use."""
+    return time.time_ns() - int((time.monotonic() - monotonic) * 1e9)
+
+
+class RequestTrace:
+    def __init__(
+        self, tracer: Tracer, parent: Any, request_id: str, prompt_tokens: int, arrival: float
+    ) -> None:
+        from opentelemetry.trace import SpanKind
+
+        self.tracer = tracer
+        self.root = tracer.start_span(
+            "tandem.request",
+            context=parent,
+            kind=SpanKind.INTERNAL,
+            start_time=_ns(arrival),
+            attributes={
+                "tandem.request_id": request_id,
+                "gen_ai.usage.input_tokens": prompt_tokens,
+            },
+        )
+        self.queue: Span | None = self._child("tandem.queue", start=arrival)
+        self.prefill: Span | None = None
+        self.transfer: Span | None = None
+        self.decode: Span | None = None
+        self.output_tokens = 0
+        self.kv_bytes = 0
+
+    def _child(self, name: str, start: float | None = None, **attributes: Any) -> Span:
+        from opentelemetry.trace import set_span_in_context
+
+        return self.tracer.start_span(
+            name,
+            context=set_span_in_context(self.root),
+            start_time=None if start is None else _ns(start),
+            attributes={k.replace("__", "."): v for k, v in attributes.items() if v is not None},
+        )
+
+    @staticmethod
+    def _end(span: Span | None) -> None:
+        if span is not None and span.is_recording():
+            span.end()
+
+    def scheduled(self, instance: str, role: str, node: str | None) -> None:
+        """The request's first step on ``instance`` (ends the queue, starts prefill)."""
+        if self.queue is not None:
+            self.queue.set_attribute("tandem.instance", instance)
+            self._end(self.queue)
+            self.queue = None
+        if self.prefill is None:
+            self.prefill = self._child(
+                "tandem.prefill", tandem__instance=instance, tandem__role=role, tandem__node_id=node
+            )
+
+    def tokens(self, num: int, cached_tokens: int | None, instance: str, node: str | None) -> None:
+        if num <= 0:
+            return
+        if self.output_tokens == 0:
+            self.root.add_event("first_token")
+            if self.prefill is not None:
+                self.prefill.set_attribute("tandem.cached_tokens", cached_tokens or 0)
+                self._end(self.prefill)
+            if self.decode is None and self.transfer is None:  # colocated: decode goes on here
+                self.decode = self._child(
+                    "tandem.decode", tandem__instance=instance, tandem__node_id=node
+                )
+        elif self.transfer is not None:  # tokens from the decode instance: the KV is in
+            self._end(self.transfer)
+        self.output_tokens += num
+
+    def handed_off(
+        self, instance: str, node: str | None, transport: str, blocks: int | None
+    ) -> None:
+        self.transfer = self._child(
+            "tandem.kv_transfer",
+            tandem__kv__transport=transport,
+            tandem__kv__blocks=blocks,
+            tandem__kv__target_instance=instance,
+        )
+        self.decode = self._child("tandem.decode", tandem__instance=instance, tandem__node_id=node)
+
+    def kv_loaded(self, seconds: float, num_bytes: int, ok: bool) -> None:
+        span = self.transfer
+        if span is None or not span.is_recording():
+            return
+        self.kv_bytes += num_bytes
+        span.set_attribute("tandem.kv.duration_s", seconds)
+        span.set_attribute("tandem.kv.bytes", self.kv_bytes)
+        span.set_attribute("tandem.kv.outcome", "ok" if ok else "failed")
+        if not ok:
+            self.root.add_event("recompute_fallback")
+            from opentelemetry.trace import Status, StatusCode
+
+            span.set_status(Status(StatusCode.ERROR, "KV load failed: recomputed"))
+        self._end(span)
+
+    def moved(self, reason: str) -> None:
+        self.root.add_event("moved", {"tandem.reason": reason})
+
+    def finish(self, reason: str, error: str | None) -> None:
+        from opentelemetry.trace import Status, StatusCode
+
+        if reason == "abort":
+            self.root.add_event("abort")
+        if self.decode is not None:
+            self.decode.set_attribute("gen_ai.usage.output_tokens", self.output_tokens)
+        self.root.set_attribute("gen_ai.usage.output_tokens", self.output_tokens)
+        self.root.set_attribute("gen_ai.response.finish_reasons", [reason])
+        if error:
+            self.root.set_status(Status(StatusCode.ERROR, error))
+        for span in (self.queue, self.prefill, self.transfer, self.decode, self.root):
+            self._end(span)
