@@ -22,7 +22,7 @@ def test_goodput_counts_requests_meeting_both_slos() -> None:
     m.request_finished("d-0", "decode", "stop", 2.0, ttft_s=0.5, tpot_s=0.2)  # slow decode
     m.request_finished("d-0", "decode", "abort", 2.0, ttft_s=0.1, tpot_s=0.01)  # not served
     m.request_finished("d-0", "decode", "length", 0.3, ttft_s=0.3, tpot_s=None)  # one token
-    m.kv_loads("d-0", "decode", [(0.01, 100, True), (2.0, 0, False)], recompute=True)
+    m.kv_loads("d-0", "decode", [("a", 0.01, 100, True), ("b", 2.0, 0, False)], recompute=True)
     samples = _samples(m.render({"instances": {}}))
     labels = (("instance", "d-0"), ("model_name", "m"), ("role", "decode"))
     assert samples[("tandem:goodput_requests_total", labels)] == 2
