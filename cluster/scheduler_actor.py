@@ -154,6 +154,10 @@ class SchedulerActor:
             await loop.stop()
         for rid, flight in list(self.flights.items()):
             self._finish(flight, EngineCoreOutput(rid, [], FinishReason.ABORT, error="shutdown"))
+        if self.tracer is not None:  # the actor is killed next: no exit hooks run
+            from cluster.tracing import flush
+
+            await asyncio.to_thread(flush)
         for spec in self.specs.values():
             for actor in spec.actors:
                 import ray
