@@ -84,11 +84,14 @@ class ModelWorker:
         num_threads: int | None = None,
         pp_rank: int = 0,
         pp_size: int = 1,
+        tracing: Any = None,
     ) -> None:
         """``kv_transfer`` names a KV transport (``ray``, ``grpc``) for prefill/decode
         hand-off, built with ``kv_transfer_options``; ``num_threads`` sets torch's intra-op
         threads (a Ray actor otherwise gets one). ``pp_rank`` of ``pp_size``: this worker is
-        one pipeline stage and holds only its layers (``actors.pipeline``)."""
+        one pipeline stage and holds only its layers (``actors.pipeline``). ``tracing``: a
+        ``TracingConfig``; when enabled, KV loads are spans of their requests' traces."""
+        self.tracing = tracing
         self.num_threads = num_threads
         self.pp_rank, self.pp_size = pp_rank, pp_size
         self.layers = range(0)  # the model layers this worker holds (set by load_model)
@@ -230,6 +233,10 @@ class ModelWorker:
                 self.connector = create_worker_connector(
                     self.kv_transfer, **self.kv_transfer_options
                 )
+                if self.tracing is not None:
+                    from cluster.tracing import init_tracing
+
+                    self.connector.tracer = init_tracing(self.tracing, "worker")
             self.connector.register_kv_caches(self.kv_caches, self.layers)
 
     # -- LoRA -------------------------------------------------------------------------------

@@ -81,6 +81,7 @@ def worker_kwargs(config: ClusterConfig, pool: InstancePool, pp_rank: int = 0) -
         "num_threads": threads,
         "pp_rank": pp_rank,
         "pp_size": pool.pp_size,
+        "tracing": config.tracing if config.tracing.enabled else None,
     }
 
 

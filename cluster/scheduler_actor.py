@@ -509,7 +509,7 @@ class SchedulerActor:
                 request,
                 request_id=flight.internal_id,
                 output_token_ids=list(out.new_token_ids),
-                kv_transfer_params=dict(params) if params else None,
+                kv_transfer_params=self._traced_params(flight, params),
             )
         )
         return True
@@ -535,6 +535,19 @@ class SchedulerActor:
             self.metrics.queue.labels(
                 *self.metrics.labels(loop.instance_id, self._role(loop))
             ).observe(max(queued, 0.0))
+
+    @staticmethod
+    def _traced_params(flight: Flight, params: Any) -> dict[str, Any] | None:
+        """The decode request's ``kv_transfer_params``, with the transfer span's context so
+        that the decode worker's load joins the trace."""
+        if not params:
+            return None
+        result = dict(params)
+        if flight.trace is not None and flight.trace.transfer is not None:
+            from cluster.tracing import inject
+
+            result["trace_context"] = inject(flight.trace.transfer)
+        return result
 
     def _node(self, loop: EngineLoop) -> str | None:
         spec = self.specs.get(loop.instance_id)

@@ -44,9 +44,11 @@ def init_tracing(config: TracingConfig, component: str) -> Tracer | None:
     from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 
     if _provider is None:
-        resource = Resource.create(
-            {"service.name": config.service_name, "tandem.component": component}
-        )
+        attributes = {"service.name": config.service_name, "tandem.component": component}
+        node = _ray_node_id()
+        if node is not None:
+            attributes["tandem.node_id"] = node
+        resource = Resource.create(attributes)
         sampler = ParentBased(TraceIdRatioBased(config.sampling_ratio))
         _provider = TracerProvider(resource=resource, sampler=sampler)
         _provider.add_span_processor(
@@ -56,6 +58,15 @@ def init_tracing(config: TracingConfig, component: str) -> Tracer | None:
     tracer = _provider.get_tracer(f"tandem.{component}")
     _tracers[component] = tracer
     return tracer
+
+
+def _ray_node_id() -> str | None:
+    try:
+        import ray
+
+        return str(ray.get_runtime_context().get_node_id()) if ray.is_initialized() else None
+    except Exception:  # not in a Ray process
+        return None
 
 
 def _exporter(config: TracingConfig) -> Any:

@@ -53,6 +53,7 @@ class KVTransferParams(TypedDict, total=False):
     remote_num_tokens: int
     handle: list[KVSegment]  # per layer range: an object reference, or a gRPC lease
     deadline: float  # absolute time (time.time()) after which the source may be gone
+    trace_context: dict[str, str]  # the transfer's span (W3C carrier) when tracing is on
 
 
 @dataclass
@@ -96,6 +97,7 @@ class WorkerConnector(ABC):
     """
 
     transport: ClassVar[str] = ""
+    tracer: Any = None  # set by the worker when tracing is on (cluster.tracing)
     supports_cross_node: ClassVar[bool] = False
     supports_layer_ranges: ClassVar[bool] = False  # can move a pipeline stage's layers alone
     serves_in_place: ClassVar[bool] = False  # the source keeps the blocks until pulled
@@ -180,6 +182,7 @@ class WorkerConnector(ABC):
                 load.future.cancel()
                 logger.warning("KV load of %s timed out after %.1fs", req_id, now - load.started)
                 self._report.loads.append((req_id, now - load.started, 0, False))
+                self._trace_load(load, 0, False, "timed out")
                 self.history.append(
                     TransferRecord(req_id, 0, now - load.started, False, started_at=load.started_at)
                 )
@@ -187,6 +190,32 @@ class WorkerConnector(ABC):
             else:
                 continue
             (self._recving_done if ok else self._recving_failed).add(req_id)
+
+    def _trace_load(self, load: _Load, num_bytes: int, ok: bool, error: str | None) -> None:
+        """The load as a span of the request's trace (this worker's node, its timing)."""
+        tracer = self.tracer
+        carrier = load.spec.trace_context
+        if tracer is None or not carrier:
+            return
+        from cluster.tracing import extract
+
+        span = tracer.start_span(
+            "tandem.kv_load",
+            context=extract(carrier),
+            start_time=int(load.started_at * 1e9),
+            attributes={
+                "tandem.kv.transport": self.transport,
+                "tandem.kv.bytes": num_bytes,
+                "tandem.kv.blocks": len(load.spec.block_ids),
+                "tandem.kv.outcome": "ok" if ok else "failed",
+                "tandem.kv.layers": f"{self.layers.start}-{self.layers.stop}",
+            },
+        )
+        if error:
+            from opentelemetry.trace import Status, StatusCode
+
+            span.set_status(Status(StatusCode.ERROR, error))
+        span.end()
 
     def _write(self, load: _Load) -> bool:
         spec = load.spec
@@ -206,6 +235,7 @@ class WorkerConnector(ABC):
         if error is not None:
             logger.warning("KV load of %s failed: %s", spec.req_id, error)
             self._report.loads.append((spec.req_id, time.monotonic() - load.started, 0, False))
+            self._trace_load(load, 0, False, error)
             self.history.append(
                 TransferRecord(
                     spec.req_id,
@@ -218,6 +248,7 @@ class WorkerConnector(ABC):
             return False
         self._report.bytes_loaded += num_bytes
         self._report.loads.append((spec.req_id, time.monotonic() - load.started, num_bytes, True))
+        self._trace_load(load, num_bytes, True, None)
         self.history.append(
             TransferRecord(
                 spec.req_id,

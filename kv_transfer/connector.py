@@ -76,6 +76,7 @@ class LoadSpec:
     block_ids: list[int]
     first_block: int
     timeout_s: float
+    trace_context: dict[str, str] | None = None  # the KV transfer's span (W3C), if traced
 
 
 @dataclass
@@ -155,6 +156,7 @@ class PDConnector(SchedulerConnector):
                 block_ids=blocks.get_block_ids()[first:last],
                 first_block=first,
                 timeout_s=self.timeout_s,
+                trace_context=params.get("trace_context"),
             )
         )
         self.num_loads += 1

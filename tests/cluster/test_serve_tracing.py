@@ -81,6 +81,14 @@ def test_one_trace_across_ingress_scheduler_prefill_and_decode(
     assert decode["gen_ai.usage.output_tokens"] == 6
     assert transfer["tandem.kv.transport"] == "ray" and transfer["tandem.kv.outcome"] == "ok"
     assert transfer["tandem.kv.bytes"] > 0 and transfer["tandem.kv.blocks"] >= 1
+    # The decode worker's own span of the load, from its process on the decode node.
+    load_res, load = spans["tandem.kv_load"]
+    assert load.parent_span_id == spans["tandem.kv_transfer"][1].span_id
+    assert load_res["tandem.component"] == "worker"
+    assert load_res["tandem.node_id"] == ray_cluster.decode_node_id
+    load_attrs = span_attributes(load)
+    assert load_attrs["tandem.kv.outcome"] == "ok" and load_attrs["tandem.kv.bytes"] > 0
+    assert load_attrs["tandem.kv.bytes"] == transfer["tandem.kv.bytes"]
     # In order: queued, prefilled, handed off, decoded.
     order = [
         spans[n][1].start_time_unix_nano
