@@ -202,7 +202,10 @@ class SchedulerActor:
                 f"prompt has {request.num_tokens} tokens; max_model_len is {self.max_model_len}"
             )
         bound = self.config.serve.max_waiting_requests
-        if bound is not None:
+        # A user request is admitted or refused as a whole: its first sample is checked, the
+        # others of its ``n`` ("{id}#{i}", i > 0) follow it (otherwise n above the bound
+        # would be refused forever, on an idle cluster too).
+        if bound is not None and not _later_sample(rid):
             waiting = sum(loop.num_waiting() for loop in self.loops.values() if loop.alive)
             if waiting >= bound:
                 raise OverloadedError(waiting, bound, self.config.serve.retry_after_s)
@@ -685,6 +688,12 @@ class SchedulerActor:
 
     def reset_prefix_cache(self) -> bool:
         return all(loop.scheduler.reset_prefix_cache() for loop in self.loops.values())
+
+
+def _later_sample(request_id: str) -> bool:
+    """True for sample i > 0 of a request fanned out into n (``cluster.outputs`` names)."""
+    _, sep, index = request_id.rpartition("#")
+    return bool(sep) and index.isdigit() and index != "0"
 
 
 async def _awaitable(ref: Any) -> Any:

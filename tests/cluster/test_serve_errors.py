@@ -141,6 +141,15 @@ def test_overload_is_429_with_retry_after(serve_app: ServeApp) -> None:
         ray.get(scheduler.set_fault_injection.remote("p-0", 0.0, 0.0))
 
 
+def test_n_above_the_waiting_bound_is_one_request(serve_app: ServeApp) -> None:
+    # The bound (6) counts user requests: n = 8 samples on an idle cluster are served, not
+    # refused with a 429 that retrying could never clear.
+    body = {"model": serve_app.model, "prompt": PROMPT, "n": 8, "max_tokens": 3}
+    r = _post(serve_app, "/v1/completions", body)
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 8
+
+
 def test_client_leaving_mid_stream_frees_the_blocks(serve_app: ServeApp) -> None:
     import ray
 
