@@ -270,7 +270,13 @@ class SchedulerActor:
         else:
             flight.stage = "prefill"
             flight.decode_target = route.decode
-            target.add_request(prefill_request(request, internal))
+            part = prefill_request(request, internal)
+            if flight.trace is not None:  # the prefill worker's save joins the trace
+                from cluster.tracing import inject
+
+                assert part.kv_transfer_params is not None
+                part.kv_transfer_params["trace_context"] = inject(flight.trace.root)
+            target.add_request(part)
 
     def _none_left(self, role: str) -> str:
         roles = ("decode", "both") if role == "decode" else ("prefill",)

@@ -35,7 +35,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, TypedDict
 
 from kv_transfer.blocks import KVPayload, gather_blocks, scatter_blocks
-from kv_transfer.connector import KVConnectorMetadata, KVConnectorReport, KVSegment, LoadSpec
+from kv_transfer.connector import (
+    KVConnectorMetadata,
+    KVConnectorReport,
+    KVSegment,
+    LoadSpec,
+    SaveSpec,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -191,6 +197,32 @@ class WorkerConnector(ABC):
                 continue
             (self._recving_done if ok else self._recving_failed).add(req_id)
 
+    def _trace_save(
+        self, spec: SaveSpec, started_at: float, num_bytes: int, error: str | None
+    ) -> None:
+        """The save (copy-out or lease) as a span of the request's trace, from this worker."""
+        if self.tracer is None or not spec.trace_context:
+            return
+        from cluster.tracing import extract
+
+        span = self.tracer.start_span(
+            "tandem.kv_save",
+            context=extract(spec.trace_context),
+            start_time=int(started_at * 1e9),
+            attributes={
+                "tandem.kv.transport": self.transport,
+                "tandem.kv.bytes": num_bytes,
+                "tandem.kv.in_place": self.serves_in_place,
+                "tandem.kv.layers": f"{self.layers.start}-{self.layers.stop}",
+                "tandem.kv.outcome": "failed" if error else "ok",
+            },
+        )
+        if error:
+            from opentelemetry.trace import Status, StatusCode
+
+            span.set_status(Status(StatusCode.ERROR, error))
+        span.end()
+
     def _trace_load(self, load: _Load, num_bytes: int, ok: bool, error: str | None) -> None:
         """The load as a span of the request's trace (this worker's node, its timing)."""
         tracer = self.tracer
@@ -308,6 +340,7 @@ class WorkerConnector(ABC):
                 self._report.saved[spec.req_id] = [segment]
             except Exception as exc:  # e.g. the object store is full: the decode side recomputes
                 logger.warning("KV save of %s failed: %s: %s", spec.req_id, type(exc).__name__, exc)
+                self._trace_save(spec, started_at, 0, f"{type(exc).__name__}: {exc}")
                 self.history.append(
                     TransferRecord(
                         spec.req_id, 0, time.perf_counter() - start, False, "save", 0.0, started_at
@@ -316,6 +349,7 @@ class WorkerConnector(ABC):
                 continue
             seconds = time.perf_counter() - start
             self._report.bytes_saved += nbytes
+            self._trace_save(spec, started_at, nbytes, None)
             self.history.append(
                 TransferRecord(spec.req_id, nbytes, seconds, True, "save", seconds, started_at)
             )

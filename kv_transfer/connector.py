@@ -45,6 +45,7 @@ class SaveSpec:
 
     req_id: str
     num_tokens: int
+    trace_context: dict[str, str] | None = field(default=None, compare=False)  # W3C carrier
 
 
 @dataclass(frozen=True)
@@ -111,6 +112,7 @@ class PDConnector(SchedulerConnector):
         self.block_size = block_size
         self.timeout_s = timeout_s
         self._to_save: dict[str, int] = {}  # prefill side: req_id -> prompt length
+        self._save_traces: dict[str, dict[str, str]] = {}  # req_id -> its trace (if traced)
         self._saving: set[str] = set()  # save requested from the worker, no handle yet
         self._saved: dict[str, Any] = {}  # handles of saved requests, until they finish
         self._loads: list[LoadSpec] = []  # built since the last step
@@ -136,6 +138,8 @@ class PDConnector(SchedulerConnector):
         params = request.kv_transfer_params or {}
         if params.get("do_remote_decode"):
             self._to_save[request.request_id] = request.num_prompt_tokens
+            if params.get("trace_context"):
+                self._save_traces[request.request_id] = params["trace_context"]
         if num_external_tokens <= 0:
             if request.do_remote_prefill and "handle" in params:
                 # Nothing to load (the local prefix cache covers the prompt): let the source's
@@ -173,7 +177,8 @@ class PDConnector(SchedulerConnector):
             for req_id, n in scheduler_output.num_scheduled_tokens.items():
                 num_prompt = self._to_save.get(req_id)
                 if num_prompt is not None and starts[req_id] + n >= num_prompt:
-                    meta.saves.append(SaveSpec(req_id, num_prompt))
+                    trace = self._save_traces.pop(req_id, None)
+                    meta.saves.append(SaveSpec(req_id, num_prompt, trace))
                     del self._to_save[req_id]
                     self._saving.add(req_id)
         return meta
@@ -195,6 +200,7 @@ class PDConnector(SchedulerConnector):
     ) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
         self._to_save.pop(req_id, None)
+        self._save_traces.pop(req_id, None)
         self._saving.discard(req_id)
         handle = self._saved.pop(req_id, None)
         if handle is None:

@@ -89,6 +89,12 @@ def test_one_trace_across_ingress_scheduler_prefill_and_decode(
     load_attrs = span_attributes(load)
     assert load_attrs["tandem.kv.outcome"] == "ok" and load_attrs["tandem.kv.bytes"] > 0
     assert load_attrs["tandem.kv.bytes"] == transfer["tandem.kv.bytes"]
+    # ... and the prefill worker's save, from its process on the prefill node.
+    save_res, save = spans["tandem.kv_save"]
+    assert save.parent_span_id == request.span_id
+    assert save_res["tandem.component"] == "worker"
+    assert save_res["tandem.node_id"] == ray_cluster.prefill_node_id
+    assert span_attributes(save)["tandem.kv.bytes"] == load_attrs["tandem.kv.bytes"]
     # In order: queued, prefilled, handed off, decoded.
     order = [
         spans[n][1].start_time_unix_nano
