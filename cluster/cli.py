@@ -127,11 +127,21 @@ def _run_up(args: argparse.Namespace) -> int:
         flush=True,
     )
 
+    try:
+        wait_for_stop()
+    finally:
+        shutdown_cluster(handle)
+        ray.shutdown()
+    return 0
+
+
+def wait_for_stop() -> None:
+    """Block until Ctrl-C or SIGTERM (`kill`, a container stop). Both count as Ctrl-C, so a
+    job started in the background of a script (which ignores SIGINT) still stops cleanly."""
+
     def interrupt(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt
 
-    # Ctrl-C, and `kill` / a container stop: both shut the cluster down cleanly (a job started
-    # in the background of a script would otherwise ignore SIGINT).
     signal.signal(signal.SIGINT, interrupt)
     signal.signal(signal.SIGTERM, interrupt)
     try:
@@ -139,10 +149,6 @@ def _run_up(args: argparse.Namespace) -> int:
             time.sleep(3600)
     except KeyboardInterrupt:
         print("\nshutting down", flush=True)
-    finally:
-        shutdown_cluster(handle)
-        ray.shutdown()
-    return 0
 
 
 def _generate_on_cluster(args: argparse.Namespace, params: SamplingParams) -> int:

@@ -6,9 +6,7 @@ SIGTERM) shuts Serve, the cluster and Ray down.
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
-import time
 from typing import Any
 
 from pydantic import SecretStr
@@ -143,16 +141,10 @@ def run_serve(args: argparse.Namespace) -> int:
         flush=True,
     )
 
-    def interrupt(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt
+    from cluster.cli import wait_for_stop
 
-    signal.signal(signal.SIGINT, interrupt)
-    signal.signal(signal.SIGTERM, interrupt)
     try:
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
-        print("\nshutting down", flush=True)
+        wait_for_stop()
     finally:
         try:
             serve.shutdown()  # type: ignore[no-untyped-call]
