@@ -14,13 +14,13 @@ import copy
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from cluster.client import ClusterClient
 from cluster.errors import OverloadedError, UnknownModelError
-from cluster.openai_protocol import ChatCompletionRequest, CompletionRequest
+from cluster.openai_protocol import ChatCompletionRequest, CompletionRequest, StreamOptions
 from cluster.outputs import CompletionOutput, RequestOutput
 from scheduler import LoRARequest, SamplingParams
 from scheduler.outputs import TokenLogprobs
@@ -321,7 +321,7 @@ class OpenAIServing:
             "usage": _usage(jobs, finals),
         }
 
-    async def _completion_stream(
+    def _completion_stream(
         self,
         req: CompletionRequest,
         rid: str,
@@ -330,70 +330,36 @@ class OpenAIServing:
         outputs: AsyncGenerator[tuple[_Job, RequestOutput], None],
         span: Any = None,
     ) -> AsyncIterator[str]:
-        created = int(time.time())
-        finals: dict[int, RequestOutput] = {}
-        ended: set[int] = set()  # choice indexes whose finish_reason went out
+        prologue = (
+            [
+                {
+                    "index": job.first_index + i,
+                    "text": job.text or "",
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+                for job in jobs
+                for i in range(req.n)
+            ]
+            if req.echo
+            else None
+        )
 
-        def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> str:
-            body = {
-                "id": rid,
-                "object": "text_completion",
-                "created": created,
-                "model": req.model,
-                "choices": choices,
-                "usage": usage,
-            }
-            return sse(body)
-
-        try:
-            if req.echo:
-                yield chunk(
-                    [
-                        {
-                            "index": job.first_index + i,
-                            "text": job.text or "",
-                            "logprobs": None,
-                            "finish_reason": None,
-                        }
-                        for job in jobs
-                        for i in range(req.n)
-                    ]
+        def choice(job: _Job, sample: CompletionOutput) -> dict[str, Any]:
+            return {
+                "index": job.first_index + sample.index,
+                "text": sample.new_text,
+                "logprobs": self._completion_logprobs(
+                    sample.new_token_ids, _new_logprobs(sample), job.params.logprobs
                 )
-            async for job, out in _chain(first, outputs):
-                finals[id(job)] = out
-                choices = []
-                for sample in out.outputs:
-                    index = job.first_index + sample.index
-                    if index in ended or not (sample.new_token_ids or sample.finished):
-                        continue
-                    if sample.finish_reason == "error":
-                        yield sse(APIError(503, sample.error or "generation failed").body())
-                        return
-                    if sample.finished:
-                        ended.add(index)
-                    new = sample.new_token_ids
-                    choices.append(
-                        {
-                            "index": index,
-                            "text": sample.new_text,
-                            "logprobs": self._completion_logprobs(
-                                new, _new_logprobs(sample), job.params.logprobs
-                            )
-                            if job.params.logprobs is not None
-                            else None,
-                            "finish_reason": _finish(sample),
-                            "stop_reason": sample.stop_reason,
-                        }
-                    )
-                if choices:
-                    yield chunk(choices)
-            if req.include_usage:
-                yield chunk([], _usage(jobs, finals))
-        except APIError as exc:
-            yield sse(exc.body())
-        finally:
-            _end_stream_span(span, rid, jobs, finals)
-        yield "data: [DONE]\n\n"
+                if job.params.logprobs is not None
+                else None,
+                "finish_reason": _finish(sample),
+                "stop_reason": sample.stop_reason,
+            }
+
+        stream = _Stream(rid, "text_completion", req.model, jobs, req.stream_options, span)
+        return stream.run(_chain(first, outputs), prologue, choice)
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -459,7 +425,7 @@ class OpenAIServing:
             "usage": _usage([job], finals),
         }
 
-    async def _chat_stream(
+    def _chat_stream(
         self,
         req: ChatCompletionRequest,
         rid: str,
@@ -468,67 +434,30 @@ class OpenAIServing:
         outputs: AsyncGenerator[tuple[_Job, RequestOutput], None],
         span: Any = None,
     ) -> AsyncIterator[str]:
-        created = int(time.time())
-        finals: dict[int, RequestOutput] = {}
-        ended: set[int] = set()
-
-        def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> str:
-            body = {
-                "id": rid,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": req.model,
-                "choices": choices,
-                "usage": usage,
+        prologue = [
+            {
+                "index": i,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
             }
-            return sse(body)
+            for i in range(req.n)
+        ]
 
-        try:
-            yield chunk(
-                [
-                    {
-                        "index": i,
-                        "delta": {"role": "assistant", "content": ""},
-                        "logprobs": None,
-                        "finish_reason": None,
-                    }
-                    for i in range(req.n)
-                ]
-            )
-            async for _, out in _chain(first, outputs):
-                finals[id(job)] = out
-                choices = []
-                for sample in out.outputs:
-                    if sample.index in ended or not (sample.new_token_ids or sample.finished):
-                        continue
-                    if sample.finish_reason == "error":
-                        yield sse(APIError(503, sample.error or "generation failed").body())
-                        return
-                    if sample.finished:
-                        ended.add(sample.index)
-                    new = sample.new_token_ids
-                    choices.append(
-                        {
-                            "index": sample.index,
-                            "delta": {"content": sample.new_text} if sample.new_text else {},
-                            "logprobs": {
-                                "content": self._chat_logprobs(new, _new_logprobs(sample), req)
-                            }
-                            if req.logprobs
-                            else None,
-                            "finish_reason": _finish(sample),
-                            "stop_reason": sample.stop_reason,
-                        }
-                    )
-                if choices:
-                    yield chunk(choices)
-            if req.include_usage:
-                yield chunk([], _usage([job], finals))
-        except APIError as exc:
-            yield sse(exc.body())
-        finally:
-            _end_stream_span(span, rid, [job], finals)
-        yield "data: [DONE]\n\n"
+        def choice(job: _Job, sample: CompletionOutput) -> dict[str, Any]:
+            new = sample.new_token_ids
+            return {
+                "index": sample.index,
+                "delta": {"content": sample.new_text} if sample.new_text else {},
+                "logprobs": {"content": self._chat_logprobs(new, _new_logprobs(sample), req)}
+                if req.logprobs
+                else None,
+                "finish_reason": _finish(sample),
+                "stop_reason": sample.stop_reason,
+            }
+
+        stream = _Stream(rid, "chat.completion.chunk", req.model, [job], req.stream_options, span)
+        return stream.run(_chain(first, outputs), prologue, choice)
 
     def _chat_logprobs(
         self, token_ids: list[int], logprobs: list[TokenLogprobs] | None, req: ChatCompletionRequest
@@ -553,6 +482,75 @@ class OpenAIServing:
                 }
             )
         return content
+
+
+class _Stream:
+    """The SSE chunks of one streamed request (completions or chat; ``choice`` shapes one
+    sample's delta): a chunk per step with the choices that moved, ``finish_reason`` once per
+    choice, an error body if generation fails, the usage chunk (``include_usage``) or usage on
+    every chunk (``continuous_usage_stats`` too, like vLLM), then ``[DONE]``."""
+
+    def __init__(
+        self,
+        rid: str,
+        obj: str,
+        model: str,
+        jobs: list[_Job],
+        options: StreamOptions | None,
+        span: Any,
+    ) -> None:
+        self.rid, self.obj, self.model, self.jobs, self.span = rid, obj, model, jobs, span
+        self.created = int(time.time())
+        self.include_usage = options is not None and options.include_usage
+        self.continuous = self.include_usage and bool(options and options.continuous_usage_stats)
+        self.finals: dict[int, RequestOutput] = {}
+
+    def chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> str:
+        if usage is None and self.continuous:
+            usage = _usage(self.jobs, self.finals)
+        body = {
+            "id": self.rid,
+            "object": self.obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": usage,
+        }
+        return sse(body)
+
+    async def run(
+        self,
+        outputs: AsyncGenerator[tuple[_Job, RequestOutput], None],
+        prologue: list[dict[str, Any]] | None,
+        choice: Callable[[_Job, CompletionOutput], dict[str, Any]],
+    ) -> AsyncIterator[str]:
+        ended: set[int] = set()  # choice indexes whose finish_reason went out
+        try:
+            if prologue:
+                yield self.chunk(prologue)
+            async for job, out in outputs:
+                self.finals[id(job)] = out
+                choices = []
+                for sample in out.outputs:
+                    index = job.first_index + sample.index
+                    if index in ended or not (sample.new_token_ids or sample.finished):
+                        continue
+                    if sample.finish_reason == "error":
+                        yield sse(APIError(503, sample.error or "generation failed").body())
+                        return
+                    if sample.finished:
+                        ended.add(index)
+                    choices.append(choice(job, sample))
+                if choices:
+                    yield self.chunk(choices)
+            if self.include_usage:
+                yield self.chunk([], _usage(self.jobs, self.finals))
+        except APIError as exc:
+            yield sse(exc.body())
+        finally:
+            await outputs.aclose()
+            _end_stream_span(self.span, self.rid, self.jobs, self.finals)
+        yield "data: [DONE]\n\n"
 
 
 # -- helpers ---------------------------------------------------------------------------------

@@ -88,6 +88,39 @@ def test_completion_stream_adds_up_to_the_whole_and_reports_usage(
     assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
 
 
+def test_continuous_usage_stats_count_the_tokens_streamed_so_far(
+    serve_app: ServeApp, tokenizer: Tokenizer
+) -> None:
+    chunks = list(
+        serve_app.openai().completions.create(
+            model=serve_app.model,
+            prompt=PROMPT,
+            stream=True,
+            logprobs=1,  # one entry per token: counts each chunk's tokens
+            stream_options={"include_usage": True, "continuous_usage_stats": True},  # type: ignore[typeddict-unknown-key]
+            **GREEDY,
+        )
+    )
+    prompt_tokens = len(tokenizer.encode(PROMPT))
+    sent = 0
+    for c in chunks[:-1]:
+        sent += len(c.choices[0].logprobs.tokens)
+        assert c.usage.completion_tokens == sent
+        assert c.usage.prompt_tokens == prompt_tokens
+        assert c.usage.total_tokens == prompt_tokens + sent
+    assert sent == 12
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    # Without include_usage, continuous_usage_stats adds nothing (vLLM's rule).
+    plain = serve_app.openai().completions.create(
+        model=serve_app.model,
+        prompt=PROMPT,
+        stream=True,
+        stream_options={"continuous_usage_stats": True},  # type: ignore[typeddict-unknown-key]
+        **GREEDY,
+    )
+    assert all(c.usage is None for c in plain)
+
+
 def test_token_id_prompts_and_batches(serve_app: ServeApp, direct: ClusterClient) -> None:
     client = serve_app.openai()
     ids, other = [40, 41, 42, 43, 44], [50, 51, 52]

@@ -97,7 +97,9 @@ def test_one_trace_across_ingress_scheduler_prefill_and_decode(
     assert save.parent_span_id == request.span_id
     assert save_res["tandem.component"] == "worker"
     assert save_res["tandem.node_id"] == ray_cluster.prefill_node_id
-    assert span_attributes(save)["tandem.kv.bytes"] == load_attrs["tandem.kv.bytes"]
+    # The decode side loads only what its prefix cache lacks (the chat template's start may be
+    # cached there by earlier requests), so the save may hold more.
+    assert span_attributes(save)["tandem.kv.bytes"] >= load_attrs["tandem.kv.bytes"]
     # In order: queued, prefilled, handed off, decoded.
     order = [
         spans[n][1].start_time_unix_nano
