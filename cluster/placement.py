@@ -40,6 +40,31 @@ class InstanceSpec:
         """Every Ray actor of the instance (empty for in-process workers)."""
         return self.stages or ([] if self.handle is None else [self.handle])
 
+    async def call_stages(
+        self, method: str, *args: Any, monitor: bool = False, return_exceptions: bool = False
+    ) -> list[Any]:
+        """``method(*args)`` on every stage's worker, in stage order: the Ray actors (on their
+        monitor thread with ``monitor``, which answers while a step runs) or the in-process
+        workers. ``return_exceptions``: a stage's error is its result (a dead worker)."""
+        if self.actors:
+            calls = []
+            for actor in self.actors:
+                bound = getattr(actor, method)
+                if monitor:
+                    bound = bound.options(concurrency_group=MONITOR)
+                calls.append(bound.remote(*args))
+            return list(await asyncio.gather(*calls, return_exceptions=return_exceptions))
+        workers = getattr(self.executor, "workers", None) or [self.executor.worker]
+        results: list[Any] = []
+        for worker in workers:
+            try:
+                results.append(getattr(worker, method)(*args))
+            except Exception as exc:
+                if not return_exceptions:
+                    raise
+                results.append(exc)
+        return results
+
 
 def worker_options(pool: InstancePool, pp_rank: int = 0) -> dict[str, Any]:
     options: dict[str, Any] = {

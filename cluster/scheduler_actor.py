@@ -21,11 +21,11 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from cluster.config import ClusterConfig, served_model_name
+from cluster.config import ClusterConfig
 from cluster.engine_loop import EngineLoop
 from cluster.errors import OverloadedError
 from cluster.flights import Flight, clone_request, merge_outputs, prefill_request
-from cluster.metrics import ClusterMetrics
+from cluster.observer import RequestObserver
 from cluster.placement import MONITOR, InstanceSpec
 from cluster.router import Route, Router
 from kv_transfer.connector import PDConnector
@@ -56,15 +56,7 @@ class SchedulerActor:
         self.failures: list[dict[str, Any]] = []  # instance failures and rejoins, in order
         self._tasks: set[asyncio.Task[None]] = set()  # moves, rejoins, the health monitor
         self._failed_loops: set[int] = set()  # id() of loops whose failure was handled
-        slo = config.metrics
-        self.metrics = ClusterMetrics(
-            served_model_name(config),
-            None if slo.slo_ttft_ms is None else slo.slo_ttft_ms / 1000,
-            None if slo.slo_tpot_ms is None else slo.slo_tpot_ms / 1000,
-        )
-        from cluster.tracing import init_tracing
-
-        self.tracer = init_tracing(config.tracing, "scheduler")
+        self.observe = RequestObserver(config, self.roles, self.specs)
         # LoRA adapters served as model names (the API's registry, shared by every ingress).
         self.adapters: dict[str, LoRARequest] = {}
         self._adapter_ids = itertools.count(1)
@@ -89,7 +81,7 @@ class SchedulerActor:
             self.roles[spec.instance_id] = spec.pool.role
             self.loops[spec.instance_id] = self._build_loop(spec)
             self._loras[spec.instance_id] = set()
-            self.metrics.add_instance(spec.instance_id, spec.pool.role)
+            self.observe.add_instance(spec.instance_id, spec.pool.role)
         for loop in self.loops.values():
             loop.start()
         if any(spec.actors for spec in specs) and self.config.health_check_interval_s > 0:
@@ -154,10 +146,7 @@ class SchedulerActor:
             await loop.stop()
         for rid, flight in list(self.flights.items()):
             self._finish(flight, EngineCoreOutput(rid, [], FinishReason.ABORT, error="shutdown"))
-        if self.tracer is not None:  # the actor is killed next: no exit hooks run
-            from cluster.tracing import flush
-
-            await asyncio.to_thread(flush)
+        await self.observe.flush()
         for spec in self.specs.values():
             for actor in spec.actors:
                 import ray
@@ -212,17 +201,7 @@ class SchedulerActor:
         # Arrival is stamped here: clients' clocks are not comparable (priority tie-breaks).
         request.arrival_time = time.monotonic()
         flight = Flight(request, asyncio.Queue(), next(iter(self.loops.values())), "decode")
-        if self.tracer is not None:
-            from cluster.request_trace import RequestTrace
-            from cluster.tracing import extract
-
-            flight.trace = RequestTrace(
-                self.tracer,
-                extract(trace_context),
-                rid,
-                request.num_prompt_tokens,
-                request.arrival_time,
-            )
+        self.observe.arrived(flight, trace_context)
         self.flights[rid] = flight
         try:
             await self._place(flight)
@@ -321,8 +300,7 @@ class SchedulerActor:
                 continue  # aborted meanwhile
             flight.num_moves += 1
             self.num_moves += 1
-            if flight.trace is not None:
-                flight.trace.moved(reason)
+            self.observe.moved(flight, reason)
             try:
                 await self._place(flight)
             except Exception as exc:
@@ -399,11 +377,8 @@ class SchedulerActor:
     async def _ensure_lora(self, loop: EngineLoop, lora: LoRARequest) -> None:
         loaded = self._loras[loop.instance_id]
         if lora.lora_int_id not in loaded:
-            spec = self.specs[loop.instance_id]
-            if spec.actors:  # every pipeline stage applies the adapter to its layers
-                await asyncio.gather(*(actor.add_lora.remote(lora) for actor in spec.actors))
-            else:
-                spec.executor.worker.add_lora(lora)
+            # Every pipeline stage applies the adapter to its layers.
+            await self.specs[loop.instance_id].call_stages("add_lora", lora)
             loaded.add(lora.lora_int_id)
 
     # -- LoRA adapters by name (the API's /v1/load_lora_adapter) ------------------------------
@@ -466,7 +441,7 @@ class SchedulerActor:
                 out.error,
             )
             flight.sent.extend(out.new_token_ids)
-            self._tokens_out(flight, loop, len(out.new_token_ids))
+            self.observe.tokens_out(flight, loop, len(out.new_token_ids))
             if out.finished:
                 self._finish(flight, client_out)
             else:
@@ -500,15 +475,8 @@ class SchedulerActor:
             decode = self.router.best_decode(alive)
         params = out.kv_transfer_params
         flight.num_cached_tokens = out.num_cached_tokens
-        if flight.trace is not None:
-            block_size = self.specs[decode.instance_id].info["block_size"]
-            flight.trace.handed_off(
-                decode.instance_id,
-                self._node(decode),
-                self.config.kv_transfer.transport,
-                -(-request.num_prompt_tokens // block_size),
-            )
-        self._tokens_out(flight, flight.loop, len(first.new_token_ids))
+        self.observe.handed_off(flight, decode, self.config.kv_transfer.transport)
+        self.observe.tokens_out(flight, flight.loop, len(first.new_token_ids))
         flight.stage = "decode"
         flight.loop = decode
         flight.sent.extend(first.new_token_ids)
@@ -518,7 +486,7 @@ class SchedulerActor:
                 request,
                 request_id=flight.internal_id,
                 output_token_ids=list(out.new_token_ids),
-                kv_transfer_params=self._traced_params(flight, params),
+                kv_transfer_params=self.observe.decode_params(flight, params),
             )
         )
         return True
@@ -528,84 +496,20 @@ class SchedulerActor:
             del self.flights[flight.request.request_id]
             self._internal.pop(flight.internal_id, None)
             flight.queue.put_nowait(final)
-            self._observe_finish(flight, final)
+            self.observe.finished(flight, final)
 
-    # -- metrics -----------------------------------------------------------------------------
-    def _role(self, loop: EngineLoop) -> str:
-        return self.roles.get(loop.instance_id, "")
-
+    # -- metrics ----------------------------------------------------------------------------
     def _on_scheduled(self, loop: EngineLoop, internal_id: str) -> None:
         flight = self._internal.get(internal_id)
-        if flight is not None and flight.trace is not None:
-            flight.trace.scheduled(loop.instance_id, self._role(loop), self._node(loop))
-        if flight is not None and flight.scheduled_at is None:
-            flight.scheduled_at = now = time.monotonic()
-            queued = now - flight.request.arrival_time
-            self.metrics.queue.labels(
-                *self.metrics.labels(loop.instance_id, self._role(loop))
-            ).observe(max(queued, 0.0))
-
-    @staticmethod
-    def _traced_params(flight: Flight, params: Any) -> dict[str, Any] | None:
-        """The decode request's ``kv_transfer_params``, with the transfer span's context so
-        that the decode worker's load joins the trace."""
-        if not params:
-            return None
-        result = dict(params)
-        if flight.trace is not None and flight.trace.transfer is not None:
-            from cluster.tracing import inject
-
-            result["trace_context"] = inject(flight.trace.transfer)
-        return result
-
-    def _node(self, loop: EngineLoop) -> str | None:
-        spec = self.specs.get(loop.instance_id)
-        return None if spec is None else spec.info.get("node_id")
-
-    def _tokens_out(self, flight: Flight, loop: EngineLoop, num: int) -> None:
-        if num <= 0:
-            return
-        if flight.trace is not None:
-            flight.trace.tokens(num, flight.num_cached_tokens, loop.instance_id, self._node(loop))
-        now = time.monotonic()
-        labels = self.metrics.labels(loop.instance_id, self._role(loop))
-        if flight.first_token_at is None:
-            flight.first_token_at = now
-            self.metrics.ttft.labels(*labels).observe(now - flight.request.arrival_time)
-        elif flight.last_token_at is not None:
-            self.metrics.itl.labels(*labels).observe(now - flight.last_token_at)
-        flight.last_token_at = now
-
-    def _observe_finish(self, flight: Flight, final: EngineCoreOutput) -> None:
-        if final.finish_reason is None:
-            return
-        if flight.trace is not None:
-            flight.trace.finish(final.finish_reason.value, final.error)
-        now = time.monotonic()
-        first = flight.first_token_at
-        ttft = None if first is None else first - flight.request.arrival_time
-        num = len(flight.sent)
-        tpot = (now - first) / (num - 1) if first is not None and num > 1 else None
-        self.metrics.request_finished(
-            flight.loop.instance_id,
-            self._role(flight.loop),
-            final.finish_reason.value,
-            now - flight.request.arrival_time,
-            ttft,
-            tpot,
-        )
+        if flight is not None:
+            self.observe.scheduled(loop, flight)
 
     def _on_kv_loads(self, loop: EngineLoop, loads: list[tuple[str, float, int, bool]]) -> None:
-        recompute = self.config.kv_transfer.failure_policy == "recompute"
-        self.metrics.kv_loads(loop.instance_id, self._role(loop), loads, recompute)
-        for req_id, seconds, num_bytes, ok in loads:
-            flight = self._internal.get(req_id)
-            if flight is not None and flight.trace is not None:
-                flight.trace.kv_loaded(seconds, num_bytes, ok)
+        self.observe.kv_loads(loop, loads, self._internal)
 
     def metrics_text(self) -> str:
         """Prometheus exposition text of the whole cluster (``/metrics``)."""
-        return self.metrics.render(self.stats())
+        return self.observe.render(self.stats())
 
     # -- introspection -----------------------------------------------------------------------
     def live_request_ids(self) -> list[str]:
@@ -644,19 +548,14 @@ class SchedulerActor:
         return result
 
     async def transfer_history(self) -> dict[str, list[Any]]:
-        """Every instance's finished KV loads (``TransferRecord``s), for benchmarks."""
+        """Every instance's finished KV loads (``TransferRecord``s), for benchmarks: every
+        stage's records (each moves its own layers); a dead worker's died with it."""
         result: dict[str, list[Any]] = {}
         for iid, spec in self.specs.items():
-            if spec.actors:  # every stage's records (each moves its own layers)
-                calls = [
-                    a.transfer_history.options(concurrency_group=MONITOR).remote()
-                    for a in spec.actors
-                ]
-                stages = await asyncio.gather(*calls, return_exceptions=True)
-                # A dead worker's history died with it.
-                result[iid] = [r for stage in stages if isinstance(stage, list) for r in stage]
-            else:
-                result[iid] = spec.executor.worker.transfer_history()
+            stages = await spec.call_stages(
+                "transfer_history", monitor=True, return_exceptions=True
+            )
+            result[iid] = [r for stage in stages if isinstance(stage, list) for r in stage]
         return result
 
     async def worker_health(self) -> dict[str, dict[str, Any]]:
@@ -664,14 +563,10 @@ class SchedulerActor:
         pipeline stage's under ``stages``."""
         result: dict[str, dict[str, Any]] = {}
         for iid, spec in self.specs.items():
-            if spec.actors:
-                calls = [a.health.options(concurrency_group=MONITOR).remote() for a in spec.actors]
-                stages = [
-                    s if isinstance(s, dict) else {"ok": False, "error": f"{type(s).__name__}"}
-                    for s in await asyncio.gather(*calls, return_exceptions=True)
-                ]
-            else:
-                stages = [spec.executor.worker.health()]
+            stages = [
+                s if isinstance(s, dict) else {"ok": False, "error": f"{type(s).__name__}"}
+                for s in await spec.call_stages("health", monitor=True, return_exceptions=True)
+            ]
             result[iid] = {**stages[0], "stages": stages}
         return result
 
@@ -679,13 +574,7 @@ class SchedulerActor:
         self, instance_id: str, load_delay_s: float = 0.0, step_delay_s: float = 0.0
     ) -> None:
         """Testing: slow one instance's worker down (``ModelWorker.set_fault_injection``)."""
-        spec = self.specs[instance_id]
-        if spec.actors:
-            await asyncio.gather(
-                *(a.set_fault_injection.remote(load_delay_s, step_delay_s) for a in spec.actors)
-            )
-        else:
-            spec.executor.worker.set_fault_injection(load_delay_s, step_delay_s)
+        await self.specs[instance_id].call_stages("set_fault_injection", load_delay_s, step_delay_s)
 
     def check_integrity(self) -> None:
         """Raise ``AssertionError`` if any instance's scheduler is inconsistent."""

@@ -136,6 +136,27 @@ def test_async_scheduling_overlaps_two_steps_and_changes_no_token(
     assert stats["num_free_blocks"] == NUM_BLOCKS
 
 
+def test_control_calls_reach_every_in_process_stage(deep_model: Path) -> None:
+    """Health, history and fault injection go to each stage of an in-process pipeline (its
+    executor has no single worker)."""
+    actor = _in_process_actor(deep_model, 2)
+
+    async def run() -> dict[str, Any]:
+        await actor.start()
+        await actor.set_fault_injection("c-0", step_delay_s=0.01)
+        history = await actor.transfer_history()
+        health = await actor.worker_health()
+        await actor.shutdown()
+        return {"history": history["c-0"], "health": health["c-0"]}
+
+    result = asyncio.run(asyncio.wait_for(run(), 60))
+    assert result["history"] == []  # no connector: nothing moved
+    stages = result["health"]["stages"]
+    assert len(stages) == 2 and all(s["ok"] and s["num_blocks"] == NUM_BLOCKS for s in stages)
+    stage_workers = actor.specs["c-0"].executor.workers
+    assert [w.step_delay_s for w in stage_workers] == [0.01, 0.01]
+
+
 # -- on the Ray cluster: stages on different nodes ------------------------------------------------
 def _config(model: Path, pools: list[dict[str, Any]], **extra: Any) -> ClusterConfig:
     return ClusterConfig.model_validate(
