@@ -98,6 +98,26 @@ def _wait_rejoined(handle: Any, instance_id: str, killed_at: float, timeout_s: f
     raise TimeoutError(f"{instance_id} did not rejoin within {timeout_s}s")
 
 
+def _mismatches(
+    tokens: list[list[int]],
+    reference: list[list[int]],
+    log: dict[str, list[float]],
+    tag: str,
+    killed_at: float,
+) -> list[dict[str, int]]:
+    """For each stream that differs from the undisturbed run: where it first differs and how
+    many tokens its client had before the kill (a difference at or after that point is in
+    what was recomputed after the move)."""
+    result = []
+    for i, (got, want) in enumerate(zip(tokens, reference, strict=True)):
+        if got != want:
+            pairs = zip(got, want, strict=False)
+            first = next((k for k, (a, b) in enumerate(pairs) if a != b), len(want))
+            sent = sum(t <= killed_at for t in log[f"{tag}-{i}"])
+            result.append({"first_diff": first, "sent_before_kill": sent, "length": len(got)})
+    return result
+
+
 def _pct(values: list[float], q: float) -> float | None:
     if not values:
         return None
@@ -156,7 +176,7 @@ def decode_faults(args: argparse.Namespace) -> dict[str, Any]:
     prompts = _prompts(args.concurrency, 1)
     recovery: list[float] = []
     rejoin: list[float] = []
-    equal = True
+    mismatched: list[dict[str, int]] = []
     with tandem_cluster(_config(args, 1, 2), "recovery-decode") as handle:
         reference, _, _ = asyncio.run(_trial(handle, prompts, params, None, "ref"))
         for trial in range(args.trials):
@@ -172,7 +192,7 @@ def decode_faults(args: argparse.Namespace) -> dict[str, Any]:
                 _trial(handle, prompts, params, fault, f"t{trial}")
             )
             assert killed_at is not None
-            equal &= tokens == reference
+            mismatched += _mismatches(tokens, reference, log, f"t{trial}", killed_at)
             moved = _stats(handle)["num_moves"] - moves_before
             # The moved requests are the ones that waited longest for their next token.
             waits = sorted(
@@ -185,7 +205,8 @@ def decode_faults(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "moved_request_recovery": _summary(recovery),
         "rejoin": _summary(rejoin),
-        "outputs_equal_undisturbed": equal,
+        "outputs_equal_undisturbed": not mismatched,
+        "mismatched_streams": mismatched,
     }
 
 
@@ -197,7 +218,7 @@ def prefill_faults(args: argparse.Namespace) -> dict[str, Any]:
     prompts = _prompts(2 * args.concurrency, 2)
     recovery: list[float] = []
     rejoin: list[float] = []
-    equal = True
+    mismatched: list[dict[str, int]] = []
     with tandem_cluster(_config(args, 2, 1), "recovery-prefill") as handle:
         reference, _, _ = asyncio.run(_trial(handle, prompts, params, None, "ref"))
         for trial in range(args.trials):
@@ -216,7 +237,7 @@ def prefill_faults(args: argparse.Namespace) -> dict[str, Any]:
                 _trial(handle, prompts, params, fault, f"t{trial}")
             )
             assert killed_at is not None
-            equal &= tokens == reference
+            mismatched += _mismatches(tokens, reference, log, f"t{trial}", killed_at)
             moved = _stats(handle)["num_moves"] - moves_before
             firsts = sorted(times[0] - killed_at for times in log.values() if times[0] > killed_at)
             recovery += firsts[len(firsts) - moved :] if moved else []
@@ -225,7 +246,8 @@ def prefill_faults(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "moved_request_first_token": _summary(recovery),
         "rejoin": _summary(rejoin),
-        "outputs_equal_undisturbed": equal,
+        "outputs_equal_undisturbed": not mismatched,
+        "mismatched_streams": mismatched,
     }
 
 
