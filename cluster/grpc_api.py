@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from pydantic import ValidationError
 
+from cluster.errors import APIError, api_error
 from cluster.openai_protocol import CompletionRequest
-from cluster.openai_serving import APIError, api_error
 
 if TYPE_CHECKING:
     from cluster.serve import OpenAIIngress

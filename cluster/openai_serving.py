@@ -1,99 +1,38 @@
 """The OpenAI-compatible API's logic, independent of the web framework: validate a request
 against the model, run it through the cluster (``ClusterClient``: tokenization, ``n`` fan-out,
 incremental detokenization and stop strings happen here, in the ingress), and shape the
-responses -- whole, or as the chunks of a stream.
+responses -- whole, or as the chunks of a stream (the shapes: ``cluster.openai_stream``).
 
 ``cluster.serve`` puts it behind FastAPI and Ray Serve (HTTP) and the gRPC proxy; errors are
-``APIError``s with the status code and OpenAI's error body.
+``APIError``s (``cluster.errors``) with the status code and OpenAI's error body.
 """
 
 from __future__ import annotations
 
 import asyncio
 import copy
-import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from cluster.client import ClusterClient
-from cluster.errors import OverloadedError, UnknownModelError
-from cluster.openai_protocol import ChatCompletionRequest, CompletionRequest, StreamOptions
+from cluster.errors import APIError, UnknownModelError, api_error
+from cluster.openai_protocol import ChatCompletionRequest, CompletionRequest
+from cluster.openai_stream import (
+    Job,
+    SSEStream,
+    chain,
+    chat_logprobs,
+    collect,
+    completion_logprobs,
+    new_logprobs,
+    prime,
+    usage_of,
+)
 from cluster.outputs import CompletionOutput, RequestOutput
-from scheduler import LoRARequest, SamplingParams
+from scheduler import LoRARequest
 from scheduler.outputs import TokenLogprobs
-
-logger = logging.getLogger(__name__)
-
-_ERROR_TYPES = {
-    400: "BadRequestError",
-    401: "AuthenticationError",
-    404: "NotFoundError",
-    429: "RateLimitError",
-    500: "InternalServerError",
-    503: "ServiceUnavailableError",
-}
-
-
-class APIError(Exception):
-    """An error with its HTTP status and OpenAI's JSON body."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        param: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.headers = headers or {}
-
-    def __reduce__(self) -> tuple[type, tuple[Any, ...]]:  # crosses Ray (the gRPC proxy) intact
-        return (type(self), (self.status, self.message, self.param, self.headers))
-
-    def body(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": _ERROR_TYPES.get(self.status, "APIError"),
-                "param": self.param,
-                "code": self.status,
-            }
-        }
-
-
-def api_error(exc: BaseException, param: str | None = None) -> APIError:
-    """The API error for what the cluster raised (internal failures: 500, no details)."""
-    if isinstance(exc, APIError):
-        return exc
-    cause = getattr(exc, "cause", None)  # a RayTaskError: the actor's own exception
-    if isinstance(cause, BaseException):
-        exc = cause
-    if isinstance(exc, OverloadedError):
-        return APIError(429, str(exc), headers={"Retry-After": str(exc.retry_after_s)})
-    if isinstance(exc, UnknownModelError):
-        return APIError(404, str(exc), param="model")
-    if "no live decode-capable instance" in str(exc):  # every decode instance is gone
-        return APIError(503, str(exc))
-    if isinstance(exc, ValueError):
-        return APIError(400, str(exc), param=param)
-    logger.exception("internal error", exc_info=exc)
-    return APIError(500, "internal server error")
-
-
-@dataclass
-class _Job:
-    """One prompt of a request: its ids, its text (for echo) and its first choice index."""
-
-    prompt_ids: list[int]
-    text: str | None
-    params: SamplingParams
-    first_index: int
 
 
 class OpenAIServing:
@@ -167,7 +106,7 @@ class OpenAIServing:
         except ValueError as exc:
             raise APIError(400, str(exc), param=param) from None
 
-    def _completion_jobs(self, req: CompletionRequest) -> list[_Job]:
+    def _completion_jobs(self, req: CompletionRequest) -> list[Job]:
         jobs = []
         for i, prompt in enumerate(req.prompts()):
             text: str | None
@@ -179,10 +118,10 @@ class OpenAIServing:
             self._check_ids(ids, "prompt")
             max_tokens = self._max_tokens(len(ids), req.max_tokens, "prompt")
             params = req.sampling_params(max_tokens, req.logprobs)
-            jobs.append(_Job(ids, text, params, i * req.n))
+            jobs.append(Job(ids, text, params, i * req.n))
         return jobs
 
-    def _chat_job(self, req: ChatCompletionRequest) -> _Job:
+    def _chat_job(self, req: ChatCompletionRequest) -> Job:
         messages = [m.as_template_input() for m in req.messages]
         try:
             ids = self.tokenizer.encode_chat(
@@ -196,17 +135,17 @@ class OpenAIServing:
             raise APIError(400, f"the chat template failed: {exc}", param="messages") from None
         self._check_ids(ids, "messages")
         max_tokens = self._max_tokens(len(ids), req.requested_max_tokens, "messages")
-        return _Job(ids, None, req.sampling_params(max_tokens, req.num_logprobs), 0)
+        return Job(ids, None, req.sampling_params(max_tokens, req.num_logprobs), 0)
 
     # -- running -----------------------------------------------------------------------------
     async def _run(
         self,
         request_id: str,
-        jobs: list[_Job],
+        jobs: list[Job],
         lora: LoRARequest | None,
         priority: int,
         span: Any = None,
-    ) -> AsyncGenerator[tuple[_Job, RequestOutput], None]:
+    ) -> AsyncGenerator[tuple[Job, RequestOutput], None]:
         """Every job's outputs as they come, merged. The first output of each job is awaited
         before anything is yielded, so a request the cluster refuses is an ``APIError`` here
         (not a broken stream). Leaving early aborts every job."""
@@ -244,9 +183,9 @@ class OpenAIServing:
             return
         for job, first in zip(jobs, firsts, strict=True):
             yield job, copy.deepcopy(first)
-        queue: asyncio.Queue[tuple[_Job, RequestOutput] | BaseException | None] = asyncio.Queue()
+        queue: asyncio.Queue[tuple[Job, RequestOutput] | BaseException | None] = asyncio.Queue()
 
-        async def pump(job: _Job, stream: AsyncGenerator[RequestOutput, None]) -> None:
+        async def pump(job: Job, stream: AsyncGenerator[RequestOutput, None]) -> None:
             try:
                 async for out in stream:  # a copy: the stream updates its output in place
                     queue.put_nowait((job, copy.deepcopy(out)))
@@ -291,9 +230,9 @@ class OpenAIServing:
         rid = f"cmpl-{uuid.uuid4().hex}"
         outputs = self._run(rid, jobs, lora, req.priority, span)
         if req.stream:
-            first = await _prime(outputs)
+            first = await prime(outputs)
             return self._completion_stream(req, rid, jobs, first, outputs, span)
-        finals = await _collect(outputs)
+        finals = await collect(outputs)
         choices = []
         for job in jobs:
             final = finals[id(job)]
@@ -303,12 +242,12 @@ class OpenAIServing:
                     {
                         "index": job.first_index + out.index,
                         "text": text,
-                        "logprobs": self._completion_logprobs(
-                            out.token_ids, out.logprobs, job.params.logprobs
+                        "logprobs": completion_logprobs(
+                            self.tokenizer, out.token_ids, out.logprobs, job.params.logprobs
                         )
                         if job.params.logprobs is not None
                         else None,
-                        "finish_reason": _finish(out),
+                        "finish_reason": out.finish_reason,
                         "stop_reason": out.stop_reason,
                     }
                 )
@@ -318,16 +257,16 @@ class OpenAIServing:
             "created": int(time.time()),
             "model": req.model,
             "choices": sorted(choices, key=lambda c: c["index"]),
-            "usage": _usage(jobs, finals),
+            "usage": usage_of(jobs, finals),
         }
 
     def _completion_stream(
         self,
         req: CompletionRequest,
         rid: str,
-        jobs: list[_Job],
-        first: tuple[_Job, RequestOutput] | None,
-        outputs: AsyncGenerator[tuple[_Job, RequestOutput], None],
+        jobs: list[Job],
+        first: tuple[Job, RequestOutput] | None,
+        outputs: AsyncGenerator[tuple[Job, RequestOutput], None],
         span: Any = None,
     ) -> AsyncIterator[str]:
         prologue = (
@@ -345,43 +284,28 @@ class OpenAIServing:
             else None
         )
 
-        def choice(job: _Job, sample: CompletionOutput) -> dict[str, Any]:
+        def choice(job: Job, sample: CompletionOutput) -> dict[str, Any]:
             return {
                 "index": job.first_index + sample.index,
                 "text": sample.new_text,
-                "logprobs": self._completion_logprobs(
-                    sample.new_token_ids, _new_logprobs(sample), job.params.logprobs
+                "logprobs": completion_logprobs(
+                    self.tokenizer, sample.new_token_ids, new_logprobs(sample), job.params.logprobs
                 )
                 if job.params.logprobs is not None
                 else None,
-                "finish_reason": _finish(sample),
+                "finish_reason": sample.finish_reason,
                 "stop_reason": sample.stop_reason,
             }
 
-        stream = _Stream(rid, "text_completion", req.model, jobs, req.stream_options, span)
-        return stream.run(_chain(first, outputs), prologue, choice)
+        stream = SSEStream(rid, "text_completion", req.model, jobs, req.stream_options, span)
+        return stream.run(chain(first, outputs), prologue, choice)
 
-    def _token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
-
-    def _completion_logprobs(
-        self, token_ids: list[int], logprobs: list[TokenLogprobs] | None, k: int
-    ) -> dict[str, Any]:
-        tokens, token_logprobs, tops, offsets = [], [], [], []
-        offset = 0
-        for tid, lp in zip(token_ids, logprobs or [], strict=False):
-            text = self._token_text(tid)
-            tokens.append(text)
-            token_logprobs.append(_finite(lp.get(tid)))
-            tops.append({self._token_text(t): _finite(v) for t, v in _top(lp)[:k]})
-            offsets.append(offset)
-            offset += len(text)
-        return {
-            "tokens": tokens,
-            "token_logprobs": token_logprobs,
-            "top_logprobs": tops,
-            "text_offset": offsets,
-        }
+    def _chat_logprobs(
+        self, ids: list[int], logprobs: list[TokenLogprobs] | None, req: ChatCompletionRequest
+    ) -> dict[str, Any] | None:
+        if not req.logprobs:
+            return None
+        return {"content": chat_logprobs(self.tokenizer, ids, logprobs, req.top_logprobs or 0)}
 
     # -- chat --------------------------------------------------------------------------------
     async def chat(
@@ -400,18 +324,16 @@ class OpenAIServing:
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         outputs = self._run(rid, [job], lora, req.priority, span)
         if req.stream:
-            first = await _prime(outputs)
+            first = await prime(outputs)
             return self._chat_stream(req, rid, job, first, outputs, span)
-        finals = await _collect(outputs)
+        finals = await collect(outputs)
         final = finals[id(job)]
         choices = [
             {
                 "index": out.index,
                 "message": {"role": "assistant", "content": out.text},
-                "logprobs": {"content": self._chat_logprobs(out.token_ids, out.logprobs, req)}
-                if req.logprobs
-                else None,
-                "finish_reason": _finish(out),
+                "logprobs": self._chat_logprobs(out.token_ids, out.logprobs, req),
+                "finish_reason": out.finish_reason,
                 "stop_reason": out.stop_reason,
             }
             for out in final.outputs
@@ -422,16 +344,16 @@ class OpenAIServing:
             "created": int(time.time()),
             "model": req.model,
             "choices": choices,
-            "usage": _usage([job], finals),
+            "usage": usage_of([job], finals),
         }
 
     def _chat_stream(
         self,
         req: ChatCompletionRequest,
         rid: str,
-        job: _Job,
-        first: tuple[_Job, RequestOutput] | None,
-        outputs: AsyncGenerator[tuple[_Job, RequestOutput], None],
+        job: Job,
+        first: tuple[Job, RequestOutput] | None,
+        outputs: AsyncGenerator[tuple[Job, RequestOutput], None],
         span: Any = None,
     ) -> AsyncIterator[str]:
         prologue = [
@@ -444,113 +366,18 @@ class OpenAIServing:
             for i in range(req.n)
         ]
 
-        def choice(job: _Job, sample: CompletionOutput) -> dict[str, Any]:
+        def choice(job: Job, sample: CompletionOutput) -> dict[str, Any]:
             new = sample.new_token_ids
             return {
                 "index": sample.index,
                 "delta": {"content": sample.new_text} if sample.new_text else {},
-                "logprobs": {"content": self._chat_logprobs(new, _new_logprobs(sample), req)}
-                if req.logprobs
-                else None,
-                "finish_reason": _finish(sample),
+                "logprobs": self._chat_logprobs(new, new_logprobs(sample), req),
+                "finish_reason": sample.finish_reason,
                 "stop_reason": sample.stop_reason,
             }
 
-        stream = _Stream(rid, "chat.completion.chunk", req.model, [job], req.stream_options, span)
-        return stream.run(_chain(first, outputs), prologue, choice)
-
-    def _chat_logprobs(
-        self, token_ids: list[int], logprobs: list[TokenLogprobs] | None, req: ChatCompletionRequest
-    ) -> list[dict[str, Any]]:
-        k = req.top_logprobs or 0
-        content = []
-        for tid, lp in zip(token_ids, logprobs or [], strict=False):
-            text = self._token_text(tid)
-            content.append(
-                {
-                    "token": text,
-                    "logprob": _finite(lp.get(tid)),
-                    "bytes": list(text.encode()),
-                    "top_logprobs": [
-                        {
-                            "token": (t_text := self._token_text(t)),
-                            "logprob": _finite(v),
-                            "bytes": list(t_text.encode()),
-                        }
-                        for t, v in _top(lp)[:k]
-                    ],
-                }
-            )
-        return content
-
-
-class _Stream:
-    """The SSE chunks of one streamed request (completions or chat; ``choice`` shapes one
-    sample's delta): a chunk per step with the choices that moved, ``finish_reason`` once per
-    choice, an error body if generation fails, the usage chunk (``include_usage``) or usage on
-    every chunk (``continuous_usage_stats`` too, like vLLM), then ``[DONE]``."""
-
-    def __init__(
-        self,
-        rid: str,
-        obj: str,
-        model: str,
-        jobs: list[_Job],
-        options: StreamOptions | None,
-        span: Any,
-    ) -> None:
-        self.rid, self.obj, self.model, self.jobs, self.span = rid, obj, model, jobs, span
-        self.created = int(time.time())
-        self.include_usage = options is not None and options.include_usage
-        self.continuous = self.include_usage and bool(options and options.continuous_usage_stats)
-        self.finals: dict[int, RequestOutput] = {}
-
-    def chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> str:
-        if usage is None and self.continuous:
-            usage = _usage(self.jobs, self.finals)
-        body = {
-            "id": self.rid,
-            "object": self.obj,
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-            "usage": usage,
-        }
-        return sse(body)
-
-    async def run(
-        self,
-        outputs: AsyncGenerator[tuple[_Job, RequestOutput], None],
-        prologue: list[dict[str, Any]] | None,
-        choice: Callable[[_Job, CompletionOutput], dict[str, Any]],
-    ) -> AsyncIterator[str]:
-        ended: set[int] = set()  # choice indexes whose finish_reason went out
-        try:
-            if prologue:
-                yield self.chunk(prologue)
-            async for job, out in outputs:
-                self.finals[id(job)] = out
-                choices = []
-                for sample in out.outputs:
-                    index = job.first_index + sample.index
-                    if index in ended or not (sample.new_token_ids or sample.finished):
-                        continue
-                    if sample.finish_reason == "error":
-                        yield sse(APIError(503, sample.error or "generation failed").body())
-                        return
-                    if sample.finished:
-                        ended.add(index)
-                    choices.append(choice(job, sample))
-                if choices:
-                    yield self.chunk(choices)
-            if self.include_usage:
-                yield self.chunk([], _usage(self.jobs, self.finals))
-        except APIError as exc:
-            yield sse(exc.body())
-        finally:
-            await outputs.aclose()
-            _end_stream_span(self.span, self.rid, self.jobs, self.finals)
-        yield "data: [DONE]\n\n"
+        stream = SSEStream(rid, "chat.completion.chunk", req.model, [job], req.stream_options, span)
+        return stream.run(chain(first, outputs), prologue, choice)
 
 
 # -- helpers ---------------------------------------------------------------------------------
@@ -569,89 +396,3 @@ async def _traced(result: Any, span: Any) -> Any:
         reasons = [c["finish_reason"] or "" for c in body["choices"]]
         end_api_span(span, body["id"], body["usage"], reasons)
     return body
-
-
-def _end_stream_span(
-    span: Any, rid: str, jobs: list[_Job], finals: dict[int, RequestOutput]
-) -> None:
-    if span is None:
-        return
-    from cluster.tracing import end_api_span
-
-    reasons = [o.finish_reason or "" for f in finals.values() for o in f.outputs]
-    end_api_span(span, rid, _usage(jobs, finals), reasons)
-
-
-def sse(body: dict[str, Any]) -> str:
-    import json
-
-    return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
-
-
-async def _prime(
-    outputs: AsyncGenerator[tuple[_Job, RequestOutput], None],
-) -> tuple[_Job, RequestOutput] | None:
-    """The first output: raises the request's ``APIError`` before a stream starts."""
-    try:
-        return await outputs.__anext__()
-    except StopAsyncIteration:
-        return None
-
-
-async def _chain(
-    first: tuple[_Job, RequestOutput] | None, rest: AsyncGenerator[tuple[_Job, RequestOutput], None]
-) -> AsyncGenerator[tuple[_Job, RequestOutput], None]:
-    try:
-        if first is not None:
-            yield first
-        async for item in rest:
-            yield item
-    finally:
-        await rest.aclose()
-
-
-async def _collect(
-    outputs: AsyncGenerator[tuple[_Job, RequestOutput], None],
-) -> dict[int, RequestOutput]:
-    finals: dict[int, RequestOutput] = {}
-    async for job, out in outputs:
-        finals[id(job)] = out
-    for final in finals.values():
-        for sample in final.outputs:
-            if sample.finish_reason == "error":
-                raise api_error(ValueError(sample.error or "generation failed"))
-    return finals
-
-
-def _finish(out: CompletionOutput) -> str | None:
-    return out.finish_reason
-
-
-def _usage(jobs: list[_Job], finals: dict[int, RequestOutput]) -> dict[str, Any]:
-    prompt = sum(len(job.prompt_ids) for job in jobs)
-    completion = sum(len(out.token_ids) for final in finals.values() for out in final.outputs)
-    cached = sum(final.num_cached_tokens for final in finals.values())
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": cached},
-    }
-
-
-def _new_logprobs(sample: CompletionOutput) -> list[TokenLogprobs] | None:
-    """The logprobs of the tokens the last step added."""
-    if sample.logprobs is None:
-        return None
-    return sample.logprobs[len(sample.logprobs) - len(sample.new_token_ids) :]
-
-
-def _top(lp: TokenLogprobs) -> list[tuple[int, float]]:
-    """Entries best first (the sampled token is in ``lp`` even when not among the top)."""
-    return sorted(lp.items(), key=lambda kv: (-kv[1], kv[0]))
-
-
-def _finite(value: float | None) -> float:
-    if value is None or value != value:
-        return -9999.0
-    return max(float(value), -9999.0)

@@ -27,13 +27,14 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from ray import serve
 
 from cluster.config import ClusterConfig, served_model_name
+from cluster.errors import APIError, api_error
 from cluster.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     LoadLoRAAdapterRequest,
     UnloadLoRAAdapterRequest,
 )
-from cluster.openai_serving import APIError, OpenAIServing, api_error
+from cluster.openai_serving import OpenAIServing
 
 logger = logging.getLogger(__name__)
 
