@@ -338,6 +338,13 @@ class ClusterConfig(_Config):
         "still finds a dead worker). A dead worker's instance leaves routing and its requests "
         "move to live instances.",
     )
+    step_timeout_s: float | None = Field(
+        300.0,
+        gt=0.0,
+        description="A step that has not returned after this long means a hung worker: its "
+        "instance fails like a dead one (requests move, the worker is killed and, with "
+        "max_restarts, restarted). None: wait forever. vLLM's executor waits 300 s too.",
+    )
 
     @property
     def disaggregated(self) -> bool:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,6 +31,10 @@ from scheduler.outputs import EngineCoreOutput
 from scheduler.request import FinishReason
 
 logger = logging.getLogger(__name__)
+
+
+class StepTimeoutError(RuntimeError):
+    """A step did not return within ``step_timeout_s``."""
 
 
 @dataclass
@@ -73,11 +78,13 @@ class EngineLoop:
         idle_sleep_s: float = 0.002,
         max_in_flight: int = 1,
         on_failure: FailureCallback | None = None,
+        step_timeout_s: float | None = None,
     ) -> None:
         """``max_in_flight``: steps started before the oldest returns -- ``pp_size`` for a
         pipeline-parallel instance, 2 with async scheduling, else 1. ``on_failure``: when the
         instance fails, its unfinished requests go there (to move elsewhere) instead of ending
-        with an error."""
+        with an error. ``step_timeout_s``: a step that has not returned by then fails the
+        instance (``hung`` tells the owner why)."""
         self.instance_id = instance_id
         self.scheduler = scheduler
         self.executor = executor
@@ -94,8 +101,13 @@ class EngineLoop:
         self.counters = LoopCounters()
         self.error: str | None = None  # set when the worker failed; the loop has stopped
         self.max_in_flight = max_in_flight
+        self.step_timeout_s = step_timeout_s
+        self.hung = False  # a step outlived step_timeout_s: the worker may still be running it
         self._async = scheduler.scheduler_config.async_scheduling
-        self._in_flight: deque[tuple[SchedulerOutput, asyncio.Future[ModelRunnerOutput]]] = deque()
+        # Steps started and not yet applied, oldest first: (step, result, start time).
+        self._in_flight: deque[tuple[SchedulerOutput, asyncio.Future[ModelRunnerOutput], float]] = (
+            deque()
+        )
         self._wake = asyncio.Event()
         self._stopping = False
         self._task: asyncio.Task[None] | None = None
@@ -212,8 +224,8 @@ class EngineLoop:
             self._fill_pipeline()
             if not in_flight:
                 continue
-            out, future = in_flight[0]
-            result = await future  # raises: the worker is gone
+            out, future, started = in_flight[0]
+            result = await self._result(future, started)  # raises: the worker is gone or hangs
             in_flight.popleft()
             outputs = scheduler.update_from_output(out, result)
             self._count_result(result)
@@ -228,6 +240,20 @@ class EngineLoop:
                 # them) or no room yet. Yield rather than spin on the worker.
                 self.counters.num_idle_steps += 1
                 await asyncio.sleep(self.idle_sleep_s)
+
+    async def _result(self, future: asyncio.Future[ModelRunnerOutput], started: float) -> Any:
+        """The step's result, or ``StepTimeoutError`` once it is ``step_timeout_s`` old."""
+        if self.step_timeout_s is None:
+            return await future
+        remaining = started + self.step_timeout_s - time.monotonic()
+        try:
+            return await asyncio.wait_for(asyncio.shield(future), max(remaining, 0.0))
+        except asyncio.TimeoutError:  # not the builtin before Python 3.11
+            self.hung = True
+            raise StepTimeoutError(
+                f"instance {self.instance_id}: a step has not returned in "
+                f"{self.step_timeout_s:g} s (the worker hangs)"
+            ) from None
 
     def _count_result(self, result: Any) -> None:
         c, stats = self.counters, self.scheduler.make_stats()
@@ -261,7 +287,7 @@ class EngineLoop:
             out = scheduler.schedule(cap)
             self._count(out)
             future = asyncio.ensure_future(self.executor.execute_model(out))
-            in_flight.append((out, future))
+            in_flight.append((out, future, time.monotonic()))
             c = self.counters
             c.max_in_flight = max(c.max_in_flight, len(in_flight))
             c.in_flight_sum += len(in_flight)
@@ -329,7 +355,7 @@ class EngineLoop:
         worker's cache is gone or untrusted), so no block, request or KV handle lingers."""
         logger.error(message)
         self.error = message
-        for _, future in self._in_flight:
+        for _, future, _ in self._in_flight:
             future.cancel()
         self._in_flight.clear()
         ids = [r.request_id for r in self.pending]

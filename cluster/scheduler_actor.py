@@ -132,6 +132,7 @@ class SchedulerActor:
             admission_window_s=self.config.admission_window_s,
             max_in_flight=in_flight,
             on_failure=self._on_instance_failed,
+            step_timeout_s=self.config.step_timeout_s if spec.actors else None,
         )
         loop.on_scheduled = self._on_scheduled
         loop.on_kv_loads = self._on_kv_loads
@@ -284,6 +285,11 @@ class SchedulerActor:
                 {"instance_id": iid, "event": "failed", "reason": reason, "time": time.time()}
             )
             spec = self.specs[iid]
+            if loop.hung:  # a hung worker still runs its step: end it (Ray may restart it)
+                import ray
+
+                for actor in spec.actors:
+                    ray.kill(actor, no_restart=False)
             if spec.pool.max_restarts > 0 and spec.actors:
                 self._spawn(self._rejoin(spec))
         flights = []

@@ -38,26 +38,39 @@ def _worker(model: Path) -> ModelWorker:
 
 
 class RecordingExecutor(LocalExecutor):
-    def __init__(self, worker: Any, fail_at_step: int | None = None) -> None:
+    def __init__(
+        self, worker: Any, fail_at_step: int | None = None, hang_at_step: int | None = None
+    ) -> None:
         super().__init__(worker)
         self.outputs: list[SchedulerOutput] = []
         self.fail_at_step = fail_at_step
+        self.hang_at_step = hang_at_step
 
     async def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self.outputs.append(scheduler_output)
         if self.fail_at_step is not None and len(self.outputs) > self.fail_at_step:
             raise ConnectionError("worker died")
+        if self.hang_at_step is not None and len(self.outputs) > self.hang_at_step:
+            await asyncio.Event().wait()  # never returns
         return await super().execute_model(scheduler_output)
 
 
-def _loop(model: Path, **executor_args: Any) -> tuple[EngineLoop, RecordingExecutor, list[Any]]:
+def _loop(
+    model: Path, step_timeout_s: float | None = None, **executor_args: Any
+) -> tuple[EngineLoop, RecordingExecutor, list[Any]]:
     scheduler = Scheduler(
         SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=512, max_model_len=256),
         CacheConfig(block_size=4, num_blocks=128),
     )
     executor = RecordingExecutor(_worker(model), **executor_args)
     seen: list[EngineCoreOutput] = []
-    loop = EngineLoop("i0", scheduler, executor, lambda _, outs: seen.extend(outs))
+    loop = EngineLoop(
+        "i0",
+        scheduler,
+        executor,
+        lambda _, outs: seen.extend(outs),
+        step_timeout_s=step_timeout_s,
+    )
     return loop, executor, seen
 
 
@@ -117,6 +130,34 @@ def test_failing_worker_fails_its_requests(tiny_model: Path) -> None:
     assert {o.request_id for o in finals} == {"r0", "r1", "r2"}
     assert all(o.error and "worker died" in o.error for o in finals)
     assert not loop.alive and loop.error is not None
+
+
+def test_a_step_that_never_returns_fails_the_instance_after_the_timeout(
+    tiny_model: Path,
+) -> None:
+    loop, executor, seen = _loop(tiny_model, step_timeout_s=0.3, hang_at_step=2)
+    moved: list[tuple[list[str], str]] = []
+    loop.on_failure = lambda _, ids, reason: moved.append((sorted(ids), reason))
+
+    async def run() -> float:
+        loop.start()
+        for i in range(3):
+            loop.add_request(_request(i))
+        while len(executor.outputs) < 3:  # the third step hangs
+            await asyncio.sleep(0.005)
+        hung_at = asyncio.get_running_loop().time()
+        while not moved:
+            await asyncio.sleep(0.01)
+        return asyncio.get_running_loop().time() - hung_at
+
+    waited = asyncio.run(asyncio.wait_for(run(), 30))
+    assert 0.2 <= waited < 10  # about step_timeout_s, not forever
+    [(ids, reason)] = moved
+    assert ids == ["r0", "r1", "r2"]  # every unfinished request goes to be moved
+    assert "has not returned in 0.3 s" in reason
+    assert loop.hung and not loop.alive
+    assert not [o for o in seen if o.finished]  # none was failed: they move instead
+    assert loop.scheduler.kv_cache_manager.block_pool.num_free_blocks == 128
 
 
 def test_scheduler_actor_in_process(tiny_model: Path) -> None:

@@ -6,6 +6,8 @@
 - a prefill worker dies with requests queued on it and KV transfers from it in flight: the
   queued ones are re-routed, the transfers fail fast and the decode side recomputes;
 - a worker Ray restarts (``max_restarts``) rejoins with an empty cache and serves again;
+- a decode worker that hangs (alive, answering health checks, its step never returning) fails
+  its instance after ``step_timeout_s``: its requests move, it is killed and restarted;
 - with every decode-capable instance gone, requests end with a clear error (no hang).
 After each: no request and no used block on any surviving instance.
 """
@@ -206,6 +208,47 @@ def test_restarted_worker_rejoins_with_an_empty_cache(
         assert ray.get(handle.worker_health.remote())["d-0"]["pid"] != old_pid
         assert [tokens for tokens, _ in _run_all(handle, prompts)] == undisturbed
         assert _stats(handle)["instances"]["d-0"]["num_requests_added"] > 0  # routed again
+        assert_clean(handle)
+    finally:
+        shutdown_cluster(handle)
+
+
+def test_hung_decode_worker_times_out_and_its_requests_move(
+    ray_cluster: RayCluster, tiny_model: Path
+) -> None:
+    decode = {**DECODE, "replicas": 2, "max_restarts": 1}
+    handle = _build(tiny_model, "fault-hang", [PREFILL, decode], step_timeout_s=2.0)
+    try:
+        prompts = _prompts(6, seed=5)
+        undisturbed = [tokens for tokens, _ in _run_all(handle, prompts)]
+        old_pid = ray.get(handle.worker_health.remote())["d-0"]["pid"]
+        for iid in ("d-0", "d-1"):  # slow decode down so the hang lands mid-stream
+            ray.get(handle.set_fault_injection.remote(iid, 0.0, 0.03))
+
+        async def hang_when_streaming(progress: dict[str, int]) -> None:
+            while sum(n >= 5 for n in progress.values()) < len(prompts):
+                await asyncio.sleep(0.01)
+            # d-0's next step sleeps far past the timeout: alive, answering health, stuck.
+            await handle.set_fault_injection.remote("d-0", 0.0, 600.0)
+
+        started = time.monotonic()
+        results = _run_all(handle, prompts, hang_when_streaming)
+        assert time.monotonic() - started < 60  # not the 600 s of the hang
+        assert [tokens for tokens, _ in results] == undisturbed  # nothing lost or repeated
+        assert all(last.finish_reason.value == "length" and not last.error for _, last in results)
+        stats = _stats(handle)
+        assert stats["num_moves"] >= 1
+        [failure] = [f for f in stats["failures"] if f["event"] == "failed"]
+        assert failure["instance_id"] == "d-0" and "has not returned in 2 s" in failure["reason"]
+
+        # The hung process was killed, Ray restarted it, and the instance rejoined empty.
+        def rejoined() -> bool:
+            return [f["event"] for f in _stats(handle)["failures"]] == ["failed", "rejoined"]
+
+        wait_until(rejoined, 60, "d-0 to rejoin")
+        assert ray.get(handle.worker_health.remote())["d-0"]["pid"] != old_pid
+        ray.get(handle.set_fault_injection.remote("d-1", 0.0, 0.0))
+        assert [tokens for tokens, _ in _run_all(handle, prompts)] == undisturbed
         assert_clean(handle)
     finally:
         shutdown_cluster(handle)
