@@ -94,6 +94,8 @@ class EngineLoop:
         self.on_kv_loads: KVLoadsCallback | None = None
         # ... and (loop, request id) when a request is first scheduled here (queue time).
         self.on_scheduled: Callable[[EngineLoop, str], None] | None = None
+        # ... and (loop, request id) when a running request is preempted (its KV freed).
+        self.on_preempted: Callable[[EngineLoop, str], None] | None = None
         self._failure: str | None = None  # why fail() stopped the loop
         self.admission_window_s = admission_window_s
         self.idle_sleep_s = idle_sleep_s
@@ -323,6 +325,9 @@ class EngineLoop:
     def _count(self, out: SchedulerOutput) -> None:
         c = self.counters
         c.num_steps += 1
+        if self.on_preempted is not None:
+            for req_id in out.preempted_req_ids:
+                self.on_preempted(self, req_id)
         n = out.num_scheduled_tokens
         for new in out.scheduled_new_reqs:
             if self.on_scheduled is not None:

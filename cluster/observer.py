@@ -135,6 +135,11 @@ class RequestObserver:
             if flight is not None and flight.trace is not None:
                 flight.trace.kv_loaded(seconds, num_bytes, ok)
 
+    def preempted(self, loop: EngineLoop, flight: Flight) -> None:
+        """``loop`` preempted the request (its KV is freed; it will be recomputed)."""
+        if flight.trace is not None:
+            flight.trace.preempted(loop.instance_id)
+
     def moved(self, flight: Flight, reason: str) -> None:
         """The request's instance failed; it is placed again."""
         if flight.trace is not None:

@@ -2,11 +2,13 @@
 with ``generate``)::
 
     <ingress>  chat {model}                             gen_ai.* request/response/usage
-      └ tandem.request                                  events: first_token, moved, abort,
-          ├ tandem.queue        arrival → first step      recompute_fallback
-          ├ tandem.prefill      first step → first token  instance, node, prompt/cached tokens
+      └ tandem.request                                  events: first_token, preemption,
+          ├ tandem.queue        arrival → first step      moved, abort, recompute_fallback
+          ├ tandem.prefill      first step → first token  instance, node, prompt/cached tokens,
+          │                                               preemptions
           ├ tandem.kv_transfer  hand-off → KV loaded      transport, bytes, blocks, outcome
-          └ tandem.decode       hand-off → last token     instance, node, output tokens
+          └ tandem.decode       hand-off → last token     instance, node, output tokens,
+                                                          preemptions
 
 A colocated request (no hand-off) has no kv_transfer span; its decode span starts at its first
 token on the same instance.
@@ -49,6 +51,8 @@ class RequestTrace:
         self.decode: Span | None = None
         self.output_tokens = 0
         self.kv_bytes = 0
+        self.prefill_preemptions = 0  # before the first token
+        self.decode_preemptions = 0  # after it
 
     def _child(self, name: str, start: float | None = None, **attributes: Any) -> Span:
         from opentelemetry.trace import set_span_in_context
@@ -83,6 +87,7 @@ class RequestTrace:
             self.root.add_event("first_token")
             if self.prefill is not None:
                 self.prefill.set_attribute("tandem.cached_tokens", cached_tokens or 0)
+                self.prefill.set_attribute("tandem.preemptions", self.prefill_preemptions)
                 self._end(self.prefill)
             if self.decode is None and self.transfer is None:  # colocated: decode goes on here
                 self.decode = self._child(
@@ -118,6 +123,14 @@ class RequestTrace:
             span.set_status(Status(StatusCode.ERROR, "KV load failed: recomputed"))
         self._end(span)
 
+    def preempted(self, instance: str) -> None:
+        """Preempted by recompute on ``instance`` (an event; counted on the phase's span)."""
+        self.root.add_event("preemption", {"tandem.instance": instance})
+        if self.output_tokens == 0:
+            self.prefill_preemptions += 1
+        else:
+            self.decode_preemptions += 1
+
     def moved(self, reason: str) -> None:
         self.root.add_event("moved", {"tandem.reason": reason})
 
@@ -128,6 +141,7 @@ class RequestTrace:
             self.root.add_event("abort")
         if self.decode is not None:
             self.decode.set_attribute("gen_ai.usage.output_tokens", self.output_tokens)
+            self.decode.set_attribute("tandem.preemptions", self.decode_preemptions)
         self.root.set_attribute("gen_ai.usage.output_tokens", self.output_tokens)
         self.root.set_attribute("gen_ai.response.finish_reasons", [reason])
         if error:

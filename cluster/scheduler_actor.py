@@ -135,6 +135,7 @@ class SchedulerActor:
             step_timeout_s=self.config.step_timeout_s if spec.actors else None,
         )
         loop.on_scheduled = self._on_scheduled
+        loop.on_preempted = self._on_preempted
         loop.on_kv_loads = self._on_kv_loads
         return loop
 
@@ -509,6 +510,11 @@ class SchedulerActor:
         flight = self._internal.get(internal_id)
         if flight is not None:
             self.observe.scheduled(loop, flight)
+
+    def _on_preempted(self, loop: EngineLoop, internal_id: str) -> None:
+        flight = self._internal.get(internal_id)
+        if flight is not None:
+            self.observe.preempted(loop, flight)
 
     def _on_kv_loads(self, loop: EngineLoop, loads: list[tuple[str, float, int, bool]]) -> None:
         self.observe.kv_loads(loop, loads, self._internal)

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,9 +18,15 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import (  # noqa: E4
     InMemorySpanExporter,
 )
 
+from actors.worker import ModelWorker  # noqa: E402
+from cluster.config import ClusterConfig, InstancePool  # noqa: E402
+from cluster.executors import LocalExecutor  # noqa: E402
 from cluster.openai_protocol import ChatCompletionRequest  # noqa: E402
+from cluster.placement import InstanceSpec  # noqa: E402
 from cluster.request_trace import RequestTrace  # noqa: E402
+from cluster.scheduler_actor import SchedulerActor  # noqa: E402
 from cluster.tracing import end_api_span, extract, inject, start_api_span  # noqa: E402
+from scheduler import Request, SamplingParams  # noqa: E402
 
 
 @pytest.fixture
@@ -89,6 +97,63 @@ def test_failed_load_and_abort_are_events(traced: Any) -> None:
     assert events == ["first_token", "recompute_fallback", "moved", "abort"]
     assert spans["tandem.kv_transfer"].status.is_ok is False
     assert not spans["tandem.request"].parent  # no caller: a root span
+
+
+def test_preemptions_are_events_counted_on_the_phase_span(traced: Any) -> None:
+    tracer, exporter = traced
+    trace = RequestTrace(tracer, None, "r3", 5, time.monotonic())
+    trace.scheduled("c-0", "both", None)
+    trace.preempted("c-0")  # before the first token: prefill
+    trace.tokens(1, 0, "c-0", None)
+    trace.preempted("c-0")
+    trace.preempted("c-0")
+    trace.tokens(3, 0, "c-0", None)
+    trace.finish("length", None)
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    events = [e.name for e in spans["tandem.request"].events]
+    assert events == ["preemption", "first_token", "preemption", "preemption"]
+    assert spans["tandem.prefill"].attributes["tandem.preemptions"] == 1
+    assert spans["tandem.decode"].attributes["tandem.preemptions"] == 2
+
+
+def test_real_preemptions_reach_the_requests_traces(traced: Any, tiny_model: Path) -> None:
+    """A SchedulerActor in process (no Ray) on a cache too small for its requests: every
+    preemption the scheduler makes is an event on that request's trace."""
+    tracer, exporter = traced
+    num_blocks = 24  # 6 requests x 7 blocks (4 prompt + 24 output tokens, blocks of 4)
+    config = ClusterConfig(
+        model=str(tiny_model), block_size=4, pools=[InstancePool(name="c", num_blocks=num_blocks)]
+    )
+    worker = ModelWorker(str(tiny_model), block_size=4, progress=False)
+    worker.load_model()
+    worker.init_kv_cache(num_blocks)
+    spec = InstanceSpec("c-0", config.pools[0], LocalExecutor(worker), None, worker.info())
+    actor = SchedulerActor(config, [spec])
+    actor.observe.tracer = tracer  # the in-memory exporter instead of OTLP
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+    async def run() -> dict[str, Any]:
+        await actor.start()
+
+        async def one(i: int) -> None:
+            async for _ in actor.generate(Request(f"r{i}", [3 + i, 4, 5, 6], params)):
+                pass
+
+        await asyncio.gather(*(one(i) for i in range(6)))
+        stats: dict[str, Any] = actor.stats()["instances"]["c-0"]
+        await actor.shutdown()
+        return stats
+
+    stats = asyncio.run(asyncio.wait_for(run(), 60))
+    assert stats["num_preemptions"] > 0
+    spans = exporter.get_finished_spans()
+    roots = [s for s in spans if s.name == "tandem.request"]
+    assert len(roots) == 6
+    events = [e for s in roots for e in s.events if e.name == "preemption"]
+    assert len(events) == stats["num_preemptions"]
+    assert all(e.attributes["tandem.instance"] == "c-0" for e in events)
+    phases = [s for s in spans if s.name in ("tandem.prefill", "tandem.decode")]
+    assert sum(s.attributes["tandem.preemptions"] for s in phases) == len(events)
 
 
 def test_tracing_off_makes_no_spans() -> None:
