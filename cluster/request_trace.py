@@ -35,6 +35,7 @@ class RequestTrace:
         from opentelemetry.trace import SpanKind
 
         self.tracer = tracer
+        self.prompt_tokens = prompt_tokens
         self.root = tracer.start_span(
             "tandem.request",
             context=parent,
@@ -77,7 +78,11 @@ class RequestTrace:
             self.queue = None
         if self.prefill is None:
             self.prefill = self._child(
-                "tandem.prefill", tandem__instance=instance, tandem__role=role, tandem__node_id=node
+                "tandem.prefill",
+                tandem__instance=instance,
+                tandem__role=role,
+                tandem__node_id=node,
+                tandem__prompt_tokens=self.prompt_tokens,
             )
 
     def tokens(self, num: int, cached_tokens: int | None, instance: str, node: str | None) -> None:

@@ -75,6 +75,7 @@ def test_disaggregated_request_span_tree(traced: Any) -> None:
         assert spans[name].context.trace_id == root.context.trace_id
     assert spans["tandem.prefill"].attributes["tandem.node_id"] == "node-p"
     assert spans["tandem.prefill"].attributes["tandem.cached_tokens"] == 4
+    assert spans["tandem.prefill"].attributes["tandem.prompt_tokens"] == 10
     assert spans["tandem.decode"].attributes["tandem.node_id"] == "node-d"
     assert spans["tandem.decode"].attributes["gen_ai.usage.output_tokens"] == 3
     kv = spans["tandem.kv_transfer"].attributes

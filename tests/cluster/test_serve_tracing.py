@@ -79,6 +79,8 @@ def test_one_trace_across_ingress_scheduler_prefill_and_decode(
     decode = span_attributes(spans["tandem.decode"][1])
     transfer = span_attributes(spans["tandem.kv_transfer"][1])
     assert prefill["tandem.instance"] == "p-0" and decode["tandem.instance"] == "d-0"
+    assert prefill["tandem.prompt_tokens"] == usage["prompt_tokens"]
+    assert decode["tandem.preemptions"] == 0
     assert prefill["tandem.node_id"] == ray_cluster.prefill_node_id
     assert decode["tandem.node_id"] == ray_cluster.decode_node_id
     assert decode["gen_ai.usage.output_tokens"] == 6
