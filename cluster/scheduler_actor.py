@@ -21,12 +21,14 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from cluster.adapters import LoRAAdapters
 from cluster.config import ClusterConfig
 from cluster.engine_loop import EngineLoop
 from cluster.errors import OverloadedError
 from cluster.flights import Flight, clone_request, merge_outputs, prefill_request
 from cluster.observer import RequestObserver
-from cluster.placement import MONITOR, InstanceSpec
+from cluster.placement import InstanceSpec
+from cluster.recovery import check_workers, restore_workers
 from cluster.router import Route, Router
 from kv_transfer.connector import PDConnector
 from scheduler import CacheConfig, LoRARequest, Request, Scheduler
@@ -50,20 +52,13 @@ class SchedulerActor:
         self._internal: dict[str, Flight] = {}  # by the schedulers' id
         self._seq = itertools.count()
         self.max_model_len = 0
-        self._loras: dict[str, set[int]] = {}
         self.started = False
         self.num_moves = 0  # requests moved off failed instances
         self.failures: list[dict[str, Any]] = []  # instance failures and rejoins, in order
         self._tasks: set[asyncio.Task[None]] = set()  # moves, rejoins, the health monitor
         self._failed_loops: set[int] = set()  # id() of loops whose failure was handled
         self.observe = RequestObserver(config, self.roles, self.specs)
-        # LoRA adapters served as model names (the API's registry, shared by every ingress).
-        self.adapters: dict[str, LoRARequest] = {}
-        self._adapter_ids = itertools.count(1)
-        for name, path in config.serve.lora_modules.items():
-            self.adapters[name] = LoRARequest(
-                lora_name=name, lora_int_id=next(self._adapter_ids), lora_path=path
-            )
+        self.lora = LoRAAdapters(config, self.specs)  # served by name, loaded per instance
 
     # -- life cycle --------------------------------------------------------------------------
     async def start(self) -> dict[str, Any]:
@@ -80,7 +75,7 @@ class SchedulerActor:
             self.specs[spec.instance_id] = spec
             self.roles[spec.instance_id] = spec.pool.role
             self.loops[spec.instance_id] = self._build_loop(spec)
-            self._loras[spec.instance_id] = set()
+            self.lora.reset(spec.instance_id)
             self.observe.add_instance(spec.instance_id, spec.pool.role)
         for loop in self.loops.values():
             loop.start()
@@ -230,7 +225,7 @@ class SchedulerActor:
             target = route.prefill or route.decode
             if request.lora_request is not None:
                 for loop in {route.decode, target}:
-                    await self._ensure_lora(loop, request.lora_request)
+                    await self.lora.ensure(loop.instance_id, request.lora_request)
             if target.alive and route.decode.alive:
                 break
         else:
@@ -268,6 +263,17 @@ class SchedulerActor:
             f"no live {role}-capable instance (role {' or '.join(roles)}): "
             f"{len(ids)} configured, none alive{last}"
         )
+
+    def abort(self, request_id: str) -> bool:
+        """End a request at whatever stage it is (queued, prefilling, transferring, decoding):
+        its blocks are freed on every instance and its stream ends with ``abort``. False if
+        the request is unknown or already finished."""
+        flight = self.flights.get(request_id)
+        if flight is None:
+            return False
+        flight.loop.abort([flight.internal_id])
+        self._finish(flight, EngineCoreOutput(request_id, [], FinishReason.ABORT))
+        return True
 
     # -- failures ----------------------------------------------------------------------------
     def _spawn(self, coro: Any) -> None:
@@ -318,62 +324,29 @@ class SchedulerActor:
     async def _monitor_health(self) -> None:
         """Find dead workers of idle instances too (a step finds them on its own): every
         ``health_check_interval_s``, ask each worker; one that died fails its instance."""
-        import ray
-
         interval = self.config.health_check_interval_s
         while True:
             await asyncio.sleep(interval)
             for iid, loop in list(self.loops.items()):
-                actors = self.specs[iid].actors
-                if not loop.alive or not actors:
-                    continue
-                calls = [a.health.options(concurrency_group=MONITOR).remote() for a in actors]
-                done, _ = await asyncio.wait(
-                    [asyncio.ensure_future(_awaitable(c)) for c in calls], timeout=10 * interval
-                )
-                for task in done:
-                    exc = task.exception()
-                    if isinstance(exc, ray.exceptions.RayActorError) and loop.alive:
-                        loop.fail(f"instance {iid}: a worker died ({type(exc).__name__})")
-                    elif exc is None and not task.result()["ok"] and loop.alive:
-                        # Ray restarted it (max_restarts): a new, empty process.
-                        loop.fail(f"instance {iid}: a worker restarted and lost its state")
+                spec = self.specs[iid]
+                if loop.alive and spec.actors:
+                    await check_workers(loop, spec, timeout_s=10 * interval)
 
     async def _rejoin(self, spec: InstanceSpec) -> None:
-        """Bring a restarted instance back (Ray ``max_restarts``): reload the model where the
-        process is new, reset every stage's cache, and give it a fresh scheduler -- it
+        """Bring a restarted instance back (Ray ``max_restarts``) with a fresh scheduler: it
         rejoins routing with an empty cache."""
-        import ray
-
         iid = spec.instance_id
-        deadline = time.monotonic() + self.config.startup_timeout_s
-        while time.monotonic() < deadline:
-            await asyncio.sleep(0.2)
-            try:
-                health = [
-                    await a.health.options(concurrency_group=MONITOR).remote() for a in spec.actors
-                ]
-                for actor, state in zip(spec.actors, health, strict=True):
-                    if not state["ok"]:
-                        await actor.load_model.remote()
-                for actor in spec.actors:  # survivors too: their requests' state is stale
-                    await actor.init_kv_cache.remote(spec.info["num_blocks"])
-                spec.info = await spec.actors[-1].info.remote()
-            except ray.exceptions.RayActorError:
-                continue  # still restarting (or dead for good: then until the deadline)
-            merger = getattr(spec.executor, "merger", None)
-            if merger is not None:
-                merger.forget()
-            loop = self._build_loop(spec)
-            self.loops[iid] = loop
-            self._loras[iid] = set()
-            loop.start()
-            logger.info("instance %s rejoined with an empty cache", iid)
-            self.failures.append(
-                {"instance_id": iid, "event": "rejoined", "reason": "", "time": time.time()}
-            )
+        if not await restore_workers(spec, self.config.startup_timeout_s):
+            logger.error("instance %s did not come back; it stays out of routing", iid)
             return
-        logger.error("instance %s did not come back; it stays out of routing", iid)
+        loop = self._build_loop(spec)
+        self.loops[iid] = loop
+        self.lora.reset(iid)
+        loop.start()
+        logger.info("instance %s rejoined with an empty cache", iid)
+        self.failures.append(
+            {"instance_id": iid, "event": "rejoined", "reason": "", "time": time.time()}
+        )
 
     def _live(self, role: str) -> list[EngineLoop]:
         """Live instances that can take ``role`` work (decode: roles decode and both)."""
@@ -381,51 +354,18 @@ class SchedulerActor:
             return [lp for i, lp in self.loops.items() if self.roles[i] == "prefill" and lp.alive]
         return [lp for i, lp in self.loops.items() if self.roles[i] != "prefill" and lp.alive]
 
-    async def _ensure_lora(self, loop: EngineLoop, lora: LoRARequest) -> None:
-        loaded = self._loras[loop.instance_id]
-        if lora.lora_int_id not in loaded:
-            # Every pipeline stage applies the adapter to its layers.
-            await self.specs[loop.instance_id].call_stages("add_lora", lora)
-            loaded.add(lora.lora_int_id)
-
     # -- LoRA adapters by name (the API's /v1/load_lora_adapter) ------------------------------
     def lora_adapters(self) -> dict[str, LoRARequest]:
-        return dict(self.adapters)
+        return dict(self.lora.by_name)
 
     async def load_lora_adapter(self, name: str, path: str) -> LoRARequest:
-        """Serve the adapter at ``path`` as model ``name``. It is loaded on a live instance
-        first, so a bad path or an adapter the model cannot take is a ``ValueError`` here,
-        not on a request. Other instances load it on first use."""
-        if self.config.lora is None:
-            raise ValueError("LoRA is not enabled on this cluster (no lora section)")
-        if name in self.adapters:
-            raise ValueError(f"lora_name {name!r} is already loaded")
-        lora = LoRARequest(lora_name=name, lora_int_id=next(self._adapter_ids), lora_path=path)
+        """Serve the adapter at ``path`` as model ``name`` (tried on a live instance first:
+        a bad one is a ``ValueError`` here, not on a request)."""
         live = self._live("decode")
-        if live:
-            try:
-                await self._ensure_lora(live[0], lora)
-            except Exception as exc:
-                cause = getattr(exc, "cause", None) or exc  # a worker's error, without Ray's
-                raise ValueError(f"lora_path {path!r} could not be loaded: {cause}") from None
-        self.adapters[name] = lora
-        return lora
+        return await self.lora.load(name, path, live[0].instance_id if live else None)
 
     def unload_lora_adapter(self, name: str) -> None:
-        """Stop serving ``name`` (workers drop it from their cache as others come in)."""
-        if self.adapters.pop(name, None) is None:
-            raise KeyError(f"lora_name {name!r} is not loaded")
-
-    def abort(self, request_id: str) -> bool:
-        """End a request at whatever stage it is (queued, prefilling, transferring, decoding):
-        its blocks are freed on every instance and its stream ends with ``abort``. False if
-        the request is unknown or already finished."""
-        flight = self.flights.get(request_id)
-        if flight is None:
-            return False
-        flight.loop.abort([flight.internal_id])
-        self._finish(flight, EngineCoreOutput(request_id, [], FinishReason.ABORT))
-        return True
+        self.lora.unload(name)
 
     # -- outputs -----------------------------------------------------------------------------
     def _on_outputs(self, loop: EngineLoop, outputs: list[EngineCoreOutput]) -> None:
@@ -601,7 +541,3 @@ def _later_sample(request_id: str) -> bool:
     """True for sample i > 0 of a request fanned out into n (``cluster.outputs`` names)."""
     _, sep, index = request_id.rpartition("#")
     return bool(sep) and index.isdigit() and index != "0"
-
-
-async def _awaitable(ref: Any) -> Any:
-    return await ref

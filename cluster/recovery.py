@@ -1,0 +1,64 @@
+"""Worker-side mechanics of fault recovery: finding dead workers of idle instances, and
+bringing a restarted instance's workers back to a clean state. What happens to the requests
+(they move) and to routing is the SchedulerActor's part."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from cluster.engine_loop import EngineLoop
+from cluster.placement import MONITOR, InstanceSpec
+
+
+async def check_workers(loop: EngineLoop, spec: InstanceSpec, timeout_s: float) -> None:
+    """Ask each of the instance's workers whether it is alive (on its monitor thread, which
+    answers while a step runs); fail the instance if one died or came back empty."""
+    import ray
+
+    calls = [a.health.options(concurrency_group=MONITOR).remote() for a in spec.actors]
+    done, _ = await asyncio.wait(
+        [asyncio.ensure_future(_awaitable(c)) for c in calls], timeout=timeout_s
+    )
+    iid = spec.instance_id
+    for task in done:
+        exc = task.exception()
+        if isinstance(exc, ray.exceptions.RayActorError) and loop.alive:
+            loop.fail(f"instance {iid}: a worker died ({type(exc).__name__})")
+        elif exc is None and not task.result()["ok"] and loop.alive:
+            # Ray restarted it (max_restarts): a new, empty process.
+            loop.fail(f"instance {iid}: a worker restarted and lost its state")
+
+
+async def restore_workers(spec: InstanceSpec, timeout_s: float) -> bool:
+    """Wait for Ray to restart the instance's workers (``max_restarts``), reload the model
+    where a process is new and reset every stage's cache (survivors' too: their requests'
+    state is stale). True when the workers are ready for a fresh scheduler; False if they did
+    not come back within ``timeout_s``."""
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        await asyncio.sleep(0.2)
+        try:
+            health = [
+                await a.health.options(concurrency_group=MONITOR).remote() for a in spec.actors
+            ]
+            for actor, state in zip(spec.actors, health, strict=True):
+                if not state["ok"]:
+                    await actor.load_model.remote()
+            for actor in spec.actors:
+                await actor.init_kv_cache.remote(spec.info["num_blocks"])
+            spec.info = await spec.actors[-1].info.remote()
+        except ray.exceptions.RayActorError:
+            continue  # still restarting (or dead for good: then until the deadline)
+        merger = getattr(spec.executor, "merger", None)
+        if merger is not None:  # a pipeline's half-merged stage reports are stale
+            merger.forget()
+        return True
+    return False
+
+
+async def _awaitable(ref: Any) -> Any:
+    return await ref
