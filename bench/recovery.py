@@ -10,6 +10,9 @@ faults), kills a worker process with SIGKILL, and records per request:
   next token (it is re-prefilled elsewhere from prompt + tokens already sent);
 - prefill kill: for each request queued or prefilling on the dead instance, the time from the
   kill to its first token;
+- decode hang: a decode worker's next step never returns (it stays alive and answers health
+  checks); for each moved request, the time from the hang to its next token -- at most
+  ``--step-timeout-s`` to notice, then the move;
 - every stream's tokens are checked against an undisturbed run (greedy: equal, none lost or
   repeated), and the time until the restarted worker rejoined routing is reported too.
 
@@ -95,7 +98,8 @@ def _wait_rejoined(handle: Any, instance_id: str, killed_at: float, timeout_s: f
         if last.get("instance_id") == instance_id and last.get("event") == "rejoined":
             return time.perf_counter() - killed_at
         time.sleep(0.05)
-    raise TimeoutError(f"{instance_id} did not rejoin within {timeout_s}s")
+    events = _stats(handle)["failures"]
+    raise TimeoutError(f"{instance_id} did not rejoin within {timeout_s}s; events: {events}")
 
 
 def _mismatches(
@@ -135,7 +139,9 @@ def _summary(values: list[float]) -> dict[str, Any]:
     }
 
 
-def _config(args: argparse.Namespace, prefill: int, decode: int) -> Any:
+def _config(
+    args: argparse.Namespace, prefill: int, decode: int, step_timeout_s: float = 300.0
+) -> Any:
     from cluster.config import ClusterConfig
 
     common = {"num_threads": 1, "kv_cache_memory_bytes": 256 << 20, "max_restarts": args.trials}
@@ -164,12 +170,14 @@ def _config(args: argparse.Namespace, prefill: int, decode: int) -> Any:
             "router": {"disaggregation": "always"},
             "kv_transfer": {"timeout_s": 2.0},
             "health_check_interval_s": 0.5,
+            "step_timeout_s": step_timeout_s,
         }
     )
 
 
-def decode_faults(args: argparse.Namespace) -> dict[str, Any]:
-    """Kill a decode worker while every request streams; the others continue elsewhere."""
+def decode_faults(args: argparse.Namespace, hang: bool = False) -> dict[str, Any]:
+    """Kill a decode worker while every request streams (or, with ``hang``, make its next
+    step never return: found after ``step_timeout_s``); its requests continue elsewhere."""
     from scheduler import SamplingParams
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
@@ -177,7 +185,9 @@ def decode_faults(args: argparse.Namespace) -> dict[str, Any]:
     recovery: list[float] = []
     rejoin: list[float] = []
     mismatched: list[dict[str, int]] = []
-    with tandem_cluster(_config(args, 1, 2), "recovery-decode") as handle:
+    name = "recovery-hang" if hang else "recovery-decode"
+    timeout = args.step_timeout_s if hang else 300.0  # kills: the default, out of the way
+    with tandem_cluster(_config(args, 1, 2, timeout), name) as handle:
         reference, _, _ = asyncio.run(_trial(handle, prompts, params, None, "ref"))
         for trial in range(args.trials):
             victim = f"d-{trial % 2}"
@@ -186,6 +196,10 @@ def decode_faults(args: argparse.Namespace) -> dict[str, Any]:
             async def fault(log: dict[str, list[float]], victim: str = victim) -> float:
                 while len(log) < len(prompts) or min(len(t) for t in log.values()) < 4:
                     await asyncio.sleep(0.005)
+                if hang:  # alive and answering health checks, its next step stuck
+                    started = time.perf_counter()  # the call may return only after the hang
+                    await handle.set_fault_injection.remote(victim, 0.0, 3600.0)
+                    return started
                 return await asyncio.to_thread(_kill, handle, victim)
 
             tokens, log, killed_at = asyncio.run(
@@ -201,7 +215,8 @@ def decode_faults(args: argparse.Namespace) -> dict[str, Any]:
             )
             recovery += waits[len(waits) - moved :] if moved else []
             rejoin.append(_wait_rejoined(handle, victim, killed_at, 120))
-            print(f"decode trial {trial}: {moved} moved, waits {[round(w, 2) for w in waits]}")
+            kind = "hang" if hang else "decode"
+            print(f"{kind} trial {trial}: {moved} moved, waits {[round(w, 2) for w in waits]}")
     return {
         "moved_request_recovery": _summary(recovery),
         "rejoin": _summary(rejoin),
@@ -251,6 +266,13 @@ def prefill_faults(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+FAULTS = {
+    "decode_kill": decode_faults,
+    "prefill_kill": prefill_faults,
+    "decode_hang": lambda args: decode_faults(args, hang=True),
+}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None, help="default: the built-in SmolLM2")
@@ -258,13 +280,17 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=5)
     parser.add_argument("--concurrency", type=int, default=6)
     parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--step-timeout-s", type=float, default=2.0, help="for the hang fault")
+    parser.add_argument(
+        "--faults", nargs="+", choices=sorted(FAULTS), default=list(FAULTS), help="default: all"
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     from cluster.launch import ray_env_defaults
 
     ray_env_defaults()
     with ray_cluster(256 << 20):
-        result = {"decode_kill": decode_faults(args), "prefill_kill": prefill_faults(args)}
+        result: dict[str, Any] = {name: FAULTS[name](args) for name in args.faults}
     result["args"] = vars(args)
     text = json.dumps(result, indent=2)
     print(text)

@@ -31,6 +31,25 @@ async def check_workers(loop: EngineLoop, spec: InstanceSpec, timeout_s: float) 
             loop.fail(f"instance {iid}: a worker restarted and lost its state")
 
 
+async def end_hung_workers(spec: InstanceSpec, timeout_s: float = 5.0) -> None:
+    """The instance's step outlived ``step_timeout_s``. Kill each worker that still answers
+    with its state: it hangs (Ray restarts it under ``max_restarts``). A worker that died or
+    already came back empty is left alone: the step was late only because its death had not
+    been reported yet, and killing the new process would spend another restart."""
+    import ray
+
+    for actor in spec.actors:
+        call = actor.health.options(concurrency_group=MONITOR).remote()
+        try:
+            state = await asyncio.wait_for(_awaitable(call), timeout_s)
+        except ray.exceptions.RayActorError:
+            continue  # dead (or restarting)
+        except asyncio.TimeoutError:
+            state = {"ok": True}  # not even its monitor thread answers: stuck
+        if state["ok"]:
+            ray.kill(actor, no_restart=False)
+
+
 async def restore_workers(spec: InstanceSpec, timeout_s: float) -> bool:
     """Wait for Ray to restart the instance's workers (``max_restarts``), reload the model
     where a process is new and reset every stage's cache (survivors' too: their requests'

@@ -28,7 +28,7 @@ from cluster.errors import OverloadedError
 from cluster.flights import Flight, clone_request, merge_outputs, prefill_request
 from cluster.observer import RequestObserver
 from cluster.placement import InstanceSpec
-from cluster.recovery import check_workers, restore_workers
+from cluster.recovery import check_workers, end_hung_workers, restore_workers
 from cluster.router import Route, Router
 from kv_transfer.connector import PDConnector
 from scheduler import CacheConfig, LoRARequest, Request, Scheduler
@@ -292,13 +292,8 @@ class SchedulerActor:
                 {"instance_id": iid, "event": "failed", "reason": reason, "time": time.time()}
             )
             spec = self.specs[iid]
-            if loop.hung:  # a hung worker still runs its step: end it (Ray may restart it)
-                import ray
-
-                for actor in spec.actors:
-                    ray.kill(actor, no_restart=False)
-            if spec.pool.max_restarts > 0 and spec.actors:
-                self._spawn(self._rejoin(spec))
+            if spec.actors and (loop.hung or spec.pool.max_restarts > 0):
+                self._spawn(self._recover(spec, loop.hung))
         flights = []
         for internal in internal_ids:
             flight = self._internal.get(internal)
@@ -331,6 +326,14 @@ class SchedulerActor:
                 spec = self.specs[iid]
                 if loop.alive and spec.actors:
                     await check_workers(loop, spec, timeout_s=10 * interval)
+
+    async def _recover(self, spec: InstanceSpec, hung: bool) -> None:
+        """End a hung worker (it still runs its step), then bring the instance back if Ray
+        restarts its workers."""
+        if hung:
+            await end_hung_workers(spec)
+        if spec.pool.max_restarts > 0:
+            await self._rejoin(spec)
 
     async def _rejoin(self, spec: InstanceSpec) -> None:
         """Bring a restarted instance back (Ray ``max_restarts``) with a fresh scheduler: it
