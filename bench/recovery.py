@@ -6,13 +6,13 @@ cluster. Each trial streams ``--concurrency`` greedy requests, waits until every
 produced a few tokens (decode faults) or until requests are queued on the victim (prefill
 faults), kills a worker process with SIGKILL, and records per request:
 
-- decode kill: for each request moved off the dead instance, the time from the kill to its
-  next token (it is re-prefilled elsewhere from prompt + tokens already sent);
+- decode kill: for each request moved off the dead instance, its longest wait for a token
+  after the kill (it is re-prefilled elsewhere from prompt + tokens already sent);
 - prefill kill: for each request queued or prefilling on the dead instance, the time from the
   kill to its first token;
 - decode hang: a decode worker's next step never returns (it stays alive and answers health
-  checks); for each moved request, the time from the hang to its next token -- at most
-  ``--step-timeout-s`` to notice, then the move;
+  checks); for each moved request, its longest wait for a token after the hang began -- at
+  most ``--step-timeout-s`` to notice, then the move;
 - every stream's tokens are checked against an undisturbed run (greedy: equal, none lost or
   repeated), and the time until the restarted worker rejoined routing is reported too.
 
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import random
@@ -122,6 +123,12 @@ def _mismatches(
     return result
 
 
+def _stall(times: list[float], fault_at: float) -> float:
+    """The longest wait for a token from ``fault_at`` on (0: the stream had ended)."""
+    after = [fault_at] + [t for t in times if t > fault_at]
+    return max((b - a for a, b in itertools.pairwise(after)), default=0.0)
+
+
 def _pct(values: list[float], q: float) -> float | None:
     if not values:
         return None
@@ -208,11 +215,10 @@ def decode_faults(args: argparse.Namespace, hang: bool = False) -> dict[str, Any
             assert killed_at is not None
             mismatched += _mismatches(tokens, reference, log, f"t{trial}", killed_at)
             moved = _stats(handle)["num_moves"] - moves_before
-            # The moved requests are the ones that waited longest for their next token.
-            waits = sorted(
-                (next((t for t in times if t > killed_at), killed_at) - killed_at)
-                for times in log.values()
-            )
+            # Each stream's longest stall from the fault on (the fault to its next token, or
+            # between two tokens after it: a hung step may still deliver the step in flight);
+            # the moved requests are the ones that stalled longest.
+            waits = sorted(_stall(times, killed_at) for times in log.values())
             recovery += waits[len(waits) - moved :] if moved else []
             rejoin.append(_wait_rejoined(handle, victim, killed_at, 120))
             kind = "hang" if hang else "decode"
