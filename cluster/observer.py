@@ -5,6 +5,7 @@ nothing here changes what happens to the request."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
@@ -47,8 +48,6 @@ class RequestObserver:
     async def flush(self) -> None:
         """Export the buffered spans now (the actor is killed after shutdown: no exit hook)."""
         if self.tracer is not None:
-            import asyncio
-
             from cluster.tracing import flush
 
             await asyncio.to_thread(flush)

@@ -12,41 +12,52 @@ from cluster.engine_loop import EngineLoop
 from cluster.placement import MONITOR, InstanceSpec
 
 
-async def check_workers(loop: EngineLoop, spec: InstanceSpec, timeout_s: float) -> None:
-    """Ask each of the instance's workers whether it is alive (on its monitor thread, which
-    answers while a step runs); fail the instance if one died or came back empty."""
+async def probe_workers(spec: InstanceSpec, timeout_s: float) -> list[str]:
+    """Ask every worker of the instance at once how it is, on its monitor thread (which answers
+    while a step runs): ``"ok"`` (alive, with its model and cache), ``"empty"`` (Ray restarted
+    it: a new process), ``"dead"`` (gone, or restarting), or ``"silent"`` (no answer within
+    ``timeout_s``, or an error)."""
     import ray
 
     calls = [a.health.options(concurrency_group=MONITOR).remote() for a in spec.actors]
-    done, _ = await asyncio.wait(
-        [asyncio.ensure_future(_awaitable(c)) for c in calls], timeout=timeout_s
-    )
+    tasks = [asyncio.ensure_future(_awaitable(c)) for c in calls]
+    await asyncio.wait(tasks, timeout=timeout_s)
+    states = []
+    for task in tasks:
+        if not task.done():
+            task.cancel()
+            states.append("silent")
+        elif isinstance(task.exception(), ray.exceptions.RayActorError):
+            states.append("dead")
+        elif task.exception() is not None:  # health() itself failed: no usable answer
+            states.append("silent")
+        else:
+            states.append("ok" if task.result()["ok"] else "empty")
+    return states
+
+
+async def check_workers(loop: EngineLoop, spec: InstanceSpec, timeout_s: float) -> None:
+    """Fail the instance if one of its workers died or came back empty (a silent one may be
+    busy: a hung step is the step timeout's to find)."""
+    states = await probe_workers(spec, timeout_s)
     iid = spec.instance_id
-    for task in done:
-        exc = task.exception()
-        if isinstance(exc, ray.exceptions.RayActorError) and loop.alive:
-            loop.fail(f"instance {iid}: a worker died ({type(exc).__name__})")
-        elif exc is None and not task.result()["ok"] and loop.alive:
-            # Ray restarted it (max_restarts): a new, empty process.
-            loop.fail(f"instance {iid}: a worker restarted and lost its state")
+    if "dead" in states and loop.alive:
+        loop.fail(f"instance {iid}: a worker died (RayActorError)")
+    elif "empty" in states and loop.alive:
+        loop.fail(f"instance {iid}: a worker restarted and lost its state")
 
 
 async def end_hung_workers(spec: InstanceSpec, timeout_s: float = 5.0) -> None:
-    """The instance's step outlived ``step_timeout_s``. Kill each worker that still answers
-    with its state: it hangs (Ray restarts it under ``max_restarts``). A worker that died or
-    already came back empty is left alone: the step was late only because its death had not
-    been reported yet, and killing the new process would spend another restart."""
+    """The instance's step outlived ``step_timeout_s``. Kill each worker that still holds its
+    state or does not answer at all: it hangs (Ray restarts it under ``max_restarts``). A
+    worker that died or already came back empty is left alone: the step was late only because
+    its death had not been reported yet, and killing the new process would spend another
+    restart."""
     import ray
 
-    for actor in spec.actors:
-        call = actor.health.options(concurrency_group=MONITOR).remote()
-        try:
-            state = await asyncio.wait_for(_awaitable(call), timeout_s)
-        except ray.exceptions.RayActorError:
-            continue  # dead (or restarting)
-        except asyncio.TimeoutError:
-            state = {"ok": True}  # not even its monitor thread answers: stuck
-        if state["ok"]:
+    states = await probe_workers(spec, timeout_s)
+    for actor, state in zip(spec.actors, states, strict=True):
+        if state in ("ok", "silent"):
             ray.kill(actor, no_restart=False)
 
 
