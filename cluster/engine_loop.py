@@ -248,14 +248,15 @@ class EngineLoop:
         if self.step_timeout_s is None:
             return await future
         remaining = started + self.step_timeout_s - time.monotonic()
-        try:
-            return await asyncio.wait_for(asyncio.shield(future), max(remaining, 0.0))
-        except asyncio.TimeoutError:  # not the builtin before Python 3.11
+        # asyncio.wait neither cancels the step on timeout nor wraps it in another task.
+        done, _ = await asyncio.wait((future,), timeout=max(remaining, 0.0))
+        if not done:
             self.hung = True
             raise StepTimeoutError(
                 f"instance {self.instance_id}: a step has not returned in "
                 f"{self.step_timeout_s:g} s (the worker hangs)"
-            ) from None
+            )
+        return future.result()
 
     def _count_result(self, result: Any) -> None:
         c, stats = self.counters, self.scheduler.make_stats()
