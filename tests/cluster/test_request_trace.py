@@ -141,12 +141,18 @@ def test_real_preemptions_reach_the_requests_traces(traced: Any, tiny_model: Pat
                 pass
 
         await asyncio.gather(*(one(i) for i in range(6)))
-        stats: dict[str, Any] = actor.stats()["instances"]["c-0"]
+        for _ in range(500):  # the loop frees the last finished requests' blocks
+            stats: dict[str, Any] = actor.stats()["instances"]["c-0"]
+            if stats["num_free_blocks"] == num_blocks:
+                break
+            await asyncio.sleep(0.01)
+        actor.check_integrity()
         await actor.shutdown()
         return stats
 
     stats = asyncio.run(asyncio.wait_for(run(), 60))
     assert stats["num_preemptions"] > 0
+    assert stats["num_requests"] == 0 and stats["num_free_blocks"] == num_blocks
     spans = exporter.get_finished_spans()
     roots = [s for s in spans if s.name == "tandem.request"]
     assert len(roots) == 6
