@@ -4,6 +4,6 @@ Ray reads ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER`` when it is imported; set it (and
 token auth) before any test module imports Ray, so every Ray node stays on 127.0.0.1.
 """
 
-from cluster.launch import ray_env_defaults  # imports no Ray
+from cluster.control.launch import ray_env_defaults  # imports no Ray
 
 ray_env_defaults()

@@ -20,7 +20,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from cluster.launch import ray_env_defaults  # noqa: E402
+from cluster.control.launch import ray_env_defaults  # noqa: E402
 
 OBJECT_STORE_BYTES = 96 << 20
 
@@ -268,7 +268,7 @@ def serve_app(
     from ray.serve.config import HTTPOptions, gRPCOptions
 
     from cluster.config import ClusterConfig
-    from cluster.serve import GRPC_SERVICER, build_app_from_config
+    from cluster.serving.app import GRPC_SERVICER, build_app_from_config
 
     root = tmp_path_factory.mktemp("serve")
     model_dir = root / "tiny-chat"

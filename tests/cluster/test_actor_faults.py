@@ -17,9 +17,9 @@ pytest.importorskip("ray")
 
 from actors.worker import ModelWorker
 from cluster.config import ClusterConfig, InstancePool
-from cluster.executors import LocalExecutor
-from cluster.placement import InstanceSpec
-from cluster.scheduler_actor import SchedulerActor
+from cluster.control.executors import LocalExecutor
+from cluster.control.placement import InstanceSpec
+from cluster.control.scheduler_actor import SchedulerActor
 from scheduler import ModelRunnerOutput, Request, SamplingParams, SchedulerOutput
 
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

@@ -31,7 +31,7 @@ def test_up_generate_and_ctrl_c(tiny_model: Path, tmp_path: Path) -> None:
     ray_dir = tempfile.mkdtemp(prefix="tandem-cli-")  # its own Ray, found by address 'auto'
     # Not the session's test cluster (ray.init exports RAY_ADDRESS): its own local Ray.
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_TMPDIR": ray_dir}
-    tandem = [sys.executable, "-m", "cluster.cli"]
+    tandem = [sys.executable, "-m", "cluster.tools.cli"]
     up = subprocess.Popen(
         [*tandem, "up", str(config), "--num-cpus", "2", "--object-store-mb", "80"],
         env=env,
@@ -76,7 +76,7 @@ def test_generate_without_a_cluster_says_how_to_start_one(tmp_path: Path) -> Non
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_TMPDIR": ray_dir}
     try:
         out = subprocess.run(
-            [sys.executable, "-m", "cluster.cli", "generate", "--cluster", "hi"],
+            [sys.executable, "-m", "cluster.tools.cli", "generate", "--cluster", "hi"],
             env=env,
             capture_output=True,
             text=True,

@@ -12,10 +12,10 @@ import pytest
 
 from actors.worker import ModelWorker
 from cluster.config import ClusterConfig, InstancePool
-from cluster.engine_loop import EngineLoop
-from cluster.executors import LocalExecutor
-from cluster.placement import InstanceSpec
-from cluster.scheduler_actor import SchedulerActor
+from cluster.control.engine_loop import EngineLoop
+from cluster.control.executors import LocalExecutor
+from cluster.control.placement import InstanceSpec
+from cluster.control.scheduler_actor import SchedulerActor
 from scheduler import (
     CacheConfig,
     ModelRunnerOutput,

@@ -29,7 +29,7 @@ from tests.cluster.conftest import RayCluster, accept_orphaned_objects, assert_c
 ray = pytest.importorskip("ray")
 
 from cluster.config import ClusterConfig  # noqa: E402
-from cluster.launch import build_cluster, shutdown_cluster  # noqa: E402
+from cluster.control.launch import build_cluster, shutdown_cluster  # noqa: E402
 from scheduler import Request, SamplingParams  # noqa: E402
 
 BLOCK_SIZE = 4

@@ -17,9 +17,9 @@ from tests.cluster.conftest import RayCluster, assert_clean, wait_until
 
 ray = pytest.importorskip("ray")
 
-from cluster.client import ClusterClient  # noqa: E402
 from cluster.config import ClusterConfig  # noqa: E402
-from cluster.launch import build_cluster, shutdown_cluster  # noqa: E402
+from cluster.control.client import ClusterClient  # noqa: E402
+from cluster.control.launch import build_cluster, shutdown_cluster  # noqa: E402
 from scheduler import SamplingParams  # noqa: E402
 
 BLOCK_SIZE = 4
@@ -119,7 +119,7 @@ def test_disaggregated_over_grpc_equals_colocated(
 def test_an_unpulled_lease_expires_and_frees_the_prefill_blocks(
     grpc_disagg: Any, tiny_model: Path
 ) -> None:
-    from cluster.llm import LLM
+    from cluster.engine.llm import LLM
 
     prompt = _prompts(1, seed=4)[0] + [7] * 20
     llm = LLM(str(tiny_model), block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, progress=False)

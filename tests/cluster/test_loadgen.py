@@ -1,6 +1,6 @@
-"""``tandem bench`` (cluster/loadgen.py): the statistics as pure functions, then whole runs against
-a small OpenAI-shaped streaming server (aiohttp.web on 127.0.0.1, in a background thread) that
-stands in for any OpenAI-compatible endpoint. No Ray, no model; a few seconds in all."""
+"""``tandem bench`` (cluster/tools/loadgen.py): the statistics as pure functions, then whole runs
+against a small OpenAI-shaped streaming server (aiohttp.web on 127.0.0.1, in a background thread)
+that stands in for any OpenAI-compatible endpoint. No Ray, no model; a few seconds in all."""
 
 from __future__ import annotations
 
@@ -21,13 +21,13 @@ import numpy as np
 import pytest
 from aiohttp import web
 
-from cluster.loadgen import (
+from cluster.tools.loadgen import (
     add_bench_arguments,
     poisson_schedule,
     run_bench,
     sample_lengths,
 )
-from cluster.loadgen_report import RequestRecord, RunResult, goodput, percentile, summarize
+from cluster.tools.loadgen_report import RequestRecord, RunResult, goodput, percentile, summarize
 
 
 # -- pure statistics -------------------------------------------------------------------------------

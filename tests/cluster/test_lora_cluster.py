@@ -15,9 +15,9 @@ ray = pytest.importorskip("ray")
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
-from cluster.client import ClusterClient  # noqa: E402
 from cluster.config import ClusterConfig  # noqa: E402
-from cluster.launch import build_cluster, shutdown_cluster  # noqa: E402
+from cluster.control.client import ClusterClient  # noqa: E402
+from cluster.control.launch import build_cluster, shutdown_cluster  # noqa: E402
 from scheduler import LoRARequest, SamplingParams  # noqa: E402
 
 PARAMS = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
@@ -60,7 +60,7 @@ def lora_cluster(ray_cluster: RayCluster, tiny_model: Path) -> Iterator[Any]:
 def test_adapter_requests_match_in_process(
     lora_cluster: Any, tiny_model: Path, adapter: LoRARequest
 ) -> None:
-    from cluster.llm import LLM
+    from cluster.engine.llm import LLM
 
     client = ClusterClient(lora_cluster)
 

@@ -18,9 +18,9 @@ from tests.cluster.conftest import RayCluster, assert_clean, wait_until
 
 ray = pytest.importorskip("ray")
 
-from cluster.client import ClusterClient  # noqa: E402
 from cluster.config import ClusterConfig  # noqa: E402
-from cluster.launch import build_cluster, shutdown_cluster  # noqa: E402
+from cluster.control.client import ClusterClient  # noqa: E402
+from cluster.control.launch import build_cluster, shutdown_cluster  # noqa: E402
 from scheduler import SamplingParams  # noqa: E402
 
 BLOCK_SIZE = 4
@@ -112,7 +112,7 @@ def test_disaggregated_equals_colocated_equals_in_process(
         assert_clean(colocated_handle)
     finally:
         shutdown_cluster(colocated_handle)
-    from cluster.llm import LLM
+    from cluster.engine.llm import LLM
 
     llm = LLM(str(tiny_model), block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, progress=False)
     in_process = _ids(llm.generate(prompts, GREEDY))
@@ -157,7 +157,7 @@ def test_streaming_first_token_from_prefill_then_decode(client: ClusterClient) -
 
 
 def test_n_and_seeded_sampling_match_in_process(client: ClusterClient, tiny_model: Path) -> None:
-    from cluster.llm import LLM
+    from cluster.engine.llm import LLM
 
     params = SamplingParams(max_tokens=10, temperature=0.9, top_k=50, seed=7, n=3)
     prompts = _prompts(3, seed=5)
@@ -250,7 +250,7 @@ def test_client_leaving_early_aborts(disagg: Any, client: ClusterClient) -> None
 
 # -- transfer deadlines ----------------------------------------------------------------------
 def test_transfer_timeout_recomputes_on_decode(client: ClusterClient, tiny_model: Path) -> None:
-    from cluster.llm import LLM
+    from cluster.engine.llm import LLM
 
     prompt = _prompts(1, seed=8)[0] + [11] * 17
     llm = LLM(str(tiny_model), block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, progress=False)

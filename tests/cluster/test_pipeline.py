@@ -23,12 +23,12 @@ ray = pytest.importorskip("ray")
 
 from actors.model.llama import pp_layer_range  # noqa: E402
 from actors.worker import ModelWorker  # noqa: E402
-from cluster.client import ClusterClient  # noqa: E402
 from cluster.config import ClusterConfig  # noqa: E402
-from cluster.executors import LocalExecutor, LocalPipelineExecutor  # noqa: E402
-from cluster.launch import build_cluster, shutdown_cluster  # noqa: E402
-from cluster.placement import InstanceSpec  # noqa: E402
-from cluster.scheduler_actor import SchedulerActor  # noqa: E402
+from cluster.control.client import ClusterClient  # noqa: E402
+from cluster.control.executors import LocalExecutor, LocalPipelineExecutor  # noqa: E402
+from cluster.control.launch import build_cluster, shutdown_cluster  # noqa: E402
+from cluster.control.placement import InstanceSpec  # noqa: E402
+from cluster.control.scheduler_actor import SchedulerActor  # noqa: E402
 from scheduler import Request, SamplingParams  # noqa: E402
 
 BLOCK_SIZE = 4
@@ -53,7 +53,7 @@ def _prompts(count: int, seed: int = 0) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def reference(deep_model: Path) -> list[list[int]]:
     """Greedy tokens of the in-process engine (one worker, all layers)."""
-    from cluster.llm import LLM
+    from cluster.engine.llm import LLM
 
     llm = LLM(str(deep_model), block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, progress=False)
     return [o.outputs[0].token_ids for o in llm.generate(_prompts(12), GREEDY)]

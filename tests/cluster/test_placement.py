@@ -7,8 +7,8 @@ import pytest
 pytest.importorskip("ray")
 
 from cluster.config import ClusterConfig
-from cluster.launch import local_node_resources
-from cluster.placement import check_placeable
+from cluster.control.launch import local_node_resources
+from cluster.control.placement import check_placeable
 
 CONFIG = ClusterConfig.model_validate(
     {

