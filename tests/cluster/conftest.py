@@ -64,7 +64,7 @@ def ray_cluster() -> Iterator[RayCluster]:
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tests.model.conftest import make_checkpoint
+    from tests.actors.conftest import make_checkpoint
 
     return make_checkpoint(tmp_path_factory.mktemp("tiny-llama-cluster"), "llama")
 

@@ -42,7 +42,7 @@ def test_builtin_logits_match_transformers_on_same_weights(smollm: LLM) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
     from model_throughput import hf_model_from
 
-    from tests.model.paged import PagedRunner
+    from tests.actors.paged import PagedRunner
 
     model = smollm.engine.worker.model
     assert model is not None

@@ -12,7 +12,7 @@ import torch
 from actors.model.loader import load_model
 from actors.worker import ModelWorker
 from scheduler import CacheConfig, Request, SamplingParams, Scheduler, SchedulerConfig
-from tests.model.conftest import make_checkpoint, transformers
+from tests.actors.conftest import make_checkpoint, transformers
 
 
 def test_sharded_safetensors_load_like_single(tiny_llama: Path, tmp_path: Path) -> None:

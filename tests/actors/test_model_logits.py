@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.model.conftest import make_checkpoint, transformers
-from tests.model.paged import PagedRunner
+from tests.actors.conftest import make_checkpoint, transformers
+from tests.actors.paged import PagedRunner
 
 TOL = 1e-4
 

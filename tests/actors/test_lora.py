@@ -16,8 +16,8 @@ from actors.model.llama import LlamaForCausalLM
 from actors.model.loader import load_model
 from scheduler.config import LoRAConfig
 from scheduler.request import LoRARequest
-from tests.model.conftest import transformers
-from tests.model.paged import PagedRunner
+from tests.actors.conftest import transformers
+from tests.actors.paged import PagedRunner
 
 peft = pytest.importorskip("peft")
 

@@ -12,7 +12,7 @@ import yaml
 from cluster.config import ClusterConfig
 from cluster.tools.serve_cli import add_serve_arguments, serve_config
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_deploy_serve_yaml_runs_build_app_with_a_valid_cluster_config() -> None:

@@ -39,7 +39,7 @@ GREEDY = SamplingParams(max_tokens=10, temperature=0.0)
 
 @pytest.fixture(scope="module")
 def deep_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tests.model.conftest import make_checkpoint
+    from tests.actors.conftest import make_checkpoint
 
     path = tmp_path_factory.mktemp("tiny-llama-5-layers")
     return make_checkpoint(path, "llama", seed=3, num_hidden_layers=NUM_LAYERS)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from cluster import LLM, SamplingParams
-from tests.model.conftest import transformers
+from tests.actors.conftest import transformers
 
 PROMPT_LENGTHS = [5, 23, 11, 40, 2, 17]
 

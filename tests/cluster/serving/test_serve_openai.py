@@ -376,7 +376,7 @@ def test_every_metric_the_grafana_dashboard_queries_is_exported(serve_app: Serve
     import requests
     from prometheus_client.parser import text_string_to_metric_families
 
-    dashboard = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "tandem.json"
+    dashboard = Path(__file__).resolve().parents[3] / "deploy" / "grafana" / "tandem.json"
     doc = json.loads(dashboard.read_text())
     rows = [p["title"] for p in doc["panels"] if p["type"] == "row"]
     assert rows == ["Traffic", "Latency", "KV cache", "P/D transfer", "Goodput"]
