@@ -1,4 +1,6 @@
-"""Data plane: ModelWorker / pipeline-stage actors and the torch model they run.
+"""The data plane: ``ModelWorker`` and its pipeline stages (``worker``, ``pipeline``), the
+sampler, multi-LoRA, and the torch model they run (``actors.model``: a Llama-family decoder
+over a paged KV cache, GGUF and safetensors loading, the tokenizer, the CPU attention kernel).
 
-Filled in by the model-execution issue; nothing here yet.
+Plain classes: ``cluster.control.placement`` wraps the worker in a Ray actor.
 """

@@ -234,7 +234,7 @@ class ModelWorker:
                     self.kv_transfer, **self.kv_transfer_options
                 )
                 if self.tracing is not None:
-                    from cluster.tracing import init_tracing
+                    from kv_transfer.tracing import init_tracing
 
                     self.connector.tracer = init_tracing(self.tracing, "worker")
             self.connector.register_kv_caches(self.kv_caches, self.layers)

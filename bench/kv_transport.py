@@ -276,7 +276,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    from cluster.launch import ray_env_defaults
+    from cluster.control.launch import ray_env_defaults
 
     ray_env_defaults()
     os.environ.setdefault("RAY_TMPDIR", str(Path(tempfile.gettempdir()) / "tandem-kv-bench"))

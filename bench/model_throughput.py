@@ -147,7 +147,7 @@ def main() -> None:
     ap.add_argument("--out", default="bench/results/model_throughput.json")
     args = ap.parse_args()
 
-    from cluster.engine import LLMEngine
+    from cluster.engine.llm_engine import LLMEngine
 
     torch.manual_seed(0)
     results: list[dict[str, Any]] = []

@@ -102,8 +102,8 @@ def run_levels_phase(args: argparse.Namespace, tokenizer: Any, labels: dict[str,
     import ray
     import torch
 
-    from cluster.client import ClusterClient
-    from cluster.llm import LLM
+    from cluster.control.client import ClusterClient
+    from cluster.engine.llm import LLM
     from scheduler import SamplingParams
 
     per_request = -(-(args.prompt_tokens + args.max_tokens) // BLOCK_SIZE)
@@ -179,8 +179,8 @@ def run_sweep_phase(
     ``--sweep-requests`` rounds of one request per length, one at a time."""
     import ray
 
-    from cluster.client import ClusterClient
     from cluster.config import ClusterConfig
+    from cluster.control.client import ClusterClient
     from scheduler import SamplingParams
 
     lengths = args.sweep_prompt_tokens
@@ -291,7 +291,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    from cluster.launch import ray_env_defaults
+    from cluster.control.launch import ray_env_defaults
 
     ray_env_defaults()
     os.environ.setdefault("RAY_TMPDIR", str(Path(tempfile.gettempdir()) / "tandem-pd-bench"))

@@ -110,7 +110,7 @@ def ray_cluster(object_store_bytes: int) -> Iterator[dict[str, str]]:
     import ray
     from ray.cluster_utils import Cluster
 
-    from cluster.launch import DEFAULT_NAMESPACE
+    from cluster.control.launch import DEFAULT_NAMESPACE
 
     common: dict[str, Any] = {
         "node_ip_address": "127.0.0.1",
@@ -142,7 +142,7 @@ def ray_cluster(object_store_bytes: int) -> Iterator[dict[str, str]]:
 @contextmanager
 def tandem_cluster(config: Any, name: str) -> Iterator[Any]:
     """A started Tandem cluster (its SchedulerActor handle), shut down on the way out."""
-    from cluster.launch import build_cluster, shutdown_cluster
+    from cluster.control.launch import build_cluster, shutdown_cluster
 
     handle = build_cluster(config, name=name)
     try:

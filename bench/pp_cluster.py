@@ -75,7 +75,7 @@ def ray_node(num_cpus: int, object_store_bytes: int) -> Iterator[None]:
     import ray
     from ray.cluster_utils import Cluster
 
-    from cluster.launch import DEFAULT_NAMESPACE
+    from cluster.control.launch import DEFAULT_NAMESPACE
 
     cluster: Any = Cluster(
         initialize_head=True,
@@ -198,7 +198,7 @@ def run_levels(args: argparse.Namespace, tokenizer: Any) -> dict[str, Any]:
     configurations in rotating order, shut the clusters down."""
     import ray
 
-    from cluster.client import ClusterClient
+    from cluster.control.client import ClusterClient
     from scheduler import SamplingParams
 
     per_request = -(-(args.max_prompt_tokens + args.max_tokens) // BLOCK_SIZE)
@@ -383,7 +383,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    from cluster.launch import ray_env_defaults
+    from cluster.control.launch import ray_env_defaults
 
     ray_env_defaults()
     os.environ.setdefault("RAY_TMPDIR", str(Path(tempfile.gettempdir()) / "tandem-pp-bench"))

@@ -292,7 +292,7 @@ def main() -> None:
     )
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    from cluster.launch import ray_env_defaults
+    from cluster.control.launch import ray_env_defaults
 
     ray_env_defaults()
     with ray_cluster(256 << 20):

@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
+from kv_transfer.tracing import TracingConfig
 from scheduler import CacheConfig, LoRAConfig, SchedulerConfig
 
 Role = Literal["prefill", "decode", "both"]
@@ -230,24 +231,6 @@ class KVTransferConfig(_Config):
         }
 
 
-class TracingConfig(_Config):
-    """OpenTelemetry tracing (cluster/tracing.py). Unset exporter fields fall back to the
-    standard ``OTEL_EXPORTER_OTLP_*`` environment variables."""
-
-    enabled: bool = False
-    otlp_endpoint: str | None = Field(
-        None,
-        description="Collector address, e.g. http://127.0.0.1:4317 (gRPC) or "
-        "http://127.0.0.1:4318/v1/traces (HTTP).",
-    )
-    otlp_protocol: Literal["grpc", "http/protobuf"] | None = None
-    sampling_ratio: float = Field(1.0, ge=0.0, le=1.0, description="Share of traces kept.")
-    service_name: str = Field("tandem", min_length=1)
-    export_delay_ms: int = Field(
-        2000, ge=10, le=60_000, description="Longest wait before buffered spans are sent."
-    )
-
-
 class MetricsConfig(_Config):
     """Prometheus metrics (``/metrics``) and the SLOs that define goodput."""
 
@@ -260,7 +243,7 @@ class MetricsConfig(_Config):
 
 
 class ServeConfig(_Config):
-    """The Ray Serve application in front of the cluster (``cluster.serve:build_app``)."""
+    """The Ray Serve application in front of the cluster (``cluster.serving.app:build_app``)."""
 
     served_model_name: str | None = Field(
         None,

@@ -1,17 +1,11 @@
-"""Errors, and the API's view of them.
+"""Errors the control plane raises to its callers, whatever their front end.
 
-The SchedulerActor raises ``OverloadedError`` and ``UnknownModelError`` to its callers (a
-``ValueError`` stays what it is everywhere: a request that can never be served, 400);
-``api_error`` maps whatever the cluster raised to an ``APIError``: the HTTP status and OpenAI's
-error body (the gRPC API maps the status on to a status code).
+The SchedulerActor raises ``OverloadedError`` and ``UnknownModelError`` (a ``ValueError`` stays
+what it is everywhere: a request that can never be served); ``cluster.serving.errors`` maps
+them to HTTP statuses and OpenAI's error body. Both cross Ray intact (``__reduce__``).
 """
 
 from __future__ import annotations
-
-import logging
-from typing import Any
-
-logger = logging.getLogger(__name__)
 
 
 class OverloadedError(RuntimeError):
@@ -39,62 +33,3 @@ class UnknownModelError(LookupError):
 
     def __reduce__(self) -> tuple[type, tuple[str]]:
         return (type(self), (self.name,))
-
-
-_ERROR_TYPES = {
-    400: "BadRequestError",
-    401: "AuthenticationError",
-    404: "NotFoundError",
-    429: "RateLimitError",
-    500: "InternalServerError",
-    503: "ServiceUnavailableError",
-}
-
-
-class APIError(Exception):
-    """An error with its HTTP status and OpenAI's JSON body."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        param: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.headers = headers or {}
-
-    def __reduce__(self) -> tuple[type, tuple[Any, ...]]:  # crosses Ray (the gRPC proxy) intact
-        return (type(self), (self.status, self.message, self.param, self.headers))
-
-    def body(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": _ERROR_TYPES.get(self.status, "APIError"),
-                "param": self.param,
-                "code": self.status,
-            }
-        }
-
-
-def api_error(exc: BaseException, param: str | None = None) -> APIError:
-    """The API error for what the cluster raised (internal failures: 500, no details)."""
-    if isinstance(exc, APIError):
-        return exc
-    cause = getattr(exc, "cause", None)  # a RayTaskError: the actor's own exception
-    if isinstance(cause, BaseException):
-        exc = cause
-    if isinstance(exc, OverloadedError):
-        return APIError(429, str(exc), headers={"Retry-After": str(exc.retry_after_s)})
-    if isinstance(exc, UnknownModelError):
-        return APIError(404, str(exc), param="model")
-    if "no live decode-capable instance" in str(exc):  # every decode instance is gone
-        return APIError(503, str(exc))
-    if isinstance(exc, ValueError):
-        return APIError(400, str(exc), param=param)
-    logger.exception("internal error", exc_info=exc)
-    return APIError(500, "internal server error")

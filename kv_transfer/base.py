@@ -103,7 +103,7 @@ class WorkerConnector(ABC):
     """
 
     transport: ClassVar[str] = ""
-    tracer: Any = None  # set by the worker when tracing is on (cluster.tracing)
+    tracer: Any = None  # set by the worker when tracing is on (kv_transfer.tracing)
     supports_cross_node: ClassVar[bool] = False
     supports_layer_ranges: ClassVar[bool] = False  # can move a pipeline stage's layers alone
     serves_in_place: ClassVar[bool] = False  # the source keeps the blocks until pulled
@@ -203,7 +203,7 @@ class WorkerConnector(ABC):
         """The save (copy-out or lease) as a span of the request's trace, from this worker."""
         if self.tracer is None or not spec.trace_context:
             return
-        from cluster.tracing import extract
+        from kv_transfer.tracing import extract
 
         span = self.tracer.start_span(
             "tandem.kv_save",
@@ -229,7 +229,7 @@ class WorkerConnector(ABC):
         carrier = load.spec.trace_context
         if tracer is None or not carrier:
             return
-        from cluster.tracing import extract
+        from kv_transfer.tracing import extract
 
         span = tracer.start_span(
             "tandem.kv_load",

@@ -1,10 +1,14 @@
-"""OpenTelemetry tracing: one trace per request, from the ingress (joining an incoming W3C
-``traceparent``) through the SchedulerActor, exported over OTLP (gRPC or HTTP).
+"""OpenTelemetry tracing for every process that emits spans: one trace per request, from the
+ingress (joining an incoming W3C ``traceparent``) through the SchedulerActor to the workers'
+KV saves and loads, exported over OTLP (gRPC or HTTP).
 
-Each process that traces calls ``init_tracing(config.tracing, ...)`` once (the ingress
-replicas, the SchedulerActor); it returns ``None`` when tracing is off, and every call site
-checks for that first, so tracing off costs one ``is None`` test per event. The span context
-crosses Ray calls as a W3C carrier dict (``inject`` / ``extract``).
+It lives in the lowest layer that emits spans (the KV connector's worker side), so the data
+plane and the control plane share it without an upward import; OpenTelemetry itself is
+imported only when tracing is on. Each process that traces calls
+``init_tracing(config, component)`` once (the ingress replicas, the SchedulerActor, the
+workers); it returns ``None`` when tracing is off, and every call site checks for that first,
+so tracing off costs one ``is None`` test per event. The span context crosses Ray calls as a
+W3C carrier dict (``inject`` / ``extract``).
 
 Attribute names follow the OpenTelemetry GenAI conventions (``gen_ai.*``); ours are
 ``tandem.*``. The exporter reads the standard ``OTEL_EXPORTER_OTLP_*`` variables for whatever
@@ -16,14 +20,35 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span, Tracer
 
-    from cluster.config import TracingConfig
-
 logger = logging.getLogger(__name__)
+
+
+class TracingConfig(BaseModel):
+    """OpenTelemetry tracing (``ClusterConfig.tracing``). Unset exporter fields fall back to the
+    standard ``OTEL_EXPORTER_OTLP_*`` environment variables."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = False
+    otlp_endpoint: str | None = Field(
+        None,
+        description="Collector address, e.g. http://127.0.0.1:4317 (gRPC) or "
+        "http://127.0.0.1:4318/v1/traces (HTTP).",
+    )
+    otlp_protocol: Literal["grpc", "http/protobuf"] | None = None
+    sampling_ratio: float = Field(1.0, ge=0.0, le=1.0, description="Share of traces kept.")
+    service_name: str = Field("tandem", min_length=1)
+    export_delay_ms: int = Field(
+        2000, ge=10, le=60_000, description="Longest wait before buffered spans are sent."
+    )
+
 
 _tracers: dict[str, Any] = {}
 _provider: Any = None
@@ -115,68 +140,3 @@ def extract(carrier: dict[str, str] | None) -> Any:
     from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
     return TraceContextTextMapPropagator().extract(carrier)
-
-
-def start_api_span(
-    tracer: Tracer | None, operation: str, request: Any, headers: dict[str, str] | None
-) -> Span | None:
-    """The ingress span of one API request (``{operation} {model}``, GenAI conventions),
-    joining the caller's ``traceparent`` when it sent one."""
-    if tracer is None:
-        return None
-    from opentelemetry.trace import SpanKind
-
-    attributes: dict[str, Any] = {
-        "gen_ai.operation.name": operation,
-        "gen_ai.provider.name": "tandem",
-        "gen_ai.request.model": request.model,
-        "gen_ai.request.choice.count": request.n,
-        "tandem.stream": request.stream,
-    }
-    for name in ("temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty"):
-        value = getattr(request, name, None)
-        if value is not None:
-            attributes[f"gen_ai.request.{name}"] = value
-    max_tokens = getattr(request, "requested_max_tokens", None) or getattr(
-        request, "max_tokens", None
-    )
-    if max_tokens is not None:
-        attributes["gen_ai.request.max_tokens"] = max_tokens
-    if request.stop:
-        stops = [request.stop] if isinstance(request.stop, str) else list(request.stop)
-        attributes["gen_ai.request.stop_sequences"] = stops
-    lowered = {k.lower(): v for k, v in (headers or {}).items()}
-    return tracer.start_span(
-        f"{operation} {request.model}",
-        context=extract(lowered),
-        kind=SpanKind.SERVER,
-        attributes=attributes,
-    )
-
-
-def end_api_span(
-    span: Span | None,
-    response_id: str | None = None,
-    usage: dict[str, Any] | None = None,
-    finish_reasons: list[str] | None = None,
-    error: BaseException | None = None,
-) -> None:
-    if span is None or not span.is_recording():
-        return
-    from opentelemetry.trace import Status, StatusCode
-
-    if response_id:
-        span.set_attribute("gen_ai.response.id", response_id)
-    if usage:
-        span.set_attribute("gen_ai.usage.input_tokens", usage["prompt_tokens"])
-        span.set_attribute("gen_ai.usage.output_tokens", usage["completion_tokens"])
-        cached = usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
-        span.set_attribute("tandem.usage.cached_tokens", cached)
-    if finish_reasons:
-        span.set_attribute("gen_ai.response.finish_reasons", finish_reasons)
-    if error is not None:
-        status = getattr(error, "status", 500)
-        span.set_attribute("error.type", type(error).__name__)
-        span.set_attribute("http.response.status_code", status)
-        span.set_status(Status(StatusCode.ERROR, str(getattr(error, "message", "error"))))
-    span.end()

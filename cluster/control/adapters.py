@@ -8,7 +8,7 @@ from __future__ import annotations
 import itertools
 
 from cluster.config import ClusterConfig
-from cluster.placement import InstanceSpec
+from cluster.control.placement import InstanceSpec
 from scheduler import LoRARequest
 
 

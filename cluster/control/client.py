@@ -1,8 +1,10 @@
-"""``ClusterClient``: generate through a running cluster's SchedulerActor from any Ray driver.
+"""``ClusterClient``: generate through a running cluster's SchedulerActor from any Ray driver;
+the ``EngineClient`` (``cluster.engine.protocol``) of a cluster, which the Serve ingress runs
+the API on.
 
 It is the front end the SchedulerActor leaves to its callers (DESIGN §2): tokenization, prompt
 validation, ``n`` fan-out, incremental detokenization and stop strings happen here; the actor
-deals in token ids. The Serve ingress (issue 6) does the same per HTTP request.
+deals in token ids.
 
     client = ClusterClient(handle)           # or ClusterClient.connect() for the named actor
     outs = client.generate(["Hello"], SamplingParams(max_tokens=32))
@@ -15,19 +17,25 @@ import asyncio
 import itertools
 import uuid
 from collections.abc import AsyncGenerator, Sequence
+from contextlib import aclosing
 from pathlib import Path
 from typing import Any
 
 import ray
 
 from actors.model.tokenizer import Tokenizer
-from cluster.frontend import RequestFactory
-from cluster.outputs import OutputProcessor, RequestOutput
+from cluster.engine.frontend import RequestFactory
+from cluster.engine.outputs import OutputProcessor, RequestOutput
+from cluster.engine.protocol import EngineClient
+from cluster.engine.streams import merge_streams
 from scheduler import LoRARequest, Request, SamplingParams
 from scheduler.outputs import EngineCoreOutput
 
+# How long /health waits for every worker to answer.
+HEALTH_TIMEOUT_S = 10.0
 
-class ClusterClient:
+
+class ClusterClient(EngineClient):
     """Streams requests through a SchedulerActor handle. Safe to use from one event loop (or
     one thread for the blocking ``generate``)."""
 
@@ -40,12 +48,12 @@ class ClusterClient:
         """``info``: the actor's ``model_info()`` when the caller has it (from async code)."""
         self.handle = handle
         self.info: dict[str, Any] = info or ray.get(handle.model_info.remote())
-        self.tokenizer = tokenizer or Tokenizer.from_path(Path(self.info["model_path"]))
-        self.max_model_len: int = self.info["max_model_len"]
+        self._tokenizer = tokenizer or Tokenizer.from_path(Path(self.info["model_path"]))
+        self._max_model_len: int = self.info["max_model_len"]
         self.factory = RequestFactory(
-            self.tokenizer,
+            self._tokenizer,
             vocab_size=self.info["vocab_size"],
-            max_model_len=self.max_model_len,
+            max_model_len=self._max_model_len,
             eos_token_ids=self.info["eos_token_ids"],
         )
         self._ids = itertools.count()
@@ -54,7 +62,7 @@ class ClusterClient:
     @classmethod
     def connect(cls, name: str | None = None, namespace: str | None = None) -> ClusterClient:
         """The client of the running cluster named ``name`` (Ray must be initialized)."""
-        from cluster.launch import DEFAULT_NAME, DEFAULT_NAMESPACE, get_cluster
+        from cluster.control.launch import DEFAULT_NAME, DEFAULT_NAMESPACE, get_cluster
 
         return cls(get_cluster(name or DEFAULT_NAME, namespace or DEFAULT_NAMESPACE))
 
@@ -88,7 +96,18 @@ class ClusterClient:
 
         return asyncio.run(run_all())
 
-    # -- streaming ---------------------------------------------------------------------------
+    # -- streaming (EngineClient) -----------------------------------------------------------
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self._tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self._max_model_len
+
+    def validate_prompt(self, prompt_token_ids: list[int]) -> None:
+        self.factory.validate(prompt_token_ids)
+
     async def generate_async(
         self,
         prompt: str | list[int],
@@ -110,50 +129,63 @@ class ClusterClient:
             rid, prompt, params, lora_request=lora_request, priority=priority, child_ids=child_ids
         )
         processor.add(rid, prepared.prompt, prepared.prompt_token_ids, params)
-        queue: asyncio.Queue[EngineCoreOutput | BaseException] = asyncio.Queue()
-        tasks = [
-            asyncio.ensure_future(self._pump(r, queue, trace_context)) for r in prepared.requests
-        ]
+        samples = [self._stream(r, trace_context) for r in prepared.requests]
         open_children = set(child_ids)
         try:
-            while open_children:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                if item.finished:
-                    open_children.discard(item.request_id)
-                outputs, stopped = processor.process([item])
-                for child in stopped:  # a stop string: end it on the cluster too
-                    open_children.discard(child)
-                    self.handle.abort.remote(child)
-                for out in outputs:
-                    yield out
+            async with aclosing(merge_streams(samples)) as merged:
+                async for _, item in merged:
+                    if item.finished:
+                        open_children.discard(item.request_id)
+                    outputs, stopped = processor.process([item])
+                    for child in stopped:  # a stop string: end it on the cluster too
+                        open_children.discard(child)
+                        self.abort(child)
+                    for out in outputs:
+                        yield out
+                    if not open_children:
+                        break
         finally:
-            for task in tasks:
-                task.cancel()
             for child in open_children:
-                self.handle.abort.remote(child)
+                self.abort(child)
 
-    async def _pump(
-        self,
-        request: Request,
-        queue: asyncio.Queue[EngineCoreOutput | BaseException],
-        trace_context: dict[str, str] | None = None,
-    ) -> None:
+    async def _stream(
+        self, request: Request, trace_context: dict[str, str] | None
+    ) -> AsyncGenerator[EngineCoreOutput, None]:
+        """One sample's outputs from the SchedulerActor's streaming ``generate``."""
         try:
             async for ref in self.handle.generate.remote(request, trace_context):
-                queue.put_nowait(await ref)
+                yield await ref
         except ray.exceptions.RayTaskError as exc:
             # A request the cluster refuses raises ValueError there; re-raise it as such.
             inner = getattr(exc, "cause", None)
-            queue.put_nowait(inner if isinstance(inner, ValueError) else exc)
-        except Exception as exc:
-            queue.put_nowait(exc)
+            if isinstance(inner, ValueError):
+                raise inner from None
+            raise
 
-    # -- control -----------------------------------------------------------------------------
     def abort(self, request_id: str) -> None:
         self.handle.abort.remote(request_id)
 
+    # -- adapters, metrics, health (EngineClient) -------------------------------------------
+    async def lora_adapters(self) -> dict[str, LoRARequest]:
+        result: dict[str, LoRARequest] = await self.handle.lora_adapters.remote()
+        return result
+
+    async def load_lora_adapter(self, name: str, path: str) -> LoRARequest:
+        lora: LoRARequest = await self.handle.load_lora_adapter.remote(name, path)
+        return lora
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        await self.handle.unload_lora_adapter.remote(name)
+
+    async def metrics_text(self) -> str:
+        text: str = await self.handle.metrics_text.remote()
+        return text
+
+    async def check_health(self) -> dict[str, bool]:
+        workers = await asyncio.wait_for(self.handle.worker_health.remote(), HEALTH_TIMEOUT_S)
+        return {iid: all(s.get("ok") for s in h["stages"]) for iid, h in workers.items()}
+
+    # -- control -----------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         result: dict[str, Any] = ray.get(self.handle.stats.remote())
         return result

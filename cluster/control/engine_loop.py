@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from cluster.executors import Executor
+from cluster.control.executors import Executor
 from kv_transfer.connector import KVConnectorReport, PDConnector
 from scheduler import ModelRunnerOutput, Request, RequestStatus, Scheduler, SchedulerOutput
 from scheduler.outputs import EngineCoreOutput

@@ -15,7 +15,7 @@ from scheduler import Request
 from scheduler.outputs import EngineCoreOutput
 
 if TYPE_CHECKING:
-    from cluster.engine_loop import EngineLoop
+    from cluster.control.engine_loop import EngineLoop
 
 
 @dataclass

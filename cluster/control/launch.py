@@ -72,7 +72,7 @@ def local_node_resources(config: ClusterConfig) -> dict[str, float]:
 def scheduler_actor_class() -> Any:
     import ray
 
-    from cluster.scheduler_actor import SchedulerActor
+    from cluster.control.scheduler_actor import SchedulerActor
 
     # An async actor: every generate() stream and the engine loops share its event loop.
     return ray.remote(SchedulerActor)

@@ -10,10 +10,10 @@ import time
 from typing import Any
 
 from cluster.config import ClusterConfig, served_model_name
-from cluster.engine_loop import EngineLoop
-from cluster.flights import Flight
-from cluster.metrics import ClusterMetrics
-from cluster.placement import InstanceSpec
+from cluster.control.engine_loop import EngineLoop
+from cluster.control.flights import Flight
+from cluster.control.placement import InstanceSpec
+from cluster.observability.metrics import ClusterMetrics
 from scheduler.outputs import EngineCoreOutput
 
 
@@ -31,7 +31,7 @@ class RequestObserver:
             None if slo.slo_ttft_ms is None else slo.slo_ttft_ms / 1000,
             None if slo.slo_tpot_ms is None else slo.slo_tpot_ms / 1000,
         )
-        from cluster.tracing import init_tracing
+        from kv_transfer.tracing import init_tracing
 
         self.tracer = init_tracing(config.tracing, "scheduler")  # None while tracing is off
         self._roles = roles
@@ -48,7 +48,7 @@ class RequestObserver:
     async def flush(self) -> None:
         """Export the buffered spans now (the actor is killed after shutdown: no exit hook)."""
         if self.tracer is not None:
-            from cluster.tracing import flush
+            from kv_transfer.tracing import flush
 
             await asyncio.to_thread(flush)
 
@@ -64,8 +64,8 @@ class RequestObserver:
         """Start the request's trace (a child of the caller's context, if it sent one)."""
         if self.tracer is None:
             return
-        from cluster.request_trace import RequestTrace
-        from cluster.tracing import extract
+        from cluster.observability.request_trace import RequestTrace
+        from kv_transfer.tracing import extract
 
         request = flight.request
         flight.trace = RequestTrace(
@@ -116,7 +116,7 @@ class RequestObserver:
             return None
         result = dict(params)
         if flight.trace is not None and flight.trace.transfer is not None:
-            from cluster.tracing import inject
+            from kv_transfer.tracing import inject
 
             result["trace_context"] = inject(flight.trace.transfer)
         return result

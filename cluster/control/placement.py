@@ -114,7 +114,7 @@ async def start_workers(config: ClusterConfig, timeout_s: float) -> list[Instanc
     """Create every instance's worker, load the model everywhere in parallel, size and
     allocate the KV caches. Raises ``TimeoutError`` naming the pools whose workers could not
     be placed or loaded in time (usually: no node offers their resources)."""
-    from cluster.executors import PipelineExecutor, RayExecutor
+    from cluster.control.executors import PipelineExecutor, RayExecutor
     from kv_transfer.registry import available_transports
 
     transport = config.kv_transfer.transport

@@ -8,8 +8,8 @@ import asyncio
 import time
 from typing import Any
 
-from cluster.engine_loop import EngineLoop
-from cluster.placement import MONITOR, InstanceSpec
+from cluster.control.engine_loop import EngineLoop
+from cluster.control.placement import MONITOR, InstanceSpec
 
 
 async def probe_workers(spec: InstanceSpec, timeout_s: float) -> list[str]:

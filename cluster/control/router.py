@@ -27,7 +27,7 @@ from scheduler.kv_cache_utils import update_block_hashes
 
 if TYPE_CHECKING:
     from cluster.config import RouterConfig
-    from cluster.engine_loop import EngineLoop
+    from cluster.control.engine_loop import EngineLoop
     from scheduler import Request
 
 

@@ -8,7 +8,7 @@ first from the prefill instance (TTFT), the rest from the decode instance::
                               prefill, 1st token ─▶ client     decode tokens ─▶ client
                               KV saved (handle) ─▶ D request (do_remote_prefill, [1st token])
 
-A plain class: ``build_scheduler_actor`` (``cluster.launch``) wraps it as a named async Ray
+A plain class: ``build_scheduler_actor`` (``cluster.control.launch``) wraps it as a named async Ray
 actor; tests may inject in-process instances instead of Ray workers.
 """
 
@@ -21,15 +21,15 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from cluster.adapters import LoRAAdapters
 from cluster.config import ClusterConfig
-from cluster.engine_loop import EngineLoop
+from cluster.control.adapters import LoRAAdapters
+from cluster.control.engine_loop import EngineLoop
+from cluster.control.flights import Flight, clone_request, merge_outputs, prefill_request
+from cluster.control.observer import RequestObserver
+from cluster.control.placement import InstanceSpec
+from cluster.control.recovery import check_workers, end_hung_workers, restore_workers
+from cluster.control.router import Route, Router
 from cluster.errors import OverloadedError
-from cluster.flights import Flight, clone_request, merge_outputs, prefill_request
-from cluster.observer import RequestObserver
-from cluster.placement import InstanceSpec
-from cluster.recovery import check_workers, end_hung_workers, restore_workers
-from cluster.router import Route, Router
 from kv_transfer.connector import PDConnector
 from scheduler import CacheConfig, LoRARequest, Request, Scheduler
 from scheduler.outputs import EngineCoreOutput
@@ -66,7 +66,7 @@ class SchedulerActor:
         if self.started:
             return self.describe()
         if self._specs is None:
-            from cluster.placement import start_workers
+            from cluster.control.placement import start_workers
 
             self._specs = await start_workers(self.config, self.config.startup_timeout_s)
         specs = self._specs
@@ -248,7 +248,7 @@ class SchedulerActor:
             flight.decode_target = route.decode
             part = prefill_request(request, internal)
             if flight.trace is not None:  # the prefill worker's save joins the trace
-                from cluster.tracing import inject
+                from kv_transfer.tracing import inject
 
                 assert part.kv_transfer_params is not None
                 part.kv_transfer_params["trace_context"] = inject(flight.trace.root)
@@ -541,6 +541,6 @@ class SchedulerActor:
 
 
 def _later_sample(request_id: str) -> bool:
-    """True for sample i > 0 of a request fanned out into n (``cluster.outputs`` names)."""
+    """True for sample i > 0 of a request fanned out into n (``cluster.engine.outputs`` names)."""
     _, sep, index = request_id.rpartition("#")
     return bool(sep) and index.isdigit() and index != "0"

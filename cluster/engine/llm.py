@@ -14,8 +14,8 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from cluster.engine import LLMEngine
-from cluster.outputs import RequestOutput
+from cluster.engine.llm_engine import LLMEngine
+from cluster.engine.outputs import RequestOutput
 from scheduler import LoRARequest, SamplingParams
 
 Prompt = str | list[int] | dict[str, Any]

@@ -1,7 +1,7 @@
 """The in-process engine: one ``Scheduler`` and one ``ModelWorker`` driven by a step loop.
 
 ``LLMEngine`` is vLLM's low-level shape (``add_request`` / ``step`` / ``abort_request``); ``LLM``
-(in ``cluster.llm``) is the batch and streaming front end on top of it. The step is the whole
+(in ``cluster.engine.llm``) is the batch and streaming front end on top of it. The step is the whole
 engine::
 
     scheduler_output = scheduler.schedule()
@@ -19,8 +19,8 @@ import torch
 
 from actors.model.tokenizer import Tokenizer
 from actors.worker import ModelWorker
-from cluster.frontend import RequestFactory
-from cluster.outputs import OutputProcessor, RequestOutput
+from cluster.engine.frontend import RequestFactory
+from cluster.engine.outputs import OutputProcessor, RequestOutput
 from scheduler import (
     CacheConfig,
     LoRAConfig,

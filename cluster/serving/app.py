@@ -8,15 +8,16 @@ Two deployments::
                           TandemCluster (1 replica) owns SchedulerActor ─▶ workers
 
 ``build_app(args)`` builds the application from a ``ClusterConfig`` (``args`` are its fields),
-so a Serve config file runs it as ``import_path: cluster.serve:build_app``. The ingress scales
-on its own (``serve.ingress_replicas``); every replica asks the one SchedulerActor.
+so a Serve config file runs it as ``import_path: cluster.serving.app:build_app``. The ingress
+scales on its own (``serve.ingress_replicas``); every replica asks the one SchedulerActor through
+its ``ClusterClient`` (an ``EngineClient``). The routes only check the API key and call
+``OpenAIServing``: the API's logic does not depend on FastAPI, Serve or the engine behind it.
 """
 
 # No `from __future__ import annotations`: FastAPI reads the routes' annotations at run time
 # (Serve rebinds the methods, so string annotations would not resolve).
 import asyncio
 import logging
-import secrets
 import uuid
 from typing import Any
 
@@ -27,14 +28,15 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from ray import serve
 
 from cluster.config import ClusterConfig, served_model_name
-from cluster.errors import APIError, api_error
-from cluster.openai_protocol import (
+from cluster.serving.auth import check_api_key
+from cluster.serving.errors import APIError
+from cluster.serving.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     LoadLoRAAdapterRequest,
     UnloadLoRAAdapterRequest,
 )
-from cluster.openai_serving import OpenAIServing
+from cluster.serving.openai_serving import OpenAIServing
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +85,7 @@ class TandemCluster:
     """Owns the cluster: its SchedulerActor and workers live and die with this replica."""
 
     def __init__(self, config: ClusterConfig) -> None:
-        from cluster.launch import build_cluster
+        from cluster.control.launch import build_cluster
 
         context = serve.get_replica_context()
         self.name = f"tandem-{context.app_name}-{uuid.uuid4().hex[:8]}"
@@ -98,7 +100,7 @@ class TandemCluster:
 
     def __del__(self) -> None:
         try:
-            from cluster.launch import shutdown_cluster
+            from cluster.control.launch import shutdown_cluster
 
             shutdown_cluster(self.handle)
         except Exception:  # the actor may be gone already
@@ -124,41 +126,34 @@ class OpenAIIngress:
         if self._serving is None:
             async with self._lock:
                 if self._serving is None:
-                    from cluster.client import ClusterClient
+                    from cluster.control.client import ClusterClient
+                    from kv_transfer.tracing import init_tracing
 
                     handle = await self._cluster.scheduler.remote()
                     info = await handle.model_info.remote()
-                    from cluster.tracing import init_tracing
-
                     client = await asyncio.to_thread(ClusterClient, handle, None, info)
                     tracer = init_tracing(self._config.tracing, "ingress")
                     self._serving = OpenAIServing(client, self._model_name, tracer)
         return self._serving
 
-    def _authorize(self, authorization: str | None) -> None:
-        if self._api_key is None:
-            return
-        scheme, _, token = (authorization or "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(
-            token.strip().encode(), self._api_key.encode()
-        ):
-            raise APIError(401, "missing or wrong API key (Authorization: Bearer <key>)")
+    def _authorize(self, request: HTTPRequest) -> None:
+        check_api_key(self._api_key, request.headers.get("authorization"))
 
     # -- OpenAI ------------------------------------------------------------------------------
     @app.get("/v1/models")
     async def models(self, request: HTTPRequest) -> JSONResponse:
-        self._authorize(request.headers.get("authorization"))
+        self._authorize(request)
         return JSONResponse(await (await self.serving()).models())
 
     @app.post("/v1/completions")
     async def completions(self, body: CompletionRequest, request: HTTPRequest) -> Any:
-        self._authorize(request.headers.get("authorization"))
+        self._authorize(request)
         serving = await self.serving()
         return _respond(await serving.completion(body, dict(request.headers)))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest, request: HTTPRequest) -> Any:
-        self._authorize(request.headers.get("authorization"))
+        self._authorize(request)
         serving = await self.serving()
         return _respond(await serving.chat(body, dict(request.headers)))
 
@@ -166,29 +161,17 @@ class OpenAIIngress:
     async def load_lora_adapter(
         self, body: LoadLoRAAdapterRequest, request: HTTPRequest
     ) -> PlainTextResponse:
-        self._authorize(request.headers.get("authorization"))
+        self._authorize(request)
         serving = await self.serving()
-        if body.lora_name == self._model_name:
-            raise APIError(400, "lora_name is the base model's name", param="lora_name")
-        try:
-            await serving.client.handle.load_lora_adapter.remote(body.lora_name, body.lora_path)
-        except Exception as exc:
-            raise api_error(exc, param="lora_path") from None
-        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+        return PlainTextResponse(await serving.load_lora_adapter(body))
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(
         self, body: UnloadLoRAAdapterRequest, request: HTTPRequest
     ) -> PlainTextResponse:
-        self._authorize(request.headers.get("authorization"))
+        self._authorize(request)
         serving = await self.serving()
-        try:
-            await serving.client.handle.unload_lora_adapter.remote(body.lora_name)
-        except Exception as exc:
-            raise APIError(
-                404, f"The lora adapter '{body.lora_name}' cannot be found.", param="lora_name"
-            ) from exc
-        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
+        return PlainTextResponse(await serving.unload_lora_adapter(body))
 
     # -- operations --------------------------------------------------------------------------
     @app.get("/health")
@@ -196,27 +179,23 @@ class OpenAIIngress:
         """200 when every instance's workers answer; 503 naming the ones that do not."""
         try:
             serving = await self.serving()
-            workers = await asyncio.wait_for(serving.client.handle.worker_health.remote(), 10)
         except Exception as exc:
             return JSONResponse({"status": "unavailable", "error": str(exc)}, status_code=503)
-        down = sorted(i for i, h in workers.items() if not all(s.get("ok") for s in h["stages"]))
-        if down:
-            return JSONResponse({"status": "unavailable", "down": down}, status_code=503)
-        return JSONResponse({"status": "ok", "instances": sorted(workers)})
+        status, body = await serving.health()
+        return JSONResponse(body, status_code=status)
 
     @app.get("/metrics")
     async def metrics(self) -> PlainTextResponse:
-        from cluster.metrics import CONTENT_TYPE
+        from cluster.observability.metrics import CONTENT_TYPE
 
         serving = await self.serving()
-        text = await serving.client.handle.metrics_text.remote()
-        return PlainTextResponse(text, media_type=CONTENT_TYPE)
+        return PlainTextResponse(await serving.metrics(), media_type=CONTENT_TYPE)
 
     # -- gRPC (tandem.v1.Generate, through Serve's gRPC proxy) -------------------------------
     async def Generate(self, request: Any, grpc_context: Any = None) -> Any:
-        from cluster.grpc_api import generate_stream
+        from cluster.serving.grpc_api import generate_stream
 
-        async for response in generate_stream(self, request, grpc_context):
+        async for response in generate_stream(self.serving, self._api_key, request, grpc_context):
             yield response
 
 

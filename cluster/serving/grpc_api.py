@@ -1,22 +1,23 @@
 """``tandem.v1.Generate`` (cluster/proto/tandem.proto) on the ingress: the request becomes a
-``CompletionRequest`` (the HTTP API's validation, word for word) and each streamed step a
-``GenerateResponse``; ``APIError`` statuses map to gRPC status codes.
+``CompletionRequest`` (the HTTP API's validation, word for word), runs through
+``OpenAIServing``'s public methods, and each streamed step becomes a ``GenerateResponse``;
+``APIError`` statuses map to gRPC status codes.
 """
 
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
+from typing import Any
 
 import grpc
 from pydantic import ValidationError
 
-from cluster.errors import APIError, api_error
-from cluster.openai_protocol import CompletionRequest
-
-if TYPE_CHECKING:
-    from cluster.serve import OpenAIIngress
+from cluster.serving.auth import check_api_key
+from cluster.serving.errors import APIError, api_error
+from cluster.serving.openai_protocol import CompletionRequest
+from cluster.serving.openai_serving import OpenAIServing
 
 STATUS_CODES = {
     400: grpc.StatusCode.INVALID_ARGUMENT,
@@ -68,43 +69,49 @@ def _metadata(grpc_context: Any, key: str) -> str | None:
 
 
 async def generate_stream(
-    ingress: OpenAIIngress, message: Any, grpc_context: Any
+    serving: Callable[[], Awaitable[OpenAIServing]],
+    api_key: str | None,
+    message: Any,
+    grpc_context: Any,
 ) -> AsyncIterator[Any]:
+    """The ``GenerateResponse`` stream of one call. ``serving``: the ingress's (connects on
+    first use; a failure to connect is this call's error, with its status code)."""
     from cluster.proto import tandem_pb2
 
     try:
-        ingress._authorize(_metadata(grpc_context, "authorization"))
+        check_api_key(api_key, _metadata(grpc_context, "authorization"))
         request = completion_request(message)
-        serving = await ingress.serving()
-        lora = await serving.resolve(request.model)
-        jobs = serving._completion_jobs(request)
+        api = await serving()
+        lora = await api.resolve(request.model)
+        jobs = api.completion_jobs(request)
         if len(jobs) != 1:
             raise APIError(400, "one prompt per call")
         job = jobs[0]
         rid = f"grpc-{uuid.uuid4().hex}"
-        outputs = serving._run(rid, jobs, lora, request.priority)
-        async for _, out in outputs:
-            sample = out.outputs[0]
-            if sample.finish_reason == "error":
-                raise APIError(503, sample.error or "generation failed")
-            if not (sample.new_token_ids or sample.new_text or sample.finished):
-                continue
-            response = tandem_pb2.GenerateResponse(
-                request_id=rid,
-                text=sample.new_text,
-                token_ids=sample.new_token_ids,
-                finish_reason=sample.finish_reason or "",
-                stop_reason="" if sample.stop_reason is None else str(sample.stop_reason),
-            )
-            if sample.finished:
-                response.usage.CopyFrom(
-                    tandem_pb2.Usage(
-                        prompt_tokens=len(job.prompt_ids),
-                        completion_tokens=len(sample.token_ids),
-                        cached_tokens=out.num_cached_tokens,
-                    )
+        outputs = await api.run(rid, jobs, lora, request.priority)
+        async with aclosing(outputs):  # the caller leaving aborts the request
+            async for _, out in outputs:
+                sample = out.outputs[0]
+                if sample.finish_reason == "error":
+                    raise APIError(503, sample.error or "generation failed")
+                if not (sample.new_token_ids or sample.new_text or sample.finished):
+                    continue
+                response = tandem_pb2.GenerateResponse(
+                    request_id=rid,
+                    text=sample.new_text,
+                    token_ids=sample.new_token_ids,
+                    finish_reason=sample.finish_reason or "",
+                    stop_reason="" if sample.stop_reason is None else str(sample.stop_reason),
                 )
-            yield response
+                if sample.finished:
+                    response.usage.CopyFrom(
+                        tandem_pb2.Usage(
+                            prompt_tokens=len(job.prompt_ids),
+                            completion_tokens=len(sample.token_ids),
+                            cached_tokens=out.num_cached_tokens,
+                        )
+                    )
+                yield response
     except Exception as exc:
         error = exc if isinstance(exc, APIError) else api_error(exc)  # 500: no details leak
         if grpc_context is None:

@@ -1,6 +1,8 @@
-"""The shapes of OpenAI's responses: a request's prompts (``Job``), the usage block, logprobs,
-and the SSE chunks of a stream (``SSEStream``). ``cluster.openai_serving`` runs the requests
-and uses these to answer."""
+"""Every shape of OpenAI's responses, in one module: whole completions and chat completions,
+the SSE chunks of a stream (``SSEStream``, fed by ``completion_chunks`` / ``chat_chunks``), the
+usage block and logprobs. ``cluster.serving.openai_serving`` validates and runs requests and
+answers with these. ``Job`` is one prompt of a request; ``Finals`` holds each job's latest
+``RequestOutput`` by its first choice index."""
 
 from __future__ import annotations
 
@@ -10,9 +12,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from actors.model.tokenizer import Tokenizer
-from cluster.errors import APIError, api_error
-from cluster.openai_protocol import StreamOptions
-from cluster.outputs import CompletionOutput, RequestOutput
+from cluster.engine.outputs import CompletionOutput, RequestOutput
+from cluster.observability.api_span import APISpan
+from cluster.serving.errors import APIError
+from cluster.serving.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    StreamOptions,
+)
 from scheduler import SamplingParams
 from scheduler.outputs import TokenLogprobs
 
@@ -27,11 +34,142 @@ class Job:
     first_index: int
 
 
+Finals = dict[int, RequestOutput]  # job.first_index -> the job's latest output
+Outputs = AsyncGenerator[tuple[Job, RequestOutput], None]
+
+
+# -- whole responses -----------------------------------------------------------------------------
+def completion_response(
+    rid: str, req: CompletionRequest, jobs: list[Job], finals: Finals, tokenizer: Tokenizer
+) -> dict[str, Any]:
+    choices = []
+    for job in jobs:
+        for out in finals[job.first_index].outputs:
+            choices.append(
+                {
+                    "index": job.first_index + out.index,
+                    "text": (job.text or "") + out.text if req.echo else out.text,
+                    "logprobs": _completion_logprobs(tokenizer, job, out.token_ids, out.logprobs),
+                    "finish_reason": out.finish_reason,
+                    "stop_reason": out.stop_reason,
+                }
+            )
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": req.model,
+        "choices": sorted(choices, key=lambda c: c["index"]),
+        "usage": usage_of(jobs, finals),
+    }
+
+
+def chat_response(
+    rid: str, req: ChatCompletionRequest, job: Job, finals: Finals, tokenizer: Tokenizer
+) -> dict[str, Any]:
+    choices = [
+        {
+            "index": out.index,
+            "message": {"role": "assistant", "content": out.text},
+            "logprobs": _chat_logprobs(tokenizer, req, out.token_ids, out.logprobs),
+            "finish_reason": out.finish_reason,
+            "stop_reason": out.stop_reason,
+        }
+        for out in finals[job.first_index].outputs
+    ]
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": req.model,
+        "choices": choices,
+        "usage": usage_of([job], finals),
+    }
+
+
+def finish_reasons(body: dict[str, Any]) -> list[str]:
+    return [c["finish_reason"] or "" for c in body["choices"]]
+
+
+# -- streams -------------------------------------------------------------------------------------
+def completion_chunks(
+    rid: str,
+    req: CompletionRequest,
+    jobs: list[Job],
+    outputs: Outputs,
+    span: APISpan,
+    tokenizer: Tokenizer,
+) -> AsyncIterator[str]:
+    """The SSE stream of a completion (``echo`` sends each prompt first)."""
+    prologue = (
+        [
+            {
+                "index": job.first_index + i,
+                "text": job.text or "",
+                "logprobs": None,
+                "finish_reason": None,
+            }
+            for job in jobs
+            for i in range(req.n)
+        ]
+        if req.echo
+        else None
+    )
+
+    def choice(job: Job, sample: CompletionOutput) -> dict[str, Any]:
+        return {
+            "index": job.first_index + sample.index,
+            "text": sample.new_text,
+            "logprobs": _completion_logprobs(
+                tokenizer, job, sample.new_token_ids, new_logprobs(sample)
+            ),
+            "finish_reason": sample.finish_reason,
+            "stop_reason": sample.stop_reason,
+        }
+
+    stream = SSEStream(rid, "text_completion", req.model, jobs, req.stream_options, span)
+    return stream.run(outputs, prologue, choice)
+
+
+def chat_chunks(
+    rid: str,
+    req: ChatCompletionRequest,
+    job: Job,
+    outputs: Outputs,
+    span: APISpan,
+    tokenizer: Tokenizer,
+) -> AsyncIterator[str]:
+    """The SSE stream of a chat completion (the assistant role first, then content deltas)."""
+    prologue = [
+        {
+            "index": i,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        }
+        for i in range(req.n)
+    ]
+
+    def choice(job: Job, sample: CompletionOutput) -> dict[str, Any]:
+        new = sample.new_token_ids
+        return {
+            "index": sample.index,
+            "delta": {"content": sample.new_text} if sample.new_text else {},
+            "logprobs": _chat_logprobs(tokenizer, req, new, new_logprobs(sample)),
+            "finish_reason": sample.finish_reason,
+            "stop_reason": sample.stop_reason,
+        }
+
+    stream = SSEStream(rid, "chat.completion.chunk", req.model, [job], req.stream_options, span)
+    return stream.run(outputs, prologue, choice)
+
+
 class SSEStream:
     """The SSE chunks of one streamed request (completions or chat; ``choice`` shapes one
     sample's delta): a chunk per step with the choices that moved, ``finish_reason`` once per
     choice, an error body if generation fails, the usage chunk (``include_usage``) or usage on
-    every chunk (``continuous_usage_stats`` too, like vLLM), then ``[DONE]``."""
+    every chunk (``continuous_usage_stats`` too, like vLLM), then ``[DONE]``. The outcome goes
+    on the request's span when the stream ends."""
 
     def __init__(
         self,
@@ -40,13 +178,13 @@ class SSEStream:
         model: str,
         jobs: list[Job],
         options: StreamOptions | None,
-        span: Any,
+        span: APISpan,
     ) -> None:
         self.rid, self.obj, self.model, self.jobs, self.span = rid, obj, model, jobs, span
         self.created = int(time.time())
         self.include_usage = options is not None and options.include_usage
         self.continuous = self.include_usage and bool(options and options.continuous_usage_stats)
-        self.finals: dict[int, RequestOutput] = {}
+        self.finals: Finals = {}
 
     def chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> str:
         if usage is None and self.continuous:
@@ -63,7 +201,7 @@ class SSEStream:
 
     async def run(
         self,
-        outputs: AsyncGenerator[tuple[Job, RequestOutput], None],
+        outputs: Outputs,
         prologue: list[dict[str, Any]] | None,
         choice: Callable[[Job, CompletionOutput], dict[str, Any]],
     ) -> AsyncIterator[str]:
@@ -72,7 +210,7 @@ class SSEStream:
             if prologue:
                 yield self.chunk(prologue)
             async for job, out in outputs:
-                self.finals[id(job)] = out
+                self.finals[job.first_index] = out
                 choices = []
                 for sample in out.outputs:
                     index = job.first_index + sample.index
@@ -92,19 +230,9 @@ class SSEStream:
             yield sse(exc.body())
         finally:
             await outputs.aclose()
-            _end_stream_span(self.span, self.rid, self.jobs, self.finals)
+            reasons = [o.finish_reason or "" for f in self.finals.values() for o in f.outputs]
+            self.span.record(self.rid, usage_of(self.jobs, self.finals), reasons)
         yield "data: [DONE]\n\n"
-
-
-def _end_stream_span(
-    span: Any, rid: str, jobs: list[Job], finals: dict[int, RequestOutput]
-) -> None:
-    if span is None:
-        return
-    from cluster.tracing import end_api_span
-
-    reasons = [o.finish_reason or "" for f in finals.values() for o in f.outputs]
-    end_api_span(span, rid, usage_of(jobs, finals), reasons)
 
 
 def sse(body: dict[str, Any]) -> str:
@@ -113,42 +241,7 @@ def sse(body: dict[str, Any]) -> str:
     return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
 
 
-async def prime(
-    outputs: AsyncGenerator[tuple[Job, RequestOutput], None],
-) -> tuple[Job, RequestOutput] | None:
-    """The first output: raises the request's ``APIError`` before a stream starts."""
-    try:
-        return await outputs.__anext__()
-    except StopAsyncIteration:
-        return None
-
-
-async def chain(
-    first: tuple[Job, RequestOutput] | None, rest: AsyncGenerator[tuple[Job, RequestOutput], None]
-) -> AsyncGenerator[tuple[Job, RequestOutput], None]:
-    try:
-        if first is not None:
-            yield first
-        async for item in rest:
-            yield item
-    finally:
-        await rest.aclose()
-
-
-async def collect(
-    outputs: AsyncGenerator[tuple[Job, RequestOutput], None],
-) -> dict[int, RequestOutput]:
-    finals: dict[int, RequestOutput] = {}
-    async for job, out in outputs:
-        finals[id(job)] = out
-    for final in finals.values():
-        for sample in final.outputs:
-            if sample.finish_reason == "error":
-                raise api_error(ValueError(sample.error or "generation failed"))
-    return finals
-
-
-def usage_of(jobs: list[Job], finals: dict[int, RequestOutput]) -> dict[str, Any]:
+def usage_of(jobs: list[Job], finals: Finals) -> dict[str, Any]:
     prompt = sum(len(job.prompt_ids) for job in jobs)
     completion = sum(len(out.token_ids) for final in finals.values() for out in final.outputs)
     cached = sum(final.num_cached_tokens for final in finals.values())
@@ -180,6 +273,25 @@ def _finite(value: float | None) -> float:
 
 def _token_text(tokenizer: Tokenizer, token_id: int) -> str:
     return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _completion_logprobs(
+    tokenizer: Tokenizer, job: Job, token_ids: list[int], logprobs: list[TokenLogprobs] | None
+) -> dict[str, Any] | None:
+    if job.params.logprobs is None:
+        return None
+    return completion_logprobs(tokenizer, token_ids, logprobs, job.params.logprobs)
+
+
+def _chat_logprobs(
+    tokenizer: Tokenizer,
+    req: ChatCompletionRequest,
+    token_ids: list[int],
+    logprobs: list[TokenLogprobs] | None,
+) -> dict[str, Any] | None:
+    if not req.logprobs:
+        return None
+    return {"content": chat_logprobs(tokenizer, token_ids, logprobs, req.top_logprobs or 0)}
 
 
 def completion_logprobs(

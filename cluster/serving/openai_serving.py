@@ -1,56 +1,60 @@
-"""The OpenAI-compatible API's logic, independent of the web framework: validate a request
-against the model, run it through the cluster (``ClusterClient``: tokenization, ``n`` fan-out,
-incremental detokenization and stop strings happen here, in the ingress), and shape the
-responses -- whole, or as the chunks of a stream (the shapes: ``cluster.openai_stream``).
+"""The OpenAI-compatible API's logic, independent of the web framework and of the engine:
+validate a request against the model, run it through an ``EngineClient`` (tokenization, ``n``
+fan-out, incremental detokenization and stop strings happen there, in the ingress's process),
+and answer with the shapes of ``cluster.serving.openai_responses``.
 
-``cluster.serve`` puts it behind FastAPI and Ray Serve (HTTP) and the gRPC proxy; errors are
-``APIError``s (``cluster.errors``) with the status code and OpenAI's error body.
+A request's path: ``completion`` / ``chat`` open its ``APISpan``, build its jobs, ``run`` them
+(one merged stream), and answer whole or as a stream. ``cluster.serving.app`` puts this behind
+FastAPI and Ray Serve, ``cluster.serving.grpc_api`` behind gRPC; errors are ``APIError``s
+(``cluster.serving.errors``) with the status code and OpenAI's error body.
 """
 
 from __future__ import annotations
 
 import asyncio
-import copy
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
-from cluster.client import ClusterClient
-from cluster.errors import APIError, UnknownModelError, api_error
-from cluster.openai_protocol import ChatCompletionRequest, CompletionRequest
-from cluster.openai_stream import (
-    Job,
-    SSEStream,
-    chain,
-    chat_logprobs,
-    collect,
-    completion_logprobs,
-    new_logprobs,
-    prime,
-    usage_of,
+from cluster.engine.outputs import RequestOutput
+from cluster.engine.protocol import EngineClient
+from cluster.engine.streams import merge_streams
+from cluster.errors import UnknownModelError
+from cluster.observability.api_span import APISpan
+from cluster.serving.errors import APIError, api_error
+from cluster.serving.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    LoadLoRAAdapterRequest,
+    UnloadLoRAAdapterRequest,
 )
-from cluster.outputs import CompletionOutput, RequestOutput
+from cluster.serving.openai_responses import (
+    Finals,
+    Job,
+    Outputs,
+    chat_chunks,
+    chat_response,
+    completion_chunks,
+    completion_response,
+    finish_reasons,
+)
 from scheduler import LoRARequest
-from scheduler.outputs import TokenLogprobs
 
 
 class OpenAIServing:
-    """Serves ``/v1/models``, completions and chat completions for one cluster."""
+    """Serves ``/v1/models``, completions, chat completions, adapters, health and metrics for
+    one engine (a cluster's ``ClusterClient`` or the in-process ``AsyncLLM``)."""
 
-    def __init__(self, client: ClusterClient, served_model_name: str, tracer: Any = None) -> None:
-        self.client = client
+    def __init__(self, engine: EngineClient, served_model_name: str, tracer: Any = None) -> None:
+        self.engine = engine
         self.tracer = tracer  # an OpenTelemetry tracer while tracing is on
-        self.tokenizer = client.tokenizer
+        self.tokenizer = engine.tokenizer
         self.model_name = served_model_name
-        self.max_model_len = client.max_model_len
+        self.max_model_len = engine.max_model_len
         self.created = int(time.time())
 
-    # -- models ------------------------------------------------------------------------------
-    async def adapters(self) -> dict[str, LoRARequest]:
-        result: dict[str, LoRARequest] = await self.client.handle.lora_adapters.remote()
-        return result
-
+    # -- models and adapters ----------------------------------------------------------------
     async def models(self) -> dict[str, Any]:
         def card(name: str, parent: str | None, root: str) -> dict[str, Any]:
             return {
@@ -64,7 +68,7 @@ class OpenAIServing:
             }
 
         cards = [card(self.model_name, None, self.model_name)]
-        for name, lora in sorted((await self.adapters()).items()):
+        for name, lora in sorted((await self.engine.lora_adapters()).items()):
             cards.append(card(name, self.model_name, lora.lora_path))
         return {"object": "list", "data": cards}
 
@@ -72,10 +76,44 @@ class OpenAIServing:
         """The adapter a model name stands for (None: the base model); 404 if unknown."""
         if model == self.model_name:
             return None
-        lora = (await self.adapters()).get(model)
+        lora = (await self.engine.lora_adapters()).get(model)
         if lora is None:
             raise api_error(UnknownModelError(model))
         return lora
+
+    async def load_lora_adapter(self, body: LoadLoRAAdapterRequest) -> str:
+        if body.lora_name == self.model_name:
+            raise APIError(400, "lora_name is the base model's name", param="lora_name")
+        try:
+            await self.engine.load_lora_adapter(body.lora_name, body.lora_path)
+        except Exception as exc:
+            raise api_error(exc, param="lora_path") from None
+        return f"Success: LoRA adapter '{body.lora_name}' added successfully."
+
+    async def unload_lora_adapter(self, body: UnloadLoRAAdapterRequest) -> str:
+        try:
+            await self.engine.unload_lora_adapter(body.lora_name)
+        except Exception as exc:
+            raise APIError(
+                404, f"The lora adapter '{body.lora_name}' cannot be found.", param="lora_name"
+            ) from exc
+        return f"Success: LoRA adapter '{body.lora_name}' removed successfully."
+
+    # -- operations --------------------------------------------------------------------------
+    async def health(self) -> tuple[int, dict[str, Any]]:
+        """(status, body): 200 when every instance's workers answer; 503 naming the ones
+        that do not, or saying why the engine cannot be asked."""
+        try:
+            instances = await self.engine.check_health()
+        except Exception as exc:
+            return 503, {"status": "unavailable", "error": str(exc)}
+        down = sorted(i for i, ok in instances.items() if not ok)
+        if down:
+            return 503, {"status": "unavailable", "down": down}
+        return 200, {"status": "ok", "instances": sorted(instances)}
+
+    async def metrics(self) -> str:
+        return await self.engine.metrics_text()
 
     # -- validation --------------------------------------------------------------------------
     def _max_tokens(self, prompt_len: int, requested: int | None, prompt_param: str) -> int:
@@ -102,11 +140,12 @@ class OpenAIServing:
 
     def _check_ids(self, ids: list[int], param: str) -> None:
         try:
-            self.client.factory.validate(ids)
+            self.engine.validate_prompt(ids)
         except ValueError as exc:
             raise APIError(400, str(exc), param=param) from None
 
-    def _completion_jobs(self, req: CompletionRequest) -> list[Job]:
+    def completion_jobs(self, req: CompletionRequest) -> list[Job]:
+        """One ``Job`` per prompt (tokenized, checked, with its sampling params); 400s."""
         jobs = []
         for i, prompt in enumerate(req.prompts()):
             text: str | None
@@ -121,7 +160,8 @@ class OpenAIServing:
             jobs.append(Job(ids, text, params, i * req.n))
         return jobs
 
-    def _chat_job(self, req: ChatCompletionRequest) -> Job:
+    def chat_job(self, req: ChatCompletionRequest) -> Job:
+        """The conversation rendered with the chat template, checked; 400s."""
         messages = [m.as_template_input() for m in req.messages]
         try:
             ids = self.tokenizer.encode_chat(
@@ -138,30 +178,25 @@ class OpenAIServing:
         return Job(ids, None, req.sampling_params(max_tokens, req.num_logprobs), 0)
 
     # -- running -----------------------------------------------------------------------------
-    async def _run(
+    async def run(
         self,
         request_id: str,
         jobs: list[Job],
         lora: LoRARequest | None,
         priority: int,
-        span: Any = None,
-    ) -> AsyncGenerator[tuple[Job, RequestOutput], None]:
-        """Every job's outputs as they come, merged. The first output of each job is awaited
-        before anything is yielded, so a request the cluster refuses is an ``APIError`` here
-        (not a broken stream). Leaving early aborts every job."""
-        carrier = None
-        if span is not None:
-            from cluster.tracing import inject
-
-            carrier = inject(span)
+        trace_context: dict[str, str] | None = None,
+    ) -> Outputs:
+        """Start every job and return their outputs, merged, as they come. Every job's first
+        output is awaited here, so a request the engine refuses is an ``APIError`` before any
+        output (never a broken stream). Closing the returned stream aborts every job."""
         streams = [
-            self.client.generate_async(
+            self.engine.generate_async(
                 job.prompt_ids,
                 job.params,
                 request_id=f"{request_id}-{k}" if len(jobs) > 1 else request_id,
                 lora_request=lora,
                 priority=priority,
-                trace_context=carrier,
+                trace_context=trace_context,
             )
             for k, job in enumerate(jobs)
         ]
@@ -172,227 +207,61 @@ class OpenAIServing:
             if isinstance(exc, asyncio.CancelledError | StopAsyncIteration):
                 raise
             raise api_error(exc) from None
-        if len(jobs) == 1:  # the common case: straight through, no copies
-            yield jobs[0], firsts[0]
-            try:
-                if not firsts[0].finished:
-                    async for out in streams[0]:
-                        yield jobs[0], out
-            finally:
-                await streams[0].aclose()
-            return
-        for job, first in zip(jobs, firsts, strict=True):
-            yield job, copy.deepcopy(first)
-        queue: asyncio.Queue[tuple[Job, RequestOutput] | BaseException | None] = asyncio.Queue()
+        return _outputs(jobs, streams, firsts)
 
-        async def pump(job: Job, stream: AsyncGenerator[RequestOutput, None]) -> None:
-            try:
-                async for out in stream:  # a copy: the stream updates its output in place
-                    queue.put_nowait((job, copy.deepcopy(out)))
-            except BaseException as exc:
-                queue.put_nowait(exc)
-            finally:
-                queue.put_nowait(None)
-
-        pairs = zip(jobs, streams, firsts, strict=True)
-        tasks = [asyncio.ensure_future(pump(j, s)) for j, s, f in pairs if not f.finished]
-        remaining = len(tasks)
-        try:
-            while remaining:
-                item = await queue.get()
-                if item is None:
-                    remaining -= 1
-                elif isinstance(item, BaseException):
-                    raise item
-                else:
-                    yield item
-        finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            closing = (s.aclose() for s in streams)
-            await asyncio.gather(*closing, return_exceptions=True)
-
-    # -- completions -------------------------------------------------------------------------
+    # -- endpoints ---------------------------------------------------------------------------
     async def completion(
         self, req: CompletionRequest, trace_headers: dict[str, str] | None = None
-    ) -> dict[str, Any] | AsyncIterator[str]:
-        from cluster.tracing import start_api_span
+    ) -> dict[str, Any] | Any:
+        """``/v1/completions``: the response body, or (``stream``) its SSE chunks."""
+        with APISpan(self.tracer, "text_completion", req, trace_headers) as span:
+            lora = await self.resolve(req.model)
+            jobs = self.completion_jobs(req)
+            rid = f"cmpl-{uuid.uuid4().hex}"
+            outputs = await self.run(rid, jobs, lora, req.priority, span.context)
+            if req.stream:
+                chunks = completion_chunks(rid, req, jobs, outputs, span, self.tokenizer)
+                return span.stream(chunks)
+            body = completion_response(rid, req, jobs, await _collect(outputs), self.tokenizer)
+            span.record(rid, body["usage"], finish_reasons(body))
+            return body
 
-        span = start_api_span(self.tracer, "text_completion", req, trace_headers)
-        return await _traced(self._completion(req, span), span)
-
-    async def _completion(
-        self, req: CompletionRequest, span: Any
-    ) -> dict[str, Any] | AsyncIterator[str]:
-        lora = await self.resolve(req.model)
-        jobs = self._completion_jobs(req)
-        rid = f"cmpl-{uuid.uuid4().hex}"
-        outputs = self._run(rid, jobs, lora, req.priority, span)
-        if req.stream:
-            first = await prime(outputs)
-            return self._completion_stream(req, rid, jobs, first, outputs, span)
-        finals = await collect(outputs)
-        choices = []
-        for job in jobs:
-            final = finals[id(job)]
-            for out in final.outputs:
-                text = (job.text or "") + out.text if req.echo else out.text
-                choices.append(
-                    {
-                        "index": job.first_index + out.index,
-                        "text": text,
-                        "logprobs": completion_logprobs(
-                            self.tokenizer, out.token_ids, out.logprobs, job.params.logprobs
-                        )
-                        if job.params.logprobs is not None
-                        else None,
-                        "finish_reason": out.finish_reason,
-                        "stop_reason": out.stop_reason,
-                    }
-                )
-        return {
-            "id": rid,
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": req.model,
-            "choices": sorted(choices, key=lambda c: c["index"]),
-            "usage": usage_of(jobs, finals),
-        }
-
-    def _completion_stream(
-        self,
-        req: CompletionRequest,
-        rid: str,
-        jobs: list[Job],
-        first: tuple[Job, RequestOutput] | None,
-        outputs: AsyncGenerator[tuple[Job, RequestOutput], None],
-        span: Any = None,
-    ) -> AsyncIterator[str]:
-        prologue = (
-            [
-                {
-                    "index": job.first_index + i,
-                    "text": job.text or "",
-                    "logprobs": None,
-                    "finish_reason": None,
-                }
-                for job in jobs
-                for i in range(req.n)
-            ]
-            if req.echo
-            else None
-        )
-
-        def choice(job: Job, sample: CompletionOutput) -> dict[str, Any]:
-            return {
-                "index": job.first_index + sample.index,
-                "text": sample.new_text,
-                "logprobs": completion_logprobs(
-                    self.tokenizer, sample.new_token_ids, new_logprobs(sample), job.params.logprobs
-                )
-                if job.params.logprobs is not None
-                else None,
-                "finish_reason": sample.finish_reason,
-                "stop_reason": sample.stop_reason,
-            }
-
-        stream = SSEStream(rid, "text_completion", req.model, jobs, req.stream_options, span)
-        return stream.run(chain(first, outputs), prologue, choice)
-
-    def _chat_logprobs(
-        self, ids: list[int], logprobs: list[TokenLogprobs] | None, req: ChatCompletionRequest
-    ) -> dict[str, Any] | None:
-        if not req.logprobs:
-            return None
-        return {"content": chat_logprobs(self.tokenizer, ids, logprobs, req.top_logprobs or 0)}
-
-    # -- chat --------------------------------------------------------------------------------
     async def chat(
         self, req: ChatCompletionRequest, trace_headers: dict[str, str] | None = None
-    ) -> dict[str, Any] | AsyncIterator[str]:
-        from cluster.tracing import start_api_span
-
-        span = start_api_span(self.tracer, "chat", req, trace_headers)
-        return await _traced(self._chat(req, span), span)
-
-    async def _chat(
-        self, req: ChatCompletionRequest, span: Any
-    ) -> dict[str, Any] | AsyncIterator[str]:
-        lora = await self.resolve(req.model)
-        job = self._chat_job(req)
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
-        outputs = self._run(rid, [job], lora, req.priority, span)
-        if req.stream:
-            first = await prime(outputs)
-            return self._chat_stream(req, rid, job, first, outputs, span)
-        finals = await collect(outputs)
-        final = finals[id(job)]
-        choices = [
-            {
-                "index": out.index,
-                "message": {"role": "assistant", "content": out.text},
-                "logprobs": self._chat_logprobs(out.token_ids, out.logprobs, req),
-                "finish_reason": out.finish_reason,
-                "stop_reason": out.stop_reason,
-            }
-            for out in final.outputs
-        ]
-        return {
-            "id": rid,
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": req.model,
-            "choices": choices,
-            "usage": usage_of([job], finals),
-        }
-
-    def _chat_stream(
-        self,
-        req: ChatCompletionRequest,
-        rid: str,
-        job: Job,
-        first: tuple[Job, RequestOutput] | None,
-        outputs: AsyncGenerator[tuple[Job, RequestOutput], None],
-        span: Any = None,
-    ) -> AsyncIterator[str]:
-        prologue = [
-            {
-                "index": i,
-                "delta": {"role": "assistant", "content": ""},
-                "logprobs": None,
-                "finish_reason": None,
-            }
-            for i in range(req.n)
-        ]
-
-        def choice(job: Job, sample: CompletionOutput) -> dict[str, Any]:
-            new = sample.new_token_ids
-            return {
-                "index": sample.index,
-                "delta": {"content": sample.new_text} if sample.new_text else {},
-                "logprobs": self._chat_logprobs(new, new_logprobs(sample), req),
-                "finish_reason": sample.finish_reason,
-                "stop_reason": sample.stop_reason,
-            }
-
-        stream = SSEStream(rid, "chat.completion.chunk", req.model, [job], req.stream_options, span)
-        return stream.run(chain(first, outputs), prologue, choice)
+    ) -> dict[str, Any] | Any:
+        """``/v1/chat/completions``: the response body, or (``stream``) its SSE chunks."""
+        with APISpan(self.tracer, "chat", req, trace_headers) as span:
+            lora = await self.resolve(req.model)
+            job = self.chat_job(req)
+            rid = f"chatcmpl-{uuid.uuid4().hex}"
+            outputs = await self.run(rid, [job], lora, req.priority, span.context)
+            if req.stream:
+                return span.stream(chat_chunks(rid, req, job, outputs, span, self.tokenizer))
+            body = chat_response(rid, req, job, await _collect(outputs), self.tokenizer)
+            span.record(rid, body["usage"], finish_reasons(body))
+            return body
 
 
-# -- helpers ---------------------------------------------------------------------------------
-async def _traced(result: Any, span: Any) -> Any:
-    """Await a handler; end its ingress span with the outcome (a stream ends it itself)."""
-    if span is None:
-        return await result
-    from cluster.tracing import end_api_span
-
+async def _outputs(jobs: list[Job], streams: list[Any], firsts: list[RequestOutput]) -> Outputs:
+    """The first outputs, then every job's later ones through the one merge helper."""
     try:
-        body = await result
-    except BaseException as exc:
-        end_api_span(span, error=exc)
-        raise
-    if isinstance(body, dict):
-        reasons = [c["finish_reason"] or "" for c in body["choices"]]
-        end_api_span(span, body["id"], body["usage"], reasons)
-    return body
+        for job, first in zip(jobs, firsts, strict=True):
+            yield job, first
+        live = [k for k, first in enumerate(firsts) if not first.finished]
+        async with aclosing(merge_streams([streams[k] for k in live])) as merged:
+            async for i, out in merged:
+                yield jobs[live[i]], out
+    finally:
+        await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
+
+
+async def _collect(outputs: Outputs) -> Finals:
+    """Every job's final output; a sample that failed makes the whole request fail."""
+    finals: Finals = {}
+    async for job, out in outputs:
+        finals[job.first_index] = out
+    for final in finals.values():
+        for sample in final.outputs:
+            if sample.finish_reason == "error":
+                raise api_error(ValueError(sample.error or "generation failed"))
+    return finals

@@ -11,12 +11,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import signal
 import sys
-import time
 from collections.abc import Sequence
 from typing import Any
 
+from cluster.tools.signals import wait_for_stop
 from scheduler import SamplingParams
 
 
@@ -83,7 +82,7 @@ def _up_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 def _run_up(args: argparse.Namespace) -> int:
     from cluster.config import ClusterConfig, default_cluster_config
-    from cluster.launch import (
+    from cluster.control.launch import (
         DEFAULT_NAME,
         build_cluster,
         init_ray,
@@ -135,25 +134,9 @@ def _run_up(args: argparse.Namespace) -> int:
     return 0
 
 
-def wait_for_stop() -> None:
-    """Block until Ctrl-C or SIGTERM (`kill`, a container stop). Both count as Ctrl-C, so a
-    job started in the background of a script (which ignores SIGINT) still stops cleanly."""
-
-    def interrupt(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGINT, interrupt)
-    signal.signal(signal.SIGTERM, interrupt)
-    try:
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
-        print("\nshutting down", flush=True)
-
-
 def _generate_on_cluster(args: argparse.Namespace, params: SamplingParams) -> int:
-    from cluster.client import ClusterClient
-    from cluster.launch import DEFAULT_NAME, init_ray
+    from cluster.control.client import ClusterClient
+    from cluster.control.launch import DEFAULT_NAME, init_ray
 
     try:
         init_ray(args.address)
@@ -224,7 +207,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         return 2
     if args.cluster:
         return _generate_on_cluster(args, params)
-    from cluster.llm import LLM  # torch import is slow: only when the command runs
+    from cluster.engine.llm import LLM  # torch import is slow: only when the command runs
 
     try:
         llm = LLM(args.model, dtype=args.dtype, device=args.device)
@@ -254,7 +237,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
     _up_parser(sub)
-    from cluster.serve_cli import add_serve_arguments
+    from cluster.tools.serve_cli import add_serve_arguments
 
     add_serve_arguments(
         sub.add_parser(
@@ -265,7 +248,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "on :8000, gRPC on :9000. Runs until Ctrl-C, then shuts everything down.",
         )
     )
-    from cluster.loadgen import add_bench_arguments
+    from cluster.tools.loadgen import add_bench_arguments
 
     add_bench_arguments(
         sub.add_parser(
@@ -281,11 +264,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "up":
         return _run_up(args)
     if args.command == "serve":
-        from cluster.serve_cli import run_serve
+        from cluster.tools.serve_cli import run_serve
 
         return run_serve(args)
     if args.command == "bench":
-        from cluster.loadgen import run_bench
+        from cluster.tools.loadgen import run_bench
 
         return run_bench(args)
     return _run_generate(args)

@@ -12,7 +12,8 @@ and goodput against optional SLOs::
 Load shapes: a fixed number of requests in flight (``--concurrency``, a comma list sweeps one run
 per level) or Poisson arrivals (``--request-rate``, exponential inter-arrival times from
 ``--seed``). Completions prompts are random token ids, so their length is exact; chat prompts
-are random words (about one token each). Statistics and reports live in cluster/loadgen_report.py.
+are random words (about one token each). Statistics and reports live in
+``cluster.tools.loadgen_report``.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from typing import Any
 
 import aiohttp
 
-from cluster.loadgen_report import (
+from cluster.tools.loadgen_report import (
     RequestRecord,
     RunResult,
     format_table,

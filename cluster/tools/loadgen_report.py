@@ -1,4 +1,4 @@
-"""Statistics and reporting for ``tandem bench`` (cluster/loadgen.py).
+"""Statistics and reporting for ``tandem bench`` (cluster/tools/loadgen.py).
 
 Pure functions over per-request records: percentiles, goodput, one run's summary, the table
 printed to stdout, the JSON file and the PNG plots. Nothing here does I/O on the network, so all

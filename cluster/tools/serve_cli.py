@@ -74,8 +74,8 @@ def start_serve(config: Any, *, address: str | None = None, **ray_options: Any) 
     from ray import serve
     from ray.serve.config import HTTPOptions, gRPCOptions
 
-    from cluster.launch import init_ray, local_node_resources
-    from cluster.serve import GRPC_SERVICER, build_app_from_config
+    from cluster.control.launch import init_ray, local_node_resources
+    from cluster.serving.app import GRPC_SERVICER, build_app_from_config
 
     s = config.serve
     if address is None:
@@ -141,7 +141,7 @@ def run_serve(args: argparse.Namespace) -> int:
         flush=True,
     )
 
-    from cluster.cli import wait_for_stop
+    from cluster.tools.signals import wait_for_stop
 
     try:
         wait_for_stop()

@@ -1,0 +1,82 @@
+"""``EngineClient``: the contract between a front end (the OpenAI-compatible API, the gRPC
+service) and an engine -- what serving needs from an engine, and nothing more (vLLM's
+``EngineClient`` plays the same part).
+
+``cluster.control.client.ClusterClient`` implements it for a Ray cluster and
+``cluster.engine.async_llm.AsyncLLM`` for the in-process engine, so the same serving code
+(``cluster.serving.openai_serving.OpenAIServing``) runs on either. Serving code calls these
+methods only: never a private method, never a handle behind them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from actors.model.tokenizer import Tokenizer
+    from cluster.engine.outputs import RequestOutput
+    from scheduler import LoRARequest, SamplingParams
+
+
+@runtime_checkable
+class EngineClient(Protocol):
+    """An engine as serving sees it: token ids in, ``RequestOutput``s out."""
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The served model's tokenizer (prompts, chat templates, logprob tokens)."""
+        ...
+
+    @property
+    def max_model_len(self) -> int:
+        """Prompt plus output tokens one request may hold."""
+        ...
+
+    def validate_prompt(self, prompt_token_ids: list[int]) -> None:
+        """Raise ``ValueError`` naming the problem for a prompt the engine cannot take
+        (empty, out of the vocabulary, too long)."""
+        ...
+
+    def generate_async(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        lora_request: LoRARequest | None = None,
+        priority: int = 0,
+        trace_context: dict[str, str] | None = None,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """The request's ``RequestOutput`` each time it advances (``new_text`` /
+        ``new_token_ids`` hold the delta; the object is updated in place between items), the
+        last one finished. Raises ``ValueError`` for a request that can never be served and
+        the engine's own errors (``cluster.errors``) before the first item. Closing the
+        generator early aborts the request. ``trace_context``: the caller's span as a W3C
+        carrier, when tracing is on."""
+        ...
+
+    def abort(self, request_id: str) -> None:
+        """End a request wherever it is (returns at once; its stream ends with ``abort``)."""
+        ...
+
+    async def lora_adapters(self) -> dict[str, LoRARequest]:
+        """The LoRA adapters served by name (the API's extra model names)."""
+        ...
+
+    async def load_lora_adapter(self, name: str, path: str) -> LoRARequest:
+        """Serve the adapter at ``path`` as model ``name``; ``ValueError`` for a bad one."""
+        ...
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        """Stop serving adapter ``name``; ``KeyError`` if it is not served."""
+        ...
+
+    async def metrics_text(self) -> str:
+        """Prometheus exposition text of the engine's metrics (``/metrics``)."""
+        ...
+
+    async def check_health(self) -> dict[str, bool]:
+        """Instance id -> whether all its workers answer (``/health``). Raises when the engine
+        itself cannot be reached."""
+        ...

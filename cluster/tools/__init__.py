@@ -1,0 +1,3 @@
+"""Commands: the `tandem` CLI (``cli``: up, generate, serve, bench), `tandem serve`
+(``serve_cli``), the load generator behind `tandem bench` (``loadgen``, ``loadgen_report``).
+"""
