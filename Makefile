@@ -45,24 +45,24 @@ bench-serve: $(BIN)/activate
 		--slo-ttft-ms 2000 --slo-tpot-ms 200 --out bench/results/serve.json --plot-dir bench/results
 
 bench-model: $(BIN)/activate
-	$(BIN)/python bench/model_throughput.py --out bench/results/model_throughput.json
+	$(BIN)/python -m bench.model_throughput --out bench/results/model_throughput.json
 
 bench-pd: $(BIN)/activate
-	$(BIN)/python bench/pd_cluster.py --out bench/results/pd_cluster.json
+	$(BIN)/python -m bench.pd_cluster --out bench/results/pd_cluster.json
 
 bench-pp: $(BIN)/activate
-	$(BIN)/python bench/pp_cluster.py --out bench/results/pp_cluster.json
+	$(BIN)/python -m bench.pp_cluster --out bench/results/pp_cluster.json
 
 # KV transport bandwidth: grpc vs ray vs memcpy, one node and two.
 bench-kv: $(BIN)/activate
-	$(BIN)/python bench/kv_transport.py --out bench/results/kv_transport.json
+	$(BIN)/python -m bench.kv_transport --out bench/results/kv_transport.json
 
 bench-scheduler: $(BIN)/activate
-	$(BIN)/python bench/scheduler_overhead.py --out bench/results/scheduler_overhead.json
+	$(BIN)/python -m bench.scheduler_overhead --out bench/results/scheduler_overhead.json
 
 # Time to recovery from killed prefill / decode workers (SmolLM2, max_restarts).
 bench-recovery: $(BIN)/activate
-	$(BIN)/python bench/recovery.py --out bench/results/recovery.json
+	$(BIN)/python -m bench.recovery --out bench/results/recovery.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pd_common import memcpy_bandwidth, ray_cluster
+from bench.pd_common import memcpy_bandwidth, ray_cluster
 
 NUM_LAYERS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 30, 3, 64, 16  # SmolLM2-135M
 TRANSPORTS = ("grpc", "ray")

@@ -51,7 +51,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from pd_common import (
+from bench.pd_common import (
     BLOCK_SIZE,
     RunFn,
     cluster_configs,
@@ -65,7 +65,7 @@ from pd_common import (
     tandem_cluster,
     transfer_stats,
 )
-from pd_report import (
+from bench.pd_report import (
     levels_report,
     mib,
     pd_distinct,

@@ -8,7 +8,7 @@ import os
 import statistics
 from typing import Any
 
-from pd_common import BLOCK_SIZE, median_or_none, memcpy_bandwidth, transfer_stats
+from bench.pd_common import BLOCK_SIZE, median_or_none, memcpy_bandwidth, transfer_stats
 
 TRANSFER_TARGET = 0.25  # of memcpy bandwidth, on one node
 COLOCATED_TARGET = 0.8  # of in-process LLM throughput

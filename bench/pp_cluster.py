@@ -45,8 +45,14 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
-from pd_cluster import make_prompts
-from pd_common import BLOCK_SIZE, cluster_runner, latency_stats, median_or_none, tandem_cluster
+from bench.pd_cluster import make_prompts
+from bench.pd_common import (
+    BLOCK_SIZE,
+    cluster_runner,
+    latency_stats,
+    median_or_none,
+    tandem_cluster,
+)
 
 INSTANCE = "pp-0"  # the one instance of every configuration (pool "pp")
 # name -> (label, pp_size, torch threads per worker, async scheduling)

@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pd_common import ray_cluster, tandem_cluster
+from bench.pd_common import ray_cluster, tandem_cluster
 
 BLOCK_SIZE = 16
 

@@ -3,7 +3,7 @@ files, lazy and ``TYPE_CHECKING`` ones included, must point down a layer, and no
 reach itself through its imports.
 
 Layers, top to bottom: ``cluster -> actors -> kv_transfer -> scheduler``. Inside ``cluster/``
-the subpackages are floors: ``tools -> serving -> control -> {engine, observability} ->
+the subpackages are floors: ``tools -> serving -> control -> engine -> observability ->
 {config, errors}`` (a floor may use any floor below it, never one above or a sibling).
 ``scheduler/`` imports only the standard library and pydantic.
 """
@@ -28,11 +28,11 @@ CLUSTER_FLOORS = {
     "config": 0,
     "errors": 0,
     "proto": 0,
-    "engine": 1,
     "observability": 1,
-    "control": 2,
-    "serving": 3,
-    "tools": 4,
+    "engine": 2,
+    "control": 3,
+    "serving": 4,
+    "tools": 5,
 }
 SCHEDULER_THIRD_PARTY = {"pydantic", "pydantic_core", "typing_extensions"}
 

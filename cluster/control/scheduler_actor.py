@@ -8,8 +8,9 @@ first from the prefill instance (TTFT), the rest from the decode instance::
                               prefill, 1st token ─▶ client     decode tokens ─▶ client
                               KV saved (handle) ─▶ D request (do_remote_prefill, [1st token])
 
-A plain class: ``build_scheduler_actor`` (``cluster.control.launch``) wraps it as a named async Ray
-actor; tests may inject in-process instances instead of Ray workers.
+A plain class: ``build_cluster`` (``cluster.control.launch``) starts it as a named async Ray
+actor (``scheduler_actor_class``); tests may inject in-process instances instead of Ray
+workers.
 """
 
 from __future__ import annotations

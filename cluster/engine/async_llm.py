@@ -1,0 +1,177 @@
+"""``AsyncLLM``: the in-process engine (``LLMEngine``) behind the ``EngineClient`` contract, so
+the serving code that fronts a Ray cluster fronts one process just as well (a laptop, tests)::
+
+    engine = AsyncLLM.from_config(model, num_blocks=256)
+    serving = OpenAIServing(engine, "my-model")       # the same API as the cluster's
+
+One asyncio task steps the engine while requests are live; each step runs in a worker thread
+so the event loop keeps accepting and streaming. ``LLMEngine`` is not thread-safe, so every
+call into it (add, abort, a step, an adapter load) holds one lock. Outputs cross from the
+step's thread to each request's consumer as snapshots: the engine updates its outputs in
+place, and a consumer that lags still sees every step's delta.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+from collections.abc import AsyncGenerator
+from typing import Any
+
+from actors.model.tokenizer import Tokenizer
+from cluster.engine.llm_engine import LLMEngine
+from cluster.engine.outputs import RequestOutput
+from cluster.engine.protocol import EngineClient
+from cluster.observability.metrics import render_stats
+from scheduler import LoRARequest, SamplingParams
+
+INSTANCE_ID = "local"  # the one instance, as metrics and health name it
+
+
+class AsyncLLM(EngineClient):
+    """An ``LLMEngine`` stepped by an asyncio task. Use it from one event loop."""
+
+    def __init__(self, engine: LLMEngine, model_name: str = "local") -> None:
+        self.engine = engine
+        self.model_name = model_name  # the ``model_name`` label of its metrics
+        self._lock = asyncio.Lock()  # one call into the engine at a time
+        self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._aborts: set[str] = set()  # applied before the next step
+        self._task: asyncio.Task[None] | None = None
+        self._ids = itertools.count()
+        self._adapters: dict[str, LoRARequest] = {}
+        self._lora_ids = itertools.count(1)
+
+    @classmethod
+    def from_config(cls, model: str | None = None, **config: Any) -> AsyncLLM:
+        """Build the engine (``LLMEngine``'s knobs) and wrap it."""
+        name = config.pop("model_name", None) or "local"
+        return cls(LLMEngine(model, **config), name)
+
+    # -- EngineClient ------------------------------------------------------------------------
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def validate_prompt(self, prompt_token_ids: list[int]) -> None:
+        self.engine.factory.validate(prompt_token_ids)
+
+    async def generate_async(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        lora_request: LoRARequest | None = None,
+        priority: int = 0,
+        trace_context: dict[str, str] | None = None,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """The request's outputs, one per step that moved it (``trace_context`` is accepted
+        and unused: the in-process engine emits no spans)."""
+        rid = request_id or f"local-{next(self._ids)}"
+        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        async with self._lock:
+            # Raises ValueError (bad prompt, id in use, LoRA not enabled) before any output.
+            self.engine.add_request(
+                rid, prompt, params, lora_request=lora_request, priority=priority
+            )
+            self._queues[rid] = queue
+        self._ensure_stepping()
+        finished = False
+        try:
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    finished = True  # the engine failed: nothing left to abort
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._queues.pop(rid, None)
+            if not finished:
+                self.abort(rid)
+
+    def abort(self, request_id: str) -> None:
+        self._aborts.add(request_id)
+        self._ensure_stepping()
+
+    async def lora_adapters(self) -> dict[str, LoRARequest]:
+        return dict(self._adapters)
+
+    async def load_lora_adapter(self, name: str, path: str) -> LoRARequest:
+        if name in self._adapters:
+            raise ValueError(f"adapter {name!r} is already loaded")
+        lora = LoRARequest(lora_name=name, lora_int_id=next(self._lora_ids), lora_path=path)
+        async with self._lock:  # loaded now: a bad adapter fails here, not on a request
+            await asyncio.to_thread(self.engine.worker.add_lora, lora)
+        self._adapters[name] = lora
+        return lora
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        lora = self._adapters.pop(name)  # KeyError: not served
+        async with self._lock:
+            self.engine.worker.remove_lora(lora.lora_int_id)
+
+    async def metrics_text(self) -> str:
+        """The engine's gauges (running, waiting, KV usage, steps) in Prometheus text; the
+        per-request histograms are the cluster's (the SchedulerActor observes them)."""
+        s = self.engine.scheduler
+        instance = {
+            "role": "both",
+            "alive": 1,
+            "num_running": len(s.running),
+            "num_waiting": len(s.waiting) + len(s.holding),
+            "kv_cache_usage": s.kv_cache_manager.usage,
+            "num_free_blocks": s.kv_cache_manager.block_pool.num_free_blocks,
+            "num_steps": s.num_steps,
+        }
+        return render_stats({"instances": {INSTANCE_ID: instance}}, self.model_name)[0]
+
+    async def check_health(self) -> dict[str, bool]:
+        failed = self._task is not None and self._task.done() and self._task.exception()
+        return {INSTANCE_ID: bool(self.engine.worker.health()["ok"]) and not failed}
+
+    # -- the step loop -----------------------------------------------------------------------
+    def _ensure_stepping(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._step_until_idle())
+
+    async def _step_until_idle(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                async with self._lock:
+                    if self._aborts:
+                        aborts, self._aborts = self._aborts, set()
+                        engine.abort_request(sorted(aborts))
+                    if not engine.has_unfinished_requests():
+                        return
+                    outputs = await asyncio.to_thread(engine.step)
+                    # Snapshots, taken before the next step can change the outputs again.
+                    snapshots = [_snapshot(out) for out in outputs]
+                for out in snapshots:
+                    queue = self._queues.get(out.request_id)
+                    if queue is not None:
+                        queue.put_nowait(out)
+        except Exception as exc:  # a failed step ends every live request with the error
+            for queue in self._queues.values():
+                queue.put_nowait(exc)
+            raise
+
+
+def _snapshot(out: RequestOutput) -> RequestOutput:
+    samples = [
+        dataclasses.replace(
+            o,
+            token_ids=list(o.token_ids),
+            new_token_ids=list(o.new_token_ids),
+            logprobs=None if o.logprobs is None else list(o.logprobs),
+        )
+        for o in out.outputs
+    ]
+    return dataclasses.replace(out, outputs=samples)

@@ -1,0 +1,93 @@
+"""``APISpan``: an API request's span ends exactly once -- with the response, as an error when
+the handler raises, or when a stream it was handed to ends."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+pytest.importorskip("opentelemetry.sdk")
+
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import (
+    InMemorySpanExporter,
+)
+from opentelemetry.trace import StatusCode
+
+from cluster.observability.api_span import APISpan
+from cluster.serving.errors import APIError
+from cluster.serving.openai_protocol import CompletionRequest
+
+USAGE = {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6}
+
+
+@pytest.fixture
+def traced() -> tuple[Any, InMemorySpanExporter]:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    return provider.get_tracer("test"), exporter
+
+
+def _request(stream: bool = False) -> CompletionRequest:
+    return CompletionRequest.model_validate(
+        {"model": "m", "prompt": "hi", "max_tokens": 2, "temperature": 0.5, "stream": stream}
+    )
+
+
+def test_a_whole_response_ends_the_span_with_its_outcome(traced: Any) -> None:
+    tracer, exporter = traced
+    with APISpan(tracer, "text_completion", _request()) as span:
+        assert span.context is not None and "traceparent" in span.context
+        span.record("cmpl-1", USAGE, ["length"])
+        assert exporter.get_finished_spans() == ()  # not before the handler leaves
+    (done,) = exporter.get_finished_spans()
+    assert done.name == "text_completion m"
+    assert done.attributes["gen_ai.request.temperature"] == 0.5
+    assert done.attributes["gen_ai.request.max_tokens"] == 2
+    assert done.attributes["gen_ai.response.id"] == "cmpl-1"
+    assert done.attributes["gen_ai.usage.output_tokens"] == 2
+    assert done.status.status_code == StatusCode.UNSET
+
+
+def test_an_error_ends_the_span_as_an_error_with_its_status(traced: Any) -> None:
+    tracer, exporter = traced
+    with pytest.raises(APIError), APISpan(tracer, "text_completion", _request()):
+        raise APIError(429, "overloaded")
+    (done,) = exporter.get_finished_spans()
+    assert done.status.status_code == StatusCode.ERROR
+    assert done.attributes["http.response.status_code"] == 429
+    assert done.attributes["error.type"] == "APIError"
+
+
+def test_a_stream_ends_the_span_when_it_ends(traced: Any) -> None:
+    tracer, exporter = traced
+
+    async def chunks(span: APISpan) -> AsyncIterator[str]:
+        for k in range(3):
+            yield f"chunk {k}"
+        span.record("cmpl-2", USAGE, ["stop"])
+
+    with APISpan(tracer, "text_completion", _request(stream=True)) as span:
+        stream = span.stream(chunks(span))
+    assert exporter.get_finished_spans() == ()  # the handler returned; the stream goes on
+
+    async def drain() -> list[str]:
+        return [c async for c in stream]
+
+    assert asyncio.run(drain()) == ["chunk 0", "chunk 1", "chunk 2"]
+    (done,) = exporter.get_finished_spans()
+    assert tuple(done.attributes["gen_ai.response.finish_reasons"]) == ("stop",)
+
+
+def test_ending_twice_exports_one_span(traced: Any) -> None:
+    tracer, exporter = traced
+    span = APISpan(tracer, "chat", _request())
+    span.end()
+    span.end(error=RuntimeError("late"))
+    (done,) = exporter.get_finished_spans()
+    assert done.status.status_code == StatusCode.UNSET

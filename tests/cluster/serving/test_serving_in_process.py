@@ -1,0 +1,158 @@
+"""The OpenAI API's logic (``OpenAIServing``) on the in-process engine (``AsyncLLM``) instead
+of a Ray cluster: both implement ``EngineClient``, so the same serving code answers the same
+way -- greedy text equal to ``LLM``'s, streams whose deltas add up to the whole response,
+OpenAI's errors, and every request's blocks freed, finished or abandoned."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cluster import LLM, SamplingParams
+from cluster.engine.async_llm import AsyncLLM
+from cluster.engine.protocol import EngineClient
+from cluster.serving.errors import APIError
+from cluster.serving.openai_protocol import ChatCompletionRequest, CompletionRequest
+from cluster.serving.openai_serving import OpenAIServing
+from tests.actors.conftest import tiny_llama  # noqa: F401
+from tests.cluster.conftest import CHAT_TEMPLATE
+
+ENGINE = {"dtype": "float32", "block_size": 4, "num_blocks": 128, "progress": False}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:  # noqa: F811
+    path = tmp_path_factory.mktemp("in-process") / "tiny-chat"
+    shutil.copytree(tiny_llama, path)
+    (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir: Path) -> AsyncLLM:
+    return AsyncLLM.from_config(str(model_dir), model_name="tiny-chat", **ENGINE)
+
+
+@pytest.fixture
+def serving(engine: AsyncLLM) -> Iterator[OpenAIServing]:
+    yield OpenAIServing(engine, "tiny-chat")
+    scheduler = engine.engine.scheduler  # nothing left behind, whatever the test did
+    scheduler.check_integrity()
+    assert not engine.engine.has_unfinished_requests()
+    assert scheduler.kv_cache_manager.usage == 0.0
+
+
+def _run(coro: Any) -> Any:
+    return asyncio.run(asyncio.wait_for(coro, 120))
+
+
+async def _drain(chunks: Any) -> list[dict[str, Any]]:
+    lines = [line async for line in chunks]
+    assert lines[-1] == "data: [DONE]\n\n"
+    return [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+
+
+def test_the_in_process_engine_is_an_engine_client(engine: AsyncLLM) -> None:
+    assert isinstance(engine, EngineClient)
+
+
+def test_greedy_completions_equal_the_in_process_llm(
+    serving: OpenAIServing, model_dir: Path
+) -> None:
+    prompts = [[5, 17, 99, 3], [42] * 9]
+    req = CompletionRequest.model_validate(
+        {"model": "tiny-chat", "prompt": prompts, "max_tokens": 6, "temperature": 0, "n": 2}
+    )
+    body = _run(serving.completion(req))
+    reference = LLM(str(model_dir), **ENGINE).generate(
+        prompts, SamplingParams(max_tokens=6, temperature=0)
+    )
+    texts = [c["text"] for c in body["choices"]]
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+    assert texts == [r.outputs[0].text for r in reference for _ in range(2)]
+    assert body["usage"]["prompt_tokens"] == 4 + 9
+    assert body["usage"]["completion_tokens"] == 4 * 6
+    assert {c["finish_reason"] for c in body["choices"]} == {"length"}
+
+
+def test_a_streamed_chat_adds_up_to_the_whole_one(serving: OpenAIServing) -> None:
+    base = {
+        "model": "tiny-chat",
+        "messages": [{"role": "user", "content": "hello there"}],
+        "max_tokens": 8,
+        "temperature": 0,
+    }
+    whole = _run(serving.chat(ChatCompletionRequest.model_validate(base)))
+    stream_req = {**base, "stream": True, "stream_options": {"include_usage": True}}
+
+    async def streamed() -> list[dict[str, Any]]:
+        return await _drain(await serving.chat(ChatCompletionRequest.model_validate(stream_req)))
+
+    chunks = _run(streamed())
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert text == whole["choices"][0]["message"]["content"]
+    usage = chunks[-1]["usage"]
+    assert chunks[-1]["choices"] == [] and usage["total_tokens"] == whole["usage"]["total_tokens"]
+    # The same prompt a second time: its full blocks come from the prefix cache.
+    assert usage["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+def test_errors_are_openai_errors(serving: OpenAIServing) -> None:
+    too_long = CompletionRequest.model_validate(
+        {"model": "tiny-chat", "prompt": [1] * (serving.max_model_len + 1)}
+    )
+    with pytest.raises(APIError) as long_error:
+        _run(serving.completion(too_long))
+    assert long_error.value.status == 400 and long_error.value.param == "prompt"
+    unknown = CompletionRequest.model_validate({"model": "nope", "prompt": "x"})
+    with pytest.raises(APIError) as unknown_error:
+        _run(serving.completion(unknown))
+    assert unknown_error.value.status == 404 and unknown_error.value.param == "model"
+    with pytest.raises(APIError) as vocab_error:  # the engine's own check of the ids
+        _run(
+            serving.completion(
+                CompletionRequest.model_validate({"model": "tiny-chat", "prompt": [10**6]})
+            )
+        )
+    assert vocab_error.value.status == 400 and "vocabulary" in vocab_error.value.message
+
+
+def test_a_stream_left_early_aborts_its_request(serving: OpenAIServing, engine: AsyncLLM) -> None:
+    req = CompletionRequest.model_validate(
+        {"model": "tiny-chat", "prompt": [7, 8, 9], "max_tokens": 200, "stream": True}
+    )
+
+    async def leave_after_two() -> None:
+        chunks = await serving.completion(req)
+        async for _ in chunks:
+            if engine.engine.scheduler.num_steps >= 3:
+                break
+        await chunks.aclose()
+        for _ in range(200):  # the abort lands at the engine's next step
+            if not engine.engine.has_unfinished_requests():
+                return
+            await asyncio.sleep(0.01)
+
+    _run(leave_after_two())
+    assert not engine.engine.has_unfinished_requests()
+
+
+def test_models_health_and_metrics(serving: OpenAIServing) -> None:
+    models = _run(serving.models())
+    assert [m["id"] for m in models["data"]] == ["tiny-chat"]
+    assert models["data"][0]["max_model_len"] == serving.max_model_len
+    assert _run(serving.health()) == (200, {"status": "ok", "instances": ["local"]})
+    text = _run(serving.metrics())
+    assert 'tandem:num_requests_running{instance="local",model_name="tiny-chat",role="both"}' in (
+        text
+    )
+    with pytest.raises(APIError) as error:  # no adapter by that name
+        _run(serving.resolve("adapter-x"))
+    assert error.value.status == 404
