@@ -4,8 +4,8 @@
     serving/        the Ray Serve app: OpenAI-compatible HTTP, gRPC, auth, API errors
     control/        the SchedulerActor, one EngineLoop per instance, Router, placement,
                     recovery, LoRA adapters, launch, ClusterClient
-    engine/         the in-process engine (LLM, LLMEngine), input / output processing, and
-                    the EngineClient contract between serving and any engine
+    engine/         the in-process engine (LLM, LLMEngine, AsyncLLM), input / output
+                    processing, and the EngineClient contract between serving and any engine
     observability/  Prometheus metrics, request traces, the API span
     config.py       ClusterConfig;  errors.py  errors raised to callers
 
