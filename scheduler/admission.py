@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from scheduler.batch import StepBatch
 from scheduler.kv_cache_utils import KVCacheBlocks
 from scheduler.queues import priority_key
+from scheduler.remote_kv import RemoteKV
 from scheduler.request import Request, RequestStatus
-
-if TYPE_CHECKING:
-    from scheduler.step import StepBuilder
+from scheduler.state import SchedulerState
 
 
 class Verdict(enum.Enum):
@@ -42,41 +42,48 @@ class Plan:
 
 
 class Admitter:
-    """Admits waiting requests into one step (``StepBuilder``)."""
+    """Admits waiting requests into one step's ``batch``, after the running pass.
 
-    def __init__(self, step: StepBuilder) -> None:
-        self.step = step
-        self.s = step.s
-        self.cfg = step.cfg
-        self.kv = step.kv
+    Mutates the state's ``holding``, ``waiting`` and ``running`` queues and block tables,
+    the batch (admissions, priority preemptions) and ``remote_kv`` (promotions, loads).
+    """
+
+    def __init__(self, state: SchedulerState, remote_kv: RemoteKV, batch: StepBatch) -> None:
+        self.state = state
+        self.remote_kv = remote_kv
+        self.batch = batch
+        self.cfg = state.scheduler_config
+        self.kv = state.kv_cache_manager
 
     # -- holding: remote KV loaded (or loading) ------------------------------------------
     def schedule_holding(self) -> None:
         """Requests that hold blocks go before any that do not, so blocks are never held by
-        a request stuck behind one that cannot fit. Promote finished remote loads."""
-        s = self.s
-        if not s.holding:
+        a request stuck behind one that cannot fit. Promote finished remote loads. Mutates
+        ``holding`` (replaced by the requests left in it) and, for each admitted, ``running``
+        and the batch."""
+        state = self.state
+        if not state.holding:
             return
         still: list[Request] = []
-        for request in s.holding:
+        for request in state.holding:
             if request.awaiting_remote_kvs:
-                if request.request_id not in s.remote_kv.finished_recving:
+                if request.request_id not in self.remote_kv.finished_recving:
                     still.append(request)
                     continue
-                s.remote_kv.promote(request)
+                self.remote_kv.promote(request)
             if not self._admit_holding(request):
                 still.append(request)
-        s.holding = still
+        state.holding = still
 
     def _admit_holding(self, request: Request) -> bool:
-        step, cfg = self.step, self.cfg
+        batch, cfg = self.batch, self.cfg
         remaining = request.num_tokens - request.num_computed_tokens
-        n = step.clip(remaining)
+        n = batch.clip(remaining)
         if n <= 0 or (not cfg.enable_chunked_prefill and n < remaining):
             return False
         if self._lora_full(request):
             return False
-        if len(self.s.running) >= cfg.max_num_seqs and not (
+        if len(self.state.running) >= cfg.max_num_seqs and not (
             cfg.policy == "priority" and self._make_room_for(request, self._holding_plan(request))
         ):
             return False
@@ -87,43 +94,45 @@ class Admitter:
         )
         if blocks is None:
             return False
-        step.admit(request, n, request.num_computed_tokens, blocks)
+        batch.admit(request, n, request.num_computed_tokens, blocks)
         return True
 
     def _holding_plan(self, request: Request) -> Plan:
-        n = self.step.clip(request.num_tokens - request.num_computed_tokens)
+        n = self.batch.clip(request.num_tokens - request.num_computed_tokens)
         return Plan(KVCacheBlocks(), 0, 0, False, n)
 
     def release_if_deadlocked(self) -> None:
         """Nothing runs, yet loaded requests cannot get the blocks to continue (they hold
         blocks and are never preempted): send the newest back to the waiting queue. Its
-        blocks are hashed, so it recomputes little when the cache still has them."""
-        s = self.s
-        if s.running or self.step.num_scheduled_tokens:
+        blocks are hashed, so it recomputes little when the cache still has them. Mutates
+        ``holding``, ``waiting`` and the block tables."""
+        state = self.state
+        if state.running or self.batch.num_scheduled_tokens:
             return
-        loaded = [r for r in s.holding if not r.awaiting_remote_kvs]
+        loaded = [r for r in state.holding if not r.awaiting_remote_kvs]
         if loaded:
             victim = loaded[-1]
-            s.holding.remove(victim)
-            s.release_to_waiting(victim, preemption=True)
+            state.holding.remove(victim)
+            state.release_to_waiting(victim, preemption=True)
 
     # -- the waiting queue ---------------------------------------------------------------
     def schedule_waiting(self) -> None:
         """Admit queued requests while budget lasts. One that cannot be admitted is skipped
         so smaller ones behind it run, unless ``strict_fcfs`` or it has been passed over
-        ``max_skip_steps`` times (then it blocks the queue, as in vLLM)."""
-        s = self.s
+        ``max_skip_steps`` times (then it blocks the queue, as in vLLM). Mutates ``waiting``,
+        ``running``, ``holding`` (async loads started), block tables and the batch."""
+        state = self.state
         skipped: list[Request] = []
-        while s.waiting and self.step.token_budget > 0:
-            request = s.waiting.pop_request()
+        while state.waiting and self.batch.token_budget > 0:
+            request = state.waiting.pop_request()
             verdict = self._try_admit(request)
             if verdict is Verdict.SKIP:
                 skipped.append(request)
             elif verdict is Verdict.STOP:
-                s.waiting.prepend_request(request)
+                state.waiting.prepend_request(request)
                 break
         if skipped:
-            s.waiting.prepend_requests(skipped)
+            state.waiting.prepend_requests(skipped)
 
     def _skip_or_stop(self, request: Request, strict: bool) -> Verdict:
         """Skip with aging: after ``max_skip_steps`` skipped steps the request blocks the
@@ -134,18 +143,19 @@ class Admitter:
         return Verdict.SKIP
 
     def _try_admit(self, request: Request) -> Verdict:
-        s, cfg, kv, step = self.s, self.cfg, self.kv, self.step
-        if request.num_in_flight_tokens or request in step.preempted:
+        state, cfg, kv, batch = self.state, self.cfg, self.kv, self.batch
+        if request.num_in_flight_tokens or request in batch.preempted:
             return Verdict.SKIP  # stale output still to come / just preempted for another
         if (
-            len(s.running) >= cfg.max_num_seqs
-            and s.connector is None  # no remote load could start without a slot
+            len(state.running) >= cfg.max_num_seqs
+            and state.connector is None  # no remote load could start without a slot
             and not (
-                cfg.policy == "priority" and request.priority < max(r.priority for r in s.running)
+                cfg.policy == "priority"
+                and request.priority < max(r.priority for r in state.running)
             )
         ):
             return Verdict.STOP  # decided without planning (prefix look-ups cost)
-        plan = self.plan(request, step.token_budget)
+        plan = self.plan(request, batch.token_budget)
         if plan is _NoFit.CONNECTOR_WAIT:
             return Verdict.SKIP
         if plan is _NoFit.BUDGET:
@@ -153,7 +163,7 @@ class Admitter:
         assert isinstance(plan, Plan)
         # A remote load needs neither a running slot nor an adapter slot; computing does.
         if not plan.load_async:
-            if len(s.running) >= cfg.max_num_seqs:
+            if len(state.running) >= cfg.max_num_seqs:
                 if not (cfg.policy == "priority" and self._make_room_for(request, plan)):
                     return Verdict.STOP
             elif self._lora_full(request):
@@ -169,8 +179,8 @@ class Admitter:
         if blocks is None:
             return self._skip_or_stop(request, cfg.strict_fcfs)
         num_computed = plan.num_local + plan.num_external
-        if s.connector is not None:
-            s.connector.update_state_after_alloc(
+        if state.connector is not None:
+            state.connector.update_state_after_alloc(
                 request, kv.get_blocks(request.request_id), plan.num_external
             )
         kv.record_prefix_hit(request, plan.num_local)
@@ -182,11 +192,11 @@ class Admitter:
             request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
             request.num_computed_tokens = num_computed
             request.awaiting_remote_kvs = True
-            s.holding.append(request)
+            state.holding.append(request)
         else:
             if plan.num_external > 0:  # loaded inside this step: confirmed by its output
-                s.remote_kv.sync_loading.add(request.request_id)
-            step.admit(request, plan.n, num_computed, blocks)
+                self.remote_kv.sync_loading.add(request.request_id)
+            batch.admit(request, plan.n, num_computed, blocks)
         return Verdict.ADMITTED
 
     def plan(self, request: Request, token_budget: int) -> Plan | _NoFit:
@@ -194,8 +204,10 @@ class Admitter:
         compute. No change to the cache or the queues."""
         hits, num_local = self.kv.get_computed_blocks(request)
         num_external, load_async = 0, False
-        if self.s.connector is not None:
-            matched, load_async = self.s.connector.get_num_new_matched_tokens(request, num_local)
+        if self.state.connector is not None:
+            matched, load_async = self.state.connector.get_num_new_matched_tokens(
+                request, num_local
+            )
             if matched is None:
                 return _NoFit.CONNECTOR_WAIT
             # Never more than the request has, whatever the connector claims.
@@ -209,7 +221,7 @@ class Admitter:
             n = request.num_tokens - num_local - num_external
             if not self.cfg.enable_chunked_prefill and n > token_budget:
                 return _NoFit.BUDGET
-            n = min(self.step.clip(n), token_budget)
+            n = min(self.batch.clip(n), token_budget)
         return Plan(hits, num_local, num_external, load_async, n)
 
     def _allocation_args(self, plan: Plan) -> dict[str, Any]:
@@ -219,17 +231,17 @@ class Admitter:
             "num_lookahead_tokens": self.cfg.num_lookahead_slots,
             "num_external_computed_tokens": plan.num_external,
             "full_sequence_must_fit": self.cfg.scheduler_reserve_full_isl,
-            "has_scheduled_reqs": bool(self.s.running),
+            "has_scheduled_reqs": bool(self.state.running),
         }
 
     # -- LoRA and priority ---------------------------------------------------------------
     def _lora_full(self, request: Request) -> bool:
-        lora = self.s.lora_config
+        lora = self.state.lora_config
         return (
             request.lora_request is not None
             and lora is not None
-            and request.lora_int_id not in self.step.loras
-            and len(self.step.loras) >= lora.max_loras
+            and request.lora_int_id not in self.batch.loras
+            and len(self.batch.loras) >= lora.max_loras
         )
 
     def _make_room_for(self, candidate: Request, plan: Plan) -> bool:
@@ -238,13 +250,13 @@ class Admitter:
         adapter slot, budget and blocks (incl. watermark, full-prompt fit and the blocks the
         running pass took) checked as admission checks them, with the victim's budget and
         blocks given back (DESIGN §4.4)."""
-        s, kv, step = self.s, self.kv, self.step
-        if candidate.num_in_flight_tokens or candidate in step.preempted:
+        state, kv, batch = self.state, self.kv, self.batch
+        if candidate.num_in_flight_tokens or candidate in batch.preempted:
             return False
         # Never a request admitted in this step (one whose remote KV just arrived, say):
         # that would throw away the work that admitted it.
-        admitted = {id(r) for r in step.new_reqs} | {id(r) for r in step.resumed_reqs}
-        victims = [r for r in s.running if id(r) not in admitted]
+        admitted = {id(r) for r in batch.new_reqs} | {id(r) for r in batch.resumed_reqs}
+        victims = [r for r in state.running if id(r) not in admitted]
         if not victims:
             return False
         victim = max(victims, key=priority_key)
@@ -257,13 +269,13 @@ class Admitter:
             return False
         if plan.hits.blocks and {id(b) for b in uncomputed} & {id(b) for b in plan.hits.blocks}:
             return False
-        lora = s.lora_config
+        lora = state.lora_config
         if lora is not None and candidate.lora_request is not None:
-            others = {r.lora_int_id for r in s.running if r is not victim and r.lora_request}
+            others = {r.lora_int_id for r in state.running if r is not victim and r.lora_request}
             if candidate.lora_int_id not in others and len(others) >= lora.max_loras:
                 return False
-        budget = step.token_budget + step.num_scheduled_tokens.get(victim.request_id, 0)
-        if candidate in s.holding:
+        budget = batch.token_budget + batch.num_scheduled_tokens.get(victim.request_id, 0)
+        if candidate in state.holding:
             fits = kv.can_allocate(
                 candidate,
                 plan.n,
@@ -278,5 +290,5 @@ class Admitter:
             )
         if not fits:
             return False
-        step.preempt(victim)
+        batch.preempt(victim)
         return True

@@ -20,9 +20,10 @@ from scheduler.integrity import check_scheduler_integrity
 from scheduler.kv_cache_manager import KVCacheManager, cdiv
 from scheduler.kv_connector import SchedulerConnector
 from scheduler.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput, SchedulerStats
-from scheduler.queues import create_request_queue, priority_key
-from scheduler.remote_kv import RemoteKV, status_before_load
+from scheduler.queues import RequestQueue
+from scheduler.remote_kv import RemoteKV
 from scheduler.request import Request, RequestStatus
+from scheduler.state import SchedulerState
 from scheduler.step import StepBuilder
 from scheduler.stop import append_and_check_stop, check_stop
 
@@ -33,10 +34,10 @@ _PREEMPTED = RequestStatus.PREEMPTED
 class Scheduler:
     """Decides, step by step, which tokens of which requests one instance computes.
 
-    Owns the requests of its instance: ``waiting`` (a FCFS or priority queue of requests that
-    hold no blocks), ``holding`` (waiting requests that hold blocks: remote KV being loaded or
-    loaded), and ``running``. ``requests`` also keeps finished requests whose blocks are not
-    free yet (delayed free on the prefill side, or a load still writing into them).
+    Owns its instance's requests, queues, configs and KV cache in ``state`` (a
+    ``SchedulerState``: see there), exposed as properties of the same names (``running``,
+    ``holding``, ``finished_req_ids`` and ``num_steps`` writable), and the remote-KV
+    bookkeeping in ``remote_kv``. Each step is built by a ``StepBuilder`` over the state.
     """
 
     def __init__(
@@ -56,37 +57,25 @@ class Scheduler:
                 f"blocks of {cache_config.block_size} tokens but num_blocks is "
                 f"{cache_config.num_blocks}: lower max_model_len or give the cache more blocks."
             )
-        self.scheduler_config = scheduler_config
-        self.cache_config = cache_config
-        self.lora_config = lora_config
-        self.connector = connector
-        self.block_size = cache_config.block_size
-        self.kv_cache_manager = KVCacheManager(
+        kv_cache_manager = KVCacheManager(
             block_size=cache_config.block_size,
             num_blocks=cache_config.num_blocks,
             max_model_len=scheduler_config.max_model_len,
             enable_caching=cache_config.enable_prefix_caching,
             watermark=scheduler_config.watermark,
         )
-        self.requests: dict[str, Request] = {}
-        self.waiting = create_request_queue(scheduler_config.policy)
-        self.holding: list[Request] = []
-        self.running: list[Request] = []
-        # Shipped to the workers with the next SchedulerOutput.
-        self.finished_req_ids: set[str] = set()
-        self.remote_kv = RemoteKV(self)
-        # Requests whose in-flight output must be dropped, oldest first per id: ones freed
-        # while a step naming them was in flight (the id may even be in use again), and
-        # ones whose synchronously loaded KV turned out bad.
-        self.discarded_in_flight: dict[str, list[Request]] = {}
-        self.num_steps = 0
-        self._num_preemptions = 0  # since the last make_stats()
+        self.state = SchedulerState(
+            scheduler_config, cache_config, lora_config, connector, kv_cache_manager
+        )
+        self.remote_kv = RemoteKV(self.state)
 
     # -- requests in ---------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
-        """Queue a new request. Raises ``ValueError`` for one that can never be served."""
-        cfg = self.scheduler_config
-        if request.request_id in self.requests:
+        """Queue a new request (``requests``, ``waiting``). Raises ``ValueError`` for one that
+        can never be served."""
+        state = self.state
+        cfg = state.scheduler_config
+        if request.request_id in state.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         if request.num_prompt_tokens == 0:
             raise ValueError("prompt_token_ids must not be empty")
@@ -107,9 +96,9 @@ class Scheduler:
             )
         if request.sampling_params.n != 1:
             raise ValueError("sampling_params.n must be 1 here: the front end fans out n > 1")
-        if request.lora_request is not None and self.lora_config is None:
+        if request.lora_request is not None and state.lora_config is None:
             raise ValueError("lora_request given but LoRA is not enabled (no lora_config)")
-        if request.do_remote_prefill and self.connector is None:
+        if request.do_remote_prefill and state.connector is None:
             raise ValueError("kv_transfer_params.do_remote_prefill needs a KV connector")
         request.set_limits(cfg.max_model_len)
         if request.output_token_ids and request.output_token_ids[-1] in request.stop_check_ids:
@@ -118,51 +107,54 @@ class Scheduler:
                 "the request has already finished"
             )
         request.status = RequestStatus.WAITING
-        self.requests[request.request_id] = request
-        self.waiting.add_request(request)
+        state.requests[request.request_id] = request
+        state.waiting.add_request(request)
 
     def finish_requests(
         self, request_ids: str | Iterable[str] | None, finished_status: RequestStatus
     ) -> None:
-        """End requests from outside (abort, a stop string found by the front end).
+        """End requests from outside (abort, a stop string found by the front end): takes
+        them out of their queue and frees them (``free_request``).
 
         Unknown and already finished ids are ignored; ``None`` means all. A request whose
         remote KV is still being loaded keeps its blocks until the load reports done.
         """
         if not RequestStatus.is_finished(finished_status):
             raise ValueError(f"{finished_status.name} is not a finished status")
+        state = self.state
         if request_ids is None:
-            request_ids = list(self.requests)
+            request_ids = list(state.requests)
         elif isinstance(request_ids, str):
             request_ids = (request_ids,)
         stopped_running: set[str] = set()
         stopped_waiting: list[Request] = []
         for req_id in request_ids:
-            request = self.requests.get(req_id)
+            request = state.requests.get(req_id)
             if request is None or request.is_finished:
                 continue
             if request.status == RequestStatus.RUNNING:
                 stopped_running.add(req_id)
-            elif request in self.holding:
-                self.holding.remove(request)
+            elif request in state.holding:
+                state.holding.remove(request)
             else:
                 stopped_waiting.append(request)
             request.status = finished_status
-            self.free_request(request)
-        self._drop_from_queues(stopped_running, stopped_waiting)
+            self.remote_kv.free_request(request)
+        state.drop_from_queues(stopped_running, stopped_waiting)
 
     def abandon_all(self, finished_status: RequestStatus) -> list[str]:
         """The instance's worker is gone: end every request with ``finished_status`` and forget
         all KV state at once -- no report will come for loads or sends in flight, so nothing
         may wait for one. Returns the ids of the requests that were unfinished."""
-        unfinished = [rid for rid, r in self.requests.items() if not r.is_finished]
+        state = self.state
+        unfinished = [rid for rid, r in state.requests.items() if not r.is_finished]
         self.finish_requests(None, finished_status)
-        for request in list(self.requests.values()):  # still holding blocks for a report
+        for request in list(state.requests.values()):  # still holding blocks for a report
             request.kv_transfer_params = None  # drop transport handles too
             request.awaiting_remote_kvs = False
             self.remote_kv.free_after_recv.discard(request.request_id)
-            self.free_blocks(request)
-        self.discarded_in_flight.clear()
+            state.free_blocks(request)
+        state.discarded_in_flight.clear()
         return unfinished
 
     # -- the step ------------------------------------------------------------------------
@@ -173,35 +165,15 @@ class Scheduler:
         ``max_running_reqs`` caps how many already-running requests this step continues (a
         pipeline-parallel loop splits them into micro-batches, one per stage in flight; the
         rest go in the next step). Admission is unaffected."""
-        cfg = self.scheduler_config
-        num_present = len(self.running) + len(self.waiting) + len(self.holding)
-        threshold = cfg.long_prefill_token_threshold if num_present > 1 else 0
-        step = StepBuilder(self, cfg.max_num_batched_tokens, threshold, max_running_reqs)
+        step = StepBuilder(self.state, self.remote_kv, max_running_reqs)
         step.schedule_running()
         # A step that preempted for KV space admits nobody: the freed blocks go to the
         # running requests that needed them next step, not to new arrivals.
         if not step.preempted_for_kv:
             step.schedule_waiting()
         out = step.make_output()
-        if self.connector is not None:
-            out.kv_connector_metadata = self.connector.build_connector_meta(out)
-        self._update_after_schedule(out)
+        step.commit(out)
         return out
-
-    def _update_after_schedule(self, out: SchedulerOutput) -> None:
-        async_scheduling = self.scheduler_config.async_scheduling
-        requests = self.requests
-        for req_id, n in out.num_scheduled_tokens.items():
-            request = requests[req_id]
-            request.num_computed_tokens += n
-            request.num_in_flight_tokens += n
-            # Async: a step that reaches the end of the known tokens samples one more; count
-            # it now so the next schedule() can run the following decode before it returns.
-            if async_scheduling and request.num_computed_tokens >= (
-                len(request.all_token_ids) + request.num_output_placeholders
-            ):
-                request.num_output_placeholders += 1
-        self.num_steps += 1
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
@@ -209,26 +181,27 @@ class Scheduler:
         """Apply one step's results (exactly once per step, in step order): append tokens,
         stop finished requests and free their blocks, and take in the connector's reports.
         Returns one output per request that produced tokens or finished."""
+        state, remote_kv = self.state, self.remote_kv
         mro = model_runner_output
         outputs: list[EngineCoreOutput] = []
-        if self.connector is not None and mro.kv_connector_output is not None:
-            self.connector.update_connector_output(mro.kv_connector_output)
+        if state.connector is not None and mro.kv_connector_output is not None:
+            state.connector.update_connector_output(mro.kv_connector_output)
         if mro.failed_recving:
-            self.remote_kv.on_recv_failed(mro.failed_recving, outputs)
-        async_scheduling = self.scheduler_config.async_scheduling
-        max_model_len = self.scheduler_config.max_model_len
+            remote_kv.on_recv_failed(mro.failed_recving, outputs)
+        async_scheduling = state.scheduler_config.async_scheduling
+        max_model_len = state.scheduler_config.max_model_len
         index = mro.req_id_to_index
         all_sampled = mro.sampled_token_ids
         all_logprobs = mro.logprobs
-        requests = self.requests
+        requests = state.requests
         stopped_running: set[str] = set()
         stopped_waiting: list[Request] = []
         # The hot loop (once per scheduled request per step): locals, no helper for the
         # common single-token case.
-        discarded = self.discarded_in_flight
+        discarded = state.discarded_in_flight
         for req_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
             if discarded and req_id in discarded:
-                self._drain_discarded(req_id, num_scheduled)
+                state.drain_discarded(req_id, num_scheduled)
                 continue
             request = requests.get(req_id)
             if request is None:
@@ -275,131 +248,154 @@ class Scheduler:
                     stopped_running.add(req_id)
                 else:
                     stopped_waiting.append(request)
-                out.kv_transfer_params = self.free_request(request)
+                out.kv_transfer_params = remote_kv.free_request(request)
             outputs.append(out)
-        self._drop_from_queues(stopped_running, stopped_waiting)
-        if self.remote_kv.sync_loading:
-            self.remote_kv.confirm_sync_loads(scheduler_output)
+        state.drop_from_queues(stopped_running, stopped_waiting)
+        if remote_kv.sync_loading:
+            remote_kv.confirm_sync_loads(scheduler_output)
         for req_id in mro.finished_recving or ():
-            self.remote_kv.on_recv_finished(req_id)
+            remote_kv.on_recv_finished(req_id)
         for req_id in mro.finished_sending or ():
-            request = self.requests.get(req_id)
+            request = requests.get(req_id)
             if request is not None and request.is_finished:
-                self.free_blocks(request)
+                state.free_blocks(request)
         return outputs
 
-    # -- freeing -------------------------------------------------------------------------
+    # -- freeing and preemption: done by the state and RemoteKV --------------------------
     def free_request(self, request: Request) -> dict[str, object] | None:
-        """A request just finished: tell the connector, then free its blocks now, after its
-        KV has been sent (delay_free), or after a load into them has ended."""
-        delay_free, kv_transfer_params = False, None
-        if self.connector is not None:
-            num_blocks = cdiv(request.num_computed_tokens, self.block_size)
-            block_ids = self.kv_cache_manager.get_block_ids(request.request_id)[:num_blocks]
-            delay_free, kv_transfer_params = self.connector.request_finished(request, block_ids)
-        self.finished_req_ids.add(request.request_id)
-        self.remote_kv.sync_loading.discard(request.request_id)
-        if not self.remote_kv.hold_until_load_ends(request) and not delay_free:
-            self.free_blocks(request)
-        return kv_transfer_params
+        """A request just finished: tell the connector, free its blocks (``RemoteKV``)."""
+        return self.remote_kv.free_request(request)
 
     def free_blocks(self, request: Request) -> None:
-        """Return a finished request's blocks and forget it."""
-        self.kv_cache_manager.free(request)
-        del self.requests[request.request_id]
-        if request.num_in_flight_tokens > 0:
-            # A step naming it is still in flight: that step's output must drain into this
-            # object, not into a new request that reuses the id.
-            self.discard_in_flight_output(request)
+        """Return a finished request's blocks and forget it (``SchedulerState.free_blocks``)."""
+        self.state.free_blocks(request)
 
     def discard_in_flight_output(self, request: Request) -> None:
         """Drop the output of every step in flight for ``request`` (if any)."""
-        if request.num_in_flight_tokens > 0:
-            queue = self.discarded_in_flight.setdefault(request.request_id, [])
-            if not any(r is request for r in queue):
-                queue.append(request)
+        self.state.discard_in_flight_output(request)
 
-    def _drain_discarded(self, req_id: str, num_scheduled: int) -> None:
-        queue = self.discarded_in_flight[req_id]
-        queue[0].num_in_flight_tokens -= num_scheduled
-        if queue[0].num_in_flight_tokens <= 0:
-            queue.pop(0)
-            if not queue:
-                del self.discarded_in_flight[req_id]
-
-    def _drop_from_queues(self, running_ids: set[str], waiting: list[Request]) -> None:
-        if running_ids:
-            self.running = [r for r in self.running if r.request_id not in running_ids]
-        if waiting:
-            self.waiting.remove_requests(waiting)
-
-    # -- preemption ----------------------------------------------------------------------
     def pick_victim(self) -> Request:
         """FCFS: the last admitted. Priority: the worst (priority, arrival)."""
-        if self.scheduler_config.policy == "priority":
-            return max(self.running, key=priority_key)
-        return self.running[-1]
+        return self.state.pick_victim()
 
     def running_loras(self) -> set[int]:
         """Adapters of the running requests: each holds one of ``max_loras`` slots."""
-        return {r.lora_int_id for r in self.running if r.lora_request is not None}
+        return self.state.running_loras()
 
     def release_to_waiting(self, request: Request, preemption: bool = False) -> None:
-        """Send a request that holds blocks but is not running back to the front of the
-        waiting queue with nothing computed: after a failed load, or evicted to end a
-        deadlock (``preemption``: counted as one)."""
-        self.kv_cache_manager.free(request)
-        request.num_computed_tokens = 0
-        if preemption:
-            request.num_preemptions += 1
-            self._num_preemptions += 1
-        request.status = status_before_load(request)
-        self.waiting.prepend_request(request)
+        """A request holding blocks goes back to ``waiting`` (``SchedulerState``)."""
+        self.state.release_to_waiting(request, preemption)
 
     def preempt(self, request: Request) -> None:
-        """Evict a running request by recompute: free its blocks, send it back to the front
-        of the waiting queue with nothing computed."""
-        self.running.remove(request)
-        self.kv_cache_manager.free(request)
-        request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
-        request.num_output_placeholders = 0
-        request.num_preemptions += 1
-        self._num_preemptions += 1
-        self.waiting.prepend_request(request)
+        """Evict a running request by recompute (``SchedulerState.preempt``)."""
+        self.state.preempt(request)
 
     # -- queries -------------------------------------------------------------------------
     def get_num_unfinished_requests(self) -> int:
-        return len(self.waiting) + len(self.holding) + len(self.running)
+        """Requests waiting, holding blocks, or running."""
+        state = self.state
+        return len(state.waiting) + len(state.holding) + len(state.running)
 
     def has_unfinished_requests(self) -> bool:
+        """At least one request is waiting, holding blocks, or running."""
         return self.get_num_unfinished_requests() > 0
 
     def has_requests(self) -> bool:
         """Unfinished requests, or finished ones whose blocks wait for a KV send or load to
         report: an engine loop must keep stepping (and collecting reports) while True."""
-        return bool(self.requests)
+        return bool(self.state.requests)
 
     def reset_prefix_cache(self) -> bool:
-        return self.kv_cache_manager.reset_prefix_cache()
+        """Forget every cached prefix block (see ``KVCacheManager.reset_prefix_cache``)."""
+        return self.state.kv_cache_manager.reset_prefix_cache()
 
     def make_stats(self) -> SchedulerStats:
-        """Gauges now, counters since the previous call."""
-        prefix = self.kv_cache_manager.make_prefix_cache_stats()
-        num_preemptions, self._num_preemptions = self._num_preemptions, 0
-        num_remote = sum(1 for r in self.holding if r.awaiting_remote_kvs)
+        """Gauges now, counters since the previous call (resets the preemption counter)."""
+        state = self.state
+        prefix = state.kv_cache_manager.make_prefix_cache_stats()
+        num_preemptions, state.num_preemptions = state.num_preemptions, 0
+        num_remote = sum(1 for r in state.holding if r.awaiting_remote_kvs)
         return SchedulerStats(
-            num_running_reqs=len(self.running),
-            num_waiting_reqs=len(self.waiting) + len(self.holding),
+            num_running_reqs=len(state.running),
+            num_waiting_reqs=len(state.waiting) + len(state.holding),
             num_waiting_for_remote_kvs=num_remote,
-            kv_cache_usage=self.kv_cache_manager.usage,
+            kv_cache_usage=state.kv_cache_manager.usage,
             prefix_cache_requests=prefix.requests,
             prefix_cache_queries=prefix.queries,
             prefix_cache_hits=prefix.hits,
             num_preemptions=num_preemptions,
-            num_steps=self.num_steps,
+            num_steps=state.num_steps,
         )
 
     def check_integrity(self) -> None:
         """Raise ``AssertionError`` if the queues, statuses or block tables disagree."""
-        check_scheduler_integrity(self)
+        check_scheduler_integrity(self.state, self.remote_kv)
+
+    # -- the state, by its old names -----------------------------------------------------
+    @property
+    def scheduler_config(self) -> SchedulerConfig:
+        return self.state.scheduler_config
+
+    @property
+    def cache_config(self) -> CacheConfig:
+        return self.state.cache_config
+
+    @property
+    def lora_config(self) -> LoRAConfig | None:
+        return self.state.lora_config
+
+    @property
+    def connector(self) -> SchedulerConnector | None:
+        return self.state.connector
+
+    @property
+    def block_size(self) -> int:
+        return self.state.block_size
+
+    @property
+    def kv_cache_manager(self) -> KVCacheManager:
+        return self.state.kv_cache_manager
+
+    @property
+    def requests(self) -> dict[str, Request]:
+        return self.state.requests
+
+    @property
+    def waiting(self) -> RequestQueue:
+        return self.state.waiting
+
+    @property
+    def discarded_in_flight(self) -> dict[str, list[Request]]:
+        return self.state.discarded_in_flight
+
+    @property
+    def holding(self) -> list[Request]:
+        return self.state.holding
+
+    @holding.setter
+    def holding(self, value: list[Request]) -> None:
+        self.state.holding = value
+
+    @property
+    def running(self) -> list[Request]:
+        return self.state.running
+
+    @running.setter
+    def running(self, value: list[Request]) -> None:
+        self.state.running = value
+
+    @property
+    def finished_req_ids(self) -> set[str]:
+        return self.state.finished_req_ids
+
+    @finished_req_ids.setter
+    def finished_req_ids(self, value: set[str]) -> None:
+        self.state.finished_req_ids = value
+
+    @property
+    def num_steps(self) -> int:
+        return self.state.num_steps
+
+    @num_steps.setter
+    def num_steps(self, value: int) -> None:
+        self.state.num_steps = value

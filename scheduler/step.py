@@ -1,103 +1,74 @@
 """One ``schedule()`` call: the running pass, the waiting passes and the output.
 
-``StepBuilder`` holds the per-step scratch state (budget, what was scheduled, what was
-preempted) and works on its ``Scheduler``'s queues directly; it lives only for one step.
+``StepBuilder`` drives one step over a ``SchedulerState``: it gives running requests their
+next tokens, hands the rest of the budget to admission (``Admitter``), and packages the
+result. What the step has decided so far lives in its ``StepBatch``; both live only for
+one step.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from scheduler.admission import Admitter
+from scheduler.batch import StepBatch
 from scheduler.kv_cache_manager import NO_BLOCKS
 from scheduler.kv_cache_utils import KVCacheBlocks
 from scheduler.outputs import CachedRequestData, NewRequestData, SchedulerOutput
-from scheduler.request import Request, RequestStatus
-
-if TYPE_CHECKING:
-    from scheduler.scheduler import Scheduler
+from scheduler.remote_kv import RemoteKV
+from scheduler.state import SchedulerState
 
 
 class StepBuilder:
+    """Builds one step's ``SchedulerOutput``. Mutates the state's queues and block tables
+    (admissions, preemptions) and, in ``commit``, the scheduled requests' counters."""
+
     def __init__(
-        self,
-        scheduler: Scheduler,
-        token_budget: int,
-        threshold: int,
-        max_running_reqs: int | None = None,
+        self, state: SchedulerState, remote_kv: RemoteKV, max_running_reqs: int | None = None
     ) -> None:
-        self.s = scheduler
+        cfg = state.scheduler_config
+        num_present = len(state.running) + len(state.waiting) + len(state.holding)
+        # Long prefills are capped only when another request could use the budget.
+        threshold = cfg.long_prefill_token_threshold if num_present > 1 else 0
+        self.state = state
+        self.remote_kv = remote_kv
         self.max_running_reqs = max_running_reqs
-        self.cfg = scheduler.scheduler_config
-        self.kv = scheduler.kv_cache_manager
-        self.token_budget = token_budget
-        self.threshold = threshold
-        self.num_scheduled_tokens: dict[str, int] = {}
-        self.new_blocks: dict[str, KVCacheBlocks] = {}
-        self.new_reqs: list[Request] = []
-        self.resumed_reqs: list[Request] = []
-        self.running_reqs: list[Request] = []
-        self.preempted: list[Request] = []
-        self.preempted_for_kv = False
-        self.loras: set[int] = set()
+        self.batch = StepBatch(state, cfg.max_num_batched_tokens, threshold)
 
-    # -- bookkeeping ---------------------------------------------------------------------
-    def _schedule(self, request: Request, n: int, new_blocks: KVCacheBlocks) -> None:
-        self.num_scheduled_tokens[request.request_id] = n
-        self.new_blocks[request.request_id] = new_blocks
-        self.token_budget -= n
-
-    def preempt(self, victim: Request) -> None:
-        """Preempt ``victim``, undoing its part of this step if it was already scheduled."""
-        n = self.num_scheduled_tokens.pop(victim.request_id, None)
-        if n is not None:  # scheduled earlier in this step: give the budget back
-            self.token_budget += n
-            del self.new_blocks[victim.request_id]
-            for scheduled in (self.running_reqs, self.new_reqs, self.resumed_reqs):
-                if victim in scheduled:
-                    scheduled.remove(victim)
-                    break
-            # Blocks hashed for this step's tokens will never be computed.
-            self.kv.uncache_uncomputed_blocks(victim, victim.num_computed_tokens)
-        self.s.preempt(victim)
-        self.preempted.append(victim)
-        if self.s.lora_config is not None:
-            self.loras = self.s.running_loras()
-
-    def clip(self, n: int) -> int:
-        """Apply the long-prefill threshold and the remaining budget to ``n`` tokens."""
-        if 0 < self.threshold < n:
-            n = self.threshold
-        return min(n, self.token_budget)
+    @property
+    def preempted_for_kv(self) -> bool:
+        """The running pass preempted a request for KV space."""
+        return self.batch.preempted_for_kv
 
     # -- running -------------------------------------------------------------------------
-    @staticmethod
-    def _release_loaded(s: Scheduler) -> bool:
+    def _release_loaded(self) -> bool:
         """KV is short: a request whose remote KV has arrived but that waits for a running
         slot gives its blocks back before any running request is preempted (its blocks stay
-        hashed, so it may find them again). True if one was released."""
-        for request in reversed(s.holding):
+        hashed, so it may find them again). Mutates the state's ``holding`` and ``waiting``.
+        True if one was released."""
+        state = self.state
+        for request in reversed(state.holding):
             if not request.awaiting_remote_kvs:
-                s.holding.remove(request)
-                s.release_to_waiting(request, preemption=True)
+                state.holding.remove(request)
+                state.release_to_waiting(request, preemption=True)
                 return True
         return False
 
     def schedule_running(self) -> None:
-        """Give each running request its next tokens, preempting on KV pressure.
+        """Give each running request its next tokens, preempting on KV pressure. Mutates the
+        batch, the state's ``running`` and ``waiting`` (preemptions) and block tables.
 
         The hot loop of the scheduler (once per running request per step): locals only."""
-        s, cfg = self.s, self.cfg
-        append_slots = self.kv.append_slots
+        state, batch = self.state, self.batch
+        cfg = state.scheduler_config
+        append_slots = state.kv_cache_manager.append_slots
         async_scheduling = cfg.async_scheduling
         lookahead = cfg.num_lookahead_slots
         max_computed = cfg.max_model_len - 1  # the last position never needs computing
-        threshold = self.threshold
-        running = s.running
-        num_scheduled = self.num_scheduled_tokens
-        new_blocks_of = self.new_blocks
-        running_reqs = self.running_reqs
-        budget = self.token_budget
+        threshold = batch.threshold
+        running = state.running
+        num_scheduled = batch.num_scheduled_tokens
+        new_blocks_of = batch.new_blocks
+        running_reqs = batch.running_reqs
+        budget = batch.token_budget
         cap = len(running) if self.max_running_reqs is None else self.max_running_reqs
         i = 0
         while i < len(running) and budget > 0 and len(running_reqs) < cap:
@@ -134,15 +105,15 @@ class StepBuilder:
                 new_blocks = append_slots(request, n, lookahead)
                 if new_blocks is not None:
                     break
-                if self._release_loaded(s):
+                if self._release_loaded():
                     continue
-                victim = s.pick_victim()
+                victim = state.pick_victim()
                 if running.index(victim) < i:
                     i -= 1
-                self.token_budget = budget
-                self.preempt(victim)  # may give back budget of an already scheduled victim
-                budget = self.token_budget
-                self.preempted_for_kv = True
+                batch.token_budget = budget
+                batch.preempt(victim)  # may give back budget of an already scheduled victim
+                budget = batch.token_budget
+                batch.preempted_for_kv = True
                 if victim is request:
                     break
             if new_blocks is None:
@@ -154,51 +125,42 @@ class StepBuilder:
             new_blocks_of[request.request_id] = new_blocks
             budget -= n
             i += 1
-        self.token_budget = budget
-        if s.lora_config is not None:  # adapters of every running request hold a slot
-            self.loras = s.running_loras()
-
-    def admit(self, request: Request, n: int, num_computed: int, blocks: KVCacheBlocks) -> None:
-        """Move an admitted request into ``running`` and schedule ``n`` of its tokens."""
-        resumed = request.status == RequestStatus.PREEMPTED
-        request.status = RequestStatus.RUNNING
-        request.num_computed_tokens = num_computed
-        request.num_skipped_steps = 0
-        self.s.running.append(request)
-        (self.resumed_reqs if resumed else self.new_reqs).append(request)
-        if request.lora_request is not None:
-            self.loras.add(request.lora_int_id)
-        self._schedule(request, n, blocks)
+        batch.token_budget = budget
+        if state.lora_config is not None:  # adapters of every running request hold a slot
+            batch.loras = state.running_loras()
 
     def schedule_waiting(self) -> None:
         """Admission: requests holding blocks, then the waiting queue (see admission.py)."""
-        admitter = Admitter(self)
+        admitter = Admitter(self.state, self.remote_kv, self.batch)
         admitter.schedule_holding()
         admitter.schedule_waiting()
         admitter.release_if_deadlocked()
 
     # -- output --------------------------------------------------------------------------
     def make_output(self) -> SchedulerOutput:
-        """Package the step for the workers. Runs before ``num_computed_tokens`` advances."""
-        s, kv = self.s, self.kv
+        """Package the step for the workers (with the connector's metadata). Runs before
+        ``num_computed_tokens`` advances. Takes the state's ``finished_req_ids``."""
+        state, batch = self.state, self.batch
+        kv = state.kv_cache_manager
         new_reqs = [
-            NewRequestData.from_request(r, kv.get_block_ids(r.request_id)) for r in self.new_reqs
+            NewRequestData.from_request(r, kv.get_block_ids(r.request_id)) for r in batch.new_reqs
         ]
         cached = CachedRequestData()
         req_ids, resumed_flags = cached.req_ids, cached.resumed_from_preemption
         new_token_ids, new_block_ids = cached.new_token_ids, cached.new_block_ids
         num_computed = cached.num_computed_tokens
-        num_scheduled = self.num_scheduled_tokens
-        for request in self.running_reqs:
+        num_scheduled = batch.num_scheduled_tokens
+        new_blocks_of = batch.new_blocks
+        for request in batch.running_reqs:
             req_id = request.request_id
             start = request.num_computed_tokens
-            blocks = self.new_blocks[req_id].blocks
+            blocks = new_blocks_of[req_id].blocks
             req_ids.append(req_id)
             new_token_ids.append(request.all_token_ids[start : start + num_scheduled[req_id]])
             new_block_ids.append([b.block_id for b in blocks] if blocks else None)
             num_computed.append(start)
         resumed_flags.extend([False] * len(req_ids))
-        for request in self.resumed_reqs:
+        for request in batch.resumed_reqs:
             req_id = request.request_id
             start = request.num_computed_tokens
             req_ids.append(req_id)
@@ -207,13 +169,35 @@ class StepBuilder:
             new_block_ids.append(kv.get_block_ids(req_id))
             num_computed.append(start)
             cached.resumed_token_ids[req_id] = list(request.all_token_ids)
-        finished, s.finished_req_ids = s.finished_req_ids, set()
-        return SchedulerOutput(
+        finished, state.finished_req_ids = state.finished_req_ids, set()
+        out = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached,
-            num_scheduled_tokens=self.num_scheduled_tokens,
-            total_num_scheduled_tokens=sum(self.num_scheduled_tokens.values()),
-            preempted_req_ids={r.request_id for r in self.preempted},
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            preempted_req_ids={r.request_id for r in batch.preempted},
             finished_req_ids=finished,
-            step_id=s.num_steps,
+            step_id=state.num_steps,
         )
+        if state.connector is not None:
+            out.kv_connector_metadata = state.connector.build_connector_meta(out)
+        return out
+
+    def commit(self, out: SchedulerOutput) -> None:
+        """The step is out: count its tokens as computed and in flight (optimistically;
+        outputs arrive later) and the step as taken. Mutates the scheduled requests'
+        counters and the state's ``num_steps``."""
+        state = self.state
+        async_scheduling = state.scheduler_config.async_scheduling
+        requests = state.requests
+        for req_id, n in out.num_scheduled_tokens.items():
+            request = requests[req_id]
+            request.num_computed_tokens += n
+            request.num_in_flight_tokens += n
+            # Async: a step that reaches the end of the known tokens samples one more; count
+            # it now so the next schedule() can run the following decode before it returns.
+            if async_scheduling and request.num_computed_tokens >= (
+                len(request.all_token_ids) + request.num_output_placeholders
+            ):
+                request.num_output_placeholders += 1
+        state.num_steps += 1
