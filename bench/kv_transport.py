@@ -19,8 +19,8 @@ Lengths and transports are interleaved; a warm-up first pushes the object store'
 the ``ray`` path (the store's pages are slow on first touch) and a few pulls through ``grpc``.
 The first transfer of every (transport, placement, length) is checked bit for bit.
 
-    python bench/kv_transport.py                 # 128 512 2048 tokens, 8 transfers each
-    python bench/kv_transport.py --quick         # 128 512, 3 each
+    python -m bench.kv_transport                 # 128 512 2048 tokens, 8 transfers each
+    python -m bench.kv_transport --quick         # 128 512, 3 each
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ greedy, EOS ignored. Three contenders:
 Decode tokens/s = B × (new − 1) / (total − prefill): the prefill (first token) is timed
 separately for each contender and left out. Prints a table, writes JSON.
 
-    python bench/model_throughput.py --batches 1 16 64 --dtypes float32 bfloat16
+    python -m bench.model_throughput --batches 1 16 64 --dtypes float32 bfloat16
 """
 
 from __future__ import annotations

@@ -35,9 +35,9 @@ KV transfer, from the workers' ``TransferRecord``s joined by request id:
 - memcpy: ``np.copyto`` of the same byte count into a preallocated, pre-touched array in this
   process (best and median), plus a fresh allocation + copy and a copy into fresh pages.
 
-    python bench/pd_cluster.py                  # levels c=1 8 32 + sweep 128 512 2048 tokens
-    python bench/pd_cluster.py --only sweep     # the transfer sweep alone
-    python bench/pd_cluster.py --quick          # smoke test: c=1 2, 4 requests; sweep 256 x 2
+    python -m bench.pd_cluster                  # levels c=1 8 32 + sweep 128 512 2048 tokens
+    python -m bench.pd_cluster --only sweep     # the transfer sweep alone
+    python -m bench.pd_cluster --quick          # smoke test: c=1 2, 4 requests; sweep 256 x 2
 """
 
 from __future__ import annotations

@@ -27,8 +27,8 @@ From the instance's counters (``ClusterClient.stats()``), taken around each meas
 - CPU s/s: CPU seconds per wall second of the workers, the SchedulerActor and this driver
   (from ``/proc``; the host has few cores, so they compete with each other and with the model).
 
-    python bench/pp_cluster.py              # c = 1 8 32; configurations a b c d
-    python bench/pp_cluster.py --quick      # smoke test: c = 1 8, few requests
+    python -m bench.pp_cluster              # c = 1 8 32; configurations a b c d
+    python -m bench.pp_cluster --quick      # smoke test: c = 1 8, few requests
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ faults), kills a worker process with SIGKILL, and records per request:
 - every stream's tokens are checked against an undisturbed run (greedy: equal, none lost or
   repeated), and the time until the restarted worker rejoined routing is reported too.
 
-    python bench/recovery.py [--trials 5] [--concurrency 6] [--out bench/results/recovery.json]
+    python -m bench.recovery [--trials 5] [--concurrency 6] [--out bench/results/recovery.json]
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ prefix caching has work to do), up to ``--max-num-seqs`` running, and times ``sc
 ``update_from_output()`` of every step. The fake executor samples a random non-EOS token for
 every request whose step reaches the end of its sequence; its own time is not counted.
 
-    python bench/scheduler_overhead.py --out bench/results/scheduler_overhead.json
+    python -m bench.scheduler_overhead --out bench/results/scheduler_overhead.json
 
 Prints a table (median / p99 microseconds, overall and over the steps where the running set
 was full) and writes the same numbers as JSON.
@@ -25,11 +25,8 @@ import json
 import platform
 import random
 import statistics
-import sys
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from scheduler import (
     CacheConfig,
