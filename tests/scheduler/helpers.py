@@ -4,6 +4,7 @@ builds ``ModelRunnerOutput``s by hand, and a small in-memory KV connector."""
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -163,6 +164,89 @@ def assert_all_free(s: Scheduler) -> None:
     assert not s.requests, f"requests left: {list(s.requests)}"
     assert not s.kv_cache_manager.req_to_blocks
     assert s.get_num_unfinished_requests() == 0
+
+
+def drain(s: Scheduler) -> dict[str, list[int]]:
+    """Run to completion, then check that nothing leaked; returns each request's tokens."""
+    produced = run_to_completion(s)
+    assert_all_free(s)
+    return produced
+
+
+def used_blocks(s: Scheduler) -> int:
+    pool = s.kv_cache_manager.block_pool
+    return pool.num_blocks - pool.num_free_blocks
+
+
+def request_ids(requests: Iterable[Request]) -> list[str]:
+    return [r.request_id for r in requests]
+
+
+# -- prompts that never share a prefix by accident ----------------------------------------------
+
+_bases = itertools.count(1)
+
+
+def fresh_prompt(n: int) -> list[int]:
+    """``n`` tokens that share no prefix with any other ``fresh_prompt`` (never EOS)."""
+    base = 1000 * next(_bases)
+    return list(range(base, base + n))
+
+
+def add(s: Scheduler, req_id: str, prompt: int | list[int] = 4, **kw: Any) -> Request:
+    """Add a request to ``s``; ``prompt`` is a token list, or a length (a ``fresh_prompt``)."""
+    request = make_request(
+        fresh_prompt(prompt) if isinstance(prompt, int) else prompt, req_id=req_id, **kw
+    )
+    s.add_request(request)
+    return request
+
+
+# -- a model that counts: a request's i-th output token is T0 + i ------------------------------
+# A request that was preempted and recomputed must still end with exactly T0, T0 + 1, ...
+
+T0 = 5000
+
+
+def token_range(base: int, n: int) -> list[int]:
+    return list(range(base, base + n))
+
+
+def expected(n: int) -> list[int]:
+    """The first ``n`` outputs of any request under ``counting_step``."""
+    return token_range(T0, n)
+
+
+def counting_step(
+    s: Scheduler, produced: dict[str, list[int]] | None = None
+) -> tuple[SchedulerOutput, list[EngineCoreOutput]]:
+    """One step (integrity checked); each sampling request gets ``T0 + its output count``,
+    and its new tokens are added to ``produced``."""
+    tokens = {rid: [T0 + r.num_output_tokens] for rid, r in s.requests.items()}
+    out, outputs = step(s, tokens)
+    if produced is not None:
+        for o in outputs:
+            produced.setdefault(o.request_id, []).extend(o.new_token_ids)
+    return out, outputs
+
+
+def finish_counting(
+    s: Scheduler,
+    produced: dict[str, list[int]],
+    step_fn: Callable[
+        [Scheduler, dict[str, list[int]]], tuple[SchedulerOutput, list[EngineCoreOutput]]
+    ] = counting_step,
+    max_steps: int = 200,
+) -> None:
+    """Step with ``step_fn`` until nothing is unfinished, then check that nothing leaked."""
+    for _ in range(max_steps):
+        if not s.has_unfinished_requests():
+            break
+        step_fn(s, produced)
+    assert_all_free(s)
+
+
+REMOTE = {"do_remote_prefill": True}  # a decode-side request whose KV comes from elsewhere
 
 
 @dataclass

@@ -176,8 +176,11 @@ def test_fcfs_ignores_priority_and_arrival() -> None:
     assert drain(q) == ["late-low", "early-high"]
 
 
-def test_fcfs_empty_queue_raises() -> None:
-    q = FCFSRequestQueue()
+@pytest.mark.parametrize(
+    "queue_class", [FCFSRequestQueue, PriorityRequestQueue], ids=["fcfs", "priority"]
+)
+def test_empty_queue_raises(queue_class: type[RequestQueue]) -> None:
+    q = queue_class()
     with pytest.raises(IndexError):
         q.peek_request()
     with pytest.raises(IndexError):
@@ -229,14 +232,6 @@ def test_priority_order_by_priority_arrival_then_id() -> None:
     assert ids(q) == ["z", "a2", "b", "c", "d"]
     assert len(q) == 5  # iterating does not consume
     assert drain(q) == ["z", "a2", "b", "c", "d"]
-
-
-def test_priority_empty_queue_raises() -> None:
-    q = PriorityRequestQueue()
-    with pytest.raises(IndexError):
-        q.peek_request()
-    with pytest.raises(IndexError):
-        q.pop_request()
 
 
 def test_priority_prepend_goes_back_to_key_order() -> None:

@@ -2,13 +2,12 @@
 requests, ``max_num_seqs``, chunked prefill, ``long_prefill_token_threshold``, ``max_model_len``
 clipping, prefix caching through the scheduler, and what ``SchedulerOutput`` carries.
 
-Prompts are built from distinct token ranges (``_prompt``) so that prefix caching only hits
+Prompts are built from distinct token ranges (``fresh_prompt``) so that prefix caching only hits
 where a test asks for it.
 """
 
 from __future__ import annotations
 
-import itertools
 import random
 from typing import Any
 
@@ -16,35 +15,27 @@ from scheduler import (
     EngineCoreOutput,
     FinishReason,
     ModelRunnerOutput,
-    Request,
     RequestStatus,
     Scheduler,
     SchedulerOutput,
 )
 from tests.scheduler.helpers import (
+    add,
     assert_all_free,
-    make_request,
+    drain,
+    fresh_prompt,
     make_scheduler,
     model_output,
-    run_to_completion,
     step,
 )
 
-_bases = itertools.count(1)
 
-
-def _prompt(n: int) -> list[int]:
-    """``n`` tokens that share no prefix with any other ``_prompt`` (never EOS)."""
-    base = 1000 * next(_bases)
-    return list(range(base, base + n))
-
-
-def _add(s: Scheduler, req_id: str, prompt: int | list[int], **kw: Any) -> Request:
-    request = make_request(
-        _prompt(prompt) if isinstance(prompt, int) else prompt, req_id=req_id, **kw
-    )
-    s.add_request(request)
-    return request
+def _with_a(n: int, max_tokens: int, **sched: Any) -> tuple[Scheduler, list[int]]:
+    """A scheduler holding request "a" on a fresh ``n``-token prompt; returns the prompt too."""
+    s = make_scheduler(**sched)
+    prompt = fresh_prompt(n)
+    add(s, "a", prompt, max_tokens=max_tokens)
+    return s, prompt
 
 
 def _assert_step_limits(s: Scheduler, num_scheduled: dict[str, int], total: int) -> None:
@@ -60,12 +51,12 @@ def _assert_step_limits(s: Scheduler, num_scheduled: dict[str, int], total: int)
 # -- the token budget ------------------------------------------------------------------------
 def test_running_decodes_are_scheduled_first_and_waiting_prefills_get_the_rest() -> None:
     s = make_scheduler(max_num_batched_tokens=16, max_num_seqs=8)
-    _add(s, "a", 4, max_tokens=20)
-    _add(s, "b", 4, max_tokens=20)
+    add(s, "a", 4, max_tokens=20)
+    add(s, "b", 4, max_tokens=20)
     out, _ = step(s)
     assert out.num_scheduled_tokens == {"a": 4, "b": 4}
 
-    _add(s, "c", 20, max_tokens=4)
+    add(s, "c", 20, max_tokens=4)
     out, outputs = step(s)
     # Two decodes (1 token each) come first; the prefill of c takes the remaining 14.
     assert out.num_scheduled_tokens == {"a": 1, "b": 1, "c": 14}
@@ -75,34 +66,32 @@ def test_running_decodes_are_scheduled_first_and_waiting_prefills_get_the_rest()
     assert out.scheduled_cached_reqs.req_ids == ["a", "b"]
     assert {o.request_id for o in outputs} == {"a", "b"}  # c's partial prefill samples nothing
 
-    _add(s, "d", 10, max_tokens=4)
+    add(s, "d", 10, max_tokens=4)
     out, _ = step(s)
     # Running first: a, b decode; c finishes its prompt (6); d gets what is left (8 of 10).
     assert out.num_scheduled_tokens == {"a": 1, "b": 1, "c": 6, "d": 8}
     assert out.total_num_scheduled_tokens == 16
-    run_to_completion(s)
-    assert_all_free(s)
+    drain(s)
 
 
 def test_waiting_request_gets_nothing_when_running_requests_use_the_whole_budget() -> None:
     s = make_scheduler(max_num_batched_tokens=8, max_num_seqs=8)
-    _add(s, "a", 30, max_tokens=2)
-    _add(s, "b", 5, max_tokens=2)
+    add(s, "a", 30, max_tokens=2)
+    add(s, "b", 5, max_tokens=2)
     out, _ = step(s)
     assert out.num_scheduled_tokens == {"a": 8}
     assert [r.request_id for r in s.waiting] == ["b"]
     out, _ = step(s)
     assert out.num_scheduled_tokens == {"a": 8}  # the running prefill keeps the budget
     assert out.scheduled_new_reqs == []
-    run_to_completion(s)
-    assert_all_free(s)
+    drain(s)
 
 
 def test_total_scheduled_tokens_never_exceed_the_budget_on_a_mixed_workload() -> None:
     rng = random.Random(1234)
     s = make_scheduler(max_num_batched_tokens=24, max_num_seqs=5, num_blocks=64, max_model_len=64)
     for i in range(20):
-        _add(s, f"r{i}", rng.randint(1, 40), max_tokens=rng.randint(1, 12))
+        add(s, f"r{i}", rng.randint(1, 40), max_tokens=rng.randint(1, 12))
     produced: dict[str, int] = {}
     for _ in range(500):
         if not s.has_unfinished_requests():
@@ -120,10 +109,10 @@ def test_total_scheduled_tokens_never_exceed_the_budget_on_a_mixed_workload() ->
 # -- max_num_seqs ----------------------------------------------------------------------------
 def test_max_num_seqs_caps_running_and_the_rest_get_in_as_others_finish() -> None:
     s = make_scheduler(max_num_batched_tokens=64, max_num_seqs=2)
-    _add(s, "a", 4, max_tokens=1)
-    _add(s, "b", 4, max_tokens=3)
-    _add(s, "c", 4, max_tokens=3)
-    _add(s, "d", 4, max_tokens=3)
+    add(s, "a", 4, max_tokens=1)
+    add(s, "b", 4, max_tokens=3)
+    add(s, "c", 4, max_tokens=3)
+    add(s, "d", 4, max_tokens=3)
     out, outputs = step(s)
     assert set(out.num_scheduled_tokens) == {"a", "b"}  # budget left, but no slot for c, d
     assert [r.request_id for r in s.waiting] == ["c", "d"]
@@ -141,14 +130,13 @@ def test_max_num_seqs_caps_running_and_the_rest_get_in_as_others_finish() -> Non
 
     out, _ = step(s)
     assert out.num_scheduled_tokens == {"c": 1, "d": 4}
-    run_to_completion(s)
-    assert_all_free(s)
+    drain(s)
 
 
 # -- chunked prefill -------------------------------------------------------------------------
 def test_chunked_prefill_splits_a_long_prompt_and_partial_steps_emit_nothing() -> None:
     s = make_scheduler(max_num_batched_tokens=16, max_model_len=64)
-    a = _add(s, "a", 40, max_tokens=2)
+    a = add(s, "a", 40, max_tokens=2)
     chunks = []
     for expected_computed in (16, 32):
         out = s.schedule()
@@ -163,27 +151,25 @@ def test_chunked_prefill_splits_a_long_prompt_and_partial_steps_emit_nothing() -
     chunks.append(out.num_scheduled_tokens["a"])
     assert chunks == [16, 16, 8]
     assert [o.new_token_ids for o in outputs] == [[7]]
-    run_to_completion(s)
-    assert_all_free(s)
+    drain(s)
 
 
 def test_chunked_prefill_on_fills_the_budget_with_a_chunk_of_the_next_prompt() -> None:
     s = make_scheduler(max_num_batched_tokens=32, max_model_len=32, enable_chunked_prefill=True)
-    _add(s, "a", 20, max_tokens=2)
-    _add(s, "b", 20, max_tokens=2)
-    _add(s, "c", 5, max_tokens=2)
+    add(s, "a", 20, max_tokens=2)
+    add(s, "b", 20, max_tokens=2)
+    add(s, "c", 5, max_tokens=2)
     out, _ = step(s)
     assert out.num_scheduled_tokens == {"a": 20, "b": 12}
     assert [r.request_id for r in s.waiting] == ["c"]
-    run_to_completion(s)
-    assert_all_free(s)
+    drain(s)
 
 
 def test_chunked_prefill_off_never_splits_and_smaller_requests_behind_run() -> None:
     s = make_scheduler(max_num_batched_tokens=32, max_model_len=32, enable_chunked_prefill=False)
-    _add(s, "a", 20, max_tokens=2)
-    b = _add(s, "b", 20, max_tokens=2)
-    _add(s, "c", 5, max_tokens=2)
+    add(s, "a", 20, max_tokens=2)
+    b = add(s, "b", 20, max_tokens=2)
+    add(s, "c", 5, max_tokens=2)
     out, _ = step(s)
     # b (20) does not fit the 12 left and is not chunked; Tandem skips it so c runs.
     assert out.num_scheduled_tokens == {"a": 20, "c": 5}
@@ -193,8 +179,7 @@ def test_chunked_prefill_off_never_splits_and_smaller_requests_behind_run() -> N
 
     out, _ = step(s)  # a and c decode (1 + 1); b (20) fits the 30 left, in one piece
     assert out.num_scheduled_tokens == {"a": 1, "c": 1, "b": 20}
-    run_to_completion(s)
-    assert_all_free(s)
+    drain(s)
 
 
 def test_chunked_prefill_off_with_strict_fcfs_waits_instead_of_skipping() -> None:
@@ -204,57 +189,53 @@ def test_chunked_prefill_off_with_strict_fcfs_waits_instead_of_skipping() -> Non
         enable_chunked_prefill=False,
         strict_fcfs=True,
     )
-    _add(s, "a", 20, max_tokens=2)
-    _add(s, "b", 20, max_tokens=2)
-    _add(s, "c", 5, max_tokens=2)
+    add(s, "a", 20, max_tokens=2)
+    add(s, "b", 20, max_tokens=2)
+    add(s, "c", 5, max_tokens=2)
     out, _ = step(s)
     assert out.num_scheduled_tokens == {"a": 20}
     assert [r.request_id for r in s.waiting] == ["b", "c"]
     out, _ = step(s)
     assert out.num_scheduled_tokens == {"a": 1, "b": 20, "c": 5}
-    run_to_completion(s)
-    assert_all_free(s)
+    drain(s)
 
 
 # -- long_prefill_token_threshold ------------------------------------------------------------
 def test_long_prefill_threshold_caps_chunks_when_several_requests_are_present() -> None:
     s = make_scheduler(max_num_batched_tokens=64, long_prefill_token_threshold=8)
-    _add(s, "a", 20, max_tokens=2)
-    _add(s, "b", 20, max_tokens=2)
+    add(s, "a", 20, max_tokens=2)
+    add(s, "b", 20, max_tokens=2)
     steps = [step(s)[0].num_scheduled_tokens for _ in range(3)]
     assert steps == [{"a": 8, "b": 8}, {"a": 8, "b": 8}, {"a": 4, "b": 4}]
-    run_to_completion(s)
-    assert_all_free(s)
+    drain(s)
 
 
 def test_long_prefill_threshold_does_not_cap_a_lone_request() -> None:
     s = make_scheduler(max_num_batched_tokens=64, long_prefill_token_threshold=8)
-    _add(s, "a", 20, max_tokens=3)
+    add(s, "a", 20, max_tokens=3)
     out, _ = step(s)
     assert out.num_scheduled_tokens == {"a": 20}
     # A second arrival makes two present: its prefill is capped, a's decode is not affected.
-    _add(s, "b", 20, max_tokens=2)
+    add(s, "b", 20, max_tokens=2)
     out, _ = step(s)
     assert out.num_scheduled_tokens == {"a": 1, "b": 8}
-    run_to_completion(s)
-    assert_all_free(s)
+    drain(s)
 
 
 def test_long_prefill_threshold_counts_waiting_requests_as_present() -> None:
     # a runs alone until b arrives; b cannot be admitted (max_num_seqs=1) but is present.
     s = make_scheduler(max_num_batched_tokens=64, max_num_seqs=1, long_prefill_token_threshold=8)
-    _add(s, "a", 40, max_tokens=2)
-    _add(s, "b", 4, max_tokens=2)
+    add(s, "a", 40, max_tokens=2)
+    add(s, "b", 4, max_tokens=2)
     out, _ = step(s)
     assert out.num_scheduled_tokens == {"a": 8}
-    run_to_completion(s)
-    assert_all_free(s)
+    drain(s)
 
 
 # -- max_model_len ---------------------------------------------------------------------------
 def test_request_stops_length_capped_at_max_model_len() -> None:
     s = make_scheduler(max_model_len=16, max_num_batched_tokens=16)
-    a = _add(s, "a", 10, max_tokens=1000)  # max_tokens alone would never stop it
+    a = add(s, "a", 10, max_tokens=1000)  # max_tokens alone would never stop it
     tokens: list[int] = []
     last = None
     for _ in range(20):
@@ -275,7 +256,7 @@ def test_request_stops_length_capped_at_max_model_len() -> None:
 
 def test_prompt_of_max_model_len_minus_one_gets_exactly_one_token() -> None:
     s = make_scheduler(max_model_len=16, max_num_batched_tokens=16)
-    a = _add(s, "a", 15, max_tokens=None)
+    a = add(s, "a", 15, max_tokens=None)
     assert a.max_tokens == 1  # unset max_tokens becomes max_model_len - prompt
     out, outputs = step(s)
     assert out.num_scheduled_tokens == {"a": 15}
@@ -287,7 +268,7 @@ def test_scheduled_tokens_never_take_num_computed_past_max_model_len_minus_one()
     # With async scheduling a request is scheduled ahead of its outputs; the clip keeps
     # num_computed_tokens <= max_model_len - 1 however many steps run ahead.
     s = make_scheduler(max_model_len=16, max_num_batched_tokens=16, async_scheduling=True)
-    a = _add(s, "a", 10, max_tokens=1000)
+    a = add(s, "a", 10, max_tokens=1000)
     in_flight = []
     for _ in range(8):
         out = s.schedule()
@@ -316,7 +297,7 @@ def test_sixteen_prompts_of_1024_tokens_are_all_scheduled_in_the_first_step() ->
         max_model_len=4096,
     )
     for i in range(16):
-        _add(s, f"r{i}", 1024, max_tokens=4)
+        add(s, f"r{i}", 1024, max_tokens=4)
     out, outputs = step(s)
     assert out.num_scheduled_tokens == {f"r{i}": 1024 for i in range(16)}
     assert out.total_num_scheduled_tokens == 16384
@@ -324,21 +305,18 @@ def test_sixteen_prompts_of_1024_tokens_are_all_scheduled_in_the_first_step() ->
     assert all(len(r.block_ids) == 64 for r in out.scheduled_new_reqs)
     assert len(outputs) == 16
     assert not s.waiting
-    run_to_completion(s)
-    assert_all_free(s)
+    drain(s)
 
 
 # -- prefix caching through the scheduler ----------------------------------------------------
 def test_prefix_hit_for_a_request_admitted_in_a_later_step() -> None:
-    s = make_scheduler(block_size=4)
-    prompt = _prompt(22)
-    _add(s, "a", prompt, max_tokens=3)
+    s, prompt = _with_a(22, 3, block_size=4)
     out, _ = step(s)
     a_blocks = out.scheduled_new_reqs[0].block_ids
     assert len(a_blocks) == 6
 
-    _add(s, "b", list(prompt), max_tokens=3)  # same prompt: 5 full blocks cached
-    _add(s, "c", prompt[:9] + _prompt(5), max_tokens=3)  # shares 2 full blocks
+    add(s, "b", list(prompt), max_tokens=3)  # same prompt: 5 full blocks cached
+    add(s, "c", prompt[:9] + fresh_prompt(5), max_tokens=3)  # shares 2 full blocks
     out, outputs = step(s)
     new = {r.req_id: r for r in out.scheduled_new_reqs}
     assert new["b"].num_computed_tokens == 20
@@ -349,19 +327,16 @@ def test_prefix_hit_for_a_request_admitted_in_a_later_step() -> None:
     assert out.num_scheduled_tokens == {"a": 1, "b": 2, "c": 6}
     cached = {o.request_id: o.num_cached_tokens for o in outputs}
     assert cached == {"a": 0, "b": 20, "c": 8}
-    run_to_completion(s)
-    assert_all_free(s)
+    drain(s)
 
 
 def test_prefix_hit_revives_the_freed_blocks_of_a_finished_request() -> None:
-    s = make_scheduler(block_size=4, num_blocks=16, max_model_len=64)
-    prompt = _prompt(13)
-    _add(s, "a", prompt, max_tokens=1)
+    s, prompt = _with_a(13, 1, block_size=4, num_blocks=16, max_model_len=64)
     out, _ = step(s)
     a_blocks = out.scheduled_new_reqs[0].block_ids
     assert s.kv_cache_manager.usage == 0.0  # a finished: all its blocks are free (and cached)
 
-    _add(s, "b", list(prompt), max_tokens=2)
+    add(s, "b", list(prompt), max_tokens=2)
     out, outputs = step(s)
     (b,) = out.scheduled_new_reqs
     assert b.num_computed_tokens == 12
@@ -369,15 +344,12 @@ def test_prefix_hit_revives_the_freed_blocks_of_a_finished_request() -> None:
     assert out.num_scheduled_tokens == {"b": 1}
     assert outputs[0].num_cached_tokens == 12
     assert s.kv_cache_manager.block_pool.num_free_blocks == 16 - 4
-    run_to_completion(s)
-    assert_all_free(s)
+    drain(s)
 
 
 def test_identical_prompts_added_together_share_blocks_in_the_same_step() -> None:
-    s = make_scheduler(block_size=4)
-    prompt = _prompt(20)
-    _add(s, "a", prompt, max_tokens=2)
-    _add(s, "b", list(prompt), max_tokens=2)
+    s, prompt = _with_a(20, 2, block_size=4)
+    add(s, "b", list(prompt), max_tokens=2)
     out, outputs = step(s)
     a, b = out.scheduled_new_reqs
     assert (a.req_id, b.req_id) == ("a", "b")
@@ -389,36 +361,30 @@ def test_identical_prompts_added_together_share_blocks_in_the_same_step() -> Non
     assert {o.request_id: o.num_cached_tokens for o in outputs} == {"a": 0, "b": 16}
     # Shared blocks are counted once: 5 + 1 blocks in use.
     assert s.kv_cache_manager.block_pool.num_free_blocks == 64 - 6
-    run_to_completion(s)
-    assert_all_free(s)
+    drain(s)
 
 
 def test_no_prefix_hits_with_caching_off() -> None:
-    s = make_scheduler(block_size=4, prefix_caching=False)
-    prompt = _prompt(20)
-    _add(s, "a", prompt, max_tokens=2)
-    _add(s, "b", list(prompt), max_tokens=2)
+    s, prompt = _with_a(20, 2, block_size=4, prefix_caching=False)
+    add(s, "b", list(prompt), max_tokens=2)
     out, _ = step(s)
     a, b = out.scheduled_new_reqs
     assert b.num_computed_tokens == 0
     assert not set(a.block_ids) & set(b.block_ids)
     assert out.num_scheduled_tokens == {"a": 20, "b": 20}
 
-    _add(s, "c", list(prompt), max_tokens=2)  # a's blocks are computed by now: still no hit
+    add(s, "c", list(prompt), max_tokens=2)  # a's blocks are computed by now: still no hit
     out, outputs = step(s)
     assert out.scheduled_new_reqs[0].num_computed_tokens == 0
     assert out.num_scheduled_tokens["c"] == 20
     assert all(o.num_cached_tokens == 0 for o in outputs)
     assert s.make_stats().prefix_cache_hits == 0
-    run_to_completion(s)
-    assert_all_free(s)
+    drain(s)
 
 
 # -- SchedulerOutput contents ----------------------------------------------------------------
 def test_new_request_is_sent_once_then_as_cached_diffs() -> None:
-    s = make_scheduler(block_size=4)
-    prompt = _prompt(6)
-    _add(s, "a", prompt, max_tokens=4)
+    s, prompt = _with_a(6, 4, block_size=4)
     sampled = iter([[50], [51], [52], [53]])
 
     def run_step() -> tuple[SchedulerOutput, list[EngineCoreOutput]]:
@@ -471,9 +437,7 @@ def test_new_request_is_sent_once_then_as_cached_diffs() -> None:
 
 
 def test_chunked_prefill_diffs_carry_the_prompt_slice_and_new_blocks() -> None:
-    s = make_scheduler(block_size=4, max_num_batched_tokens=8, max_num_seqs=4)
-    prompt = _prompt(20)
-    _add(s, "a", prompt, max_tokens=2)
+    s, prompt = _with_a(20, 2, block_size=4, max_num_batched_tokens=8, max_num_seqs=4)
     out, _ = step(s)
     assert out.scheduled_new_reqs[0].num_computed_tokens == 0
     assert len(out.scheduled_new_reqs[0].block_ids) == 2
@@ -487,8 +451,7 @@ def test_chunked_prefill_diffs_carry_the_prompt_slice_and_new_blocks() -> None:
         (ids,) = cached.new_block_ids
         assert ids is not None and len(ids) == new_blocks and not seen & set(ids)
         seen |= set(ids)
-    run_to_completion(s)
-    assert_all_free(s)
+    drain(s)
 
 
 def test_a_worker_mirroring_the_diffs_rebuilds_every_block_table_and_position() -> None:
@@ -499,11 +462,11 @@ def test_a_worker_mirroring_the_diffs_rebuilds_every_block_table_and_position() 
     s = make_scheduler(
         block_size=4, num_blocks=14, max_model_len=48, max_num_batched_tokens=20, max_num_seqs=6
     )
-    shared = _prompt(10)
+    shared = fresh_prompt(10)
     for i in range(14):
-        tail = _prompt(rng.randint(1, 14))
+        tail = fresh_prompt(rng.randint(1, 14))
         prompt = shared[: rng.randint(0, 10)] + tail
-        _add(s, f"r{i}", prompt, max_tokens=rng.randint(4, 24))
+        add(s, f"r{i}", prompt, max_tokens=rng.randint(4, 24))
     tables: dict[str, list[int]] = {}
     positions: dict[str, int] = {}
     num_preempted = 0

@@ -15,25 +15,21 @@ import pytest
 
 from scheduler import Request, RequestStatus, Scheduler, SchedulerOutput
 from tests.scheduler.helpers import (
+    REMOTE,
     InMemoryConnector,
     assert_all_free,
+    drain,
     make_request,
     make_scheduler,
     run_to_completion,
     step,
+    used_blocks,
 )
-
-REMOTE = {"do_remote_prefill": True}
 
 
 def _decode_side(**sched: Any) -> tuple[Scheduler, InMemoryConnector]:
     connector = InMemoryConnector()
     return make_scheduler(connector=connector, **sched), connector
-
-
-def _used_blocks(s: Scheduler) -> int:
-    pool = s.kv_cache_manager.block_pool
-    return pool.num_blocks - pool.num_free_blocks
 
 
 def _start_load(s: Scheduler, request: Request) -> SchedulerOutput:
@@ -44,6 +40,21 @@ def _start_load(s: Scheduler, request: Request) -> SchedulerOutput:
     assert not outputs
     assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
     return out
+
+
+def _loading(
+    prompt: int | list[int] = 10,
+    *,
+    params: dict[str, Any] | None = None,
+    max_tokens: int = 8,
+    **sched: Any,
+) -> tuple[Scheduler, InMemoryConnector, Request]:
+    """A decode side with one remote-prefill request (``params``: its kv_transfer_params,
+    REMOTE by default) whose load has just started."""
+    s, c = _decode_side(**sched)
+    r = make_request(prompt, kv_transfer_params=dict(params or REMOTE), max_tokens=max_tokens)
+    _start_load(s, r)
+    return s, c, r
 
 
 # -- decode side: async remote load ------------------------------------------------------------
@@ -99,9 +110,7 @@ def test_build_connector_meta_once_per_step_before_computed_advances() -> None:
 
 
 def test_remote_load_done_recomputes_only_the_last_token() -> None:
-    s, _ = _decode_side()
-    r = make_request(10, kv_transfer_params=dict(REMOTE), max_tokens=4)
-    _start_load(s, r)
+    s, _, r = _loading(max_tokens=4)
     block_ids = s.kv_cache_manager.get_block_ids(r.request_id)
     out, _ = step(s, finished_recving={r.request_id})  # reported after this step's schedule
     assert out.total_num_scheduled_tokens == 0
@@ -119,10 +128,8 @@ def test_remote_load_done_recomputes_only_the_last_token() -> None:
 
 
 def test_loaded_blocks_become_prefix_hits_only_after_the_load() -> None:
-    s, _ = _decode_side()
     prompt = list(range(200, 210))
-    r = make_request(prompt, kv_transfer_params=dict(REMOTE), max_tokens=2)
-    _start_load(s, r)
+    s, _, r = _loading(prompt, max_tokens=2)
     kv = s.kv_cache_manager
     probe = make_request(prompt)  # never added: get_computed_blocks changes nothing
     assert kv.get_computed_blocks(probe)[1] == 0
@@ -131,15 +138,12 @@ def test_loaded_blocks_become_prefix_hits_only_after_the_load() -> None:
     hit_blocks, num_hit = kv.get_computed_blocks(probe)
     assert num_hit == 8
     assert hit_blocks.get_block_ids() == kv.get_block_ids(r.request_id)[:2]
-    run_to_completion(s)
-    assert_all_free(s)
+    drain(s)
 
 
 def test_local_request_admitted_during_load_gets_no_hit() -> None:
-    s, _ = _decode_side()
     prompt = list(range(200, 210))
-    r = make_request(prompt, kv_transfer_params=dict(REMOTE), max_tokens=2)
-    _start_load(s, r)
+    s, _, r = _loading(prompt, max_tokens=2)
     twin = make_request(prompt, max_tokens=2)
     s.add_request(twin)
     out, _ = step(s)
@@ -148,16 +152,13 @@ def test_local_request_admitted_during_load_gets_no_hit() -> None:
     assert out.num_scheduled_tokens == {twin.request_id: 10}
     assert not set(new.block_ids) & set(s.kv_cache_manager.get_block_ids(r.request_id))
     step(s, finished_recving={r.request_id})
-    run_to_completion(s)
-    assert_all_free(s)
+    drain(s)
 
 
 @pytest.mark.parametrize("remote_num_tokens", [4, 6, 9])
 def test_partial_remote_load_prefills_the_rest(remote_num_tokens: int) -> None:
-    s, c = _decode_side()
     params = {**REMOTE, "remote_num_tokens": remote_num_tokens}
-    r = make_request(10, kv_transfer_params=params, max_tokens=2)
-    _start_load(s, r)
+    s, c, r = _loading(params=params, max_tokens=2)
     assert c.alloc_calls[-1][2] == remote_num_tokens
     assert r.num_computed_tokens == remote_num_tokens
     step(s, finished_recving={r.request_id})
@@ -166,8 +167,7 @@ def test_partial_remote_load_prefills_the_rest(remote_num_tokens: int) -> None:
     assert new.num_computed_tokens == remote_num_tokens
     assert out.num_scheduled_tokens == {r.request_id: 10 - remote_num_tokens}
     assert len(outputs) == 1 and len(outputs[0].new_token_ids) == 1
-    run_to_completion(s)
-    assert_all_free(s)
+    drain(s)
 
 
 def test_remote_load_starts_after_the_local_prefix_hit() -> None:
@@ -184,22 +184,19 @@ def test_remote_load_starts_after_the_local_prefix_hit() -> None:
     step(s, finished_recving={r.request_id})
     out, _ = step(s)
     assert out.num_scheduled_tokens == {r.request_id: 1}
-    run_to_completion(s)
-    assert_all_free(s)
+    drain(s)
 
 
 # -- failed loads (DESIGN §4.2, reference §4.5) ------------------------------------------------
 
 
 def test_failed_load_recompute_prefills_locally() -> None:
-    s, c = _decode_side()  # kv_load_failure_policy defaults to "recompute"
-    r = make_request(10, kv_transfer_params=dict(REMOTE), max_tokens=3)
-    _start_load(s, r)
+    s, c, r = _loading(max_tokens=3)  # kv_load_failure_policy defaults to "recompute"
     out, outputs = step(s, failed_recving={r.request_id})
     assert not outputs
     assert (r.status, r.num_computed_tokens) == (RequestStatus.WAITING, 0)
     assert r.kv_transfer_params is not None and not r.kv_transfer_params["do_remote_prefill"]
-    assert _used_blocks(s) == 0  # the load ended: its blocks held nothing valid
+    assert used_blocks(s) == 0  # the load ended: its blocks held nothing valid
     out, outputs = step(s)
     (new,) = out.scheduled_new_reqs
     assert new.num_computed_tokens == 0
@@ -214,9 +211,7 @@ def test_failed_load_recompute_prefills_locally() -> None:
 
 
 def test_failed_load_fail_policy_ends_with_error() -> None:
-    s, c = _decode_side(kv_load_failure_policy="fail")
-    r = make_request(10, kv_transfer_params=dict(REMOTE))
-    _start_load(s, r)
+    s, c, r = _loading(kv_load_failure_policy="fail")
     out, outputs = step(s, failed_recving={r.request_id})
     (o,) = outputs
     assert o.request_id == r.request_id and o.new_token_ids == []
@@ -230,9 +225,7 @@ def test_failed_load_fail_policy_ends_with_error() -> None:
 
 
 def test_failed_report_after_promotion_is_ignored() -> None:
-    s, c = _decode_side()
-    r = make_request(10, kv_transfer_params=dict(REMOTE), max_tokens=2)
-    _start_load(s, r)
+    s, c, r = _loading(max_tokens=2)
     step(s, finished_recving={r.request_id})
     step(s, failed_recving={r.request_id})  # promoted and running by now
     assert r.status == RequestStatus.RUNNING and r.num_output_tokens == 1
@@ -246,9 +239,7 @@ def test_failed_report_after_promotion_is_ignored() -> None:
 
 @pytest.mark.parametrize("report", ["finished_recving", "failed_recving"])
 def test_abort_during_load_holds_blocks_until_the_load_ends(report: str) -> None:
-    s, c = _decode_side()
-    r = make_request(10, kv_transfer_params=dict(REMOTE))
-    _start_load(s, r)
+    s, c, r = _loading()
     block_ids = s.kv_cache_manager.get_block_ids(r.request_id)
     s.finish_requests(r.request_id, RequestStatus.FINISHED_ABORTED)
     assert r.status == RequestStatus.FINISHED_ABORTED
@@ -264,7 +255,7 @@ def test_abort_during_load_holds_blocks_until_the_load_ends(report: str) -> None
     assert not set(out.scheduled_new_reqs[0].block_ids) & set(block_ids)
     assert s.kv_cache_manager.get_block_ids(r.request_id) == block_ids
     run_to_completion(s)
-    assert _used_blocks(s) == 3 and r.request_id in s.requests
+    assert used_blocks(s) == 3 and r.request_id in s.requests
     if report == "finished_recving":
         step(s, finished_recving={r.request_id})
     else:
@@ -274,9 +265,7 @@ def test_abort_during_load_holds_blocks_until_the_load_ends(report: str) -> None
 
 
 def test_abort_after_load_reported_frees_at_once() -> None:
-    s, c = _decode_side()
-    r = make_request(10, kv_transfer_params=dict(REMOTE))
-    _start_load(s, r)
+    s, c, r = _loading()
     step(s, finished_recving={r.request_id})
     s.finish_requests([r.request_id], RequestStatus.FINISHED_ABORTED)
     assert len(c.finished_calls) == 1
@@ -297,7 +286,7 @@ def test_abort_all_with_a_load_in_flight() -> None:
     s.finish_requests(None, RequestStatus.FINISHED_ABORTED)
     assert s.get_num_unfinished_requests() == 0
     assert list(s.requests) == [loading.request_id]
-    assert _used_blocks(s) == 3
+    assert used_blocks(s) == 3
     step(s, finished_recving={loading.request_id})
     assert sorted(call[0] for call in c.finished_calls) == sorted(
         [loading.request_id, running.request_id, queued.request_id]
@@ -326,5 +315,4 @@ def test_loaded_request_is_admitted_before_better_priority_waiting_request() -> 
     out, _ = step(s)
     assert out.num_scheduled_tokens == {a.request_id: 1, r.request_id: 1}
     assert w.status == RequestStatus.WAITING
-    run_to_completion(s)
-    assert_all_free(s)
+    drain(s)

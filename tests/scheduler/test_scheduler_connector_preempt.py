@@ -10,15 +10,15 @@ from __future__ import annotations
 
 from scheduler import Request, RequestStatus, Scheduler, SchedulerOutput
 from tests.scheduler.helpers import (
+    REMOTE,
     InMemoryConnector,
     assert_all_free,
+    drain,
     make_request,
     make_scheduler,
     run_to_completion,
     step,
 )
-
-REMOTE = {"do_remote_prefill": True}
 
 
 class _OffloadConnector(InMemoryConnector):
@@ -49,6 +49,21 @@ def _preempt_remote_request(s: Scheduler, r: Request) -> None:
     raise AssertionError("the scenario must preempt the remote request")
 
 
+def _offloaded_and_preempted() -> tuple[Scheduler, _OffloadConnector, Request]:
+    """An ``offloaded`` request (10-token prompt, 20 to generate) preempted by KV pressure."""
+    c = _OffloadConnector()
+    s = make_scheduler(
+        connector=c,
+        prefix_caching=False,
+        num_blocks=10,
+        max_model_len=40,
+        max_num_batched_tokens=40,
+    )
+    r = make_request(10, kv_transfer_params={"offloaded": True}, max_tokens=20)
+    _preempt_remote_request(s, r)
+    return s, c, r
+
+
 def _resume(s: Scheduler, r: Request) -> SchedulerOutput:
     for _ in range(40):
         recv = {r.request_id} if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS else None
@@ -61,16 +76,7 @@ def _resume(s: Scheduler, r: Request) -> SchedulerOutput:
 def test_preempted_request_loaded_again_is_resumed_not_new() -> None:
     """Reference §4.3 step 4: a finished load sets WAITING, "or PREEMPTED if it was
     preempted", so the worker gets the request's whole token list back."""
-    c = _OffloadConnector()
-    s = make_scheduler(
-        connector=c,
-        prefix_caching=False,
-        num_blocks=10,
-        max_model_len=40,
-        max_num_batched_tokens=40,
-    )
-    r = make_request(10, kv_transfer_params={"offloaded": True}, max_tokens=20)
-    _preempt_remote_request(s, r)
+    s, c, r = _offloaded_and_preempted()
     out = _resume(s, r)
     loads = [call for call in c.alloc_calls if call[0] == r.request_id]
     assert [call[2] for call in loads] == [10, 10]  # loaded again after the preemption
@@ -89,16 +95,7 @@ def test_preempted_request_loaded_again_is_resumed_not_new() -> None:
 def test_preempted_request_whose_reload_fails_is_resumed_not_new() -> None:
     """Recomputing after a failed load must not forget the preemption either: the request
     has outputs, and NewRequestData would carry only its prompt."""
-    c = _OffloadConnector()
-    s = make_scheduler(
-        connector=c,
-        prefix_caching=False,
-        num_blocks=10,
-        max_model_len=40,
-        max_num_batched_tokens=40,
-    )
-    r = make_request(10, kv_transfer_params={"offloaded": True}, max_tokens=20)
-    _preempt_remote_request(s, r)
+    s, _, r = _offloaded_and_preempted()
     while r.status != RequestStatus.WAITING_FOR_REMOTE_KVS:  # the reload starts
         step(s)
         assert s.num_steps < 60
@@ -127,5 +124,4 @@ def test_completed_remote_load_is_not_repeated_after_preemption() -> None:
     assert r.kv_transfer_params is not None and not r.kv_transfer_params["do_remote_prefill"]
     cached = out.scheduled_cached_reqs
     assert cached.resumed_from_preemption[cached.req_ids.index(r.request_id)]
-    run_to_completion(s)
-    assert_all_free(s)
+    drain(s)

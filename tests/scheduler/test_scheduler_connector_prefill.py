@@ -22,13 +22,8 @@ from tests.scheduler.helpers import (
     make_scheduler,
     run_to_completion,
     step,
+    used_blocks,
 )
-
-
-def _used_blocks(s: Scheduler) -> int:
-    pool = s.kv_cache_manager.block_pool
-    return pool.num_blocks - pool.num_free_blocks
-
 
 # -- prefill side: request_finished and delayed free -------------------------------------------
 
@@ -82,10 +77,10 @@ def test_prefill_side_delays_free_until_finished_sending() -> None:
         assert r.request_id in s.requests and r not in s.running
         assert s.get_num_unfinished_requests() == 0
         assert s.kv_cache_manager.get_block_ids(r.request_id) == block_ids
-        assert _used_blocks(s) == 3
+        assert used_blocks(s) == 3
     # A late abort of an already finished request is ignored (PR #25067).
     s.finish_requests(r.request_id, RequestStatus.FINISHED_ABORTED)
-    assert r.status == RequestStatus.FINISHED_LENGTH_CAPPED and _used_blocks(s) == 3
+    assert r.status == RequestStatus.FINISHED_LENGTH_CAPPED and used_blocks(s) == 3
     step(s, finished_sending={r.request_id})
     assert len(c.finished_calls) == 1
     assert_all_free(s)
@@ -117,7 +112,7 @@ def test_stopped_prefill_request_partial_tail_block_included() -> None:
     assert r.num_computed_tokens == 10  # 9 prompt + 1 decoded input
     (call,) = c.finished_calls
     assert len(call[2]) == 3 and call[2] == c.held_at_finish[0][:3]
-    assert _used_blocks(s) == 3
+    assert used_blocks(s) == 3
     step(s, finished_sending={r.request_id})
     assert_all_free(s)
 
@@ -143,9 +138,9 @@ def test_finished_sending_for_a_running_request_is_ignored() -> None:
     r = make_request(7, max_tokens=3, kv_transfer_params={"do_remote_decode": True})
     s.add_request(r)
     step(s, finished_sending={r.request_id})
-    assert r.status == RequestStatus.RUNNING and _used_blocks(s) == 2
+    assert r.status == RequestStatus.RUNNING and used_blocks(s) == 2
     run_to_completion(s)
-    assert _used_blocks(s) == 3
+    assert used_blocks(s) == 3
     step(s, finished_sending={r.request_id})
     assert_all_free(s)
 
@@ -167,7 +162,7 @@ def test_prefill_to_decode_hand_off() -> None:
     assert first.new_token_ids == [61] and first.finished
     params = first.kv_transfer_params
     assert params is not None and params["remote_block_ids"] == p_blocks
-    assert _used_blocks(p) == 4
+    assert used_blocks(p) == 4
 
     d_req = make_request(prompt, req_id="pd", max_tokens=4, kv_transfer_params=params)
     d.add_request(d_req)

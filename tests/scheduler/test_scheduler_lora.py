@@ -4,30 +4,19 @@ requests without LoRA are never blocked; preempting a request frees its adapter 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import pytest
 
-from scheduler import (
-    EngineCoreOutput,
-    LoRAConfig,
-    Request,
-    RequestStatus,
-    Scheduler,
-    SchedulerOutput,
+from scheduler import EngineCoreOutput, LoRAConfig, RequestStatus, Scheduler, SchedulerOutput
+from tests.scheduler.helpers import (
+    counting_step,
+    expected,
+    finish_counting,
+    lora,
+    make_request,
+    make_scheduler,
+    request_ids,
+    token_range,
 )
-from tests.scheduler import helpers
-from tests.scheduler.helpers import lora, make_request, make_scheduler
-
-T0 = 5000
-
-
-def _prompt(base: int, n: int) -> list[int]:
-    return list(range(base, base + n))
-
-
-def _expected(n: int) -> list[int]:
-    return list(range(T0, T0 + n))
 
 
 def _adapters(s: Scheduler) -> set[int]:
@@ -37,27 +26,20 @@ def _adapters(s: Scheduler) -> set[int]:
 def _step(
     s: Scheduler, produced: dict[str, list[int]] | None = None
 ) -> tuple[SchedulerOutput, list[EngineCoreOutput]]:
-    """One step (integrity checked, adapters bounded); sampling requests get ``T0 + i``."""
-    tokens = {rid: [T0 + r.num_output_tokens] for rid, r in s.requests.items()}
-    out, outputs = helpers.step(s, tokens)
+    """A ``counting_step`` that also checks the adapter limit on running and scheduled
+    requests."""
+    out, outputs = counting_step(s, produced)
     assert s.lora_config is not None
     assert len(_adapters(s)) <= s.lora_config.max_loras
     scheduled = {
         s.requests[rid].lora_int_id for rid in out.num_scheduled_tokens if rid in s.requests
     }
     assert len(scheduled - {0}) <= s.lora_config.max_loras
-    if produced is not None:
-        for o in outputs:
-            produced.setdefault(o.request_id, []).extend(o.new_token_ids)
     return out, outputs
 
 
-def _finish(s: Scheduler, produced: dict[str, list[int]], max_steps: int = 200) -> None:
-    for _ in range(max_steps):
-        if not s.has_unfinished_requests():
-            break
-        _step(s, produced)
-    helpers.assert_all_free(s)
+def _finish(s: Scheduler, produced: dict[str, list[int]]) -> None:
+    finish_counting(s, produced, _step)
 
 
 def _admitted(out: SchedulerOutput) -> list[str]:
@@ -66,10 +48,6 @@ def _admitted(out: SchedulerOutput) -> list[str]:
         rid for rid, r in zip(cached.req_ids, cached.resumed_from_preemption, strict=True) if r
     ]
     return [r.req_id for r in out.scheduled_new_reqs] + resumed
-
-
-def _ids(requests: Iterable[Request]) -> list[str]:
-    return [r.request_id for r in requests]
 
 
 @pytest.mark.parametrize(
@@ -88,7 +66,7 @@ def test_new_adapter_is_skipped_when_slots_are_full(
     for i, n in enumerate(adapters):
         s.add_request(
             make_request(
-                _prompt(1000 + 20 * i, 5),
+                token_range(1000 + 20 * i, 5),
                 req_id=f"r{i}",
                 max_tokens=6 if n is None else 2,
                 lora=None if n is None else lora(n),
@@ -97,7 +75,7 @@ def test_new_adapter_is_skipped_when_slots_are_full(
     produced: dict[str, list[int]] = {}
     out, _ = _step(s, produced)
     assert _admitted(out) == first  # requests behind the skipped one are still admitted
-    assert _ids(s.waiting) == skipped
+    assert request_ids(s.waiting) == skipped
     assert len(_adapters(s)) == max_loras
     out, _ = _step(s, produced)  # the first adapters finish at the end of this step
     assert _admitted(out) == []
@@ -105,19 +83,19 @@ def test_new_adapter_is_skipped_when_slots_are_full(
     out, _ = _step(s, produced)
     assert _admitted(out) == skipped
     _finish(s, produced)
-    assert produced == {f"r{i}": _expected(6 if n is None else 2) for i, n in enumerate(adapters)}
+    assert produced == {f"r{i}": expected(6 if n is None else 2) for i, n in enumerate(adapters)}
 
 
 def test_requests_without_lora_are_never_blocked() -> None:
     s = make_scheduler(lora=LoRAConfig(max_loras=1))
-    s.add_request(make_request(_prompt(1000, 5), req_id="a1", max_tokens=4, lora=lora(1)))
+    s.add_request(make_request(token_range(1000, 5), req_id="a1", max_tokens=4, lora=lora(1)))
     produced: dict[str, list[int]] = {}
     _step(s, produced)
     queue = [("b1", None), ("a2", 2), ("b2", None), ("a3", 3), ("b3", None), ("a1b", 1)]
     for i, (rid, n) in enumerate(queue):
         s.add_request(
             make_request(
-                _prompt(2000 + 20 * i, 5),
+                token_range(2000 + 20 * i, 5),
                 req_id=rid,
                 max_tokens=4,
                 lora=None if n is None else lora(n),
@@ -125,9 +103,9 @@ def test_requests_without_lora_are_never_blocked() -> None:
         )
     out, _ = _step(s, produced)
     assert _admitted(out) == ["b1", "b2", "b3", "a1b"]
-    assert _ids(s.waiting) == ["a2", "a3"]
+    assert request_ids(s.waiting) == ["a2", "a3"]
     _finish(s, produced)
-    assert all(tokens == _expected(4) for tokens in produced.values())
+    assert all(tokens == expected(4) for tokens in produced.values())
     assert len(produced) == 7
 
 
@@ -136,9 +114,9 @@ def test_kv_preemption_frees_the_adapter_slot() -> None:
     # for the adapter slot. At step 4 R needs a block, none free: R is preempted. R's 3
     # blocks do not fit back, so at step 5 R is passed over and W takes the freed slot.
     s = make_scheduler(num_blocks=6, max_model_len=24, lora=LoRAConfig(max_loras=1))
-    s.add_request(make_request(_prompt(1000, 12), req_id="A", max_tokens=10))
-    s.add_request(make_request(_prompt(2000, 6), req_id="R", max_tokens=10, lora=lora(1)))
-    s.add_request(make_request(_prompt(3000, 2), req_id="W", max_tokens=1, lora=lora(2)))
+    s.add_request(make_request(token_range(1000, 12), req_id="A", max_tokens=10))
+    s.add_request(make_request(token_range(2000, 6), req_id="R", max_tokens=10, lora=lora(1)))
+    s.add_request(make_request(token_range(3000, 2), req_id="W", max_tokens=1, lora=lora(2)))
     produced: dict[str, list[int]] = {}
     for _ in range(3):
         out, _ = _step(s, produced)
@@ -159,7 +137,7 @@ def test_kv_preemption_frees_the_adapter_slot() -> None:
     assert _admitted(out) == ["W"]
     assert r.status == RequestStatus.PREEMPTED
     _finish(s, produced)
-    assert produced == {"A": _expected(10), "R": _expected(10), "W": _expected(1)}
+    assert produced == {"A": expected(10), "R": expected(10), "W": expected(1)}
 
 
 def _full_slots_with_adapter(
@@ -173,15 +151,15 @@ def _full_slots_with_adapter(
     a_lora = None if lora_a is None else lora(lora_a)
     b_lora = None if lora_b is None else lora(lora_b)
     s.add_request(
-        make_request(_prompt(1000, 8), req_id="A", max_tokens=6, priority=prio_a, lora=a_lora)
+        make_request(token_range(1000, 8), req_id="A", max_tokens=6, priority=prio_a, lora=a_lora)
     )
     s.add_request(
-        make_request(_prompt(2000, 8), req_id="B", max_tokens=6, priority=prio_b, lora=b_lora)
+        make_request(token_range(2000, 8), req_id="B", max_tokens=6, priority=prio_b, lora=b_lora)
     )
     produced: dict[str, list[int]] = {}
     _step(s, produced)
     s.add_request(
-        make_request(_prompt(3000, 8), req_id="N", max_tokens=2, priority=0, lora=lora(2))
+        make_request(token_range(3000, 8), req_id="N", max_tokens=2, priority=0, lora=lora(2))
     )
     return s, produced
 
@@ -194,7 +172,7 @@ def test_priority_preemption_at_max_num_seqs_frees_the_adapter_slot() -> None:
     assert _admitted(out) == ["N"]  # same step: B's adapter slot went with it
     assert _adapters(s) == {2}
     _finish(s, produced)
-    assert produced == {"A": _expected(6), "B": _expected(6), "N": _expected(2)}
+    assert produced == {"A": expected(6), "B": expected(6), "N": expected(2)}
 
 
 def test_priority_preemption_is_not_made_for_a_newcomer_blocked_by_the_adapter_limit() -> None:
@@ -208,4 +186,4 @@ def test_priority_preemption_is_not_made_for_a_newcomer_blocked_by_the_adapter_l
         assert "N" not in out.num_scheduled_tokens
     assert b.num_preemptions == 0
     _finish(s, produced)
-    assert produced == {"A": _expected(6), "B": _expected(6), "N": _expected(2)}
+    assert produced == {"A": expected(6), "B": expected(6), "N": expected(2)}

@@ -9,51 +9,26 @@ recomputed must still end with exactly ``T0, T0+1, ...``.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from typing import Any
 
 import pytest
 
-from scheduler import EngineCoreOutput, Request, RequestStatus, Scheduler, SchedulerOutput
+from scheduler import Request, RequestStatus, Scheduler, SchedulerOutput
 from tests.scheduler import helpers
-from tests.scheduler.helpers import make_request, make_scheduler
-
-T0 = 5000
-
-
-def _prompt(base: int, n: int) -> list[int]:
-    return list(range(base, base + n))
-
-
-def _expected(n: int) -> list[int]:
-    return list(range(T0, T0 + n))
-
-
-def _step(
-    s: Scheduler, produced: dict[str, list[int]] | None = None
-) -> tuple[SchedulerOutput, list[EngineCoreOutput]]:
-    """One step (integrity checked); each sampling request gets ``T0 + its output count``."""
-    tokens = {rid: [T0 + r.num_output_tokens] for rid, r in s.requests.items()}
-    out, outputs = helpers.step(s, tokens)
-    if produced is not None:
-        for o in outputs:
-            produced.setdefault(o.request_id, []).extend(o.new_token_ids)
-    return out, outputs
-
-
-def _finish(s: Scheduler, produced: dict[str, list[int]], max_steps: int = 200) -> None:
-    for _ in range(max_steps):
-        if not s.has_unfinished_requests():
-            break
-        _step(s, produced)
-    helpers.assert_all_free(s)
+from tests.scheduler.helpers import (
+    T0,
+    counting_step,
+    expected,
+    finish_counting,
+    make_request,
+    make_scheduler,
+    request_ids,
+    token_range,
+)
 
 
 def _new_ids(out: SchedulerOutput) -> list[str]:
     return [r.req_id for r in out.scheduled_new_reqs]
-
-
-def _ids(requests: Iterable[Request]) -> list[str]:
-    return [r.request_id for r in requests]
 
 
 def _assert_preempted(s: Scheduler, r: Request, times: int = 1) -> None:
@@ -77,13 +52,13 @@ def _assert_preempted(s: Scheduler, r: Request, times: int = 1) -> None:
 def _fcfs_pressure(prefix_caching: bool = True) -> tuple[Scheduler, dict[str, list[int]]]:
     """The scenario above, run through step 5 (the next step preempts)."""
     s = make_scheduler(num_blocks=6, max_model_len=24, prefix_caching=prefix_caching)
-    s.add_request(make_request(_prompt(1000, 8), req_id="A", max_tokens=6))
-    s.add_request(make_request(_prompt(2000, 8), req_id="B", max_tokens=10))
+    s.add_request(make_request(token_range(1000, 8), req_id="A", max_tokens=6))
+    s.add_request(make_request(token_range(2000, 8), req_id="B", max_tokens=10))
     produced: dict[str, list[int]] = {}
     for _ in range(4):
-        _step(s, produced)
-    s.add_request(make_request(_prompt(3000, 4), req_id="C", max_tokens=1))
-    out, _ = _step(s, produced)
+        counting_step(s, produced)
+    s.add_request(make_request(token_range(3000, 4), req_id="C", max_tokens=1))
+    out, _ = counting_step(s, produced)
     assert "C" not in out.num_scheduled_tokens
     assert s.kv_cache_manager.block_pool.num_free_blocks == 0
     return s, produced
@@ -92,20 +67,20 @@ def _fcfs_pressure(prefix_caching: bool = True) -> tuple[Scheduler, dict[str, li
 def test_fcfs_preempts_last_running_request_to_front_of_waiting() -> None:
     s, produced = _fcfs_pressure()
     a, b, c = (s.requests[rid] for rid in "ABC")
-    assert _ids(s.running) == ["A", "B"]
-    assert _ids(s.waiting) == ["C"]
+    assert request_ids(s.running) == ["A", "B"]
+    assert request_ids(s.waiting) == ["C"]
 
-    out, _ = _step(s, produced)
+    out, _ = counting_step(s, produced)
 
     assert out.preempted_req_ids == {"B"}
     assert list(out.num_scheduled_tokens) == ["A"]  # A got B's block
     assert "B" not in out.scheduled_cached_reqs.req_ids
     _assert_preempted(s, b)
     # Back to the FRONT, ahead of C, which was queued before the preemption.
-    assert _ids(s.waiting) == ["B", "C"]
+    assert request_ids(s.waiting) == ["B", "C"]
     assert s.make_stats().num_preemptions == 1
     assert a.is_finished and c.status == RequestStatus.WAITING
-    _finish(s, produced)
+    finish_counting(s, produced)
 
 
 def test_no_waiting_pass_in_a_step_that_preempted_for_kv() -> None:
@@ -122,10 +97,10 @@ def test_no_waiting_pass_in_a_step_that_preempted_for_kv() -> None:
     for o in s.update_from_output(out, helpers.model_output(s, out, tokens)):
         produced[o.request_id].extend(o.new_token_ids)
     s.check_integrity()
-    out, _ = _step(s, produced)
+    out, _ = counting_step(s, produced)
     assert "C" in _new_ids(out)  # the next step admits it
-    _finish(s, produced)
-    assert produced == {"A": _expected(6), "B": _expected(10), "C": _expected(1)}
+    finish_counting(s, produced)
+    assert produced == {"A": expected(6), "B": expected(10), "C": expected(1)}
 
 
 @pytest.mark.parametrize(("prefix_caching", "hit"), [(True, 8), (False, 0)])
@@ -135,16 +110,16 @@ def test_preempted_request_resumes_and_recomputes_prompt_plus_outputs(
     s, produced = _fcfs_pressure(prefix_caching)
     b = s.requests["B"]
     prompt_blocks = s.kv_cache_manager.get_block_ids("B")[:2]
-    _step(s, produced)  # B preempted
+    counting_step(s, produced)  # B preempted
     assert b.num_tokens == 13  # prompt (8) + 5 outputs
 
-    out, _ = _step(s, produced)
+    out, _ = counting_step(s, produced)
 
     cached = out.scheduled_cached_reqs
     assert "B" not in _new_ids(out)
     i = cached.req_ids.index("B")
     assert cached.resumed_from_preemption[i] is True
-    assert cached.resumed_token_ids["B"] == _prompt(2000, 8) + _expected(5)
+    assert cached.resumed_token_ids["B"] == token_range(2000, 8) + expected(5)
     assert cached.num_computed_tokens[i] == hit
     assert cached.new_token_ids[i] == b.all_token_ids[hit:13]
     assert out.num_scheduled_tokens["B"] == 13 - hit
@@ -155,64 +130,74 @@ def test_preempted_request_resumes_and_recomputes_prompt_plus_outputs(
         assert table[:2] == prompt_blocks  # its own prompt blocks, found again
     assert b.status == RequestStatus.RUNNING and b.num_computed_tokens == 13
 
-    _finish(s, produced)
-    assert produced == {"A": _expected(6), "B": _expected(10), "C": _expected(1)}
+    finish_counting(s, produced)
+    assert produced == {"A": expected(6), "B": expected(10), "C": expected(1)}
     assert b.num_preemptions == 1
 
 
 def test_fcfs_request_needing_blocks_preempts_itself_when_last() -> None:
     # 4 blocks: A=[a0 a1] B=[b0 b1] after step 2; at step 4 B needs b2 for position 8.
     s = make_scheduler(num_blocks=4, max_model_len=16)
-    s.add_request(make_request(_prompt(1000, 4), req_id="A", max_tokens=10))
-    s.add_request(make_request(_prompt(2000, 6), req_id="B", max_tokens=10))
+    s.add_request(make_request(token_range(1000, 4), req_id="A", max_tokens=10))
+    s.add_request(make_request(token_range(2000, 6), req_id="B", max_tokens=10))
     produced: dict[str, list[int]] = {}
     for _ in range(3):
-        _step(s, produced)
+        counting_step(s, produced)
     b = s.requests["B"]
     assert s.kv_cache_manager.block_pool.num_free_blocks == 0 and b.num_computed_tokens == 8
-    s.add_request(make_request(_prompt(3000, 2), req_id="W", max_tokens=1))
+    s.add_request(make_request(token_range(3000, 2), req_id="W", max_tokens=1))
 
-    out, _ = _step(s, produced)
+    out, _ = counting_step(s, produced)
 
     assert out.preempted_req_ids == {"B"}
     assert list(out.num_scheduled_tokens) == ["A"]
     _assert_preempted(s, b)
-    assert _ids(s.waiting) == ["B", "W"]  # W fits in B's blocks but is not admitted
-    _finish(s, produced)
-    assert produced == {"A": _expected(10), "B": _expected(10), "W": _expected(1)}
+    assert request_ids(s.waiting) == ["B", "W"]  # W fits in B's blocks but is not admitted
+    finish_counting(s, produced)
+    assert produced == {"A": expected(10), "B": expected(10), "W": expected(1)}
 
 
 # -- priority preemption under KV pressure --------------------------------------------------
+
+
+def _x_first(
+    num_blocks: int, max_model_len: int, budget: int, x_prompt: int, x_max_tokens: int, **cfg: Any
+) -> tuple[Scheduler, Request, dict[str, list[int]]]:
+    """A priority scheduler (``budget`` tokens a step, max_num_seqs 4) where X (priority 5, a
+    ``x_prompt``-token prompt) has run one step alone."""
+    s = make_scheduler(
+        num_blocks=num_blocks,
+        max_model_len=max_model_len,
+        max_num_batched_tokens=budget,
+        max_num_seqs=4,
+        policy="priority",
+        **cfg,
+    )
+    x = make_request(token_range(1000, x_prompt), req_id="X", max_tokens=x_max_tokens, priority=5)
+    s.add_request(x)
+    produced: dict[str, list[int]] = {}
+    counting_step(s, produced)
+    return s, x, produced
 
 
 def test_priority_victim_scheduled_earlier_in_step_gives_back_its_budget() -> None:
     # Budget 6. X (priority 5) runs first; Y (0) and Z (1, a 24-token prefill) join later.
     # At step 8 X is scheduled (1 token), then Y needs a block with none free: the victim is
     # the worst request, X, already scheduled this step.
-    s = make_scheduler(
-        num_blocks=11,
-        max_model_len=44,
-        max_num_batched_tokens=6,
-        max_num_seqs=4,
-        policy="priority",
-    )
-    x = make_request(_prompt(1000, 5), req_id="X", max_tokens=30, priority=5)
-    s.add_request(x)
-    produced: dict[str, list[int]] = {}
-    _step(s, produced)
-    s.add_request(make_request(_prompt(2000, 8), req_id="Y", max_tokens=30, priority=0))
-    s.add_request(make_request(_prompt(3000, 24), req_id="Z", max_tokens=5, priority=1))
+    s, x, produced = _x_first(11, 44, budget=6, x_prompt=5, x_max_tokens=30)
+    s.add_request(make_request(token_range(2000, 8), req_id="Y", max_tokens=30, priority=0))
+    s.add_request(make_request(token_range(3000, 24), req_id="Z", max_tokens=5, priority=1))
     for _ in range(6):
-        _step(s, produced)
+        counting_step(s, produced)
     y, z = s.requests["Y"], s.requests["Z"]
-    assert _ids(s.running) == ["X", "Y", "Z"]
+    assert request_ids(s.running) == ["X", "Y", "Z"]
     assert s.kv_cache_manager.block_pool.num_free_blocks == 0
     assert y.num_computed_tokens % 4 == 0  # Y's next token opens a new block
     assert x.num_computed_tokens % 4 != 0  # X's does not: X is scheduled before Y fails
     z_remaining = z.num_tokens - z.num_computed_tokens
     assert z_remaining > 5
 
-    out, _ = _step(s, produced)
+    out, _ = counting_step(s, produced)
 
     assert out.preempted_req_ids == {"X"}
     assert "X" not in out.num_scheduled_tokens
@@ -222,8 +207,8 @@ def test_priority_victim_scheduled_earlier_in_step_gives_back_its_budget() -> No
     assert out.total_num_scheduled_tokens == 6
     _assert_preempted(s, x)
     assert x.num_in_flight_tokens == 0
-    _finish(s, produced)
-    assert produced == {"X": _expected(30), "Y": _expected(30), "Z": _expected(5)}
+    finish_counting(s, produced)
+    assert produced == {"X": expected(30), "Y": expected(30), "Z": expected(5)}
 
 
 def test_victim_preempted_after_scheduling_leaves_no_uncomputed_block_findable() -> None:
@@ -231,30 +216,21 @@ def test_victim_preempted_after_scheduling_leaves_no_uncomputed_block_findable()
     # at step 3 it is scheduled 8 more (blocks 5 and 6, hashed at allocation), then Y needs
     # a block with none free and X is the victim: those two blocks were never computed and
     # must not stay findable, or an identical prompt would "hit" garbage KV.
-    s = make_scheduler(
-        num_blocks=8,
-        max_model_len=32,
-        max_num_batched_tokens=12,
-        max_num_seqs=4,
-        long_prefill_token_threshold=8,
-        policy="priority",
+    s, x, produced = _x_first(
+        8, 32, budget=12, x_prompt=28, x_max_tokens=3, long_prefill_token_threshold=8
     )
-    x = make_request(_prompt(1000, 28), req_id="X", max_tokens=3, priority=5)
-    s.add_request(x)
-    produced: dict[str, list[int]] = {}
-    _step(s, produced)
-    s.add_request(make_request(_prompt(2000, 5), req_id="Y", max_tokens=20, priority=0))
-    _step(s, produced)
-    assert _ids(s.running) == ["X", "Y"] and x.num_computed_tokens == 20
+    s.add_request(make_request(token_range(2000, 5), req_id="Y", max_tokens=20, priority=0))
+    counting_step(s, produced)
+    assert request_ids(s.running) == ["X", "Y"] and x.num_computed_tokens == 20
 
-    out, _ = _step(s, produced)
+    out, _ = counting_step(s, produced)
 
     assert out.preempted_req_ids == {"X"} and out.num_scheduled_tokens == {"Y": 1}
-    probe = make_request(_prompt(1000, 28))
+    probe = make_request(token_range(1000, 28))
     _, num_hit = s.kv_cache_manager.get_computed_blocks(probe)
     assert num_hit == 20  # X's computed prefix is reusable, nothing beyond it
-    _finish(s, produced)
-    assert produced == {"X": _expected(3), "Y": _expected(20)}
+    finish_counting(s, produced)
+    assert produced == {"X": expected(3), "Y": expected(20)}
 
 
 @pytest.mark.parametrize(
@@ -267,24 +243,24 @@ def test_self_victim_priority_continues_while_fcfs_takes_last(
     # 6 blocks; running [A (priority 0), B (9), C (1)]. At step 4 B needs a block, none free.
     # Priority: the victim is B itself; the pass goes on with C. FCFS: C (running[-1]) goes.
     s = make_scheduler(num_blocks=6, max_model_len=24, policy=policy)
-    s.add_request(make_request(_prompt(1000, 4), req_id="A", max_tokens=12, priority=0))
-    s.add_request(make_request(_prompt(2000, 6), req_id="B", max_tokens=12, priority=9))
+    s.add_request(make_request(token_range(1000, 4), req_id="A", max_tokens=12, priority=0))
+    s.add_request(make_request(token_range(2000, 6), req_id="B", max_tokens=12, priority=9))
     produced: dict[str, list[int]] = {}
-    _step(s, produced)
-    s.add_request(make_request(_prompt(3000, 4), req_id="C", max_tokens=12, priority=1))
-    _step(s, produced)
-    _step(s, produced)
-    assert _ids(s.running) == ["A", "B", "C"]
+    counting_step(s, produced)
+    s.add_request(make_request(token_range(3000, 4), req_id="C", max_tokens=12, priority=1))
+    counting_step(s, produced)
+    counting_step(s, produced)
+    assert request_ids(s.running) == ["A", "B", "C"]
     assert s.kv_cache_manager.block_pool.num_free_blocks == 0
     assert s.requests["B"].num_computed_tokens == 8  # B's next token needs a new block
 
-    out, _ = _step(s, produced)
+    out, _ = counting_step(s, produced)
 
     assert out.preempted_req_ids == {victim}
     assert list(out.num_scheduled_tokens) == scheduled
     _assert_preempted(s, s.requests[victim])
-    _finish(s, produced)
-    assert produced == {rid: _expected(12) for rid in "ABC"}
+    finish_counting(s, produced)
+    assert produced == {rid: expected(12) for rid in "ABC"}
 
 
 # -- Tandem's skip rule and its aging bound (DESIGN §4.1) -----------------------------------
@@ -294,45 +270,45 @@ def _hog_and_mixed_queue(strict_fcfs: bool) -> tuple[Scheduler, dict[str, list[i
     """10 blocks. R runs (4 blocks, growing); then L1, L2 (7 blocks each, cannot fit next to
     R) arrive interleaved with one-block requests s1, s2."""
     s = make_scheduler(num_blocks=10, max_model_len=40, strict_fcfs=strict_fcfs)
-    s.add_request(make_request(_prompt(1000, 16), req_id="R", max_tokens=12))
+    s.add_request(make_request(token_range(1000, 16), req_id="R", max_tokens=12))
     produced: dict[str, list[int]] = {}
-    _step(s, produced)
+    counting_step(s, produced)
     for rid, base, n in (("L1", 2000, 28), ("s1", 3000, 2), ("L2", 4000, 26), ("s2", 3100, 2)):
-        s.add_request(make_request(_prompt(base, n), req_id=rid, max_tokens=1 if n < 4 else 2))
+        s.add_request(make_request(token_range(base, n), req_id=rid, max_tokens=1 if n < 4 else 2))
     return s, produced
 
 
 def test_unallocatable_request_is_skipped_and_keeps_its_place() -> None:
     s, produced = _hog_and_mixed_queue(strict_fcfs=False)
-    out, _ = _step(s, produced)
+    out, _ = counting_step(s, produced)
     assert _new_ids(out) == ["s1", "s2"]  # admitted past L1 and L2 in the same step
-    assert _ids(s.waiting) == ["L1", "L2"]  # re-prepended in their original order
+    assert request_ids(s.waiting) == ["L1", "L2"]  # re-prepended in their original order
     assert [s.requests[r].num_skipped_steps for r in ("L1", "L2")] == [1, 1]
 
-    s.add_request(make_request(_prompt(3200, 2), req_id="s3", max_tokens=1))
-    out, _ = _step(s, produced)
+    s.add_request(make_request(token_range(3200, 2), req_id="s3", max_tokens=1))
+    out, _ = counting_step(s, produced)
     assert _new_ids(out) == ["s3"]
-    assert _ids(s.waiting) == ["L1", "L2"]
-    _finish(s, produced)
-    assert produced["L1"] == produced["L2"] == _expected(2)
-    assert produced["R"] == _expected(12)
+    assert request_ids(s.waiting) == ["L1", "L2"]
+    finish_counting(s, produced)
+    assert produced["L1"] == produced["L2"] == expected(2)
+    assert produced["R"] == expected(12)
 
 
 def test_strict_fcfs_stops_at_the_first_request_that_cannot_fit() -> None:
     s, produced = _hog_and_mixed_queue(strict_fcfs=True)
-    out, _ = _step(s, produced)
+    out, _ = counting_step(s, produced)
     assert list(out.num_scheduled_tokens) == ["R"]  # s1 fits but is behind L1
-    assert _ids(s.waiting) == ["L1", "s1", "L2", "s2"]
+    assert request_ids(s.waiting) == ["L1", "s1", "L2", "s2"]
     assert s.requests["L1"].num_skipped_steps == 0
     admitted: list[str] = []
     for _ in range(100):
         if not s.has_unfinished_requests():
             break
-        out, _ = _step(s, produced)
+        out, _ = counting_step(s, produced)
         admitted += _new_ids(out)
     helpers.assert_all_free(s)
     assert admitted == ["L1", "s1", "L2", "s2"]  # strict arrival order
-    assert produced["L1"] == produced["L2"] == _expected(2)
+    assert produced["L1"] == produced["L2"] == expected(2)
 
 
 def _stream_with_large_request(
@@ -346,9 +322,9 @@ def _stream_with_large_request(
     produced: dict[str, list[int]] = {}
     for t in range(1, 14):
         if t == 3:
-            s.add_request(make_request(_prompt(9000, 28), req_id="L", max_tokens=2))
-        s.add_request(make_request(_prompt(1000 + 10 * t, 2), req_id=f"s{t}", max_tokens=3))
-        out, _ = _step(s, produced)
+            s.add_request(make_request(token_range(9000, 28), req_id="L", max_tokens=2))
+        s.add_request(make_request(token_range(1000 + 10 * t, 2), req_id=f"s{t}", max_tokens=3))
+        out, _ = counting_step(s, produced)
         admitted[t] = _new_ids(out)
     return s, admitted, produced
 
@@ -363,9 +339,9 @@ def test_aging_bound_blocks_the_queue_after_max_skip_steps(k: int) -> None:
     # ... the running requests drain, and L runs before anything that queued behind it.
     assert admitted[4 + k] == ["L"]
     assert all(f"s{t}" not in admitted[t] for t in range(3 + k, 5 + k))
-    _finish(s, produced)
-    assert produced["L"] == _expected(2)
-    assert all(produced[f"s{t}"] == _expected(3) for t in range(1, 14))
+    finish_counting(s, produced)
+    assert produced["L"] == expected(2)
+    assert all(produced[f"s{t}"] == expected(3) for t in range(1, 14))
 
 
 def test_without_aging_a_large_request_starves_behind_a_stream() -> None:
@@ -375,8 +351,8 @@ def test_without_aging_a_large_request_starves_behind_a_stream() -> None:
     assert all(admitted[t] == [f"s{t}"] for t in range(3, 14))
     assert s.requests["L"].status == RequestStatus.WAITING
     assert s.requests["L"].num_skipped_steps == 11
-    _finish(s, produced)
-    assert produced["L"] == _expected(2)
+    finish_counting(s, produced)
+    assert produced["L"] == expected(2)
 
 
 # -- priority preemption at max_num_seqs (DESIGN §4.4, vllm#40004) ---------------------------
@@ -396,12 +372,12 @@ def _full_slots(
         num_blocks=num_blocks, max_model_len=32, max_num_seqs=2, policy=policy, **cfg
     )
     produced: dict[str, list[int]] = {}
-    s.add_request(make_request(_prompt(1000, 8), req_id="A", max_tokens=10, priority=prio_a))
+    s.add_request(make_request(token_range(1000, 8), req_id="A", max_tokens=10, priority=prio_a))
     if stagger:
-        _step(s, produced)
-    s.add_request(make_request(_prompt(2000, 8), req_id="B", max_tokens=10, priority=prio_b))
-    _step(s, produced)
-    assert _ids(s.running) == ["A", "B"]
+        counting_step(s, produced)
+    s.add_request(make_request(token_range(2000, 8), req_id="B", max_tokens=10, priority=prio_b))
+    counting_step(s, produced)
+    assert request_ids(s.running) == ["A", "B"]
     return s, produced
 
 
@@ -413,17 +389,17 @@ def test_better_priority_newcomer_preempts_worst_running_at_max_num_seqs(
     prio_a: int, prio_b: int, victim: str, survivor: str
 ) -> None:
     s, produced = _full_slots(prio_a=prio_a, prio_b=prio_b, stagger=True)
-    s.add_request(make_request(_prompt(3000, 8), req_id="N", max_tokens=4, priority=0))
+    s.add_request(make_request(token_range(3000, 8), req_id="N", max_tokens=4, priority=0))
 
-    out, _ = _step(s, produced)
+    out, _ = counting_step(s, produced)
 
     assert out.preempted_req_ids == {victim}
     assert _new_ids(out) == ["N"]  # admitted in the same step
     assert set(out.num_scheduled_tokens) == {survivor, "N"}
-    assert _ids(s.running) == [survivor, "N"]
+    assert request_ids(s.running) == [survivor, "N"]
     _assert_preempted(s, s.requests[victim])
-    _finish(s, produced)
-    assert produced == {"A": _expected(10), "B": _expected(10), "N": _expected(4)}
+    finish_counting(s, produced)
+    assert produced == {"A": expected(10), "B": expected(10), "N": expected(4)}
 
 
 @pytest.mark.parametrize(
@@ -435,14 +411,14 @@ def test_no_preemption_at_max_num_seqs_without_strictly_better_priority(
     policy: str, prio_n: int
 ) -> None:
     s, produced = _full_slots(policy=policy)
-    s.add_request(make_request(_prompt(3000, 8), req_id="N", max_tokens=4, priority=prio_n))
-    out, _ = _step(s, produced)
+    s.add_request(make_request(token_range(3000, 8), req_id="N", max_tokens=4, priority=prio_n))
+    out, _ = counting_step(s, produced)
     assert out.preempted_req_ids == set()
     assert set(out.num_scheduled_tokens) == {"A", "B"}
-    assert _ids(s.waiting) == ["N"]
-    _finish(s, produced)
+    assert request_ids(s.waiting) == ["N"]
+    finish_counting(s, produced)
     assert s.make_stats().num_preemptions == 0
-    assert produced["N"] == _expected(4)
+    assert produced["N"] == expected(4)
 
 
 @pytest.mark.parametrize(("n_prompt", "preempts"), [(28, False), (20, True)])
@@ -453,12 +429,12 @@ def test_priority_preemption_only_when_the_newcomer_then_fits(
     # (cannot fit even after freeing B); 20 need 5 (fit, A's decode block included).
     s, produced = _full_slots(num_blocks=8)
     assert s.kv_cache_manager.block_pool.num_free_blocks == 4
-    s.add_request(make_request(_prompt(3000, n_prompt), req_id="N", max_tokens=2, priority=0))
-    out, _ = _step(s, produced)
+    s.add_request(make_request(token_range(3000, n_prompt), req_id="N", max_tokens=2, priority=0))
+    out, _ = counting_step(s, produced)
     assert out.preempted_req_ids == ({"B"} if preempts else set())
     assert _new_ids(out) == (["N"] if preempts else [])
-    _finish(s, produced)
-    assert produced["N"] == _expected(2)
+    finish_counting(s, produced)
+    assert produced["N"] == expected(2)
 
 
 @pytest.mark.parametrize(
@@ -474,15 +450,15 @@ def test_priority_preemption_is_never_made_for_a_newcomer_that_is_not_admitted(
     # Preempting B then throws B's work away for nothing (and, with the watermark, again
     # every other step: B is re-admitted past N, then preempted for N once more).
     s, produced = _full_slots(num_blocks=num_blocks, **cfg)
-    s.add_request(make_request(_prompt(3000, n_prompt), req_id="N", max_tokens=2, priority=0))
+    s.add_request(make_request(token_range(3000, n_prompt), req_id="N", max_tokens=2, priority=0))
     for _ in range(4):
-        out, _ = _step(s, produced)
+        out, _ = counting_step(s, produced)
         if out.preempted_req_ids:
             assert "N" in _new_ids(out), (
                 f"preempted {out.preempted_req_ids} for N, but N was not admitted"
             )
-    _finish(s, produced)
-    assert produced["N"] == _expected(2)
+    finish_counting(s, produced)
+    assert produced["N"] == expected(2)
 
 
 # -- priority waiting order ---------------------------------------------------------------
@@ -496,10 +472,10 @@ def test_priority_waiting_order_is_priority_then_arrival() -> None:
     s = make_scheduler(policy="priority")
     for rid, prio, arrival in _ORDER_CASE:
         s.add_request(make_request(4, req_id=rid, priority=prio, arrival_time=arrival))
-    assert _ids(s.waiting) == _ORDER
-    out, _ = _step(s)
+    assert request_ids(s.waiting) == _ORDER
+    out, _ = counting_step(s)
     assert _new_ids(out) == _ORDER
-    assert _ids(s.running) == _ORDER
+    assert request_ids(s.running) == _ORDER
 
 
 def test_priority_admits_one_at_a_time_in_order_with_late_better_arrival() -> None:
@@ -512,7 +488,7 @@ def test_priority_admits_one_at_a_time_in_order_with_late_better_arrival() -> No
     for t in range(10):
         if t == 2:  # arrives last, but outranks everything still waiting
             s.add_request(make_request(4, req_id="z", max_tokens=1, arrival_time=10.0))
-        out, _ = _step(s)
+        out, _ = counting_step(s)
         admitted += _new_ids(out)
     helpers.assert_all_free(s)
     assert admitted == ["d", "c", "z", "b", "e", "a"]

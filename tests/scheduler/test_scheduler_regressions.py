@@ -26,6 +26,7 @@ from tests.scheduler.helpers import (
     EOS,
     InMemoryConnector,
     assert_all_free,
+    drain,
     lora,
     make_request,
     make_scheduler,
@@ -213,8 +214,7 @@ def test_r6_failed_sync_load_with_fail_policy_ends_in_error() -> None:
     s.add_request(later)
     step(s)
     assert later.num_cached_tokens == 0  # the failed load's blocks were never hashed
-    run_to_completion(s)
-    assert_all_free(s)
+    drain(s)
 
 
 def test_r6_sync_loaded_blocks_are_hashed_once_the_step_returns() -> None:
@@ -229,8 +229,7 @@ def test_r6_sync_loaded_blocks_are_hashed_once_the_step_returns() -> None:
     s.add_request(later)
     step(s)
     assert later.num_cached_tokens == 8
-    run_to_completion(s)
-    assert_all_free(s)
+    drain(s)
 
 
 def test_r10_over_reported_remote_tokens_are_clipped() -> None:
@@ -357,8 +356,7 @@ def test_r8_request_whose_adapter_never_gets_a_slot_ages_and_blocks() -> None:
         if late.is_finished:
             break
     assert max(skips) == 4 and late.num_output_tokens == 4
-    run_to_completion(s)
-    assert_all_free(s)
+    drain(s)
 
 
 def test_r9_has_requests_while_blocks_wait_for_a_send_or_a_load() -> None:

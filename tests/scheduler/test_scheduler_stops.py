@@ -3,9 +3,6 @@ trimming, logprobs), ``finish_requests()`` (aborts) and ``make_stats()``."""
 
 from __future__ import annotations
 
-import itertools
-from typing import Any
-
 import pytest
 
 from scheduler import (
@@ -19,22 +16,14 @@ from scheduler import (
 )
 from tests.scheduler.helpers import (
     EOS,
+    add,
     assert_all_free,
+    drain,
     make_request,
     make_scheduler,
     run_to_completion,
     step,
 )
-
-_bases = itertools.count(1)
-
-
-def _add(s: Scheduler, req_id: str, n: int = 4, **kw: Any) -> Request:
-    """Add a request with an ``n``-token prompt that shares no prefix with any other."""
-    base = 1000 * next(_bases)
-    request = make_request(list(range(base, base + n)), req_id=req_id, **kw)
-    s.add_request(request)
-    return request
 
 
 def _mro(
@@ -69,7 +58,7 @@ def _lp(token: int) -> dict[int, float]:
 # -- stop checks -----------------------------------------------------------------------------
 def test_eos_stops_with_finish_reason_stop() -> None:
     s = make_scheduler()
-    a = _add(s, "a", max_tokens=10)
+    a = add(s, "a", max_tokens=10)
     assert _step_with(s, {"a": [11]})["a"].finish_reason is None
     o = _step_with(s, {"a": [EOS]})["a"]
     assert (o.new_token_ids, o.finish_reason, o.stop_reason) == ([EOS], FinishReason.STOP, None)
@@ -81,7 +70,7 @@ def test_eos_stops_with_finish_reason_stop() -> None:
 
 def test_eos_is_ignored_with_ignore_eos() -> None:
     s = make_scheduler()
-    a = _add(s, "a", max_tokens=3, ignore_eos=True)
+    a = add(s, "a", max_tokens=3, ignore_eos=True)
     for _ in range(2):
         assert not _step_with(s, {"a": [EOS]})["a"].finished
     o = _step_with(s, {"a": [EOS]})["a"]
@@ -93,7 +82,7 @@ def test_eos_is_ignored_with_ignore_eos() -> None:
 
 def test_stop_token_id_stops_with_the_token_as_stop_reason() -> None:
     s = make_scheduler()
-    a = _add(s, "a", max_tokens=10, stop_token_ids=(42, 43))
+    a = add(s, "a", max_tokens=10, stop_token_ids=(42, 43))
     _step_with(s, {"a": [11]})
     o = _step_with(s, {"a": [43]})["a"]
     assert (o.new_token_ids, o.finish_reason, o.stop_reason) == ([43], FinishReason.STOP, 43)
@@ -104,7 +93,7 @@ def test_stop_token_id_stops_with_the_token_as_stop_reason() -> None:
 
 def test_max_tokens_stops_with_finish_reason_length() -> None:
     s = make_scheduler()
-    a = _add(s, "a", max_tokens=3)
+    a = add(s, "a", max_tokens=3)
     reasons = [_step_with(s, {"a": [11 + i]})["a"].finish_reason for i in range(3)]
     assert reasons == [None, None, FinishReason.LENGTH]
     assert reasons[-1] == "length"
@@ -116,7 +105,7 @@ def test_max_tokens_stops_with_finish_reason_length() -> None:
 
 def test_max_model_len_stops_with_finish_reason_length() -> None:
     s = make_scheduler(max_model_len=8, max_num_batched_tokens=16, num_blocks=8)
-    a = _add(s, "a", n=5, max_tokens=100)
+    a = add(s, "a", 5, max_tokens=100)
     reasons = [_step_with(s, {"a": [11]})["a"].finish_reason for _ in range(3)]
     assert reasons == [None, None, FinishReason.LENGTH]
     assert a.num_tokens == 8
@@ -128,7 +117,7 @@ def test_max_model_len_stops_with_finish_reason_length() -> None:
 def test_eos_and_stop_ids_stop_even_below_min_tokens(token: int) -> None:
     # min_tokens is the sampler's job (it masks EOS and stop ids); a sampled one is honoured.
     s = make_scheduler()
-    a = _add(s, "a", max_tokens=10, min_tokens=5, stop_token_ids=(42,))
+    a = add(s, "a", max_tokens=10, min_tokens=5, stop_token_ids=(42,))
     o = _step_with(s, {"a": [token]})["a"]
     assert o.finish_reason == FinishReason.STOP
     assert a.status == RequestStatus.FINISHED_STOPPED
@@ -138,7 +127,7 @@ def test_eos_and_stop_ids_stop_even_below_min_tokens(token: int) -> None:
 
 def test_eos_is_checked_before_stop_token_ids() -> None:
     s = make_scheduler()
-    _add(s, "a", max_tokens=10, stop_token_ids=(EOS,))
+    add(s, "a", max_tokens=10, stop_token_ids=(EOS,))
     o = _step_with(s, {"a": [EOS]})["a"]
     assert (o.finish_reason, o.stop_reason) == (FinishReason.STOP, None)
     assert_all_free(s)
@@ -147,7 +136,7 @@ def test_eos_is_checked_before_stop_token_ids() -> None:
 @pytest.mark.parametrize(("token", "stop_reason"), [(EOS, None), (42, 42)])
 def test_stop_on_the_last_allowed_token_is_stop_not_length(token: int, stop_reason: int) -> None:
     s = make_scheduler()
-    a = _add(s, "a", max_tokens=2, stop_token_ids=(42,))
+    a = add(s, "a", max_tokens=2, stop_token_ids=(42,))
     _step_with(s, {"a": [11]})
     o = _step_with(s, {"a": [token]})["a"]
     assert (o.finish_reason, o.stop_reason) == (FinishReason.STOP, stop_reason)
@@ -157,8 +146,8 @@ def test_stop_on_the_last_allowed_token_is_stop_not_length(token: int, stop_reas
 
 def test_tokens_after_a_stop_in_the_middle_of_a_step_are_trimmed() -> None:
     s = make_scheduler()
-    a = _add(s, "a", max_tokens=10)
-    b = _add(s, "b", max_tokens=10)
+    a = add(s, "a", max_tokens=10)
+    b = add(s, "b", max_tokens=10)
     _step_with(s, {"a": [11], "b": [21]})
     outs = _step_with(
         s,
@@ -181,7 +170,7 @@ def test_tokens_after_a_stop_in_the_middle_of_a_step_are_trimmed() -> None:
 
 def test_tokens_past_max_tokens_in_one_step_are_trimmed() -> None:
     s = make_scheduler()
-    a = _add(s, "a", max_tokens=3)
+    a = add(s, "a", max_tokens=3)
     sampled = [11, 12, 13, 14, 15]
     o = _step_with(s, {"a": sampled}, logprobs={"a": [_lp(t) for t in sampled]})["a"]
     assert o.new_token_ids == [11, 12, 13]
@@ -193,8 +182,8 @@ def test_tokens_past_max_tokens_in_one_step_are_trimmed() -> None:
 
 def test_logprobs_pass_through_per_request() -> None:
     s = make_scheduler()
-    _add(s, "a", max_tokens=4)
-    _add(s, "b", max_tokens=4)
+    add(s, "a", max_tokens=4)
+    add(s, "b", max_tokens=4)
     outs = _step_with(s, {"a": [11], "b": [21]}, logprobs={"a": [_lp(11)]})  # b: None
     assert outs["a"].new_logprobs == [_lp(11)]
     assert outs["b"].new_logprobs is None
@@ -206,7 +195,7 @@ def test_logprobs_pass_through_per_request() -> None:
 
 def test_finished_request_output_carries_tokens_and_reason_once() -> None:
     s = make_scheduler()
-    _add(s, "a", max_tokens=2)
+    add(s, "a", max_tokens=2)
     produced = run_to_completion(s)
     assert produced == {"a": [7, 7]}
     out = s.schedule()
@@ -218,8 +207,8 @@ def test_finished_request_output_carries_tokens_and_reason_once() -> None:
 # -- finish_requests -------------------------------------------------------------------------
 def test_abort_waiting_and_running_requests_frees_them() -> None:
     s = make_scheduler(max_num_seqs=1, max_num_batched_tokens=16)
-    a = _add(s, "a", n=8, max_tokens=10)
-    b = _add(s, "b", n=8, max_tokens=10)
+    a = add(s, "a", 8, max_tokens=10)
+    b = add(s, "b", 8, max_tokens=10)
     step(s)
     assert (a.status, b.status) == (RequestStatus.RUNNING, RequestStatus.WAITING)
     assert s.kv_cache_manager.usage > 0
@@ -245,8 +234,8 @@ def test_abort_waiting_and_running_requests_frees_them() -> None:
 
 def test_abort_unknown_and_already_finished_ids_is_ignored() -> None:
     s = make_scheduler()
-    a = _add(s, "a", max_tokens=1)
-    b = _add(s, "b", max_tokens=5)
+    a = add(s, "a", max_tokens=1)
+    b = add(s, "b", max_tokens=5)
     step(s)
     assert a.status == RequestStatus.FINISHED_LENGTH_CAPPED
     s.finish_requests(["nope", "a"], RequestStatus.FINISHED_ABORTED)
@@ -263,7 +252,7 @@ def test_abort_unknown_and_already_finished_ids_is_ignored() -> None:
 
 def test_finish_requests_none_aborts_everything() -> None:
     s = make_scheduler(max_num_seqs=2, max_num_batched_tokens=16)
-    reqs = [_add(s, f"r{i}", n=6, max_tokens=10) for i in range(4)]
+    reqs = [add(s, f"r{i}", 6, max_tokens=10) for i in range(4)]
     step(s)
     assert len(s.running) == 2 and len(s.waiting) == 2
     s.finish_requests(None, RequestStatus.FINISHED_ABORTED)
@@ -277,7 +266,7 @@ def test_finish_requests_none_aborts_everything() -> None:
 )
 def test_finish_requests_with_a_non_finished_status_raises(status: RequestStatus) -> None:
     s = make_scheduler()
-    a = _add(s, "a", max_tokens=4)
+    a = add(s, "a", max_tokens=4)
     step(s)
     with pytest.raises(ValueError, match=status.name):
         s.finish_requests("a", status)
@@ -290,8 +279,8 @@ def test_finish_requests_with_a_non_finished_status_raises(status: RequestStatus
 
 def test_output_of_a_request_aborted_while_its_step_was_in_flight_is_ignored() -> None:
     s = make_scheduler()
-    a = _add(s, "a", max_tokens=4)
-    b = _add(s, "b", max_tokens=4)
+    a = add(s, "a", max_tokens=4)
+    b = add(s, "b", max_tokens=4)
     out = s.schedule()
     assert set(out.num_scheduled_tokens) == {"a", "b"}
     s.finish_requests("a", RequestStatus.FINISHED_ABORTED)
@@ -305,19 +294,18 @@ def test_output_of_a_request_aborted_while_its_step_was_in_flight_is_ignored() -
     out, _ = step(s)
     assert out.finished_req_ids == {"a"}
     assert set(out.num_scheduled_tokens) == {"b"}
-    run_to_completion(s)
-    assert_all_free(s)
+    drain(s)
 
 
 def test_stale_output_is_not_delivered_to_a_new_request_that_reuses_the_id() -> None:
     # "a" is aborted while its step is in flight and a new request with the same id arrives
     # before that step's output: the output belongs to the old request and must be dropped.
     s = make_scheduler()
-    _add(s, "a", max_tokens=4)
+    add(s, "a", max_tokens=4)
     out = s.schedule()
     s.finish_requests("a", RequestStatus.FINISHED_ABORTED)
     try:
-        new_a = _add(s, "a", max_tokens=4)
+        new_a = add(s, "a", max_tokens=4)
     except ValueError:  # rejecting the reuse while a step names the old one is fine too
         new_a = None
     outputs = s.update_from_output(out, _mro(out, {"a": [11]}))
@@ -332,7 +320,7 @@ def test_stale_output_is_not_delivered_to_a_new_request_that_reuses_the_id() -> 
 
 def test_abort_during_a_chunked_prefill_frees_the_partial_blocks() -> None:
     s = make_scheduler(max_num_batched_tokens=8, max_num_seqs=4)
-    a = _add(s, "a", n=30, max_tokens=4)
+    a = add(s, "a", 30, max_tokens=4)
     step(s)
     step(s)
     assert a.num_computed_tokens == 16 and a.num_output_tokens == 0
@@ -379,8 +367,8 @@ def _preempt_b() -> tuple[Scheduler, Request, Request]:
     """8 blocks of 4: two 12-token prompts fill 6; at 16 tokens each they hold all 8, and the
     next decode of a needs a 5th block -> b (the last admitted) is preempted."""
     s = make_scheduler(block_size=4, num_blocks=8, max_model_len=32, max_num_batched_tokens=32)
-    a = _add(s, "a", n=12, max_tokens=10)
-    b = _add(s, "b", n=12, max_tokens=10)
+    a = add(s, "a", 12, max_tokens=10)
+    b = add(s, "b", 12, max_tokens=10)
     for _ in range(5):
         out, _ = step(s)
         assert out.preempted_req_ids == set()
@@ -413,5 +401,4 @@ def test_make_stats_counts_preemptions_and_resets_them() -> None:
     assert (stats.num_running_reqs, stats.num_waiting_reqs) == (1, 1)
     assert stats.kv_cache_usage == pytest.approx(5 / 8)
     assert s.make_stats().num_preemptions == 0
-    run_to_completion(s)
-    assert_all_free(s)
+    drain(s)
