@@ -14,17 +14,29 @@ def caches(num_layers: int, num_blocks: int, dtype: torch.dtype, seed: int) -> l
     return [torch.randn(2, num_blocks, 4, 2, 8, generator=gen).to(dtype) for _ in range(num_layers)]
 
 
+def _assert_moved(
+    src: list[torch.Tensor],
+    dst: list[torch.Tensor],
+    before: list[torch.Tensor],
+    src_ids: list[int],
+    dst_ids: list[int],
+) -> None:
+    """Every layer's block ``src_ids[i]`` landed in ``dst_ids[i]``; no other block of ``dst``
+    changed from ``before``."""
+    for layer, (got, want, old) in enumerate(zip(dst, src, before, strict=True)):
+        for s, d in zip(src_ids, dst_ids, strict=True):
+            assert torch.equal(got[:, d], want[:, s]), f"layer {layer}: block {s} -> {d}"
+        untouched = [b for b in range(got.shape[1]) if b not in dst_ids]
+        assert torch.equal(got[:, untouched], old[:, untouched])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_round_trip_into_other_block_ids(dtype: torch.dtype) -> None:
     src, dst = caches(3, 10, dtype, 0), caches(3, 12, dtype, 1)
     before = [c.clone() for c in dst]
     src_ids, dst_ids = [7, 2, 5], [0, 11, 3]
     insert_blocks(dst, dst_ids, extract_blocks(src, src_ids))
-    for layer in range(3):
-        for s, d in zip(src_ids, dst_ids, strict=True):
-            assert torch.equal(dst[layer][:, d], src[layer][:, s])
-        untouched = [b for b in range(12) if b not in dst_ids]
-        assert torch.equal(dst[layer][:, untouched], before[layer][:, untouched])
+    _assert_moved(src, dst, before, src_ids, dst_ids)
 
 
 def test_layer_ranges_compose_like_pipeline_stages() -> None:
@@ -76,11 +88,7 @@ def test_gather_scatter_round_trip(
     written = scatter_blocks(dst, dst_ids, payload, first)
     moved = src_ids[first : first + len(dst_ids)]
     assert written == 3 * 2 * len(dst_ids) * src[0][0, 0].numel() * src[0].element_size()
-    for layer in range(3):
-        for s, d in zip(moved, dst_ids, strict=True):
-            assert torch.equal(dst[layer][:, d], src[layer][:, s])
-        untouched = [b for b in range(12) if b not in dst_ids]
-        assert torch.equal(dst[layer][:, untouched], before[layer][:, untouched])
+    _assert_moved(src, dst, before, moved, dst_ids)
 
 
 def test_gathered_pieces_are_views_until_copied() -> None:

@@ -36,11 +36,13 @@ TIMEOUT_S = 5.0
 SEG = [KVSegment(0, 2, "H")]  # a saved request's KV: one copy-out segment of both layers
 
 
-def _instance(**sched: Any) -> tuple[Scheduler, PDConnector]:
-    connector = PDConnector("inst-0", block_size=BLOCK, timeout_s=TIMEOUT_S)
+def _instance(
+    instance_id: str = "inst-0", num_blocks: int = 16, **sched: Any
+) -> tuple[Scheduler, PDConnector]:
+    connector = PDConnector(instance_id, block_size=BLOCK, timeout_s=TIMEOUT_S)
     sched.setdefault("max_num_seqs", 4)
     sched.setdefault("max_model_len", 32)
-    s = make_scheduler(block_size=BLOCK, num_blocks=16, connector=connector, **sched)
+    s = make_scheduler(block_size=BLOCK, num_blocks=num_blocks, connector=connector, **sched)
     return s, connector
 
 
@@ -91,6 +93,13 @@ def _finish_all(s: Scheduler, max_steps: int = 50) -> dict[str, list[int]]:
     raise AssertionError(f"not finished after {max_steps} steps")
 
 
+def _drain(s: Scheduler, c: PDConnector) -> dict[str, list[int]]:
+    """Run every request to its end, then check that nothing leaked."""
+    produced = _finish_all(s)
+    _assert_idle(s, c)
+    return produced
+
+
 # -- prefill side ------------------------------------------------------------------------------
 
 
@@ -98,6 +107,13 @@ def _prefill_request(prompt: list[int] | int, req_id: str) -> Request:
     return make_request(
         prompt, req_id=req_id, max_tokens=1, kv_transfer_params={"do_remote_decode": True}
     )
+
+
+def _prefill_scheduled(n: int) -> tuple[Scheduler, PDConnector, SchedulerOutput]:
+    """An instance that has scheduled the whole ``n``-token prompt of prefill request "p"."""
+    s, c = _instance()
+    s.add_request(_prefill_request(n, "p"))
+    return s, c, s.schedule()
 
 
 @pytest.mark.parametrize("chunking", ["budget", "long_prefill_threshold", "none"])
@@ -152,21 +168,12 @@ def test_prefill_saves_once_at_the_end_of_the_prompt(chunking: str) -> None:
     # The saved copy is independent of the blocks: they are free at once, no send to await.
     assert "p" not in s.requests and "p" not in s.kv_cache_manager.req_to_blocks
     assert c.num_pending() == 0 and c.num_saves == 1
-    _finish_all(s)
-    _assert_idle(s, c)
+    _drain(s, c)
 
 
 def test_prefill_preempted_mid_prompt_saves_once_when_it_completes() -> None:
     # 8 blocks: a decode that grows past 4 blocks evicts the half-prefilled request.
-    connector = PDConnector("inst-0", block_size=BLOCK, timeout_s=TIMEOUT_S)
-    s = make_scheduler(
-        block_size=BLOCK,
-        num_blocks=8,
-        connector=connector,
-        max_num_seqs=4,
-        max_model_len=32,
-        max_num_batched_tokens=4,
-    )
+    s, connector = _instance(num_blocks=8, max_num_batched_tokens=4)
     s.add_request(make_request(12, req_id="a", max_tokens=12))
     for _ in range(4):  # a's prompt, then its first decode
         _run(s)
@@ -197,9 +204,7 @@ def test_prefill_preempted_mid_prompt_saves_once_when_it_completes() -> None:
 
 
 def test_save_of_a_request_aborted_during_its_saving_step_is_dropped() -> None:
-    s, c = _instance()
-    s.add_request(_prefill_request(10, "p"))
-    out = s.schedule()
+    s, c, out = _prefill_scheduled(10)
     assert _meta(out).saves == [SaveSpec("p", 10)]
     s.finish_requests("p", RequestStatus.FINISHED_ABORTED)
     assert c.num_pending() == 0
@@ -214,9 +219,7 @@ def test_save_of_a_request_aborted_during_its_saving_step_is_dropped() -> None:
 
 
 def test_prefill_whose_first_token_is_eos_still_returns_params() -> None:
-    s, c = _instance()
-    s.add_request(_prefill_request(9, "p"))
-    out = s.schedule()
+    s, c, out = _prefill_scheduled(9)
     block_ids = s.kv_cache_manager.get_block_ids("p")
     result = model_output(s, out, {"p": [EOS]})
     result.kv_connector_output = KVConnectorReport(saved={"p": SEG})
@@ -231,9 +234,7 @@ def test_prefill_whose_first_token_is_eos_still_returns_params() -> None:
 
 
 def test_prefill_without_a_reported_handle_returns_no_params() -> None:
-    s, c = _instance()
-    s.add_request(_prefill_request(6, "p"))
-    out = s.schedule()
+    s, c, out = _prefill_scheduled(6)
     assert _meta(out).saves == [SaveSpec("p", 6)]
     (o,) = s.update_from_output(out, model_output(s, out, {"p": [41]}))
     assert o.finished and o.kv_transfer_params is None
@@ -272,6 +273,14 @@ def _start_load(s: Scheduler, r: Request) -> LoadSpec:
     return meta.loads[0]
 
 
+def _loading(**sched: Any) -> tuple[Scheduler, PDConnector, Request]:
+    """An instance whose decode request "d" (``PROMPT``) has just started its load."""
+    s, c = _instance(**sched)
+    r = _decode_request(PROMPT)
+    _start_load(s, r)
+    return s, c, r
+
+
 def test_decode_loads_the_prompt_then_runs_only_the_first_output_token() -> None:
     s, c = _instance()
     r = _decode_request(PROMPT)
@@ -305,8 +314,7 @@ def test_load_reported_done_by_the_step_that_started_it() -> None:
     out, outputs = _run(s, {"d": [42]})
     assert out.num_scheduled_tokens == {"d": 1}
     assert [o.new_token_ids for o in outputs] == [[42]]
-    _finish_all(s)
-    _assert_idle(s, c)
+    _drain(s, c)
 
 
 def test_decode_loads_only_what_the_local_prefix_cache_lacks() -> None:
@@ -324,14 +332,11 @@ def test_decode_loads_only_what_the_local_prefix_cache_lacks() -> None:
     _run(s, finished_recving={"d"})
     out, _ = _run(s)
     assert out.num_scheduled_tokens == {"d": 1}
-    _finish_all(s)
-    _assert_idle(s, c)
+    _drain(s, c)
 
 
 def test_failed_load_with_recompute_policy_computes_the_prompt_locally() -> None:
-    s, c = _instance(kv_load_failure_policy="recompute")
-    r = _decode_request(PROMPT)
-    _start_load(s, r)
+    s, c, r = _loading(kv_load_failure_policy="recompute")
     out, outputs = _run(s, failed_recving={"d"})
     assert outputs == []
     assert r.kv_transfer_params is not None
@@ -343,14 +348,11 @@ def test_failed_load_with_recompute_policy_computes_the_prompt_locally() -> None
     assert new.num_computed_tokens == 0
     assert not _meta(out).loads
     assert [o.new_token_ids for o in outputs] == [[42]]
-    _finish_all(s)
-    _assert_idle(s, c)
+    _drain(s, c)
 
 
 def test_failed_load_with_fail_policy_ends_the_request_with_an_error() -> None:
-    s, c = _instance(kv_load_failure_policy="fail")
-    r = _decode_request(PROMPT)
-    _start_load(s, r)
+    s, c, r = _loading(kv_load_failure_policy="fail")
     _, outputs = _run(s, failed_recving={"d"})
     (o,) = outputs
     assert o.request_id == "d" and o.new_token_ids == []
@@ -368,14 +370,11 @@ def test_remote_prefill_without_a_handle_computes_locally() -> None:
     assert out.num_scheduled_tokens == {"d": len(PROMPT) + 1}
     assert not _meta(out).loads and c.num_loads == 0
     assert [o.new_token_ids for o in outputs] == [[42]]
-    _finish_all(s)
-    _assert_idle(s, c)
+    _drain(s, c)
 
 
 def test_decode_aborted_while_loading_keeps_its_blocks_until_the_load_ends() -> None:
-    s, c = _instance()
-    r = _decode_request(PROMPT)
-    _start_load(s, r)
+    s, c, _ = _loading()
     s.finish_requests("d", RequestStatus.FINISHED_ABORTED)
     # The worker may still write into the blocks: they stay taken until it reports.
     assert s.kv_cache_manager.get_block_ids("d")
@@ -398,22 +397,15 @@ def test_nothing_to_load_drops_the_handle_at_admission() -> None:
     assert not _meta(out).loads
     assert out.num_scheduled_tokens == {"d": 1}  # only the first output token's position
     assert r.kv_transfer_params is not None and "handle" not in r.kv_transfer_params
-    _finish_all(s)
-    _assert_idle(s, c)
+    _drain(s, c)
 
 
 def test_loaded_requests_give_blocks_back_before_running_ones_are_preempted() -> None:
     """At max_num_seqs, hand-offs still load (no running slot needed) and then wait holding
     their blocks. When the running requests run out of blocks, those loaded requests are
     released first: no running request is preempted while one of them holds blocks."""
-    connector = PDConnector("d", block_size=BLOCK, timeout_s=TIMEOUT_S)
-    s = make_scheduler(
-        block_size=BLOCK,
-        num_blocks=24,
-        connector=connector,
-        max_num_seqs=2,
-        max_model_len=64,
-        prefix_caching=False,
+    s, connector = _instance(
+        "d", num_blocks=24, max_num_seqs=2, max_model_len=64, prefix_caching=False
     )
     for i in range(2):
         s.add_request(make_request(list(range(1, 9)), req_id=f"run{i}", max_tokens=40))
@@ -435,5 +427,4 @@ def test_loaded_requests_give_blocks_back_before_running_ones_are_preempted() ->
         s.update_from_output(out, result)
         s.check_integrity()
     assert released > 0  # the scenario did run short of blocks with loaded requests waiting
-    _finish_all(s)
-    _assert_idle(s, connector)
+    _drain(s, connector)

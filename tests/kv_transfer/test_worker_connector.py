@@ -87,6 +87,17 @@ def _save(src: WorkerConnector, num_tokens: int = 10) -> Any:
     return report.saved["r"]
 
 
+Saved = tuple[MemoryConnector, MemoryConnector, Any]
+
+
+@pytest.fixture
+def saved(pair: tuple[MemoryConnector, MemoryConnector]) -> Saved:
+    """``pair`` once the source has saved request "r" (10 tokens: three blocks), and the
+    handle of that save."""
+    src, dst = pair
+    return src, dst, _save(src)
+
+
 def _load(dst: WorkerConnector, spec: LoadSpec, max_calls: int = 100) -> int:
     """Start ``spec``'s load, then step idle until it is reported; returns the calls made."""
     dst.start_load_kv(KVConnectorMetadata(loads=[spec]))
@@ -138,9 +149,8 @@ def test_saved_blocks_load_bit_for_bit_into_other_block_ids(dtype: torch.dtype) 
         dst.close()
 
 
-def test_first_block_copies_only_the_tail(pair: tuple[MemoryConnector, MemoryConnector]) -> None:
-    src, dst = pair
-    handle = _save(src)
+def test_first_block_copies_only_the_tail(saved: Saved) -> None:
+    src, dst, handle = saved
     before = _snapshot(dst)
     _load(dst, LoadSpec("r", handle, [9], first_block=2, timeout_s=5.0))
     assert dst.get_finished() == (None, {"r"}, None)
@@ -153,11 +163,8 @@ def test_first_block_copies_only_the_tail(pair: tuple[MemoryConnector, MemoryCon
     assert record.num_bytes == _bytes_per_block(torch.float32)
 
 
-def test_fetch_that_raises_is_reported_failed_and_writes_nothing(
-    pair: tuple[MemoryConnector, MemoryConnector],
-) -> None:
-    src, dst = pair
-    handle = _save(src)
+def test_fetch_that_raises_is_reported_failed_and_writes_nothing(saved: Saved) -> None:
+    _, dst, handle = saved
     dst.raise_on_fetch = True
     before = _snapshot(dst)
     _load(dst, LoadSpec("r", handle, [0, 1, 2], 0, timeout_s=5.0))
@@ -171,10 +178,9 @@ def test_fetch_that_raises_is_reported_failed_and_writes_nothing(
 
 @pytest.mark.parametrize("slow", ["transport", "load_delay_s"])
 def test_fetch_past_the_timeout_fails_and_its_late_data_is_never_written(
-    pair: tuple[MemoryConnector, MemoryConnector], slow: str
+    saved: Saved, slow: str
 ) -> None:
-    src, dst = pair
-    handle = _save(src)
+    _, dst, handle = saved
     if slow == "transport":
         dst.hold_s = 0.3
     else:
@@ -194,11 +200,8 @@ def test_fetch_past_the_timeout_fails_and_its_late_data_is_never_written(
     assert all(not record.ok for record in dst.history)
 
 
-def test_timed_out_load_is_recorded_as_failed_in_history(
-    pair: tuple[MemoryConnector, MemoryConnector],
-) -> None:
-    src, dst = pair
-    handle = _save(src)
+def test_timed_out_load_is_recorded_as_failed_in_history(saved: Saved) -> None:
+    _, dst, handle = saved
     dst.hold_s = 1.0
     _load(dst, LoadSpec("r", handle, [0, 1, 2], 0, timeout_s=0.02))
     assert dst.get_finished() == (None, None, {"r"})
@@ -222,22 +225,16 @@ def test_source_with_fewer_blocks_than_asked_fails_and_writes_nothing(
     assert not record.ok and record.num_bytes == 0
 
 
-def test_idle_step_waits_for_a_fetch_about_to_finish(
-    pair: tuple[MemoryConnector, MemoryConnector],
-) -> None:
-    src, dst = pair
-    handle = _save(src)
+def test_idle_step_waits_for_a_fetch_about_to_finish(saved: Saved) -> None:
+    _, dst, handle = saved
     dst.hold_s = 0.02
     dst.start_load_kv(KVConnectorMetadata(loads=[LoadSpec("r", handle, [0, 1, 2], 0, 5.0)]), True)
     assert dst.num_loading() == 0
     assert dst.get_finished() == (None, {"r"}, None)
 
 
-def test_idle_step_does_not_wait_for_a_slow_fetch(
-    pair: tuple[MemoryConnector, MemoryConnector],
-) -> None:
-    src, dst = pair
-    handle = _save(src)
+def test_idle_step_does_not_wait_for_a_slow_fetch(saved: Saved) -> None:
+    _, dst, handle = saved
     dst.hold_s = 5.0
     before = _snapshot(dst)
     spec = LoadSpec("r", handle, [0, 1, 2], 0, timeout_s=5.0)
@@ -255,9 +252,8 @@ def test_idle_step_does_not_wait_for_a_slow_fetch(
     assert not _unchanged(dst, before)
 
 
-def test_non_idle_step_never_waits(pair: tuple[MemoryConnector, MemoryConnector]) -> None:
-    src, dst = pair
-    handle = _save(src)
+def test_non_idle_step_never_waits(saved: Saved) -> None:
+    _, dst, handle = saved
     dst.hold_s = 5.0
     dst.start_load_kv(KVConnectorMetadata(loads=[LoadSpec("r", handle, [0], 0, 5.0)]))
     assert dst.num_loading() == 1 and not dst.fetch_done.is_set()
@@ -265,11 +261,8 @@ def test_non_idle_step_never_waits(pair: tuple[MemoryConnector, MemoryConnector]
     assert dst.num_loading() == 1 and dst.get_finished() == (None, None, None)
 
 
-def test_history_records_bytes_and_outcome_of_each_load(
-    pair: tuple[MemoryConnector, MemoryConnector],
-) -> None:
-    src, dst = pair
-    handle = _save(src)
+def test_history_records_bytes_and_outcome_of_each_load(saved: Saved) -> None:
+    _, dst, handle = saved
     _load(dst, LoadSpec("ok", handle, [0, 1, 2], 0, timeout_s=5.0))
     _load(dst, LoadSpec("short", handle, [4, 5], first_block=2, timeout_s=5.0))
     dst.raise_on_fetch = True
