@@ -25,6 +25,7 @@ from actors.model.gguf_loader import (
     read_gguf_config,
 )
 from actors.model.gguf_tokenizer import gguf_tokenizer
+from tests.actors.conftest import TINY
 
 QT = gguf.GGMLQuantizationType
 OUR_TYPES = [QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1]
@@ -145,17 +146,14 @@ def _write_tiny(path: Path, arch: str, model: Any, *, rope_scaling: bool = False
 
 def _tiny_model(arch: str) -> Any:
     transformers = pytest.importorskip("transformers")
-    kwargs: dict[str, Any] = dict(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        rms_norm_eps=1e-5,
-        rope_theta=50000.0,
-    )
+    # The shared tiny shape, with sizes of its own (the GGUF round trip checks each of them).
+    kwargs: dict[str, Any] = {
+        **TINY,
+        "vocab_size": 128,
+        "intermediate_size": 96,
+        "max_position_embeddings": 256,
+        "rope_theta": 50000.0,
+    }
     if arch == "llama":
         model = transformers.LlamaForCausalLM(
             transformers.LlamaConfig(tie_word_embeddings=True, **kwargs)
