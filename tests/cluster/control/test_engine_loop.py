@@ -78,15 +78,20 @@ def _request(i: int) -> Request:
     return Request(f"r{i}", [3 + i, 4, 5, 6 + i], GREEDY, eos_token_id=2)
 
 
+async def _start_and_finish(loop: EngineLoop, seen: list[EngineCoreOutput], n: int) -> None:
+    """Start ``loop``, add requests r0 .. r<n-1> at once and wait for each one's last output."""
+    loop.start()
+    for i in range(n):
+        loop.add_request(_request(i))
+    while sum(o.finished for o in seen) < n:
+        await asyncio.sleep(0.01)
+
+
 def test_requests_sent_together_are_admitted_together(tiny_model: Path) -> None:
     loop, executor, seen = _loop(tiny_model)
 
     async def run() -> None:
-        loop.start()
-        for i in range(16):  # one burst, as 16 generate() calls arriving at once
-            loop.add_request(_request(i))
-        while sum(o.finished for o in seen) < 16:
-            await asyncio.sleep(0.01)
+        await _start_and_finish(loop, seen, 16)  # one burst, as 16 generate() calls at once
         await loop.stop()
 
     asyncio.run(run())
@@ -118,14 +123,7 @@ def test_idle_loop_does_not_step(tiny_model: Path) -> None:
 def test_failing_worker_fails_its_requests(tiny_model: Path) -> None:
     loop, _, seen = _loop(tiny_model, fail_at_step=2)
 
-    async def run() -> None:
-        loop.start()
-        for i in range(3):
-            loop.add_request(_request(i))
-        while sum(o.finished for o in seen) < 3:
-            await asyncio.sleep(0.01)
-
-    asyncio.run(asyncio.wait_for(run(), 30))
+    asyncio.run(asyncio.wait_for(_start_and_finish(loop, seen, 3), 30))
     finals = [o for o in seen if o.finished]
     assert {o.request_id for o in finals} == {"r0", "r1", "r2"}
     assert all(o.error and "worker died" in o.error for o in finals)
@@ -211,11 +209,7 @@ def test_a_bug_in_scheduling_fails_requests_instead_of_stranding_them(tiny_model
     loop.scheduler.update_from_output = broken  # type: ignore[method-assign]
 
     async def run() -> None:
-        loop.start()
-        for i in range(2):
-            loop.add_request(_request(i))
-        while sum(o.finished for o in seen) < 2:
-            await asyncio.sleep(0.01)
+        await _start_and_finish(loop, seen, 2)
         loop.add_request(_request(5))  # a dead loop answers at once
 
     asyncio.run(asyncio.wait_for(run(), 30))

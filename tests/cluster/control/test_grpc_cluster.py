@@ -14,38 +14,30 @@ from typing import Any
 import pytest
 
 from tests.cluster.conftest import RayCluster, assert_clean, wait_until
+from tests.cluster.control.helpers import (
+    DECODE,
+    PREFILL,
+    cluster_config,
+    generate_colocated,
+    generate_in_process,
+    token_ids,
+)
 
 ray = pytest.importorskip("ray")
 
-from cluster.config import ClusterConfig  # noqa: E402
 from cluster.control.client import ClusterClient  # noqa: E402
 from cluster.control.launch import build_cluster, shutdown_cluster  # noqa: E402
 from scheduler import SamplingParams  # noqa: E402
 
-BLOCK_SIZE = 4
-NUM_BLOCKS = 160
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
 TIMEOUT_S = 1.0  # the transfer deadline
 LEASE_S = 4.0  # how long the prefill side holds blocks for a pull
-PREFILL = {"name": "p", "role": "prefill", "resources": {"prefill": 0.01}, "num_blocks": NUM_BLOCKS}
-DECODE = {"name": "d", "role": "decode", "resources": {"decode": 0.01}, "num_blocks": NUM_BLOCKS}
-BOTH = {"name": "c", "role": "both", "num_blocks": NUM_BLOCKS}
-
-
-def _config(model: Path, pools: list[dict[str, Any]], **extra: Any) -> ClusterConfig:
-    return ClusterConfig.model_validate(
-        {"model": str(model), "block_size": BLOCK_SIZE, "pools": pools, **extra}
-    )
 
 
 def _prompts(count: int, seed: int = 0) -> list[list[int]]:
     """Mixed lengths (5 to 45 tokens), no shared prefixes, no EOS (token 2) inside."""
     rng = random.Random(seed)
     return [[rng.randrange(3, 256) for _ in range(5 + (i * 13) % 41)] for i in range(count)]
-
-
-def _ids(outputs: list[Any]) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in outputs]
 
 
 def _instances(handle: Any) -> dict[str, Any]:
@@ -57,7 +49,7 @@ def _instances(handle: Any) -> dict[str, Any]:
 def grpc_disagg(ray_cluster: RayCluster, tiny_model: Path) -> Iterator[Any]:
     """1 prefill + 1 decode instance on their own nodes, KV over gRPC. The decode instance has
     two pipeline stages: each pulls its own layer of every lease, which ends after both."""
-    config = _config(
+    config = cluster_config(
         tiny_model,
         [PREFILL, {**DECODE, "pp_size": 2}],
         router={"disaggregation": "always"},
@@ -83,7 +75,7 @@ def test_disaggregated_over_grpc_equals_colocated(
     assert health["d-0"]["node_id"] == ray_cluster.decode_node_id
     prompts = _prompts(8)
     before = _instances(grpc_disagg)
-    disaggregated = _ids(ClusterClient(grpc_disagg).generate(prompts, GREEDY))
+    disaggregated = token_ids(ClusterClient(grpc_disagg).generate(prompts, GREEDY))
     after = _instances(grpc_disagg)
     # Each lease ended with its pulls (one per decode stage): the prefill blocks are free well
     # before a lease made during the run could have expired.
@@ -93,14 +85,7 @@ def test_disaggregated_over_grpc_equals_colocated(
         what="the prefill instance to free the pulled blocks",
     )
 
-    colocated_handle = build_cluster(
-        _config(tiny_model, [BOTH]), name="grpc-colocated", namespace="tandem-tests"
-    )
-    try:
-        colocated = _ids(ClusterClient(colocated_handle).generate(prompts, GREEDY))
-        assert_clean(colocated_handle)
-    finally:
-        shutdown_cluster(colocated_handle)
+    colocated = generate_colocated(tiny_model, prompts, GREEDY, "grpc-colocated")
 
     assert disaggregated == colocated
     handed_off = [t for t in disaggregated if len(t) > 1]  # EOS first: nothing to decode
@@ -119,17 +104,14 @@ def test_disaggregated_over_grpc_equals_colocated(
 def test_an_unpulled_lease_expires_and_frees_the_prefill_blocks(
     grpc_disagg: Any, tiny_model: Path
 ) -> None:
-    from cluster.engine.llm import LLM
-
     prompt = _prompts(1, seed=4)[0] + [7] * 20
-    llm = LLM(str(tiny_model), block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, progress=False)
-    expected = _ids(llm.generate([prompt], GREEDY))[0]
+    (expected,) = generate_in_process(tiny_model, [prompt], GREEDY)
     before = _instances(grpc_disagg)
     # The decode side's fetch starts after the lease has expired: its load times out
     # (TIMEOUT_S) and the prompt is recomputed; the pull that finally comes finds no lease.
     ray.get(grpc_disagg.set_fault_injection.remote("d-0", LEASE_S + 1.0, 0.0))
     started = time.monotonic()
-    got = _ids(ClusterClient(grpc_disagg).generate([prompt], GREEDY))[0]
+    got = token_ids(ClusterClient(grpc_disagg).generate([prompt], GREEDY))[0]
     assert got == expected
     stats = _instances(grpc_disagg)
     d_before, d_after = before["d-0"], stats["d-0"]

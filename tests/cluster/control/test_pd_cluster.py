@@ -15,29 +15,25 @@ from typing import Any
 import pytest
 
 from tests.cluster.conftest import RayCluster, assert_clean, wait_until
+from tests.cluster.control.helpers import (
+    BLOCK_SIZE,
+    DECODE,
+    NUM_BLOCKS,
+    PREFILL,
+    cluster_config,
+    generate_colocated,
+    generate_in_process,
+    token_ids,
+)
 
 ray = pytest.importorskip("ray")
 
-from cluster.config import ClusterConfig  # noqa: E402
 from cluster.control.client import ClusterClient  # noqa: E402
 from cluster.control.launch import build_cluster, shutdown_cluster  # noqa: E402
 from scheduler import SamplingParams  # noqa: E402
 
-BLOCK_SIZE = 4
-NUM_BLOCKS = 160
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
 TIMEOUT_S = 1.0  # the clusters' KV transfer deadline
-
-
-def _config(model: Path, pools: list[dict[str, Any]], **extra: Any) -> ClusterConfig:
-    return ClusterConfig.model_validate(
-        {"model": str(model), "block_size": BLOCK_SIZE, "pools": pools, **extra}
-    )
-
-
-PREFILL = {"name": "p", "role": "prefill", "resources": {"prefill": 0.01}, "num_blocks": NUM_BLOCKS}
-DECODE = {"name": "d", "role": "decode", "resources": {"decode": 0.01}, "num_blocks": NUM_BLOCKS}
-BOTH = {"name": "c", "role": "both", "num_blocks": NUM_BLOCKS}
 
 
 def _prompts(count: int, seed: int = 0) -> list[list[int]]:
@@ -50,7 +46,7 @@ def _prompts(count: int, seed: int = 0) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def disagg(ray_cluster: RayCluster, tiny_model: Path) -> Iterator[Any]:
     """1 prefill + 1 decode instance, every request disaggregated, recompute on failure."""
-    config = _config(
+    config = cluster_config(
         tiny_model,
         [PREFILL, DECODE],
         router={"disaggregation": "always"},
@@ -77,10 +73,6 @@ def _no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
             assert_clean(handle)
 
 
-def _ids(outputs: list[Any]) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in outputs]
-
-
 def _stats(client: ClusterClient) -> dict[str, Any]:
     instances: dict[str, Any] = client.stats()["instances"]
     return instances
@@ -101,21 +93,11 @@ def test_disaggregated_equals_colocated_equals_in_process(
     prompts = _prompts(16)
     before = _stats(client)
     history_before = ray.get(disagg.transfer_history.remote())["d-0"]
-    disaggregated = _ids(client.generate(prompts, GREEDY))
+    disaggregated = token_ids(client.generate(prompts, GREEDY))
     after = _stats(client)
 
-    colocated_handle = build_cluster(
-        _config(tiny_model, [BOTH]), name="colocated", namespace="tandem-tests"
-    )
-    try:
-        colocated = _ids(ClusterClient(colocated_handle).generate(prompts, GREEDY))
-        assert_clean(colocated_handle)
-    finally:
-        shutdown_cluster(colocated_handle)
-    from cluster.engine.llm import LLM
-
-    llm = LLM(str(tiny_model), block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, progress=False)
-    in_process = _ids(llm.generate(prompts, GREEDY))
+    colocated = generate_colocated(tiny_model, prompts, GREEDY, "colocated")
+    in_process = generate_in_process(tiny_model, prompts, GREEDY)
 
     assert disaggregated == in_process
     assert colocated == in_process
@@ -250,15 +232,12 @@ def test_client_leaving_early_aborts(disagg: Any, client: ClusterClient) -> None
 
 # -- transfer deadlines ----------------------------------------------------------------------
 def test_transfer_timeout_recomputes_on_decode(client: ClusterClient, tiny_model: Path) -> None:
-    from cluster.engine.llm import LLM
-
     prompt = _prompts(1, seed=8)[0] + [11] * 17
-    llm = LLM(str(tiny_model), block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, progress=False)
-    expected = _ids(llm.generate([prompt], GREEDY))[0]
+    (expected,) = generate_in_process(tiny_model, [prompt], GREEDY)
     before = _stats(client)
     ray.get(client.handle.set_fault_injection.remote("d-0", 2 * TIMEOUT_S, 0.0))
     started = time.monotonic()
-    got = _ids(client.generate([prompt], GREEDY))[0]
+    got = token_ids(client.generate([prompt], GREEDY))[0]
     elapsed = time.monotonic() - started
     after = _stats(client)
     assert got == expected
@@ -274,7 +253,7 @@ def test_transfer_timeout_recomputes_on_decode(client: ClusterClient, tiny_model
 @pytest.fixture(scope="module")
 def conditional(ray_cluster: RayCluster, tiny_model: Path) -> Iterator[Any]:
     """Prompts of 24+ uncached tokens go through prefill; a failed transfer fails the request."""
-    config = _config(
+    config = cluster_config(
         tiny_model,
         [PREFILL, DECODE],
         router={"disaggregation": 24},

@@ -26,6 +26,11 @@ def _quiet(pp_size: int) -> list[StageReport]:
     return [StageReport(rank) for rank in range(pp_size)]
 
 
+def _loads(out: ModelRunnerOutput) -> tuple[set[str] | None, set[str] | None]:
+    """The merged report's loads: (finished, failed)."""
+    return out.finished_recving, out.failed_recving
+
+
 def _seg(first: int, last: int, handle: Any, in_place: bool = False) -> KVSegment:
     return KVSegment(first, last, handle, in_place)
 
@@ -38,7 +43,7 @@ def _saved(req_id: str, segment: KVSegment, saved: int = 0, loaded: int = 0) -> 
 def test_load_finished_only_once_every_stage_wrote_its_layers() -> None:
     m = StageReportMerger(3)
     out = m.merge(_step(StageReport(0, finished_recving={"a"}), StageReport(1), StageReport(2)))
-    assert out.finished_recving is None and out.failed_recving is None
+    assert _loads(out) == (None, None)
     assert m.pending() == 1
     out = m.merge(
         _step(StageReport(0), StageReport(1), StageReport(2, finished_recving={"a", "b"}))
@@ -52,11 +57,11 @@ def test_load_finished_only_once_every_stage_wrote_its_layers() -> None:
             StageReport(2),
         )
     )
-    assert out.finished_recving == {"a", "b"} and out.failed_recving is None
+    assert _loads(out) == ({"a", "b"}, None)
     assert m.pending() == 0
     # Reported once: nothing more for them afterwards.
     out = m.merge(_step(*_quiet(3)))
-    assert out.finished_recving is None and out.failed_recving is None
+    assert _loads(out) == (None, None)
 
 
 def test_load_done_by_all_stages_in_one_step() -> None:
@@ -64,7 +69,7 @@ def test_load_done_by_all_stages_in_one_step() -> None:
     out = m.merge(
         _step(StageReport(0, finished_recving={"a"}), StageReport(1, finished_recving={"a"}))
     )
-    assert out.finished_recving == {"a"} and out.failed_recving is None
+    assert _loads(out) == ({"a"}, None)
     assert m.pending() == 0
 
 
@@ -72,16 +77,16 @@ def test_failed_stage_reported_once_after_the_other_stage_finished_writing() -> 
     m = StageReportMerger(2)
     # Stage 0 timed out; stage 1 is still writing its layers into the blocks.
     out = m.merge(_step(StageReport(0, failed_recving={"a"}), StageReport(1)))
-    assert out.failed_recving is None and out.finished_recving is None
+    assert _loads(out) == (None, None)
     assert m.pending() == 1
     out = m.merge(_step(*_quiet(2)))
     assert out.failed_recving is None
     # Stage 1 is done: the load as a whole failed (stage 0's layers are missing).
     out = m.merge(_step(StageReport(0), StageReport(1, finished_recving={"a"})))
-    assert out.failed_recving == {"a"} and out.finished_recving is None
+    assert _loads(out) == (None, {"a"})
     assert m.pending() == 0
     out = m.merge(_step(*_quiet(2)))
-    assert out.failed_recving is None and out.finished_recving is None
+    assert _loads(out) == (None, None)
 
 
 def test_failure_reported_by_the_last_stage_to_answer() -> None:
@@ -93,9 +98,9 @@ def test_failure_reported_by_the_last_stage_to_answer() -> None:
             StageReport(2),
         )
     )
-    assert out.finished_recving is None and out.failed_recving is None
+    assert _loads(out) == (None, None)
     out = m.merge(_step(StageReport(0), StageReport(1), StageReport(2, failed_recving={"a"})))
-    assert out.failed_recving == {"a"} and out.finished_recving is None
+    assert _loads(out) == (None, {"a"})
     assert m.pending() == 0
 
 
@@ -104,12 +109,12 @@ def test_every_stage_failing_is_one_failure() -> None:
     out = m.merge(_step(StageReport(0, failed_recving={"a"}), StageReport(1)))
     assert out.failed_recving is None
     out = m.merge(_step(StageReport(0), StageReport(1, failed_recving={"a"})))
-    assert out.failed_recving == {"a"} and out.finished_recving is None
+    assert _loads(out) == (None, {"a"})
     # A later load of another request is not tainted by a's failure.
     out = m.merge(
         _step(StageReport(0, finished_recving={"b"}), StageReport(1, finished_recving={"b"}))
     )
-    assert out.finished_recving == {"b"} and out.failed_recving is None
+    assert _loads(out) == ({"b"}, None)
     assert m.pending() == 0
 
 
@@ -163,7 +168,7 @@ def test_no_reports_merge_to_an_empty_report() -> None:
     assert out.kv_connector_output.saved == {}
     assert out.kv_connector_output.bytes_saved == 0
     assert out.finished_sending is None
-    assert out.finished_recving is None and out.failed_recving is None
+    assert _loads(out) == (None, None)
     assert out.req_ids == ["x"] and out.sampled_token_ids == [[7]]  # the step's tokens kept
 
 
@@ -281,11 +286,11 @@ def test_forget_drops_partial_reports() -> None:
             StageReport(1, finished_recving={"a", "b"}, finished_sending={"c"}),
         )
     )
-    assert out.finished_recving is None and out.failed_recving is None
+    assert _loads(out) == (None, None)
     assert out.finished_sending is None
     out = m.merge(
         _step(StageReport(0, finished_recving={"a", "b"}, finished_sending={"c"}), StageReport(1))
     )
-    assert out.finished_recving == {"a", "b"} and out.failed_recving is None
+    assert _loads(out) == ({"a", "b"}, None)
     assert out.finished_sending == {"c"}
     assert m.pending() == 0

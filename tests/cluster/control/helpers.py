@@ -1,0 +1,55 @@
+"""Shared pieces of the disaggregated-cluster tests (P/D over the object store and over gRPC):
+the pools, a config builder, and the reference runs their tokens are compared with."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from cluster.config import ClusterConfig
+from scheduler import SamplingParams
+from tests.cluster.conftest import assert_clean
+
+BLOCK_SIZE = 4
+NUM_BLOCKS = 160
+PREFILL = {"name": "p", "role": "prefill", "resources": {"prefill": 0.01}, "num_blocks": NUM_BLOCKS}
+DECODE = {"name": "d", "role": "decode", "resources": {"decode": 0.01}, "num_blocks": NUM_BLOCKS}
+BOTH = {"name": "c", "role": "both", "num_blocks": NUM_BLOCKS}
+
+
+def cluster_config(model: Path, pools: list[dict[str, Any]], **extra: Any) -> ClusterConfig:
+    return ClusterConfig.model_validate(
+        {"model": str(model), "block_size": BLOCK_SIZE, "pools": pools, **extra}
+    )
+
+
+def token_ids(outputs: list[Any]) -> list[list[int]]:
+    """The first completion's tokens of each output."""
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def generate_colocated(
+    model: Path, prompts: list[list[int]], params: SamplingParams, name: str
+) -> list[list[int]]:
+    """Build a one-instance (``BOTH``) cluster named ``name``, generate ``prompts``, check that
+    it left nothing behind, and shut it down."""
+    from cluster.control.client import ClusterClient
+    from cluster.control.launch import build_cluster, shutdown_cluster
+
+    handle = build_cluster(cluster_config(model, [BOTH]), name=name, namespace="tandem-tests")
+    try:
+        tokens = token_ids(ClusterClient(handle).generate(prompts, params))
+        assert_clean(handle)
+    finally:
+        shutdown_cluster(handle)
+    return tokens
+
+
+def generate_in_process(
+    model: Path, prompts: list[list[int]], params: SamplingParams
+) -> list[list[int]]:
+    """The same generation by the in-process engine, with the clusters' cache shape."""
+    from cluster.engine.llm import LLM
+
+    llm = LLM(str(model), block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, progress=False)
+    return token_ids(llm.generate(prompts, params))
