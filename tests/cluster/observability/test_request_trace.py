@@ -1,5 +1,5 @@
 """The span tree of a disaggregated request, built in process with an in-memory exporter
-(the multi-node, over-the-wire version is tests/cluster/test_serve_tracing.py)."""
+(the multi-node, over-the-wire version is tests/cluster/serving/test_serve_tracing.py)."""
 
 from __future__ import annotations
 
