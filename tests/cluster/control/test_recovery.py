@@ -1,5 +1,5 @@
-"""``cluster.recovery.end_hung_workers`` on real Ray actors: after a step timeout it kills the
-workers that still answer with their state (hung) and leaves alone the ones that died or
+"""``cluster.control.recovery.end_hung_workers`` on real Ray actors: after a step timeout it
+kills the workers that still answer with their state (hung) and leaves alone the ones that died or
 already came back empty (their death was only reported late; killing the new process would
 spend a restart)."""
 
