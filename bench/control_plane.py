@@ -7,11 +7,14 @@ routing, scheduling, bookkeeping and streaming -- what caps a cluster before its
     python -m bench.control_plane --modes ray --instances 8 --concurrency 128 --step-ms 25
     python -m bench.control_plane --quick                 # smoke: 1 and 4 instances, short
 
-Two modes:
+Three modes:
 - ``inproc``: the actor is a plain object in this process and the clients iterate its
-  ``generate`` directly (the control plane alone, as the issue measured it);
-- ``ray``: the actor is a Ray actor on a local one-node Ray (127.0.0.1) and the clients stream
-  through Ray from this driver, as ``ClusterClient`` does (the Ray hop included).
+  ``generate`` directly (the control plane alone);
+- ``ray``: the actor is a Ray actor on a local one-node Ray (127.0.0.1) and every request is a
+  Ray stream of its own (``SchedulerActor.generate``: a Ray message per request per step);
+- ``client``: the same actor, and the requests go through one batched ``Subscription`` of this
+  driver, as ``ClusterClient`` sends them (``submit`` / ``subscribe``: a Ray message per
+  batch, whatever the number of requests in it).
 
 Per cell (instances x concurrency per instance, closed loop: a finished request is replaced at
 once): streamed tokens/s over a measured window after a warm-up, CPU seconds of every process
@@ -143,6 +146,7 @@ class Driver:
 
     def __init__(self, mode: str, actor: Any, prompt_len: int, output_len: int) -> None:
         self.mode, self.actor = mode, actor
+        self.subscription: Any = None
         self.prompt = [5] * prompt_len
         self.params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0)
         self.tokens = 0
@@ -157,6 +161,13 @@ class Driver:
         request = self._request(params)
         if self.mode == "inproc":
             async for out in self.actor.generate(request):
+                self.tokens += len(out.new_token_ids)
+        elif self.mode == "client":
+            if self.subscription is None:
+                from cluster.control.client import Subscription
+
+                self.subscription = Subscription(self.actor, f"bench-{os.getpid()}")
+            async for out in self.subscription.stream(request):
                 self.tokens += len(out.new_token_ids)
         else:
             async for ref in self.actor.generate.remote(request, None):
@@ -200,7 +211,8 @@ async def measure(
     tokens1, cpu1, actor1, t1 = driver.tokens, _cpu(pids), _cpu([pid]), time.perf_counter()
     steps1 = _steps(await driver.call("stats"))
     stop.set()
-    await loop_task
+    loop_task.cancel()  # the requests in flight end with the actor's shutdown
+    await asyncio.gather(loop_task, return_exceptions=True)
     tokens, steps, window = tokens1 - tokens0, steps1 - steps0, t1 - t0
     ideal = instances * concurrency / (args.step_ms / 1000) if args.step_ms > 0 else None
     rate = tokens / window
@@ -245,6 +257,7 @@ async def run_inproc(args: argparse.Namespace, instances: int, concurrency: int)
 
 
 async def run_ray(args: argparse.Namespace, instances: int, concurrency: int) -> Cell:
+    """``ray`` and ``client`` modes (``args.mode``)."""
     import ray
 
     config = make_config(instances, concurrency)
@@ -254,7 +267,7 @@ async def run_ray(args: argparse.Namespace, instances: int, concurrency: int) ->
     try:
         await handle.start.remote()
         pid = await handle.__ray_call__.remote(lambda self: os.getpid())
-        return await measure("ray", handle, args, instances, concurrency, pid)
+        return await measure(args.mode, handle, args, instances, concurrency, pid)
     finally:
         await handle.shutdown.remote()
         ray.kill(handle)
@@ -262,7 +275,7 @@ async def run_ray(args: argparse.Namespace, instances: int, concurrency: int) ->
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--modes", nargs="+", default=["inproc", "ray"])
+    parser.add_argument("--modes", nargs="+", default=["inproc", "ray", "client"])
     parser.add_argument("--instances", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--concurrency", type=int, default=256, help="Running per instance.")
     parser.add_argument("--step-ms", type=float, default=0.0)
@@ -279,8 +292,11 @@ def main() -> None:
         args.admission_requests = 500
     cells: list[Cell] = []
     admissions: dict[str, float] = {}
+    ray_started = False
     for mode in args.modes:
-        if mode == "ray":
+        args.mode = mode
+        if mode != "inproc" and not ray_started:
+            ray_started = True
             from cluster.control.launch import init_ray
 
             init_ray()

@@ -58,6 +58,7 @@ class ClusterClient(EngineClient):
         )
         self._ids = itertools.count()
         self._prefix = f"c{uuid.uuid4().hex[:12]}-"  # unique across processes
+        self._sub: Subscription | None = None
 
     @classmethod
     def connect(cls, name: str | None = None, namespace: str | None = None) -> ClusterClient:
@@ -148,19 +149,20 @@ class ClusterClient(EngineClient):
             for child in open_children:
                 self.abort(child)
 
-    async def _stream(
+    def _stream(
         self, request: Request, trace_context: dict[str, str] | None
     ) -> AsyncGenerator[EngineCoreOutput, None]:
-        """One sample's outputs from the SchedulerActor's streaming ``generate``."""
-        try:
-            async for ref in self.handle.generate.remote(request, trace_context):
-                yield await ref
-        except ray.exceptions.RayTaskError as exc:
-            # A request the cluster refuses raises ValueError there; re-raise it as such.
-            inner = getattr(exc, "cause", None)
-            if isinstance(inner, ValueError):
-                raise inner from None
-            raise
+        """One sample's outputs, through this event loop's batched subscription."""
+        return self._subscription().stream(request, trace_context)
+
+    def _subscription(self) -> Subscription:
+        """This event loop's subscription (a new one after the loop changed or the old one
+        ended: ``generate`` runs each batch in a fresh loop)."""
+        loop = asyncio.get_running_loop()
+        current = self._sub
+        if current is None or current.loop is not loop or current.task.done():
+            current = self._sub = Subscription(self.handle, f"{self._prefix}{uuid.uuid4().hex}")
+        return current
 
     def abort(self, request_id: str) -> None:
         self.handle.abort.remote(request_id)
@@ -189,6 +191,64 @@ class ClusterClient(EngineClient):
     def stats(self) -> dict[str, Any]:
         result: dict[str, Any] = ray.get(self.handle.stats.remote())
         return result
+
+
+class Subscription:
+    """One event loop's end of ``SchedulerActor.subscribe``: a task reads the client's batched
+    stream (one Ray message per batch, whatever the number of requests) and hands each output
+    to its request's queue. If the stream breaks (the actor is gone), every open request gets
+    the error; ``ClusterClient`` then opens a new subscription for the next request. Token ids
+    only: ``ClusterClient`` adds detokenization, stop strings and ``n``."""
+
+    def __init__(self, handle: Any, client_id: str) -> None:
+        self.handle = handle
+        self.client_id = client_id
+        self.loop = asyncio.get_running_loop()
+        self.queues: dict[str, asyncio.Queue[EngineCoreOutput | BaseException]] = {}
+        self.task = self.loop.create_task(self._run(), name=f"subscription {client_id}")
+
+    async def stream(
+        self, request: Request, trace_context: dict[str, str] | None = None
+    ) -> AsyncGenerator[EngineCoreOutput, None]:
+        """Submit ``request`` and yield its outputs, the last one finished. Raises the
+        cluster's ``ValueError`` for a request it refuses, before any output."""
+        rid = request.request_id
+        queue: asyncio.Queue[EngineCoreOutput | BaseException] = asyncio.Queue()
+        self.queues[rid] = queue  # before submitting: outputs may come before submit returns
+        try:
+            try:
+                await self.handle.submit.remote(request, self.client_id, trace_context)
+            except ray.exceptions.RayTaskError as exc:
+                inner = getattr(exc, "cause", None)
+                if isinstance(inner, ValueError):
+                    raise inner from None
+                raise
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    return
+        finally:
+            self.queues.pop(rid, None)
+
+    async def _run(self) -> None:
+        queues = self.queues
+        try:
+            async for ref in self.handle.subscribe.remote(self.client_id):
+                for out in await ref:
+                    queue = queues.get(out.request_id)
+                    if queue is not None:
+                        queue.put_nowait(out)
+        except BaseException as exc:
+            for queue in queues.values():
+                queue.put_nowait(exc if isinstance(exc, Exception) else RuntimeError(str(exc)))
+            raise
+        finally:
+            # The actor's end of the stream may outlive this task (a loop that closed):
+            # say goodbye so it forgets this client and aborts whatever is left.
+            self.handle.unsubscribe.remote(self.client_id)
 
 
 def _as_list(prompts: str | list[int] | Sequence[str | list[int]]) -> list[str | list[int]]:

@@ -1,8 +1,13 @@
-"""A request in flight through the SchedulerActor, and the request copies it hands to instances.
+"""A request in flight through the SchedulerActor, where its outputs go, and the request
+copies it hands to instances.
 
 The client's ``Request`` is never given to a scheduler: each instance gets its own copy under
 the flight's internal id -- the prefill instance a one-token copy that saves its KV
 (``prefill_request``), the decode instance one that carries the first token and the KV handle.
+
+Outputs go to the flight's own queue (``SchedulerActor.generate``: one stream per request) or
+to its client's ``Outbox`` (``submit`` / ``subscribe``: one stream per client, one batch per
+step for all of the client's requests).
 """
 
 from __future__ import annotations
@@ -18,12 +23,40 @@ if TYPE_CHECKING:
     from cluster.control.engine_loop import EngineLoop
 
 
+class Outbox:
+    """The outputs bound for one client (an ingress replica, a driver), batched: what its
+    requests produced since it last took a batch, merged into one output per request."""
+
+    def __init__(self) -> None:
+        self.pending: dict[str, EngineCoreOutput] = {}
+        self.ready = asyncio.Event()
+        self.closed = False
+
+    def put(self, out: EngineCoreOutput) -> None:
+        pending = self.pending
+        before = pending.get(out.request_id)
+        pending[out.request_id] = out if before is None else merge_outputs(before, out)
+        self.ready.set()
+
+    async def take(self) -> list[EngineCoreOutput]:
+        """Wait for outputs (or ``close``), then take them all."""
+        await self.ready.wait()
+        self.ready.clear()
+        batch, self.pending = list(self.pending.values()), {}
+        return batch
+
+    def close(self) -> None:
+        self.closed = True
+        self.ready.set()
+
+
 @dataclass
 class Flight:
-    """A request between ``generate`` and its final output."""
+    """A request between ``generate`` / ``submit`` and its final output."""
 
     request: Request  # as the client sent it
-    queue: asyncio.Queue[EngineCoreOutput]
+    queue: asyncio.Queue[EngineCoreOutput] | None  # its own stream (``generate``), or
+    outbox: Outbox | None  # its client's batched stream (``submit``)
     loop: EngineLoop  # where it runs now
     stage: str  # "prefill" (on P, to be handed off) or "decode" (running to the end)
     internal_id: str = ""  # the id the schedulers know it by
@@ -36,6 +69,14 @@ class Flight:
     first_token_at: float | None = None
     last_token_at: float | None = None
     trace: Any = None  # a RequestTrace while tracing is on
+
+    def deliver(self, out: EngineCoreOutput) -> None:
+        """Hand an output to whoever streams this request."""
+        if self.outbox is not None:
+            self.outbox.put(out)
+        else:
+            assert self.queue is not None
+            self.queue.put_nowait(out)
 
 
 def clone_request(request: Request, **overrides: Any) -> Request:

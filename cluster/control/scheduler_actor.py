@@ -25,7 +25,13 @@ from typing import Any
 from cluster.config import ClusterConfig
 from cluster.control.adapters import LoRAAdapters
 from cluster.control.engine_loop import EngineLoop
-from cluster.control.flights import Flight, clone_request, merge_outputs, prefill_request
+from cluster.control.flights import (
+    Flight,
+    Outbox,
+    clone_request,
+    merge_outputs,
+    prefill_request,
+)
 from cluster.control.observer import RequestObserver
 from cluster.control.placement import InstanceSpec
 from cluster.control.recovery import check_workers, end_hung_workers, restore_workers
@@ -50,6 +56,7 @@ class SchedulerActor:
         self.roles: dict[str, str] = {}
         self.specs: dict[str, InstanceSpec] = {}
         self.flights: dict[str, Flight] = {}  # by the client's request id
+        self._outboxes: dict[str, Outbox] = {}  # by client id (``submit`` / ``subscribe``)
         self._internal: dict[str, Flight] = {}  # by the schedulers' id
         self._seq = itertools.count()
         self.max_model_len = 0
@@ -144,6 +151,8 @@ class SchedulerActor:
             await loop.stop()
         for rid, flight in list(self.flights.items()):
             self._finish(flight, EngineCoreOutput(rid, [], FinishReason.ABORT, error="shutdown"))
+        for outbox in self._outboxes.values():  # their last batches go out, then they end
+            outbox.close()
         await self.observe.flush()
         for spec in self.specs.values():
             for actor in spec.actors:
@@ -160,13 +169,14 @@ class SchedulerActor:
         ``finish_reason`` set. Raises ``ValueError`` before the first output for a request that
         can never be served. A consumer that goes away aborts the request. ``trace_context``:
         the caller's span (a W3C carrier) when tracing is on."""
-        flight = await self._submit(request, trace_context)
+        queue: asyncio.Queue[EngineCoreOutput] = asyncio.Queue()
+        flight = await self._submit(request, trace_context, queue=queue)
         rid = request.request_id
         try:
             while True:
-                out = await flight.queue.get()
-                while not out.finished and not flight.queue.empty():
-                    out = merge_outputs(out, flight.queue.get_nowait())
+                out = await queue.get()
+                while not out.finished and not queue.empty():
+                    out = merge_outputs(out, queue.get_nowait())
                 yield out
                 if out.finished:
                     return
@@ -174,8 +184,54 @@ class SchedulerActor:
             if self.flights.get(rid) is flight:  # the consumer left early
                 self.abort(rid)
 
+    async def submit(
+        self, request: Request, client_id: str, trace_context: dict[str, str] | None = None
+    ) -> None:
+        """Start ``request`` for client ``client_id``: its outputs go to the client's batched
+        stream (``subscribe``), not to a stream of its own. Raises ``ValueError`` (or
+        ``OverloadedError``) for a request that is refused; otherwise returns once it is
+        placed, and ``abort`` reaches it from then on."""
+        outbox = self._outboxes.get(client_id)
+        if outbox is None or outbox.closed:  # may come before the client's subscribe call
+            outbox = self._outboxes[client_id] = Outbox()
+        await self._submit(request, trace_context, outbox=outbox)
+
+    async def subscribe(self, client_id: str) -> AsyncIterator[list[EngineCoreOutput]]:
+        """The outputs of every request ``client_id`` submitted, as they come: one batch per
+        wake-up (a step's outputs of every instance at once), one merged output per request,
+        each request's last with ``finish_reason`` set. Tokens cross to the client in one Ray
+        message per batch, not one per token or per request. When the stream ends (the client
+        left, or ``unsubscribe``) the client's unfinished requests are aborted."""
+        outbox = self._outboxes.get(client_id)
+        if outbox is None or outbox.closed:
+            outbox = self._outboxes[client_id] = Outbox()
+        try:
+            while True:
+                batch = await outbox.take()
+                if batch:
+                    yield batch
+                if outbox.closed and not outbox.pending:
+                    return
+        finally:
+            self.unsubscribe(client_id, outbox)
+
+    def unsubscribe(self, client_id: str, outbox: Outbox | None = None) -> None:
+        """Forget client ``client_id`` (only its stream ``outbox``, when given): its stream
+        ends and its unfinished requests are aborted."""
+        current = self._outboxes.get(client_id)
+        if current is None or (outbox is not None and current is not outbox):
+            return
+        del self._outboxes[client_id]
+        current.close()
+        for rid in [r for r, f in self.flights.items() if f.outbox is current]:
+            self.abort(rid)
+
     async def _submit(
-        self, request: Request, trace_context: dict[str, str] | None = None
+        self,
+        request: Request,
+        trace_context: dict[str, str] | None = None,
+        queue: asyncio.Queue[EngineCoreOutput] | None = None,
+        outbox: Outbox | None = None,
     ) -> Flight:
         if not self.started:
             raise RuntimeError("the cluster is not started")
@@ -198,7 +254,7 @@ class SchedulerActor:
                 raise OverloadedError(waiting, bound, self.config.serve.retry_after_s)
         # Arrival is stamped here: clients' clocks are not comparable (priority tie-breaks).
         request.arrival_time = time.monotonic()
-        flight = Flight(request, asyncio.Queue(), next(iter(self.loops.values())), "decode")
+        flight = Flight(request, queue, outbox, next(iter(self.loops.values())), "decode")
         self.observe.arrived(flight, trace_context)
         self.flights[rid] = flight
         try:
@@ -396,7 +452,7 @@ class SchedulerActor:
             if out.finished:
                 self._finish(flight, client_out)
             else:
-                flight.queue.put_nowait(client_out)
+                flight.deliver(client_out)
 
     def _hand_off(self, flight: Flight, out: EngineCoreOutput) -> bool:
         """The prefill instance sampled the first token. Send the request on to its decode
@@ -415,7 +471,7 @@ class SchedulerActor:
         if decode is None or not decode.alive:
             alive = self._live("decode")
             if not alive:
-                flight.queue.put_nowait(first)  # the client keeps the token it was owed
+                flight.deliver(first)  # the client keeps the token it was owed
                 self._finish(
                     flight,
                     EngineCoreOutput(
@@ -431,7 +487,7 @@ class SchedulerActor:
         flight.stage = "decode"
         flight.loop = decode
         flight.sent.extend(first.new_token_ids)
-        flight.queue.put_nowait(first)
+        flight.deliver(first)
         decode.add_request(
             clone_request(
                 request,
@@ -446,7 +502,7 @@ class SchedulerActor:
         if self.flights.get(flight.request.request_id) is flight:
             del self.flights[flight.request.request_id]
             self._internal.pop(flight.internal_id, None)
-            flight.queue.put_nowait(final)
+            flight.deliver(final)
             self.observe.finished(flight, final)
 
     # -- metrics ----------------------------------------------------------------------------

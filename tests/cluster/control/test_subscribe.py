@@ -1,0 +1,160 @@
+"""A client's batched stream (``SchedulerActor.submit`` / ``subscribe``), in one process on
+the tiny model: the outputs of all of a client's requests come one batch per step, with the
+same tokens as a stream per request; a refused request raises at ``submit``; a client that
+leaves has its unfinished requests aborted and their blocks freed; shutdown ends the stream
+after the last outputs."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from actors.worker import ModelWorker
+from cluster.config import ClusterConfig, InstancePool
+from cluster.control.executors import LocalExecutor
+from cluster.control.placement import InstanceSpec
+from cluster.control.scheduler_actor import SchedulerActor
+from scheduler import Request, SamplingParams
+from scheduler.outputs import EngineCoreOutput
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+LONG = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+
+
+def _actor(model: Path) -> SchedulerActor:
+    config = ClusterConfig(
+        model=str(model), block_size=4, pools=[InstancePool(name="c", num_blocks=256)]
+    )
+    worker = ModelWorker(str(model), block_size=4, progress=False)
+    worker.load_model()
+    worker.init_kv_cache(256)
+    spec = InstanceSpec("c-0", config.pools[0], LocalExecutor(worker), None, worker.info())
+    return SchedulerActor(config, [spec])
+
+
+def _prompt(i: int) -> list[int]:
+    return [3 + i, 4, 5, 6 + i, 7]
+
+
+async def _idle(actor: SchedulerActor) -> None:
+    """Wait for every request and block to be gone; then check the schedulers."""
+    for _ in range(500):
+        stats = actor.stats()
+        if not stats["num_flights"] and all(
+            i["num_requests"] == 0 and i["kv_cache_usage"] == 0.0
+            for i in stats["instances"].values()
+        ):
+            actor.check_integrity()
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"not idle: {actor.stats()}")
+
+
+def test_a_clients_requests_come_one_batch_per_step(tiny_model: Path) -> None:
+    actor = _actor(tiny_model)
+
+    async def run() -> tuple[list[list[EngineCoreOutput]], dict[str, list[int]], dict[str, Any]]:
+        await actor.start()
+        batches: list[list[EngineCoreOutput]] = []
+        done: set[str] = set()
+
+        async def consume() -> None:
+            async for batch in actor.subscribe("client-1"):
+                batches.append(batch)
+                done.update(o.request_id for o in batch if o.finished)
+                if len(done) == 8:
+                    return
+
+        consumer = asyncio.ensure_future(consume())
+        await asyncio.gather(
+            *(actor.submit(Request(f"r{i}", _prompt(i), GREEDY), "client-1") for i in range(8))
+        )
+        await asyncio.wait_for(consumer, 60)
+        streamed = {}
+        for i in range(8):  # the same prompts, one stream each
+            outs = [o async for o in actor.generate(Request(f"s{i}", _prompt(i), GREEDY))]
+            streamed[f"r{i}"] = [t for o in outs for t in o.new_token_ids]
+        stats = actor.stats()["instances"]["c-0"]
+        await _idle(actor)
+        await actor.shutdown()
+        return batches, streamed, stats
+
+    batches, streamed, stats = asyncio.run(run())
+    tokens: dict[str, list[int]] = {}
+    for batch in batches:
+        ids = [o.request_id for o in batch]
+        assert len(ids) == len(set(ids)), "one merged output per request per batch"
+        for out in batch:
+            assert out.kv_transfer_params is None  # handles never leave the actor
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    assert tokens == streamed and all(len(t) == 12 for t in tokens.values())
+    # 8 requests x 12 tokens = 96 outputs, carried in about one batch per step.
+    assert sum(len(b) for b in batches) >= 8 * 12 / 2
+    assert len(batches) <= stats["num_steps"] + 1
+    assert any(len(b) > 1 for b in batches)
+
+
+def test_a_refused_request_raises_at_submit(tiny_model: Path) -> None:
+    actor = _actor(tiny_model)
+
+    async def run() -> None:
+        await actor.start()
+        with pytest.raises(ValueError, match="max_model_len"):
+            await actor.submit(Request("long", [5] * 2000, GREEDY), "client-1")
+        await actor.submit(Request("a", _prompt(0), LONG), "client-1")
+        with pytest.raises(ValueError, match="already in use"):
+            await actor.submit(Request("a", _prompt(1), GREEDY), "client-2")
+        assert actor.abort("a")
+        batch = await actor.subscribe("client-1").__anext__()
+        assert batch[-1].request_id == "a" and batch[-1].finish_reason is not None
+        assert batch[-1].finish_reason.value == "abort"
+        await _idle(actor)
+        await actor.shutdown()
+
+    asyncio.run(asyncio.wait_for(run(), 60))
+
+
+def test_a_client_that_leaves_has_its_requests_aborted(tiny_model: Path) -> None:
+    actor = _actor(tiny_model)
+
+    async def run() -> None:
+        await actor.start()
+        stream = actor.subscribe("leaver")
+        for i in range(3):
+            await actor.submit(Request(f"l{i}", _prompt(i), LONG), "leaver")
+        await actor.submit(Request("other", _prompt(5), GREEDY), "stayer")
+        first = await stream.__anext__()  # tokens are flowing
+        assert first and {o.request_id for o in first} <= {"l0", "l1", "l2"}
+        await stream.aclose()  # the client is gone (Ray cancels its stream the same way)
+        assert not any(rid.startswith("l") for rid in actor.live_request_ids())
+        other: list[EngineCoreOutput] = []  # another client's request is untouched
+        async for batch in actor.subscribe("stayer"):
+            other += batch
+            if other[-1].finished:
+                break
+        assert other[-1].finish_reason is not None and other[-1].finish_reason.value == "length"
+        assert sum(len(o.new_token_ids) for o in other) == GREEDY.max_tokens
+        await _idle(actor)
+        await actor.shutdown()
+
+    asyncio.run(asyncio.wait_for(run(), 60))
+
+
+def test_shutdown_ends_the_stream_after_the_last_outputs(tiny_model: Path) -> None:
+    actor = _actor(tiny_model)
+
+    async def run() -> list[EngineCoreOutput]:
+        await actor.start()
+        await actor.submit(Request("a", _prompt(0), LONG), "client-1")
+        stream = actor.subscribe("client-1")
+        seen = list(await stream.__anext__())
+        await actor.shutdown()
+        seen += [o async for batch in stream for o in batch]  # ends: no hang
+        return seen
+
+    seen = asyncio.run(asyncio.wait_for(run(), 60))
+    assert seen[-1].finish_reason is not None and seen[-1].finish_reason.value == "abort"
+    assert seen[-1].error == "shutdown"
