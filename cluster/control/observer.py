@@ -83,8 +83,8 @@ class RequestObserver:
         if flight.scheduled_at is None:
             flight.scheduled_at = now = time.monotonic()
             queued = now - flight.request.arrival_time
-            labels = self.metrics.labels(loop.instance_id, self._role(loop))
-            self.metrics.queue.labels(*labels).observe(max(queued, 0.0))
+            histograms = self.metrics.per_step(loop.instance_id, self._role(loop))
+            histograms.queue.observe(max(queued, 0.0))
 
     def tokens_out(self, flight: Flight, loop: EngineLoop, num: int) -> None:
         """``num`` tokens of the request, sampled by ``loop``, go to the client."""
@@ -93,12 +93,12 @@ class RequestObserver:
         if flight.trace is not None:
             flight.trace.tokens(num, flight.num_cached_tokens, loop.instance_id, self.node(loop))
         now = time.monotonic()
-        labels = self.metrics.labels(loop.instance_id, self._role(loop))
+        histograms = self.metrics.per_step(loop.instance_id, self._role(loop))
         if flight.first_token_at is None:
             flight.first_token_at = now
-            self.metrics.ttft.labels(*labels).observe(now - flight.request.arrival_time)
+            histograms.ttft.observe(now - flight.request.arrival_time)
         elif flight.last_token_at is not None:
-            self.metrics.itl.labels(*labels).observe(now - flight.last_token_at)
+            histograms.itl.observe(now - flight.last_token_at)
         flight.last_token_at = now
 
     def handed_off(self, flight: Flight, decode: EngineLoop, transport: str) -> None:

@@ -13,6 +13,7 @@ serves the same cluster-wide numbers on ``/metrics``):
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -201,6 +202,15 @@ class _StatsCollector:
         yield moves
 
 
+@dataclass(frozen=True)
+class StepHistograms:
+    """One instance's children of the histograms a request's steps observe."""
+
+    ttft: Any
+    itl: Any
+    queue: Any
+
+
 class ClusterMetrics:
     """The SchedulerActor's request-level metrics (one registry per actor)."""
 
@@ -276,6 +286,7 @@ class ClusterMetrics:
             LABELS,
             registry=r,
         )
+        self._per_step: dict[tuple[str, str], StepHistograms] = {}
 
     def add_instance(self, instance: str, role: str) -> None:
         """Export every series of an instance from the start, at 0 (a dashboard's rate() of a
@@ -292,6 +303,18 @@ class ClusterMetrics:
 
     def labels(self, instance: str, role: str) -> tuple[str, str, str]:
         return (self.model_name, instance, role)
+
+    def per_step(self, instance: str, role: str) -> StepHistograms:
+        """The labelled histograms observed on every step of a request, looked up once per
+        instance (``labels()`` costs a lock and a dict look-up per call)."""
+        key = (instance, role)
+        found = self._per_step.get(key)
+        if found is None:
+            labels = self.labels(instance, role)
+            found = self._per_step[key] = StepHistograms(
+                self.ttft.labels(*labels), self.itl.labels(*labels), self.queue.labels(*labels)
+            )
+        return found
 
     def request_finished(
         self,
