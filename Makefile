@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: test lint generate cluster serve bench-serve bench-scheduler bench-model bench-pd bench-pp bench-kv bench-recovery clean
+.PHONY: test lint generate cluster serve bench-serve bench-scheduler bench-model bench-pd bench-pp bench-kv bench-recovery bench-control-plane clean
 
 $(BIN)/activate: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -59,6 +59,10 @@ bench-kv: $(BIN)/activate
 
 bench-scheduler: $(BIN)/activate
 	$(BIN)/python -m bench.scheduler_overhead --out bench/results/scheduler_overhead.json
+
+# The control plane's own cost (null executor): tokens/s and CPU per token, 1 4 16 instances.
+bench-control-plane: $(BIN)/activate
+	$(BIN)/python -m bench.control_plane --out bench/results/control_plane.json
 
 # Time to recovery from killed prefill / decode workers (SmolLM2, max_restarts).
 bench-recovery: $(BIN)/activate
