@@ -187,8 +187,24 @@ class ClusterClient(EngineClient):
         workers = await asyncio.wait_for(self.handle.worker_health.remote(), HEALTH_TIMEOUT_S)
         return {iid: all(s.get("ok") for s in h["stages"]) for iid, h in workers.items()}
 
-    # -- control -----------------------------------------------------------------------------
+    # -- for operators (EngineClient) --------------------------------------------------------
+    async def engine_stats(self) -> dict[str, Any]:
+        result: dict[str, Any] = await self.handle.stats.remote()
+        return result
+
+    async def live_requests(self) -> dict[str, dict[str, Any]]:
+        result: dict[str, dict[str, Any]] = await self.handle.requests.remote()
+        return result
+
+    async def transfer_history(self) -> dict[str, list[Any]]:
+        result: dict[str, list[Any]] = await self.handle.transfer_history.remote()
+        return result
+
+    async def reset_prefix_cache(self) -> bool:
+        return bool(await self.handle.reset_prefix_cache.remote())
+
     def stats(self) -> dict[str, Any]:
+        """``engine_stats`` for blocking code (scripts, tests)."""
         result: dict[str, Any] = ray.get(self.handle.stats.remote())
         return result
 

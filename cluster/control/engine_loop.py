@@ -53,8 +53,8 @@ class LoopCounters:
     num_preemptions: int = 0
     kv_bytes_saved: int = 0
     kv_bytes_loaded: int = 0
-    num_kv_loads: int = 0  # loads that ended (per stage of a pipeline instance)
-    num_kv_load_failures: int = 0  # failed or timed out: recomputed (or failed, by policy)
+    num_kv_stage_loads_ended: int = 0  # loads that ended, one per pipeline stage per request
+    num_kv_stage_load_failures: int = 0  # of which failed or timed out (per stage)
 
 
 OutputsCallback = Callable[["EngineLoop", list[EngineCoreOutput]], None]
@@ -189,11 +189,12 @@ class EngineLoop:
             "num_preemptions": c.num_preemptions,
             "kv_bytes_saved": c.kv_bytes_saved,
             "kv_bytes_loaded": c.kv_bytes_loaded,
-            "num_kv_loads_ended": c.num_kv_loads,
-            "num_kv_load_failures": c.num_kv_load_failures,
+            "num_kv_stage_loads_ended": c.num_kv_stage_loads_ended,
+            "num_kv_stage_load_failures": c.num_kv_stage_load_failures,
             "connector_pending": 0 if connector is None else connector.num_pending(),
-            "num_kv_saves": 0 if connector is None else connector.num_saves,
-            "num_kv_loads": 0 if connector is None else connector.num_loads,
+            # Requests whose KV the connector asked the workers to save / to load.
+            "num_kv_saves_started": 0 if connector is None else connector.num_saves,
+            "num_kv_loads_started": 0 if connector is None else connector.num_loads,
         }
 
     # -- the loop ----------------------------------------------------------------------------
@@ -267,8 +268,8 @@ class EngineLoop:
         if isinstance(report, KVConnectorReport):
             c.kv_bytes_saved += report.bytes_saved
             c.kv_bytes_loaded += report.bytes_loaded
-            c.num_kv_loads += len(report.loads)
-            c.num_kv_load_failures += sum(not ok for *_, ok in report.loads)
+            c.num_kv_stage_loads_ended += len(report.loads)
+            c.num_kv_stage_load_failures += sum(not ok for *_, ok in report.loads)
             if self.on_kv_loads is not None and report.loads:
                 self.on_kv_loads(self, report.loads)
 

@@ -40,7 +40,7 @@ from cluster.errors import OverloadedError
 from kv_transfer.connector import PDConnector
 from scheduler import CacheConfig, LoRARequest, Request, Scheduler
 from scheduler.outputs import EngineCoreOutput
-from scheduler.request import FinishReason
+from scheduler.request import FinishReason, RequestStatus
 
 logger = logging.getLogger(__name__)
 
@@ -528,6 +528,21 @@ class SchedulerActor:
         """Ids of the requests in flight (for operators and tests)."""
         return sorted(self.flights)
 
+    def requests(self) -> dict[str, dict[str, Any]]:
+        """Where each request in flight is: its ``instance``, its ``phase`` (``queued``: not
+        scheduled there yet, or preempted; ``prefill``; ``transfer``: its KV is being loaded
+        on the decode instance; ``decode``), the tokens sent to its client so far and how
+        often it moved off a failed instance."""
+        return {
+            rid: {
+                "instance": flight.loop.instance_id,
+                "phase": _phase(flight),
+                "num_tokens_sent": len(flight.sent),
+                "num_moves": flight.num_moves,
+            }
+            for rid, flight in sorted(self.flights.items())
+        }
+
     def model_info(self) -> dict[str, Any]:
         """What a client needs to tokenize and validate: the model and the context length."""
         first = next(iter(self.specs.values())).info
@@ -595,6 +610,15 @@ class SchedulerActor:
 
     def reset_prefix_cache(self) -> bool:
         return all(loop.scheduler.reset_prefix_cache() for loop in self.loops.values())
+
+
+def _phase(flight: Flight) -> str:
+    request = flight.loop.scheduler.requests.get(flight.internal_id)
+    if request is None or request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+        return "queued"  # still arriving at the instance, or waiting in its queue
+    if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+        return "transfer"
+    return flight.stage
 
 
 def _later_sample(request_id: str) -> bool:

@@ -24,7 +24,7 @@ from cluster.engine.llm_engine import LLMEngine
 from cluster.engine.outputs import RequestOutput
 from cluster.engine.protocol import EngineClient
 from cluster.observability.metrics import render_stats
-from scheduler import LoRARequest, SamplingParams
+from scheduler import LoRARequest, RequestStatus, SamplingParams
 
 INSTANCE_ID = "local"  # the one instance, as metrics and health name it
 
@@ -131,6 +131,49 @@ class AsyncLLM(EngineClient):
             "num_steps": s.num_steps,
         }
         return render_stats({"instances": {INSTANCE_ID: instance}}, self.model_name)[0]
+
+    async def engine_stats(self) -> dict[str, Any]:
+        s = self.engine.scheduler
+        instance = {
+            "role": "both",
+            "alive": self._task is None or not self._task.done() or not self._task.exception(),
+            "num_requests": len(s.requests),
+            "num_unfinished": s.get_num_unfinished_requests(),
+            "num_running": len(s.running),
+            "num_waiting": len(s.waiting) + len(s.holding),
+            "kv_cache_usage": s.kv_cache_manager.usage,
+            "num_free_blocks": s.kv_cache_manager.block_pool.num_free_blocks,
+            "num_blocks": s.cache_config.num_blocks,
+            "num_steps": s.num_steps,
+        }
+        return {"num_flights": len(self._queues), "instances": {INSTANCE_ID: instance}}
+
+    async def live_requests(self) -> dict[str, dict[str, Any]]:
+        """The requests being streamed; ``phase``: queued (waiting or preempted), prefill
+        (running, prompt not all computed) or decode."""
+        result: dict[str, dict[str, Any]] = {}
+        for rid in sorted(self._queues):
+            samples = [
+                r
+                for r in self.engine.scheduler.requests.values()
+                if r.request_id == rid or r.request_id.startswith(f"{rid}#")
+            ]
+            running = [r for r in samples if r.status == RequestStatus.RUNNING]
+            prefill = any(r.num_computed_tokens < r.num_prompt_tokens for r in running)
+            result[rid] = {
+                "instance": INSTANCE_ID,
+                "phase": ("prefill" if prefill else "decode") if running else "queued",
+                "num_tokens_sent": sum(r.num_output_tokens for r in samples),
+                "num_moves": 0,
+            }
+        return result
+
+    async def transfer_history(self) -> dict[str, list[Any]]:
+        return {INSTANCE_ID: []}  # one instance: no KV moves between instances
+
+    async def reset_prefix_cache(self) -> bool:
+        async with self._lock:
+            return self.engine.scheduler.reset_prefix_cache()
 
     async def check_health(self) -> dict[str, bool]:
         failed = self._task is not None and self._task.done() and self._task.exception()

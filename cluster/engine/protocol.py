@@ -11,7 +11,7 @@ methods only: never a private method, never a handle behind them.
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from actors.model.tokenizer import Tokenizer
@@ -79,4 +79,24 @@ class EngineClient(Protocol):
     async def check_health(self) -> dict[str, bool]:
         """Instance id -> whether all its workers answer (``/health``). Raises when the engine
         itself cannot be reached."""
+        ...
+
+    # -- for operators -----------------------------------------------------------------------
+    async def engine_stats(self) -> dict[str, Any]:
+        """Counters and state: ``instances`` (instance id -> its scheduler's and loop's
+        numbers, ``role`` included), and cluster-wide ones (requests in flight, moves)."""
+        ...
+
+    async def live_requests(self) -> dict[str, dict[str, Any]]:
+        """Request id -> where it is: ``instance``, ``phase`` (queued, prefill, transfer,
+        decode), ``num_tokens_sent``, ``num_moves``."""
+        ...
+
+    async def transfer_history(self) -> dict[str, list[Any]]:
+        """Instance id -> the KV loads its workers finished (``TransferRecord``s)."""
+        ...
+
+    async def reset_prefix_cache(self) -> bool:
+        """Drop every instance's cached prefixes (blocks in use stay); False if some
+        instance could not (blocks still cached by running requests)."""
         ...

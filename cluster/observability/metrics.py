@@ -162,13 +162,13 @@ _PER_INSTANCE: list[tuple[str, str, str, str]] = [
     (
         "tandem:kv_transfer_loads",
         "KV loads that ended (per pipeline stage).",
-        "num_kv_loads_ended",
+        "num_kv_stage_loads_ended",
         "counter",
     ),
     (
         "tandem:kv_transfer_failures",
-        "KV loads that failed or timed out.",
-        "num_kv_load_failures",
+        "KV loads that failed or timed out (per pipeline stage).",
+        "num_kv_stage_load_failures",
         "counter",
     ),
     ("tandem:num_steps", "Engine steps executed.", "num_steps", "counter"),

@@ -95,7 +95,7 @@ def test_disaggregated_over_grpc_equals_colocated(
     d_before, d_after = before["d-0"], after["d-0"]
     computed = d_after["num_prompt_tokens_computed"] - d_before["num_prompt_tokens_computed"]
     assert computed == 0
-    assert d_after["num_kv_loads"] - d_before["num_kv_loads"] == len(handed_off)
+    assert d_after["num_kv_loads_started"] - d_before["num_kv_loads_started"] == len(handed_off)
     history = ray.get(grpc_disagg.transfer_history.remote())["d-0"]  # both stages' loads
     assert len(history) == 2 * len(handed_off)
     assert all(r.ok and r.num_bytes > 0 for r in history)

@@ -30,7 +30,7 @@ ray = pytest.importorskip("ray")
 
 from cluster.control.client import ClusterClient  # noqa: E402
 from cluster.control.launch import build_cluster, shutdown_cluster  # noqa: E402
-from scheduler import SamplingParams  # noqa: E402
+from scheduler import Request, SamplingParams  # noqa: E402
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
 TIMEOUT_S = 1.0  # the clusters' KV transfer deadline
@@ -115,8 +115,8 @@ def test_disaggregated_equals_colocated_equals_in_process(
     assert p["num_output_tokens_computed"] == 0
     assert d["num_prompt_tokens_computed"] == 0
     assert d["num_output_tokens_computed"] == sum(len(t) - 1 for t in handed_off)
-    assert p["num_kv_saves"] == len(prompts)
-    assert d["num_kv_loads"] == len(handed_off)
+    assert p["num_kv_saves_started"] == len(prompts)
+    assert d["num_kv_loads_started"] == len(handed_off)
     history = ray.get(disagg.transfer_history.remote())["d-0"][len(history_before) :]
     assert len(history) == len(handed_off) and all(r.ok and r.num_bytes > 0 for r in history)
 
@@ -228,6 +228,45 @@ def test_client_leaving_early_aborts(disagg: Any, client: ClusterClient) -> None
                 break
 
     asyncio.run(run())  # the leak check waits for the cluster to drop the request
+
+
+def test_an_abort_sent_right_after_submit_reaches_the_request(disagg: Any) -> None:
+    """No polling for the request to arrive: an abort sent after ``submit`` (before it
+    returned) finds it, and the client's stream gets its end."""
+    long = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+    submitted = disagg.submit.remote(Request("early", _prompts(1, 9)[0], long), "early", None)
+    assert ray.get(disagg.abort.remote("early")) is True
+    ray.get(submitted)
+    stream = disagg.subscribe.remote("early")
+    (final,) = ray.get(next(stream))  # the abort's output waited for the client
+    ray.get(disagg.unsubscribe.remote("early"))
+    assert final.request_id == "early" and final.finish_reason is not None
+    assert final.finish_reason.value == "abort"
+
+
+def test_operators_see_where_requests_are(disagg: Any, client: ClusterClient) -> None:
+    params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+
+    async def run() -> tuple[Any, dict[str, Any], dict[str, Any]]:
+        live: dict[str, Any] = {}
+        async for out in client.generate_async(_prompts(1, 10)[0], params, request_id="ops"):
+            if not live and len(out.outputs[0].token_ids) >= 3:
+                live = await client.live_requests()
+                client.abort("ops")
+            if out.finished:
+                stats = await client.engine_stats()
+                return out, live, stats
+        raise AssertionError("the stream ended without a final output")
+
+    out, live, stats = asyncio.run(run())
+    assert out.outputs[0].finish_reason == "abort"
+    assert live["ops"]["instance"] == "d-0" and live["ops"]["phase"] == "decode"
+    assert live["ops"]["num_tokens_sent"] >= 3 and live["ops"]["num_moves"] == 0
+    assert set(stats["instances"]) == {"p-0", "d-0"}
+    assert stats["instances"]["p-0"]["num_kv_saves_started"] >= 1
+    history = asyncio.run(client.transfer_history())
+    assert history["d-0"] and all(r.req_id for r in history["d-0"])
+    assert asyncio.run(client.reset_prefix_cache()) is True
 
 
 # -- transfer deadlines ----------------------------------------------------------------------

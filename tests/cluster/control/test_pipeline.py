@@ -231,8 +231,8 @@ def test_disaggregation_between_different_pipeline_splits(
         handed_off = [t for t in reference if len(t) > 1]
         # The KV crossed: the decode instance computed no prompt token.
         assert stats["d-0"]["num_prompt_tokens_computed"] == 0
-        assert stats["d-0"]["num_kv_loads"] == len(handed_off)
-        assert stats["p-0"]["num_kv_saves"] == len(prompts)
+        assert stats["d-0"]["num_kv_loads_started"] == len(handed_off)
+        assert stats["p-0"]["num_kv_saves_started"] == len(prompts)
         # Every decode stage loaded its own layers of every handed-off request, nothing more.
         history = ray.get(handle.transfer_history.remote())["d-0"]
         loads = [r for r in history if r.kind == "load"]

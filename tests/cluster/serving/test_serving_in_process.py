@@ -156,3 +156,26 @@ def test_models_health_and_metrics(serving: OpenAIServing) -> None:
     with pytest.raises(APIError) as error:  # no adapter by that name
         _run(serving.resolve("adapter-x"))
     assert error.value.status == 404
+
+
+def test_operators_see_the_in_process_engine(engine: AsyncLLM) -> None:
+    params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
+
+    async def run() -> tuple[dict[str, Any], dict[str, Any]]:
+        live: dict[str, Any] = {}
+        async for out in engine.generate_async([9, 8, 7, 6], params, request_id="ops"):
+            if len(out.outputs[0].token_ids) >= 2 and not live:
+                live = await engine.live_requests()
+                stats = await engine.engine_stats()
+                engine.abort("ops")
+            if out.finished:
+                assert out.outputs[0].finish_reason == "abort"
+        return live, stats
+
+    live, stats = _run(run())
+    assert live["ops"]["instance"] == "local" and live["ops"]["phase"] == "decode"
+    assert live["ops"]["num_tokens_sent"] >= 2
+    assert stats["instances"]["local"]["num_running"] == 1
+    assert _run(engine.transfer_history()) == {"local": []}
+    assert _run(engine.reset_prefix_cache()) is True
+    assert not engine.engine.has_unfinished_requests()
