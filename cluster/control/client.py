@@ -165,7 +165,13 @@ class ClusterClient(EngineClient):
         return current
 
     def abort(self, request_id: str) -> None:
-        self.handle.abort.remote(request_id)
+        """End a request wherever it is, with each of its ``n`` samples this client streams
+        (``{id}#{i}``). Reaches it as soon as ``generate_async`` has submitted it."""
+        ids = [request_id]
+        if self._sub is not None:
+            ids += [c for c in self._sub.queues if c.startswith(f"{request_id}#")]
+        for rid in ids:
+            self.handle.abort.remote(rid)
 
     # -- adapters, metrics, health (EngineClient) -------------------------------------------
     async def lora_adapters(self) -> dict[str, LoRARequest]:
