@@ -269,6 +269,24 @@ def test_operators_see_where_requests_are(disagg: Any, client: ClusterClient) ->
     assert asyncio.run(client.reset_prefix_cache()) is True
 
 
+def test_abort_by_the_users_id_ends_every_sample(client: ClusterClient) -> None:
+    params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True, n=2)
+
+    async def run() -> Any:
+        aborted = False
+        async for out in client.generate_async(_prompts(1, 11)[0], params, request_id="par"):
+            if not aborted and all(o.token_ids for o in out.outputs):
+                client.abort("par")  # the user's id: its samples are "par#0" and "par#1"
+                aborted = True
+            if out.finished:
+                return out
+        raise AssertionError("the stream ended without a final output")
+
+    out = asyncio.run(run())
+    assert [o.finish_reason for o in out.outputs] == ["abort", "abort"]
+    assert all(len(o.token_ids) < 400 for o in out.outputs)
+
+
 # -- transfer deadlines ----------------------------------------------------------------------
 def test_transfer_timeout_recomputes_on_decode(client: ClusterClient, tiny_model: Path) -> None:
     prompt = _prompts(1, seed=8)[0] + [11] * 17
