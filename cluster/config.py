@@ -321,6 +321,12 @@ class ClusterConfig(_Config):
         "still finds a dead worker). A dead worker's instance leaves routing and its requests "
         "move to live instances.",
     )
+    drain_timeout_s: float = Field(
+        600.0,
+        ge=0.0,
+        description="When a pool shrinks (scale_pool), how long a leaving instance may take "
+        "to finish its requests; what is left then moves to live instances.",
+    )
     step_timeout_s: float | None = Field(
         300.0,
         gt=0.0,

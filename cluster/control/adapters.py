@@ -32,6 +32,10 @@ class LoRAAdapters:
         """The instance starts (or restarted) with no adapter loaded."""
         self._loaded[instance_id] = set()
 
+    def forget(self, instance_id: str) -> None:
+        """The instance left the cluster (a pool shrank)."""
+        self._loaded.pop(instance_id, None)
+
     async def ensure(self, instance_id: str, lora: LoRARequest) -> None:
         """Load ``lora`` on the instance's workers unless they have it."""
         loaded = self._loaded[instance_id]

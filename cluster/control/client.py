@@ -209,6 +209,16 @@ class ClusterClient(EngineClient):
     async def reset_prefix_cache(self) -> bool:
         return bool(await self.handle.reset_prefix_cache.remote())
 
+    async def scale_pool(self, pool: str, replicas: int) -> dict[str, Any]:
+        try:
+            result: dict[str, Any] = await self.handle.scale_pool.remote(pool, replicas)
+        except ray.exceptions.RayTaskError as exc:
+            inner = getattr(exc, "cause", None)  # ValueError, TimeoutError: say it as is
+            if isinstance(inner, Exception):
+                raise inner from None
+            raise
+        return result
+
     def stats(self) -> dict[str, Any]:
         """``engine_stats`` for blocking code (scripts, tests)."""
         result: dict[str, Any] = ray.get(self.handle.stats.remote())

@@ -111,9 +111,18 @@ def worker_kwargs(config: ClusterConfig, pool: InstancePool, pp_rank: int = 0) -
 
 
 async def start_workers(config: ClusterConfig, timeout_s: float) -> list[InstanceSpec]:
-    """Create every instance's worker, load the model everywhere in parallel, size and
-    allocate the KV caches. Raises ``TimeoutError`` naming the pools whose workers could not
-    be placed or loaded in time (usually: no node offers their resources)."""
+    """Every pool's ``replicas`` instances (``{pool}-{i}``), started by ``start_instances``."""
+    wanted = [(f"{p.name}-{i}", p) for p in config.pools for i in range(p.replicas)]
+    return await start_instances(config, wanted, timeout_s)
+
+
+async def start_instances(
+    config: ClusterConfig, wanted: list[tuple[str, InstancePool]], timeout_s: float
+) -> list[InstanceSpec]:
+    """Create the workers of the ``wanted`` instances (id, pool), load the model everywhere in
+    parallel, size and allocate the KV caches. Raises ``TimeoutError`` naming the pools whose
+    workers could not be placed or loaded in time (usually: no node offers their resources);
+    nothing is left running then."""
     from cluster.control.executors import PipelineExecutor, RayExecutor
     from kv_transfer.registry import available_transports
 
@@ -126,15 +135,14 @@ async def start_workers(config: ClusterConfig, timeout_s: float) -> list[Instanc
     check_placeable(config, ray.nodes())  # type: ignore[no-untyped-call]
     remote_worker = ray.remote(concurrency_groups={MONITOR: 1})(ModelWorker)  # type: ignore[call-overload]
     created: list[tuple[str, InstancePool, list[Any]]] = []
-    for pool in config.pools:
-        for replica in range(pool.replicas):
-            stages = [
-                remote_worker.options(**worker_options(pool, rank)).remote(
-                    **worker_kwargs(config, pool, rank)
-                )
-                for rank in range(pool.pp_size)
-            ]
-            created.append((f"{pool.name}-{replica}", pool, stages))
+    for instance_id, pool in wanted:
+        stages = [
+            remote_worker.options(**worker_options(pool, rank)).remote(
+                **worker_kwargs(config, pool, rank)
+            )
+            for rank in range(pool.pp_size)
+        ]
+        created.append((instance_id, pool, stages))
     workers = [(iid, pool, h) for iid, pool, stages in created for h in stages]
     try:
         await _wait_all(

@@ -65,6 +65,7 @@ class SchedulerActor:
         self.failures: list[dict[str, Any]] = []  # instance failures and rejoins, in order
         self._tasks: set[asyncio.Task[None]] = set()  # moves, rejoins, the health monitor
         self._failed_loops: set[int] = set()  # id() of loops whose failure was handled
+        self._resizing = asyncio.Lock()  # scale_pool: one resize at a time
         self.observe = RequestObserver(config, self.roles, self.specs)
         self.lora = LoRAAdapters(config, self.specs)  # served by name, loaded per instance
 
@@ -80,18 +81,21 @@ class SchedulerActor:
         specs = self._specs
         self.max_model_len = self._common_max_model_len(specs)
         for spec in specs:
-            self.specs[spec.instance_id] = spec
-            self.roles[spec.instance_id] = spec.pool.role
-            self.loops[spec.instance_id] = self._build_loop(spec)
-            self.lora.reset(spec.instance_id)
-            self.observe.add_instance(spec.instance_id, spec.pool.role)
-        for loop in self.loops.values():
-            loop.start()
+            self._add_instance(spec)
         if any(spec.actors for spec in specs) and self.config.health_check_interval_s > 0:
             self._spawn(self._monitor_health())
         self.started = True
         logger.info("cluster started: %s", ", ".join(f"{i} ({r})" for i, r in self.roles.items()))
         return self.describe()
+
+    def _add_instance(self, spec: InstanceSpec) -> None:
+        """Build a started instance's scheduler and loop and let it serve."""
+        self.specs[spec.instance_id] = spec
+        self.roles[spec.instance_id] = spec.pool.role
+        self.loops[spec.instance_id] = loop = self._build_loop(spec)
+        self.lora.reset(spec.instance_id)
+        self.observe.add_instance(spec.instance_id, spec.pool.role)
+        loop.start()
 
     def _common_max_model_len(self, specs: list[InstanceSpec]) -> int:
         """One context length for the whole cluster: a request may land anywhere."""
@@ -349,7 +353,7 @@ class SchedulerActor:
                 {"instance_id": iid, "event": "failed", "reason": reason, "time": time.time()}
             )
             spec = self.specs[iid]
-            if spec.actors and (loop.hung or spec.pool.max_restarts > 0):
+            if spec.actors and not loop.draining and (loop.hung or spec.pool.max_restarts > 0):
                 self._spawn(self._recover(spec, loop.hung))
         flights = []
         for internal in internal_ids:
@@ -409,10 +413,111 @@ class SchedulerActor:
         )
 
     def _live(self, role: str) -> list[EngineLoop]:
-        """Live instances that can take ``role`` work (decode: roles decode and both)."""
-        if role == "prefill":
-            return [lp for i, lp in self.loops.items() if self.roles[i] == "prefill" and lp.alive]
-        return [lp for i, lp in self.loops.items() if self.roles[i] != "prefill" and lp.alive]
+        """Live instances that can take ``role`` work (decode: roles decode and both); not
+        the ones draining to leave."""
+        prefill = role == "prefill"
+        return [
+            lp
+            for i, lp in self.loops.items()
+            if (self.roles[i] == "prefill") == prefill and lp.alive and not lp.draining
+        ]
+
+    # -- pools resized at run time -----------------------------------------------------------
+    async def scale_pool(
+        self, pool_name: str, replicas: int, drain_timeout_s: float | None = None
+    ) -> dict[str, Any]:
+        """Resize pool ``pool_name`` to ``replicas`` instances while serving. New instances
+        start (workers placed, model loaded, KV cache sized) and then join routing. Removed
+        ones -- the newest first -- drain: they take no new request, and the ones they hold
+        finish; what is still there after ``drain_timeout_s`` (default
+        ``ClusterConfig.drain_timeout_s``) moves to live instances, as after a failure. Then
+        their workers stop. Returns the pool's instances. ``ValueError``: unknown pool, fewer
+        than one replica, workers that are not Ray actors (an in-process cluster)."""
+        pool = next((p for p in self.config.pools if p.name == pool_name), None)
+        if pool is None:
+            names = ", ".join(p.name for p in self.config.pools)
+            raise ValueError(f"no pool named {pool_name!r} (pools: {names})")
+        if replicas < 1:
+            raise ValueError(
+                f"pool {pool_name!r} must keep at least one instance (replicas {replicas}): "
+                "a pool with none could not serve its role"
+            )
+        if not any(spec.actors for spec in self.specs.values()):
+            raise ValueError("this cluster's workers are in-process: it cannot start more")
+        async with self._resizing:  # one resize at a time
+            current = self._pool_instances(pool_name)
+            if replicas > len(current):
+                await self._grow(pool, replicas - len(current))
+            elif replicas < len(current):
+                await self._shrink(current[replicas:], drain_timeout_s)
+            return {"pool": pool_name, "instances": self._pool_instances(pool_name)}
+
+    def _pool_instances(self, pool_name: str) -> list[str]:
+        """The pool's instances that serve (not draining), oldest first."""
+        ids = [i for i, s in self.specs.items() if s.pool.name == pool_name]
+        ids = [i for i in ids if not self.loops[i].draining]
+        return sorted(ids, key=lambda i: int(i.rpartition("-")[2]))
+
+    async def _grow(self, pool: Any, count: int) -> None:
+        from cluster.control.placement import start_instances
+
+        taken = [int(i.rpartition("-")[2]) for i, s in self.specs.items() if s.pool is pool]
+        first = max(taken, default=-1) + 1
+        wanted = [(f"{pool.name}-{first + k}", pool) for k in range(count)]
+        specs = await start_instances(self.config, wanted, self.config.startup_timeout_s)
+        for spec in specs:
+            info = spec.info
+            if min(info["max_position_embeddings"], info["num_blocks"] * info["block_size"]) < (
+                self.max_model_len
+            ):
+                for s in specs:
+                    for actor in s.actors:
+                        import ray
+
+                        ray.kill(actor)
+                raise ValueError(
+                    f"pool {pool.name!r}: a new instance holds {info['num_blocks']} KV blocks, "
+                    f"fewer than the cluster's max_model_len ({self.max_model_len}) needs"
+                )
+        for spec in specs:
+            self._add_instance(spec)
+        logger.info("pool %s grew: %s", pool.name, ", ".join(s.instance_id for s in specs))
+
+    async def _shrink(self, instance_ids: list[str], drain_timeout_s: float | None) -> None:
+        loops = [self.loops[i] for i in instance_ids]
+        for loop in loops:
+            loop.draining = True
+        timeout = self.config.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
+        deadline = time.monotonic() + timeout
+        while any(self._holds_requests(lp) for lp in loops) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for loop in loops:
+            await self._retire(loop)
+
+    def _holds_requests(self, loop: EngineLoop) -> bool:
+        """Requests still on ``loop``: queued, running, or finished with KV still to send."""
+        if loop.pending or loop.scheduler.has_requests():
+            return True
+        return any(f.loop is loop for f in self.flights.values())
+
+    async def _retire(self, loop: EngineLoop) -> None:
+        """Take a drained instance out: stop its loop, move what it still holds, stop its
+        workers and forget it."""
+        iid = loop.instance_id
+        leftovers = [f for f in self.flights.values() if f.loop is loop]
+        loop.on_failure = None
+        await loop.stop()
+        if leftovers:
+            logger.warning("instance %s left with %d requests; they move", iid, len(leftovers))
+            self._spawn(self._move(leftovers, f"instance {iid} was removed from its pool"))
+        spec = self.specs.pop(iid)
+        del self.loops[iid], self.roles[iid]
+        self.lora.forget(iid)
+        for actor in spec.actors:
+            import ray
+
+            ray.kill(actor)
+        logger.info("instance %s left the cluster", iid)
 
     # -- LoRA adapters by name (the API's /v1/load_lora_adapter) ------------------------------
     def lora_adapters(self) -> dict[str, LoRARequest]:
@@ -468,7 +573,7 @@ class SchedulerActor:
             rid, out.new_token_ids, None, None, out.num_cached_tokens, None, out.new_logprobs
         )
         decode = flight.decode_target
-        if decode is None or not decode.alive:
+        if decode is None or not decode.alive or decode.draining:
             alive = self._live("decode")
             if not alive:
                 flight.deliver(first)  # the client keeps the token it was owed

@@ -175,6 +175,9 @@ class AsyncLLM(EngineClient):
         async with self._lock:
             return self.engine.scheduler.reset_prefix_cache()
 
+    async def scale_pool(self, pool: str, replicas: int) -> dict[str, Any]:
+        raise ValueError("the in-process engine is one instance: it has no pool to resize")
+
     async def check_health(self) -> dict[str, bool]:
         failed = self._task is not None and self._task.done() and self._task.exception()
         return {INSTANCE_ID: bool(self.engine.worker.health()["ok"]) and not failed}

@@ -100,3 +100,9 @@ class EngineClient(Protocol):
         """Drop every instance's cached prefixes (blocks in use stay); False if some
         instance could not (blocks still cached by running requests)."""
         ...
+
+    async def scale_pool(self, pool: str, replicas: int) -> dict[str, Any]:
+        """Resize a pool of instances while serving (removed ones drain first); returns the
+        pool's instances. ``ValueError`` for an unknown pool, fewer than one replica, or an
+        engine that cannot be resized."""
+        ...

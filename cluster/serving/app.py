@@ -34,6 +34,7 @@ from cluster.serving.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     LoadLoRAAdapterRequest,
+    ScalePoolRequest,
     UnloadLoRAAdapterRequest,
 )
 from cluster.serving.openai_serving import OpenAIServing
@@ -190,6 +191,13 @@ class OpenAIIngress:
 
         serving = await self.serving()
         return PlainTextResponse(await serving.metrics(), media_type=CONTENT_TYPE)
+
+    @app.post("/admin/scale_pool")
+    async def scale_pool(self, body: ScalePoolRequest, request: HTTPRequest) -> JSONResponse:
+        """Resize a pool of instances while serving (the removed ones drain first)."""
+        self._authorize(request)
+        serving = await self.serving()
+        return JSONResponse(await serving.scale_pool(body))
 
     # -- gRPC (tandem.v1.Generate, through Serve's gRPC proxy) -------------------------------
     async def Generate(self, request: Any, grpc_context: Any = None) -> Any:

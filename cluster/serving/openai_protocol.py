@@ -198,3 +198,12 @@ class UnloadLoRAAdapterRequest(BaseModel):
 
     lora_name: str = Field(min_length=1)
     lora_int_id: int | None = None
+
+
+class ScalePoolRequest(BaseModel):
+    """``POST /admin/scale_pool``: resize a pool of the cluster while it serves."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    pool: str = Field(min_length=1, description="The pool's name in the ClusterConfig.")
+    replicas: int = Field(ge=1, le=1024, description="Instances the pool should have.")

@@ -27,6 +27,7 @@ from cluster.serving.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     LoadLoRAAdapterRequest,
+    ScalePoolRequest,
     UnloadLoRAAdapterRequest,
 )
 from cluster.serving.openai_responses import (
@@ -114,6 +115,15 @@ class OpenAIServing:
 
     async def metrics(self) -> str:
         return await self.engine.metrics_text()
+
+    async def scale_pool(self, body: ScalePoolRequest) -> dict[str, Any]:
+        """Resize a pool; 400 naming the problem (unknown pool, an engine without pools)."""
+        try:
+            return await self.engine.scale_pool(body.pool, body.replicas)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="pool") from None
+        except TimeoutError as exc:  # the new workers could not be placed or loaded in time
+            raise APIError(503, str(exc)) from None
 
     # -- validation --------------------------------------------------------------------------
     def _max_tokens(self, prompt_len: int, requested: int | None, prompt_param: str) -> int:

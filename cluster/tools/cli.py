@@ -4,6 +4,7 @@ tandem generate "What is the capital of France?"          # built-in SmolLM2, in
 tandem generate --model ./my-llama --raw --max-tokens 64 "Once upon a time"
 tandem up [cluster.yaml] [--address ADDR]                 # a prefill + a decode instance on Ray
 tandem generate --cluster "What is the capital of France?"   # through the running cluster
+tandem scale decode=2                                     # resize a pool while it serves
 """
 
 from __future__ import annotations
@@ -232,11 +233,50 @@ def _run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _scale_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "scale",
+        help="resize a pool of a running cluster (tandem up / tandem serve): POOL=N",
+        description="Add or remove instances of a pool while the cluster serves. Removed "
+        "instances drain first: they take no new request and finish theirs.",
+    )
+    p.add_argument("target", metavar="POOL=N", help="the pool's name and its new size")
+    _ray_arguments(p, default_address="auto")
+    p.add_argument(
+        "--drain-timeout", type=float, default=None, help="seconds a leaving instance may take"
+    )
+
+
+def _run_scale(args: argparse.Namespace) -> int:
+    import ray
+
+    from cluster.control.launch import DEFAULT_NAME, get_cluster, init_ray
+
+    pool, sep, count = args.target.partition("=")
+    if not sep or not pool or not count.isdigit():
+        print(f"tandem scale: expected POOL=N, got {args.target!r}", file=sys.stderr)
+        return 2
+    try:
+        init_ray(args.address)
+        handle = get_cluster(args.name or DEFAULT_NAME)
+    except (ConnectionError, ValueError) as exc:
+        print(f"tandem scale: no running cluster ({exc})", file=sys.stderr)
+        return 1
+    try:
+        result = ray.get(handle.scale_pool.remote(pool, int(count), args.drain_timeout))
+    except ray.exceptions.RayTaskError as exc:
+        print(f"tandem scale: {getattr(exc, 'cause', None) or exc}", file=sys.stderr)
+        return 1
+    print(f"pool {result['pool']}: {', '.join(result['instances'])}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tandem", description="Tandem LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
     _up_parser(sub)
+    _scale_parser(sub)
     from cluster.tools.serve_cli import add_serve_arguments
 
     add_serve_arguments(
@@ -263,6 +303,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     if args.command == "up":
         return _run_up(args)
+    if args.command == "scale":
+        return _run_scale(args)
     if args.command == "serve":
         from cluster.tools.serve_cli import run_serve
 

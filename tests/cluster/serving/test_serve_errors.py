@@ -272,3 +272,13 @@ def test_client_leaving_a_whole_response_aborts_it(serve_app: ServeApp) -> None:
         assert stats["num_free_blocks"] == stats["num_blocks"]
     finally:
         ray.get(scheduler.set_fault_injection.remote("d-0", 0.0, 0.0))
+
+
+def test_the_scale_route_resizes_a_pool_behind_the_api_key(serve_app: ServeApp) -> None:
+    _error(_post(serve_app, "/admin/scale_pool", {"pool": "d", "replicas": 1}, key=None), 401)
+    unknown = _error(_post(serve_app, "/admin/scale_pool", {"pool": "x", "replicas": 2}), 400)
+    assert "no pool named 'x'" in unknown["message"] and unknown["param"] == "pool"
+    zero = _error(_post(serve_app, "/admin/scale_pool", {"pool": "d", "replicas": 0}), 400)
+    assert zero["param"] == "replicas"
+    same = _post(serve_app, "/admin/scale_pool", {"pool": "d", "replicas": 1})
+    assert same.status_code == 200 and same.json() == {"pool": "d", "instances": ["d-0"]}

@@ -26,6 +26,9 @@ away from, and why:
   under the other tests. Every other name must give 404 (or 400 for an invalid body).
 * ``/v1/load_lora_adapter`` stays as generated: a random ``lora_path`` is no adapter, so every
   request must give 400 (and nothing is added).
+* ``/admin/scale_pool``: a generated ``pool`` that names one of the app's pools is renamed, or
+  the fuzzing would start and stop workers under the other tests; every request must give 400
+  (an unknown pool, or an invalid body).
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ MAX_EXAMPLES = 12
 TIMEOUT_S = 30.0
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 BROKEN = "broken"  # the fixture's misconfigured adapter: 500 by design
+POOLS = ("p", "d")  # the fixture's pools: never resized by the fuzzing
 
 # Every route of the app, and the statuses each may answer (none a 5xx).
 ROUTES: dict[str, set[int]] = {
@@ -61,6 +65,7 @@ ROUTES: dict[str, set[int]] = {
     "POST /v1/unload_lora_adapter": {400, 404},
     "GET /health": {200},
     "GET /metrics": {200},
+    "POST /admin/scale_pool": {400},
 }
 GENERATION = ("POST /v1/completions", "POST /v1/chat/completions")
 
@@ -100,6 +105,9 @@ def _prepare(case: Any, label: str, model: str | None, protected: set[str]) -> N
     name = body.get("lora_name")
     if label == "POST /v1/unload_lora_adapter" and isinstance(name, str) and name in protected:
         body["lora_name"] = f"not-{name}"
+    pool = body.get("pool")
+    if label == "POST /admin/scale_pool" and isinstance(pool, str) and pool in POOLS:
+        body["pool"] = f"not-{pool}"
 
 
 def _stream_errors(response: Any) -> list[dict[str, Any]]:

@@ -1,6 +1,6 @@
 """``tandem up`` starts a local Ray and the cluster, ``tandem generate --cluster`` streams
-through it from another process, and a signal (Ctrl-C's SIGINT, or SIGTERM) shuts everything
-down."""
+through it from another process, ``tandem scale`` resizes a pool of it, and a signal (Ctrl-C's
+SIGINT, or SIGTERM) shuts everything down."""
 
 from __future__ import annotations
 
@@ -61,6 +61,15 @@ def test_up_generate_and_ctrl_c(tiny_model: Path, tmp_path: Path) -> None:
         )
         assert out.returncode == 0, out.stderr
         assert "[finish_reason=" in out.stderr
+        scale = [*tandem, "scale", "--address", address]
+        grown = subprocess.run([*scale, "d=2"], env=env, capture_output=True, text=True)
+        assert grown.returncode == 0 and grown.stdout.strip() == "pool d: d-0, d-1", grown
+        shrunk = subprocess.run([*scale, "d=1"], env=env, capture_output=True, text=True)
+        assert shrunk.returncode == 0 and shrunk.stdout.strip() == "pool d: d-0", shrunk
+        last = subprocess.run([*scale, "d=0"], env=env, capture_output=True, text=True)
+        assert last.returncode == 1 and "at least one instance" in last.stderr, last
+        bad = subprocess.run([*scale, "d"], env=env, capture_output=True, text=True)
+        assert bad.returncode == 2 and "expected POOL=N" in bad.stderr, bad
         up.send_signal(signal.SIGTERM)  # a `kill` or container stop shuts down like Ctrl-C
         rest, _ = up.communicate(timeout=60)
         assert up.returncode == 0, rest
