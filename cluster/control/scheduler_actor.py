@@ -384,8 +384,8 @@ class SchedulerActor:
         while True:
             await asyncio.sleep(interval)
             for iid, loop in list(self.loops.items()):
-                spec = self.specs[iid]
-                if loop.alive and spec.actors:
+                spec = self.specs.get(iid)  # None: it left its pool during an earlier check
+                if spec is not None and loop.alive and spec.actors:
                     await check_workers(loop, spec, timeout_s=10 * interval)
 
     async def _recover(self, spec: InstanceSpec, hung: bool) -> None:
