@@ -321,6 +321,14 @@ class ClusterConfig(_Config):
         "still finds a dead worker). A dead worker's instance leaves routing and its requests "
         "move to live instances.",
     )
+    client_timeout_s: float = Field(
+        10.0,
+        ge=2.0,
+        le=3600.0,
+        description="A client (an ingress replica, a driver's ClusterClient) sends a "
+        "keep-alive every second; one silent this long is taken for dead: its requests are "
+        "aborted and their blocks freed (Ray does not end a dead caller's stream).",
+    )
     drain_timeout_s: float = Field(
         600.0,
         ge=0.0,

@@ -31,6 +31,8 @@ from cluster.engine.streams import merge_streams
 from scheduler import LoRARequest, Request, SamplingParams
 from scheduler.outputs import EngineCoreOutput
 
+# How often a Subscription tells the SchedulerActor that its client lives.
+KEEPALIVE_S = 1.0
 # How long /health waits for every worker to answer.
 HEALTH_TIMEOUT_S = 10.0
 
@@ -238,6 +240,7 @@ class Subscription:
         self.loop = asyncio.get_running_loop()
         self.queues: dict[str, asyncio.Queue[EngineCoreOutput | BaseException]] = {}
         self.task = self.loop.create_task(self._run(), name=f"subscription {client_id}")
+        self._keepalive = self.loop.create_task(self._keep_alive(), name=f"keepalive {client_id}")
 
     async def stream(
         self, request: Request, trace_context: dict[str, str] | None = None
@@ -278,9 +281,17 @@ class Subscription:
                 queue.put_nowait(exc if isinstance(exc, Exception) else RuntimeError(str(exc)))
             raise
         finally:
+            self._keepalive.cancel()
             # The actor's end of the stream may outlive this task (a loop that closed):
             # say goodbye so it forgets this client and aborts whatever is left.
             self.handle.unsubscribe.remote(self.client_id)
+
+    async def _keep_alive(self) -> None:
+        """Tell the actor every second that this client lives: if its process dies, the
+        actor aborts its requests after ``client_timeout_s`` of silence."""
+        while True:
+            self.handle.keepalive.remote(self.client_id)
+            await asyncio.sleep(KEEPALIVE_S)
 
 
 def _as_list(prompts: str | list[int] | Sequence[str | list[int]]) -> list[str | list[int]]:

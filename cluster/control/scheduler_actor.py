@@ -57,6 +57,7 @@ class SchedulerActor:
         self.specs: dict[str, InstanceSpec] = {}
         self.flights: dict[str, Flight] = {}  # by the client's request id
         self._outboxes: dict[str, Outbox] = {}  # by client id (``submit`` / ``subscribe``)
+        self._client_seen: dict[str, float] = {}  # client id -> its last keep-alive
         self._internal: dict[str, Flight] = {}  # by the schedulers' id
         self._seq = itertools.count()
         self.max_model_len = 0
@@ -84,6 +85,7 @@ class SchedulerActor:
             self._add_instance(spec)
         if any(spec.actors for spec in specs) and self.config.health_check_interval_s > 0:
             self._spawn(self._monitor_health())
+        self._spawn(self._reap_silent_clients())
         self.started = True
         logger.info("cluster started: %s", ", ".join(f"{i} ({r})" for i, r in self.roles.items()))
         return self.describe()
@@ -219,6 +221,24 @@ class SchedulerActor:
         finally:
             self.unsubscribe(client_id, outbox)
 
+    def keepalive(self, client_id: str) -> None:
+        """Client ``client_id`` is alive (``Subscription`` says so every second). A client
+        that said so once and then stays silent for ``client_timeout_s`` is taken for dead
+        and unsubscribed: Ray does not end the stream of a caller that died."""
+        self._client_seen[client_id] = time.monotonic()
+
+    async def _reap_silent_clients(self) -> None:
+        timeout = self.config.client_timeout_s
+        while True:
+            await asyncio.sleep(min(1.0, timeout / 2))
+            now = time.monotonic()
+            for client_id, seen in list(self._client_seen.items()):
+                if now - seen > timeout:
+                    del self._client_seen[client_id]
+                    if client_id in self._outboxes:
+                        logger.warning("client %s is silent: its requests are aborted", client_id)
+                        self.unsubscribe(client_id)
+
     def unsubscribe(self, client_id: str, outbox: Outbox | None = None) -> None:
         """Forget client ``client_id`` (only its stream ``outbox``, when given): its stream
         ends and its unfinished requests are aborted."""
@@ -226,6 +246,7 @@ class SchedulerActor:
         if current is None or (outbox is not None and current is not outbox):
             return
         del self._outboxes[client_id]
+        self._client_seen.pop(client_id, None)
         current.close()
         for rid in [r for r, f in self.flights.items() if f.outbox is current]:
             self.abort(rid)
