@@ -20,10 +20,12 @@ import itertools
 import logging
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
 from cluster.config import ClusterConfig
 from cluster.control.adapters import LoRAAdapters
+from cluster.control.clients import Clients
 from cluster.control.engine_loop import EngineLoop
 from cluster.control.flights import (
     Flight,
@@ -56,8 +58,8 @@ class SchedulerActor:
         self.roles: dict[str, str] = {}
         self.specs: dict[str, InstanceSpec] = {}
         self.flights: dict[str, Flight] = {}  # by the client's request id
-        self._outboxes: dict[str, Outbox] = {}  # by client id (``submit`` / ``subscribe``)
-        self._client_seen: dict[str, float] = {}  # client id -> its last keep-alive
+        # The clients streaming in batches (submit / subscribe), and their liveness.
+        self.clients = Clients(self.flights, self.abort, config.client_timeout_s)
         self._internal: dict[str, Flight] = {}  # by the schedulers' id
         self._seq = itertools.count()
         self.max_model_len = 0
@@ -85,7 +87,7 @@ class SchedulerActor:
             self._add_instance(spec)
         if any(spec.actors for spec in specs) and self.config.health_check_interval_s > 0:
             self._spawn(self._monitor_health())
-        self._spawn(self._reap_silent_clients())
+        self._spawn(self.clients.reap_silent())
         self.started = True
         logger.info("cluster started: %s", ", ".join(f"{i} ({r})" for i, r in self.roles.items()))
         return self.describe()
@@ -157,8 +159,7 @@ class SchedulerActor:
             await loop.stop()
         for rid, flight in list(self.flights.items()):
             self._finish(flight, EngineCoreOutput(rid, [], FinishReason.ABORT, error="shutdown"))
-        for outbox in self._outboxes.values():  # their last batches go out, then they end
-            outbox.close()
+        self.clients.close_all()  # their last batches go out, then their streams end
         await self.observe.flush()
         for spec in self.specs.values():
             for actor in spec.actors:
@@ -197,59 +198,28 @@ class SchedulerActor:
         stream (``subscribe``), not to a stream of its own. Raises ``ValueError`` (or
         ``OverloadedError``) for a request that is refused; otherwise returns once it is
         placed, and ``abort`` reaches it from then on."""
-        outbox = self._outboxes.get(client_id)
-        if outbox is None or outbox.closed:  # may come before the client's subscribe call
-            outbox = self._outboxes[client_id] = Outbox()
-        await self._submit(request, trace_context, outbox=outbox)
+        await self._submit(request, trace_context, outbox=self.clients.outbox(client_id))
 
     async def subscribe(self, client_id: str) -> AsyncIterator[list[EngineCoreOutput]]:
         """The outputs of every request ``client_id`` submitted, as they come: one batch per
         wake-up (a step's outputs of every instance at once), one merged output per request,
         each request's last with ``finish_reason`` set. Tokens cross to the client in one Ray
         message per batch, not one per token or per request. When the stream ends (the client
-        left, or ``unsubscribe``) the client's unfinished requests are aborted."""
-        outbox = self._outboxes.get(client_id)
-        if outbox is None or outbox.closed:
-            outbox = self._outboxes[client_id] = Outbox()
-        try:
-            while True:
-                batch = await outbox.take()
-                if batch:
-                    yield batch
-                if outbox.closed and not outbox.pending:
-                    return
-        finally:
-            self.unsubscribe(client_id, outbox)
+        left, ``unsubscribe``, or it fell silent) its unfinished requests are aborted. (A
+        generator function itself: Ray streams only those.)"""
+        async with aclosing(self.clients.stream(client_id)) as batches:
+            async for batch in batches:
+                yield batch
 
     def keepalive(self, client_id: str) -> None:
-        """Client ``client_id`` is alive (``Subscription`` says so every second). A client
-        that said so once and then stays silent for ``client_timeout_s`` is taken for dead
-        and unsubscribed: Ray does not end the stream of a caller that died."""
-        self._client_seen[client_id] = time.monotonic()
+        """Client ``client_id`` lives (its ``Subscription`` says so every second); one that
+        then stays silent for ``client_timeout_s`` is taken for dead (``control/clients.py``)."""
+        self.clients.keepalive(client_id)
 
-    async def _reap_silent_clients(self) -> None:
-        timeout = self.config.client_timeout_s
-        while True:
-            await asyncio.sleep(min(1.0, timeout / 2))
-            now = time.monotonic()
-            for client_id, seen in list(self._client_seen.items()):
-                if now - seen > timeout:
-                    del self._client_seen[client_id]
-                    if client_id in self._outboxes:
-                        logger.warning("client %s is silent: its requests are aborted", client_id)
-                        self.unsubscribe(client_id)
-
-    def unsubscribe(self, client_id: str, outbox: Outbox | None = None) -> None:
-        """Forget client ``client_id`` (only its stream ``outbox``, when given): its stream
-        ends and its unfinished requests are aborted."""
-        current = self._outboxes.get(client_id)
-        if current is None or (outbox is not None and current is not outbox):
-            return
-        del self._outboxes[client_id]
-        self._client_seen.pop(client_id, None)
-        current.close()
-        for rid in [r for r, f in self.flights.items() if f.outbox is current]:
-            self.abort(rid)
+    def unsubscribe(self, client_id: str) -> None:
+        """Forget client ``client_id``: its stream ends and its unfinished requests are
+        aborted."""
+        self.clients.drop(client_id)
 
     async def _submit(
         self,

@@ -1,0 +1,90 @@
+"""The clients that stream from the SchedulerActor in batches (``submit`` / ``subscribe``):
+each one's ``Outbox`` and whether it still lives.
+
+A client is a ``ClusterClient``'s ``Subscription`` (one per event loop: a driver, an ingress
+replica). Its requests' outputs wait in its outbox, merged per request, until its stream takes
+them: one Ray message per batch, whatever the number of requests. A client whose stream ends
+or that falls silent is dropped, and its unfinished requests are aborted -- Ray does not end
+the stream of a caller whose process died, so keep-alives are what tell.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncGenerator, Callable
+
+from cluster.control.flights import Flight, Outbox
+from scheduler.outputs import EngineCoreOutput
+
+logger = logging.getLogger(__name__)
+
+
+class Clients:
+    """Outboxes and keep-alives by client id. ``flights`` is the actor's own dict (read to
+    find a client's requests); ``abort`` ends one request by its client id."""
+
+    def __init__(
+        self, flights: dict[str, Flight], abort: Callable[[str], bool], timeout_s: float
+    ) -> None:
+        self._flights = flights
+        self._abort = abort
+        self.timeout_s = timeout_s
+        self._outboxes: dict[str, Outbox] = {}
+        self._seen: dict[str, float] = {}  # client id -> its last keep-alive
+
+    def outbox(self, client_id: str) -> Outbox:
+        """The client's outbox (a new one if it has none: ``submit`` may come first)."""
+        outbox = self._outboxes.get(client_id)
+        if outbox is None or outbox.closed:
+            outbox = self._outboxes[client_id] = Outbox()
+        return outbox
+
+    async def stream(self, client_id: str) -> AsyncGenerator[list[EngineCoreOutput], None]:
+        """The client's batches until it is dropped (``SchedulerActor.subscribe``); dropped
+        when the stream ends, however it ends."""
+        outbox = self.outbox(client_id)
+        try:
+            while True:
+                batch = await outbox.take()
+                if batch:
+                    yield batch
+                if outbox.closed and not outbox.pending:
+                    return
+        finally:
+            self.drop(client_id, outbox)
+
+    def keepalive(self, client_id: str) -> None:
+        self._seen[client_id] = time.monotonic()
+
+    def drop(self, client_id: str, outbox: Outbox | None = None) -> None:
+        """Forget the client (only its stream ``outbox``, when given): its stream ends after
+        what is pending, and its unfinished requests are aborted."""
+        current = self._outboxes.get(client_id)
+        if current is None or (outbox is not None and current is not outbox):
+            return
+        del self._outboxes[client_id]
+        self._seen.pop(client_id, None)
+        current.close()
+        for rid in [r for r, f in self._flights.items() if f.outbox is current]:
+            self._abort(rid)
+
+    async def reap_silent(self) -> None:
+        """Forever: drop every client that sent a keep-alive once and then none for
+        ``timeout_s`` (clients that never send one -- in-process callers -- are never
+        dropped)."""
+        while True:
+            await asyncio.sleep(min(1.0, self.timeout_s / 2))
+            now = time.monotonic()
+            for client_id, seen in list(self._seen.items()):
+                if now - seen > self.timeout_s:
+                    del self._seen[client_id]
+                    if client_id in self._outboxes:
+                        logger.warning("client %s is silent: its requests are aborted", client_id)
+                        self.drop(client_id)
+
+    def close_all(self) -> None:
+        """Shutting down: every stream ends once its last batch is taken."""
+        for outbox in self._outboxes.values():
+            outbox.close()
