@@ -287,6 +287,20 @@ class ServeConfig(_Config):
         return self
 
 
+# ServeConfig fields that only the ingress reads: a new value needs new ingress replicas, not a
+# new cluster (the others -- served_model_name, lora_modules, the waiting bound -- are the
+# SchedulerActor's).
+INGRESS_ONLY = (
+    "api_key",
+    "host",
+    "port",
+    "grpc_port",
+    "ingress_replicas",
+    "ingress_num_cpus",
+    "max_ongoing_requests",
+)
+
+
 class ClusterConfig(_Config):
     """A whole deployment: the model, the instance pools and how they cooperate."""
 
@@ -342,6 +356,12 @@ class ClusterConfig(_Config):
         "instance fails like a dead one (requests move, the worker is killed and, with "
         "max_restarts, restarted). None: wait forever. vLLM's executor waits 300 s too.",
     )
+
+    def cluster_settings(self) -> dict[str, Any]:
+        """What a running cluster is built from: every field but the ingress-only part of
+        ``serve`` (``INGRESS_ONLY``: key, ports, replicas), which a redeploy of the API may
+        change under a running cluster. JSON; secrets masked."""
+        return self.model_dump(mode="json", exclude={"serve": set(INGRESS_ONLY)})
 
     @property
     def disaggregated(self) -> bool:

@@ -108,6 +108,53 @@ def build_cluster(
     return handle
 
 
+def app_cluster_name(app_name: str) -> str:
+    """The name of the cluster a Serve app runs on: the default app's (``tandem``, as
+    ``tandem serve`` deploys it) is the default name, so ``tandem scale`` / ``tandem down``
+    find it without ``--name``."""
+    return DEFAULT_NAME if app_name == "tandem" else f"tandem-{app_name}"
+
+
+def settings_changed(running: dict[str, Any], wanted: ClusterConfig) -> list[str]:
+    """The cluster settings (``ClusterConfig.cluster_settings``) in which ``wanted`` differs
+    from a running cluster's (``SchedulerActor.settings()``): top-level names, and
+    ``serve.<field>`` inside ``serve``."""
+    new = wanted.cluster_settings()
+    changed = []
+    for key in sorted(new.keys() | running.keys()):
+        a, b = new.get(key), running.get(key)
+        if key == "serve" and isinstance(a, dict) and isinstance(b, dict):
+            changed += [f"serve.{k}" for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k)]
+        elif a != b:
+            changed.append(key)
+    return changed
+
+
+def get_or_build_cluster(
+    config: ClusterConfig, *, name: str, namespace: str = DEFAULT_NAMESPACE
+) -> Any:
+    """The running cluster ``name`` if its settings are ``config``'s (the ingress-only part of
+    ``serve`` may differ), else a new one. A new one is detached: its lifetime is
+    explicit, it outlives whoever asked for it (a Serve replica replaced by a redeploy) until
+    ``shutdown_cluster`` (``tandem down``). ``ValueError`` when ``name`` runs with other
+    settings: they cannot change under running requests."""
+    import ray
+
+    try:
+        handle = get_cluster(name, namespace)
+    except ValueError:
+        return build_cluster(config, name=name, namespace=namespace, detached=True)
+    changed = settings_changed(ray.get(handle.settings.remote()), config)
+    if changed:
+        raise ValueError(
+            f"cluster {name!r} is running with other settings ({', '.join(changed)}); stop it "
+            f"first (tandem down --name {name}), or deploy with its settings: only the "
+            "ingress's serve fields (key, ports, replicas) may change under a running cluster"
+        )
+    logger.info("cluster %s is running: reused", name)
+    return handle
+
+
 def get_cluster(name: str = DEFAULT_NAME, namespace: str = DEFAULT_NAMESPACE) -> Any:
     """The handle of a running cluster's SchedulerActor (``ValueError`` if there is none)."""
     import ray

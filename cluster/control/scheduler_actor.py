@@ -639,6 +639,11 @@ class SchedulerActor:
             for rid, flight in sorted(self.flights.items())
         }
 
+    def settings(self) -> dict[str, Any]:
+        """What the cluster was built from (``ClusterConfig.cluster_settings``), to tell
+        whether a new deployment may reuse it."""
+        return self.config.cluster_settings()
+
     def model_info(self) -> dict[str, Any]:
         """What a client needs to tokenize and validate: the model and the context length."""
         first = next(iter(self.specs.values())).info

@@ -3,9 +3,10 @@
 Two deployments::
 
     HTTP :8000 / gRPC :9000 ─▶ OpenAIIngress (N replicas: tokenize, validate, detokenize)
-                                   │  token ids, straight to the actor (Ray streaming calls)
-                                   ▼
-                          TandemCluster (1 replica) owns SchedulerActor ─▶ workers
+                                   │  token ids, straight to the actor (submit; one batched
+                                   ▼  subscribe stream per replica)
+                          TandemCluster (1 replica) finds or builds the SchedulerActor
+                                                    (detached: it outlives redeploys) ─▶ workers
 
 ``build_app(args)`` builds the application from a ``ClusterConfig`` (``args`` are its fields),
 so a Serve config file runs it as ``import_path: cluster.serving.app:build_app``. The ingress
@@ -18,7 +19,6 @@ its ``ClusterClient`` (an ``EngineClient``). The routes only check the API key a
 # (Serve rebinds the methods, so string annotations would not resolve).
 import asyncio
 import logging
-import uuid
 from typing import Any
 
 from fastapi import FastAPI
@@ -83,14 +83,16 @@ def _respond(result: dict[str, Any] | Any) -> Any:
 
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=64)
 class TandemCluster:
-    """Owns the cluster: its SchedulerActor and workers live and die with this replica."""
+    """The app's way to its cluster: the running one named after the app (built if there is
+    none). The cluster's lifetime is explicit: it outlives this replica, so redeploying the
+    app -- new ingress replicas, a new ``serve`` section -- keeps it and its requests; it ends
+    with ``tandem down`` (``tandem serve`` stops it on exit)."""
 
     def __init__(self, config: ClusterConfig) -> None:
-        from cluster.control.launch import build_cluster
+        from cluster.control.launch import app_cluster_name, get_or_build_cluster
 
-        context = serve.get_replica_context()
-        self.name = f"tandem-{context.app_name}-{uuid.uuid4().hex[:8]}"
-        self.handle = build_cluster(config, name=self.name)
+        self.name = app_cluster_name(serve.get_replica_context().app_name)
+        self.handle = get_or_build_cluster(config, name=self.name)
 
     def scheduler(self) -> Any:
         return self.handle
@@ -98,14 +100,6 @@ class TandemCluster:
     async def check_health(self) -> None:
         """Serve's health check: the SchedulerActor answers."""
         await asyncio.wait_for(self.handle.describe.remote(), timeout=30)
-
-    def __del__(self) -> None:
-        try:
-            from cluster.control.launch import shutdown_cluster
-
-            shutdown_cluster(self.handle)
-        except Exception:  # the actor may be gone already
-            pass
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0})

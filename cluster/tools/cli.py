@@ -5,6 +5,7 @@ tandem generate --model ./my-llama --raw --max-tokens 64 "Once upon a time"
 tandem up [cluster.yaml] [--address ADDR]                 # a prefill + a decode instance on Ray
 tandem generate --cluster "What is the capital of France?"   # through the running cluster
 tandem scale decode=2                                     # resize a pool while it serves
+tandem down                                               # stop the running cluster
 """
 
 from __future__ import annotations
@@ -247,6 +248,31 @@ def _scale_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     )
 
 
+def _down_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "down",
+        help="stop a running cluster (its requests end with 'abort'; workers stop)",
+        description="Stop the named cluster: one started by tandem up, or the one a Serve app "
+        "runs on (it outlives the app's redeploys and deletes).",
+    )
+    _ray_arguments(p, default_address="auto")
+
+
+def _run_down(args: argparse.Namespace) -> int:
+    from cluster.control.launch import DEFAULT_NAME, get_cluster, init_ray, shutdown_cluster
+
+    name = args.name or DEFAULT_NAME
+    try:
+        init_ray(args.address)
+        handle = get_cluster(name)
+    except (ConnectionError, ValueError) as exc:
+        print(f"tandem down: no running cluster {name!r} ({exc})", file=sys.stderr)
+        return 1
+    shutdown_cluster(handle)
+    print(f"cluster {name!r} stopped")
+    return 0
+
+
 def _run_scale(args: argparse.Namespace) -> int:
     import ray
 
@@ -277,6 +303,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     _generate_parser(sub)
     _up_parser(sub)
     _scale_parser(sub)
+    _down_parser(sub)
     from cluster.tools.serve_cli import add_serve_arguments
 
     add_serve_arguments(
@@ -305,6 +332,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _run_up(args)
     if args.command == "scale":
         return _run_scale(args)
+    if args.command == "down":
+        return _run_down(args)
     if args.command == "serve":
         from cluster.tools.serve_cli import run_serve
 

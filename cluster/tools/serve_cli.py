@@ -148,6 +148,13 @@ def run_serve(args: argparse.Namespace) -> int:
     finally:
         try:
             serve.shutdown()  # type: ignore[no-untyped-call]
+            # The cluster outlives the app (detached): tandem serve brought it up, and takes
+            # it down, also when it joined a Ray cluster that stays.
+            from cluster.control.launch import app_cluster_name, get_cluster, shutdown_cluster
+
+            shutdown_cluster(get_cluster(app_cluster_name(APP_NAME)))
+        except ValueError:
+            pass  # it was not started (or is gone already)
         finally:
             ray.shutdown()
     return 0

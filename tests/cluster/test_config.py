@@ -174,3 +174,25 @@ def test_a_generated_cluster_token_is_shared_by_every_copy_and_never_shown() -> 
 def test_bad_grpc_options_name_the_field(kv_transfer: dict[str, object], message: str) -> None:
     with pytest.raises(ValidationError, match=message):
         ClusterConfig.model_validate({"kv_transfer": {"transport": "grpc", **kv_transfer}})
+
+
+def test_a_running_cluster_is_reused_only_with_its_settings() -> None:
+    """``tandem serve`` / a Serve redeploy reuses the running cluster when only the ingress's
+    part of ``serve`` changed; any other difference is named."""
+    from cluster.control.launch import settings_changed
+
+    running = ClusterConfig.from_yaml("serve: {ingress_replicas: 2, api_key: an-api-key-1}")
+    ingress_only = running.model_copy(
+        update={
+            "serve": running.serve.model_copy(
+                update={"ingress_replicas": 1, "port": 8001, "api_key": None}
+            )
+        }
+    )
+    assert settings_changed(running.cluster_settings(), ingress_only) == []
+    bound = running.model_copy(
+        update={"serve": running.serve.model_copy(update={"max_waiting_requests": 3})}
+    )
+    assert settings_changed(running.cluster_settings(), bound) == ["serve.max_waiting_requests"]
+    other = ClusterConfig.from_yaml("block_size: 8\npools: [{name: p, role: both}]")
+    assert settings_changed(running.cluster_settings(), other) == ["block_size", "pools"]

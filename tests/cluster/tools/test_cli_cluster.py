@@ -12,6 +12,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -95,3 +96,27 @@ def test_generate_without_a_cluster_says_how_to_start_one(tmp_path: Path) -> Non
         shutil.rmtree(ray_dir, ignore_errors=True)
     assert out.returncode != 0
     assert "tandem up" in out.stderr
+
+
+def test_down_stops_a_running_cluster(ray_cluster: Any, tiny_model: Path) -> None:
+    import ray
+
+    from cluster.config import ClusterConfig
+    from cluster.control.launch import build_cluster, get_cluster
+
+    config = ClusterConfig.model_validate(
+        {"model": str(tiny_model), "block_size": 4, "pools": [{"name": "c", "num_blocks": 64}]}
+    )
+    build_cluster(config, name="to-stop", detached=True)
+    tandem = [sys.executable, "-m", "cluster.tools.cli"]
+    address = ray_cluster.cluster.address
+    down = [*tandem, "down", "--name", "to-stop", "--address", address]
+    stopped = subprocess.run(down, capture_output=True, text=True, timeout=120)
+    assert stopped.returncode == 0 and "cluster 'to-stop' stopped" in stopped.stdout, stopped
+    with pytest.raises(ValueError):
+        for _ in range(50):  # the kill is asynchronous
+            get_cluster("to-stop")
+            time.sleep(0.1)
+    again = subprocess.run(down, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 1 and "no running cluster 'to-stop'" in again.stderr, again
+    assert ray.is_initialized()
