@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import threading
 import uuid
 from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
@@ -132,30 +133,26 @@ class ClusterClient(EngineClient):
             rid, prompt, params, lora_request=lora_request, priority=priority, child_ids=child_ids
         )
         processor.add(rid, prepared.prompt, prepared.prompt_token_ids, params)
-        samples = [self._stream(r, trace_context) for r in prepared.requests]
+        subscription = self._subscription()
+        taken = [c for c in child_ids if c in subscription.request_ids]
+        if taken:  # refused before anything runs: the request streaming under it goes on
+            raise ValueError(f"request_id {taken[0]!r} is already in use")
+        # Each sample's stream aborts its request if it is closed before the end (the
+        # consumer left, another sample failed): closing the merge closes them all.
+        samples = [subscription.stream(r, trace_context) for r in prepared.requests]
         open_children = set(child_ids)
-        try:
-            async with aclosing(merge_streams(samples)) as merged:
-                async for _, item in merged:
-                    if item.finished:
-                        open_children.discard(item.request_id)
-                    outputs, stopped = processor.process([item])
-                    for child in stopped:  # a stop string: end it on the cluster too
-                        open_children.discard(child)
-                        self.abort(child)
-                    for out in outputs:
-                        yield out
-                    if not open_children:
-                        break
-        finally:
-            for child in open_children:
-                self.abort(child)
-
-    def _stream(
-        self, request: Request, trace_context: dict[str, str] | None
-    ) -> AsyncGenerator[EngineCoreOutput, None]:
-        """One sample's outputs, through this event loop's batched subscription."""
-        return self._subscription().stream(request, trace_context)
+        async with aclosing(merge_streams(samples)) as merged:
+            async for _, item in merged:
+                if item.finished:
+                    open_children.discard(item.request_id)
+                outputs, stopped = processor.process([item])
+                for child in stopped:  # a stop string: end it on the cluster too
+                    open_children.discard(child)
+                    self.abort(child)
+                for out in outputs:
+                    yield out
+                if not open_children:
+                    break
 
     def _subscription(self) -> Subscription:
         """This event loop's subscription (a new one after the loop changed or the old one
@@ -171,7 +168,7 @@ class ClusterClient(EngineClient):
         (``{id}#{i}``). Reaches it as soon as ``generate_async`` has submitted it."""
         ids = [request_id]
         if self._sub is not None:
-            ids += [c for c in self._sub.queues if c.startswith(f"{request_id}#")]
+            ids += [c for c in self._sub.request_ids if c.startswith(f"{request_id}#")]
         for rid in ids:
             self.handle.abort.remote(rid)
 
@@ -230,68 +227,101 @@ class ClusterClient(EngineClient):
 class Subscription:
     """One event loop's end of ``SchedulerActor.subscribe``: a task reads the client's batched
     stream (one Ray message per batch, whatever the number of requests) and hands each output
-    to its request's queue. If the stream breaks (the actor is gone), every open request gets
-    the error; ``ClusterClient`` then opens a new subscription for the next request. Token ids
-    only: ``ClusterClient`` adds detokenization, stop strings and ``n``."""
+    to its request's queue, by submission: every ``submit`` carries a number of this
+    subscription's own, so the late outputs of an earlier request with the same id (aborted,
+    say) never reach a new one. When the stream ends -- broken (the actor is gone) or closed
+    (the actor dropped this client) -- every open request gets an error and ``ClusterClient``
+    opens a new subscription for the next request. A thread tells the actor every second that
+    the process lives (a busy event loop does not count as dead). Token ids only:
+    ``ClusterClient`` adds detokenization, stop strings and ``n``."""
 
     def __init__(self, handle: Any, client_id: str) -> None:
         self.handle = handle
         self.client_id = client_id
         self.loop = asyncio.get_running_loop()
-        self.queues: dict[str, asyncio.Queue[EngineCoreOutput | BaseException]] = {}
+        self.queues: dict[int, asyncio.Queue[EngineCoreOutput | BaseException]] = {}
+        self.request_ids: dict[str, int] = {}  # open requests: id -> submission
+        self._submissions = itertools.count()
+        self._stop = threading.Event()
+        self._keepalive = threading.Thread(
+            target=self._keep_alive, name=f"keepalive {client_id}", daemon=True
+        )
+        self._keepalive.start()
         self.task = self.loop.create_task(self._run(), name=f"subscription {client_id}")
-        self._keepalive = self.loop.create_task(self._keep_alive(), name=f"keepalive {client_id}")
 
     async def stream(
         self, request: Request, trace_context: dict[str, str] | None = None
     ) -> AsyncGenerator[EngineCoreOutput, None]:
         """Submit ``request`` and yield its outputs, the last one finished. Raises the
-        cluster's ``ValueError`` for a request it refuses, before any output."""
+        cluster's ``ValueError`` for a request it refuses (an id already streaming here
+        included), before any output."""
         rid = request.request_id
+        if rid in self.request_ids:
+            raise ValueError(f"request_id {rid!r} is already in use")
+        if self.task.done():
+            raise RuntimeError(f"the subscription of client {self.client_id} has ended")
+        submission = next(self._submissions)
         queue: asyncio.Queue[EngineCoreOutput | BaseException] = asyncio.Queue()
-        self.queues[rid] = queue  # before submitting: outputs may come before submit returns
+        # Registered before submitting: outputs may come before submit returns.
+        self.queues[submission] = queue
+        self.request_ids[rid] = submission
+        running = False
         try:
             try:
-                await self.handle.submit.remote(request, self.client_id, trace_context)
-            except ray.exceptions.RayTaskError as exc:
+                await self.handle.submit.remote(request, self.client_id, trace_context, submission)
+            except ray.exceptions.RayTaskError as exc:  # refused: nothing runs
                 inner = getattr(exc, "cause", None)
-                if isinstance(inner, ValueError):
+                if isinstance(inner, ValueError | RuntimeError):
                     raise inner from None
                 raise
+            except BaseException:  # cancelled mid-submit: it may have been placed
+                self.handle.abort.remote(rid)
+                raise
+            running = True
             while True:
                 item = await queue.get()
                 if isinstance(item, BaseException):
+                    running = False  # the stream (or the actor) is gone
                     raise item
                 yield item
                 if item.finished:
+                    running = False
                     return
         finally:
-            self.queues.pop(rid, None)
+            self.queues.pop(submission, None)
+            self.request_ids.pop(rid, None)
+            if running:  # left before the end: nothing may keep running for nobody
+                self.handle.abort.remote(rid)
 
     async def _run(self) -> None:
         queues = self.queues
+        ended: BaseException = RuntimeError(
+            f"the SchedulerActor ended the stream of client {self.client_id} (it timed out "
+            "or was unsubscribed)"
+        )
         try:
             async for ref in self.handle.subscribe.remote(self.client_id):
-                for out in await ref:
-                    queue = queues.get(out.request_id)
+                for submission, out in await ref:
+                    queue = queues.get(submission)
                     if queue is not None:
                         queue.put_nowait(out)
         except BaseException as exc:
-            for queue in queues.values():
-                queue.put_nowait(exc if isinstance(exc, Exception) else RuntimeError(str(exc)))
+            ended = exc if isinstance(exc, Exception) else RuntimeError(str(exc))
             raise
         finally:
-            self._keepalive.cancel()
+            self._stop.set()
+            for queue in queues.values():  # requests still open get the end, never a hang
+                queue.put_nowait(ended)
             # The actor's end of the stream may outlive this task (a loop that closed):
             # say goodbye so it forgets this client and aborts whatever is left.
             self.handle.unsubscribe.remote(self.client_id)
 
-    async def _keep_alive(self) -> None:
-        """Tell the actor every second that this client lives: if its process dies, the
-        actor aborts its requests after ``client_timeout_s`` of silence."""
-        while True:
+    def _keep_alive(self) -> None:
+        """(A thread.) Tell the actor every second that this client lives: if the process
+        dies, the actor aborts its requests after ``client_timeout_s`` of silence."""
+        while not self._stop.is_set():
             self.handle.keepalive.remote(self.client_id)
-            await asyncio.sleep(KEEPALIVE_S)
+            self._stop.wait(KEEPALIVE_S)
 
 
 def _as_list(prompts: str | list[int] | Sequence[str | list[int]]) -> list[str | list[int]]:

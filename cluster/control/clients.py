@@ -13,12 +13,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import AsyncGenerator, Callable
 
-from cluster.control.flights import Flight, Outbox
+from cluster.control.flights import Flight, Outbox, Submission
 from scheduler.outputs import EngineCoreOutput
 
 logger = logging.getLogger(__name__)
+
+DROPPED_REMEMBERED = 10_000  # client ids kept to refuse their late submits (ids are unique)
 
 
 class Clients:
@@ -32,16 +35,25 @@ class Clients:
         self._abort = abort
         self.timeout_s = timeout_s
         self._outboxes: dict[str, Outbox] = {}
-        self._seen: dict[str, float] = {}  # client id -> its last keep-alive
+        self._seen: dict[str, float] = {}  # client id -> its last keep-alive (or submit)
+        self._dropped: OrderedDict[str, None] = OrderedDict()  # the latest dropped clients
 
     def outbox(self, client_id: str) -> Outbox:
-        """The client's outbox (a new one if it has none: ``submit`` may come first)."""
+        """The client's outbox (a new one if it has none: ``submit`` may come first).
+        ``RuntimeError`` for a client that was dropped: a submit still on its way when the
+        client timed out must fail, not wait in an outbox nobody reads."""
+        if client_id in self._dropped:
+            raise RuntimeError(f"client {client_id} was dropped (timed out or unsubscribed)")
         outbox = self._outboxes.get(client_id)
-        if outbox is None or outbox.closed:
+        if outbox is None:
             outbox = self._outboxes[client_id] = Outbox()
+            # A client that submits but never subscribes or keeps alive is reaped too.
+            self._seen.setdefault(client_id, time.monotonic())
         return outbox
 
-    async def stream(self, client_id: str) -> AsyncGenerator[list[EngineCoreOutput], None]:
+    async def stream(
+        self, client_id: str
+    ) -> AsyncGenerator[list[tuple[Submission, EngineCoreOutput]], None]:
         """The client's batches until it is dropped (``SchedulerActor.subscribe``); dropped
         when the stream ends, however it ends."""
         outbox = self.outbox(client_id)
@@ -66,6 +78,9 @@ class Clients:
             return
         del self._outboxes[client_id]
         self._seen.pop(client_id, None)
+        self._dropped[client_id] = None
+        while len(self._dropped) > DROPPED_REMEMBERED:
+            self._dropped.popitem(last=False)
         current.close()
         for rid in [r for r, f in self._flights.items() if f.outbox is current]:
             self._abort(rid)

@@ -106,6 +106,7 @@ class EngineLoop:
         self.step_timeout_s = step_timeout_s
         self.hung = False  # a step outlived step_timeout_s: the worker may still be running it
         self.draining = False  # leaving the cluster: takes no new requests (set by the owner)
+        self.failure_handled = False  # the owner took note of its failure (set by the owner)
         self._async = scheduler.scheduler_config.async_scheduling
         # Steps started and not yet applied, oldest first: (step, result, start time).
         self._in_flight: deque[tuple[SchedulerOutput, asyncio.Future[ModelRunnerOutput], float]] = (

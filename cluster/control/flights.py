@@ -23,26 +23,30 @@ if TYPE_CHECKING:
     from cluster.control.engine_loop import EngineLoop
 
 
+Submission = int | str  # a client's tag of one submit (the request id when it gives none)
+
+
 class Outbox:
     """The outputs bound for one client (an ingress replica, a driver), batched: what its
-    requests produced since it last took a batch, merged into one output per request."""
+    requests produced since it last took a batch, merged into one output per submission (so
+    a stale output of an earlier request with the same id is never merged into a new one)."""
 
     def __init__(self) -> None:
-        self.pending: dict[str, EngineCoreOutput] = {}
+        self.pending: dict[Submission, EngineCoreOutput] = {}
         self.ready = asyncio.Event()
         self.closed = False
 
-    def put(self, out: EngineCoreOutput) -> None:
+    def put(self, submission: Submission, out: EngineCoreOutput) -> None:
         pending = self.pending
-        before = pending.get(out.request_id)
-        pending[out.request_id] = out if before is None else merge_outputs(before, out)
+        before = pending.get(submission)
+        pending[submission] = out if before is None else merge_outputs(before, out)
         self.ready.set()
 
-    async def take(self) -> list[EngineCoreOutput]:
-        """Wait for outputs (or ``close``), then take them all."""
+    async def take(self) -> list[tuple[Submission, EngineCoreOutput]]:
+        """Wait for outputs (or ``close``), then take them all, each with its submission."""
         await self.ready.wait()
         self.ready.clear()
-        batch, self.pending = list(self.pending.values()), {}
+        batch, self.pending = list(self.pending.items()), {}
         return batch
 
     def close(self) -> None:
@@ -69,11 +73,13 @@ class Flight:
     first_token_at: float | None = None
     last_token_at: float | None = None
     trace: Any = None  # a RequestTrace while tracing is on
+    submission: Submission | None = None  # the client's tag of its submit (outbox only)
 
     def deliver(self, out: EngineCoreOutput) -> None:
         """Hand an output to whoever streams this request."""
         if self.outbox is not None:
-            self.outbox.put(out)
+            tag = self.request.request_id if self.submission is None else self.submission
+            self.outbox.put(tag, out)
         else:
             assert self.queue is not None
             self.queue.put_nowait(out)

@@ -30,6 +30,7 @@ from cluster.control.engine_loop import EngineLoop
 from cluster.control.flights import (
     Flight,
     Outbox,
+    Submission,
     clone_request,
     merge_outputs,
     prefill_request,
@@ -67,7 +68,6 @@ class SchedulerActor:
         self.num_moves = 0  # requests moved off failed instances
         self.failures: list[dict[str, Any]] = []  # instance failures and rejoins, in order
         self._tasks: set[asyncio.Task[None]] = set()  # moves, rejoins, the health monitor
-        self._failed_loops: set[int] = set()  # id() of loops whose failure was handled
         self._resizing = asyncio.Lock()  # scale_pool: one resize at a time
         self.observe = RequestObserver(config, self.roles, self.specs)
         self.lora = LoRAAdapters(config, self.specs)  # served by name, loaded per instance
@@ -192,21 +192,30 @@ class SchedulerActor:
                 self.abort(rid)
 
     async def submit(
-        self, request: Request, client_id: str, trace_context: dict[str, str] | None = None
+        self,
+        request: Request,
+        client_id: str,
+        trace_context: dict[str, str] | None = None,
+        submission: Submission | None = None,
     ) -> None:
         """Start ``request`` for client ``client_id``: its outputs go to the client's batched
-        stream (``subscribe``), not to a stream of its own. Raises ``ValueError`` (or
-        ``OverloadedError``) for a request that is refused; otherwise returns once it is
-        placed, and ``abort`` reaches it from then on."""
-        await self._submit(request, trace_context, outbox=self.clients.outbox(client_id))
+        stream (``subscribe``), tagged with ``submission`` (the client's own tag of this
+        submit; default the request id), not to a stream of its own. Raises ``ValueError``
+        (or ``OverloadedError``) for a request that is refused, ``RuntimeError`` for a client
+        that was dropped; otherwise returns once it is placed, and ``abort`` reaches it from
+        then on."""
+        outbox = self.clients.outbox(client_id)
+        await self._submit(request, trace_context, outbox=outbox, submission=submission)
 
-    async def subscribe(self, client_id: str) -> AsyncIterator[list[EngineCoreOutput]]:
+    async def subscribe(
+        self, client_id: str
+    ) -> AsyncIterator[list[tuple[Submission, EngineCoreOutput]]]:
         """The outputs of every request ``client_id`` submitted, as they come: one batch per
-        wake-up (a step's outputs of every instance at once), one merged output per request,
-        each request's last with ``finish_reason`` set. Tokens cross to the client in one Ray
-        message per batch, not one per token or per request. When the stream ends (the client
-        left, ``unsubscribe``, or it fell silent) its unfinished requests are aborted. (A
-        generator function itself: Ray streams only those.)"""
+        wake-up (a step's outputs of every instance at once), one merged output per request
+        with its submission tag, each request's last with ``finish_reason`` set. Tokens cross
+        to the client in one Ray message per batch, not one per token or per request. When the
+        stream ends (the client left, ``unsubscribe``, or it fell silent) its unfinished
+        requests are aborted. (A generator function itself: Ray streams only those.)"""
         async with aclosing(self.clients.stream(client_id)) as batches:
             async for batch in batches:
                 yield batch
@@ -227,6 +236,7 @@ class SchedulerActor:
         trace_context: dict[str, str] | None = None,
         queue: asyncio.Queue[EngineCoreOutput] | None = None,
         outbox: Outbox | None = None,
+        submission: Submission | None = None,
     ) -> Flight:
         if not self.started:
             raise RuntimeError("the cluster is not started")
@@ -250,6 +260,7 @@ class SchedulerActor:
         # Arrival is stamped here: clients' clocks are not comparable (priority tie-breaks).
         request.arrival_time = time.monotonic()
         flight = Flight(request, queue, outbox, next(iter(self.loops.values())), "decode")
+        flight.submission = submission
         self.observe.arrived(flight, trace_context)
         self.flights[rid] = flight
         try:
@@ -276,9 +287,12 @@ class SchedulerActor:
                 route = self.router.route(request, prefill, decode)
             target = route.prefill or route.decode
             if request.lora_request is not None:
-                for loop in {route.decode, target}:
-                    await self.lora.ensure(loop.instance_id, request.lora_request)
-            if target.alive and route.decode.alive:
+                try:
+                    for loop in {route.decode, target}:
+                        await self.lora.ensure(loop.instance_id, request.lora_request)
+                except KeyError:
+                    continue  # the instance left its pool meanwhile
+            if all(lp.alive and not lp.draining for lp in (target, route.decode)):
                 break
         else:
             raise RuntimeError("instances kept failing while the request was being routed")
@@ -337,8 +351,8 @@ class SchedulerActor:
         """An instance failed: its requests move to live instances (re-prefilled there from
         prompt + tokens already sent), and a restartable worker is brought back."""
         iid = loop.instance_id
-        if self.loops.get(iid) is loop and id(loop) not in self._failed_loops:
-            self._failed_loops.add(id(loop))
+        if self.loops.get(iid) is loop and not loop.failure_handled:
+            loop.failure_handled = True
             logger.warning("instance %s failed: %s", iid, reason)
             self.failures.append(
                 {"instance_id": iid, "event": "failed", "reason": reason, "time": time.time()}
@@ -394,6 +408,8 @@ class SchedulerActor:
         if not await restore_workers(spec, self.config.startup_timeout_s):
             logger.error("instance %s did not come back; it stays out of routing", iid)
             return
+        if self.specs.get(iid) is not spec or self.loops[iid].draining:
+            return  # it left its pool (or is leaving) while its workers restarted
         loop = self._build_loop(spec)
         self.loops[iid] = loop
         self.lora.reset(iid)
@@ -436,17 +452,19 @@ class SchedulerActor:
         if not any(spec.actors for spec in self.specs.values()):
             raise ValueError("this cluster's workers are in-process: it cannot start more")
         async with self._resizing:  # one resize at a time
-            current = self._pool_instances(pool_name)
-            if replicas > len(current):
-                await self._grow(pool, replicas - len(current))
-            elif replicas < len(current):
-                await self._shrink(current[replicas:], drain_timeout_s)
+            live = self._pool_instances(pool_name)
+            # Dead instances (failed, not back) count for nothing: the resize retires them.
+            dead = [i for i in self._pool_instances(pool_name, alive=False) if i not in live]
+            if replicas > len(live):
+                await self._grow(pool, replicas - len(live))
+            await self._shrink(dead + live[replicas:], drain_timeout_s)
             return {"pool": pool_name, "instances": self._pool_instances(pool_name)}
 
-    def _pool_instances(self, pool_name: str) -> list[str]:
-        """The pool's instances that serve (not draining), oldest first."""
+    def _pool_instances(self, pool_name: str, alive: bool = True) -> list[str]:
+        """The pool's instances that serve (alive, not draining; ``alive=False``: all but
+        the draining ones), oldest first."""
         ids = [i for i, s in self.specs.items() if s.pool.name == pool_name]
-        ids = [i for i in ids if not self.loops[i].draining]
+        ids = [i for i in ids if not self.loops[i].draining and (self.loops[i].alive or not alive)]
         return sorted(ids, key=lambda i: int(i.rpartition("-")[2]))
 
     async def _grow(self, pool: Any, count: int) -> None:
@@ -475,6 +493,8 @@ class SchedulerActor:
         logger.info("pool %s grew: %s", pool.name, ", ".join(s.instance_id for s in specs))
 
     async def _shrink(self, instance_ids: list[str], drain_timeout_s: float | None) -> None:
+        if not instance_ids:
+            return
         loops = [self.loops[i] for i in instance_ids]
         for loop in loops:
             loop.draining = True
@@ -495,9 +515,13 @@ class SchedulerActor:
         """Take a drained instance out: stop its loop, move what it still holds, stop its
         workers and forget it."""
         iid = loop.instance_id
-        leftovers = [f for f in self.flights.values() if f.loop is loop]
-        loop.on_failure = None
-        await loop.stop()
+        loops = {loop, self.loops.get(iid, loop)}  # and one a rejoin installed meanwhile
+        for each in loops:
+            each.on_failure = None
+            await each.stop()
+        # Listed after the stops: a step that was running may have finished (or handed off)
+        # some of them.
+        leftovers = [f for f in self.flights.values() if f.loop in loops]
         if leftovers:
             logger.warning("instance %s left with %d requests; they move", iid, len(leftovers))
             self._spawn(self._move(leftovers, f"instance {iid} was removed from its pool"))

@@ -1,7 +1,10 @@
-"""A client that dies mid-stream (a driver's process, an ingress replica): Ray does not end
-its stream on the SchedulerActor, so the client's keep-alives stopping is what tells; after
-``client_timeout_s`` its requests are aborted and every block is freed, long before they
-would have finished. A real Ray cluster (tests/cluster/conftest)."""
+"""Clients of the batched stream in trouble, on a real Ray cluster (tests/cluster/conftest):
+a client that dies mid-stream (a driver's process, an ingress replica) -- Ray does not end its
+stream on the SchedulerActor, so its keep-alives stopping is what tells: after
+``client_timeout_s`` its requests are aborted and every block is freed, long before they would
+have finished -- while a client that is only busy keeps its requests; a late submit of a
+dropped client fails instead of waiting forever; an id reused right after an abort gets its
+own outputs, not the old request's; a duplicate id is refused without hurting the first."""
 
 from __future__ import annotations
 
@@ -10,7 +13,9 @@ import subprocess
 import sys
 import textwrap
 import time
+from contextlib import aclosing
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -19,7 +24,11 @@ from tests.cluster.control.helpers import BOTH, cluster_config
 
 ray = pytest.importorskip("ray")
 
+from cluster.control.client import ClusterClient  # noqa: E402
 from cluster.control.launch import build_cluster, shutdown_cluster  # noqa: E402
+from scheduler import Request, SamplingParams  # noqa: E402
+
+TIMEOUT_S = 2.0  # the clusters' client_timeout_s
 
 CLIENT = """
 import asyncio, sys, time
@@ -45,7 +54,7 @@ asyncio.run(main())
 def test_a_dead_clients_requests_are_aborted(
     ray_cluster: RayCluster, tiny_model: Path, tmp_path: Path
 ) -> None:
-    config = cluster_config(tiny_model, [BOTH], client_timeout_s=2.0)
+    config = cluster_config(tiny_model, [BOTH], client_timeout_s=TIMEOUT_S)
     handle = build_cluster(config, name="clients", namespace="tandem-tests")
     script = tmp_path / "client.py"
     script.write_text(textwrap.dedent(CLIENT))
@@ -74,3 +83,101 @@ def test_a_dead_clients_requests_are_aborted(
         assert_clean(handle)
     finally:
         shutdown_cluster(handle)
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_cluster: RayCluster, tiny_model: Path) -> Any:
+    config = cluster_config(tiny_model, [BOTH], client_timeout_s=TIMEOUT_S)
+    handle = build_cluster(config, name="troubled-clients", namespace="tandem-tests")
+    yield handle
+    shutdown_cluster(handle)
+
+
+@pytest.fixture
+def client(cluster: Any) -> Any:
+    yield ClusterClient(cluster)
+    ray.get(cluster.set_fault_injection.remote("c-0", 0.0, 0.0))
+    assert_clean(cluster)
+
+
+def _tokens(final: Any) -> list[int]:
+    return list(final.outputs[0].token_ids)
+
+
+async def _final(client: ClusterClient, prompt: list[int], params: Any, rid: str) -> Any:
+    final = None
+    async for out in client.generate_async(prompt, params, request_id=rid):
+        final = out
+    return final
+
+
+def test_a_busy_client_keeps_its_requests(cluster: Any, client: ClusterClient) -> None:
+    """Keep-alives come from a thread: an event loop blocked for longer than
+    client_timeout_s is a busy client, not a dead one."""
+    ray.get(cluster.set_fault_injection.remote("c-0", 0.0, 0.05))
+    params = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)  # about 6 s
+
+    async def run() -> Any:
+        final, blocked = None, False
+        async for out in client.generate_async([5, 6, 7], params, request_id="busy"):
+            if not blocked:
+                time.sleep(2 * TIMEOUT_S)  # the loop sends nothing meanwhile
+                blocked = True
+            final = out
+        return final
+
+    import asyncio
+
+    final = asyncio.run(run())
+    assert final.outputs[0].finish_reason == "length" and len(_tokens(final)) == 120
+
+
+def test_a_dropped_clients_late_submit_fails(cluster: Any, client: ClusterClient) -> None:
+    params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+    ray.get(cluster.submit.remote(Request("first", [5, 6], params), "gone", None, 0))
+    ray.get(cluster.unsubscribe.remote("gone"))  # dropped, as when it timed out
+    assert "first" not in ray.get(cluster.live_request_ids.remote())  # its request ended
+    with pytest.raises(ray.exceptions.RayTaskError, match="was dropped"):
+        ray.get(cluster.submit.remote(Request("late", [5, 6], params), "gone", None, 1))
+    assert "late" not in ray.get(cluster.live_request_ids.remote())
+
+
+def test_an_id_reused_after_an_abort_gets_its_own_outputs(
+    cluster: Any, client: ClusterClient
+) -> None:
+    import asyncio
+
+    long = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    short = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+    async def run() -> tuple[Any, Any]:
+        async with aclosing(client.generate_async([9, 8, 7], long, request_id="y")) as stream:
+            async for out in stream:
+                if out.outputs[0].token_ids:
+                    break  # leaving aborts "y"; its final output is still on its way
+        reused = await _final(client, [4, 5, 6], short, "y")
+        fresh = await _final(client, [4, 5, 6], short, "z")
+        return reused, fresh
+
+    reused, fresh = asyncio.run(run())
+    assert reused.outputs[0].finish_reason == "length"
+    assert _tokens(reused) == _tokens(fresh) and len(_tokens(reused)) == 6
+
+
+def test_a_duplicate_id_is_refused_and_the_first_goes_on(
+    cluster: Any, client: ClusterClient
+) -> None:
+    import asyncio
+
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    ray.get(cluster.set_fault_injection.remote("c-0", 0.0, 0.05))  # the first takes 1.5 s
+
+    async def run() -> Any:
+        first = asyncio.ensure_future(_final(client, [3, 4, 5], params, "dup"))
+        await asyncio.sleep(0.2)  # the first is streaming
+        with pytest.raises(ValueError, match="already in use"):
+            await _final(client, [6, 7], params, "dup")
+        return await first
+
+    final = asyncio.run(asyncio.wait_for(run(), 60))
+    assert final.outputs[0].finish_reason == "length" and len(_tokens(final)) == 30

@@ -238,7 +238,8 @@ def test_an_abort_sent_right_after_submit_reaches_the_request(disagg: Any) -> No
     assert ray.get(disagg.abort.remote("early")) is True
     ray.get(submitted)
     stream = disagg.subscribe.remote("early")
-    (final,) = ray.get(next(stream))  # the abort's output waited for the client
+    ((tag, final),) = ray.get(next(stream))  # the abort's output waited for the client
+    assert tag == "early"  # no submission tag given: the request id
     ray.get(disagg.unsubscribe.remote("early"))
     assert final.request_id == "early" and final.finish_reason is not None
     assert final.finish_reason.value == "abort"

@@ -62,7 +62,8 @@ def test_a_clients_requests_come_one_batch_per_step(tiny_model: Path) -> None:
         done: set[str] = set()
 
         async def consume() -> None:
-            async for batch in actor.subscribe("client-1"):
+            async for tagged in actor.subscribe("client-1"):
+                batch = [out for _, out in tagged]
                 batches.append(batch)
                 done.update(o.request_id for o in batch if o.finished)
                 if len(done) == 8:
@@ -108,7 +109,7 @@ def test_a_refused_request_raises_at_submit(tiny_model: Path) -> None:
         with pytest.raises(ValueError, match="already in use"):
             await actor.submit(Request("a", _prompt(1), GREEDY), "client-2")
         assert actor.abort("a")
-        batch = await actor.subscribe("client-1").__anext__()
+        batch = [out for _, out in await actor.subscribe("client-1").__anext__()]
         assert batch[-1].request_id == "a" and batch[-1].finish_reason is not None
         assert batch[-1].finish_reason.value == "abort"
         await _idle(actor)
@@ -126,13 +127,13 @@ def test_a_client_that_leaves_has_its_requests_aborted(tiny_model: Path) -> None
         for i in range(3):
             await actor.submit(Request(f"l{i}", _prompt(i), LONG), "leaver")
         await actor.submit(Request("other", _prompt(5), GREEDY), "stayer")
-        first = await stream.__anext__()  # tokens are flowing
+        first = [out for _, out in await stream.__anext__()]  # tokens are flowing
         assert first and {o.request_id for o in first} <= {"l0", "l1", "l2"}
         await stream.aclose()  # the client is gone (Ray cancels its stream the same way)
         assert not any(rid.startswith("l") for rid in actor.live_request_ids())
         other: list[EngineCoreOutput] = []  # another client's request is untouched
-        async for batch in actor.subscribe("stayer"):
-            other += batch
+        async for tagged in actor.subscribe("stayer"):
+            other += [out for _, out in tagged]
             if other[-1].finished:
                 break
         assert other[-1].finish_reason is not None and other[-1].finish_reason.value == "length"
@@ -150,9 +151,9 @@ def test_shutdown_ends_the_stream_after_the_last_outputs(tiny_model: Path) -> No
         await actor.start()
         await actor.submit(Request("a", _prompt(0), LONG), "client-1")
         stream = actor.subscribe("client-1")
-        seen = list(await stream.__anext__())
+        seen = [out for _, out in await stream.__anext__()]
         await actor.shutdown()
-        seen += [o async for batch in stream for o in batch]  # ends: no hang
+        seen += [o async for tagged in stream for _, o in tagged]  # ends: no hang
         return seen
 
     seen = asyncio.run(asyncio.wait_for(run(), 60))
