@@ -211,11 +211,8 @@ class ClusterClient(EngineClient):
     async def scale_pool(self, pool: str, replicas: int) -> dict[str, Any]:
         try:
             result: dict[str, Any] = await self.handle.scale_pool.remote(pool, replicas)
-        except ray.exceptions.RayTaskError as exc:
-            inner = getattr(exc, "cause", None)  # ValueError, TimeoutError: say it as is
-            if isinstance(inner, Exception):
-                raise inner from None
-            raise
+        except ray.exceptions.RayTaskError as exc:  # ValueError, TimeoutError: say it as is
+            raise _cause(exc, Exception) from None
         return result
 
     def stats(self) -> dict[str, Any]:
@@ -270,10 +267,7 @@ class Subscription:
             try:
                 await self.handle.submit.remote(request, self.client_id, trace_context, submission)
             except ray.exceptions.RayTaskError as exc:  # refused: nothing runs
-                inner = getattr(exc, "cause", None)
-                if isinstance(inner, ValueError | RuntimeError):
-                    raise inner from None
-                raise
+                raise _cause(exc, ValueError, RuntimeError) from None
             except BaseException:  # cancelled mid-submit: it may have been placed
                 self.handle.abort.remote(rid)
                 raise
@@ -322,6 +316,13 @@ class Subscription:
         while not self._stop.is_set():
             self.handle.keepalive.remote(self.client_id)
             self._stop.wait(KEEPALIVE_S)
+
+
+def _cause(exc: BaseException, *kinds: type[BaseException]) -> BaseException:
+    """The actor's own exception inside a ``RayTaskError`` when it is one of ``kinds`` (so
+    callers see the ``ValueError`` the cluster raised), else the ``RayTaskError`` itself."""
+    inner = getattr(exc, "cause", None)
+    return inner if isinstance(inner, kinds) else exc
 
 
 def _as_list(prompts: str | list[int] | Sequence[str | list[int]]) -> list[str | list[int]]:

@@ -258,15 +258,25 @@ def _down_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     _ray_arguments(p, default_address="auto")
 
 
-def _run_down(args: argparse.Namespace) -> int:
-    from cluster.control.launch import DEFAULT_NAME, get_cluster, init_ray, shutdown_cluster
+def _running_cluster(args: argparse.Namespace, command: str) -> Any:
+    """The handle of the cluster --name at --address, or None (said on stderr)."""
+    from cluster.control.launch import DEFAULT_NAME, get_cluster, init_ray
 
     name = args.name or DEFAULT_NAME
     try:
         init_ray(args.address)
-        handle = get_cluster(name)
+        return get_cluster(name)
     except (ConnectionError, ValueError) as exc:
-        print(f"tandem down: no running cluster {name!r} ({exc})", file=sys.stderr)
+        print(f"tandem {command}: no running cluster {name!r} ({exc})", file=sys.stderr)
+        return None
+
+
+def _run_down(args: argparse.Namespace) -> int:
+    from cluster.control.launch import DEFAULT_NAME, shutdown_cluster
+
+    name = args.name or DEFAULT_NAME
+    handle = _running_cluster(args, "down")
+    if handle is None:
         return 1
     shutdown_cluster(handle)
     print(f"cluster {name!r} stopped")
@@ -276,17 +286,12 @@ def _run_down(args: argparse.Namespace) -> int:
 def _run_scale(args: argparse.Namespace) -> int:
     import ray
 
-    from cluster.control.launch import DEFAULT_NAME, get_cluster, init_ray
-
     pool, sep, count = args.target.partition("=")
     if not sep or not pool or not count.isdigit():
         print(f"tandem scale: expected POOL=N, got {args.target!r}", file=sys.stderr)
         return 2
-    try:
-        init_ray(args.address)
-        handle = get_cluster(args.name or DEFAULT_NAME)
-    except (ConnectionError, ValueError) as exc:
-        print(f"tandem scale: no running cluster ({exc})", file=sys.stderr)
+    handle = _running_cluster(args, "scale")
+    if handle is None:
         return 1
     try:
         result = ray.get(handle.scale_pool.remote(pool, int(count), args.drain_timeout))
