@@ -5,6 +5,7 @@ Built on the ``tokenizers`` library only (no transformers at run time).
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -78,8 +79,29 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return int(self._tok.get_vocab_size(with_added_tokens=True))
 
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters of text one token can stand for: its decoded text or its
+        vocabulary piece, whichever is longer (a piece is at least as long as the text it
+        matches, byte-level or not), times 4 when the tokenizer normalizes its input first
+        (Unicode composition can merge up to about that many characters into one)."""
+        longest = 1
+        for token_id in range(self.vocab_size):
+            text = self._tok.decode([token_id], skip_special_tokens=False)
+            piece = self._tok.id_to_token(token_id) or ""
+            longest = max(longest, len(text), len(piece))
+        return longest * (4 if self._tok.normalizer is not None else 1)
+
+    def max_chars(self, num_tokens: int) -> int:
+        """No text longer than this tokenizes to ``num_tokens`` tokens or fewer: a longer
+        prompt is refused without tokenizing it."""
+        return num_tokens * self.max_token_chars
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids: list[int] = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        # The batch call releases the GIL while it runs (``encode`` holds it: a long prompt
+        # would stall every other thread of the process) and skips the offsets we never use.
+        encoded = self._tok.encode_batch_fast([text], add_special_tokens=add_special_tokens)
+        ids: list[int] = encoded[0].ids
         bos = self.bos_token_id
         if add_special_tokens and self.add_bos_token and bos is not None and ids[:1] != [bos]:
             ids = [bos, *ids]

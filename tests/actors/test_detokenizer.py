@@ -44,3 +44,47 @@ def test_special_tokens_kept_or_skipped(tokenizer: Tokenizer) -> None:
     skipped = IncrementalDetokenizer(tokenizer, skip_special_tokens=True)
     assert "".join(kept.add([i]) for i in ids) == "<|im_start|>user\nhi<|im_end|>"
     assert "".join(skipped.add([i]) for i in ids) == "user\nhi"
+
+
+@pytest.mark.parametrize("text", [*TEXTS, "x" * 5000, "🚀" * 300, "1234567890" * 100])
+def test_no_text_longer_than_the_bound_fits_in_fewer_tokens(
+    tokenizer: Tokenizer, text: str
+) -> None:
+    """The character bound a prompt is refused by before tokenizing never refuses one that
+    fits: every text has at least len(text) / max_token_chars tokens."""
+    assert tokenizer.max_token_chars >= len("<|im_start|>")
+    for add_special in (True, False):
+        num_tokens = len(tokenizer.encode(text, add_special_tokens=add_special))
+        assert len(text) <= tokenizer.max_chars(num_tokens)
+    assert tokenizer.max_chars(10) == 10 * tokenizer.max_token_chars
+
+
+def test_encoding_lets_other_threads_run(tokenizer: Tokenizer) -> None:
+    """A long prompt tokenized on a thread does not hold the GIL: the caller's event loop keeps
+    running meanwhile (one slow request must not delay the others)."""
+    import threading
+    import time
+
+    text = "the quick brown fox jumps over the lazy dog " * 40_000
+    gaps: list[float] = []
+    done = threading.Event()
+
+    def ticker() -> None:
+        last = time.monotonic()
+        while not done.is_set():
+            time.sleep(0.001)
+            now = time.monotonic()
+            gaps.append(now - last)
+            last = now
+
+    thread = threading.Thread(target=ticker)
+    thread.start()
+    start = time.monotonic()
+    ids = tokenizer.encode(text)
+    elapsed = time.monotonic() - start
+    done.set()
+    thread.join()
+    assert len(ids) > 300_000
+    # The ticker woke all along (while a GIL-holding encode lets it wake about once per
+    # elapsed time): its longest wait is a small part of the encoding's time.
+    assert elapsed > 0.1 and max(gaps) < elapsed / 3, (elapsed, max(gaps), len(gaps))
