@@ -254,10 +254,33 @@ class ServeConfig(_Config):
     api_key: SecretStr | None = Field(
         None, description="When set, every /v1 request must carry it as a Bearer token."
     )
+    admin_api_key: SecretStr | None = Field(
+        None,
+        description="When set, the admin routes (runtime LoRA loading, pool scaling) take "
+        "this Bearer token and no other; it must differ from api_key. Unset: they take api_key.",
+    )
     lora_modules: dict[str, str] = Field(
         default_factory=dict,
         description="LoRA adapters served as model names from the start: name -> path "
-        "(needs the lora section). More can be loaded at run time (/v1/load_lora_adapter).",
+        "(needs the lora section). More can be loaded at run time (/v1/load_lora_adapter) "
+        "where allow_runtime_lora_updates is on.",
+    )
+    allow_runtime_lora_updates: bool = Field(
+        False,
+        description="Serve /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING): they make the workers open a path a client "
+        "names, so they are off by default, need lora_adapter_root, and take admin_api_key.",
+    )
+    lora_adapter_root: str | None = Field(
+        None,
+        min_length=1,
+        description="The folder runtime-loaded adapters must lie under (relative lora_path "
+        "values are taken from it); a path that resolves outside it (.., symlinks) is refused.",
+    )
+    allow_runtime_scaling: bool = Field(
+        False,
+        description="Serve /admin/scale_pool (resize a pool while serving; it takes "
+        "admin_api_key). tandem scale works without it.",
     )
     max_waiting_requests: int | None = Field(
         None,
@@ -278,12 +301,37 @@ class ServeConfig(_Config):
     max_ongoing_requests: int = Field(
         1024, ge=1, description="Concurrent requests one ingress replica accepts."
     )
+    max_request_body_bytes: int = Field(
+        8 * 1024 * 1024,
+        ge=1024,
+        description="Largest HTTP request body accepted; a larger one is answered 413 "
+        "before it is read or parsed.",
+    )
+    preprocess_threads: int = Field(
+        2,
+        ge=1,
+        le=64,
+        description="Threads of each ingress replica that tokenize prompts and render chat "
+        "templates, off its event loop.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> ServeConfig:
         for name in self.lora_modules:
             if not name or name == self.served_model_name:
                 raise ValueError(f"serve.lora_modules: {name!r} is not a valid adapter name")
+        if self.allow_runtime_lora_updates and self.lora_adapter_root is None:
+            raise ValueError(
+                "serve.allow_runtime_lora_updates needs serve.lora_adapter_root: the folder "
+                "adapters may be loaded from"
+            )
+        admin, key = self.admin_api_key, self.api_key
+        if (
+            admin is not None
+            and key is not None
+            and admin.get_secret_value() == key.get_secret_value()
+        ):
+            raise ValueError("serve.admin_api_key must differ from serve.api_key")
         return self
 
 
@@ -292,12 +340,18 @@ class ServeConfig(_Config):
 # SchedulerActor's).
 INGRESS_ONLY = (
     "api_key",
+    "admin_api_key",
+    "allow_runtime_lora_updates",
+    "lora_adapter_root",
+    "allow_runtime_scaling",
     "host",
     "port",
     "grpc_port",
     "ingress_replicas",
     "ingress_num_cpus",
     "max_ongoing_requests",
+    "max_request_body_bytes",
+    "preprocess_threads",
 )
 
 

@@ -28,8 +28,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from ray import serve
 
 from cluster.config import ClusterConfig, served_model_name
-from cluster.serving.auth import check_api_key
+from cluster.serving.auth import AdminAccess, check_api_key
 from cluster.serving.errors import APIError
+from cluster.serving.limits import BodyLimit, BodyTooLarge, body_too_large, set_max_body_bytes
 from cluster.serving.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -48,6 +49,13 @@ app = FastAPI(
     description="OpenAI-compatible API of a Tandem cluster (disaggregated prefill/decode).",
     version="0.1.0",
 )
+app.add_middleware(BodyLimit)
+
+
+@app.exception_handler(BodyTooLarge)
+async def _body_too_large(request: HTTPRequest, exc: BodyTooLarge) -> JSONResponse:
+    error = body_too_large(exc.limit)
+    return JSONResponse(error.body(), status_code=413, headers={"connection": "close"})
 
 
 @app.exception_handler(APIError)
@@ -115,6 +123,14 @@ class OpenAIIngress:
         self._api_key = None if key is None else key.get_secret_value()
         self._serving: OpenAIServing | None = None
         self._lock = asyncio.Lock()
+        set_max_body_bytes(config.serve.max_request_body_bytes)
+        self._admin = AdminAccess.from_config(config.serve)
+        if config.serve.allow_runtime_lora_updates:
+            logger.warning(
+                "runtime LoRA updates are on: clients with the admin key can make the workers "
+                "load adapters from below %s (do not use in production)",
+                config.serve.lora_adapter_root,
+            )
 
     async def serving(self) -> OpenAIServing:
         """Connect to the SchedulerActor on first use (it is ready once the app is)."""
@@ -128,11 +144,20 @@ class OpenAIIngress:
                     info = await handle.model_info.remote()
                     client = await asyncio.to_thread(ClusterClient, handle, None, info)
                     tracer = init_tracing(self._config.tracing, "ingress")
-                    self._serving = OpenAIServing(client, self._model_name, tracer)
+                    self._serving = OpenAIServing(
+                        client,
+                        self._model_name,
+                        tracer,
+                        preprocess_threads=self._config.serve.preprocess_threads,
+                        lora_adapter_root=self._config.serve.lora_adapter_root,
+                    )
         return self._serving
 
     def _authorize(self, request: HTTPRequest) -> None:
         check_api_key(self._api_key, request.headers.get("authorization"))
+
+    def _authorize_admin(self, route: str, request: HTTPRequest) -> None:
+        self._admin.check(route, request.headers.get("authorization"))
 
     # -- OpenAI ------------------------------------------------------------------------------
     @app.get("/v1/models")
@@ -156,7 +181,7 @@ class OpenAIIngress:
     async def load_lora_adapter(
         self, body: LoadLoRAAdapterRequest, request: HTTPRequest
     ) -> PlainTextResponse:
-        self._authorize(request)
+        self._authorize_admin("lora", request)
         serving = await self.serving()
         return PlainTextResponse(await serving.load_lora_adapter(body))
 
@@ -164,7 +189,7 @@ class OpenAIIngress:
     async def unload_lora_adapter(
         self, body: UnloadLoRAAdapterRequest, request: HTTPRequest
     ) -> PlainTextResponse:
-        self._authorize(request)
+        self._authorize_admin("lora", request)
         serving = await self.serving()
         return PlainTextResponse(await serving.unload_lora_adapter(body))
 
@@ -189,7 +214,7 @@ class OpenAIIngress:
     @app.post("/admin/scale_pool")
     async def scale_pool(self, body: ScalePoolRequest, request: HTTPRequest) -> JSONResponse:
         """Resize a pool of instances while serving (the removed ones drain first)."""
-        self._authorize(request)
+        self._authorize_admin("scaling", request)
         serving = await self.serving()
         return JSONResponse(await serving.scale_pool(body))
 

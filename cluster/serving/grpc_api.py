@@ -83,7 +83,7 @@ async def generate_stream(
         request = completion_request(message)
         api = await serving()
         lora = await api.resolve(request.model)
-        jobs = api.completion_jobs(request)
+        jobs = await api.completion_jobs(request)
         if len(jobs) != 1:
             raise APIError(400, "one prompt per call")
         job = jobs[0]

@@ -14,7 +14,9 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
+from pathlib import Path
 from typing import Any
 
 from cluster.engine.outputs import RequestOutput
@@ -45,15 +47,35 @@ from scheduler import LoRARequest
 
 class OpenAIServing:
     """Serves ``/v1/models``, completions, chat completions, adapters, health and metrics for
-    one engine (a cluster's ``ClusterClient`` or the in-process ``AsyncLLM``)."""
+    one engine (a cluster's ``ClusterClient`` or the in-process ``AsyncLLM``).
 
-    def __init__(self, engine: EngineClient, served_model_name: str, tracer: Any = None) -> None:
+    Tokenization and chat-template rendering run on ``preprocess_threads`` threads, off the
+    event loop (the tokenizer releases the GIL), so a long prompt never delays another
+    request's first byte; a prompt with more characters than ``max_model_len`` tokens could
+    hold is refused before it is tokenized."""
+
+    def __init__(
+        self,
+        engine: EngineClient,
+        served_model_name: str,
+        tracer: Any = None,
+        preprocess_threads: int = 2,
+        lora_adapter_root: str | None = None,
+    ) -> None:
         self.engine = engine
         self.tracer = tracer  # an OpenTelemetry tracer while tracing is on
         self.tokenizer = engine.tokenizer
         self.model_name = served_model_name
         self.max_model_len = engine.max_model_len
+        self.max_prompt_chars = self.tokenizer.max_chars(self.max_model_len)
         self.created = int(time.time())
+        # Runtime-loaded adapters must lie below it (None: any path -- the in-process engine,
+        # whose caller is trusted; the HTTP app gates the route and always sets one).
+        self.lora_adapter_root = lora_adapter_root
+        self._preprocess = ThreadPoolExecutor(preprocess_threads, "tandem-preprocess")
+
+    async def _off_loop(self, fn: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._preprocess, fn, *args)
 
     # -- models and adapters ----------------------------------------------------------------
     async def models(self) -> dict[str, Any]:
@@ -82,11 +104,29 @@ class OpenAIServing:
             raise api_error(UnknownModelError(model))
         return lora
 
+    def adapter_path(self, lora_path: str) -> str:
+        """The adapter's path, resolved (symlinks followed, relative paths taken from the
+        adapter root); 403 if it lies outside the root."""
+        root = self.lora_adapter_root
+        if root is None:
+            return lora_path
+        base = Path(root).resolve()
+        try:
+            path = (base / lora_path).resolve()
+        except (ValueError, OSError, RuntimeError) as exc:  # a NUL byte, a symlink loop
+            raise APIError(400, f"lora_path is not a usable path: {exc}", "lora_path") from None
+        if not path.is_relative_to(base):
+            raise APIError(
+                403, "lora_path is outside the adapter root (serve.lora_adapter_root)", "lora_path"
+            )
+        return str(path)
+
     async def load_lora_adapter(self, body: LoadLoRAAdapterRequest) -> str:
         if body.lora_name == self.model_name:
             raise APIError(400, "lora_name is the base model's name", param="lora_name")
+        path = self.adapter_path(body.lora_path)
         try:
-            await self.engine.load_lora_adapter(body.lora_name, body.lora_path)
+            await self.engine.load_lora_adapter(body.lora_name, path)
         except Exception as exc:
             raise api_error(exc, param="lora_path") from None
         return f"Success: LoRA adapter '{body.lora_name}' added successfully."
@@ -148,14 +188,31 @@ class OpenAIServing:
             )
         return requested
 
+    def _check_chars(self, num_chars: int, param: str) -> None:
+        if num_chars > self.max_prompt_chars:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"your prompt has {num_chars} characters, more than {self.max_model_len} tokens "
+                f"can hold ({self.max_prompt_chars}).",
+                param=param,
+            )
+
     def _check_ids(self, ids: list[int], param: str) -> None:
         try:
             self.engine.validate_prompt(ids)
         except ValueError as exc:
             raise APIError(400, str(exc), param=param) from None
 
-    def completion_jobs(self, req: CompletionRequest) -> list[Job]:
+    async def completion_jobs(self, req: CompletionRequest) -> list[Job]:
         """One ``Job`` per prompt (tokenized, checked, with its sampling params); 400s."""
+        for prompt in req.prompts():
+            if isinstance(prompt, str):
+                self._check_chars(len(prompt), "prompt")
+        jobs: list[Job] = await self._off_loop(self._completion_jobs, req)
+        return jobs
+
+    def _completion_jobs(self, req: CompletionRequest) -> list[Job]:
         jobs = []
         for i, prompt in enumerate(req.prompts()):
             text: str | None
@@ -170,9 +227,14 @@ class OpenAIServing:
             jobs.append(Job(ids, text, params, i * req.n))
         return jobs
 
-    def chat_job(self, req: ChatCompletionRequest) -> Job:
+    async def chat_job(self, req: ChatCompletionRequest) -> Job:
         """The conversation rendered with the chat template, checked; 400s."""
         messages = [m.as_template_input() for m in req.messages]
+        self._check_chars(sum(len(m["content"]) for m in messages), "messages")
+        job: Job = await self._off_loop(self._chat_job, req, messages)
+        return job
+
+    def _chat_job(self, req: ChatCompletionRequest, messages: list[dict[str, Any]]) -> Job:
         try:
             ids = self.tokenizer.encode_chat(
                 messages,
@@ -226,7 +288,7 @@ class OpenAIServing:
         """``/v1/completions``: the response body, or (``stream``) its SSE chunks."""
         with APISpan(self.tracer, "text_completion", req, trace_headers) as span:
             lora = await self.resolve(req.model)
-            jobs = self.completion_jobs(req)
+            jobs = await self.completion_jobs(req)
             rid = f"cmpl-{uuid.uuid4().hex}"
             outputs = await self.run(rid, jobs, lora, req.priority, span.context)
             if req.stream:
@@ -242,7 +304,7 @@ class OpenAIServing:
         """``/v1/chat/completions``: the response body, or (``stream``) its SSE chunks."""
         with APISpan(self.tracer, "chat", req, trace_headers) as span:
             lora = await self.resolve(req.model)
-            job = self.chat_job(req)
+            job = await self.chat_job(req)
             rid = f"chatcmpl-{uuid.uuid4().hex}"
             outputs = await self.run(rid, [job], lora, req.priority, span.context)
             if req.stream:

@@ -21,6 +21,18 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grpc-port", type=int, default=None, help="gRPC port (default 9000)")
     p.add_argument("--no-grpc", action="store_true", help="serve HTTP only")
     p.add_argument("--api-key", default=None, help="require this Bearer token on /v1 routes")
+    p.add_argument(
+        "--admin-api-key",
+        default=None,
+        help="the admin routes (runtime LoRA loading, pool scaling) take this key, not --api-key",
+    )
+    p.add_argument(
+        "--lora-adapter-root",
+        default=None,
+        metavar="DIR",
+        help="allow runtime LoRA loading (/v1/load_lora_adapter) from below DIR",
+    )
+    p.add_argument("--allow-runtime-scaling", action="store_true", help="serve /admin/scale_pool")
     p.add_argument("--served-model-name", default=None, help="the model's name in the API")
     p.add_argument(
         "--lora-module",
@@ -58,12 +70,19 @@ def serve_config(args: argparse.Namespace) -> Any:
         serve["grpc_port"] = None
     if args.api_key is not None:
         serve["api_key"] = SecretStr(args.api_key)
+    if args.admin_api_key is not None:
+        serve["admin_api_key"] = SecretStr(args.admin_api_key)
+    if args.lora_adapter_root is not None:
+        serve["lora_adapter_root"] = args.lora_adapter_root
+        serve["allow_runtime_lora_updates"] = True
+    if args.allow_runtime_scaling:
+        serve["allow_runtime_scaling"] = True
     for item in args.lora_module:
         name, sep, path = item.partition("=")
         if not sep or not name or not path:
             raise ValueError(f"--lora-module {item!r}: expected NAME=PATH")
         serve["lora_modules"][name] = path
-    if serve["lora_modules"] and data.get("lora") is None:
+    if (serve["lora_modules"] or serve["allow_runtime_lora_updates"]) and data.get("lora") is None:
         data["lora"] = {"max_loras": max(1, len(serve["lora_modules"]))}
     return ClusterConfig.model_validate(data)  # (a python-mode dump keeps the secrets)
 

@@ -141,6 +141,8 @@ def assert_clean(handle: Any, timeout_s: float = 10.0, objects: bool = True) -> 
 
 # -- the Serve app (tests/cluster/test_serve_*.py) ---------------------------------------------
 API_KEY = "tandem-test-key"
+ADMIN_KEY = "tandem-test-admin-key"
+MAX_BODY_BYTES = 256 * 1024
 
 
 @dataclass
@@ -260,8 +262,9 @@ def serve_app(
     ray_cluster: RayCluster, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServeApp]:
     """The Serve app on the test cluster: a tiny model with a chat template, a prefill and a
-    decode instance on their nodes, an API key, adapter "a", a misconfigured adapter
-    "broken" and a bound of 6 waiting requests."""
+    decode instance on their nodes, an API key and an admin key (runtime LoRA loading from
+    below the fixture's folder and pool scaling on), adapter "a", a misconfigured adapter
+    "broken", a bound of 6 waiting requests and a body limit of 256 KiB."""
     import json
 
     from ray import serve
@@ -290,6 +293,11 @@ def serve_app(
             "lora": {"max_loras": 2, "max_lora_rank": 16},
             "serve": {
                 "api_key": API_KEY,
+                "admin_api_key": ADMIN_KEY,
+                "allow_runtime_lora_updates": True,
+                "lora_adapter_root": str(root),
+                "allow_runtime_scaling": True,
+                "max_request_body_bytes": MAX_BODY_BYTES,
                 "lora_modules": {"a": lora, "broken": str(root / "missing-adapter")},
                 "max_waiting_requests": 6,
                 "retry_after_s": 2,

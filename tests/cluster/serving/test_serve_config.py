@@ -47,6 +47,13 @@ def test_flags_override_the_config(tmp_path: Path) -> None:
     assert from_file.serve.port == 8200 and from_file.serve.served_model_name == "m"
     with pytest.raises(ValueError, match="NAME=PATH"):
         serve_config(_args("--lora-module", "nopath"))
+    admin = serve_config(
+        _args("--admin-api-key", "a" * 20, "--lora-adapter-root", "/srv/adapters")
+    ).serve
+    assert admin.admin_api_key is not None and admin.admin_api_key.get_secret_value() == "a" * 20
+    assert admin.allow_runtime_lora_updates and admin.lora_adapter_root == "/srv/adapters"
+    assert not admin.allow_runtime_scaling
+    assert serve_config(_args("--allow-runtime-scaling")).serve.allow_runtime_scaling
 
 
 def test_serve_section_is_validated() -> None:

@@ -10,7 +10,14 @@ from typing import Any
 
 import pytest
 
-from tests.cluster.conftest import API_KEY, ServeApp, assert_clean, wait_until
+from tests.cluster.conftest import (
+    ADMIN_KEY,
+    API_KEY,
+    MAX_BODY_BYTES,
+    ServeApp,
+    assert_clean,
+    wait_until,
+)
 
 requests = pytest.importorskip("requests")
 
@@ -274,11 +281,92 @@ def test_client_leaving_a_whole_response_aborts_it(serve_app: ServeApp) -> None:
         ray.get(scheduler.set_fault_injection.remote("d-0", 0.0, 0.0))
 
 
-def test_the_scale_route_resizes_a_pool_behind_the_api_key(serve_app: ServeApp) -> None:
-    _error(_post(serve_app, "/admin/scale_pool", {"pool": "d", "replicas": 1}, key=None), 401)
-    unknown = _error(_post(serve_app, "/admin/scale_pool", {"pool": "x", "replicas": 2}), 400)
+def test_the_scale_route_resizes_a_pool_behind_the_admin_key(serve_app: ServeApp) -> None:
+    body = {"pool": "d", "replicas": 1}
+    _error(_post(serve_app, "/admin/scale_pool", body, key=None), 401)
+    _error(_post(serve_app, "/admin/scale_pool", body, key=API_KEY), 401)  # inference key
+
+    def admin(body: dict[str, Any]) -> Any:
+        return _post(serve_app, "/admin/scale_pool", body, key=ADMIN_KEY)
+
+    unknown = _error(admin({"pool": "x", "replicas": 2}), 400)
     assert "no pool named 'x'" in unknown["message"] and unknown["param"] == "pool"
-    zero = _error(_post(serve_app, "/admin/scale_pool", {"pool": "d", "replicas": 0}), 400)
+    zero = _error(admin({"pool": "d", "replicas": 0}), 400)
     assert zero["param"] == "replicas"
-    same = _post(serve_app, "/admin/scale_pool", {"pool": "d", "replicas": 1})
+    same = admin(body)
     assert same.status_code == 200 and same.json() == {"pool": "d", "instances": ["d-0"]}
+
+
+def test_runtime_adapters_load_only_with_the_admin_key_from_below_the_root(
+    serve_app: ServeApp,
+) -> None:
+    root = serve_app.model_dir.parent  # the fixture's adapter root
+    outside = root.parent / f"{root.name}-outside"
+    outside.mkdir(exist_ok=True)
+    (root / "escape").unlink(missing_ok=True)
+    (root / "escape").symlink_to(outside)
+
+    def load(path: str, key: str | None = ADMIN_KEY) -> Any:
+        body = {"lora_name": "z", "lora_path": path}
+        return _post(serve_app, "/v1/load_lora_adapter", body, key=key)
+
+    _error(load(serve_app.spare_lora_path, key=None), 401)
+    _error(load(serve_app.spare_lora_path, key=API_KEY), 401)  # the inference key is not enough
+    for path in ("/etc", str(outside), "../" + outside.name, "b/../../" + outside.name, "escape"):
+        error = _error(load(path), 403)
+        assert error["param"] == "lora_path" and "adapter root" in error["message"], path
+    _error(_post(serve_app, "/v1/unload_lora_adapter", {"lora_name": "a"}, key=API_KEY), 401)
+    names = [
+        m["id"]
+        for m in requests.get(
+            f"{serve_app.url}/v1/models", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30
+        ).json()["data"]
+    ]
+    assert "z" not in names and "a" in names
+
+
+def test_a_body_over_the_limit_is_413_before_it_is_read(serve_app: ServeApp) -> None:
+    headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+    big = {"model": serve_app.model, "prompt": "x" * MAX_BODY_BYTES}
+    error = _error(_post(serve_app, "/v1/completions", big), 413)
+    assert str(MAX_BODY_BYTES) in error["message"]
+
+    def chunks() -> Any:  # no Content-Length: the limit is found while reading
+        yield b'{"model": "' + serve_app.model.encode() + b'", "prompt": "'
+        for _ in range(MAX_BODY_BYTES // 16384 + 1):
+            yield b"y" * 16384
+        yield b'"}'
+
+    url = f"{serve_app.url}/v1/chat/completions"
+    _error(requests.post(url, data=chunks(), headers=headers, timeout=60), 413)
+    ok = {"model": serve_app.model, "prompt": "x" * (MAX_BODY_BYTES // 2), "max_tokens": 1}
+    assert "context length" in _error(_post(serve_app, "/v1/completions", ok), 400)["message"]
+
+
+def test_a_huge_prompt_does_not_delay_a_small_request(serve_app: ServeApp) -> None:
+    """A body just under the limit holding a prompt far longer than the context: refused by
+    its length in characters, without tokenizing it, and never on the event loop that
+    serves the other requests (the bound is generous: a margin, not a speed target)."""
+    small = {"model": serve_app.model, "prompt": PROMPT, "max_tokens": 2}
+
+    def timed() -> float:
+        start = time.monotonic()
+        assert _post(serve_app, "/v1/completions", small).status_code == 200
+        return time.monotonic() - start
+
+    idle = min(timed() for _ in range(3))
+    huge = {"model": serve_app.model, "prompt": "word " * (MAX_BODY_BYTES // 5 - 20)}
+    statuses: list[int] = []
+
+    def flood() -> None:
+        for _ in range(6):
+            statuses.append(_post(serve_app, "/v1/completions", huge).status_code)
+
+    threads = [threading.Thread(target=flood) for _ in range(2)]
+    for t in threads:
+        t.start()
+    loaded = [timed() for _ in range(4)]
+    for t in threads:
+        t.join()
+    assert statuses == [400] * 12
+    assert max(loaded) < 2 * idle + 1.0, (idle, loaded)

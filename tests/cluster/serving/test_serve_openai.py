@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from tests.cluster.conftest import ServeApp, assert_clean
+from tests.cluster.conftest import ADMIN_KEY, ServeApp, assert_clean
 
 openai = pytest.importorskip("openai")
 
@@ -308,12 +308,12 @@ def test_load_and_unload_lora_adapters_at_run_time(serve_app: ServeApp) -> None:
 
     client = serve_app.openai()
     with requests.Session() as http:
-        http.headers["Authorization"] = "Bearer tandem-test-key"
+        http.headers["Authorization"] = f"Bearer {ADMIN_KEY}"
 
         def post(path: str, body: dict[str, str]) -> Any:
             return http.post(f"{serve_app.url}{path}", json=body, timeout=60)
 
-        r = post("/v1/load_lora_adapter", {"lora_name": "b", "lora_path": "/nope"})
+        r = post("/v1/load_lora_adapter", {"lora_name": "b", "lora_path": "nope"})
         assert r.status_code == 400 and "lora_path" in r.json()["error"]["message"]
         r = post(
             "/v1/load_lora_adapter", {"lora_name": "b", "lora_path": serve_app.spare_lora_path}
@@ -323,7 +323,7 @@ def test_load_and_unload_lora_adapters_at_run_time(serve_app: ServeApp) -> None:
         b = client.completions.create(model="b", prompt=PROMPT, **GREEDY)
         a = client.completions.create(model="a", prompt=PROMPT, **GREEDY)
         assert b.choices[0].text != a.choices[0].text
-        r = post("/v1/load_lora_adapter", {"lora_name": "b", "lora_path": "/x"})
+        r = post("/v1/load_lora_adapter", {"lora_name": "b", "lora_path": "x"})
         assert r.status_code == 400 and "already" in r.json()["error"]["message"]
         assert post("/v1/unload_lora_adapter", {"lora_name": "b"}).status_code == 200
         assert post("/v1/unload_lora_adapter", {"lora_name": "b"}).status_code == 404

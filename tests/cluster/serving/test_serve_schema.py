@@ -25,7 +25,9 @@ away from, and why:
   ("a", "broken", or one another test loaded) is renamed, or the fuzzing would unload it from
   under the other tests. Every other name must give 404 (or 400 for an invalid body).
 * ``/v1/load_lora_adapter`` stays as generated: a random ``lora_path`` is no adapter, so every
-  request must give 400 (and nothing is added).
+  request must give 400, or 403 for a path outside the adapter root (and nothing is added).
+* The admin routes (adapters, scaling) are called with the admin key, the others with the API
+  key.
 * ``/admin/scale_pool``: a generated ``pool`` that names one of the app's pools is renamed, or
   the fuzzing would start and stop workers under the other tests; every request must give 400
   (an unknown pool, or an invalid body).
@@ -48,11 +50,13 @@ from schemathesis.checks import not_a_server_error  # noqa: E402
 from schemathesis.config import SchemathesisConfig  # noqa: E402
 from schemathesis.generation.modes import GenerationMode  # noqa: E402
 
-from tests.cluster.conftest import API_KEY, ServeApp, assert_clean  # noqa: E402
+from tests.cluster.conftest import ADMIN_KEY, API_KEY, ServeApp, assert_clean  # noqa: E402
 
 MAX_EXAMPLES = 12
 TIMEOUT_S = 30.0
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
+ADMIN_AUTH = {"Authorization": f"Bearer {ADMIN_KEY}"}
+ADMIN_ROUTES = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/admin/scale_pool")
 BROKEN = "broken"  # the fixture's misconfigured adapter: 500 by design
 POOLS = ("p", "d")  # the fixture's pools: never resized by the fuzzing
 
@@ -61,7 +65,7 @@ ROUTES: dict[str, set[int]] = {
     "GET /v1/models": {200},
     "POST /v1/completions": {200, 400, 404, 429},
     "POST /v1/chat/completions": {200, 400, 404, 429},
-    "POST /v1/load_lora_adapter": {400},
+    "POST /v1/load_lora_adapter": {400, 403},
     "POST /v1/unload_lora_adapter": {400, 404},
     "GET /health": {200},
     "GET /metrics": {200},
@@ -123,15 +127,16 @@ def _stream_errors(response: Any) -> list[dict[str, Any]]:
 
 def _send(case: Any, label: str, seen: dict[str, set[int]]) -> None:
     """One request: no 5xx (but for "broken"), no hang, a status the route may answer."""
+    auth = ADMIN_AUTH if label.partition(" ")[2] in ADMIN_ROUTES else AUTH
     start = time.monotonic()
     try:
-        response = case.call(headers=AUTH, timeout=TIMEOUT_S)
+        response = case.call(headers=auth, timeout=TIMEOUT_S)
     except requests.Timeout:
-        pytest.fail(f"no answer in {TIMEOUT_S}s:\n{case.as_curl_command(headers=AUTH)}")
+        pytest.fail(f"no answer in {TIMEOUT_S}s:\n{case.as_curl_command(headers=auth)}")
     elapsed = time.monotonic() - start
     status = response.status_code
     seen.setdefault(label, set()).add(status)
-    repro = f"{case.as_curl_command(headers=AUTH)}\n-> {status} {response.content[:2000]!r}"
+    repro = f"{case.as_curl_command(headers=auth)}\n-> {status} {response.content[:2000]!r}"
     assert elapsed < TIMEOUT_S and not response.stream_cut_short, f"{elapsed:.1f}s: {repro}"
     body = case.body if isinstance(case.body, dict) else {}
     if body.get("model") == BROKEN:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -122,6 +123,71 @@ def test_errors_are_openai_errors(serving: OpenAIServing) -> None:
             )
         )
     assert vocab_error.value.status == 400 and "vocabulary" in vocab_error.value.message
+
+
+def test_a_prompt_longer_than_any_tokenization_is_refused_before_tokenizing(
+    serving: OpenAIServing, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    limit = serving.max_prompt_chars
+    assert limit == serving.max_model_len * serving.tokenizer.max_token_chars
+    tokenized: list[str] = []
+    encode = serving.tokenizer.encode
+
+    def spy(text: str, *args: Any, **kwargs: Any) -> list[int]:
+        tokenized.append(text)
+        return encode(text, *args, **kwargs)
+
+    monkeypatch.setattr(serving.tokenizer, "encode", spy)
+    body = {"model": "tiny-chat", "prompt": ["ok", "x" * (limit + 1)]}
+    with pytest.raises(APIError) as refused:
+        _run(serving.completion(CompletionRequest.model_validate(body)))
+    assert refused.value.status == 400 and refused.value.param == "prompt"
+    assert f"{limit + 1} characters" in refused.value.message
+    half = "y" * (limit // 2 + 1)
+    chat = ChatCompletionRequest.model_validate(
+        {"model": "tiny-chat", "messages": [{"role": "user", "content": half}] * 2}
+    )
+    with pytest.raises(APIError) as refused:
+        _run(serving.chat(chat))
+    assert refused.value.status == 400 and refused.value.param == "messages"
+    assert tokenized == []  # neither reached the tokenizer
+    fits = CompletionRequest.model_validate({"model": "tiny-chat", "prompt": "hi", "max_tokens": 1})
+    _run(serving.completion(fits))
+    assert tokenized == ["hi"]  # the spy sees what is tokenized
+
+
+def test_prompts_are_tokenized_off_the_event_loop(serving: OpenAIServing) -> None:
+    """A prompt that takes long to tokenize (here: the character bound lifted, so it is
+    tokenized before the context check refuses it) leaves the event loop free meanwhile."""
+    serving.max_prompt_chars = 10**9
+    req = CompletionRequest.model_validate(
+        {"model": "tiny-chat", "prompt": "the quick brown fox jumps " * 60_000}
+    )
+
+    async def run() -> tuple[float, float]:
+        gaps: list[float] = []
+        stop = asyncio.Event()
+
+        async def tick() -> None:
+            last = time.monotonic()
+            while not stop.is_set():
+                await asyncio.sleep(0.002)
+                now = time.monotonic()
+                gaps.append(now - last)
+                last = now
+
+        ticker = asyncio.ensure_future(tick())
+        start = time.monotonic()
+        with pytest.raises(APIError) as refused:
+            await serving.completion(req)
+        elapsed = time.monotonic() - start
+        stop.set()
+        await ticker
+        assert refused.value.status == 400 and str(serving.max_model_len) in refused.value.message
+        return elapsed, max(gaps)
+
+    elapsed, longest_gap = _run(run())
+    assert elapsed > 0.1 and longest_gap < elapsed / 3, (elapsed, longest_gap)
 
 
 def test_a_stream_left_early_aborts_its_request(serving: OpenAIServing, engine: AsyncLLM) -> None:
