@@ -213,6 +213,33 @@ def test_restarted_worker_rejoins_with_an_empty_cache(
         shutdown_cluster(handle)
 
 
+def test_an_instance_killed_again_and_again_rejoins_every_time(
+    ray_cluster: RayCluster, tiny_model: Path
+) -> None:
+    """Each failure of the same instance is handled, however many there were before: the
+    failure mark is on the loop itself (a mark by ``id(loop)`` was reused by a later loop once
+    an old one was collected, and that failure was then ignored: the instance stayed out)."""
+    kills = 5
+    decode = {**DECODE, "max_restarts": kills}
+    handle = _build(tiny_model, "fault-again", [PREFILL, decode])
+    try:
+        prompts = _prompts(2, seed=5)
+        undisturbed = [tokens for tokens, _ in _run_all(handle, prompts)]
+        for k in range(1, kills + 1):
+            _kill(handle, "d-0")
+
+            def rejoined(k: int = k) -> bool:
+                events = [(f["instance_id"], f["event"]) for f in _stats(handle)["failures"]]
+                return events == [("d-0", "failed"), ("d-0", "rejoined")] * k
+
+            wait_until(rejoined, 60, f"d-0 to fail and rejoin (kill {k})")
+        assert _stats(handle)["instances"]["d-0"]["alive"]
+        assert [tokens for tokens, _ in _run_all(handle, prompts)] == undisturbed
+        assert_clean(handle)
+    finally:
+        shutdown_cluster(handle)
+
+
 def test_hung_decode_worker_times_out_and_its_requests_move(
     ray_cluster: RayCluster, tiny_model: Path
 ) -> None:
