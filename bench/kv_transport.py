@@ -1,4 +1,5 @@
-"""KV transport bandwidth: ``grpc`` vs ``ray`` vs memcpy, for the built-in model's KV layout.
+"""KV transport bandwidth: ``grpc`` (plaintext and mutual TLS) vs ``ray`` vs memcpy, for the
+built-in model's KV layout.
 
 SmolLM2's cache (30 layers, 3 KV heads, head_dim 64, bfloat16, blocks of 16 tokens: 360 KiB per
 block, 22.5 KiB per token), random, in two ``KVEndpoint`` actors (a worker's connector and cache,
@@ -38,7 +39,7 @@ from typing import Any
 from bench.pd_common import memcpy_bandwidth, ray_cluster
 
 NUM_LAYERS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 30, 3, 64, 16  # SmolLM2-135M
-TRANSPORTS = ("grpc", "ray")
+TRANSPORTS = ("grpc", "grpc-tls", "ray")  # grpc-tls: grpc with kv_transfer.tls (mutual TLS)
 PLACEMENTS = {"same-node": "prefill", "cross-node": "decode"}  # -> the destination's resource
 
 
@@ -139,7 +140,9 @@ def run_pair(
                 dst.digest.remote(dst_ids)
             ):
                 raise RuntimeError(f"{req_id}: the destination's blocks differ from the source's")
-            if transport == "grpc":  # the pull ended the lease: the source frees the blocks
+            if transport.startswith(
+                "grpc"
+            ):  # the pull ended the lease: the source frees the blocks
                 sent = ray.get(src.finished_sending.remote())
                 if req_id not in sent:
                     raise RuntimeError(f"{req_id}: the lease did not end with the pull")
@@ -166,17 +169,19 @@ def run_all(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, s
     endpoint = ray.remote(num_cpus=0)(KVEndpoint)
     num_blocks = 2 * _blocks(max(args.prompt_tokens)) + 8
     kv = KVTransferConfig(transport="grpc", chunk_size_bytes=args.chunk_size_bytes)
-    options = {"grpc": kv.connector_options(), "ray": {}}
+    tls = KVTransferConfig(transport="grpc", chunk_size_bytes=args.chunk_size_bytes, tls=True)
+    options = {"grpc": kv.connector_options(), "grpc-tls": tls.connector_options(), "ray": {}}
     per_block = NUM_LAYERS * 2 * BLOCK_SIZE * KV_HEADS * HEAD_DIM * 2
     results: list[dict[str, Any]] = []
     where: dict[str, str] = {}
     for placement, dst_resource in PLACEMENTS.items():
         for transport in TRANSPORTS:
+            kind = transport.removesuffix("-tls")
             src = endpoint.options(resources={"prefill": 0.01}).remote(
-                transport, options[transport], num_blocks, 0
+                kind, options[transport], num_blocks, 0
             )
             dst = endpoint.options(resources={dst_resource: 0.01}).remote(
-                transport, options[transport], num_blocks, 1
+                kind, options[transport], num_blocks, 1
             )
             nodes = ray.get([src.node_id.remote(), dst.node_id.remote()])
             where[placement] = "one node" if nodes[0] == nodes[1] else "two nodes"
@@ -189,7 +194,7 @@ def run_all(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, s
             start = time.perf_counter()
             rows = run_pair(args, transport, src, dst, f"{placement}-{transport}")
             seconds = time.perf_counter() - start
-            print(f"{placement:10s} {transport:4s} {seconds:6.1f} s", flush=True)
+            print(f"{placement:10s} {transport:8s} {seconds:6.1f} s", flush=True)
             for tokens, samples in rows.items():
                 results.append(
                     {"placement": placement, "transport": transport, "tokens": tokens}

@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
+from kv_transfer.tls import TLSMaterial
 from kv_transfer.tracing import TracingConfig
 from scheduler import CacheConfig, LoRAConfig, SchedulerConfig
 
@@ -190,6 +191,23 @@ class KVTransferConfig(_Config):
     chunk_size_bytes: int = Field(
         1 << 20, ge=4096, le=64 << 20, description="grpc: the largest data message of a pull."
     )
+    tls: bool = Field(
+        False,
+        description="grpc: mutual TLS between workers (KV bytes and the token encrypted; only "
+        "peers with a certificate of the cluster's CA connect). With no files below, a CA and "
+        "a certificate are made for the cluster when the config is built.",
+    )
+    tls_ca_file: str | None = Field(None, min_length=1, description="grpc: the CA (PEM).")
+    tls_cert_file: str | None = Field(
+        None, min_length=1, description="grpc: every worker's certificate (PEM), signed by the CA."
+    )
+    tls_key_file: str | None = Field(None, min_length=1, description="grpc: its key (PEM).")
+    tls_server_name: str = Field(
+        "tandem-kv",
+        min_length=1,
+        description="grpc: the DNS name in the certificate that clients check servers against "
+        "(workers are reached by address; one name stands for all of them).",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> KVTransferConfig:
@@ -200,10 +218,37 @@ class KVTransferConfig(_Config):
             raise ValueError(
                 "kv_transfer.auth_token is a masked secret (from a dump): set the real one"
             )
+        files = (self.tls_ca_file, self.tls_cert_file, self.tls_key_file)
+        if any(f is not None for f in files) and None in files:
+            raise ValueError(
+                "kv_transfer.tls_ca_file, tls_cert_file and tls_key_file go together (or none: "
+                "a CA and certificate are made for the cluster)"
+            )
+        if any(f is not None for f in files) and not self.tls:
+            raise ValueError("kv_transfer.tls_* files are set but kv_transfer.tls is false")
+        if self.tls and self.transport != "grpc":
+            raise ValueError(
+                "kv_transfer.tls is for the grpc transport; the ray transport rides Ray's own "
+                "channels (encrypted only with Ray's TLS: RAY_USE_TLS=1)"
+            )
         return self
 
     def model_post_init(self, context: Any, /) -> None:
         _ = self.cluster_token  # made now, so that every copy of this config carries it
+        if self.tls and self.tls_ca_file is None:
+            _ = self.cluster_tls  # likewise the generated CA and certificate
+
+    @cached_property
+    def cluster_tls(self) -> TLSMaterial | None:
+        """The TLS material of the grpc transport (None without ``tls``): read from the files,
+        or made for this config when it was built (kept in the instance, like the token)."""
+        if not self.tls:
+            return None
+        if self.tls_ca_file is not None and self.tls_cert_file and self.tls_key_file:
+            return TLSMaterial.from_files(
+                self.tls_ca_file, self.tls_cert_file, self.tls_key_file, self.tls_server_name
+            )
+        return TLSMaterial.generate(self.tls_server_name)
 
     @cached_property
     def cluster_token(self) -> SecretStr:
@@ -228,6 +273,7 @@ class KVTransferConfig(_Config):
             "bind_host": self.bind_host,
             "advertise_host": self.advertise_host,
             "chunk_size_bytes": self.chunk_size_bytes,
+            "tls": self.cluster_tls,
         }
 
 
@@ -290,6 +336,15 @@ class ServeConfig(_Config):
     )
     retry_after_s: int = Field(1, ge=1, le=3600, description="Retry-After of a 429.")
     host: str = Field("127.0.0.1", min_length=1, description="HTTP bind address (tandem serve).")
+    ssl_keyfile: str | None = Field(
+        None,
+        min_length=1,
+        description="HTTPS: the server's private key (PEM), with ssl_certfile (tandem serve; a "
+        "Serve config file sets http_options.ssl_keyfile itself).",
+    )
+    ssl_certfile: str | None = Field(
+        None, min_length=1, description="HTTPS: the server's certificate chain (PEM)."
+    )
     port: int = Field(8000, ge=1, le=65535, description="HTTP port (tandem serve).")
     grpc_port: int | None = Field(
         9000, ge=1, le=65535, description="gRPC port of tandem.v1.Generate (null: no gRPC)."
@@ -325,6 +380,8 @@ class ServeConfig(_Config):
                 "serve.allow_runtime_lora_updates needs serve.lora_adapter_root: the folder "
                 "adapters may be loaded from"
             )
+        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
+            raise ValueError("serve.ssl_keyfile and serve.ssl_certfile go together")
         admin, key = self.admin_api_key, self.api_key
         if (
             admin is not None
@@ -345,6 +402,8 @@ INGRESS_ONLY = (
     "lora_adapter_root",
     "allow_runtime_scaling",
     "host",
+    "ssl_keyfile",
+    "ssl_certfile",
     "port",
     "grpc_port",
     "ingress_replicas",

@@ -22,8 +22,11 @@ decoded by hand (``_frame``, ``_unframe``: protobuf's copies cost more than the 
 machine), yet they are ordinary ``PullChunk`` messages that any client of the proto can read.
 
 Every call carries the cluster token (``KVTransferConfig.auth_token``) in its metadata; the
-server refuses a missing or wrong one with UNAUTHENTICATED, before reading anything. A source
-that is gone fails the pull at once (UNAVAILABLE: the call does not wait for the server).
+server refuses a missing or wrong one with UNAUTHENTICATED, before reading anything. With
+``tls`` (``kv_transfer.tls``), servers and clients speak mutual TLS with the cluster's
+certificate (``kv_transfer/tls.py``): the KV bytes and the token are encrypted, and a peer
+without a certificate of the cluster's CA cannot connect at all. A source that is gone fails
+the pull at once (UNAVAILABLE: the call does not wait for the server).
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ import torch
 from kv_transfer.base import WorkerConnector
 from kv_transfer.blocks import KVPayload
 from kv_transfer.leases import Lease, LeaseTable
+from kv_transfer.tls import TLSMaterial
 
 try:
     from kv_transfer.proto import kv_transfer_pb2 as pb
@@ -120,6 +124,7 @@ class GrpcWorkerConnector(WorkerConnector):
     saved blocks wait for their pull. ``bind_host``: the address the KV server binds (port
     chosen by the system); ``advertise_host``: the one handles name, by default ``bind_host``
     or, for a wildcard, this machine's address. ``chunk_size_bytes``: the largest data message.
+    ``tls``: the cluster's TLS material (mutual TLS on every pull), or None for plaintext.
     """
 
     transport: ClassVar[str] = "grpc"
@@ -137,6 +142,7 @@ class GrpcWorkerConnector(WorkerConnector):
         chunk_size_bytes: int = 1 << 20,
         max_parallel_loads: int = 4,
         server_threads: int = 8,
+        tls: TLSMaterial | None = None,
     ) -> None:
         super().__init__(max_parallel_loads)
         token = auth_token if isinstance(auth_token, str) else auth_token.get_secret_value()
@@ -150,6 +156,7 @@ class GrpcWorkerConnector(WorkerConnector):
         self.advertise_host = advertise_host
         self.chunk_size_bytes = chunk_size_bytes
         self.server_threads = server_threads
+        self.tls = tls
         self.leases = LeaseTable()
         self.address: str | None = None  # host:port of the KV server, once started
         self._server: Any = None
@@ -179,14 +186,23 @@ class GrpcWorkerConnector(WorkerConnector):
         server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(_SERVICE, {"Pull": pull}),)
         )
-        port = server.add_insecure_port(_join(self.bind_host, 0))
+        bind = _join(self.bind_host, 0)
+        if self.tls is None:
+            port = server.add_insecure_port(bind)
+        else:
+            port = server.add_secure_port(bind, self.tls.server_credentials())
         server.start()
         self._server = server
         host = self.advertise_host or self.bind_host
         if host in _WILDCARD_HOSTS:
             host = socket.gethostbyname(socket.gethostname())
         self.address = _join(host, port)
-        logger.info("KV server on %s, advertised as %s", self.bind_host, self.address)
+        logger.info(
+            "KV server on %s (%s), advertised as %s",
+            self.bind_host,
+            "plaintext" if self.tls is None else "mutual TLS",
+            self.address,
+        )
 
     def close(self) -> None:
         """Stop the KV server (pulls in progress are cancelled) and drop the channels."""
@@ -297,9 +313,13 @@ class GrpcWorkerConnector(WorkerConnector):
             channel = self._channels.get(address)
             if channel is None:
                 limit = max(self.chunk_size_bytes, 4 << 20) + (64 << 10)
-                channel = grpc.insecure_channel(
-                    address, options=[("grpc.max_receive_message_length", limit)]
-                )
+                options: list[tuple[str, Any]] = [("grpc.max_receive_message_length", limit)]
+                if self.tls is None:
+                    channel = grpc.insecure_channel(address, options=options)
+                else:
+                    options.append(("grpc.ssl_target_name_override", self.tls.server_name))
+                    credentials = self.tls.channel_credentials()
+                    channel = grpc.secure_channel(address, credentials, options=options)
                 self._channels[address] = channel
         # Responses arrive encoded: ``_receive`` decodes them.
         return channel.unary_stream(

@@ -18,6 +18,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", nargs="?", default=None, help="a ClusterConfig YAML file")
     p.add_argument("--host", default=None, help="HTTP bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="HTTP port (default 8000)")
+    p.add_argument("--ssl-keyfile", default=None, help="serve HTTPS: the key (PEM)")
+    p.add_argument("--ssl-certfile", default=None, help="serve HTTPS: the certificate (PEM)")
     p.add_argument("--grpc-port", type=int, default=None, help="gRPC port (default 9000)")
     p.add_argument("--no-grpc", action="store_true", help="serve HTTP only")
     p.add_argument("--api-key", default=None, help="require this Bearer token on /v1 routes")
@@ -62,7 +64,15 @@ def serve_config(args: argparse.Namespace) -> Any:
     config = ClusterConfig.from_yaml(args.config) if args.config else default_cluster_config()
     data = config.model_dump(exclude_unset=False)
     serve = data["serve"]
-    for key in ("host", "port", "grpc_port", "served_model_name", "max_waiting_requests"):
+    for key in (
+        "host",
+        "port",
+        "grpc_port",
+        "served_model_name",
+        "max_waiting_requests",
+        "ssl_keyfile",
+        "ssl_certfile",
+    ):
         value = getattr(args, key)
         if value is not None:
             serve[key] = value
@@ -91,7 +101,7 @@ def start_serve(config: Any, *, address: str | None = None, **ray_options: Any) 
     """Start Ray (local unless ``address``), Serve's proxies and the app; returns the base URL
     once the cluster is ready."""
     from ray import serve
-    from ray.serve.config import HTTPOptions, gRPCOptions
+    from ray.serve.config import gRPCOptions
 
     from cluster.control.launch import init_ray, local_node_resources
     from cluster.serving.app import GRPC_SERVICER, build_app_from_config
@@ -104,13 +114,21 @@ def start_serve(config: Any, *, address: str | None = None, **ray_options: Any) 
     grpc = None
     if s.grpc_port is not None:
         grpc = gRPCOptions(port=s.grpc_port, grpc_servicer_functions=[GRPC_SERVICER])
-    serve.start(
-        proxy_location="HeadOnly",
-        http_options=HTTPOptions(host=s.host, port=s.port),
-        grpc_options=grpc,
-    )
+    serve.start(proxy_location="HeadOnly", http_options=http_options(s), grpc_options=grpc)
     serve.run(build_app_from_config(config), name=APP_NAME, route_prefix="/")
-    return f"http://{s.host}:{s.port}"
+    scheme = "http" if s.ssl_certfile is None else "https"
+    return f"{scheme}://{s.host}:{s.port}"
+
+
+def http_options(serve: Any) -> Any:
+    """Serve's HTTP options for a ``ServeConfig``: host, port and, with a key and a
+    certificate, HTTPS (the proxy's uvicorn terminates TLS)."""
+    from ray.serve.config import HTTPOptions
+
+    tls = {}
+    if serve.ssl_certfile is not None:
+        tls = {"ssl_keyfile": serve.ssl_keyfile, "ssl_certfile": serve.ssl_certfile}
+    return HTTPOptions(host=serve.host, port=serve.port, **tls)
 
 
 def run_serve(args: argparse.Namespace) -> int:

@@ -128,6 +128,7 @@ def test_grpc_options_reach_the_connector() -> None:
         "bind_host": "0.0.0.0",
         "advertise_host": "kv-node-1",
         "chunk_size_bytes": 65536,
+        "tls": None,
     }
     assert (
         ClusterConfig.from_yaml("kv_transfer: {transport: ray}").kv_transfer.connector_options()

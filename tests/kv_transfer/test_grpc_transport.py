@@ -27,6 +27,7 @@ from kv_transfer.leases import LeaseTable
 from kv_transfer.proto import kv_transfer_pb2 as pb
 from kv_transfer.proto import kv_transfer_pb2_grpc as pb_grpc
 from kv_transfer.registry import create_worker_connector
+from kv_transfer.tls import TLSMaterial
 
 NUM_LAYERS, BLOCK, KV_HEADS, HEAD_DIM = 4, 4, 2, 8
 TOKEN = "test-token-0123456789abcdef"
@@ -277,6 +278,93 @@ def test_a_missing_token_is_refused(
             list(call)
     assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
     assert len(src.leases) == 1
+
+
+# -- mutual TLS ----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tls() -> TLSMaterial:
+    return TLSMaterial.generate()
+
+
+def test_pulls_over_mutual_tls_land_bit_for_bit(
+    make: Callable[..., GrpcWorkerConnector], tls: TLSMaterial
+) -> None:
+    src = make(tls=tls)
+    dst = make(num_blocks=12, seed=1, tls=tls)
+    assert _load(dst, _save(src)) == ({"r"}, None)
+    assert _same_blocks(dst, src, range(NUM_LAYERS))
+
+
+def test_a_plaintext_client_cannot_reach_a_tls_server(
+    make: Callable[..., GrpcWorkerConnector], tls: TLSMaterial
+) -> None:
+    src = make(tls=tls)
+    dst = make(num_blocks=12, seed=1)  # the right token, no TLS
+    handle = _save(src)
+    before = _snapshot(dst)
+    assert _load(dst, handle) == (None, {"r"})
+    assert _unchanged(dst, before) and len(src.leases) == 1
+
+
+def test_a_certificate_of_another_ca_is_refused_both_ways(
+    make: Callable[..., GrpcWorkerConnector], tls: TLSMaterial
+) -> None:
+    """Another cluster's certificate (its own CA): the server refuses the client's, the client
+    refuses the server's. Nothing is read or written either way."""
+    other = TLSMaterial.generate()
+    src = make(tls=tls)
+    dst = make(num_blocks=12, seed=1, tls=other)
+    handle = _save(src)
+    before = _snapshot(dst)
+    assert _load(dst, handle) == (None, {"r"})
+    assert _unchanged(dst, before) and len(src.leases) == 1
+    with pytest.raises(ConnectionError, match="UNAVAILABLE"):
+        dst._fetch(handle[0].handle, range(NUM_LAYERS), 5.0)
+    # Our CA, but no client certificate: the server asks for one and gets none.
+    lease = handle[0].handle
+    request = pb.PullRequest(lease_id=lease.lease_id, first_layer=0, last_layer=NUM_LAYERS)
+    credentials = grpc.ssl_channel_credentials(root_certificates=tls.ca)
+    options = (("grpc.ssl_target_name_override", tls.server_name),)
+    with grpc.secure_channel(lease.address, credentials, options=options) as channel:
+        call = pb_grpc.KVTransferStub(channel).Pull(
+            request, timeout=5.0, metadata=((TOKEN_METADATA_KEY, TOKEN),)
+        )
+        with pytest.raises(grpc.RpcError) as info:
+            list(call)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert len(src.leases) == 1
+
+
+def test_the_config_makes_one_cluster_identity_or_reads_it_from_files(tmp_path: Any) -> None:
+    from cluster.config import KVTransferConfig
+
+    made = KVTransferConfig(transport="grpc", tls=True)
+    tls = made.connector_options()["tls"]
+    assert isinstance(tls, TLSMaterial) and b"BEGIN CERTIFICATE" in tls.ca
+    assert pickle.loads(pickle.dumps(made)).connector_options()["tls"] == tls  # every worker's copy
+    assert "PRIVATE KEY" not in repr(tls)
+    assert KVTransferConfig(transport="grpc").connector_options()["tls"] is None
+    for name, pem in (("ca", tls.ca), ("cert", tls.cert), ("key", tls.key)):
+        (tmp_path / f"{name}.pem").write_bytes(pem)
+    files = KVTransferConfig(
+        transport="grpc",
+        tls=True,
+        tls_ca_file=str(tmp_path / "ca.pem"),
+        tls_cert_file=str(tmp_path / "cert.pem"),
+        tls_key_file=str(tmp_path / "key.pem"),
+    )
+    assert files.connector_options()["tls"] == tls
+    with pytest.raises(ValueError, match="go together"):
+        KVTransferConfig(transport="grpc", tls=True, tls_ca_file=str(tmp_path / "ca.pem"))
+    with pytest.raises(ValueError, match="ray transport"):
+        KVTransferConfig(transport="ray", tls=True)
+    with pytest.raises(ValueError, match="tls is false"):
+        KVTransferConfig(
+            transport="grpc",
+            tls_ca_file="a",
+            tls_cert_file="b",
+            tls_key_file="c",
+        )
 
 
 # -- lease expiry -----------------------------------------------------------------------------

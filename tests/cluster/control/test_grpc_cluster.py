@@ -1,5 +1,6 @@
-"""The gRPC KV transport end to end: prefill and decode workers on different Ray nodes, the
-decode stages pulling their layers of the leased blocks from the prefill worker's KV server;
+"""The gRPC KV transport end to end, over mutual TLS with the certificate made for the cluster:
+prefill and decode workers on different Ray nodes, the decode stages pulling their layers of
+the leased blocks from the prefill worker's KV server;
 tokens equal to a colocated run; a lease the decode side never pulls expires and frees the
 prefill blocks. A real ``ray.cluster_utils.Cluster`` (tests/cluster/conftest)."""
 
@@ -48,12 +49,18 @@ def _instances(handle: Any) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def grpc_disagg(ray_cluster: RayCluster, tiny_model: Path) -> Iterator[Any]:
     """1 prefill + 1 decode instance on their own nodes, KV over gRPC. The decode instance has
-    two pipeline stages: each pulls its own layer of every lease, which ends after both."""
+    two pipeline stages: each pulls its own layer of every lease, which ends after both. The
+    workers speak mutual TLS (kv_transfer.tls; plaintext is covered in tests/kv_transfer)."""
     config = cluster_config(
         tiny_model,
         [PREFILL, {**DECODE, "pp_size": 2}],
         router={"disaggregation": "always"},
-        kv_transfer={"transport": "grpc", "timeout_s": TIMEOUT_S, "lease_s": LEASE_S},
+        kv_transfer={
+            "transport": "grpc",
+            "timeout_s": TIMEOUT_S,
+            "lease_s": LEASE_S,
+            "tls": True,
+        },
     )
     handle = build_cluster(config, name="grpc-disagg", namespace="tandem-tests")
     yield handle

@@ -120,3 +120,68 @@ def test_down_stops_a_running_cluster(ray_cluster: Any, tiny_model: Path) -> Non
     again = subprocess.run(down, capture_output=True, text=True, timeout=120)
     assert again.returncode == 1 and "no running cluster 'to-stop'" in again.stderr, again
     assert ray.is_initialized()
+
+
+def test_serve_over_https_with_a_self_signed_ca(tiny_model: Path, tmp_path: Path) -> None:
+    """``tandem serve --ssl-keyfile --ssl-certfile``: the API answers over HTTPS with a
+    certificate of our own CA (clients that trust the CA get answers; plain HTTP and clients
+    that do not trust it get none), and SIGTERM stops it."""
+    import requests
+
+    from kv_transfer.tls import TLSMaterial
+    from tests.cluster.conftest import free_port
+
+    tls = TLSMaterial.generate("localhost", ip_addresses=("127.0.0.1",))
+    for name, pem in (("ca", tls.ca), ("cert", tls.cert), ("key", tls.key)):
+        (tmp_path / f"{name}.pem").write_bytes(pem)
+    config = tmp_path / "cluster.yaml"
+    config.write_text(
+        f"model: {tiny_model}\n"
+        "block_size: 4\n"
+        "pools:\n"
+        "  - {name: c, role: both, num_blocks: 64, num_threads: 1}\n"
+    )
+    port = free_port()
+    ray_dir = tempfile.mkdtemp(prefix="tandem-https-")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_TMPDIR": ray_dir}
+    serve = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "cluster.tools.cli", "serve", str(config)),
+            *("--port", str(port), "--no-grpc", "--num-cpus", "2", "--object-store-mb", "80"),
+            *("--ssl-keyfile", str(tmp_path / "key.pem")),
+            *("--ssl-certfile", str(tmp_path / "cert.pem")),
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        lines: list[str] = []
+        deadline = time.monotonic() + 180
+        assert serve.stdout is not None
+        while time.monotonic() < deadline:
+            line = serve.stdout.readline()
+            assert line, f"tandem serve exited early:\n{''.join(lines)}"
+            lines.append(line)
+            if line.startswith("ready:"):
+                break
+        url = f"https://127.0.0.1:{port}"
+        assert lines[-1].startswith(f"ready: {url}/v1"), lines[-1]
+        ca = str(tmp_path / "ca.pem")
+        body = {"model": "tiny", "prompt": "hello", "max_tokens": 3, "temperature": 0}
+        models = requests.get(f"{url}/v1/models", verify=ca, timeout=60).json()
+        body["model"] = models["data"][0]["id"]
+        answer = requests.post(f"{url}/v1/completions", json=body, verify=ca, timeout=60)
+        assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 3
+        with pytest.raises(requests.exceptions.SSLError):  # a client that trusts no such CA
+            requests.get(f"{url}/v1/models", timeout=30)
+        with pytest.raises(requests.exceptions.ConnectionError):  # plain HTTP: no answer
+            requests.get(f"http://127.0.0.1:{port}/v1/models", timeout=30)
+        serve.send_signal(signal.SIGTERM)
+        rest, _ = serve.communicate(timeout=60)
+        assert serve.returncode == 0, rest
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+        shutil.rmtree(ray_dir, ignore_errors=True)
