@@ -166,3 +166,14 @@ class IncrementalDetokenizer:
         self.prefix_offset = self.read_offset  # keep the last chunk as context
         self.read_offset = len(self.ids)
         return delta
+
+    def flush(self) -> str:
+        """The text still held back, at the end of the sequence: a tail that decodes to an
+        incomplete character (U+FFFD) will not be completed any more, so it goes out as
+        decoded -- without this, a sample cut mid-character (``max_tokens`` inside an emoji)
+        lost its last characters."""
+        tok, skip = self.tokenizer, self.skip_special_tokens
+        prefix = tok.decode(self.ids[self.prefix_offset : self.read_offset], skip)
+        full = tok.decode(self.ids[self.prefix_offset :], skip)
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return full[len(prefix) :] if full.startswith(prefix) else ""

@@ -67,6 +67,8 @@ class _Sample:
             out.logprobs.extend(core.new_logprobs)
         before = len(out.text)
         delta = self.detok.add(core.new_token_ids) if core.new_token_ids else ""
+        if core.finish_reason is not None:  # the last tokens: nothing can complete them now
+            delta += self.detok.flush()
         text = out.text + delta
         stopped = False
         # vLLM's rule: stop strings count only once min_tokens outputs exist.

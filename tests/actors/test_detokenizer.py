@@ -37,6 +37,30 @@ def test_deltas_add_up_to_full_decode(tokenizer: Tokenizer, text: str, chunk: in
     assert all("\ufffd" not in d for d in deltas)  # no half characters streamed
 
 
+@pytest.mark.parametrize("chunk", [1, 2, 3])
+def test_a_sequence_cut_mid_character_keeps_its_tail(tokenizer: Tokenizer, chunk: int) -> None:
+    """Tokens that end inside a multi-byte character (``max_tokens`` reached mid-emoji): the
+    held-back tail goes out at the end, so the deltas still add up to the full decode. Random
+    ids too: every split of them adds up."""
+    import random
+
+    ids = tokenizer.encode("emoji 🚀🎉", add_special_tokens=False)
+    cut = next(k for k in range(1, len(ids)) if tokenizer.decode(ids[:k]).endswith("\ufffd"))
+    ids = ids[:cut]
+    detok = IncrementalDetokenizer(tokenizer)
+    held = "".join(detok.add(ids[i : i + chunk]) for i in range(0, len(ids), chunk))
+    assert not held.endswith("\ufffd")  # held back while it could still complete
+    assert held + detok.flush() == tokenizer.decode(ids)
+    assert detok.flush() == ""  # once
+    rng = random.Random(chunk)
+    for _ in range(200):
+        ids = [rng.randrange(tokenizer.vocab_size) for _ in range(rng.randrange(1, 20))]
+        detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=False)
+        deltas = [detok.add(ids[i : i + chunk]) for i in range(0, len(ids), chunk)]
+        full = tokenizer.decode(ids, skip_special_tokens=False)
+        assert "".join(deltas) + detok.flush() == full, ids
+
+
 def test_special_tokens_kept_or_skipped(tokenizer: Tokenizer) -> None:
     ids = tokenizer.encode("<|im_start|>user\nhi<|im_end|>")
     assert ids[0] == tokenizer.bos_token_id
@@ -88,3 +112,24 @@ def test_encoding_lets_other_threads_run(tokenizer: Tokenizer) -> None:
     # The ticker woke all along (while a GIL-holding encode lets it wake about once per
     # elapsed time): its longest wait is a small part of the encoding's time.
     assert elapsed > 0.1 and max(gaps) < elapsed / 3, (elapsed, max(gaps), len(gaps))
+
+
+def test_a_finished_sample_cut_mid_character_ends_with_its_full_text(
+    tokenizer: Tokenizer,
+) -> None:
+    """Through the output processor, as the API streams it: the last step's held-back tail
+    is in the final output, whole and as a delta (the stream adds up to the whole text)."""
+    from cluster.engine.outputs import OutputProcessor
+    from scheduler import EngineCoreOutput, FinishReason, SamplingParams
+
+    ids = tokenizer.encode("fast 🚀🎉", add_special_tokens=False)
+    cut = next(k for k in range(1, len(ids)) if tokenizer.decode(ids[:k]).endswith("\ufffd"))
+    processor = OutputProcessor(tokenizer)
+    processor.add("r", None, [1, 2], SamplingParams(max_tokens=cut))
+    streamed = ""
+    for i, token in enumerate(ids[:cut]):
+        last = i == cut - 1
+        core = EngineCoreOutput("r", [token], FinishReason.LENGTH if last else None)
+        (out,), _ = processor.process([core])
+        streamed += out.outputs[0].new_text
+    assert out.finished and out.outputs[0].text == tokenizer.decode(ids[:cut]) == streamed
