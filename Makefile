@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: test lint generate cluster serve bench-serve bench-scheduler bench-model bench-pd bench-pp bench-kv bench-recovery bench-control-plane clean
+.PHONY: test lint generate cluster serve bench-serve bench-scheduler bench-model bench-pd bench-pp bench-kv bench-recovery bench-control-plane soak clean
 
 $(BIN)/activate: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -63,6 +63,10 @@ bench-scheduler: $(BIN)/activate
 # The control plane's own cost (null executor): tokens/s and CPU per token, 1 4 16 instances.
 bench-control-plane: $(BIN)/activate
 	$(BIN)/python -m bench.control_plane --out bench/results/control_plane.json
+
+# Mixed traffic with a worker killed every 3 minutes, 20 minutes (not in CI; a short version is).
+soak: $(BIN)/activate
+	$(BIN)/python -m bench.soak --out bench/results/soak.json
 
 # Time to recovery from killed prefill / decode workers (SmolLM2, max_restarts).
 bench-recovery: $(BIN)/activate
