@@ -20,8 +20,9 @@ so killed workers come back, a LoRA adapter, a waiting bound), then runs:
 Checked requests are greedy, so their text must equal the reference taken before the load
 (one at a time, calm): any difference is a token lost or repeated (or an output changed by a
 move). At the end, once the load has drained: KV blocks in use and object-store objects must
-be back to the idle baseline; the RSS of every Tandem process, after ``--warmup-s`` of load and
-at the end (a process killed meanwhile is reported as restarted);
+be back to the idle baseline; the RSS of every Tandem process, sampled every ``--rss-every-s``
+from ``--warmup-s`` of load on (each process from its first sample to its last: a killed
+worker's successor is a process of its own);
 TTFT / TPOT p50 and p99 per phase (calm, within ``--fault-window-s`` of a kill, after); the
 time from each kill to its requests being moved. Prints a report, writes JSON (``--out``) and
 exits 1 if an invariant broke (lost or repeated tokens, a request with no outcome, leaked
@@ -371,6 +372,31 @@ def _rss(handle: Any) -> dict[str, tuple[int, float]]:
     return out
 
 
+class RSSLog:
+    """Each process's first and last RSS sample (a killed worker's successor is another
+    process: it gets a row of its own, from its first sample)."""
+
+    def __init__(self) -> None:
+        self.seen: dict[tuple[str, int], list[float]] = {}  # -> [first, t0, last, t1]
+
+    def add(self, sample: dict[str, tuple[int, float]]) -> None:
+        now = time.monotonic()
+        for name, (pid, rss) in sample.items():
+            entry = self.seen.setdefault((name, pid), [rss, now, rss, now])
+            entry[2], entry[3] = rss, now
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        return {
+            f"{name} (pid {pid})": {
+                "first": round(first, 1),
+                "last": round(last, 1),
+                "growth": round(last / first - 1, 3),
+                "minutes": round((t1 - t0) / 60, 1),
+            }
+            for (name, pid), (first, t0, last, t1) in self.seen.items()
+        }
+
+
 def _percentiles(values: list[float]) -> dict[str, float]:
     if not values:
         return {}
@@ -477,8 +503,13 @@ async def run(args: argparse.Namespace) -> Report:
         tasks = [asyncio.ensure_future(soak.client(session)) for _ in range(args.concurrency)]
         tasks.append(asyncio.ensure_future(soak.bursts(session)))
         await asyncio.sleep(min(args.warmup_s, args.duration_s))
-        warm_rss = await asyncio.to_thread(_rss, handle)  # under load, after the warm-up
-        await asyncio.sleep(max(0.0, args.duration_s - args.warmup_s))
+        memory = RSSLog()  # every process's RSS, from the warm-up on, sampled under load
+        end = time.monotonic() + max(0.0, args.duration_s - args.warmup_s)
+        while True:
+            memory.add(await asyncio.to_thread(_rss, handle))
+            if time.monotonic() >= end:
+                break
+            await asyncio.sleep(min(args.rss_every_s, max(0.0, end - time.monotonic())))
         soak.stop.set()
         await asyncio.gather(*tasks)
         chaos.join()
@@ -487,17 +518,8 @@ async def run(args: argparse.Namespace) -> Report:
         iid: i["num_blocks"] - i["num_free_blocks"] for iid, i in drained["instances"].items()
     }
     report.objects_after_drain = _objects()
-    end_rss = _rss(handle)
-    for name, (pid, before) in warm_rss.items():
-        end_pid, after = end_rss.get(name, (0, 0.0))
-        if end_pid != pid:  # killed (and restarted) meanwhile: not the same process
-            report.rss_mb[name] = {"warm": round(before, 1), "end": -1.0, "growth": 0.0}
-            continue
-        report.rss_mb[name] = {
-            "warm": round(before, 1),
-            "end": round(after, 1),
-            "growth": round(after / before - 1, 3),
-        }
+    memory.add(_rss(handle))
+    report.rss_mb = memory.summary()
     account(soak, report, drained)
     report.ok = (
         not report.mismatches
@@ -563,12 +585,12 @@ def _print(report: Report) -> None:
         )
     print(f"blocks in use after the drain: {report.leaked_blocks}")
     print(f"objects: {report.objects_after_drain} after the drain, {report.objects_baseline} idle")
-    print("RSS after the warm-up -> at the end (MiB):")
+    print("RSS of each process, first sample after the warm-up -> last sample (MiB):")
     for name, rss in sorted(report.rss_mb.items()):
-        if rss["end"] < 0:
-            print(f"  {name}: {rss['warm']} -> restarted (killed meanwhile)")
-        else:
-            print(f"  {name}: {rss['warm']} -> {rss['end']} ({100 * rss['growth']:+.1f}%)")
+        print(
+            f"  {name}: {rss['first']} -> {rss['last']} ({100 * rss['growth']:+.1f}%) "
+            f"over {rss['minutes']} min"
+        )
     print("OK" if report.ok else "FAILED: an invariant broke (see above)")
 
 
@@ -579,6 +601,7 @@ def main() -> None:
     p.add_argument("--kill-every-s", type=float, default=180.0)
     p.add_argument("--fault-window-s", type=float, default=10.0)
     p.add_argument("--warmup-s", type=float, default=120.0, help="load before the first RSS")
+    p.add_argument("--rss-every-s", type=float, default=60.0, help="RSS sampling period")
     p.add_argument("--concurrency", type=int, default=6)
     p.add_argument("--burst-every-s", type=float, default=60.0)
     p.add_argument("--max-waiting", type=int, default=8)
@@ -594,7 +617,7 @@ def main() -> None:
     args = p.parse_args()
     if args.quick:
         args.duration_s, args.kill_every_s, args.burst_every_s = 60.0, 20.0, 25.0
-        args.warmup_s = 10.0
+        args.warmup_s, args.rss_every_s = 10.0, 10.0
         args.long_words = min(args.long_words, 60)
     report = asyncio.run(run(args))
     if args.out:

@@ -125,12 +125,32 @@ class OpenAIIngress:
         self._lock = asyncio.Lock()
         set_max_body_bytes(config.serve.max_request_body_bytes)
         self._admin = AdminAccess.from_config(config.serve)
+        self._grpc_tls = None
+        s = config.serve
+        if s.grpc_port is not None and s.ssl_certfile is not None and s.ssl_keyfile is not None:
+            # Serve's gRPC proxy is plaintext only: with a certificate, this replica serves
+            # the gRPC API itself, over TLS (tandem serve then starts no gRPC proxy).
+            from cluster.serving.grpc_api import TLSGenerateServer
+
+            address = f"{s.host}:{s.grpc_port}"
+            self._grpc_tls = TLSGenerateServer(
+                self.serving, self._api_key, address, s.ssl_certfile, s.ssl_keyfile
+            )
+            asyncio.get_running_loop().create_task(self._start_grpc_tls())
         if config.serve.allow_runtime_lora_updates:
             logger.warning(
                 "runtime LoRA updates are on: clients with the admin key can make the workers "
                 "load adapters from below %s (do not use in production)",
                 config.serve.lora_adapter_root,
             )
+
+    async def _start_grpc_tls(self) -> None:
+        assert self._grpc_tls is not None
+        try:
+            await self._grpc_tls.start()
+            logger.info("gRPC API over TLS on %s", self._grpc_tls.address)
+        except Exception:
+            logger.exception("the gRPC API could not listen on %s", self._grpc_tls.address)
 
     async def serving(self) -> OpenAIServing:
         """Connect to the SchedulerActor on first use (it is ready once the app is)."""

@@ -119,3 +119,51 @@ async def generate_stream(
         grpc_context.set_code(STATUS_CODES.get(error.status, grpc.StatusCode.INTERNAL))
         grpc_context.set_details(error.message)
         raise error from None
+
+
+class TLSGenerateServer:
+    """``tandem.v1.Generate`` over TLS, served by an ingress replica itself (Serve's gRPC
+    proxy has no TLS): a ``grpc.aio`` server on the replica's event loop, bound to
+    ``host:port`` with ``SO_REUSEPORT``, so the replicas on one node share the port and the
+    kernel spreads connections over them. Same validation, auth and status codes as the
+    proxied service."""
+
+    def __init__(
+        self,
+        serving: Callable[[], Awaitable[OpenAIServing]],
+        api_key: str | None,
+        address: str,
+        certfile: str,
+        keyfile: str,
+    ) -> None:
+        from pathlib import Path
+
+        self._serving = serving
+        self._api_key = api_key
+        self.address = address
+        self._credentials = grpc.ssl_server_credentials(
+            [(Path(keyfile).read_bytes(), Path(certfile).read_bytes())]
+        )
+        self._server: Any = None
+
+    async def start(self) -> None:
+        from cluster.proto import tandem_pb2_grpc
+
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 1)])
+        tandem_pb2_grpc.add_GenerateServicer_to_server(self, server)
+        server.add_secure_port(self.address, self._credentials)
+        await server.start()
+        self._server = server
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            await self._server.stop(grace=None)
+            self._server = None
+
+    async def Generate(self, request: Any, context: Any) -> AsyncIterator[Any]:
+        try:
+            async for response in generate_stream(self._serving, self._api_key, request, context):
+                yield response
+        except APIError as exc:  # generate_stream set the code; end the call with it
+            code = STATUS_CODES.get(exc.status, grpc.StatusCode.INTERNAL)
+            await context.abort(code, exc.message)

@@ -112,7 +112,9 @@ def start_serve(config: Any, *, address: str | None = None, **ray_options: Any) 
     else:
         init_ray(address)
     grpc = None
-    if s.grpc_port is not None:
+    # With a certificate, the ingress replicas serve gRPC over TLS themselves: no plaintext
+    # proxy on that port.
+    if s.grpc_port is not None and s.ssl_certfile is None:
         grpc = gRPCOptions(port=s.grpc_port, grpc_servicer_functions=[GRPC_SERVICER])
     serve.start(proxy_location="HeadOnly", http_options=http_options(s), grpc_options=grpc)
     serve.run(build_app_from_config(config), name=APP_NAME, route_prefix="/")
@@ -165,7 +167,8 @@ def run_serve(args: argparse.Namespace) -> int:
     model = served_model_name(config)
     auth = ' -H "Authorization: Bearer $TANDEM_API_KEY"' if config.serve.api_key else ""
     grpc = (
-        f"gRPC tandem.v1.Generate on {config.serve.host}:{config.serve.grpc_port}\n"
+        f"gRPC tandem.v1.Generate on {config.serve.host}:{config.serve.grpc_port}"
+        f"{' (TLS)' if config.serve.ssl_certfile else ''}\n"
         if config.serve.grpc_port
         else ""
     )

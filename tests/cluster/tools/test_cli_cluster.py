@@ -19,6 +19,20 @@ import pytest
 pytest.importorskip("ray")
 
 
+def _until_ready(process: Any, prefix: str, timeout_s: float) -> list[str]:
+    """The lines a ``tandem`` command printed up to the one starting with ``prefix``."""
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    assert process.stdout is not None
+    while time.monotonic() < deadline:
+        line = process.stdout.readline()
+        assert line, f"{process.args[3:5]} exited early:\n{''.join(lines)}"
+        lines.append(line)
+        if line.startswith(prefix):
+            break
+    return lines
+
+
 def test_up_generate_and_ctrl_c(tiny_model: Path, tmp_path: Path) -> None:
     config = tmp_path / "cluster.yaml"
     config.write_text(
@@ -41,15 +55,7 @@ def test_up_generate_and_ctrl_c(tiny_model: Path, tmp_path: Path) -> None:
         text=True,
     )
     try:
-        lines = []
-        deadline = time.monotonic() + 120
-        assert up.stdout is not None
-        while time.monotonic() < deadline:
-            line = up.stdout.readline()
-            assert line, f"tandem up exited early:\n{''.join(lines)}"
-            lines.append(line)
-            if line.startswith("ready"):
-                break
+        lines = _until_ready(up, "ready", 120)
         assert any("p-0: prefill" in x for x in lines) and any("d-0: decode" in x for x in lines)
         address = lines[-1].split("Ray at ")[1].split(")")[0]  # as `tandem up` tells users
         assert address.startswith("127.0.0.1:")
@@ -125,7 +131,8 @@ def test_down_stops_a_running_cluster(ray_cluster: Any, tiny_model: Path) -> Non
 def test_serve_over_https_with_a_self_signed_ca(tiny_model: Path, tmp_path: Path) -> None:
     """``tandem serve --ssl-keyfile --ssl-certfile``: the API answers over HTTPS with a
     certificate of our own CA (clients that trust the CA get answers; plain HTTP and clients
-    that do not trust it get none), and SIGTERM stops it."""
+    that do not trust it get none), the gRPC API over TLS (served by the ingress replica, not
+    Serve's plaintext proxy), and SIGTERM stops it."""
     import requests
 
     from kv_transfer.tls import TLSMaterial
@@ -141,13 +148,14 @@ def test_serve_over_https_with_a_self_signed_ca(tiny_model: Path, tmp_path: Path
         "pools:\n"
         "  - {name: c, role: both, num_blocks: 64, num_threads: 1}\n"
     )
-    port = free_port()
+    port, grpc_port = free_port(), free_port()
     ray_dir = tempfile.mkdtemp(prefix="tandem-https-")
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_TMPDIR": ray_dir}
     serve = subprocess.Popen(
         [
             *(sys.executable, "-m", "cluster.tools.cli", "serve", str(config)),
-            *("--port", str(port), "--no-grpc", "--num-cpus", "2", "--object-store-mb", "80"),
+            *("--port", str(port), "--grpc-port", str(grpc_port)),
+            *("--num-cpus", "2", "--object-store-mb", "80"),
             *("--ssl-keyfile", str(tmp_path / "key.pem")),
             *("--ssl-certfile", str(tmp_path / "cert.pem")),
         ],
@@ -157,15 +165,7 @@ def test_serve_over_https_with_a_self_signed_ca(tiny_model: Path, tmp_path: Path
         text=True,
     )
     try:
-        lines: list[str] = []
-        deadline = time.monotonic() + 180
-        assert serve.stdout is not None
-        while time.monotonic() < deadline:
-            line = serve.stdout.readline()
-            assert line, f"tandem serve exited early:\n{''.join(lines)}"
-            lines.append(line)
-            if line.startswith("ready:"):
-                break
+        lines = _until_ready(serve, "ready:", 180)
         url = f"https://127.0.0.1:{port}"
         assert lines[-1].startswith(f"ready: {url}/v1"), lines[-1]
         ca = str(tmp_path / "ca.pem")
@@ -178,6 +178,27 @@ def test_serve_over_https_with_a_self_signed_ca(tiny_model: Path, tmp_path: Path
             requests.get(f"{url}/v1/models", timeout=30)
         with pytest.raises(requests.exceptions.ConnectionError):  # plain HTTP: no answer
             requests.get(f"http://127.0.0.1:{port}/v1/models", timeout=30)
+        # The gRPC API, served over TLS by the ingress replica itself.
+        import grpc
+
+        from cluster.proto import tandem_pb2, tandem_pb2_grpc
+
+        target = f"127.0.0.1:{grpc_port}"
+        request = tandem_pb2.GenerateRequest(model=body["model"], prompt="hello", max_tokens=3)
+        options = (("grpc.ssl_target_name_override", "localhost"),)
+        credentials = grpc.ssl_channel_credentials(root_certificates=tls.ca)
+        with grpc.secure_channel(target, credentials, options=options) as channel:
+            grpc.channel_ready_future(channel).result(timeout=30)
+            stream = tandem_pb2_grpc.GenerateStub(channel).Generate(request, timeout=60)
+            responses = list(stream)
+        assert (
+            responses[-1].finish_reason == "length" and responses[-1].usage.completion_tokens == 3
+        )
+        with grpc.insecure_channel(target) as channel:  # plaintext: no call gets through
+            stream = tandem_pb2_grpc.GenerateStub(channel).Generate(request, timeout=10)
+            with pytest.raises(grpc.RpcError) as refused:
+                list(stream)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
         serve.send_signal(signal.SIGTERM)
         rest, _ = serve.communicate(timeout=60)
         assert serve.returncode == 0, rest
