@@ -360,7 +360,7 @@ class ServeConfig(_Config):
         8 * 1024 * 1024,
         ge=1024,
         description="Largest HTTP request body accepted; a larger one is answered 413 "
-        "before it is read or parsed.",
+        "before it is parsed (Serve's proxy still reads it: bound it in front too).",
     )
     preprocess_threads: int = Field(
         2,
@@ -380,6 +380,18 @@ class ServeConfig(_Config):
                 "serve.allow_runtime_lora_updates needs serve.lora_adapter_root: the folder "
                 "adapters may be loaded from"
             )
+        if self.lora_adapter_root is not None and not Path(self.lora_adapter_root).is_absolute():
+            raise ValueError("serve.lora_adapter_root must be an absolute path")
+        admin_routes = self.allow_runtime_lora_updates or self.allow_runtime_scaling
+        if admin_routes and self.admin_api_key is None and self.api_key is None:
+            raise ValueError(
+                "serve.allow_runtime_lora_updates / allow_runtime_scaling need a key: set "
+                "serve.admin_api_key (or at least serve.api_key)"
+            )
+        for name in ("api_key", "admin_api_key"):
+            secret = getattr(self, name)
+            if secret is not None and not secret.get_secret_value().strip():
+                raise ValueError(f"serve.{name} is empty")
         if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
             raise ValueError("serve.ssl_keyfile and serve.ssl_certfile go together")
         admin, key = self.admin_api_key, self.api_key

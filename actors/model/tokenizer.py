@@ -80,22 +80,32 @@ class Tokenizer:
         return int(self._tok.get_vocab_size(with_added_tokens=True))
 
     @functools.cached_property
-    def max_token_chars(self) -> int:
-        """The most characters of text one token can stand for: its decoded text or its
-        vocabulary piece, whichever is longer (a piece is at least as long as the text it
-        matches, byte-level or not), times 4 when the tokenizer normalizes its input first
-        (Unicode composition can merge up to about that many characters into one)."""
+    def max_token_chars(self) -> int | None:
+        """The most characters of text one token can stand for, where that is bounded: a
+        byte-level BPE (by its pre-tokenizer, or byte fallback) with no normalizer and no added
+        token that swallows whitespace -- then every token is one vocabulary piece at least as
+        long as the text it matches, so the longest piece (or decoded token) bounds it. None
+        where one token can stand for any amount of text (WordPiece's or Unigram's unknown
+        token, a normalizer that deletes or merges characters, an ``lstrip`` special token)."""
+        tok = self._tok
+        byte_level = "ByteLevel" in str(tok.pre_tokenizer) or bool(
+            getattr(tok.model, "byte_fallback", False)
+        )
+        stripping = any(a.lstrip or a.rstrip for a in tok.get_added_tokens_decoder().values())
+        if type(tok.model).__name__ != "BPE" or not byte_level or tok.normalizer or stripping:
+            return None
         longest = 1
         for token_id in range(self.vocab_size):
-            text = self._tok.decode([token_id], skip_special_tokens=False)
-            piece = self._tok.id_to_token(token_id) or ""
+            text = tok.decode([token_id], skip_special_tokens=False)
+            piece = tok.id_to_token(token_id) or ""
             longest = max(longest, len(text), len(piece))
-        return longest * (4 if self._tok.normalizer is not None else 1)
+        return longest
 
-    def max_chars(self, num_tokens: int) -> int:
-        """No text longer than this tokenizes to ``num_tokens`` tokens or fewer: a longer
-        prompt is refused without tokenizing it."""
-        return num_tokens * self.max_token_chars
+    def max_chars(self, num_tokens: int) -> int | None:
+        """No text longer than this tokenizes to ``num_tokens`` tokens or fewer (so a longer
+        prompt can be refused without tokenizing it); None where there is no such bound."""
+        chars = self.max_token_chars
+        return None if chars is None else num_tokens * chars
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # The batch call releases the GIL while it runs (``encode`` holds it: a long prompt

@@ -132,11 +132,17 @@ class OpenAIIngress:
             # the gRPC API itself, over TLS (tandem serve then starts no gRPC proxy).
             from cluster.serving.grpc_api import TLSGenerateServer
 
-            address = f"{s.host}:{s.grpc_port}"
+            host = f"[{s.host}]" if ":" in s.host else s.host  # an IPv6 address
             self._grpc_tls = TLSGenerateServer(
-                self.serving, self._api_key, address, s.ssl_certfile, s.ssl_keyfile
+                self.serving,
+                self._api_key,
+                f"{host}:{s.grpc_port}",
+                s.ssl_certfile,
+                s.ssl_keyfile,
+                max_message_bytes=s.max_request_body_bytes,
+                max_concurrent_calls=s.max_ongoing_requests,
             )
-            asyncio.get_running_loop().create_task(self._start_grpc_tls())
+            self._grpc_start = asyncio.get_running_loop().create_task(self._start_grpc_tls())
         if config.serve.allow_runtime_lora_updates:
             logger.warning(
                 "runtime LoRA updates are on: clients with the admin key can make the workers "
@@ -152,6 +158,11 @@ class OpenAIIngress:
         except Exception:
             logger.exception("the gRPC API could not listen on %s", self._grpc_tls.address)
 
+    async def check_health(self) -> None:
+        """Serve's health check: unhealthy (so replaced) if its gRPC server could not start."""
+        if self._grpc_tls is not None and self._grpc_tls.failure is not None:
+            raise RuntimeError(f"the gRPC API over TLS failed to start: {self._grpc_tls.failure}")
+
     async def serving(self) -> OpenAIServing:
         """Connect to the SchedulerActor on first use (it is ready once the app is)."""
         if self._serving is None:
@@ -164,7 +175,9 @@ class OpenAIIngress:
                     info = await handle.model_info.remote()
                     client = await asyncio.to_thread(ClusterClient, handle, None, info)
                     tracer = init_tracing(self._config.tracing, "ingress")
-                    self._serving = OpenAIServing(
+                    # In a thread: it reads the tokenizer's whole vocabulary (the prompt bound).
+                    self._serving = await asyncio.to_thread(
+                        OpenAIServing,
                         client,
                         self._model_name,
                         tracer,

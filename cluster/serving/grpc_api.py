@@ -135,12 +135,20 @@ class TLSGenerateServer:
         address: str,
         certfile: str,
         keyfile: str,
+        max_message_bytes: int,
+        max_concurrent_calls: int,
     ) -> None:
         from pathlib import Path
 
         self._serving = serving
         self._api_key = api_key
         self.address = address
+        self.failure: BaseException | None = None  # why it could not start (health check)
+        self._options = [
+            ("grpc.so_reuseport", 1),
+            ("grpc.max_receive_message_length", max_message_bytes),
+        ]
+        self._max_concurrent_calls = max_concurrent_calls
         self._credentials = grpc.ssl_server_credentials(
             [(Path(keyfile).read_bytes(), Path(certfile).read_bytes())]
         )
@@ -149,10 +157,16 @@ class TLSGenerateServer:
     async def start(self) -> None:
         from cluster.proto import tandem_pb2_grpc
 
-        server = grpc.aio.server(options=[("grpc.so_reuseport", 1)])
+        server = grpc.aio.server(
+            options=self._options, maximum_concurrent_rpcs=self._max_concurrent_calls
+        )
         tandem_pb2_grpc.add_GenerateServicer_to_server(self, server)
-        server.add_secure_port(self.address, self._credentials)
-        await server.start()
+        try:
+            server.add_secure_port(self.address, self._credentials)
+            await server.start()
+        except BaseException as exc:
+            self.failure = exc
+            raise
         self._server = server
 
     async def stop(self) -> None:

@@ -1,6 +1,8 @@
 """The HTTP API's body limit: a pure ASGI middleware that answers 413 before a body over
-``serve.max_request_body_bytes`` is read or parsed -- at once from its ``Content-Length``, or, for
-a chunked body, as soon as the bytes received pass the limit.
+``serve.max_request_body_bytes`` is parsed -- at once from its ``Content-Length``, or, for a
+chunked body, as soon as the bytes received pass the limit. (Serve's HTTP proxy has read the
+body into its memory by then, whatever this replica answers: a limit in front of Serve bounds
+that, docs/deploy.md.)
 
 Serve freezes the FastAPI app when the ingress class is decorated, so the limit cannot be a
 constructor argument: each ingress replica (a process of its own) sets it with

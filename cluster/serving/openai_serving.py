@@ -12,6 +12,7 @@ FastAPI and Ray Serve, ``cluster.serving.grpc_api`` behind gRPC; errors are ``AP
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -44,6 +45,14 @@ from cluster.serving.openai_responses import (
 )
 from scheduler import LoRARequest
 
+logger = logging.getLogger(__name__)
+
+
+# Past this many characters a token of context, a prompt is counted by prefixes before it is
+# tokenized whole (``OpenAIServing._encode``): real text runs about 4 characters a token.
+PREFIX_CHARS_PER_TOKEN = 4
+PREFIX_MARGIN_TOKENS = 64  # merges across a prefix's cut can join a few of its last tokens
+
 
 class OpenAIServing:
     """Serves ``/v1/models``, completions, chat completions, adapters, health and metrics for
@@ -67,6 +76,7 @@ class OpenAIServing:
         self.tokenizer = engine.tokenizer
         self.model_name = served_model_name
         self.max_model_len = engine.max_model_len
+        # None: this tokenizer gives no sound bound (docs/serve.md); the prefix guard remains.
         self.max_prompt_chars = self.tokenizer.max_chars(self.max_model_len)
         self.created = int(time.time())
         # Runtime-loaded adapters must lie below it (None: any path -- the in-process engine,
@@ -110,11 +120,15 @@ class OpenAIServing:
         root = self.lora_adapter_root
         if root is None:
             return lora_path
-        base = Path(root).resolve()
+        try:
+            base = Path(root).resolve(strict=True)
+        except OSError:
+            logger.error("serve.lora_adapter_root %s does not exist on this ingress node", root)
+            raise APIError(503, "the adapter root is not available on this replica") from None
         try:
             path = (base / lora_path).resolve()
-        except (ValueError, OSError, RuntimeError) as exc:  # a NUL byte, a symlink loop
-            raise APIError(400, f"lora_path is not a usable path: {exc}", "lora_path") from None
+        except (ValueError, OSError, RuntimeError):  # a NUL byte, a symlink loop
+            raise APIError(400, "lora_path is not a usable path", "lora_path") from None
         if not path.is_relative_to(base):
             raise APIError(
                 403, "lora_path is outside the adapter root (serve.lora_adapter_root)", "lora_path"
@@ -189,7 +203,7 @@ class OpenAIServing:
         return requested
 
     def _check_chars(self, num_chars: int, param: str) -> None:
-        if num_chars > self.max_prompt_chars:
+        if self.max_prompt_chars is not None and num_chars > self.max_prompt_chars:
             raise APIError(
                 400,
                 f"This model's maximum context length is {self.max_model_len} tokens. However, "
@@ -197,6 +211,26 @@ class OpenAIServing:
                 f"can hold ({self.max_prompt_chars}).",
                 param=param,
             )
+
+    def _encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+        """The text's ids, without tokenizing all of a text far too long for the context:
+        past ``PREFIX_CHARS_PER_TOKEN`` characters a token, growing prefixes are counted
+        first (each twice the last), and one with more tokens than the context (plus a margin
+        for merges across the cut) refuses the text. What is tokenized then stays within about
+        twice what the context's worth of this text costs, whatever the body's length."""
+        limit = self.max_model_len
+        cut = PREFIX_CHARS_PER_TOKEN * limit
+        while cut < len(text):
+            count = len(self.tokenizer.encode(text[:cut], add_special_tokens=False))
+            if count > limit + PREFIX_MARGIN_TOKENS:
+                raise APIError(
+                    400,
+                    f"This model's maximum context length is {limit} tokens. However, your "
+                    f"prompt has more than {count - PREFIX_MARGIN_TOKENS} tokens.",
+                    param=param,
+                )
+            cut *= 2
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def _check_ids(self, ids: list[int], param: str) -> None:
         try:
@@ -217,7 +251,7 @@ class OpenAIServing:
         for i, prompt in enumerate(req.prompts()):
             text: str | None
             if isinstance(prompt, str):
-                ids, text = self.tokenizer.encode(prompt), prompt
+                ids, text = self._encode(prompt, "prompt"), prompt
             else:
                 ids = list(prompt)
                 text = self.tokenizer.decode(ids, skip_special_tokens=False) if req.echo else None
@@ -236,7 +270,7 @@ class OpenAIServing:
 
     def _chat_job(self, req: ChatCompletionRequest, messages: list[dict[str, Any]]) -> Job:
         try:
-            ids = self.tokenizer.encode_chat(
+            text = self.tokenizer.apply_chat_template(
                 messages,
                 add_generation_prompt=req.add_generation_prompt,
                 **(req.chat_template_kwargs or {}),
@@ -245,6 +279,8 @@ class OpenAIServing:
             raise APIError(400, str(exc), param="messages") from None
         except Exception as exc:  # a template that fails on these messages
             raise APIError(400, f"the chat template failed: {exc}", param="messages") from None
+        # The template writes BOS itself when the model wants one.
+        ids = self._encode(text, "messages", add_special_tokens=False)
         self._check_ids(ids, "messages")
         max_tokens = self._max_tokens(len(ids), req.requested_max_tokens, "messages")
         return Job(ids, None, req.sampling_params(max_tokens, req.num_logprobs), 0)

@@ -6,6 +6,7 @@ SIGTERM) shuts Serve, the cluster and Ray down.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any
 
@@ -107,6 +108,9 @@ def start_serve(config: Any, *, address: str | None = None, **ray_options: Any) 
     from cluster.serving.app import GRPC_SERVICER, build_app_from_config
 
     s = config.serve
+    # Serve's gRPC proxy takes messages up to 2 GiB unless told otherwise: hold it to the
+    # body limit of the HTTP API (read by the proxy, a process of the Ray this starts).
+    os.environ.setdefault("RAY_SERVE_GRPC_MAX_MESSAGE_SIZE", str(s.max_request_body_bytes))
     if address is None:
         init_ray(None, resources=local_node_resources(config), **ray_options)
     else:

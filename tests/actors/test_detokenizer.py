@@ -4,6 +4,7 @@ characters are never split, and special tokens follow ``skip_special_tokens``.""
 from __future__ import annotations
 
 import importlib.util
+from typing import Any
 
 import pytest
 
@@ -81,6 +82,24 @@ def test_no_text_longer_than_the_bound_fits_in_fewer_tokens(
         num_tokens = len(tokenizer.encode(text, add_special_tokens=add_special))
         assert len(text) <= tokenizer.max_chars(num_tokens)
     assert tokenizer.max_chars(10) == 10 * tokenizer.max_token_chars
+
+
+def test_no_character_bound_where_a_token_can_stand_for_any_text() -> None:
+    """WordPiece's unknown token (a whole unknown word), a normalizer (it may delete text):
+    no sound bound, so no prompt is refused by its characters."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models, normalizers, pre_tokenizers
+
+    wordpiece = HFTokenizer(models.WordPiece({"[UNK]": 0, "a": 1}, unk_token="[UNK]"))
+    wordpiece.pre_tokenizer = pre_tokenizers.Whitespace()
+    options: dict[str, Any] = {"bos_token_id": None, "eos_token_id": None}
+    options |= {"add_bos_token": False, "chat_template": None}
+    tok = Tokenizer(wordpiece, **options)
+    assert len(tok.encode("x" * 5000)) == 1  # one token for 5000 characters
+    assert tok.max_token_chars is None and tok.max_chars(10) is None
+    bpe = HFTokenizer(models.BPE({"a": 0, "b": 1}, [], byte_fallback=True))
+    bpe.normalizer = normalizers.NFKC()
+    assert Tokenizer(bpe, **options).max_chars(10) is None
 
 
 def test_encoding_lets_other_threads_run(tokenizer: Tokenizer) -> None:

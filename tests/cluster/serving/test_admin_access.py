@@ -53,7 +53,21 @@ def test_the_config_refuses_unsafe_combinations() -> None:
         ServeConfig(allow_runtime_lora_updates=True)
     with pytest.raises(ValidationError, match="must differ"):
         ServeConfig.model_validate({"api_key": "same", "admin_api_key": "same"})
-    ok = ServeConfig(allow_runtime_lora_updates=True, lora_adapter_root="/srv/adapters")
+    with pytest.raises(ValidationError, match="absolute"):
+        ServeConfig.model_validate({"admin_api_key": "k" * 20, "lora_adapter_root": "adapters"})
+    for allow in ("allow_runtime_lora_updates", "allow_runtime_scaling"):  # open to anyone
+        with pytest.raises(ValidationError, match="need a key"):
+            ServeConfig.model_validate({allow: True, "lora_adapter_root": "/srv/adapters"})
+    for key in ("api_key", "admin_api_key"):
+        with pytest.raises(ValidationError, match="empty"):
+            ServeConfig.model_validate({key: " "})
+    ok = ServeConfig.model_validate(
+        {
+            "allow_runtime_lora_updates": True,
+            "lora_adapter_root": "/srv/adapters",
+            "admin_api_key": "k" * 20,
+        }
+    )
     assert ok.lora_adapter_root == "/srv/adapters"
 
 
@@ -88,3 +102,6 @@ def test_adapters_load_only_from_below_the_root(tmp_path: Path) -> None:
             serving.adapter_path(path)
         assert refused.value.status == 400 and refused.value.param == "lora_path", path
     assert _Serving(None).adapter_path("/anywhere") == "/anywhere"  # in-process: trusted
+    with pytest.raises(APIError) as missing:  # the root is not mounted on this node
+        _Serving(tmp_path / "nowhere").adapter_path("a")
+    assert missing.value.status == 503

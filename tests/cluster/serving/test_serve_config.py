@@ -53,7 +53,10 @@ def test_flags_override_the_config(tmp_path: Path) -> None:
     assert admin.admin_api_key is not None and admin.admin_api_key.get_secret_value() == "a" * 20
     assert admin.allow_runtime_lora_updates and admin.lora_adapter_root == "/srv/adapters"
     assert not admin.allow_runtime_scaling
-    assert serve_config(_args("--allow-runtime-scaling")).serve.allow_runtime_scaling
+    scaling = serve_config(_args("--allow-runtime-scaling", "--api-key", "k" * 20)).serve
+    assert scaling.allow_runtime_scaling
+    with pytest.raises(ValueError, match="need a key"):
+        serve_config(_args("--allow-runtime-scaling"))
 
 
 def test_serve_section_is_validated() -> None:

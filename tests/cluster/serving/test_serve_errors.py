@@ -345,8 +345,9 @@ def test_a_body_over_the_limit_is_413_before_it_is_read(serve_app: ServeApp) -> 
 
 def test_a_huge_prompt_does_not_delay_a_small_request(serve_app: ServeApp) -> None:
     """A body just under the limit holding a prompt far longer than the context: refused by
-    its length in characters, without tokenizing it, and never on the event loop that
-    serves the other requests (the bound is generous: a margin, not a speed target)."""
+    its length in characters, without tokenizing it, while small requests keep being served
+    (the bound is generous: a margin, not a speed target; that tokenization itself stays off
+    the event loop is tested in test_serving_in_process.py, where it can be made slow)."""
     small = {"model": serve_app.model, "prompt": PROMPT, "max_tokens": 2}
 
     def timed() -> float:

@@ -156,10 +156,49 @@ def test_a_prompt_longer_than_any_tokenization_is_refused_before_tokenizing(
     assert tokenized == ["hi"]  # the spy sees what is tokenized
 
 
-def test_prompts_are_tokenized_off_the_event_loop(serving: OpenAIServing) -> None:
-    """A prompt that takes long to tokenize (here: the character bound lifted, so it is
-    tokenized before the context check refuses it) leaves the event loop free meanwhile."""
-    serving.max_prompt_chars = 10**9
+def test_a_prompt_far_over_the_context_is_refused_from_its_prefixes(
+    serving: OpenAIServing, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where characters give no bound (a long-context model, a tokenizer without one), a
+    prompt is counted by growing prefixes before it is tokenized whole: one far over the
+    context is refused after a few thousand characters, not a megabyte."""
+    serving.max_prompt_chars = None
+    lengths: list[int] = []
+    encode = serving.tokenizer.encode
+
+    def spy(text: str, *args: Any, **kwargs: Any) -> list[int]:
+        lengths.append(len(text))
+        return encode(text, *args, **kwargs)
+
+    monkeypatch.setattr(serving.tokenizer, "encode", spy)
+    huge = "the quick brown fox jumps " * 40_000  # 1M characters
+    for body, param in (
+        ({"model": "tiny-chat", "prompt": huge}, "prompt"),
+        ({"model": "tiny-chat", "messages": [{"role": "user", "content": huge}]}, "messages"),
+    ):
+        request: Any = CompletionRequest if param == "prompt" else ChatCompletionRequest
+        with pytest.raises(APIError) as refused:
+            work = request.model_validate(body)
+            _run(serving.completion(work) if param == "prompt" else serving.chat(work))
+        assert refused.value.status == 400 and refused.value.param == param
+        assert "more than" in refused.value.message and "tokens" in refused.value.message
+        assert sum(lengths) <= 4 * serving.max_model_len  # the first prefix was enough
+        lengths.clear()
+    fits = CompletionRequest.model_validate({"model": "tiny-chat", "prompt": "hi", "max_tokens": 1})
+    _run(serving.completion(fits))
+    assert lengths == [2]
+
+
+def test_prompts_are_tokenized_off_the_event_loop(
+    serving: OpenAIServing, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prompt that takes long to tokenize (here: the character bound and the prefix guard
+    lifted, so it is tokenized whole before the context check refuses it) leaves the event
+    loop free meanwhile."""
+    from cluster.serving import openai_serving
+
+    serving.max_prompt_chars = None
+    monkeypatch.setattr(openai_serving, "PREFIX_CHARS_PER_TOKEN", 10**9)
     req = CompletionRequest.model_validate(
         {"model": "tiny-chat", "prompt": "the quick brown fox jumps " * 60_000}
     )
