@@ -16,7 +16,8 @@ machine):
   longer than the context (a 400 once parsed, refused by its length without tokenizing it).
 
 Prints the small request's TTFT p50 / max per phase and the ratio to idle, and what the large
-requests were answered (status codes). Writes JSON with ``--out``.
+requests were answered (status codes; -1: the connection was closed while the body was still
+being sent, before the client could read an answer). Writes JSON with ``--out``.
 """
 
 from __future__ import annotations
@@ -51,8 +52,8 @@ def _post(url: str, body: bytes, key: str | None, stream: bool = False) -> tuple
     except urllib.error.HTTPError as exc:
         exc.read()
         return exc.code, time.monotonic() - start
-    except (ConnectionError, urllib.error.URLError):  # a server that closes on a 413
-        return 413, time.monotonic() - start
+    except (ConnectionError, urllib.error.URLError):  # closed while we were still sending
+        return -1, time.monotonic() - start  # (reported as -1: a reset, not a 413 read)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

@@ -200,15 +200,16 @@ class Soak:
                 if not body.get("stream"):
                     data = await r.json()
                     texts = [c["message"]["content"] for c in data["choices"]]
-                    detail = {
-                        "finish_reasons": [c["finish_reason"] for c in data["choices"]],
-                        "usage": data.get("usage"),
-                    }
-                    return self._check(kind, start, body, texts, None, None, detail)
+                    finishes = [c["finish_reason"] for c in data["choices"]]
+                    detail = {"finish_reasons": finishes, "usage": data.get("usage")}
+                    return self._check(kind, start, body, texts, None, None, finishes, detail)
                 text, first, last, chunks, tokens = "", None, None, 0, None
+                finish, done = None, False
                 async for raw in r.content:
                     line = raw.decode().strip()
-                    if not line.startswith("data: ") or line == "data: [DONE]":
+                    if line == "data: [DONE]":
+                        done = True
+                    if not line.startswith("data: {"):
                         continue
                     event = json.loads(line[6:])
                     if "error" in event:
@@ -216,6 +217,7 @@ class Soak:
                     if event.get("usage"):
                         tokens = event["usage"]["completion_tokens"]
                     for choice in event.get("choices", []):
+                        finish = choice.get("finish_reason") or finish
                         delta = choice["delta"].get("content") or ""
                         if delta:
                             now = time.monotonic()
@@ -225,12 +227,15 @@ class Soak:
                             chunks += 1
                     if drop_after is not None and chunks >= drop_after:
                         return Outcome(kind, start, "aborted")
+                if not done or tokens is None:  # the stream just stopped: no end, no reason
+                    why = f"stream ended without {'[DONE]' if not done else 'usage'}"
+                    return Outcome(kind, start, "no_outcome", why)
                 ttft = None if first is None else first - start
                 tpot = None
-                if first is not None and last is not None and tokens and tokens > 1:
+                if first is not None and last is not None and tokens > 1:
                     tpot = (last - first) / (tokens - 1)
                 detail = {"completion_tokens": tokens}
-                return self._check(kind, start, body, [text], ttft, tpot, detail)
+                return self._check(kind, start, body, [text], ttft, tpot, [finish], detail, tokens)
         except Exception as exc:  # a connection error is a failure with its reason
             return Outcome(kind, start, "failed", f"{type(exc).__name__}: {exc}"[:200])
 
@@ -242,12 +247,19 @@ class Soak:
         texts: list[str],
         ttft: float | None,
         tpot: float | None,
-        detail: dict[str, Any] | None = None,
+        finishes: list[str | None],
+        detail: dict[str, Any],
+        tokens: int | None = None,
     ) -> Outcome:
+        """Completed only with a finish reason of its own (stop / length) for every sample;
+        a greedy output must equal its reference, any output stay within ``max_tokens``."""
+        if any(f not in ("stop", "length") for f in finishes):
+            return Outcome(kind, start, "no_outcome", f"finish reasons {finishes}")
         outcome = Outcome(kind, start, "completed", ttft_s=ttft, tpot_s=tpot)
         key = (body["model"], body["messages"][0]["content"], body["max_tokens"])
         want = self.references.get(key) if body.get("temperature") == 0 else None
-        if want is not None and any(t != want for t in texts):
+        wrong_count = tokens is not None and not 1 <= tokens <= body["max_tokens"]
+        if wrong_count or (want is not None and any(t != want for t in texts)):
             outcome.mismatch = True
             since = time.monotonic() - start
             report = {"want": want, "got": texts, "seconds": round(since, 2), **(detail or {})}
@@ -373,16 +385,24 @@ def _rss(handle: Any) -> dict[str, tuple[int, float]]:
 
 
 class RSSLog:
-    """Each process's first and last RSS sample (a killed worker's successor is another
-    process: it gets a row of its own, from its first sample)."""
+    """Each process's first and last RSS sample. A killed worker's successor is another
+    process with a row of its own, from its second sample: its first may catch it loading
+    the model."""
 
     def __init__(self) -> None:
         self.seen: dict[tuple[str, int], list[float]] = {}  # -> [first, t0, last, t1]
+        self.starting: set[tuple[str, int]] = set()  # new since the first sample: wait one
 
     def add(self, sample: dict[str, tuple[int, float]]) -> None:
         now = time.monotonic()
+        first_sample = not self.seen and not self.starting
         for name, (pid, rss) in sample.items():
-            entry = self.seen.setdefault((name, pid), [rss, now, rss, now])
+            key = (name, pid)
+            if key not in self.seen and not first_sample and key not in self.starting:
+                self.starting.add(key)
+                continue
+            self.starting.discard(key)
+            entry = self.seen.setdefault(key, [rss, now, rss, now])
             entry[2], entry[3] = rss, now
 
     def summary(self) -> dict[str, dict[str, float]]:
@@ -420,15 +440,18 @@ def account(soak: Soak, report: Report, drained: dict[str, Any]) -> None:
     outcomes = soak.outcomes
     for o in outcomes:
         report.requests[o.status] = report.requests.get(o.status, 0) + 1
-        if o.status == "failed":
-            report.failures[o.reason] = report.failures.get(o.reason, 0) + 1
+        if o.status in ("failed", "no_outcome"):
+            reason = o.reason if o.status == "failed" else f"no outcome: {o.reason}"
+            report.failures[reason] = report.failures.get(reason, 0) + 1
         if o.mismatch:
             report.mismatches.append({"kind": o.kind, "detail": o.reason})
     report.requests["started"] = soak.started
     report.requests["checked"] = sum(
         1 for o in outcomes if o.status == "completed" and o.kind != "seeded"
     )
-    report.no_outcome = soak.started - len(outcomes)
+    # Requests that neither completed nor failed with a reason: a stream that just stopped,
+    # a sample without a finish reason of its own -- or one never answered at all.
+    report.no_outcome = report.requests.get("no_outcome", 0) + soak.started - len(outcomes)
     for phase in ("calm", "fault", "after"):
         done = [
             o
@@ -555,9 +578,12 @@ async def _drain(handle: Any, timeout_s: float) -> dict[str, Any]:
 
 def _objects() -> int:
     """Objects in the object stores of all nodes."""
+    import ray
     from ray._private.internal_api import memory_summary
 
-    for line in memory_summary(stats_only=True).splitlines():  # type: ignore[no-untyped-call]
+    address = ray.get_runtime_context().gcs_address  # this Ray, not another one on the machine
+    summary = memory_summary(address, stats_only=True)  # type: ignore[no-untyped-call]
+    for line in summary.splitlines():
         if "Plasma memory usage" in line:
             return int(line.split(",")[1].split()[0])
     return -1
