@@ -3,17 +3,95 @@ their translation into ``SamplingParams``.
 
 Field names, defaults and ranges follow OpenAI's API, with vLLM's extras (``top_k``, ``min_p``,
 ``min_tokens``, ``ignore_eos``, ``priority``, ``stop_token_ids``, ``repetition_penalty``, ...).
-Unknown fields are ignored, as vLLM does. A value out of range fails validation with a message
-that names the field and its range (turned into a 400 by the app).
+A value out of range fails validation with a message that names the field and its range
+(turned into a 400 by the app).
+
+No field is silently dropped. Every field of OpenAI's request schemas (and the vLLM extras that
+change an output) is one of: implemented; accepted with no effect by design (``ACCEPTED``:
+metadata such as ``user`` or ``store``, hints such as ``prompt_cache_key`` -- prefix caching is
+automatic -- or ``prediction``, a latency hint that never changes the output); or refused with
+a 400 naming it when given a value that would change the output (``REFUSED``: ``tools``,
+``response_format``, ``logit_bias``, ... -- ``tools: []`` or ``response_format: {"type":
+"text"}`` ask for nothing and pass). Other unknown fields are ignored, as vLLM does, and logged
+once per name.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from scheduler import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# Accepted, with no effect by design (OpenAI's fields; docs/serve.md says why for each).
+ACCEPTED = (
+    "user",
+    "metadata",
+    "store",
+    "service_tier",
+    "prompt_cache_key",
+    "prompt_cache_options",
+    "prompt_cache_retention",
+    "safety_identifier",
+    "prediction",
+    "parallel_tool_calls",
+)
+# Refused with a 400 naming the field when it asks for something (not yet implemented).
+REFUSED_CHAT = (
+    "tools",
+    "tool_choice",
+    "functions",
+    "function_call",
+    "response_format",
+    "logit_bias",
+    "audio",
+    "modalities",
+    "web_search_options",
+    "reasoning_effort",
+    "verbosity",
+    "moderation",
+)
+REFUSED_COMPLETION = ("logit_bias", "response_format")
+REFUSED_VLLM = (  # vLLM's extras that change an output
+    "prompt_logprobs",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "guided_decoding_backend",
+    "allowed_token_ids",
+    "bad_words",
+    "logits_processors",
+    "truncate_prompt_tokens",
+    "use_beam_search",
+    "length_penalty",
+    "return_tokens_as_token_ids",
+)
+REFUSED_VLLM_CHAT = ("chat_template", "continue_final_message", "documents", "echo")
+# Values that ask for nothing: such a field passes even where it is refused.
+_INACTIVE: tuple[Any, ...] = (
+    *(None, False, "", [], {}, 1.0),
+    *("none", "auto", ["text"], {"type": "text"}),
+)
+_logged_unknown: set[str] = set()
+
+
+def _refuse_active(value: Any, info: ValidationInfo) -> Any:
+    if any(value == inactive and type(value) is type(inactive) for inactive in _INACTIVE):
+        return value
+    raise ValueError(f"{info.field_name} is not supported")
+
+
+def _log_unknown(model: BaseModel) -> None:
+    for name in model.model_extra or {}:
+        if name not in _logged_unknown:
+            _logged_unknown.add(name)
+            logger.warning("ignoring the unknown request field %r (logged once)", name)
 
 
 class StreamOptions(BaseModel):
@@ -26,7 +104,7 @@ class StreamOptions(BaseModel):
 class _Sampling(BaseModel):
     """Fields both endpoints share."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # kept only to be logged (``_log_unknown``)
 
     model: str = Field(min_length=1)
     n: int = Field(1, ge=1, le=16)
@@ -60,10 +138,40 @@ class _Sampling(BaseModel):
             raise ValueError(f"at most 16 stop strings, got {len(items)}")
         return value
 
+    # Accepted with no effect (ACCEPTED; ``user`` is declared above).
+    metadata: Any = None
+    store: Any = None
+    service_tier: Any = None
+    prompt_cache_key: Any = None
+    prompt_cache_options: Any = None
+    prompt_cache_retention: Any = None
+    safety_identifier: Any = None
+    prediction: Any = None
+    # Refused when they ask for something (REFUSED_*; see ``_refuse_active``).
+    logit_bias: Any = None
+    response_format: Any = None
+    prompt_logprobs: Any = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_decoding_backend: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    logits_processors: Any = None
+    truncate_prompt_tokens: Any = None
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    return_tokens_as_token_ids: Any = None
+
+    _refused = field_validator(*REFUSED_COMPLETION, *REFUSED_VLLM, mode="after")(_refuse_active)
+
     @model_validator(mode="after")
     def _streaming_options(self) -> _Sampling:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
+        _log_unknown(self)
         return self
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
@@ -148,6 +256,16 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    refusal: str | None = None  # an assistant's earlier refusal: kept as history, no effect
+    # Tool calling is not implemented yet: history that carries calls is refused, not dropped.
+    tool_calls: Any = None
+    tool_call_id: Any = None
+    function_call: Any = None
+    audio: Any = None
+
+    _refused = field_validator("tool_calls", "tool_call_id", "function_call", "audio")(
+        _refuse_active
+    )
 
     def as_template_input(self) -> dict[str, Any]:
         content = self.content
@@ -169,6 +287,26 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    # Refused when they ask for something (REFUSED_CHAT, REFUSED_VLLM_CHAT).
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    audio: Any = None
+    modalities: Any = None
+    web_search_options: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    moderation: Any = None
+    parallel_tool_calls: Any = None  # accepted: no tools, so nothing to run in parallel
+    chat_template: Any = None
+    continue_final_message: Any = None
+    documents: Any = None
+    echo: Any = None
+
+    _refused_chat = field_validator(*REFUSED_CHAT[:4], *REFUSED_CHAT[6:], *REFUSED_VLLM_CHAT)(
+        _refuse_active
+    )
 
     @model_validator(mode="after")
     def _logprobs(self) -> ChatCompletionRequest:

@@ -371,3 +371,28 @@ def test_a_huge_prompt_does_not_delay_a_small_request(serve_app: ServeApp) -> No
         t.join()
     assert statuses == [400] * 12
     assert max(loaded) < 2 * idle + 1.0, (idle, loaded)
+
+
+def test_fields_the_api_does_not_implement_are_400s_not_dropped(serve_app: ServeApp) -> None:
+    """Through the official SDK, as an agent would ask: JSON mode, tools, a logit bias. Each
+    is a 400 naming the field (not a 200 with free text that ignored it)."""
+    import openai
+
+    client = serve_app.openai()
+    messages = [{"role": "user", "content": "hi"}]
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    for field, value in (
+        ("response_format", {"type": "json_object"}),
+        ("tools", [tool]),
+        ("logit_bias", {"5": 10}),
+    ):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(
+                model=serve_app.model, messages=messages, max_tokens=2, **{field: value}
+            )
+        error = refused.value.body
+        assert error["param"] == field and f"{field} is not supported" in error["message"]
+    ok = client.chat.completions.create(
+        model=serve_app.model, messages=messages, max_tokens=2, tools=[], user="u", store=False
+    )
+    assert ok.choices[0].finish_reason == "length"

@@ -1,0 +1,128 @@
+"""No request field is silently dropped: every field of OpenAI's request schemas (read from the
+official ``openai`` SDK's types, so a field added there fails this test until it is classified)
+is implemented, accepted with no effect by design, or refused with a 400 naming it -- and so
+are vLLM's extras that change an output. Unknown fields are ignored and logged once."""
+
+from __future__ import annotations
+
+import logging
+import typing
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from cluster.serving.openai_protocol import (
+    ACCEPTED,
+    REFUSED_CHAT,
+    REFUSED_COMPLETION,
+    REFUSED_VLLM,
+    REFUSED_VLLM_CHAT,
+    ChatCompletionRequest,
+    CompletionRequest,
+)
+
+openai = pytest.importorskip("openai")
+
+IMPLEMENTED_COMMON = {
+    *("model", "n", "stop", "stream_options", "temperature", "top_p", "seed"),
+    *("presence_penalty", "frequency_penalty", "max_tokens", "logprobs"),
+}
+IMPLEMENTED = {
+    "completions": IMPLEMENTED_COMMON | {"prompt", "echo", "best_of", "suffix"},
+    "chat": IMPLEMENTED_COMMON | {"messages", "max_completion_tokens", "top_logprobs"},
+}
+# best_of (== n) and suffix (empty) are implemented where they change nothing, refused otherwise.
+REFUSED = {
+    "completions": set(REFUSED_COMPLETION) | set(REFUSED_VLLM),
+    "chat": set(REFUSED_CHAT)
+    | set(REFUSED_COMPLETION)
+    | set(REFUSED_VLLM)
+    | set(REFUSED_VLLM_CHAT),
+}
+ACTIVE: dict[str, Any] = {  # a value that asks for something
+    "tool_choice": "required",
+    "modalities": ["text", "audio"],
+    "reasoning_effort": "high",
+    "verbosity": "low",
+    "echo": True,
+    "continue_final_message": True,
+    "use_beam_search": True,
+    "return_tokens_as_token_ids": True,
+    "prompt_logprobs": 1,
+    "truncate_prompt_tokens": 5,
+    "length_penalty": 2.0,
+    "response_format": {"type": "json_object"},
+}
+BASE = {
+    "completions": {"model": "m", "prompt": "hi"},
+    "chat": {"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+}
+MODELS: dict[str, Any] = {"completions": CompletionRequest, "chat": ChatCompletionRequest}
+
+
+def _sdk_fields(endpoint: str) -> set[str]:
+    if endpoint == "completions":
+        from openai.types.completion_create_params import CompletionCreateParamsBase as params
+    else:
+        from openai.types.chat.completion_create_params import (
+            CompletionCreateParamsBase as params,
+        )
+    return set(typing.get_type_hints(params))
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_every_openai_field_is_implemented_accepted_or_refused(endpoint: str) -> None:
+    fields = _sdk_fields(endpoint)
+    classified = IMPLEMENTED[endpoint] | set(ACCEPTED) | REFUSED[endpoint]
+    assert fields - classified == set(), "new OpenAI fields to implement or refuse"
+    declared = set(MODELS[endpoint].model_fields)
+    assert fields <= declared  # none of them falls through to "unknown, ignored"
+    assert REFUSED[endpoint] <= declared
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_refused_fields_are_400s_naming_them(endpoint: str) -> None:
+    for field in sorted(REFUSED[endpoint]):
+        body = {**BASE[endpoint], field: ACTIVE.get(field, {"x": 1})}
+        with pytest.raises(ValidationError) as refused:
+            MODELS[endpoint].model_validate(body)
+        (error,) = refused.value.errors()
+        assert error["loc"] == (field,) and f"{field} is not supported" in error["msg"], field
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_accepted_fields_and_values_that_ask_for_nothing_pass(endpoint: str) -> None:
+    asks_nothing = {
+        "tools": [],
+        "tool_choice": "none",
+        "response_format": {"type": "text"},
+        "logit_bias": {},
+        "modalities": ["text"],
+        "use_beam_search": False,
+    }
+    fields = REFUSED[endpoint] | set(ACCEPTED)
+    body = {**BASE[endpoint]} | {k: v for k, v in asks_nothing.items() if k in fields}
+    body |= {"user": "u", "metadata": {"k": "v"}, "store": True, "prompt_cache_key": "c"}
+    MODELS[endpoint].model_validate(body)
+
+
+def test_tool_calls_in_the_history_are_refused_not_dropped() -> None:
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    history = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "content": "42", "tool_call_id": "c1"},
+    ]
+    with pytest.raises(ValidationError) as refused:
+        ChatCompletionRequest.model_validate({"model": "m", "messages": history})
+    locs = {e["loc"] for e in refused.value.errors()}
+    assert locs == {("messages", 1, "tool_calls"), ("messages", 2, "tool_call_id")}
+
+
+def test_unknown_fields_are_ignored_and_logged_once(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="cluster.serving.openai_protocol"):
+        for _ in range(3):
+            CompletionRequest.model_validate({**BASE["completions"], "frobnicate_xyz": 1})
+    logged = [r for r in caplog.records if "frobnicate_xyz" in r.getMessage()]
+    assert len(logged) == 1
