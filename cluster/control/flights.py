@@ -13,6 +13,7 @@ step for all of the client's requests).
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -129,3 +130,41 @@ def merge_outputs(a: EngineCoreOutput, b: EngineCoreOutput) -> EngineCoreOutput:
         logprobs,
         b.error,
     )
+
+
+class EarlyAborts:
+    """Aborts that arrived before their request. Ray runs an async actor's calls out of order,
+    so a client's ``abort`` sent right after its ``submit`` can be handled first: it is
+    remembered for ``ttl_s``, and the request ends with ``abort`` as soon as it is submitted.
+    An abort of a request that finished recently is not remembered (its id may be reused)."""
+
+    def __init__(self, ttl_s: float = 60.0, max_ids: int = 100_000) -> None:
+        self.ttl_s = ttl_s
+        self.max_ids = max_ids
+        self._pending: dict[str, float] = {}  # request id -> when its abort came
+        self._finished: dict[str, float] = {}  # request id -> when it finished
+
+    def remember(self, request_id: str) -> None:
+        now = time.monotonic()
+        self._prune(now)
+        if request_id not in self._finished:
+            self._pending[request_id] = now
+
+    def finished(self, request_id: str) -> None:
+        now = time.monotonic()
+        self._finished[request_id] = now
+        if len(self._finished) > self.max_ids:
+            self._prune(now)
+
+    def take(self, request_id: str) -> bool:
+        """Whether an abort of ``request_id`` waits for it (and forget that it did)."""
+        when = self._pending.pop(request_id, None)
+        self._finished.pop(request_id, None)  # a new request under an old id
+        return when is not None and time.monotonic() - when <= self.ttl_s
+
+    def _prune(self, now: float) -> None:
+        for table in (self._pending, self._finished):
+            while table and (
+                len(table) > self.max_ids or now - next(iter(table.values())) > self.ttl_s
+            ):
+                table.pop(next(iter(table)))

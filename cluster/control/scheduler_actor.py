@@ -28,6 +28,7 @@ from cluster.control.adapters import LoRAAdapters
 from cluster.control.clients import Clients
 from cluster.control.engine_loop import EngineLoop
 from cluster.control.flights import (
+    EarlyAborts,
     Flight,
     Outbox,
     Submission,
@@ -62,6 +63,7 @@ class SchedulerActor:
         # The clients streaming in batches (submit / subscribe), and their liveness.
         self.clients = Clients(self.flights, self.abort, config.client_timeout_s)
         self._internal: dict[str, Flight] = {}  # by the schedulers' id
+        self._early_aborts = EarlyAborts()  # aborts that overtook their submit
         self._seq = itertools.count()
         self.max_model_len = 0
         self.started = False
@@ -263,6 +265,9 @@ class SchedulerActor:
         flight.submission = submission
         self.observe.arrived(flight, trace_context)
         self.flights[rid] = flight
+        if self._early_aborts.take(rid):  # its abort came first: it ends at once
+            self._finish(flight, EngineCoreOutput(rid, [], FinishReason.ABORT))
+            return flight
         try:
             await self._place(flight)
         except BaseException:
@@ -333,9 +338,12 @@ class SchedulerActor:
     def abort(self, request_id: str) -> bool:
         """End a request at whatever stage it is (queued, prefilling, transferring, decoding):
         its blocks are freed on every instance and its stream ends with ``abort``. False if
-        the request is unknown or already finished."""
+        the request is unknown or already finished -- an unknown one may still be on its way
+        (Ray can run an abort before the submit sent just before it): it is then aborted as
+        soon as it arrives, within ``EarlyAborts.ttl_s``."""
         flight = self.flights.get(request_id)
         if flight is None:
+            self._early_aborts.remember(request_id)
             return False
         flight.loop.abort([flight.internal_id])
         self._finish(flight, EngineCoreOutput(request_id, [], FinishReason.ABORT))
@@ -621,6 +629,7 @@ class SchedulerActor:
     def _finish(self, flight: Flight, final: EngineCoreOutput) -> None:
         if self.flights.get(flight.request.request_id) is flight:
             del self.flights[flight.request.request_id]
+            self._early_aborts.finished(flight.request.request_id)
             self._internal.pop(flight.internal_id, None)
             flight.deliver(final)
             self.observe.finished(flight, final)

@@ -230,18 +230,28 @@ def test_client_leaving_early_aborts(disagg: Any, client: ClusterClient) -> None
     asyncio.run(run())  # the leak check waits for the cluster to drop the request
 
 
-def test_an_abort_sent_right_after_submit_reaches_the_request(disagg: Any) -> None:
+@pytest.mark.parametrize("abort_first", [False, True])
+def test_an_abort_sent_right_after_submit_reaches_the_request(
+    disagg: Any, abort_first: bool
+) -> None:
     """No polling for the request to arrive: an abort sent after ``submit`` (before it
-    returned) finds it, and the client's stream gets its end."""
+    returned) ends it, and the client's stream gets its end -- also when Ray runs the abort
+    first (it does not keep an async actor's calls in order; ``abort_first`` forces it)."""
     long = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
-    submitted = disagg.submit.remote(Request("early", _prompts(1, 9)[0], long), "early", None)
-    assert ray.get(disagg.abort.remote("early")) is True
-    ray.get(submitted)
-    stream = disagg.subscribe.remote("early")
+    rid = f"early-{abort_first}"
+    request = Request(rid, _prompts(1, 9)[0], long)
+    if abort_first:
+        assert ray.get(disagg.abort.remote(rid)) is False  # not there yet: remembered
+        ray.get(disagg.submit.remote(request, rid, None))
+    else:
+        submitted = disagg.submit.remote(request, rid, None)
+        aborted = disagg.abort.remote(rid)
+        ray.get([submitted, aborted])
+    stream = disagg.subscribe.remote(rid)
     ((tag, final),) = ray.get(next(stream))  # the abort's output waited for the client
-    assert tag == "early"  # no submission tag given: the request id
-    ray.get(disagg.unsubscribe.remote("early"))
-    assert final.request_id == "early" and final.finish_reason is not None
+    assert tag == rid  # no submission tag given: the request id
+    ray.get(disagg.unsubscribe.remote(rid))
+    assert final.request_id == rid and final.finish_reason is not None
     assert final.finish_reason.value == "abort"
 
 

@@ -1,0 +1,37 @@
+"""Aborts that overtake their request (Ray runs an async actor's calls out of order): kept for a
+while and applied when the request arrives, but never to a new request that reuses the id of
+one that finished."""
+
+from __future__ import annotations
+
+import time
+
+from cluster.control.flights import EarlyAborts
+
+
+def test_an_abort_before_its_request_waits_for_it() -> None:
+    aborts = EarlyAborts(ttl_s=60.0)
+    aborts.remember("r")
+    assert aborts.take("r") is True
+    assert aborts.take("r") is False  # once
+    assert aborts.take("never-aborted") is False
+
+
+def test_an_abort_of_a_finished_request_is_not_kept_for_a_reused_id() -> None:
+    aborts = EarlyAborts(ttl_s=60.0)
+    aborts.finished("r")
+    aborts.remember("r")  # a late abort of the finished request
+    assert aborts.take("r") is False  # the id's next request runs
+    aborts.remember("r")  # now "r" is unknown again: an abort of its next request
+    assert aborts.take("r") is True
+
+
+def test_old_and_surplus_aborts_are_forgotten() -> None:
+    aborts = EarlyAborts(ttl_s=0.05, max_ids=3)
+    aborts.remember("old")
+    time.sleep(0.1)
+    assert aborts.take("old") is False  # expired
+    for i in range(10):
+        aborts.remember(f"r{i}")
+    assert len(aborts._pending) <= 4
+    assert aborts.take("r9") is True and aborts.take("r0") is False
