@@ -12,6 +12,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -172,6 +173,17 @@ class ServeApp:
         import openai
 
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=API_KEY, max_retries=0, **kwargs)
+
+
+@contextmanager
+def own_ray_env(prefix: str) -> Iterator[dict[str, str]]:
+    """The environment of a subprocess that starts a Ray of its own (not the session's test
+    cluster, which ``ray.init`` exported as RAY_ADDRESS), in a temporary folder removed after."""
+    ray_dir = tempfile.mkdtemp(prefix=prefix)
+    try:
+        yield {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_TMPDIR": ray_dir}
+    finally:
+        shutil.rmtree(ray_dir, ignore_errors=True)
 
 
 def free_port() -> int:

@@ -4,17 +4,16 @@ SIGINT, or SIGTERM) shuts everything down."""
 
 from __future__ import annotations
 
-import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.cluster.conftest import free_port, own_ray_env
 
 pytest.importorskip("ray")
 
@@ -43,9 +42,11 @@ def test_up_generate_and_ctrl_c(tiny_model: Path, tmp_path: Path) -> None:
         "  - {name: d, role: decode, num_blocks: 64, num_threads: 1, resources: {decode: 1}}\n"
         "router: {disaggregation: always}\n"
     )
-    ray_dir = tempfile.mkdtemp(prefix="tandem-cli-")  # its own Ray, found by address 'auto'
-    # Not the session's test cluster (ray.init exports RAY_ADDRESS): its own local Ray.
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_TMPDIR": ray_dir}
+    with own_ray_env("tandem-cli-") as env:  # its own Ray, found by address 'auto'
+        _up_generate_scale_and_stop(config, env)
+
+
+def _up_generate_scale_and_stop(config: Path, env: dict[str, str]) -> None:
     tandem = [sys.executable, "-m", "cluster.tools.cli"]
     up = subprocess.Popen(
         [*tandem, "up", str(config), "--num-cpus", "2", "--object-store-mb", "80"],
@@ -84,13 +85,10 @@ def test_up_generate_and_ctrl_c(tiny_model: Path, tmp_path: Path) -> None:
     finally:
         if up.poll() is None:
             up.kill()
-        shutil.rmtree(ray_dir, ignore_errors=True)
 
 
 def test_generate_without_a_cluster_says_how_to_start_one(tmp_path: Path) -> None:
-    ray_dir = tempfile.mkdtemp(prefix="tandem-cli-")
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_TMPDIR": ray_dir}
-    try:
+    with own_ray_env("tandem-cli-") as env:
         out = subprocess.run(
             [sys.executable, "-m", "cluster.tools.cli", "generate", "--cluster", "hi"],
             env=env,
@@ -98,8 +96,6 @@ def test_generate_without_a_cluster_says_how_to_start_one(tmp_path: Path) -> Non
             text=True,
             timeout=120,
         )
-    finally:
-        shutil.rmtree(ray_dir, ignore_errors=True)
     assert out.returncode != 0
     assert "tandem up" in out.stderr
 
@@ -133,10 +129,8 @@ def test_serve_over_https_with_a_self_signed_ca(tiny_model: Path, tmp_path: Path
     certificate of our own CA (clients that trust the CA get answers; plain HTTP and clients
     that do not trust it get none), the gRPC API over TLS (served by the ingress replica, not
     Serve's plaintext proxy), and SIGTERM stops it."""
-    import requests
 
     from kv_transfer.tls import TLSMaterial
-    from tests.cluster.conftest import free_port
 
     tls = TLSMaterial.generate("localhost", ip_addresses=("127.0.0.1",))
     for name, pem in (("ca", tls.ca), ("cert", tls.cert), ("key", tls.key)):
@@ -149,8 +143,15 @@ def test_serve_over_https_with_a_self_signed_ca(tiny_model: Path, tmp_path: Path
         "  - {name: c, role: both, num_blocks: 64, num_threads: 1}\n"
     )
     port, grpc_port = free_port(), free_port()
-    ray_dir = tempfile.mkdtemp(prefix="tandem-https-")
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_TMPDIR": ray_dir}
+    with own_ray_env("tandem-https-") as env:
+        _serve_over_tls(config, tmp_path, tls, port, grpc_port, env)
+
+
+def _serve_over_tls(
+    config: Path, tmp_path: Path, tls: Any, port: int, grpc_port: int, env: dict[str, str]
+) -> None:
+    import requests
+
     serve = subprocess.Popen(
         [
             *(sys.executable, "-m", "cluster.tools.cli", "serve", str(config)),
@@ -205,4 +206,3 @@ def test_serve_over_https_with_a_self_signed_ca(tiny_model: Path, tmp_path: Path
     finally:
         if serve.poll() is None:
             serve.kill()
-        shutil.rmtree(ray_dir, ignore_errors=True)

@@ -7,16 +7,14 @@ KV blocks and the object store are back to idle once the load drains."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 
-from tests.cluster.conftest import CHAT_TEMPLATE, free_port
+from tests.cluster.conftest import CHAT_TEMPLATE, free_port, own_ray_env
 
 pytest.importorskip("ray")
 
@@ -28,14 +26,10 @@ def test_a_minute_of_mixed_traffic_with_faults_loses_nothing(
     shutil.copytree(tiny_model, model)
     (model / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
     out = tmp_path / "soak.json"
-    ray_dir = tempfile.mkdtemp(prefix="tandem-soak-")
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_TMPDIR": ray_dir}
     command = [sys.executable, "-m", "bench.soak", "--quick", "--model", str(model)]
     command += ["--port", str(free_port()), "--num-blocks", "256", "--out", str(out)]
-    try:
+    with own_ray_env("tandem-soak-") as env:
         run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=420)
-    finally:
-        shutil.rmtree(ray_dir, ignore_errors=True)
     assert out.is_file(), run.stdout[-3000:] + run.stderr[-3000:]
     report = json.loads(out.read_text())
     assert run.returncode == 0 and report["ok"], run.stdout[-3000:]
