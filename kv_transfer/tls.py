@@ -49,7 +49,7 @@ class TLSMaterial:
         """A fresh CA and a certificate for ``server_name`` (and ``ip_addresses``) signed by
         it (needs the ``cryptography`` package). The CA's key is dropped: nothing else can be
         signed."""
-        _, ca_cert, key, cert = _make(server_name, valid_days, ip_addresses)
+        ca_cert, key, cert = _make(server_name, valid_days, ip_addresses)
         return cls(ca_cert, cert, key, server_name)
 
     def server_credentials(self) -> Any:
@@ -69,7 +69,7 @@ class TLSMaterial:
 
 def _make(
     server_name: str, valid_days: int, ip_addresses: tuple[str, ...]
-) -> tuple[bytes, bytes, bytes, bytes]:
+) -> tuple[bytes, bytes, bytes]:
     import ipaddress
 
     from cryptography import x509
@@ -141,9 +141,4 @@ def _make(
         .sign(ca_key, hashes.SHA256())
     )
     encoding = serialization.Encoding.PEM
-    return (
-        pem_key(ca_key),
-        ca_cert.public_bytes(encoding),
-        pem_key(key),
-        cert.public_bytes(encoding),
-    )
+    return ca_cert.public_bytes(encoding), pem_key(key), cert.public_bytes(encoding)
