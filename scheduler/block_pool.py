@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
+from scheduler.kv_events import KVEvents
+
 
 class KVCacheBlock:
     """One block of ``block_size`` token slots in every layer's KV cache."""
@@ -105,6 +107,17 @@ class BlockPool:
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[bytes, dict[int, KVCacheBlock]] = {}
+        # Set by ``record_events``: which hashes became findable or stopped being so.
+        self.events: KVEvents | None = None
+
+    def record_events(self) -> KVEvents:
+        """Record ``kv_events`` from now on (a mirror of this pool's hashes elsewhere: the
+        router's ``PrefixIndex``); the record starts with every hash already cached."""
+        if self.events is None:
+            self.events = KVEvents()
+            for block_hash in self.cached:
+                self.events.stored(block_hash)
+        return self.events
 
     # -- queries ---------------------------------------------------------------------------
     @property
@@ -160,7 +173,10 @@ class BlockPool:
         if block.block_hash is not None:
             return
         block.block_hash = block_hash
-        self.cached.setdefault(block_hash, {})[block.block_id] = block
+        by_id = self.cached.setdefault(block_hash, {})
+        if not by_id and self.events is not None:
+            self.events.stored(block_hash)
+        by_id[block.block_id] = block
 
     def uncache_block(self, block: KVCacheBlock) -> None:
         """Forget a block's hash (its content will not be computed after all)."""
@@ -174,6 +190,8 @@ class BlockPool:
             by_id.pop(block.block_id, None)
             if not by_id:
                 del self.cached[block.block_hash]
+                if self.events is not None:
+                    self.events.removed(block.block_hash)
         block.block_hash = None
 
     def reset_prefix_cache(self) -> bool:
@@ -183,6 +201,8 @@ class BlockPool:
         for block in self.blocks:
             block.block_hash = None
         self.cached.clear()
+        if self.events is not None:
+            self.events.cleared()
         return True
 
     # -- invariants ------------------------------------------------------------------------

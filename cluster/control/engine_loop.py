@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cluster.control.executors import Executor
+from cluster.control.summaries import EngineSummary
 from kv_transfer.connector import KVConnectorReport, PDConnector
 from scheduler import ModelRunnerOutput, Request, RequestStatus, Scheduler, SchedulerOutput
 from scheduler.outputs import EngineCoreOutput
@@ -96,6 +97,11 @@ class EngineLoop:
         self.on_scheduled: Callable[[EngineLoop, str], None] | None = None
         # ... and (loop, request id) when a running request is preempted (its KV freed).
         self.on_preempted: Callable[[EngineLoop, str], None] | None = None
+        # ... and (loop, summary) after every step: the instance's load and prefix-cache events
+        # for the router (the only thing the central scheduler reads of an instance).
+        self.on_summary: Callable[[EngineLoop, EngineSummary], None] | None = None
+        self._kv_events = scheduler.kv_cache_manager.block_pool.record_events()
+        self.num_received = 0  # add_request calls so far
         self._failure: str | None = None  # why fail() stopped the loop
         self.admission_window_s = admission_window_s
         self.idle_sleep_s = idle_sleep_s
@@ -133,6 +139,7 @@ class EngineLoop:
     def add_request(self, request: Request) -> None:
         """Queue a request; it is admitted before the next ``schedule()``. On a loop that has
         stopped, the request ends at once with an error (never silently queued)."""
+        self.num_received += 1
         if not self.alive:
             reason = self.error or f"instance {self.instance_id} is stopped"
             self._lost([request.request_id], reason)
@@ -163,6 +170,22 @@ class EngineLoop:
 
     def num_active(self) -> int:
         return len(self.pending) + self.scheduler.get_num_unfinished_requests()
+
+    def summary(self) -> EngineSummary:
+        """The instance now, and its prefix-cache events since the last summary."""
+        return EngineSummary(
+            self.instance_id,
+            self.num_received,
+            self.queued_tokens(),
+            self.num_waiting(),
+            self.num_active(),
+            self.scheduler.kv_cache_manager.usage,
+            self._kv_events.take(),
+        )
+
+    def _summarize(self) -> None:
+        if self.on_summary is not None:
+            self.on_summary(self, self.summary())
 
     def stats(self) -> dict[str, Any]:
         """State and counters of this instance (for tests, benchmarks and metrics)."""
@@ -236,6 +259,7 @@ class EngineLoop:
             self._count_result(result)
             if outputs:
                 self.on_outputs(self, outputs)
+            self._summarize()
             idle = out.total_num_scheduled_tokens == 0 and not in_flight
             # The step's objects may hold KV handles (load specs, saved-KV reports): drop them
             # now, not when the next step replaces them, or an idle loop keeps them alive.

@@ -22,6 +22,7 @@ from scheduler.outputs import EngineCoreOutput
 
 if TYPE_CHECKING:
     from cluster.control.engine_loop import EngineLoop
+    from cluster.control.summaries import InstanceView
 
 
 Submission = int | str  # a client's tag of one submit (the request id when it gives none)
@@ -66,7 +67,7 @@ class Flight:
     stage: str  # "prefill" (on P, to be handed off) or "decode" (running to the end)
     internal_id: str = ""  # the id the schedulers know it by
     num_cached_tokens: int | None = None  # the prefix hit where the prompt was computed
-    decode_target: EngineLoop | None = None  # chosen by the Router at arrival
+    decode_target: InstanceView | None = None  # chosen by the Router at arrival
     sent: list[int] = field(default_factory=list)  # tokens already given to the client
     num_moves: int = 0  # times it moved off a failed instance
     # For metrics (time.monotonic(); arrival is request.arrival_time):

@@ -13,6 +13,7 @@ from cluster.config import ClusterConfig, served_model_name
 from cluster.control.engine_loop import EngineLoop
 from cluster.control.flights import Flight
 from cluster.control.placement import InstanceSpec
+from cluster.control.summaries import InstanceView
 from cluster.observability.metrics import ClusterMetrics
 from scheduler.outputs import EngineCoreOutput
 
@@ -55,7 +56,7 @@ class RequestObserver:
     def _role(self, loop: EngineLoop) -> str:
         return self._roles.get(loop.instance_id, "")
 
-    def node(self, loop: EngineLoop) -> str | None:
+    def node(self, loop: EngineLoop | InstanceView) -> str | None:
         spec = self._specs.get(loop.instance_id)
         return None if spec is None else spec.info.get("node_id")
 
@@ -101,7 +102,7 @@ class RequestObserver:
             histograms.itl.observe(now - flight.last_token_at)
         flight.last_token_at = now
 
-    def handed_off(self, flight: Flight, decode: EngineLoop, transport: str) -> None:
+    def handed_off(self, flight: Flight, decode: InstanceView, transport: str) -> None:
         """The prefilled request goes on to ``decode``; its KV follows."""
         if flight.trace is None:
             return

@@ -40,6 +40,7 @@ from cluster.control.observer import RequestObserver
 from cluster.control.placement import InstanceSpec
 from cluster.control.recovery import check_workers, end_hung_workers, restore_workers
 from cluster.control.router import Route, Router
+from cluster.control.summaries import EngineSummary, InstanceView
 from cluster.errors import OverloadedError
 from kv_transfer.connector import PDConnector
 from scheduler import CacheConfig, LoRARequest, Request, Scheduler
@@ -57,6 +58,8 @@ class SchedulerActor:
         self._specs = instances
         self.router = Router(config.router)
         self.loops: dict[str, EngineLoop] = {}
+        # What routing and admission read of each instance: its engine's per-step summaries.
+        self.views: dict[str, InstanceView] = {}
         self.roles: dict[str, str] = {}
         self.specs: dict[str, InstanceSpec] = {}
         self.flights: dict[str, Flight] = {}  # by the client's request id
@@ -98,9 +101,17 @@ class SchedulerActor:
         """Build a started instance's scheduler and loop and let it serve."""
         self.specs[spec.instance_id] = spec
         self.roles[spec.instance_id] = spec.pool.role
-        self.loops[spec.instance_id] = loop = self._build_loop(spec)
+        self._install(spec, self._build_loop(spec))
         self.lora.reset(spec.instance_id)
         self.observe.add_instance(spec.instance_id, spec.pool.role)
+
+    def _install(self, spec: InstanceSpec, loop: EngineLoop) -> None:
+        """Make ``loop`` the instance's engine, with a fresh view of it, and start it."""
+        iid = spec.instance_id
+        caching = spec.pool.cache.get("enable_prefix_caching", True)
+        self.views[iid] = InstanceView(iid, spec.pool.role, spec.info["block_size"], caching)
+        self.loops[iid] = loop
+        loop.on_summary = self._on_summary
         loop.start()
 
     def _common_max_model_len(self, specs: list[InstanceSpec]) -> int:
@@ -256,7 +267,7 @@ class SchedulerActor:
         # others of its ``n`` ("{id}#{i}", i > 0) follow it (otherwise n above the bound
         # would be refused forever, on an idle cluster too).
         if bound is not None and not _later_sample(rid):
-            waiting = sum(loop.num_waiting() for loop in self.loops.values() if loop.alive)
+            waiting = sum(view.num_waiting for view in self.views.values() if view.alive)
             if waiting >= bound:
                 raise OverloadedError(waiting, bound, self.config.serve.retry_after_s)
         # Arrival is stamped here: clients' clocks are not comparable (priority tie-breaks).
@@ -293,11 +304,11 @@ class SchedulerActor:
             target = route.prefill or route.decode
             if request.lora_request is not None:
                 try:
-                    for loop in {route.decode, target}:
-                        await self.lora.ensure(loop.instance_id, request.lora_request)
+                    for view in {route.decode, target}:
+                        await self.lora.ensure(view.instance_id, request.lora_request)
                 except KeyError:
                     continue  # the instance left its pool meanwhile
-            if all(lp.alive and not lp.draining for lp in (target, route.decode)):
+            if target.serves and route.decode.serves:
                 break
         else:
             raise RuntimeError("instances kept failing while the request was being routed")
@@ -308,12 +319,9 @@ class SchedulerActor:
         self._internal.pop(flight.internal_id, None)
         flight.internal_id = internal = f"{request.request_id}@{next(self._seq)}"
         self._internal[internal] = flight
-        flight.loop = target
         if route.prefill is None:
             flight.stage = "decode"
-            target.add_request(
-                clone_request(request, request_id=internal, output_token_ids=list(flight.sent))
-            )
+            part = clone_request(request, request_id=internal, output_token_ids=list(flight.sent))
         else:
             flight.stage = "prefill"
             flight.decode_target = route.decode
@@ -323,7 +331,19 @@ class SchedulerActor:
 
                 assert part.kv_transfer_params is not None
                 part.kv_transfer_params["trace_context"] = inject(flight.trace.root)
-            target.add_request(part)
+        flight.loop = self._send(target, part)
+
+    def _send(self, view: InstanceView, request: Request) -> EngineLoop:
+        """Give ``request`` to ``view``'s instance (counted in its view at once)."""
+        view.sent(max(request.num_tokens - request.num_computed_tokens, 0))
+        loop = self.loops[view.instance_id]
+        loop.add_request(request)
+        return loop
+
+    def _on_summary(self, loop: EngineLoop, summary: EngineSummary) -> None:
+        view = self.views.get(loop.instance_id)
+        if view is not None and self.loops.get(loop.instance_id) is loop:
+            view.update(summary)
 
     def _none_left(self, role: str) -> str:
         roles = ("decode", "both") if role == "decode" else ("prefill",)
@@ -361,12 +381,14 @@ class SchedulerActor:
         iid = loop.instance_id
         if self.loops.get(iid) is loop and not loop.failure_handled:
             loop.failure_handled = True
+            self.views[iid].alive = False
             logger.warning("instance %s failed: %s", iid, reason)
             self.failures.append(
                 {"instance_id": iid, "event": "failed", "reason": reason, "time": time.time()}
             )
             spec = self.specs[iid]
-            if spec.actors and not loop.draining and (loop.hung or spec.pool.max_restarts > 0):
+            restarts = loop.hung or spec.pool.max_restarts > 0
+            if spec.actors and not self.views[iid].draining and restarts:
                 self._spawn(self._recover(spec, loop.hung))
         flights = []
         for internal in internal_ids:
@@ -416,26 +438,20 @@ class SchedulerActor:
         if not await restore_workers(spec, self.config.startup_timeout_s):
             logger.error("instance %s did not come back; it stays out of routing", iid)
             return
-        if self.specs.get(iid) is not spec or self.loops[iid].draining:
+        if self.specs.get(iid) is not spec or self.views[iid].draining:
             return  # it left its pool (or is leaving) while its workers restarted
-        loop = self._build_loop(spec)
-        self.loops[iid] = loop
+        self._install(spec, self._build_loop(spec))
         self.lora.reset(iid)
-        loop.start()
         logger.info("instance %s rejoined with an empty cache", iid)
         self.failures.append(
             {"instance_id": iid, "event": "rejoined", "reason": "", "time": time.time()}
         )
 
-    def _live(self, role: str) -> list[EngineLoop]:
+    def _live(self, role: str) -> list[InstanceView]:
         """Live instances that can take ``role`` work (decode: roles decode and both); not
         the ones draining to leave."""
         prefill = role == "prefill"
-        return [
-            lp
-            for i, lp in self.loops.items()
-            if (self.roles[i] == "prefill") == prefill and lp.alive and not lp.draining
-        ]
+        return [v for v in self.views.values() if (v.role == "prefill") == prefill and v.serves]
 
     # -- pools resized at run time -----------------------------------------------------------
     async def scale_pool(
@@ -472,7 +488,7 @@ class SchedulerActor:
         """The pool's instances that serve (alive, not draining; ``alive=False``: all but
         the draining ones), oldest first."""
         ids = [i for i, s in self.specs.items() if s.pool.name == pool_name]
-        ids = [i for i in ids if not self.loops[i].draining and (self.loops[i].alive or not alive)]
+        ids = [i for i in ids if not self.views[i].draining and (self.views[i].alive or not alive)]
         return sorted(ids, key=lambda i: int(i.rpartition("-")[2]))
 
     async def _grow(self, pool: Any, count: int) -> None:
@@ -505,7 +521,7 @@ class SchedulerActor:
             return
         loops = [self.loops[i] for i in instance_ids]
         for loop in loops:
-            loop.draining = True
+            self.views[loop.instance_id].draining = True
         timeout = self.config.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
         deadline = time.monotonic() + timeout
         while any(self._holds_requests(lp) for lp in loops) and time.monotonic() < deadline:
@@ -534,7 +550,8 @@ class SchedulerActor:
             logger.warning("instance %s left with %d requests; they move", iid, len(leftovers))
             self._spawn(self._move(leftovers, f"instance {iid} was removed from its pool"))
         spec = self.specs.pop(iid)
-        del self.loops[iid], self.roles[iid]
+        self.views[iid].alive = False  # a flight's decode_target may still point here
+        del self.loops[iid], self.roles[iid], self.views[iid]
         self.lora.forget(iid)
         for actor in spec.actors:
             import ray
@@ -596,7 +613,7 @@ class SchedulerActor:
             rid, out.new_token_ids, None, None, out.num_cached_tokens, None, out.new_logprobs
         )
         decode = flight.decode_target
-        if decode is None or not decode.alive or decode.draining:
+        if decode is None or not decode.serves:
             alive = self._live("decode")
             if not alive:
                 flight.deliver(first)  # the client keeps the token it was owed
@@ -613,17 +630,15 @@ class SchedulerActor:
         self.observe.handed_off(flight, decode, self.config.kv_transfer.transport)
         self.observe.tokens_out(flight, flight.loop, len(first.new_token_ids))
         flight.stage = "decode"
-        flight.loop = decode
         flight.sent.extend(first.new_token_ids)
         flight.deliver(first)
-        decode.add_request(
-            clone_request(
-                request,
-                request_id=flight.internal_id,
-                output_token_ids=list(out.new_token_ids),
-                kv_transfer_params=self.observe.decode_params(flight, params),
-            )
+        part = clone_request(
+            request,
+            request_id=flight.internal_id,
+            output_token_ids=list(out.new_token_ids),
+            kv_transfer_params=self.observe.decode_params(flight, params),
         )
+        flight.loop = self._send(decode, part)
         return True
 
     def _finish(self, flight: Flight, final: EngineCoreOutput) -> None:

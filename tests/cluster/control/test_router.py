@@ -1,9 +1,11 @@
 """The Router over real ``Scheduler``s in ``EngineLoop``s (never run): conditional
 disaggregation, least-loaded choice with round-robin ties, and prefix affinity. Load and cache
-contents are made by driving the schedulers with hand-built outputs."""
+contents are made by driving the schedulers with hand-built outputs; the router sees them as
+the central scheduler does, through ``InstanceView``s fed with the loops' summaries."""
 
 from __future__ import annotations
 
+import weakref
 from collections import Counter
 
 import pytest
@@ -11,6 +13,7 @@ import pytest
 from cluster.config import RouterConfig
 from cluster.control.engine_loop import EngineLoop
 from cluster.control.router import Route, Router
+from cluster.control.summaries import InstanceView
 from scheduler import (
     EngineCoreOutput,
     ModelRunnerOutput,
@@ -38,6 +41,22 @@ def _ignore(loop: EngineLoop, outputs: list[EngineCoreOutput]) -> None:
 def _loop(name: str) -> EngineLoop:
     s = make_scheduler(block_size=BLOCK, num_blocks=16, max_model_len=64)
     return EngineLoop(name, s, _NoExecutor(), _ignore)
+
+
+_VIEWS: weakref.WeakKeyDictionary[EngineLoop, InstanceView] = weakref.WeakKeyDictionary()
+
+
+def _v(*loops: EngineLoop) -> list[InstanceView]:
+    """Each loop's view, brought up to date with a summary of it now (as after a step)."""
+    views = []
+    for loop in loops:
+        kv = loop.scheduler.kv_cache_manager
+        view = _VIEWS.setdefault(
+            loop, InstanceView(loop.instance_id, "both", kv.block_size, kv.enable_caching)
+        )
+        view.update(loop.summary())
+        views.append(view)
+    return views
 
 
 def _router(**config: object) -> Router:
@@ -80,25 +99,25 @@ def test_never_keeps_every_request_on_a_decode_instance() -> None:
     p, d = _loop("p"), _loop("d")
     router = _router(disaggregation="never")
     for _ in range(3):
-        assert _names(router.route(make_request(40), [p], [d])) == (None, "d")
+        assert _names(router.route(make_request(40), _v(p), _v(d))) == (None, "d")
     _assert_free(p, d)
 
 
 def test_always_goes_through_a_prefill_instance() -> None:
     p, d = _loop("p"), _loop("d")
     router = _router(disaggregation="always")
-    assert _names(router.route(make_request(3), [p], [d])) == ("p", "d")
+    assert _names(router.route(make_request(3), _v(p), _v(d))) == ("p", "d")
     # Without a live prefill instance the decode instance runs it all.
-    assert _names(router.route(make_request(3), [], [d])) == (None, "d")
+    assert _names(router.route(make_request(3), _v(), _v(d))) == (None, "d")
     _assert_free(p, d)
 
 
 def test_threshold_splits_only_long_uncached_prompts() -> None:
     p, d = _loop("p"), _loop("d")
     router = _router(disaggregation=10)
-    assert _names(router.route(make_request(9), [p], [d])) == (None, "d")
-    assert _names(router.route(make_request(10), [p], [d])) == ("p", "d")
-    assert _names(router.route(make_request(30), [p], [d])) == ("p", "d")
+    assert _names(router.route(make_request(9), _v(p), _v(d))) == (None, "d")
+    assert _names(router.route(make_request(10), _v(p), _v(d))) == ("p", "d")
+    assert _names(router.route(make_request(30), _v(p), _v(d))) == ("p", "d")
     _assert_free(p, d)
 
 
@@ -107,11 +126,11 @@ def test_long_prompt_mostly_cached_on_the_decode_instance_stays_there() -> None:
     _cache_prefix(d, [1, 3])
     prompt = [*PREFIX, 20, 21, 22, 23, 24, 25]  # 14 tokens, 8 of them cached on d
     router = _router(disaggregation=10)
-    assert router.uncached_tokens(make_request(prompt), d) == 6
-    assert _names(router.route(make_request(prompt), [p], [d])) == (None, "d")
+    assert router.uncached_tokens(make_request(prompt), _v(d)[0]) == 6
+    assert _names(router.route(make_request(prompt), _v(p), _v(d))) == (None, "d")
     # The same prompt with another prefix is computed in full: it is prefilled apart.
     other = [50 + t for t in prompt]
-    assert _names(router.route(make_request(other), [p], [d])) == ("p", "d")
+    assert _names(router.route(make_request(other), _v(p), _v(d))) == ("p", "d")
     _assert_free(p, d)
 
 
@@ -123,7 +142,7 @@ def test_new_request_goes_to_the_idle_instance() -> None:
     queued = _busy(a)
     router = _router(disaggregation="never")
     for _ in range(4):  # whatever the round-robin turn
-        assert _names(router.route(make_request(6), [], [a, b])) == (None, "b")
+        assert _names(router.route(make_request(6), _v(), _v(a, b))) == (None, "b")
     a.scheduler.finish_requests(queued.request_id, RequestStatus.FINISHED_ABORTED)
     _assert_free(a, b)
 
@@ -133,7 +152,7 @@ def test_decode_instance_of_a_split_request_is_the_least_loaded() -> None:
     queued = [_busy(p1), _busy(d2)]
     router = _router(disaggregation="always")
     for _ in range(4):
-        assert _names(router.route(make_request(20), [p1, p2], [d1, d2])) == ("p2", "d1")
+        assert _names(router.route(make_request(20), _v(p1, p2), _v(d1, d2))) == ("p2", "d1")
     p1.scheduler.finish_requests(queued[0].request_id, RequestStatus.FINISHED_ABORTED)
     d2.scheduler.finish_requests(queued[1].request_id, RequestStatus.FINISHED_ABORTED)
     _assert_free(p1, p2, d1, d2)
@@ -144,7 +163,7 @@ def test_pending_arrivals_count_as_load() -> None:
     b.add_request(make_request(12))  # not yet admitted by b's (idle) loop
     router = _router(disaggregation="never")
     for _ in range(4):
-        assert _names(router.route(make_request(6), [], [a, b])) == (None, "a")
+        assert _names(router.route(make_request(6), _v(), _v(a, b))) == (None, "a")
     _assert_free(a, b)
 
 
@@ -152,7 +171,9 @@ def test_pending_arrivals_count_as_load() -> None:
 def test_ties_are_spread_round_robin(num_instances: int) -> None:
     loops = [_loop(f"i{k}") for k in range(num_instances)]
     router = _router(disaggregation="never")
-    picks = [_names(router.route(make_request(6), [], loops))[1] for _ in range(2 * num_instances)]
+    picks = [
+        _names(router.route(make_request(6), [], _v(*loops)))[1] for _ in range(2 * num_instances)
+    ]
     # Every instance in turn, each window of num_instances consecutive calls covering all.
     assert Counter(picks) == {loop.instance_id: 2 for loop in loops}
     assert len(set(picks[:num_instances])) == num_instances
@@ -162,7 +183,7 @@ def test_ties_are_spread_round_robin(num_instances: int) -> None:
 def test_split_requests_spread_over_idle_prefill_and_decode_instances() -> None:
     ps, ds = [_loop("p0"), _loop("p1")], [_loop("d0"), _loop("d1")]
     router = _router(disaggregation="always")
-    routes = [_names(router.route(make_request(20), ps, ds)) for _ in range(4)]
+    routes = [_names(router.route(make_request(20), _v(*ps), _v(*ds))) for _ in range(4)]
     assert Counter(p for p, _ in routes) == {"p0": 2, "p1": 2}
     assert Counter(d for _, d in routes) == {"d0": 2, "d1": 2}
     _assert_free(*ps, *ds)
@@ -176,10 +197,10 @@ def test_prompt_goes_where_its_prefix_is_cached() -> None:
     _cache_prefix(b, [1, 3])
     router = _router(disaggregation="never")
     prompt = [*PREFIX, 40, 41, 42]
-    assert router.cached_tokens(make_request(prompt), b) == 8
-    assert router.cached_tokens(make_request(prompt), a) == 0
+    assert router.cached_tokens(make_request(prompt), _v(b)[0]) == 8
+    assert router.cached_tokens(make_request(prompt), _v(a)[0]) == 0
     for _ in range(4):  # a is as idle as b: only the cache tells them apart
-        assert _names(router.route(make_request(prompt), [], [a, b])) == (None, "b")
+        assert _names(router.route(make_request(prompt), _v(), _v(a, b))) == (None, "b")
     _assert_free(a, b)
 
 
@@ -188,8 +209,8 @@ def test_cached_prefix_never_counts_the_last_token() -> None:
     _cache_prefix(b, [1, 3])
     router = _router()
     # 8 tokens, all cached: the last must still be computed, so one block (4) is the hit.
-    assert router.cached_tokens(make_request(PREFIX), b) == 4
-    assert router.cached_tokens(make_request([*PREFIX, 9]), b) == 8
+    assert router.cached_tokens(make_request(PREFIX), _v(b)[0]) == 4
+    assert router.cached_tokens(make_request([*PREFIX, 9]), _v(b)[0]) == 8
     _assert_free(b)
 
 
@@ -198,8 +219,8 @@ def test_without_prefix_affinity_the_cache_is_not_preferred() -> None:
     _cache_prefix(b, [1, 3])
     router = _router(disaggregation="never", prefix_affinity=False)
     prompt = [*PREFIX, 40, 41, 42]
-    assert router.cached_tokens(make_request(prompt), b) == 0
-    picks = [_names(router.route(make_request(prompt), [], [a, b]))[1] for _ in range(4)]
+    assert router.cached_tokens(make_request(prompt), _v(b)[0]) == 0
+    picks = [_names(router.route(make_request(prompt), _v(), _v(a, b)))[1] for _ in range(4)]
     assert Counter(picks) == {"a": 2, "b": 2}
     _assert_free(a, b)
 
@@ -208,5 +229,56 @@ def test_no_decode_instance_is_an_error() -> None:
     p = _loop("p")
     router = _router(disaggregation="always")
     with pytest.raises(RuntimeError, match="no live decode-capable instance"):
-        router.route(make_request(6), [p], [])
+        router.route(make_request(6), _v(p), _v())
     _assert_free(p)
+
+
+# -- views: what the router knows between summaries ------------------------------------------
+
+
+def test_requests_sent_between_summaries_count_until_a_summary_shows_them() -> None:
+    """A burst routed before the next step spreads over idle instances (each request sent is
+    counted in its view at once), and a summary that has seen a request replaces the guess."""
+    loops = [_loop("a"), _loop("b")]
+    views = _v(*loops)
+    router = _router(disaggregation="never")
+    picks = []
+    for _ in range(4):
+        request = make_request(6)
+        view = router.route(request, [], views).decode
+        view.sent(request.num_tokens)
+        picks.append(view.instance_id)
+        next(lp for lp in loops if lp.instance_id == view.instance_id).add_request(request)
+    assert Counter(picks) == {"a": 2, "b": 2}
+    a = views[0]
+    assert (a.num_waiting, a.queued_tokens) == (2, 12)
+    # A summary taken before the engine received them keeps them counted...
+    stale = loops[0].summary()
+    stale.num_received, stale.num_waiting, stale.queued_tokens = 0, 0, 0
+    a.update(stale)
+    assert (a.num_waiting, a.queued_tokens) == (2, 12)
+    # ... one taken after counts them once.
+    a.update(loops[0].summary())
+    assert (a.num_waiting, a.num_active, a.queued_tokens) == (2, 2, 12)
+    for loop in loops:
+        loop.abort([r.request_id for r in loop.pending])
+    _assert_free(*loops)
+
+
+def test_prefix_index_follows_evictions() -> None:
+    """A prefix evicted from an instance's cache leaves its view with the next summary."""
+    b = _loop("b")
+    _cache_prefix(b, [1, 3])
+    router = _router(disaggregation="never")
+    prompt = [*PREFIX, 40, 41, 42]
+    (view,) = _v(b)
+    assert router.cached_tokens(make_request(prompt), view) == 8
+    # Fill every block with other content: the prefix's blocks are reused.
+    for k in range(4):
+        b.scheduler.add_request(make_request([900 + 16 * k + t for t in range(15)], max_tokens=2))
+    run_to_completion(b.scheduler)
+    assert router.cached_tokens(make_request(prompt), view) == 8  # not summarized yet
+    _v(b)
+    assert router.cached_tokens(make_request(prompt), view) == 0
+    assert view.prefix.hashes == set(b.scheduler.kv_cache_manager.block_pool.cached)
+    _assert_free(b)
