@@ -7,14 +7,19 @@ routing, scheduling, bookkeeping and streaming -- what caps a cluster before its
     python -m bench.control_plane --modes ray --instances 8 --concurrency 128 --step-ms 25
     python -m bench.control_plane --quick                 # smoke: 1 and 4 instances, short
 
-Three modes:
+Four modes:
 - ``inproc``: the actor is a plain object in this process and the clients iterate its
   ``generate`` directly (the control plane alone);
 - ``ray``: the actor is a Ray actor on a local one-node Ray (127.0.0.1) and every request is a
   Ray stream of its own (``SchedulerActor.generate``: a Ray message per request per step);
 - ``client``: the same actor, and the requests go through one batched ``Subscription`` of this
   driver, as ``ClusterClient`` sends them (``submit`` / ``subscribe``: a Ray message per
-  batch, whatever the number of requests in it).
+  batch, whatever the number of requests in it);
+- ``http``: the same actor behind the Serve app (``OpenAIIngress`` replicas, ``--ingress-replicas``,
+  and Serve's HTTP proxy) on 127.0.0.1, clients streaming ``/v1/completions`` over HTTP with
+  aiohttp from this process. The null model samples a one-character token there, so the
+  characters streamed count the tokens. CPU per token is the path's (actor, ingress replicas,
+  proxy), the load client's apart.
 
 Per cell (instances x concurrency per instance, closed loop: a finished request is replaced at
 once): streamed tokens/s over a measured window after a warm-up, CPU seconds of every process
@@ -53,11 +58,12 @@ class NullWorker:
 
 
 class NullExecutor:
-    """Samples ``TOKEN`` for each scheduled request whose tokens reach its known length; a step
+    """Samples ``token`` for each scheduled request whose tokens reach its known length; a step
     takes ``step_s`` (asyncio sleep: the actor's event loop stays free, as with a GPU)."""
 
-    def __init__(self, step_s: float) -> None:
+    def __init__(self, step_s: float, token: int = TOKEN) -> None:
         self.step_s = step_s
+        self.token = token
         self.worker = NullWorker()
         self.lengths: dict[str, int] = {}  # request id -> tokens known (prompt + sampled)
 
@@ -79,7 +85,7 @@ class NullExecutor:
             req_ids.append(req_id)
             if computed[req_id] + n >= lengths[req_id]:
                 lengths[req_id] += 1
-                sampled.append([TOKEN])
+                sampled.append([self.token])
             else:
                 sampled.append([])
         if self.step_s > 0:
@@ -87,26 +93,35 @@ class NullExecutor:
         return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
 
 
-def null_specs(config: ClusterConfig, num_blocks: int, step_s: float) -> list[InstanceSpec]:
+def null_specs(
+    config: ClusterConfig,
+    num_blocks: int,
+    step_s: float,
+    model_path: str = "null",
+    token: int = TOKEN,
+) -> list[InstanceSpec]:
+    """``model_path``: what the instances report as their model (an ingress loads its
+    tokenizer from it)."""
     info = {
         "max_position_embeddings": 1 << 16,
         "num_blocks": num_blocks,
         "block_size": BLOCK_SIZE,
-        "model_path": "null",
-        "vocab_size": 32000,
+        "model_path": model_path,
+        "vocab_size": 49152,
         "eos_token_ids": [2],
         "node_id": None,
     }
     pool = config.pools[0]
     return [
-        InstanceSpec(f"{pool.name}-{i}", pool, NullExecutor(step_s), None, dict(info))
+        InstanceSpec(f"{pool.name}-{i}", pool, NullExecutor(step_s, token), None, dict(info))
         for i in range(pool.replicas)
     ]
 
 
-def make_config(instances: int, concurrency: int) -> ClusterConfig:
+def make_config(instances: int, concurrency: int, **extra: Any) -> ClusterConfig:
     return ClusterConfig.model_validate(
         {
+            **extra,
             "block_size": BLOCK_SIZE,
             "pools": [
                 {
@@ -143,6 +158,8 @@ class Cell:
 
 class Driver:
     """Runs a closed loop of requests against one actor (in-process or a Ray handle)."""
+
+    tokens: int
 
     def __init__(self, mode: str, actor: Any, prompt_len: int, output_len: int) -> None:
         self.mode, self.actor = mode, actor
@@ -198,18 +215,28 @@ def _cpu(pids: list[int]) -> float:
 
 
 async def measure(
-    mode: str, actor: Any, args: argparse.Namespace, instances: int, concurrency: int, pid: int
+    mode: str,
+    actor: Any,
+    args: argparse.Namespace,
+    instances: int,
+    concurrency: int,
+    pid: int,
+    driver: Any = None,
+    path_pids: list[int] | None = None,
 ) -> Cell:
-    driver = Driver(mode, actor, args.prompt_len, args.output_len)
+    """``driver``: the load (default a ``Driver`` of ``mode``); ``path_pids``: the processes
+    whose CPU counts (default this one and the actor's)."""
+    driver = driver or Driver(mode, actor, args.prompt_len, args.output_len)
     stop = asyncio.Event()
     loop_task = asyncio.ensure_future(driver.closed_loop(instances * concurrency, stop))
     await asyncio.sleep(args.warmup_s)
-    pids = [os.getpid()] if mode == "inproc" else [os.getpid(), pid]
-    steps0 = _steps(await driver.call("stats"))
+    pids = path_pids or ([os.getpid()] if mode == "inproc" else [os.getpid(), pid])
+    stats = Driver(mode, actor, 1, 1).call
+    steps0 = _steps(await stats("stats"))
     tokens0, cpu0, actor0, t0 = driver.tokens, _cpu(pids), _cpu([pid]), time.perf_counter()
     await asyncio.sleep(args.window_s)
     tokens1, cpu1, actor1, t1 = driver.tokens, _cpu(pids), _cpu([pid]), time.perf_counter()
-    steps1 = _steps(await driver.call("stats"))
+    steps1 = _steps(await stats("stats"))
     stop.set()
     loop_task.cancel()  # the requests in flight end with the actor's shutdown
     await asyncio.gather(loop_task, return_exceptions=True)
@@ -273,6 +300,121 @@ async def run_ray(args: argparse.Namespace, instances: int, concurrency: int) ->
         ray.kill(handle)
 
 
+HTTP_APP = "bench-control-plane"
+
+
+class HttpDriver:
+    """A closed loop of streamed ``/v1/completions`` requests over HTTP (aiohttp)."""
+
+    def __init__(self, url: str, model: str, prompt_len: int, output_len: int) -> None:
+        self.url, self.tokens, self.finished, self.failed = url, 0, 0, 0
+        self.body = {
+            "model": model,
+            "prompt": [5] * prompt_len,
+            "max_tokens": output_len,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "stream": True,
+        }
+
+    async def closed_loop(self, streams: int, stop: asyncio.Event) -> None:
+        import aiohttp
+
+        limits = aiohttp.TCPConnector(limit=streams)
+        timeout = aiohttp.ClientTimeout(total=None)
+        async with aiohttp.ClientSession(connector=limits, timeout=timeout) as session:
+
+            async def lane() -> None:
+                while not stop.is_set():
+                    await self._one(session)
+
+            await asyncio.gather(*(lane() for _ in range(streams)))
+
+    async def _one(self, session: Any) -> None:
+        async with session.post(f"{self.url}/v1/completions", json=self.body) as response:
+            if response.status != 200:
+                self.failed += 1
+                await response.read()
+                return
+            async for line in response.content:
+                if not line.startswith(b"data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                # The null model's token is one character: the text counts the tokens.
+                self.tokens += sum(len(c.get("text", "")) for c in chunk["choices"])
+        self.finished += 1
+
+
+def _serve_pids() -> list[int]:
+    """The Serve processes on a request's path: the ingress replicas and the HTTP proxy."""
+    import psutil
+
+    pids = []
+    for proc in psutil.process_iter(["cmdline"]):
+        line = " ".join(proc.info["cmdline"] or ())
+        if f"ServeReplica:{HTTP_APP}:OpenAIIngress" in line or "ProxyActor" in line:
+            pids.append(proc.pid)
+    return pids
+
+
+async def run_http(args: argparse.Namespace, instances: int, concurrency: int) -> Cell:
+    """The ``ray`` actor behind the Serve app, loaded over HTTP."""
+    import ray
+    from ray import serve
+
+    from actors.model.loader import builtin_model_path
+    from actors.model.tokenizer import Tokenizer
+    from cluster.config import served_model_name
+    from cluster.control.launch import DEFAULT_NAMESPACE, app_cluster_name
+    from cluster.serving.app import build_app_from_config
+    from cluster.tools.serve_cli import http_options
+
+    model = builtin_model_path()
+    (token,) = Tokenizer.from_path(model).encode("x", add_special_tokens=False)
+    serve_section = {
+        "port": args.http_port,
+        "grpc_port": None,
+        "ingress_replicas": args.ingress_replicas,
+        "max_ongoing_requests": 100_000,
+    }
+    config = make_config(instances, concurrency, model=str(model), serve=serve_section)
+    num_blocks = concurrency * -(-(args.prompt_len + args.output_len) // BLOCK_SIZE) + 64
+    specs = null_specs(config, num_blocks, args.step_ms / 1000, str(model), token)
+    handle = (
+        ray.remote(SchedulerActor)
+        .options(
+            name=app_cluster_name(HTTP_APP),
+            namespace=DEFAULT_NAMESPACE,
+            max_concurrency=100_000,
+        )
+        .remote(config, specs)
+    )
+    try:
+        await handle.start.remote()
+        pid = await handle.__ray_call__.remote(lambda self: os.getpid())
+        serve.start(proxy_location="HeadOnly", http_options=http_options(config.serve))
+        # The app finds the running cluster by its name (settings equal) and reuses it.
+        await asyncio.to_thread(
+            serve.run, build_app_from_config(config), name=HTTP_APP, route_prefix="/"
+        )
+        driver = HttpDriver(
+            f"http://127.0.0.1:{args.http_port}",
+            served_model_name(config),
+            args.prompt_len,
+            args.output_len,
+        )
+        cell = await measure(
+            "http", handle, args, instances, concurrency, pid, driver, [pid, *_serve_pids()]
+        )
+        if driver.failed:
+            print(f"http: {driver.failed} requests failed", flush=True)
+        return cell
+    finally:
+        await asyncio.to_thread(serve.delete, HTTP_APP)
+        await handle.shutdown.remote()
+        ray.kill(handle)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--modes", nargs="+", default=["inproc", "ray", "client"])
@@ -285,6 +427,8 @@ def main() -> None:
     parser.add_argument("--window-s", type=float, default=5.0)
     parser.add_argument("--admission-requests", type=int, default=2000)
     parser.add_argument("--quick", action="store_true", help="1 and 4 instances, short windows.")
+    parser.add_argument("--ingress-replicas", type=int, default=1, help="http mode.")
+    parser.add_argument("--http-port", type=int, default=8123, help="http mode.")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     if args.quick:
@@ -301,9 +445,11 @@ def main() -> None:
 
             init_ray()
         for n in args.instances:
-            runner = run_inproc if mode == "inproc" else run_ray
+            runner = {"inproc": run_inproc, "http": run_http}.get(mode, run_ray)
             cells.append(asyncio.run(runner(args, n, args.concurrency)))
             print(_row(cells[-1]), flush=True)
+        if mode == "http":
+            continue  # admission is the actor's: measured by the other modes
         admissions[mode] = asyncio.run(_admission(mode, args))
         print(f"{mode}: admission {admissions[mode]:,.0f} requests/s", flush=True)
     print(_table(cells, admissions))
