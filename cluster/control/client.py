@@ -239,6 +239,9 @@ class Subscription:
         self.queues: dict[int, asyncio.Queue[EngineCoreOutput | BaseException]] = {}
         self.request_ids: dict[str, int] = {}  # open requests: id -> submission
         self._submissions = itertools.count()
+        # Submissions of this turn of the event loop, sent together (submit_many).
+        self._to_submit: list[tuple[tuple[Request, Any, int], asyncio.Future[None]]] = []
+        self._submitting: set[asyncio.Task[None]] = set()
         self._stop = threading.Event()
         self._keepalive = threading.Thread(
             target=self._keep_alive, name=f"keepalive {client_id}", daemon=True
@@ -265,9 +268,9 @@ class Subscription:
         running = False
         try:
             try:
-                await self.handle.submit.remote(request, self.client_id, trace_context, submission)
-            except ray.exceptions.RayTaskError as exc:  # refused: nothing runs
-                raise _cause(exc, ValueError, RuntimeError) from None
+                await self._submit(request, trace_context, submission)
+            except (ValueError, RuntimeError):  # refused (or the actor is gone): nothing runs
+                raise
             except BaseException:  # cancelled mid-submit: it may have been placed
                 self.handle.abort.remote(rid)
                 raise
@@ -286,6 +289,43 @@ class Subscription:
             self.request_ids.pop(rid, None)
             if running:  # left before the end: nothing may keep running for nobody
                 self.handle.abort.remote(rid)
+
+    def _submit(
+        self, request: Request, trace_context: dict[str, str] | None, submission: int
+    ) -> asyncio.Future[None]:
+        """Submit ``request`` with the others submitted in the same turn of the event loop:
+        they go in one ``submit_many`` call. The future fails with the cluster's reason when
+        the request is refused."""
+        future: asyncio.Future[None] = self.loop.create_future()
+        if not self._to_submit:
+            self.loop.call_soon(self._send_submissions)
+        self._to_submit.append(((request, trace_context, submission), future))
+        return future
+
+    def _send_submissions(self) -> None:
+        batch, self._to_submit = self._to_submit, []
+        task = self.loop.create_task(self._submit_batch(batch))
+        self._submitting.add(task)
+        task.add_done_callback(self._submitting.discard)
+
+    async def _submit_batch(
+        self, batch: list[tuple[tuple[Request, Any, int], asyncio.Future[None]]]
+    ) -> None:
+        try:
+            outcomes = await self.handle.submit_many.remote(
+                self.client_id, [item for item, _ in batch]
+            )
+        except BaseException as exc:  # the actor is gone: none of them runs
+            cause = _cause(exc, ValueError, RuntimeError)
+            error = cause if isinstance(cause, Exception) else RuntimeError(str(cause))
+            outcomes = [error] * len(batch)
+        for (_, future), outcome in zip(batch, outcomes, strict=True):
+            if future.done():  # its stream was cancelled meanwhile
+                continue
+            if outcome is None:
+                future.set_result(None)
+            else:
+                future.set_exception(outcome)
 
     async def _run(self) -> None:
         queues = self.queues

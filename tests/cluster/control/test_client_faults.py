@@ -181,3 +181,35 @@ def test_a_duplicate_id_is_refused_and_the_first_goes_on(
 
     final = asyncio.run(asyncio.wait_for(run(), 60))
     assert final.outputs[0].finish_reason == "length" and len(_tokens(final)) == 30
+
+
+def test_requests_submitted_together_are_refused_one_by_one(
+    cluster: Any, client: ClusterClient
+) -> None:
+    """Streams opened in the same turn of the event loop go to the actor in one
+    ``submit_many``: the one it refuses raises its own error, the others run to the end."""
+    import asyncio
+
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+
+    async def run() -> list[Any]:
+        subscription = client._subscription()
+
+        async def collect(request: Request) -> list[Any]:
+            return [out async for out in subscription.stream(request)]
+
+        ok = [Request(f"together{i}", [5, 6, 7 + i], params) for i in range(6)]
+        # Past max_model_len: refused by the actor (the client's own checks are bypassed).
+        bad = Request("too-long", [5] * (client.max_model_len + 8), params)
+        requests = [*ok[:3], bad, *ok[3:]]
+        return await asyncio.gather(*(collect(r) for r in requests), return_exceptions=True)
+
+    results = asyncio.run(asyncio.wait_for(run(), 60))
+    refused = results.pop(3)
+    assert isinstance(refused, ValueError) and "max_model_len" in str(refused)
+    for outputs in results:
+        assert not isinstance(outputs, BaseException), outputs
+        assert outputs[-1].finish_reason is not None
+        assert outputs[-1].finish_reason.value == "length"
+        assert sum(len(o.new_token_ids) for o in outputs) == 4
+    assert_clean(cluster)
