@@ -12,13 +12,20 @@ serves the same cluster-wide numbers on ``/metrics``):
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.utils import floatToGoString
 
 LABELS = ["model_name", "instance", "role"]
 
@@ -202,13 +209,65 @@ class _StatsCollector:
         yield moves
 
 
+class StepHistogram:
+    """One labelled child of a histogram observed on every step of every request (the
+    inter-token latency: one observation per request per step). ``prometheus_client``'s
+    children take a lock per bucket and per sum; these are plain counters, observed and
+    rendered on the actor's event loop only."""
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # per bucket (le = bound), the last +Inf
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+
+class _StepHistogramFamily:
+    """A histogram of ``StepHistogram`` children by label values, rendered as Prometheus's."""
+
+    def __init__(self, name: str, doc: str, bounds: tuple[float, ...]) -> None:
+        self.name, self.doc, self.bounds = name, doc, bounds
+        self.children: dict[tuple[str, ...], StepHistogram] = {}
+
+    def labels(self, *values: str) -> StepHistogram:
+        child = self.children.get(values)
+        if child is None:
+            child = self.children[values] = StepHistogram(self.bounds)
+        return child
+
+    def metric(self) -> Metric:
+        family = HistogramMetricFamily(self.name, self.doc, labels=LABELS)
+        edges = [floatToGoString(b) for b in self.bounds] + ["+Inf"]  # type: ignore[no-untyped-call]
+        for values, child in sorted(self.children.items()):
+            total, buckets = 0, []
+            for edge, count in zip(edges, child.counts, strict=True):
+                total += count
+                buckets.append((edge, float(total)))
+            family.add_metric(list(values), buckets, sum_value=child.sum)
+        return family
+
+
+class _StepHistogramCollector:
+    def __init__(self, families: list[_StepHistogramFamily]) -> None:
+        self.families = families
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.families:
+            yield family.metric()
+
+
 @dataclass(frozen=True)
 class StepHistograms:
     """One instance's children of the histograms a request's steps observe."""
 
-    ttft: Any
-    itl: Any
-    queue: Any
+    ttft: StepHistogram
+    itl: StepHistogram
+    queue: StepHistogram
 
 
 class ClusterMetrics:
@@ -219,19 +278,15 @@ class ClusterMetrics:
         self.slo_ttft_s = slo_ttft_s
         self.slo_tpot_s = slo_tpot_s
         r = self.registry = CollectorRegistry(auto_describe=True)
-        self.ttft = Histogram(
+        self.ttft = _StepHistogramFamily(
             "tandem:time_to_first_token_seconds",
             "Time to first token (arrival to the first token, from the instance that sampled it).",
-            LABELS,
-            registry=r,
-            buckets=_TTFT_BUCKETS,
+            _TTFT_BUCKETS,
         )
-        self.itl = Histogram(
+        self.itl = _StepHistogramFamily(
             "tandem:inter_token_latency_seconds",
             "Time between two outputs of a request.",
-            LABELS,
-            registry=r,
-            buckets=_ITL_BUCKETS,
+            _ITL_BUCKETS,
         )
         self.tpot = Histogram(
             "tandem:request_time_per_output_token_seconds",
@@ -247,13 +302,12 @@ class ClusterMetrics:
             registry=r,
             buckets=_E2E_BUCKETS,
         )
-        self.queue = Histogram(
+        self.queue = _StepHistogramFamily(
             "tandem:request_queue_time_seconds",
             "Arrival to the request's first step.",
-            LABELS,
-            registry=r,
-            buckets=_E2E_BUCKETS,
+            _E2E_BUCKETS,
         )
+        r.register(_StepHistogramCollector([self.ttft, self.itl, self.queue]))
         self.transfer = Histogram(
             "tandem:kv_transfer_duration_seconds",
             "One KV load, start to data in the blocks (failed ones too).",
