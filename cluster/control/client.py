@@ -25,6 +25,7 @@ from typing import Any
 import ray
 
 from actors.model.tokenizer import Tokenizer
+from cluster.control.flights import unpack_batch
 from cluster.engine.frontend import RequestFactory
 from cluster.engine.outputs import OutputProcessor, RequestOutput
 from cluster.engine.protocol import EngineClient
@@ -335,8 +336,8 @@ class Subscription:
         )
         try:
             async for ref in self.handle.subscribe.remote(self.client_id):
-                for submission, out in await ref:
-                    queue = queues.get(submission)
+                for submission, out in unpack_batch(await ref):
+                    queue = queues.get(submission)  # type: ignore[arg-type]
                     if queue is not None:
                         queue.put_nowait(out)
         except BaseException as exc:

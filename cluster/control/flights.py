@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from scheduler import Request
 from scheduler.outputs import EngineCoreOutput
+from scheduler.request import FinishReason
 
 if TYPE_CHECKING:
     from cluster.control.engine_loop import EngineLoop
@@ -115,6 +116,48 @@ def prefill_request(request: Request, request_id: str) -> Request:
         sampling_params=first,
         kv_transfer_params={"do_remote_decode": True},
     )
+
+
+# One output on the wire of a client's batched stream: (submission, request id, new token
+# ids, finish reason's value or None, stop reason, cached tokens, new logprobs, error). Plain
+# tuples pickle about 20x faster than the dataclass (0.1 vs 2.4 us an output with Ray's
+# cloudpickle) -- per token, that is most of the stream's cost.
+WireOutput = tuple[Submission, str, list[int], str | None, Any, int, Any, str | None]
+
+
+def pack_batch(batch: list[tuple[Submission, EngineCoreOutput]]) -> list[WireOutput]:
+    return [
+        (
+            tag,
+            o.request_id,
+            o.new_token_ids,
+            None if o.finish_reason is None else o.finish_reason.value,
+            o.stop_reason,
+            o.num_cached_tokens,
+            o.new_logprobs,
+            o.error,
+        )
+        for tag, o in batch
+    ]
+
+
+def unpack_batch(wire: list[WireOutput]) -> list[tuple[Submission, EngineCoreOutput]]:
+    return [
+        (
+            tag,
+            EngineCoreOutput(
+                rid,
+                tokens,
+                None if reason is None else FinishReason(reason),
+                stop,
+                cached,
+                None,
+                logprobs,
+                error,
+            ),
+        )
+        for tag, rid, tokens, reason, stop, cached, logprobs, error in wire
+    ]
 
 
 def merge_outputs(a: EngineCoreOutput, b: EngineCoreOutput) -> EngineCoreOutput:

@@ -32,10 +32,13 @@ from cluster.control.flights import (
     Flight,
     Outbox,
     Submission,
+    WireOutput,
     clone_request,
     merge_outputs,
+    pack_batch,
     prefill_request,
 )
+from cluster.control.heap import freeze_heap
 from cluster.control.observer import RequestObserver
 from cluster.control.placement import InstanceSpec
 from cluster.control.recovery import check_workers, end_hung_workers, restore_workers
@@ -94,6 +97,7 @@ class SchedulerActor:
             self._spawn(self._monitor_health())
         self._spawn(self.clients.reap_silent())
         self.started = True
+        freeze_heap()  # the block pools and the rest of start-up: never garbage
         logger.info("cluster started: %s", ", ".join(f"{i} ({r})" for i, r in self.roles.items()))
         return self.describe()
 
@@ -240,18 +244,17 @@ class SchedulerActor:
                 outcomes.append(None)
         return outcomes
 
-    async def subscribe(
-        self, client_id: str
-    ) -> AsyncIterator[list[tuple[Submission, EngineCoreOutput]]]:
+    async def subscribe(self, client_id: str) -> AsyncIterator[list[WireOutput]]:
         """The outputs of every request ``client_id`` submitted, as they come: one batch per
         wake-up (a step's outputs of every instance at once), one merged output per request
-        with its submission tag, each request's last with ``finish_reason`` set. Tokens cross
-        to the client in one Ray message per batch, not one per token or per request. When the
+        with its submission tag, each request's last with ``finish_reason`` set, packed as
+        plain tuples (``flights.unpack_batch`` restores them). Tokens cross to the client in
+        one Ray message per batch, not one per token or per request. When the
         stream ends (the client left, ``unsubscribe``, or it fell silent) its unfinished
         requests are aborted. (A generator function itself: Ray streams only those.)"""
         async with aclosing(self.clients.stream(client_id)) as batches:
             async for batch in batches:
-                yield batch
+                yield pack_batch(batch)
 
     def keepalive(self, client_id: str) -> None:
         """Client ``client_id`` lives (its ``Subscription`` says so every second); one that
@@ -534,6 +537,7 @@ class SchedulerActor:
                 )
         for spec in specs:
             self._add_instance(spec)
+        freeze_heap()
         logger.info("pool %s grew: %s", pool.name, ", ".join(s.instance_id for s in specs))
 
     async def _shrink(self, instance_ids: list[str], drain_timeout_s: float | None) -> None:

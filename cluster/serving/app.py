@@ -184,6 +184,9 @@ class OpenAIIngress:
                         preprocess_threads=self._config.serve.preprocess_threads,
                         lora_adapter_root=self._config.serve.lora_adapter_root,
                     )
+                    from cluster.control.heap import freeze_heap
+
+                    freeze_heap()  # the tokenizer and its vocabulary tables: never garbage
         return self._serving
 
     def _authorize(self, request: HTTPRequest) -> None:

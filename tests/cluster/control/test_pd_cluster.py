@@ -29,6 +29,7 @@ from tests.cluster.control.helpers import (
 ray = pytest.importorskip("ray")
 
 from cluster.control.client import ClusterClient  # noqa: E402
+from cluster.control.flights import unpack_batch  # noqa: E402
 from cluster.control.launch import build_cluster, shutdown_cluster  # noqa: E402
 from scheduler import Request, SamplingParams  # noqa: E402
 
@@ -248,7 +249,7 @@ def test_an_abort_sent_right_after_submit_reaches_the_request(
         aborted = disagg.abort.remote(rid)
         ray.get([submitted, aborted])
     stream = disagg.subscribe.remote(rid)
-    ((tag, final),) = ray.get(next(stream))  # the abort's output waited for the client
+    ((tag, final),) = unpack_batch(ray.get(next(stream)))  # the abort's output waited
     assert tag == rid  # no submission tag given: the request id
     ray.get(disagg.unsubscribe.remote(rid))
     assert final.request_id == rid and final.finish_reason is not None

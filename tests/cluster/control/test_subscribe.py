@@ -15,6 +15,7 @@ import pytest
 from actors.worker import ModelWorker
 from cluster.config import ClusterConfig, InstancePool
 from cluster.control.executors import LocalExecutor
+from cluster.control.flights import unpack_batch
 from cluster.control.placement import InstanceSpec
 from cluster.control.scheduler_actor import SchedulerActor
 from scheduler import Request, SamplingParams
@@ -63,7 +64,7 @@ def test_a_clients_requests_come_one_batch_per_step(tiny_model: Path) -> None:
 
         async def consume() -> None:
             async for tagged in actor.subscribe("client-1"):
-                batch = [out for _, out in tagged]
+                batch = [out for _, out in unpack_batch(tagged)]
                 batches.append(batch)
                 done.update(o.request_id for o in batch if o.finished)
                 if len(done) == 8:
@@ -109,7 +110,7 @@ def test_a_refused_request_raises_at_submit(tiny_model: Path) -> None:
         with pytest.raises(ValueError, match="already in use"):
             await actor.submit(Request("a", _prompt(1), GREEDY), "client-2")
         assert actor.abort("a")
-        batch = [out for _, out in await actor.subscribe("client-1").__anext__()]
+        batch = [out for _, out in unpack_batch(await actor.subscribe("client-1").__anext__())]
         assert batch[-1].request_id == "a" and batch[-1].finish_reason is not None
         assert batch[-1].finish_reason.value == "abort"
         await _idle(actor)
@@ -127,13 +128,13 @@ def test_a_client_that_leaves_has_its_requests_aborted(tiny_model: Path) -> None
         for i in range(3):
             await actor.submit(Request(f"l{i}", _prompt(i), LONG), "leaver")
         await actor.submit(Request("other", _prompt(5), GREEDY), "stayer")
-        first = [out for _, out in await stream.__anext__()]  # tokens are flowing
+        first = [out for _, out in unpack_batch(await stream.__anext__())]  # tokens flow
         assert first and {o.request_id for o in first} <= {"l0", "l1", "l2"}
         await stream.aclose()  # the client is gone (Ray cancels its stream the same way)
         assert not any(rid.startswith("l") for rid in actor.live_request_ids())
         other: list[EngineCoreOutput] = []  # another client's request is untouched
         async for tagged in actor.subscribe("stayer"):
-            other += [out for _, out in tagged]
+            other += [out for _, out in unpack_batch(tagged)]
             if other[-1].finished:
                 break
         assert other[-1].finish_reason is not None and other[-1].finish_reason.value == "length"
@@ -151,9 +152,9 @@ def test_shutdown_ends_the_stream_after_the_last_outputs(tiny_model: Path) -> No
         await actor.start()
         await actor.submit(Request("a", _prompt(0), LONG), "client-1")
         stream = actor.subscribe("client-1")
-        seen = [out for _, out in await stream.__anext__()]
+        seen = [out for _, out in unpack_batch(await stream.__anext__())]
         await actor.shutdown()
-        seen += [o async for tagged in stream for _, o in tagged]  # ends: no hang
+        seen += [o async for tagged in stream for _, o in unpack_batch(tagged)]  # ends: no hang
         return seen
 
     seen = asyncio.run(asyncio.wait_for(run(), 60))
