@@ -15,6 +15,12 @@ import gc
 
 
 def freeze_heap() -> None:
-    """Collect once, then move every object alive now out of the collector's reach."""
+    """Collect once, then move every object alive now out of the collector's reach -- in a
+    Ray actor's process only (the actor owns it; a program that embeds the SchedulerActor,
+    a test, keeps its own collector as it is)."""
+    import ray
+
+    if not ray.is_initialized() or ray.get_runtime_context().get_actor_id() is None:
+        return
     gc.collect()
     gc.freeze()
