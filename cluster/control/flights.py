@@ -22,7 +22,6 @@ from scheduler.outputs import EngineCoreOutput
 from scheduler.request import FinishReason
 
 if TYPE_CHECKING:
-    from cluster.control.engine_loop import EngineLoop
     from cluster.control.summaries import InstanceView
 
 
@@ -64,17 +63,18 @@ class Flight:
     request: Request  # as the client sent it
     queue: asyncio.Queue[EngineCoreOutput] | None  # its own stream (``generate``), or
     outbox: Outbox | None  # its client's batched stream (``submit``)
-    loop: EngineLoop  # where it runs now
+    instance: str  # the instance it was last given to ("" before it is placed)
     stage: str  # "prefill" (on P, to be handed off) or "decode" (running to the end)
     internal_id: str = ""  # the id the schedulers know it by
     num_cached_tokens: int | None = None  # the prefix hit where the prompt was computed
     decode_target: InstanceView | None = None  # chosen by the Router at arrival
-    sent: list[int] = field(default_factory=list)  # tokens already given to the client
+    # The tokens its client has, as of its last hand-off or move (the engines stream the
+    # tokens; the actor learns them only when the request changes instance).
+    sent: list[int] = field(default_factory=list)
     num_moves: int = 0  # times it moved off a failed instance
-    # For metrics (time.monotonic(); arrival is request.arrival_time):
-    scheduled_at: float | None = None  # its first step anywhere
+    # For metrics (time.monotonic()), as its engines reported them:
     first_token_at: float | None = None
-    last_token_at: float | None = None
+    scheduled: bool = False  # some instance scheduled it (its queue time is observed)
     trace: Any = None  # a RequestTrace while tracing is on
     submission: Submission | None = None  # the client's tag of its submit (outbox only)
 

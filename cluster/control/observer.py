@@ -7,15 +7,21 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+from typing import Any, Protocol
 
 from cluster.config import ClusterConfig, served_model_name
-from cluster.control.engine_loop import EngineLoop
 from cluster.control.flights import Flight
 from cluster.control.placement import InstanceSpec
 from cluster.control.summaries import InstanceView
 from cluster.observability.metrics import ClusterMetrics
 from scheduler.outputs import EngineCoreOutput
+
+
+class Instance(Protocol):
+    """What the observer needs of where a request is: an engine or a view of one."""
+
+    instance_id: str
+    role: str
 
 
 class RequestObserver:
@@ -53,11 +59,8 @@ class RequestObserver:
 
             await asyncio.to_thread(flush)
 
-    def _role(self, loop: EngineLoop) -> str:
-        return self._roles.get(loop.instance_id, "")
-
-    def node(self, loop: EngineLoop | InstanceView) -> str | None:
-        spec = self._specs.get(loop.instance_id)
+    def node(self, instance_id: str) -> str | None:
+        spec = self._specs.get(instance_id)
         return None if spec is None else spec.info.get("node_id")
 
     # -- a request's events, in order --------------------------------------------------------
@@ -77,38 +80,43 @@ class RequestObserver:
             request.arrival_time,
         )
 
-    def scheduled(self, loop: EngineLoop, flight: Flight) -> None:
-        """A step of ``loop`` took the request (the first one ends its queue time)."""
-        if flight.trace is not None:
-            flight.trace.scheduled(loop.instance_id, self._role(loop), self.node(loop))
-        if flight.scheduled_at is None:
-            flight.scheduled_at = now = time.monotonic()
-            queued = now - flight.request.arrival_time
-            histograms = self.metrics.per_step(loop.instance_id, self._role(loop))
-            histograms.queue.observe(max(queued, 0.0))
+    def scheduled(self, where: Instance, held: Any) -> None:
+        """A step of instance ``where`` took the request (the first one anywhere ends its
+        queue time)."""
+        iid = where.instance_id
+        if held.trace is not None:
+            held.trace.scheduled(iid, where.role, self.node(iid))
+        if held.scheduled_at is None:
+            held.scheduled_at = now = time.monotonic()
+            if not held.placement.scheduled:
+                queued = now - held.request.arrival_time
+                histograms = self.metrics.per_step(iid, where.role)
+                histograms.queue.observe(max(queued, 0.0))
 
-    def tokens_out(self, flight: Flight, loop: EngineLoop, num: int) -> None:
-        """``num`` tokens of the request, sampled by ``loop``, go to the client."""
+    def tokens_out(self, held: Any, where: Instance, num: int) -> None:
+        """``num`` tokens of the request, sampled on instance ``where``, go to the client."""
         if num <= 0:
             return
-        if flight.trace is not None:
-            flight.trace.tokens(num, flight.num_cached_tokens, loop.instance_id, self.node(loop))
+        iid = where.instance_id
+        if held.trace is not None:
+            held.trace.tokens(num, held.num_cached_tokens, iid, self.node(iid))
         now = time.monotonic()
-        histograms = self.metrics.per_step(loop.instance_id, self._role(loop))
-        if flight.first_token_at is None:
-            flight.first_token_at = now
-            histograms.ttft.observe(now - flight.request.arrival_time)
-        elif flight.last_token_at is not None:
-            histograms.itl.observe(now - flight.last_token_at)
-        flight.last_token_at = now
+        histograms = self.metrics.per_step(iid, where.role)
+        if held.first_token_at is None:
+            held.first_token_at = now
+            histograms.ttft.observe(now - held.request.arrival_time)
+        elif held.last_token_at is not None:
+            histograms.itl.observe(now - held.last_token_at)
+        held.last_token_at = now
 
     def handed_off(self, flight: Flight, decode: InstanceView, transport: str) -> None:
         """The prefilled request goes on to ``decode``; its KV follows."""
         if flight.trace is None:
             return
-        block_size = self._specs[decode.instance_id].info["block_size"]
+        iid = decode.instance_id
+        block_size = self._specs[iid].info["block_size"]
         num_blocks = -(-flight.request.num_prompt_tokens // block_size)
-        flight.trace.handed_off(decode.instance_id, self.node(decode), transport, num_blocks)
+        flight.trace.handed_off(iid, self.node(iid), transport, num_blocks)
 
     def decode_params(self, flight: Flight, params: Any) -> dict[str, Any] | None:
         """The decode request's ``kv_transfer_params``, with the transfer span's context so
@@ -124,42 +132,46 @@ class RequestObserver:
 
     def kv_loads(
         self,
-        loop: EngineLoop,
+        where: Instance,
         loads: list[tuple[str, float, int, bool]],
-        flights: dict[str, Flight],
+        held: dict[str, Any],
     ) -> None:
-        """KV loads that ended on ``loop``'s workers: (internal id, seconds, bytes, ok)."""
-        self.metrics.kv_loads(loop.instance_id, self._role(loop), loads, self._recompute)
+        """KV loads that ended on instance ``where``'s workers: (internal id, seconds, bytes,
+        ok)."""
+        self.metrics.kv_loads(where.instance_id, where.role, loads, self._recompute)
         for req_id, seconds, num_bytes, ok in loads:
-            flight = flights.get(req_id)
-            if flight is not None and flight.trace is not None:
-                flight.trace.kv_loaded(seconds, num_bytes, ok)
+            record = held.get(req_id)
+            if record is not None and record.trace is not None:
+                record.trace.kv_loaded(seconds, num_bytes, ok)
 
-    def preempted(self, loop: EngineLoop, flight: Flight) -> None:
-        """``loop`` preempted the request (its KV is freed; it will be recomputed)."""
-        if flight.trace is not None:
-            flight.trace.preempted(loop.instance_id)
+    def preempted(self, where: Instance, held: Any) -> None:
+        """Instance ``where`` preempted the request (its KV is freed; it will be recomputed)."""
+        if held.trace is not None:
+            held.trace.preempted(where.instance_id)
 
     def moved(self, flight: Flight, reason: str) -> None:
         """The request's instance failed; it is placed again."""
         if flight.trace is not None:
             flight.trace.moved(reason)
 
-    def finished(self, flight: Flight, final: EngineCoreOutput) -> None:
+    def finished(self, record: Any, final: EngineCoreOutput, where: Instance | None) -> None:
+        """The request ended (``record``: its engine's, or the actor's flight when no engine
+        held it), last on instance ``where`` (None: never placed)."""
         if final.finish_reason is None:
             return
-        if flight.trace is not None:
-            flight.trace.finish(final.finish_reason.value, final.error)
+        if record.trace is not None:
+            record.trace.finish(final.finish_reason.value, final.error)
         now = time.monotonic()
-        first = flight.first_token_at
-        ttft = None if first is None else first - flight.request.arrival_time
-        num = len(flight.sent)
+        first = record.first_token_at
+        arrival = record.request.arrival_time
+        ttft = None if first is None else first - arrival
+        num = len(record.sent)
         tpot = (now - first) / (num - 1) if first is not None and num > 1 else None
         self.metrics.request_finished(
-            flight.loop.instance_id,
-            self._role(flight.loop),
+            "" if where is None else where.instance_id,
+            "" if where is None else where.role,
             final.finish_reason.value,
-            now - flight.request.arrival_time,
+            now - arrival,
             ttft,
             tpot,
         )

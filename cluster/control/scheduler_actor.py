@@ -1,12 +1,18 @@
-"""``SchedulerActor``: the central coordinator of a Tandem cluster (DESIGN §2).
+"""``SchedulerActor``: the central scheduler of a Tandem cluster (DESIGN §2).
 
-It owns one ``Scheduler`` + ``EngineLoop`` per instance, the Router, and every request in
-flight. ``generate`` is a streaming method: token ids flow back as they are produced -- the
-first from the prefill instance (TTFT), the rest from the decode instance::
+It decides where each request runs -- admission (the waiting bound), routing (load, prefix
+affinity, LoRA, conditional disaggregation), the P/D hand-off, moves after a failure -- and
+each instance's ``InstanceEngine`` runs it there (``cluster.control.engine``)::
 
-    generate(req) ─▶ Router ─▶ P? ──────────────────────────────▶ D
-                              prefill, 1st token ─▶ client     decode tokens ─▶ client
-                              KV saved (handle) ─▶ D request (do_remote_prefill, [1st token])
+    submit(req) ─▶ Router ─▶ P engine: prefill, 1st token ─▶ client
+                               │ report: prefilled (KV handle)
+                               ▼
+                  hand-off ─▶ D engine: [1st token] + KV ─▶ decode tokens ─▶ client
+
+What the actor knows of an instance is the engine's report of each step: its load, KV usage
+and prefix-cache events (an ``InstanceView`` for the router) and per request only its
+milestones -- finished, prefilled, lost -- never its tokens: the engines stream those to the
+clients' outboxes themselves.
 
 A plain class: ``build_cluster`` (``cluster.control.launch``) starts it as a named async Ray
 actor (``scheduler_actor_class``); tests may inject in-process instances instead of Ray
@@ -26,7 +32,7 @@ from typing import Any
 from cluster.config import ClusterConfig
 from cluster.control.adapters import LoRAAdapters
 from cluster.control.clients import Clients
-from cluster.control.engine_loop import EngineLoop
+from cluster.control.engine import EngineReport, InstanceEngine, Lost, Placement, Prefilled
 from cluster.control.flights import (
     EarlyAborts,
     Flight,
@@ -41,27 +47,26 @@ from cluster.control.flights import (
 from cluster.control.heap import freeze_heap
 from cluster.control.observer import RequestObserver
 from cluster.control.placement import InstanceSpec
-from cluster.control.recovery import check_workers, end_hung_workers, restore_workers
 from cluster.control.router import Route, Router
-from cluster.control.summaries import EngineSummary, InstanceView
+from cluster.control.summaries import InstanceView
 from cluster.errors import OverloadedError
-from kv_transfer.connector import PDConnector
-from scheduler import CacheConfig, LoRARequest, Request, Scheduler
+from scheduler import LoRARequest, Request
 from scheduler.outputs import EngineCoreOutput
-from scheduler.request import FinishReason, RequestStatus
+from scheduler.request import FinishReason
 
 logger = logging.getLogger(__name__)
 
 
 class SchedulerActor:
-    """Routes requests to instances, drives their loops and streams their tokens."""
+    """Admits and routes requests, hands them off between instances, moves them off failed
+    ones; the instances' engines run them and stream their tokens."""
 
     def __init__(self, config: ClusterConfig, instances: list[InstanceSpec] | None = None) -> None:
         self.config = config
         self._specs = instances
         self.router = Router(config.router)
-        self.loops: dict[str, EngineLoop] = {}
-        # What routing and admission read of each instance: its engine's per-step summaries.
+        self.engines: dict[str, InstanceEngine] = {}
+        # What routing and admission read of each instance: its engine's per-step reports.
         self.views: dict[str, InstanceView] = {}
         self.roles: dict[str, str] = {}
         self.specs: dict[str, InstanceSpec] = {}
@@ -75,14 +80,14 @@ class SchedulerActor:
         self.started = False
         self.num_moves = 0  # requests moved off failed instances
         self.failures: list[dict[str, Any]] = []  # instance failures and rejoins, in order
-        self._tasks: set[asyncio.Task[None]] = set()  # moves, rejoins, the health monitor
+        self._tasks: set[asyncio.Task[None]] = set()  # moves, the client reaper
         self._resizing = asyncio.Lock()  # scale_pool: one resize at a time
         self.observe = RequestObserver(config, self.roles, self.specs)
         self.lora = LoRAAdapters(config, self.specs)  # served by name, loaded per instance
 
     # -- life cycle --------------------------------------------------------------------------
     async def start(self) -> dict[str, Any]:
-        """Start the workers (unless injected), build each instance's scheduler and loop."""
+        """Start the workers (unless injected), then each instance's engine."""
         if self.started:
             return self.describe()
         if self._specs is None:
@@ -93,8 +98,6 @@ class SchedulerActor:
         self.max_model_len = self._common_max_model_len(specs)
         for spec in specs:
             self._add_instance(spec)
-        if any(spec.actors for spec in specs) and self.config.health_check_interval_s > 0:
-            self._spawn(self._monitor_health())
         self._spawn(self.clients.reap_silent())
         self.started = True
         freeze_heap()  # the block pools and the rest of start-up: never garbage
@@ -102,21 +105,23 @@ class SchedulerActor:
         return self.describe()
 
     def _add_instance(self, spec: InstanceSpec) -> None:
-        """Build a started instance's scheduler and loop and let it serve."""
-        self.specs[spec.instance_id] = spec
-        self.roles[spec.instance_id] = spec.pool.role
-        self._install(spec, self._build_loop(spec))
-        self.lora.reset(spec.instance_id)
-        self.observe.add_instance(spec.instance_id, spec.pool.role)
-
-    def _install(self, spec: InstanceSpec, loop: EngineLoop) -> None:
-        """Make ``loop`` the instance's engine, with a fresh view of it, and start it."""
+        """Start a started instance's engine and let it serve."""
         iid = spec.instance_id
+        self.specs[iid] = spec
+        self.roles[iid] = spec.pool.role
+        self.views[iid] = self._new_view(spec)
+        self.lora.reset(iid)
+        self.observe.add_instance(iid, spec.pool.role)
+        engine = InstanceEngine(
+            self.config, spec, self.max_model_len, self._on_report, self.observe
+        )
+        self.engines[iid] = engine
+        engine.start()
+
+    @staticmethod
+    def _new_view(spec: InstanceSpec) -> InstanceView:
         caching = spec.pool.cache.get("enable_prefix_caching", True)
-        self.views[iid] = InstanceView(iid, spec.pool.role, spec.info["block_size"], caching)
-        self.loops[iid] = loop
-        loop.on_summary = self._on_summary
-        loop.start()
+        return InstanceView(spec.instance_id, spec.pool.role, spec.info["block_size"], caching)
 
     def _common_max_model_len(self, specs: list[InstanceSpec]) -> int:
         """One context length for the whole cluster: a request may land anywhere."""
@@ -133,49 +138,14 @@ class SchedulerActor:
             )
         return wanted or cap
 
-    def _build_loop(self, spec: InstanceSpec) -> EngineLoop:
-        pool = spec.pool
-        sched_config = pool.scheduler_config(self.max_model_len)
-        if pool.role != "prefill":  # the side that loads applies the failure policy
-            sched_config = sched_config.model_copy(
-                update={"kv_load_failure_policy": self.config.kv_transfer.failure_policy}
-            )
-        cache = CacheConfig(
-            **{**pool.cache, "block_size": spec.info["block_size"]},
-            num_blocks=spec.info["num_blocks"],
-        )
-        connector = None
-        if self.config.disaggregated:
-            connector = PDConnector(
-                spec.instance_id, spec.info["block_size"], self.config.kv_transfer.timeout_s
-            )
-        scheduler = Scheduler(sched_config, cache, self.config.lora, connector)
-        # Pipeline stages each hold one step; async scheduling overlaps two on one worker.
-        in_flight = pool.pp_size if pool.pp_size > 1 else 2 if sched_config.async_scheduling else 1
-        loop = EngineLoop(
-            spec.instance_id,
-            scheduler,
-            spec.executor,
-            self._on_outputs,
-            admission_window_s=self.config.admission_window_s,
-            max_in_flight=in_flight,
-            on_failure=self._on_instance_failed,
-            step_timeout_s=self.config.step_timeout_s if spec.actors else None,
-        )
-        loop.on_scheduled = self._on_scheduled
-        loop.on_preempted = self._on_preempted
-        loop.on_kv_loads = self._on_kv_loads
-        return loop
-
     async def shutdown(self) -> None:
-        """Stop every loop, fail what is in flight, release the workers."""
+        """Stop every engine, end what is in flight (abort), release the workers."""
         for task in list(self._tasks):
             task.cancel()
-        for loop in self.loops.values():
-            loop.on_failure = None  # stopping is not a failure to recover from
-            await loop.stop()
-        for rid, flight in list(self.flights.items()):
-            self._finish(flight, EngineCoreOutput(rid, [], FinishReason.ABORT, error="shutdown"))
+        for engine in self.engines.values():
+            await engine.stop()
+        for flight in list(self.flights.values()):
+            self._end(flight, FinishReason.ABORT, "shutdown")
         self.clients.close_all()  # their last batches go out, then their streams end
         await self.observe.flush()
         for spec in self.specs.values():
@@ -295,12 +265,12 @@ class SchedulerActor:
                 raise OverloadedError(waiting, bound, self.config.serve.retry_after_s)
         # Arrival is stamped here: clients' clocks are not comparable (priority tie-breaks).
         request.arrival_time = time.monotonic()
-        flight = Flight(request, queue, outbox, next(iter(self.loops.values())), "decode")
+        flight = Flight(request, queue, outbox, "", "decode")
         flight.submission = submission
         self.observe.arrived(flight, trace_context)
         self.flights[rid] = flight
         if self._early_aborts.take(rid):  # its abort came first: it ends at once
-            self._finish(flight, EngineCoreOutput(rid, [], FinishReason.ABORT))
+            self._end(flight, FinishReason.ABORT)
             return flight
         try:
             await self._place(flight)
@@ -345,6 +315,7 @@ class SchedulerActor:
         if route.prefill is None:
             flight.stage = "decode"
             part = clone_request(request, request_id=internal, output_token_ids=list(flight.sent))
+            hand_off = False
         else:
             flight.stage = "prefill"
             flight.decode_target = route.decode
@@ -354,19 +325,39 @@ class SchedulerActor:
 
                 assert part.kv_transfer_params is not None
                 part.kv_transfer_params["trace_context"] = inject(flight.trace.root)
-        flight.loop = self._send(target, part)
+            wanted = request.sampling_params.max_tokens
+            hand_off = wanted is None or wanted > 1
+        self._send(target, flight, part, hand_off)
 
-    def _send(self, view: InstanceView, request: Request) -> EngineLoop:
-        """Give ``request`` to ``view``'s instance (counted in its view at once)."""
-        view.sent(max(request.num_tokens - request.num_computed_tokens, 0))
-        loop = self.loops[view.instance_id]
-        loop.add_request(request)
-        return loop
+    def _send(
+        self,
+        view: InstanceView,
+        flight: Flight,
+        part: Request,
+        hand_off: bool,
+        last_token_at: float | None = None,
+    ) -> None:
+        """Give ``part`` (the flight's request under its internal id) to ``view``'s instance
+        (counted in its view at once); its outputs go straight to the flight's client."""
+        view.sent(max(part.num_tokens - part.num_computed_tokens, 0))
+        flight.instance = view.instance_id
 
-    def _on_summary(self, loop: EngineLoop, summary: EngineSummary) -> None:
-        view = self.views.get(loop.instance_id)
-        if view is not None and self.loops.get(loop.instance_id) is loop:
-            view.update(summary)
+        def sink(out: EngineCoreOutput, index: int) -> None:
+            flight.deliver(out)
+
+        placement = Placement(
+            part,
+            flight.request.request_id,
+            sink,
+            hand_off=hand_off,
+            num_cached_tokens=flight.num_cached_tokens,
+            arrival_time=flight.request.arrival_time,
+            scheduled=flight.scheduled,
+            first_token_at=flight.first_token_at,
+            last_token_at=last_token_at,
+            trace=flight.trace,
+        )
+        self.engines[view.instance_id].add([placement])
 
     def _none_left(self, role: str) -> str:
         roles = ("decode", "both") if role == "decode" else ("prefill",)
@@ -388,9 +379,93 @@ class SchedulerActor:
         if flight is None:
             self._early_aborts.remember(request_id)
             return False
-        flight.loop.abort([flight.internal_id])
-        self._finish(flight, EngineCoreOutput(request_id, [], FinishReason.ABORT))
+        engine = self.engines.get(flight.instance)
+        if engine is not None and engine.end(flight.internal_id, FinishReason.ABORT):
+            self._forget(flight)
+        else:  # between instances: the actor answers for it
+            self._end(flight, FinishReason.ABORT)
         return True
+
+    def _forget(self, flight: Flight) -> None:
+        """The flight ended (its engine sent the last output): drop it."""
+        rid = flight.request.request_id
+        if self.flights.get(rid) is flight:
+            del self.flights[rid]
+            self._early_aborts.finished(rid)
+        self._internal.pop(flight.internal_id, None)
+
+    def _end(self, flight: Flight, reason: FinishReason, error: str | None = None) -> None:
+        """End a flight that no engine holds, with a last output from the actor."""
+        if self.flights.get(flight.request.request_id) is not flight:
+            return
+        final = EngineCoreOutput(flight.request.request_id, [], reason, error=error)
+        self._forget(flight)
+        flight.deliver(final)
+        self.observe.finished(flight, final, self.views.get(flight.instance))
+
+    # -- what the engines report -------------------------------------------------------------
+    def _on_report(self, report: EngineReport) -> None:
+        iid = report.instance_id
+        if iid not in self.engines:
+            return  # it left the cluster
+        if report.rejoined:
+            self._rejoined(iid)
+        view = self.views[iid]
+        view.update(report.summary)
+        for internal in report.finished:
+            flight = self._internal.get(internal)
+            if flight is not None and flight.instance == iid:
+                self._forget(flight)
+        for prefilled in report.prefilled:
+            flight = self._internal.get(prefilled.internal_id)
+            if flight is not None and flight.instance == iid:
+                self._hand_off(flight, prefilled)
+        if report.failure is not None:
+            view.alive = False
+            logger.warning("instance %s failed: %s", iid, report.failure)
+            failure = {"instance_id": iid, "event": "failed", "reason": report.failure}
+            self.failures.append({**failure, "time": time.time()})
+        if report.lost:
+            reason = report.failure or self.engines[iid].failed or f"instance {iid} failed"
+            self._spawn(self._move(iid, report.lost, reason))
+
+    def _rejoined(self, iid: str) -> None:
+        """A failed instance is back with a fresh scheduler: a new view (empty cache)."""
+        spec = self.specs[iid]
+        draining = self.views[iid].draining
+        self.views[iid] = view = self._new_view(spec)
+        view.draining = draining
+        self.lora.reset(iid)
+        logger.info("instance %s rejoined with an empty cache", iid)
+        self.failures.append(
+            {"instance_id": iid, "event": "rejoined", "reason": "", "time": time.time()}
+        )
+
+    def _hand_off(self, flight: Flight, prefilled: Prefilled) -> None:
+        """The prefill instance sampled the first token (its engine sent it to the client):
+        send the request on to its decode instance with that token and the KV handle."""
+        request = flight.request
+        flight.sent = list(prefilled.first.new_token_ids)
+        flight.num_cached_tokens = prefilled.num_cached_tokens
+        flight.first_token_at = prefilled.first_token_at
+        flight.scheduled = True
+        decode = flight.decode_target
+        if decode is None or not decode.serves:
+            alive = self._live("decode")
+            if not alive:
+                self._end(flight, FinishReason.ERROR, "no live decode instance to continue")
+                return
+            decode = self.router.best_decode(alive)
+        params = prefilled.kv_transfer_params
+        self.observe.handed_off(flight, decode, self.config.kv_transfer.transport)
+        flight.stage = "decode"
+        part = clone_request(
+            request,
+            request_id=flight.internal_id,
+            output_token_ids=list(flight.sent),
+            kv_transfer_params=self.observe.decode_params(flight, params),
+        )
+        self._send(decode, flight, part, hand_off=False, last_token_at=flight.first_token_at)
 
     # -- failures ----------------------------------------------------------------------------
     def _spawn(self, coro: Any) -> None:
@@ -398,33 +473,16 @@ class SchedulerActor:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _on_instance_failed(self, loop: EngineLoop, internal_ids: list[str], reason: str) -> None:
-        """An instance failed: its requests move to live instances (re-prefilled there from
-        prompt + tokens already sent), and a restartable worker is brought back."""
-        iid = loop.instance_id
-        if self.loops.get(iid) is loop and not loop.failure_handled:
-            loop.failure_handled = True
-            self.views[iid].alive = False
-            logger.warning("instance %s failed: %s", iid, reason)
-            self.failures.append(
-                {"instance_id": iid, "event": "failed", "reason": reason, "time": time.time()}
-            )
-            spec = self.specs[iid]
-            restarts = loop.hung or spec.pool.max_restarts > 0
-            if spec.actors and not self.views[iid].draining and restarts:
-                self._spawn(self._recover(spec, loop.hung))
-        flights = []
-        for internal in internal_ids:
-            flight = self._internal.get(internal)
-            if flight is not None and flight.loop is loop:
-                flights.append(flight)
-        if flights:
-            self._spawn(self._move(flights, reason))
-
-    async def _move(self, flights: list[Flight], reason: str) -> None:
-        for flight in flights:
-            if self.flights.get(flight.request.request_id) is not flight:
+    async def _move(self, iid: str, lost: list[Lost], reason: str) -> None:
+        """Place requests an instance lost again: re-prefilled elsewhere from prompt + the
+        tokens their clients have."""
+        for item in lost:
+            flight = self._internal.get(item.internal_id)
+            if flight is None or flight.instance != iid:
                 continue  # aborted meanwhile
+            flight.sent = list(item.tokens)
+            flight.first_token_at = item.first_token_at
+            flight.scheduled = flight.scheduled or item.scheduled
             flight.num_moves += 1
             self.num_moves += 1
             self.observe.moved(flight, reason)
@@ -432,43 +490,7 @@ class SchedulerActor:
                 await self._place(flight)
             except Exception as exc:
                 error = f"{reason}; the request could not move: {exc}"
-                rid = flight.request.request_id
-                self._finish(flight, EngineCoreOutput(rid, [], FinishReason.ERROR, error=error))
-
-    async def _monitor_health(self) -> None:
-        """Find dead workers of idle instances too (a step finds them on its own): every
-        ``health_check_interval_s``, ask each worker; one that died fails its instance."""
-        interval = self.config.health_check_interval_s
-        while True:
-            await asyncio.sleep(interval)
-            for iid, loop in list(self.loops.items()):
-                spec = self.specs.get(iid)  # None: it left its pool during an earlier check
-                if spec is not None and loop.alive and spec.actors:
-                    await check_workers(loop, spec, timeout_s=10 * interval)
-
-    async def _recover(self, spec: InstanceSpec, hung: bool) -> None:
-        """End a hung worker (it still runs its step), then bring the instance back if Ray
-        restarts its workers."""
-        if hung:
-            await end_hung_workers(spec)
-        if spec.pool.max_restarts > 0:
-            await self._rejoin(spec)
-
-    async def _rejoin(self, spec: InstanceSpec) -> None:
-        """Bring a restarted instance back (Ray ``max_restarts``) with a fresh scheduler: it
-        rejoins routing with an empty cache."""
-        iid = spec.instance_id
-        if not await restore_workers(spec, self.config.startup_timeout_s):
-            logger.error("instance %s did not come back; it stays out of routing", iid)
-            return
-        if self.specs.get(iid) is not spec or self.views[iid].draining:
-            return  # it left its pool (or is leaving) while its workers restarted
-        self._install(spec, self._build_loop(spec))
-        self.lora.reset(iid)
-        logger.info("instance %s rejoined with an empty cache", iid)
-        self.failures.append(
-            {"instance_id": iid, "event": "rejoined", "reason": "", "time": time.time()}
-        )
+                self._end(flight, FinishReason.ERROR, error)
 
     def _live(self, role: str) -> list[InstanceView]:
         """Live instances that can take ``role`` work (decode: roles decode and both); not
@@ -543,39 +565,37 @@ class SchedulerActor:
     async def _shrink(self, instance_ids: list[str], drain_timeout_s: float | None) -> None:
         if not instance_ids:
             return
-        loops = [self.loops[i] for i in instance_ids]
-        for loop in loops:
-            self.views[loop.instance_id].draining = True
+        for iid in instance_ids:
+            self.views[iid].draining = True
+            self.engines[iid].draining = True
         timeout = self.config.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
         deadline = time.monotonic() + timeout
-        while any(self._holds_requests(lp) for lp in loops) and time.monotonic() < deadline:
+        while any(self._holds_requests(i) for i in instance_ids) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        for loop in loops:
-            await self._retire(loop)
+        for iid in instance_ids:
+            await self._retire(iid)
 
-    def _holds_requests(self, loop: EngineLoop) -> bool:
-        """Requests still on ``loop``: queued, running, or finished with KV still to send."""
-        if loop.pending or loop.scheduler.has_requests():
+    def _holds_requests(self, iid: str) -> bool:
+        """Requests still on the instance: queued, running, finished with KV still to send."""
+        if self.engines[iid].holds_requests():
             return True
-        return any(f.loop is loop for f in self.flights.values())
+        return any(f.instance == iid for f in self.flights.values())
 
-    async def _retire(self, loop: EngineLoop) -> None:
-        """Take a drained instance out: stop its loop, move what it still holds, stop its
+    async def _retire(self, iid: str) -> None:
+        """Take a drained instance out: stop its engine, move what it still holds, stop its
         workers and forget it."""
-        iid = loop.instance_id
-        loops = {loop, self.loops.get(iid, loop)}  # and one a rejoin installed meanwhile
-        for each in loops:
-            each.on_failure = None
-            await each.stop()
-        # Listed after the stops: a step that was running may have finished (or handed off)
+        engine = self.engines[iid]
+        await engine.stop()
+        # Taken after the stop: a step that was running may have finished (or handed off)
         # some of them.
-        leftovers = [f for f in self.flights.values() if f.loop in loops]
+        leftovers = engine.take_all()
+        engine.close()
         if leftovers:
             logger.warning("instance %s left with %d requests; they move", iid, len(leftovers))
-            self._spawn(self._move(leftovers, f"instance {iid} was removed from its pool"))
+            self._spawn(self._move(iid, leftovers, f"instance {iid} was removed from its pool"))
         spec = self.specs.pop(iid)
         self.views[iid].alive = False  # a flight's decode_target may still point here
-        del self.loops[iid], self.roles[iid], self.views[iid]
+        del self.engines[iid], self.roles[iid], self.views[iid]
         self.lora.forget(iid)
         for actor in spec.actors:
             import ray
@@ -596,97 +616,7 @@ class SchedulerActor:
     def unload_lora_adapter(self, name: str) -> None:
         self.lora.unload(name)
 
-    # -- outputs -----------------------------------------------------------------------------
-    def _on_outputs(self, loop: EngineLoop, outputs: list[EngineCoreOutput]) -> None:
-        for out in outputs:
-            flight = self._internal.get(out.request_id)
-            if flight is None or flight.loop is not loop:
-                continue  # aborted, or a stale output of an earlier stage
-            if flight.stage == "prefill" and out.finished and self._hand_off(flight, out):
-                continue
-            if flight.num_cached_tokens is None:
-                flight.num_cached_tokens = out.num_cached_tokens
-            client_out = EngineCoreOutput(
-                flight.request.request_id,
-                out.new_token_ids,
-                out.finish_reason,
-                out.stop_reason,
-                flight.num_cached_tokens,
-                None,  # kv_transfer_params (handles) never leave the actor
-                out.new_logprobs,
-                out.error,
-            )
-            flight.sent.extend(out.new_token_ids)
-            self.observe.tokens_out(flight, loop, len(out.new_token_ids))
-            if out.finished:
-                self._finish(flight, client_out)
-            else:
-                flight.deliver(client_out)
-
-    def _hand_off(self, flight: Flight, out: EngineCoreOutput) -> bool:
-        """The prefill instance sampled the first token. Send the request on to its decode
-        instance with that token and the KV handle; False if it is already complete."""
-        request = flight.request
-        wanted = request.sampling_params.max_tokens
-        if out.finish_reason != FinishReason.LENGTH or (wanted is not None and wanted <= 1):
-            return False
-        if request.num_prompt_tokens + 1 >= self.max_model_len or out.error:
-            return False
-        rid = request.request_id
-        first = EngineCoreOutput(
-            rid, out.new_token_ids, None, None, out.num_cached_tokens, None, out.new_logprobs
-        )
-        decode = flight.decode_target
-        if decode is None or not decode.serves:
-            alive = self._live("decode")
-            if not alive:
-                flight.deliver(first)  # the client keeps the token it was owed
-                self._finish(
-                    flight,
-                    EngineCoreOutput(
-                        rid, [], FinishReason.ERROR, error="no live decode instance to continue"
-                    ),
-                )
-                return True
-            decode = self.router.best_decode(alive)
-        params = out.kv_transfer_params
-        flight.num_cached_tokens = out.num_cached_tokens
-        self.observe.handed_off(flight, decode, self.config.kv_transfer.transport)
-        self.observe.tokens_out(flight, flight.loop, len(first.new_token_ids))
-        flight.stage = "decode"
-        flight.sent.extend(first.new_token_ids)
-        flight.deliver(first)
-        part = clone_request(
-            request,
-            request_id=flight.internal_id,
-            output_token_ids=list(out.new_token_ids),
-            kv_transfer_params=self.observe.decode_params(flight, params),
-        )
-        flight.loop = self._send(decode, part)
-        return True
-
-    def _finish(self, flight: Flight, final: EngineCoreOutput) -> None:
-        if self.flights.get(flight.request.request_id) is flight:
-            del self.flights[flight.request.request_id]
-            self._early_aborts.finished(flight.request.request_id)
-            self._internal.pop(flight.internal_id, None)
-            flight.deliver(final)
-            self.observe.finished(flight, final)
-
     # -- metrics ----------------------------------------------------------------------------
-    def _on_scheduled(self, loop: EngineLoop, internal_id: str) -> None:
-        flight = self._internal.get(internal_id)
-        if flight is not None:
-            self.observe.scheduled(loop, flight)
-
-    def _on_preempted(self, loop: EngineLoop, internal_id: str) -> None:
-        flight = self._internal.get(internal_id)
-        if flight is not None:
-            self.observe.preempted(loop, flight)
-
-    def _on_kv_loads(self, loop: EngineLoop, loads: list[tuple[str, float, int, bool]]) -> None:
-        self.observe.kv_loads(loop, loads, self._internal)
-
     def metrics_text(self) -> str:
         """Prometheus exposition text of the whole cluster (``/metrics``)."""
         return self.observe.render(self.stats())
@@ -701,15 +631,18 @@ class SchedulerActor:
         scheduled there yet, or preempted; ``prefill``; ``transfer``: its KV is being loaded
         on the decode instance; ``decode``), the tokens sent to its client so far and how
         often it moved off a failed instance."""
-        return {
-            rid: {
-                "instance": flight.loop.instance_id,
-                "phase": _phase(flight),
-                "num_tokens_sent": len(flight.sent),
+        result = {}
+        for rid, flight in sorted(self.flights.items()):
+            engine = self.engines.get(flight.instance)
+            phase = None if engine is None else engine.phase(flight.internal_id)
+            sent = None if engine is None else engine.num_tokens(flight.internal_id)
+            result[rid] = {
+                "instance": flight.instance,
+                "phase": phase or "queued",
+                "num_tokens_sent": len(flight.sent) if sent is None else sent,
                 "num_moves": flight.num_moves,
             }
-            for rid, flight in sorted(self.flights.items())
-        }
+        return result
 
     def settings(self) -> dict[str, Any]:
         """What the cluster was built from (``ClusterConfig.cluster_settings``), to tell
@@ -737,15 +670,12 @@ class SchedulerActor:
 
     def stats(self) -> dict[str, Any]:
         """Per-instance state: requests held, KV usage, counters (for tests and metrics)."""
-        result: dict[str, Any] = {
+        return {
             "num_flights": len(self.flights),
             "num_moves": self.num_moves,
             "failures": list(self.failures),
-            "instances": {},
+            "instances": {iid: engine.stats() for iid, engine in self.engines.items()},
         }
-        for iid, loop in self.loops.items():
-            result["instances"][iid] = {"role": self.roles[iid], **loop.stats()}
-        return result
 
     async def transfer_history(self) -> dict[str, list[Any]]:
         """Every instance's finished KV loads (``TransferRecord``s), for benchmarks: every
@@ -778,20 +708,11 @@ class SchedulerActor:
 
     def check_integrity(self) -> None:
         """Raise ``AssertionError`` if any instance's scheduler is inconsistent."""
-        for loop in self.loops.values():
-            loop.scheduler.check_integrity()
+        for engine in self.engines.values():
+            engine.check_integrity()
 
     def reset_prefix_cache(self) -> bool:
-        return all(loop.scheduler.reset_prefix_cache() for loop in self.loops.values())
-
-
-def _phase(flight: Flight) -> str:
-    request = flight.loop.scheduler.requests.get(flight.internal_id)
-    if request is None or request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
-        return "queued"  # still arriving at the instance, or waiting in its queue
-    if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
-        return "transfer"
-    return flight.stage
+        return all(engine.reset_prefix_cache() for engine in self.engines.values())
 
 
 def _later_sample(request_id: str) -> bool:

@@ -71,7 +71,8 @@ def test_decode_instance_gone_at_hand_off(ray_cluster: RayCluster, tiny_model: P
         executor = actor.specs["d-0"].executor
         assert isinstance(executor, BreakableExecutor)
         executor.broken = True
-        actor.loops["d-0"].add_request(Request("probe", [5, 6], PARAMS))  # its next step fails
+        probe = Request("probe", [5, 6], PARAMS)
+        actor.engines["d-0"].loop.add_request(probe)  # its next step fails
         outs = await task
         await actor.shutdown()
         return outs

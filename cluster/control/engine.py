@@ -1,0 +1,453 @@
+"""``InstanceEngine``: one instance's engine -- its ``Scheduler``, its ``EngineLoop``, its
+worker(s) -- and the requests it holds (DESIGN §2, the control-plane issue).
+
+The central ``SchedulerActor`` decides *where* a request runs; the engine runs it there::
+
+    SchedulerActor ── add([Placement]) / abort(ids) ──▶ InstanceEngine ── steps ──▶ worker(s)
+          ▲                                                   │
+          └──────── EngineReport, one per step ───────────────┤ outputs, per step, straight
+                    (load, prefix-cache events, finished,      ▼ to the request's Sink
+                     prefilled, lost on failure)               client
+
+What the central scheduler learns of an instance is the ``EngineReport`` of each step: the
+``EngineSummary`` (load, KV usage, prefix-cache events) and per request only its milestones
+(finished, prefilled and waiting for its decode instance, lost with a failed worker) -- never
+its tokens. The engine streams each step's tokens to the request's ``Sink`` itself, numbered
+(``index``: the request's output position of the first token), so that a client receiving one
+request from several instances (prefill, then decode; or a move after a failure) puts them in
+order.
+
+The engine also watches its workers: a step that fails, a health check that finds a worker
+dead, a step that hangs. Its requests are then reported ``lost`` with the tokens their client
+already has (the central scheduler places them again), and a restartable instance is brought
+back with a fresh scheduler (``rejoined``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from cluster.config import ClusterConfig
+from cluster.control.engine_loop import EngineLoop
+from cluster.control.placement import InstanceSpec
+from cluster.control.recovery import check_workers, end_hung_workers, restore_workers
+from cluster.control.summaries import EngineSummary
+from kv_transfer.connector import PDConnector
+from scheduler import CacheConfig, Request, Scheduler
+from scheduler.outputs import EngineCoreOutput
+from scheduler.request import FinishReason, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+# Where a request's outputs go: (output numbered by ``index`` in the client's request id).
+Sink = Callable[[EngineCoreOutput, int], None]
+
+
+@dataclass
+class Placement:
+    """A request the central scheduler gives an instance engine."""
+
+    request: Request  # the scheduler's copy, under the internal id; output_token_ids: the
+    # tokens its client already has (a decode part after a hand-off, a move)
+    client_request_id: str  # the id its client knows it by (outputs carry it)
+    sink: Sink
+    hand_off: bool = False  # a prefill part: when prefilled, report it instead of finishing
+    num_cached_tokens: int | None = None  # the prefill instance's prefix hit (a decode part)
+    # For metrics (time.monotonic() of the central scheduler's process):
+    arrival_time: float = 0.0
+    scheduled: bool = False  # an earlier placement was scheduled (its queue time is known)
+    first_token_at: float | None = None  # its first token reached the client
+    last_token_at: float | None = None  # its last one did (after a hand-off: the first)
+    trace: Any = None  # the request's RequestTrace while tracing is on
+
+
+@dataclass(slots=True)
+class Held:
+    """A request this engine holds."""
+
+    placement: Placement
+    tokens: list[int]  # every output token its client has (or is being sent), in order
+    num_cached_tokens: int | None
+    scheduled_at: float | None = None
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+
+    # What the observer reads (it observes central flights and engine requests alike).
+    @property
+    def request(self) -> Request:
+        return self.placement.request
+
+    @property
+    def trace(self) -> Any:
+        return self.placement.trace
+
+    @property
+    def sent(self) -> list[int]:
+        return self.tokens
+
+    def lost(self, internal_id: str) -> Lost:
+        scheduled = self.placement.scheduled or self.scheduled_at is not None
+        return Lost(internal_id, list(self.tokens), self.first_token_at, scheduled)
+
+
+@dataclass(slots=True)
+class Prefilled:
+    """A prefill part sampled its first token (already sent to the client): it continues on
+    a decode instance with the KV the prefill worker saved (``kv_transfer_params``)."""
+
+    internal_id: str
+    first: EngineCoreOutput  # the first token (and its logprobs)
+    kv_transfer_params: dict[str, Any] | None
+    num_cached_tokens: int
+    first_token_at: float | None
+
+
+@dataclass(slots=True)
+class Lost:
+    """A request the engine cannot serve any more (its worker failed, the instance left):
+    the central scheduler places it again after the ``tokens`` its client has."""
+
+    internal_id: str
+    tokens: list[int]
+    first_token_at: float | None
+    scheduled: bool  # it had been scheduled somewhere (its queue time is observed)
+
+
+@dataclass
+class EngineReport:
+    """What one step changed, for the central scheduler."""
+
+    instance_id: str
+    summary: EngineSummary
+    finished: list[str] = field(default_factory=list)  # internal ids that ended here
+    prefilled: list[Prefilled] = field(default_factory=list)
+    lost: list[Lost] = field(default_factory=list)
+    failure: str | None = None  # the instance failed (the loop stopped)
+    rejoined: bool = False  # a fresh loop serves again (after a failure): empty cache
+
+
+def _discard(loop: EngineLoop, outputs: list[EngineCoreOutput]) -> None:
+    """The outputs of a closed engine's loop (none come after ``stop``)."""
+
+
+class InstanceEngine:
+    """One instance: builds its scheduler and loop, takes placements, streams their outputs,
+    reports each step to ``on_report`` and recovers its workers."""
+
+    def __init__(
+        self,
+        config: ClusterConfig,
+        spec: InstanceSpec,
+        max_model_len: int,
+        on_report: Callable[[EngineReport], None],
+        observer: Any,
+    ) -> None:
+        self.config = config
+        self.spec = spec
+        self.instance_id = spec.instance_id
+        self.role = spec.pool.role
+        self.max_model_len = max_model_len
+        self.on_report = on_report
+        self.observe = observer
+        self.held: dict[str, Held] = {}  # by internal id
+        self.draining = False  # set by the owner: leaving the cluster
+        self.failed: str | None = None  # why the current loop failed (until a rejoin)
+        self._finished: list[str] = []  # since the last report
+        self._prefilled: list[Prefilled] = []
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.loop = self._build_loop()
+
+    # -- life cycle --------------------------------------------------------------------------
+    def _build_loop(self) -> EngineLoop:
+        spec, pool = self.spec, self.spec.pool
+        sched_config = pool.scheduler_config(self.max_model_len)
+        if pool.role != "prefill":  # the side that loads applies the failure policy
+            sched_config = sched_config.model_copy(
+                update={"kv_load_failure_policy": self.config.kv_transfer.failure_policy}
+            )
+        cache = CacheConfig(
+            **{**pool.cache, "block_size": spec.info["block_size"]},
+            num_blocks=spec.info["num_blocks"],
+        )
+        connector = None
+        if self.config.disaggregated:
+            connector = PDConnector(
+                spec.instance_id, spec.info["block_size"], self.config.kv_transfer.timeout_s
+            )
+        scheduler = Scheduler(sched_config, cache, self.config.lora, connector)
+        # Pipeline stages each hold one step; async scheduling overlaps two on one worker.
+        in_flight = pool.pp_size if pool.pp_size > 1 else 2 if sched_config.async_scheduling else 1
+        loop = EngineLoop(
+            spec.instance_id,
+            scheduler,
+            spec.executor,
+            self._on_outputs,
+            admission_window_s=self.config.admission_window_s,
+            max_in_flight=in_flight,
+            on_failure=self._on_loop_failed,
+            step_timeout_s=self.config.step_timeout_s if spec.actors else None,
+        )
+        loop.on_scheduled = self._on_scheduled
+        loop.on_preempted = self._on_preempted
+        loop.on_kv_loads = self._on_kv_loads
+        loop.on_summary = self._on_summary
+        return loop
+
+    def start(self) -> None:
+        self.loop.start()
+        if self.spec.actors and self.config.health_check_interval_s > 0:
+            self._spawn(self._monitor_health())
+
+    async def stop(self) -> None:
+        """Stop stepping (not a failure: nothing is reported lost) and the health checks."""
+        for task in list(self._tasks):
+            task.cancel()
+        self.loop.on_failure = None
+        await self.loop.stop()
+
+    def close(self) -> None:
+        """After ``stop``: let go of the loop (its scheduler holds the requests' KV handles).
+        The loop's callbacks point back here, and this engine may predate ``freeze_heap``
+        (then the cyclic collector never sees the pair): the cycle is cut by hand."""
+        loop = self.loop
+        loop.on_outputs = _discard
+        loop.on_failure = None
+        loop.on_scheduled = loop.on_preempted = None
+        loop.on_kv_loads = None
+        loop.on_summary = None
+
+    @property
+    def alive(self) -> bool:
+        return self.loop.alive
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # -- requests ----------------------------------------------------------------------------
+    def add(self, placements: list[Placement]) -> None:
+        """Take requests; each is admitted before the next step. On a failed instance they
+        are reported lost at once (the central scheduler places them elsewhere)."""
+        for placement in placements:
+            request = placement.request
+            self.held[request.request_id] = Held(
+                placement,
+                list(request.output_token_ids),
+                placement.num_cached_tokens,
+                first_token_at=placement.first_token_at,
+                last_token_at=placement.last_token_at,
+            )
+            self.loop.add_request(request)
+
+    def abort(self, internal_ids: list[str]) -> None:
+        """End requests wherever they are here, without an output (the caller answers their
+        client); their blocks are freed (after a load in progress into them ends)."""
+        for internal in internal_ids:
+            self.held.pop(internal, None)
+        self.loop.abort(internal_ids)
+
+    def end(self, internal_id: str, reason: FinishReason, error: str | None = None) -> bool:
+        """End a request with a final output to its client (an abort): False if it is not
+        here (finished, or never arrived)."""
+        held = self.held.pop(internal_id, None)
+        if held is None:
+            return False
+        self.loop.abort([internal_id])
+        out = EngineCoreOutput(held.placement.client_request_id, [], reason, error=error)
+        held.placement.sink(out, len(held.tokens))
+        self.observe.finished(held, out, self)
+        return True
+
+    # -- outputs -----------------------------------------------------------------------------
+    def _on_outputs(self, loop: EngineLoop, outputs: list[EngineCoreOutput]) -> None:
+        if loop is not self.loop:
+            return  # a stale output of a loop that failed
+        held_by_id = self.held
+        observe = self.observe
+        for out in outputs:
+            held = held_by_id.get(out.request_id)
+            if held is None:
+                continue  # aborted
+            placement = held.placement
+            if held.num_cached_tokens is None:
+                held.num_cached_tokens = out.num_cached_tokens
+            index = len(held.tokens)
+            new = out.new_token_ids
+            if placement.hand_off and out.finished and self._prefilled_now(held, out):
+                continue
+            client_out = EngineCoreOutput(
+                placement.client_request_id,
+                new,
+                out.finish_reason,
+                out.stop_reason,
+                held.num_cached_tokens,
+                None,  # kv_transfer_params (handles) never leave the control plane
+                out.new_logprobs,
+                out.error,
+            )
+            held.tokens.extend(new)
+            observe.tokens_out(held, self, len(new))
+            if out.finished:
+                del held_by_id[out.request_id]
+                self._finished.append(out.request_id)
+                observe.finished(held, client_out, self)
+            placement.sink(client_out, index)
+
+    def _prefilled_now(self, held: Held, out: EngineCoreOutput) -> bool:
+        """The prefill part sampled the first token. Unless the request is complete with it,
+        send the token to the client (not as its last) and report the request prefilled: it
+        continues on a decode instance. False: it ends here as it is."""
+        request = held.placement.request
+        if out.finish_reason != FinishReason.LENGTH or out.error:
+            return False
+        if request.num_prompt_tokens + 1 >= self.max_model_len:
+            return False
+        first = EngineCoreOutput(
+            held.placement.client_request_id,
+            out.new_token_ids,
+            None,
+            None,
+            held.num_cached_tokens or 0,
+            None,
+            out.new_logprobs,
+        )
+        index = len(held.tokens)
+        held.tokens.extend(out.new_token_ids)
+        self.observe.tokens_out(held, self, len(out.new_token_ids))
+        del self.held[out.request_id]
+        held.placement.sink(first, index)
+        self._prefilled.append(
+            Prefilled(
+                out.request_id,
+                first,
+                out.kv_transfer_params,
+                out.num_cached_tokens,
+                held.first_token_at,
+            )
+        )
+        return True
+
+    def _on_summary(self, loop: EngineLoop, summary: EngineSummary) -> None:
+        if loop is not self.loop:
+            return
+        report = EngineReport(self.instance_id, summary, self._finished, self._prefilled)
+        self._finished, self._prefilled = [], []
+        self.on_report(report)
+
+    # -- metrics -----------------------------------------------------------------------------
+    def _on_scheduled(self, loop: EngineLoop, internal_id: str) -> None:
+        held = self.held.get(internal_id)
+        if held is not None:
+            self.observe.scheduled(self, held)
+
+    def _on_preempted(self, loop: EngineLoop, internal_id: str) -> None:
+        held = self.held.get(internal_id)
+        if held is not None:
+            self.observe.preempted(self, held)
+
+    def _on_kv_loads(self, loop: EngineLoop, loads: list[tuple[str, float, int, bool]]) -> None:
+        self.observe.kv_loads(self, loads, self.held)
+
+    # -- failures ----------------------------------------------------------------------------
+    def _on_loop_failed(self, loop: EngineLoop, _ids: list[str], reason: str) -> None:
+        """The loop stopped on a failure: report every request held lost -- the loop's and
+        those placed that never reached it -- with the tokens their clients have, and bring
+        the workers back if they restart."""
+        if loop is not self.loop:
+            return
+        lost = self.take_all()
+        first_failure = self.failed is None
+        self.failed = reason
+        summary = loop.summary()
+        report = EngineReport(
+            self.instance_id,
+            summary,
+            self._finished,
+            self._prefilled,
+            lost,
+            failure=reason if first_failure else None,
+        )
+        self._finished, self._prefilled = [], []
+        if first_failure:
+            logger.warning("instance %s failed: %s", self.instance_id, reason)
+            pool = self.spec.pool
+            if self.spec.actors and not self.draining and (loop.hung or pool.max_restarts > 0):
+                self._spawn(self._recover(loop.hung))
+        self.on_report(report)
+
+    async def _monitor_health(self) -> None:
+        """Find dead workers of an idle instance too (a step finds them on its own): every
+        ``health_check_interval_s``, ask each worker; one that died fails the instance."""
+        interval = self.config.health_check_interval_s
+        while True:
+            await asyncio.sleep(interval)
+            if self.loop.alive:
+                await check_workers(self.loop, self.spec, timeout_s=10 * interval)
+
+    async def _recover(self, hung: bool) -> None:
+        """End a hung worker (it still runs its step), then bring the instance back if Ray
+        restarts its workers: a fresh scheduler, an empty cache."""
+        if hung:
+            await end_hung_workers(self.spec)
+        if self.spec.pool.max_restarts <= 0:
+            return
+        if not await restore_workers(self.spec, self.config.startup_timeout_s):
+            logger.error("instance %s did not come back; it stays out of routing", self.instance_id)
+            return
+        if self.draining:
+            return  # it is leaving its pool
+        self.loop = self._build_loop()
+        self.failed = None
+        self.loop.start()
+        logger.info("instance %s rejoined with an empty cache", self.instance_id)
+        report = EngineReport(self.instance_id, self.loop.summary(), rejoined=True)
+        self.on_report(report)
+
+    def take_all(self) -> list[Lost]:
+        """Every request still here, as lost (an instance leaving its pool after its drain
+        timeout): its engine is stopped, the caller places them again."""
+        lost = [h.lost(i) for i, h in self.held.items()]
+        self.held.clear()
+        return lost
+
+    def fail(self, reason: str) -> None:
+        """Declare the instance failed from outside (tests, an operator)."""
+        self.loop.fail(reason)
+
+    # -- introspection -----------------------------------------------------------------------
+    def holds_requests(self) -> bool:
+        """Requests still here: queued, running, or finished with KV still to send."""
+        loop = self.loop
+        return bool(self.held or loop.pending or loop.scheduler.has_requests())
+
+    def phase(self, internal_id: str) -> str | None:
+        """Where a request is here: ``queued`` (arriving, waiting, preempted), ``transfer``
+        (its KV loads), ``prefill`` / ``decode`` (running) -- None if it is not here."""
+        held = self.held.get(internal_id)
+        if held is None:
+            return None
+        request = self.loop.scheduler.requests.get(internal_id)
+        if request is None or request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            return "queued"
+        if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            return "transfer"
+        return "prefill" if held.placement.hand_off else "decode"
+
+    def num_tokens(self, internal_id: str) -> int | None:
+        """Output tokens a request held here has sent to its client so far."""
+        held = self.held.get(internal_id)
+        return None if held is None else len(held.tokens)
+
+    def stats(self) -> dict[str, Any]:
+        return {"role": self.role, **self.loop.stats()}
+
+    def check_integrity(self) -> None:
+        self.loop.scheduler.check_integrity()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.loop.scheduler.reset_prefix_cache()
