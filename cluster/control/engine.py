@@ -9,13 +9,14 @@ The central ``SchedulerActor`` decides *where* a request runs; the engine runs i
                     (load, prefix-cache events, finished,      ▼ to the request's Sink
                      prefilled, lost on failure)               client
 
-What the central scheduler learns of an instance is the ``EngineReport`` of each step: the
-``EngineSummary`` (load, KV usage, prefix-cache events) and per request only its milestones
-(finished, prefilled and waiting for its decode instance, lost with a failed worker) -- never
-its tokens. The engine streams each step's tokens to the request's ``Sink`` itself, numbered
-(``index``: the request's output position of the first token), so that a client receiving one
-request from several instances (prefill, then decode; or a move after a failure) puts them in
-order.
+What the central scheduler learns of an instance is the ``EngineReport`` of each step (and
+one at once when something ends outside a step, a failure, a rejoin): the ``EngineSummary``
+(load, KV usage, prefix-cache events) and per request only its milestones (finished,
+prefilled and waiting for its decode instance, lost with a failed worker) -- never its tokens.
+The engine streams each step's tokens to the request's ``Sink`` itself, numbered (``index``:
+the request's output position of the first token). In one process the sinks keep order by
+themselves (one event loop); the numbers are what a client that receives one request from
+engines in several processes (prefill, then decode; a move) will order them by.
 
 The engine also watches its workers: a step that fails, a health check that finds a worker
 dead, a step that hangs. Its requests are then reported ``lost`` with the tokens their client
@@ -33,6 +34,7 @@ from typing import Any
 
 from cluster.config import ClusterConfig
 from cluster.control.engine_loop import EngineLoop
+from cluster.control.heap import refreeze_heap
 from cluster.control.placement import InstanceSpec
 from cluster.control.recovery import check_workers, end_hung_workers, restore_workers
 from cluster.control.summaries import EngineSummary
@@ -43,7 +45,8 @@ from scheduler.request import FinishReason, RequestStatus
 
 logger = logging.getLogger(__name__)
 
-# Where a request's outputs go: (output numbered by ``index`` in the client's request id).
+# Where a request's outputs go: (output, the position of its first token in the request's
+# output -- a final without tokens: the number of tokens before it).
 Sink = Callable[[EngineCoreOutput, int], None]
 
 
@@ -61,7 +64,7 @@ class Placement:
     arrival_time: float = 0.0
     scheduled: bool = False  # an earlier placement was scheduled (its queue time is known)
     first_token_at: float | None = None  # its first token reached the client
-    last_token_at: float | None = None  # its last one did (after a hand-off: the first)
+    last_token_at: float | None = None  # its last one did (a hand-off, a move)
     trace: Any = None  # the request's RequestTrace while tracing is on
 
 
@@ -91,7 +94,14 @@ class Held:
 
     def lost(self, internal_id: str) -> Lost:
         scheduled = self.placement.scheduled or self.scheduled_at is not None
-        return Lost(internal_id, list(self.tokens), self.first_token_at, scheduled)
+        return Lost(
+            internal_id,
+            list(self.tokens),
+            self.first_token_at,
+            self.last_token_at,
+            scheduled,
+            self.num_cached_tokens,
+        )
 
 
 @dataclass(slots=True)
@@ -114,12 +124,15 @@ class Lost:
     internal_id: str
     tokens: list[int]
     first_token_at: float | None
+    last_token_at: float | None
     scheduled: bool  # it had been scheduled somewhere (its queue time is observed)
+    num_cached_tokens: int | None  # the prefix hit its client was told
 
 
 @dataclass
 class EngineReport:
-    """What one step changed, for the central scheduler."""
+    """What one step changed, for the central scheduler (also sent at once when requests end
+    outside a step, on a failure and on a rejoin)."""
 
     instance_id: str
     summary: EngineSummary
@@ -210,9 +223,10 @@ class InstanceEngine:
         await self.loop.stop()
 
     def close(self) -> None:
-        """After ``stop``: let go of the loop (its scheduler holds the requests' KV handles).
-        The loop's callbacks point back here, and this engine may predate ``freeze_heap``
-        (then the cyclic collector never sees the pair): the cycle is cut by hand."""
+        """After ``stop``: let go of the loop (its scheduler holds the requests' KV handles):
+        the loop's callbacks point back here; the cycle is cut so that reference counting
+        frees the pair (what else is cyclic -- the block pool's free list -- needs the
+        collector: the owner calls ``refreeze_heap`` after dropping the engine)."""
         loop = self.loop
         loop.on_outputs = _discard
         loop.on_failure = None
@@ -401,7 +415,9 @@ class InstanceEngine:
             return
         if self.draining:
             return  # it is leaving its pool
+        self.close()  # the failed loop goes; its block pool is cyclic garbage
         self.loop = self._build_loop()
+        refreeze_heap()
         self.failed = None
         self.loop.start()
         logger.info("instance %s rejoined with an empty cache", self.instance_id)
@@ -409,8 +425,8 @@ class InstanceEngine:
         self.on_report(report)
 
     def take_all(self) -> list[Lost]:
-        """Every request still here, as lost (an instance leaving its pool after its drain
-        timeout): its engine is stopped, the caller places them again."""
+        """Every request still here, as lost -- the instance failed, or left its pool after
+        its drain timeout: the central scheduler places them again."""
         lost = [h.lost(i) for i, h in self.held.items()]
         self.held.clear()
         return lost
@@ -436,7 +452,7 @@ class InstanceEngine:
             return "queued"
         if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
             return "transfer"
-        return "prefill" if held.placement.hand_off else "decode"
+        return "prefill" if self.role == "prefill" else "decode"
 
     def num_tokens(self, internal_id: str) -> int | None:
         """Output tokens a request held here has sent to its client so far."""
@@ -450,4 +466,7 @@ class InstanceEngine:
         self.loop.scheduler.check_integrity()
 
     def reset_prefix_cache(self) -> bool:
-        return self.loop.scheduler.reset_prefix_cache()
+        done = self.loop.scheduler.reset_prefix_cache()
+        if done:
+            self.loop.summarize()  # the router's mirror forgets the prefixes now
+        return done

@@ -7,11 +7,14 @@ The step is the in-process engine's, with the worker call awaited::
     start executor.execute_model(out)      } stages, async scheduling), oldest first
     result = await the oldest step
     outputs = scheduler.update_from_output(out, result)
-    on_outputs(self, outputs)              (the SchedulerActor streams them / hands them off)
+    on_outputs(self, outputs)              (its InstanceEngine streams them to clients)
+    on_summary(self, summary)              (load and prefix-cache events, for the router)
 
-All loops of a ``SchedulerActor`` share its event loop and nothing else: no locks, and the
-Router only reads their load. An idle loop waits on an event (no polling); the first arrival
-after idleness waits ``admission_window_s`` so that a burst is admitted as one batch.
+The loop belongs to one ``InstanceEngine`` (``control/engine.py``). An idle loop sends a last
+summary, then waits on an event (no polling); the first arrival after idleness waits
+``admission_window_s`` so that a burst is admitted as one batch. Outputs that come outside a
+step (a request the scheduler refuses, requests failed on a stopped loop) are followed by a
+summary at once, so the owner never waits for a step that may not come.
 """
 
 from __future__ import annotations
@@ -59,7 +62,8 @@ class LoopCounters:
 
 
 OutputsCallback = Callable[["EngineLoop", list[EngineCoreOutput]], None]
-# (loop, ids of the requests it held, why): the instance is gone; the callee re-homes them.
+# (loop, ids of the requests it held, why): the instance is gone; the owner re-homes what it
+# holds (an InstanceEngine also the requests placed that never reached the loop).
 FailureCallback = Callable[["EngineLoop", list[str], str], None]
 KVLoadsCallback = Callable[["EngineLoop", list[tuple[str, float, int, bool]]], None]
 
@@ -111,8 +115,6 @@ class EngineLoop:
         self.max_in_flight = max_in_flight
         self.step_timeout_s = step_timeout_s
         self.hung = False  # a step outlived step_timeout_s: the worker may still be running it
-        self.draining = False  # leaving the cluster: takes no new requests (set by the owner)
-        self.failure_handled = False  # the owner took note of its failure (set by the owner)
         self._async = scheduler.scheduler_config.async_scheduling
         # Steps started and not yet applied, oldest first: (step, result, start time).
         self._in_flight: deque[tuple[SchedulerOutput, asyncio.Future[ModelRunnerOutput], float]] = (
@@ -183,7 +185,8 @@ class EngineLoop:
             self._kv_events.take(),
         )
 
-    def _summarize(self) -> None:
+    def summarize(self) -> None:
+        """Send ``on_summary`` a summary now (the owner changed the cache, say)."""
         if self.on_summary is not None:
             self.on_summary(self, self.summary())
 
@@ -242,6 +245,7 @@ class EngineLoop:
         in_flight = self._in_flight
         while not self._stopping:
             if not in_flight and not self.pending and not scheduler.has_requests():
+                self.summarize()  # what changed since the last step (aborts, arrivals)
                 self._wake.clear()
                 await self._wake.wait()
                 if not self.alive:  # stop() woke us
@@ -259,7 +263,7 @@ class EngineLoop:
             self._count_result(result)
             if outputs:
                 self.on_outputs(self, outputs)
-            self._summarize()
+            self.summarize()
             idle = out.total_num_scheduled_tokens == 0 and not in_flight
             # The step's objects may hold KV handles (load specs, saved-KV reports): drop them
             # now, not when the next step replaces them, or an idle loop keeps them alive.
@@ -349,6 +353,7 @@ class EngineLoop:
                 )
         if errors:
             self.on_outputs(self, errors)
+            self.summarize()
 
     def _count(self, out: SchedulerOutput) -> None:
         c = self.counters
@@ -408,3 +413,4 @@ class EngineLoop:
             self,
             [EngineCoreOutput(rid, [], FinishReason.ERROR, error=message) for rid in request_ids],
         )
+        self.summarize()

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from actors.worker import ModelWorker
 from cluster.config import ClusterConfig, InstancePool
@@ -160,3 +161,33 @@ def test_shutdown_ends_the_stream_after_the_last_outputs(tiny_model: Path) -> No
     seen = asyncio.run(asyncio.wait_for(run(), 60))
     assert seen[-1].finish_reason is not None and seen[-1].finish_reason.value == "abort"
     assert seen[-1].error == "shutdown"
+    assert sum(o.finished for o in seen) == 1  # one last output, not one per party
+
+
+def test_a_request_the_scheduler_refuses_ends_once(tiny_model: Path) -> None:
+    """A request refused when its instance admits it (an empty prompt) ends with one error
+    output, and the actor forgets it at once -- not at a next step that may never come (the
+    instance is idle): its id is free again, and no second final (an abort) follows."""
+    actor = _actor(tiny_model)
+
+    async def run() -> list[EngineCoreOutput]:
+        await actor.start()
+        outs = [out async for out in actor.generate(Request("empty", [], GREEDY))]
+        assert actor.live_request_ids() == []
+        again = [out async for out in actor.generate(Request("empty", _prompt(0), GREEDY))]
+        assert again[-1].finish_reason is not None and again[-1].finish_reason.value == "length"
+        text = actor.metrics_text()
+        await _idle(actor)
+        await actor.shutdown()
+        ended = {
+            sample.labels["finished_reason"]: sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name == "tandem:request_success_total"
+        }
+        assert ended["error"] == 1 and ended["abort"] == 0  # counted once, as what it was
+        return outs
+
+    outs = asyncio.run(asyncio.wait_for(run(), 60))
+    assert len(outs) == 1 and outs[0].finish_reason is not None
+    assert outs[0].finish_reason.value == "error" and "must not be empty" in (outs[0].error or "")
