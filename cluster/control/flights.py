@@ -74,6 +74,7 @@ class Flight:
     num_moves: int = 0  # times it moved off a failed instance
     # For metrics (time.monotonic()), as its engines reported them:
     first_token_at: float | None = None
+    last_token_at: float | None = None  # as of its last hand-off or move
     scheduled: bool = False  # some instance scheduled it (its queue time is observed)
     trace: Any = None  # a RequestTrace while tracing is on
     submission: Submission | None = None  # the client's tag of its submit (outbox only)

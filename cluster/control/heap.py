@@ -6,8 +6,8 @@ small ones per request. Each full collection walks every tracked object, so its 
 with the size of the pool and land on whichever step allocates next: measured on the
 control-plane benchmark (16 null instances x 256 running), the SchedulerActor's CPU per
 streamed token fell from 11.2 to 7.7 us once the start-up heap was frozen. vLLM's engine does
-the same after start-up. Objects frozen are still freed by reference counting; only a cycle
-among them would stay."""
+the same after start-up. Objects frozen are still freed by reference counting; a cycle among
+them stays until ``refreeze_heap``, which the cluster calls whenever its shape changes."""
 
 from __future__ import annotations
 
@@ -18,9 +18,23 @@ def freeze_heap() -> None:
     """Collect once, then move every object alive now out of the collector's reach -- in a
     Ray actor's process only (the actor owns it; a program that embeds the SchedulerActor,
     a test, keeps its own collector as it is)."""
+    if _in_actor():
+        gc.collect()
+        gc.freeze()
+
+
+def refreeze_heap() -> None:
+    """The long-lived heap changed (an instance joined, left or was rebuilt): let the
+    collector see everything again, collect -- a dropped block pool is a cycle (its free
+    list is doubly linked) -- and freeze what is left. One full collection per change of the
+    cluster's shape."""
+    if _in_actor():
+        gc.unfreeze()
+        gc.collect()
+        gc.freeze()
+
+
+def _in_actor() -> bool:
     import ray
 
-    if not ray.is_initialized() or ray.get_runtime_context().get_actor_id() is None:
-        return
-    gc.collect()
-    gc.freeze()
+    return ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None

@@ -44,7 +44,7 @@ from cluster.control.flights import (
     pack_batch,
     prefill_request,
 )
-from cluster.control.heap import freeze_heap
+from cluster.control.heap import freeze_heap, refreeze_heap
 from cluster.control.observer import RequestObserver
 from cluster.control.placement import InstanceSpec
 from cluster.control.router import Route, Router
@@ -140,6 +140,9 @@ class SchedulerActor:
 
     async def shutdown(self) -> None:
         """Stop every engine, end what is in flight (abort), release the workers."""
+        self.started = False  # no submit from now on
+        for view in self.views.values():
+            view.alive = False  # no hand-off or move either
         for task in list(self._tasks):
             task.cancel()
         for engine in self.engines.values():
@@ -329,14 +332,7 @@ class SchedulerActor:
             hand_off = wanted is None or wanted > 1
         self._send(target, flight, part, hand_off)
 
-    def _send(
-        self,
-        view: InstanceView,
-        flight: Flight,
-        part: Request,
-        hand_off: bool,
-        last_token_at: float | None = None,
-    ) -> None:
+    def _send(self, view: InstanceView, flight: Flight, part: Request, hand_off: bool) -> None:
         """Give ``part`` (the flight's request under its internal id) to ``view``'s instance
         (counted in its view at once); its outputs go straight to the flight's client."""
         view.sent(max(part.num_tokens - part.num_computed_tokens, 0))
@@ -354,7 +350,7 @@ class SchedulerActor:
             arrival_time=flight.request.arrival_time,
             scheduled=flight.scheduled,
             first_token_at=flight.first_token_at,
-            last_token_at=last_token_at,
+            last_token_at=flight.last_token_at,
             trace=flight.trace,
         )
         self.engines[view.instance_id].add([placement])
@@ -401,7 +397,9 @@ class SchedulerActor:
         final = EngineCoreOutput(flight.request.request_id, [], reason, error=error)
         self._forget(flight)
         flight.deliver(final)
-        self.observe.finished(flight, final, self.views.get(flight.instance))
+        # Counted on its last instance (one that left: the first, as before it was placed).
+        where = self.views.get(flight.instance) or next(iter(self.views.values()), None)
+        self.observe.finished(flight, final, where)
 
     # -- what the engines report -------------------------------------------------------------
     def _on_report(self, report: EngineReport) -> None:
@@ -465,7 +463,8 @@ class SchedulerActor:
             output_token_ids=list(flight.sent),
             kv_transfer_params=self.observe.decode_params(flight, params),
         )
-        self._send(decode, flight, part, hand_off=False, last_token_at=flight.first_token_at)
+        flight.last_token_at = flight.first_token_at
+        self._send(decode, flight, part, hand_off=False)
 
     # -- failures ----------------------------------------------------------------------------
     def _spawn(self, coro: Any) -> None:
@@ -482,6 +481,9 @@ class SchedulerActor:
                 continue  # aborted meanwhile
             flight.sent = list(item.tokens)
             flight.first_token_at = item.first_token_at
+            flight.last_token_at = item.last_token_at
+            if flight.num_cached_tokens is None:
+                flight.num_cached_tokens = item.num_cached_tokens
             flight.scheduled = flight.scheduled or item.scheduled
             flight.num_moves += 1
             self.num_moves += 1
@@ -559,7 +561,7 @@ class SchedulerActor:
                 )
         for spec in specs:
             self._add_instance(spec)
-        freeze_heap()
+        refreeze_heap()
         logger.info("pool %s grew: %s", pool.name, ", ".join(s.instance_id for s in specs))
 
     async def _shrink(self, instance_ids: list[str], drain_timeout_s: float | None) -> None:
@@ -597,6 +599,8 @@ class SchedulerActor:
         self.views[iid].alive = False  # a flight's decode_target may still point here
         del self.engines[iid], self.roles[iid], self.views[iid]
         self.lora.forget(iid)
+        del engine
+        refreeze_heap()  # its block pool is a cycle
         for actor in spec.actors:
             import ray
 
