@@ -304,7 +304,11 @@ class Subscription:
         return future
 
     def _send_submissions(self) -> None:
-        batch, self._to_submit = self._to_submit, []
+        # A stream cancelled meanwhile has sent its abort already: its request stays home.
+        batch = [item for item in self._to_submit if not item[1].done()]
+        self._to_submit = []
+        if not batch:
+            return
         task = self.loop.create_task(self._submit_batch(batch))
         self._submitting.add(task)
         task.add_done_callback(self._submitting.discard)
@@ -316,7 +320,11 @@ class Subscription:
             outcomes = await self.handle.submit_many.remote(
                 self.client_id, [item for item, _ in batch]
             )
-        except BaseException as exc:  # the actor is gone: none of them runs
+        except BaseException as exc:
+            # No answer (the actor died, the reply was lost): some may have been placed, so
+            # each is aborted -- an abort before its submit is remembered by the actor.
+            for (request, _, _), _ in batch:
+                self.handle.abort.remote(request.request_id)
             cause = _cause(exc, ValueError, RuntimeError)
             error = cause if isinstance(cause, Exception) else RuntimeError(str(cause))
             outcomes = [error] * len(batch)
