@@ -294,23 +294,20 @@ class InstanceEngine:
             new = out.new_token_ids
             if placement.hand_off and out.finished and self._prefilled_now(held, out):
                 continue
-            client_out = EngineCoreOutput(
-                placement.client_request_id,
-                new,
-                out.finish_reason,
-                out.stop_reason,
-                held.num_cached_tokens,
-                None,  # kv_transfer_params (handles) never leave the control plane
-                out.new_logprobs,
-                out.error,
-            )
+            internal_id = out.request_id
+            # The step's output becomes the client's (the scheduler keeps no reference to
+            # it): the client's id, the prefix hit it was told, and no KV handle -- handles
+            # never leave the control plane.
+            out.request_id = placement.client_request_id
+            out.num_cached_tokens = held.num_cached_tokens
+            out.kv_transfer_params = None
             held.tokens.extend(new)
             observe.tokens_out(held, self, len(new))
-            if out.finished:
-                del held_by_id[out.request_id]
-                self._finished.append(out.request_id)
-                observe.finished(held, client_out, self)
-            placement.sink(client_out, index)
+            if out.finish_reason is not None:
+                del held_by_id[internal_id]
+                self._finished.append(internal_id)
+                observe.finished(held, out, self)
+            placement.sink(out, index)
 
     def _prefilled_now(self, held: Held, out: EngineCoreOutput) -> bool:
         """The prefill part sampled the first token. Unless the request is complete with it,

@@ -35,20 +35,29 @@ class Outbox:
 
     def __init__(self) -> None:
         self.pending: dict[Submission, EngineCoreOutput] = {}
+        self._merged: set[Submission] = set()  # pending outputs this outbox made (its own)
         self.ready = asyncio.Event()
         self.closed = False
 
     def put(self, submission: Submission, out: EngineCoreOutput) -> None:
         pending = self.pending
         before = pending.get(submission)
-        pending[submission] = out if before is None else merge_outputs(before, out)
-        self.ready.set()
+        if before is None:
+            pending[submission] = out
+        elif submission in self._merged:  # its own copy: grows in place, no re-copy
+            _extend(before, out)
+        else:
+            pending[submission] = merge_outputs(before, out)
+            self._merged.add(submission)
+        if not self.ready.is_set():
+            self.ready.set()
 
     async def take(self) -> list[tuple[Submission, EngineCoreOutput]]:
         """Wait for outputs (or ``close``), then take them all, each with its submission."""
         await self.ready.wait()
         self.ready.clear()
         batch, self.pending = list(self.pending.items()), {}
+        self._merged.clear()
         return batch
 
     def close(self) -> None:
@@ -159,6 +168,17 @@ def unpack_batch(wire: list[WireOutput]) -> list[tuple[Submission, EngineCoreOut
         )
         for tag, rid, tokens, reason, stop, cached, logprobs, error in wire
     ]
+
+
+def _extend(into: EngineCoreOutput, b: EngineCoreOutput) -> None:
+    """``merge_outputs`` in place, into an output nobody else holds."""
+    into.new_token_ids.extend(b.new_token_ids)
+    if b.new_logprobs is not None:
+        into.new_logprobs = (into.new_logprobs or []) + b.new_logprobs
+    into.finish_reason = b.finish_reason
+    into.stop_reason = b.stop_reason
+    into.num_cached_tokens = b.num_cached_tokens or into.num_cached_tokens
+    into.error = b.error
 
 
 def merge_outputs(a: EngineCoreOutput, b: EngineCoreOutput) -> EngineCoreOutput:
