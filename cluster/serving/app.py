@@ -34,8 +34,10 @@ from cluster.serving.limits import BodyLimit, BodyTooLarge, body_too_large, set_
 from cluster.serving.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     LoadLoRAAdapterRequest,
     ScalePoolRequest,
+    TokenizeRequest,
     UnloadLoRAAdapterRequest,
 )
 from cluster.serving.openai_serving import OpenAIServing
@@ -228,6 +230,18 @@ class OpenAIIngress:
         self._authorize_admin("lora", request)
         serving = await self.serving()
         return PlainTextResponse(await serving.unload_lora_adapter(body))
+
+    @app.post("/tokenize")
+    async def tokenize(self, body: TokenizeRequest, request: HTTPRequest) -> JSONResponse:
+        """vLLM's /tokenize: a prompt's (or a conversation's) token ids."""
+        self._authorize(request)
+        return JSONResponse(await (await self.serving()).tokenize(body))
+
+    @app.post("/detokenize")
+    async def detokenize(self, body: DetokenizeRequest, request: HTTPRequest) -> JSONResponse:
+        """vLLM's /detokenize: the text of token ids."""
+        self._authorize(request)
+        return JSONResponse(await (await self.serving()).detokenize(body))
 
     # -- operations --------------------------------------------------------------------------
     @app.get("/health")

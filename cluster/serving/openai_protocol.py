@@ -345,3 +345,63 @@ class ScalePoolRequest(BaseModel):
 
     pool: str = Field(min_length=1, description="The pool's name in the ClusterConfig.")
     replicas: int = Field(ge=1, le=1024, description="Instances the pool should have.")
+
+
+class TokenizeCompletionRequest(BaseModel):
+    """``POST /tokenize`` with a prompt (vLLM's shape)."""
+
+    model_config = ConfigDict(extra="allow")  # kept only to be logged (``_log_unknown``)
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _unknown(self) -> TokenizeCompletionRequest:
+        _log_unknown(self)
+        return self
+
+
+class TokenizeChatRequest(BaseModel):
+    """``POST /tokenize`` with a conversation, rendered by the chat template (vLLM's shape)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False  # the template writes BOS itself
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+    # Refused when they ask for something, as on chat completions.
+    tools: Any = None
+    chat_template: Any = None
+    continue_final_message: Any = None
+    documents: Any = None
+
+    _refused = field_validator("tools", "chat_template", "continue_final_message", "documents")(
+        _refuse_active
+    )
+
+    @model_validator(mode="after")
+    def _unknown(self) -> TokenizeChatRequest:
+        _log_unknown(self)
+        return self
+
+
+TokenizeRequest = TokenizeChatRequest | TokenizeCompletionRequest
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize`` (vLLM's shape)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0)]]
+
+    @model_validator(mode="after")
+    def _unknown(self) -> DetokenizeRequest:
+        _log_unknown(self)
+        return self

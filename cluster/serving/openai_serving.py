@@ -29,8 +29,11 @@ from cluster.serving.errors import APIError, api_error
 from cluster.serving.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     LoadLoRAAdapterRequest,
     ScalePoolRequest,
+    TokenizeChatRequest,
+    TokenizeRequest,
     UnloadLoRAAdapterRequest,
 )
 from cluster.serving.openai_responses import (
@@ -268,22 +271,73 @@ class OpenAIServing:
         job: Job = await self._off_loop(self._chat_job, req, messages)
         return job
 
-    def _chat_job(self, req: ChatCompletionRequest, messages: list[dict[str, Any]]) -> Job:
+    def _render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        template_kwargs: dict[str, Any] | None,
+    ) -> str:
         try:
-            text = self.tokenizer.apply_chat_template(
-                messages,
-                add_generation_prompt=req.add_generation_prompt,
-                **(req.chat_template_kwargs or {}),
+            text: str = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, **(template_kwargs or {})
             )
         except ValueError as exc:
             raise APIError(400, str(exc), param="messages") from None
         except Exception as exc:  # a template that fails on these messages
             raise APIError(400, f"the chat template failed: {exc}", param="messages") from None
+        return text
+
+    def _chat_job(self, req: ChatCompletionRequest, messages: list[dict[str, Any]]) -> Job:
+        text = self._render_chat(messages, req.add_generation_prompt, req.chat_template_kwargs)
         # The template writes BOS itself when the model wants one.
         ids = self._encode(text, "messages", add_special_tokens=False)
         self._check_ids(ids, "messages")
         max_tokens = self._max_tokens(len(ids), req.requested_max_tokens, "messages")
         return Job(ids, None, req.sampling_params(max_tokens, req.num_logprobs), 0)
+
+    # -- tokens (vLLM's /tokenize and /detokenize) ------------------------------------------
+    async def tokenize(self, req: TokenizeRequest) -> dict[str, Any]:
+        """The ids a prompt (or a conversation, through the chat template) becomes, as a
+        completion or chat request would send them: ``count``, ``max_model_len``, ``tokens``
+        and, when asked, ``token_strs``. 404 for an unknown model, 400 for a text longer than
+        the context could hold."""
+        if req.model is not None:
+            await self.resolve(req.model)
+        ids: list[int]
+        if isinstance(req, TokenizeChatRequest):
+            messages = [m.as_template_input() for m in req.messages]
+            self._check_chars(sum(len(m["content"]) for m in messages), "messages")
+            ids = await self._off_loop(self._tokenize_chat, req, messages)
+        else:
+            self._check_chars(len(req.prompt), "prompt")
+            ids = await self._off_loop(self._encode, req.prompt, "prompt", req.add_special_tokens)
+        result: dict[str, Any] = {
+            "count": len(ids),
+            "max_model_len": self.max_model_len,
+            "tokens": ids,
+            "token_strs": None,
+        }
+        if req.return_token_strs:
+            result["token_strs"] = [self.tokenizer.id_to_token(t) for t in ids]
+        return result
+
+    def _tokenize_chat(self, req: TokenizeChatRequest, messages: list[dict[str, Any]]) -> list[int]:
+        text = self._render_chat(messages, req.add_generation_prompt, req.chat_template_kwargs)
+        return self._encode(text, "messages", add_special_tokens=req.add_special_tokens)
+
+    async def detokenize(self, req: DetokenizeRequest) -> dict[str, Any]:
+        """The text of ``tokens`` (special tokens kept, as vLLM does); 400 naming the first id
+        outside the vocabulary, 404 for an unknown model."""
+        if req.model is not None:
+            await self.resolve(req.model)
+        vocab = self.tokenizer.vocab_size
+        bad = next((t for t in req.tokens if t >= vocab), None)
+        if bad is not None:
+            raise APIError(
+                400, f"token id {bad} is outside the vocabulary (size {vocab})", param="tokens"
+            )
+        text = await self._off_loop(self.tokenizer.decode, req.tokens, False)
+        return {"prompt": text}
 
     # -- running -----------------------------------------------------------------------------
     async def run(

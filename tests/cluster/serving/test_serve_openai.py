@@ -392,3 +392,29 @@ def test_every_metric_the_grafana_dashboard_queries_is_exported(serve_app: Serve
     exported = {s.name for f in text_string_to_metric_families(text) for s in f.samples}
     missing = sorted(queried - exported)
     assert not missing, missing
+
+
+def test_tokenize_and_detokenize_routes(serve_app: ServeApp, tokenizer: Tokenizer) -> None:
+    """vLLM's /tokenize and /detokenize over HTTP, behind the API key."""
+    requests = pytest.importorskip("requests")
+    from tests.cluster.conftest import API_KEY
+
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    body = {"model": serve_app.model, "prompt": PROMPT}
+    reply = requests.post(f"{serve_app.url}/tokenize", json=body, headers=auth, timeout=30)
+    assert reply.status_code == 200, reply.text
+    ids = tokenizer.encode(PROMPT)
+    assert reply.json() == {
+        "count": len(ids),
+        "max_model_len": reply.json()["max_model_len"],
+        "tokens": ids,
+        "token_strs": None,
+    }
+    back = requests.post(
+        f"{serve_app.url}/detokenize", json={"tokens": ids}, headers=auth, timeout=30
+    )
+    assert back.status_code == 200 and back.json()["prompt"].endswith(PROMPT)
+    bad = requests.post(f"{serve_app.url}/detokenize", json={"tokens": [-1]}, headers=auth)
+    assert bad.status_code == 400 and "tokens" in bad.json()["error"]["param"]
+    anonymous = requests.post(f"{serve_app.url}/tokenize", json=body, timeout=30)
+    assert anonymous.status_code == 401

@@ -284,3 +284,63 @@ def test_operators_see_the_in_process_engine(engine: AsyncLLM) -> None:
     assert _run(engine.transfer_history()) == {"local": []}
     assert _run(engine.reset_prefix_cache()) is True
     assert not engine.engine.has_unfinished_requests()
+
+
+def _tokenize(serving: OpenAIServing, body: dict[str, Any]) -> dict[str, Any]:
+    from pydantic import TypeAdapter
+
+    from cluster.serving.openai_protocol import TokenizeRequest
+
+    req = TypeAdapter(TokenizeRequest).validate_python(body)
+    result: dict[str, Any] = _run(serving.tokenize(req))
+    return result
+
+
+def test_tokenize_gives_the_ids_a_request_would_send(serving: OpenAIServing) -> None:
+    """/tokenize (vLLM's shapes): a prompt's ids are a completion's, a conversation's are a
+    chat completion's (the template rendered the same way), and /detokenize gives the text
+    back."""
+    tok = serving.tokenizer
+    text = "hello world, hello"
+    body = _tokenize(serving, {"model": "tiny-chat", "prompt": text, "return_token_strs": True})
+    assert body["tokens"] == tok.encode(text) and body["count"] == len(body["tokens"])
+    assert body["max_model_len"] == serving.max_model_len
+    assert body["token_strs"] == [tok.id_to_token(t) for t in body["tokens"]]
+    bare = _tokenize(serving, {"prompt": text, "add_special_tokens": False})
+    assert bare["tokens"] == tok.encode(text, add_special_tokens=False)
+    assert bare["token_strs"] is None
+    messages = [{"role": "user", "content": "hi there"}]
+    chat = _tokenize(serving, {"model": "tiny-chat", "messages": messages})
+    job = _run(
+        serving.chat_job(
+            ChatCompletionRequest.model_validate({"model": "tiny-chat", "messages": messages})
+        )
+    )
+    assert chat["tokens"] == job.prompt_ids
+    no_prompt = _tokenize(serving, {"messages": messages, "add_generation_prompt": False})
+    assert len(no_prompt["tokens"]) < len(chat["tokens"])
+    from cluster.serving.openai_protocol import DetokenizeRequest
+
+    back = _run(serving.detokenize(DetokenizeRequest(tokens=bare["tokens"])))
+    assert back == {"prompt": text}
+
+
+def test_tokenize_errors_name_what_is_wrong(serving: OpenAIServing) -> None:
+    from pydantic import ValidationError
+
+    from cluster.serving.openai_protocol import DetokenizeRequest
+
+    with pytest.raises(APIError) as unknown:
+        _tokenize(serving, {"model": "nope", "prompt": "x"})
+    assert unknown.value.status == 404
+    vocab = serving.tokenizer.vocab_size
+    with pytest.raises(APIError) as outside:
+        _run(serving.detokenize(DetokenizeRequest(tokens=[1, vocab])))
+    assert outside.value.status == 400 and outside.value.param == "tokens"
+    assert str(vocab) in outside.value.message
+    with pytest.raises(ValidationError, match="tools is not supported"):
+        _tokenize(serving, {"messages": [{"role": "user", "content": "x"}], "tools": [{}]})
+    long = "a" * (serving.max_model_len * 200)
+    with pytest.raises(APIError) as too_long:
+        _tokenize(serving, {"prompt": long})
+    assert too_long.value.status == 400 and too_long.value.param == "prompt"
