@@ -6,6 +6,7 @@ that need it) with a handful of tensor ops::
     raw logits (any float dtype) ──► float32 copy
         ├─► logprobs: top-k of log_softmax(raw)                  rows with params.logprobs set
         ├─► min_tokens: EOS and stop ids → -inf                  rows below min_tokens
+        ├─► logit_bias: + bias at the given ids                   rows with a logit_bias
         ├─► penalties: repetition (prompt + output),              rows with a penalty
         │              frequency / presence (output)
         ├─► greedy rows (temperature < 1e-5): argmax
@@ -101,7 +102,8 @@ class Sampler:
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         penalized = [i for i, p in enumerate(params) if _uses_penalties(p)]
         mask_rows, mask_ids = _min_tokens_entries(rows, vocab)
-        if all(greedy) and not (lp_rows or penalized or mask_rows):
+        bias_rows, bias_ids, bias_values = _logit_bias_entries(rows, vocab)
+        if all(greedy) and not (lp_rows or penalized or mask_rows or bias_rows):
             # Argmax is exact in any float dtype, but torch's CPU argmax over bf16 is about
             # twice as slow as converting to float32 first.
             if logits.device.type == "cpu" and logits.dtype != torch.float32:
@@ -116,6 +118,13 @@ class Sampler:
         if mask_rows:
             x[torch.tensor(mask_rows, device=device), torch.tensor(mask_ids, device=device)] = (
                 float("-inf")
+            )
+        if bias_rows:
+            x.view(-1).index_add_(
+                0,
+                torch.tensor(bias_rows, device=device) * vocab
+                + torch.tensor(bias_ids, device=device),
+                torch.tensor(bias_values, device=device, dtype=torch.float32),
             )
         if penalized:
             _apply_penalties(x, rows, penalized)
@@ -164,6 +173,23 @@ def _min_tokens_entries(rows: Sequence[SamplingRow], vocab: int) -> tuple[list[i
                 mask_rows.append(i)
                 mask_ids.append(token_id)
     return mask_rows, mask_ids
+
+
+def _logit_bias_entries(
+    rows: Sequence[SamplingRow], vocab: int
+) -> tuple[list[int], list[int], list[float]]:
+    """(row, token id, bias) triples of the rows' ``logit_bias``; ids outside the vocabulary
+    are skipped."""
+    bias_rows: list[int] = []
+    bias_ids: list[int] = []
+    values: list[float] = []
+    for i, row in enumerate(rows):
+        for token_id, bias in row.params.logit_bias:
+            if 0 <= token_id < vocab:
+                bias_rows.append(i)
+                bias_ids.append(token_id)
+                values.append(bias)
+    return bias_rows, bias_ids, values
 
 
 def _apply_penalties(x: torch.Tensor, rows: Sequence[SamplingRow], idx: list[int]) -> None:

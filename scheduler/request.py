@@ -73,6 +73,9 @@ class SamplingParams(BaseModel):
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
     seed: int | None = None
     logprobs: int | None = Field(None, ge=0, le=20)
+    # Added to the logits of these token ids before sampling (OpenAI's logit_bias: -100 bans
+    # a token, 100 all but forces it); ids outside the model's vocabulary are ignored.
+    logit_bias: tuple[tuple[int, float], ...] = ()
     # Read by the front end (engine or ingress), which detokenizes: a stop string found in the
     # text ends the request through ``Scheduler.finish_requests``.
     stop: tuple[str, ...] = ()
@@ -86,6 +89,23 @@ class SamplingParams(BaseModel):
             return (value,)
         if value is None:
             return ()
+        return value
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _bias_pairs(cls, value: object) -> object:
+        if isinstance(value, dict):
+            return tuple(sorted((int(k), float(v)) for k, v in value.items()))
+        return () if value is None else value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_range(cls, value: tuple[tuple[int, float], ...]) -> tuple[tuple[int, float], ...]:
+        for token_id, bias in value:
+            if token_id < 0:
+                raise ValueError(f"logit_bias token id {token_id} is negative")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias value {bias} is outside [-100, 100]")
         return value
 
     @field_validator("stop")

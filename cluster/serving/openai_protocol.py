@@ -11,7 +11,7 @@ change an output) is one of: implemented; accepted with no effect by design (``A
 metadata such as ``user`` or ``store``, hints such as ``prompt_cache_key`` -- prefix caching is
 automatic -- or ``prediction``, a latency hint that never changes the output); or refused with
 a 400 naming it when given a value that would change the output (``REFUSED``: ``tools``,
-``response_format``, ``logit_bias``, ... -- ``tools: []`` or ``response_format: {"type":
+``response_format``, ... -- ``tools: []`` or ``response_format: {"type":
 "text"}`` ask for nothing and pass). Other unknown fields are ignored, as vLLM does, and logged
 once per name.
 """
@@ -47,7 +47,6 @@ REFUSED_CHAT = (
     "functions",
     "function_call",
     "response_format",
-    "logit_bias",
     "audio",
     "modalities",
     "web_search_options",
@@ -55,7 +54,7 @@ REFUSED_CHAT = (
     "verbosity",
     "moderation",
 )
-REFUSED_COMPLETION = ("logit_bias", "response_format")
+REFUSED_COMPLETION = ("response_format",)
 REFUSED_VLLM = (  # vLLM's extras that change an output
     "prompt_logprobs",
     "structured_outputs",
@@ -147,8 +146,9 @@ class _Sampling(BaseModel):
     prompt_cache_retention: Any = None
     safety_identifier: Any = None
     prediction: Any = None
+    # OpenAI's: token id (a string key in JSON) -> bias in [-100, 100], added to its logit.
+    logit_bias: dict[str, float] | None = None
     # Refused when they ask for something (REFUSED_*; see ``_refuse_active``).
-    logit_bias: Any = None
     response_format: Any = None
     prompt_logprobs: Any = None
     structured_outputs: Any = None
@@ -166,6 +166,19 @@ class _Sampling(BaseModel):
     return_tokens_as_token_ids: Any = None
 
     _refused = field_validator(*REFUSED_COMPLETION, *REFUSED_VLLM, mode="after")(_refuse_active)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (value or {}).items():
+            if not key.strip().isdigit():
+                raise ValueError(f"logit_bias keys must be token ids; got {key!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias values must be within [-100, 100]; got {bias}")
+        return value
+
+    def logit_bias_ids(self) -> list[int]:
+        return [int(k) for k in self.logit_bias or {}]
 
     @model_validator(mode="after")
     def _streaming_options(self) -> _Sampling:
@@ -193,6 +206,7 @@ class _Sampling(BaseModel):
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             seed=None if self.seed is None else self.seed % 2**63,
             logprobs=logprobs,
+            logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
         )
@@ -304,7 +318,7 @@ class ChatCompletionRequest(_Sampling):
     documents: Any = None
     echo: Any = None
 
-    _refused_chat = field_validator(*REFUSED_CHAT[:4], *REFUSED_CHAT[6:], *REFUSED_VLLM_CHAT)(
+    _refused_chat = field_validator(*REFUSED_CHAT[:4], *REFUSED_CHAT[5:], *REFUSED_VLLM_CHAT)(
         _refuse_active
     )
 

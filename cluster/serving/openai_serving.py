@@ -235,6 +235,16 @@ class OpenAIServing:
             cut *= 2
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
+    def _check_logit_bias(self, ids: list[int]) -> None:
+        vocab = self.tokenizer.vocab_size
+        bad = next((t for t in ids if t >= vocab), None)
+        if bad is not None:
+            raise APIError(
+                400,
+                f"logit_bias token id {bad} is outside the vocabulary (size {vocab})",
+                param="logit_bias",
+            )
+
     def _check_ids(self, ids: list[int], param: str) -> None:
         try:
             self.engine.validate_prompt(ids)
@@ -243,6 +253,7 @@ class OpenAIServing:
 
     async def completion_jobs(self, req: CompletionRequest) -> list[Job]:
         """One ``Job`` per prompt (tokenized, checked, with its sampling params); 400s."""
+        self._check_logit_bias(req.logit_bias_ids())
         for prompt in req.prompts():
             if isinstance(prompt, str):
                 self._check_chars(len(prompt), "prompt")
@@ -266,6 +277,7 @@ class OpenAIServing:
 
     async def chat_job(self, req: ChatCompletionRequest) -> Job:
         """The conversation rendered with the chat template, checked; 400s."""
+        self._check_logit_bias(req.logit_bias_ids())
         messages = [m.as_template_input() for m in req.messages]
         self._check_chars(sum(len(m["content"]) for m in messages), "messages")
         job: Job = await self._off_loop(self._chat_job, req, messages)

@@ -461,3 +461,32 @@ def test_low_precision_logits(dtype: torch.dtype) -> None:
         raw = torch.log_softmax(logits[i].float(), -1)
         for token_id, value in entry.items():
             assert math.isclose(value, raw[token_id].item(), abs_tol=1e-5)
+
+
+# -- logit bias ---------------------------------------------------------------------------------
+def test_logit_bias_moves_greedy_choices_on_its_rows_only() -> None:
+    logits = torch.randn(4, 50)
+    best = logits.argmax(-1).tolist()
+    banned = row(temperature=0.0, logit_bias={best[0]: -100})
+    forced = row(temperature=0.0, logit_bias={7: 100})
+    plain = row(temperature=0.0)
+    outside = row(temperature=0.0, logit_bias={50: 100, 10**9: 100})  # past the vocabulary
+    out = sampler(logits, [banned, forced, plain, outside])
+    second = logits[0].clone()
+    second[best[0]] = NEG_INF
+    assert out.token_ids == [int(second.argmax()), 7, best[2], best[3]]
+
+
+def test_logit_bias_shifts_the_sampled_distribution() -> None:
+    logits = torch.tensor([0.0, 0.0, 0.0])
+    counts = draw(logits, 4000, temperature=1.0, logit_bias={2: math.log(2.0)})
+    assert chi2(counts, torch.tensor([0.25, 0.25, 0.5])) < CHI2_LIMIT
+
+
+def test_logit_bias_is_checked_and_kept_in_order() -> None:
+    params = SamplingParams(logit_bias={"9": 1, 3: -2.5})
+    assert params.logit_bias == ((3, -2.5), (9, 1.0))
+    with pytest.raises(ValueError, match="outside"):
+        SamplingParams(logit_bias={3: 101})
+    with pytest.raises(ValueError, match="negative"):
+        SamplingParams(logit_bias={-1: 1})

@@ -26,7 +26,7 @@ openai = pytest.importorskip("openai")
 
 IMPLEMENTED_COMMON = {
     *("model", "n", "stop", "stream_options", "temperature", "top_p", "seed"),
-    *("presence_penalty", "frequency_penalty", "max_tokens", "logprobs"),
+    *("presence_penalty", "frequency_penalty", "max_tokens", "logprobs", "logit_bias"),
 }
 IMPLEMENTED = {
     "completions": IMPLEMENTED_COMMON | {"prompt", "echo", "best_of", "suffix"},

@@ -374,8 +374,9 @@ def test_a_huge_prompt_does_not_delay_a_small_request(serve_app: ServeApp) -> No
 
 
 def test_fields_the_api_does_not_implement_are_400s_not_dropped(serve_app: ServeApp) -> None:
-    """Through the official SDK, as an agent would ask: JSON mode, tools, a logit bias. Each
-    is a 400 naming the field (not a 200 with free text that ignored it)."""
+    """Through the official SDK, as an agent would ask: JSON mode, tools. Each is a 400 naming
+    the field (not a 200 with free text that ignored it); a logit bias is applied, and one on
+    an id outside the vocabulary is a 400 naming it."""
     import openai
 
     client = serve_app.openai()
@@ -384,7 +385,6 @@ def test_fields_the_api_does_not_implement_are_400s_not_dropped(serve_app: Serve
     for field, value in (
         ("response_format", {"type": "json_object"}),
         ("tools", [tool]),
-        ("logit_bias", {"5": 10}),
     ):
         with pytest.raises(openai.BadRequestError) as refused:
             client.chat.completions.create(
@@ -396,3 +396,18 @@ def test_fields_the_api_does_not_implement_are_400s_not_dropped(serve_app: Serve
         model=serve_app.model, messages=messages, max_tokens=2, tools=[], user="u", store=False
     )
     assert ok.choices[0].finish_reason == "length"
+    # (What the bias does is tested in process: tests/cluster/serving/test_serving_in_process.)
+    forced = client.completions.create(
+        model=serve_app.model,
+        prompt=[5, 6, 7],
+        max_tokens=4,
+        temperature=0,
+        logit_bias={"9": 100},
+        extra_body={"ignore_eos": True},
+    )
+    assert forced.choices[0].finish_reason == "length"
+    with pytest.raises(openai.BadRequestError) as outside:
+        client.completions.create(
+            model=serve_app.model, prompt=[5, 6], max_tokens=2, logit_bias={"10000000": 5}
+        )
+    assert outside.value.body["param"] == "logit_bias"

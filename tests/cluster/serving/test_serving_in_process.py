@@ -344,3 +344,27 @@ def test_tokenize_errors_name_what_is_wrong(serving: OpenAIServing) -> None:
     with pytest.raises(APIError) as too_long:
         _tokenize(serving, {"prompt": long})
     assert too_long.value.status == 400 and too_long.value.param == "prompt"
+
+
+def test_logit_bias_is_applied_and_checked(serving: OpenAIServing) -> None:
+    """OpenAI's logit_bias: +100 on a token makes greedy decoding pick it every step (what
+    -100 does: tests/actors/test_sampler.py); an id outside the vocabulary is a 400 naming
+    logit_bias, a bias outside [-100, 100] or a key that is no id fails validation."""
+    from pydantic import ValidationError
+
+    base = {"model": "tiny-chat", "prompt": [5, 17, 99], "max_tokens": 4, "temperature": 0}
+    forced_req = CompletionRequest.model_validate({**base, "logit_bias": {"42": 100}})
+    forced = _run(serving.completion(forced_req))
+    assert forced["choices"][0]["text"] == serving.tokenizer.decode([42] * 4)
+    vocab = serving.tokenizer.vocab_size
+    with pytest.raises(APIError) as outside:
+        _run(
+            serving.completion(
+                CompletionRequest.model_validate({**base, "logit_bias": {str(vocab): 1}})
+            )
+        )
+    assert outside.value.status == 400 and outside.value.param == "logit_bias"
+    with pytest.raises(ValidationError, match="within"):
+        CompletionRequest.model_validate({**base, "logit_bias": {"3": 200}})
+    with pytest.raises(ValidationError, match="token ids"):
+        CompletionRequest.model_validate({**base, "logit_bias": {"the": 1}})
