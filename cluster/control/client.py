@@ -168,10 +168,19 @@ class ClusterClient(EngineClient):
         """End a request wherever it is, with each of its ``n`` samples this client streams
         (``{id}#{i}``). Reaches it as soon as ``generate_async`` has submitted it."""
         ids = [request_id]
-        if self._sub is not None:
-            ids += [c for c in self._sub.request_ids if c.startswith(f"{request_id}#")]
+        sub = self._sub
+        if sub is not None:
+            ids += [c for c in sub.request_ids if c.startswith(f"{request_id}#")]
+        try:
+            here = sub is not None and sub.loop is asyncio.get_running_loop()
+        except RuntimeError:  # no event loop in this thread
+            here = False
         for rid in ids:
-            self.handle.abort.remote(rid)
+            if here:  # in order with this loop's submits (an id reused at once stays safe)
+                assert sub is not None
+                sub.abort(rid)
+            else:
+                self.handle.abort.remote(rid)
 
     # -- adapters, metrics, health (EngineClient) -------------------------------------------
     async def lora_adapters(self) -> dict[str, LoRARequest]:
@@ -240,8 +249,14 @@ class Subscription:
         self.queues: dict[int, asyncio.Queue[EngineCoreOutput | BaseException]] = {}
         self.request_ids: dict[str, int] = {}  # open requests: id -> submission
         self._submissions = itertools.count()
-        # Submissions of this turn of the event loop, sent together (submit_many).
-        self._to_submit: list[tuple[tuple[Request, Any, int], asyncio.Future[None]]] = []
+        # Submits and aborts not sent yet, in order: (a submit's (request, trace context,
+        # submission) and its future) or (an abort's request id, None). They go together, in
+        # one submit_many call, and one call at a time: the actor runs a call's items in
+        # order, but two calls of one caller may run out of order (an async actor), and an
+        # abort overtaken by a later submit of the same id would refuse or end the new one.
+        self._ops: list[tuple[Any, asyncio.Future[None] | None]] = []
+        self._flush_scheduled = False
+        self._sending = False
         self._submitting: set[asyncio.Task[None]] = set()
         self._stop = threading.Event()
         self._keepalive = threading.Thread(
@@ -268,12 +283,14 @@ class Subscription:
         self.request_ids[rid] = submission
         running = False
         try:
+            future = self._submit(request, trace_context, submission)
             try:
-                await self._submit(request, trace_context, submission)
+                await future
             except (ValueError, RuntimeError):  # refused (or the actor is gone): nothing runs
                 raise
-            except BaseException:  # cancelled mid-submit: it may have been placed
-                self.handle.abort.remote(rid)
+            except BaseException:  # cancelled mid-submit: unless it never left, abort it
+                if not self._withdraw(future):
+                    self.abort(rid)
                 raise
             running = True
             while True:
@@ -289,47 +306,69 @@ class Subscription:
             self.queues.pop(submission, None)
             self.request_ids.pop(rid, None)
             if running:  # left before the end: nothing may keep running for nobody
-                self.handle.abort.remote(rid)
+                self.abort(rid)
+
+    def abort(self, request_id: str) -> None:
+        """Abort ``request_id`` on the cluster, after whatever this subscription submitted
+        before (from this event loop)."""
+        self._ops.append((request_id, None))
+        self._schedule()
 
     def _submit(
         self, request: Request, trace_context: dict[str, str] | None, submission: int
     ) -> asyncio.Future[None]:
-        """Submit ``request`` with the others submitted in the same turn of the event loop:
-        they go in one ``submit_many`` call. The future fails with the cluster's reason when
-        the request is refused."""
+        """Submit ``request`` with the others of this turn of the event loop (one
+        ``submit_many`` call). The future fails with the cluster's reason when the request
+        is refused."""
         future: asyncio.Future[None] = self.loop.create_future()
-        if not self._to_submit:
-            self.loop.call_soon(self._send_submissions)
-        self._to_submit.append(((request, trace_context, submission), future))
+        self._ops.append(((request, trace_context, submission), future))
+        self._schedule()
         return future
 
-    def _send_submissions(self) -> None:
-        # A stream cancelled meanwhile has sent its abort already: its request stays home.
-        batch = [item for item in self._to_submit if not item[1].done()]
-        self._to_submit = []
-        if not batch:
+    def _withdraw(self, future: asyncio.Future[None]) -> bool:
+        """Take back a submit that has not been sent (True), so nothing needs aborting."""
+        for i, (_, pending) in enumerate(self._ops):
+            if pending is future:
+                del self._ops[i]
+                return True
+        return False
+
+    def _schedule(self) -> None:
+        if not self._flush_scheduled and not self._sending:
+            self._flush_scheduled = True
+            self.loop.call_soon(self._send_ops)
+
+    def _send_ops(self) -> None:
+        self._flush_scheduled = False
+        ops, self._ops = self._ops, []
+        if not ops:
             return
-        task = self.loop.create_task(self._submit_batch(batch))
+        self._sending = True
+        task = self.loop.create_task(self._send_batch(ops))
         self._submitting.add(task)
         task.add_done_callback(self._submitting.discard)
 
-    async def _submit_batch(
-        self, batch: list[tuple[tuple[Request, Any, int], asyncio.Future[None]]]
-    ) -> None:
+    async def _send_batch(self, ops: list[tuple[Any, asyncio.Future[None] | None]]) -> None:
         try:
-            outcomes = await self.handle.submit_many.remote(
-                self.client_id, [item for item, _ in batch]
-            )
-        except BaseException as exc:
-            # No answer (the actor died, the reply was lost): some may have been placed, so
-            # each is aborted -- an abort before its submit is remembered by the actor.
-            for (request, _, _), _ in batch:
-                self.handle.abort.remote(request.request_id)
-            cause = _cause(exc, ValueError, RuntimeError)
-            error = cause if isinstance(cause, Exception) else RuntimeError(str(cause))
-            outcomes = [error] * len(batch)
-        for (_, future), outcome in zip(batch, outcomes, strict=True):
-            if future.done():  # its stream was cancelled meanwhile
+            try:
+                outcomes = await self.handle.submit_many.remote(
+                    self.client_id, [item for item, _ in ops]
+                )
+            except BaseException as exc:
+                # No answer (the actor died, the reply was lost): some may have been placed,
+                # so each is aborted -- an abort before its submit is remembered by the actor.
+                for item, future in ops:
+                    if future is not None:
+                        self.handle.abort.remote(item[0].request_id)
+                cause = _cause(exc, ValueError, RuntimeError)
+                error = cause if isinstance(cause, Exception) else RuntimeError(str(cause))
+                outcomes = [error] * len(ops)
+        finally:
+            self._sending = False
+            if self._ops:  # what came while this call was on its way goes next
+                self._schedule()
+        for (_, future), outcome in zip(ops, outcomes, strict=True):
+            if future is None or future.done():  # an abort; a stream cancelled meanwhile
                 continue
             if outcome is None:
                 future.set_result(None)

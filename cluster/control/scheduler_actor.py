@@ -200,15 +200,21 @@ class SchedulerActor:
     async def submit_many(
         self,
         client_id: str,
-        items: list[tuple[Request, dict[str, str] | None, Submission | None]],
+        items: list[tuple[Request, dict[str, str] | None, Submission | None] | str],
     ) -> list[Exception | None]:
-        """``submit`` for several requests of client ``client_id`` in one call: (request,
-        trace context, submission) each, placed in order. Each gets its own outcome -- None
-        (placed) or the exception that refused it, as a value: one refusal does not fail the
-        others. A client sends what it has to submit at once this way, so a burst of
-        requests costs a few Ray calls instead of one each."""
+        """``submit`` for several requests of client ``client_id`` in one call -- (request,
+        trace context, submission) each -- and ``abort`` for a bare request id, in order.
+        Each gets its own outcome: None (placed; aborts always) or the exception that refused
+        it, as a value: one refusal does not fail the others. A client sends what it has at
+        once this way, so a burst costs a few Ray calls instead of one each, and an abort
+        and a later submit of the same id cannot swap."""
         outcomes: list[Exception | None] = []
-        for request, trace_context, submission in items:
+        for item in items:
+            if isinstance(item, str):
+                self.abort(item)
+                outcomes.append(None)
+                continue
+            request, trace_context, submission = item
             try:
                 await self.submit(request, client_id, trace_context, submission)
             except Exception as exc:

@@ -191,3 +191,39 @@ def test_a_request_the_scheduler_refuses_ends_once(tiny_model: Path) -> None:
     outs = asyncio.run(asyncio.wait_for(run(), 60))
     assert len(outs) == 1 and outs[0].finish_reason is not None
     assert outs[0].finish_reason.value == "error" and "must not be empty" in (outs[0].error or "")
+
+
+def test_submits_and_aborts_of_one_call_run_in_order(tiny_model: Path) -> None:
+    """``submit_many`` runs a client's submits and aborts in the order given (a client sends
+    its aborts the same way, one call at a time, so an id reused right after its abort is
+    never refused nor ended by it): submit "a", abort "a", submit "a" again -- the first ends
+    with abort, the second runs to its end."""
+    actor = _actor(tiny_model)
+
+    async def run() -> list[EngineCoreOutput]:
+        await actor.start()
+        stream = actor.subscribe("client-1")
+        outcomes = await actor.submit_many(
+            "client-1",
+            [
+                (Request("a", _prompt(0), LONG), None, 0),
+                "a",
+                (Request("a", _prompt(1), GREEDY), None, 1),
+            ],
+        )
+        assert outcomes == [None, None, None]
+        by_tag: dict[object, list[EngineCoreOutput]] = {0: [], 1: []}
+        async for tagged in stream:
+            for tag, out in unpack_batch(tagged):
+                by_tag[tag].append(out)
+            if by_tag[1] and by_tag[1][-1].finished:
+                break
+        await stream.aclose()
+        await _idle(actor)
+        await actor.shutdown()
+        assert [o.finish_reason.value for o in by_tag[0] if o.finish_reason] == ["abort"]
+        return by_tag[1]
+
+    second = asyncio.run(asyncio.wait_for(run(), 60))
+    assert second[-1].finish_reason is not None and second[-1].finish_reason.value == "length"
+    assert sum(len(o.new_token_ids) for o in second) == GREEDY.max_tokens
