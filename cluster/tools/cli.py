@@ -315,9 +315,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         sub.add_parser(
             "serve",
             help="serve the OpenAI-compatible API (Ray Serve) on 127.0.0.1:8000",
-            description="Start a local Ray, the cluster described by CONFIG (default: the "
-            "built-in SmolLM2, one prefill and one decode instance) and the Serve app: HTTP "
-            "on :8000, gRPC on :9000. Runs until Ctrl-C, then shuts everything down.",
+            description="Start a local Ray, a cluster serving MODEL (default: the built-in "
+            "SmolLM2, one prefill and one decode instance; --config for a ClusterConfig file) "
+            "and the Serve app: HTTP on :8000, gRPC on :9000. vLLM's engine flags keep their "
+            "names (tandem serve MODEL --max-model-len 4096). Runs until Ctrl-C, then shuts "
+            "everything down.",
         )
     )
     from cluster.tools.loadgen import add_bench_arguments

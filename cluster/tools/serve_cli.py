@@ -1,11 +1,14 @@
-"""``tandem serve [config.yaml]``: a local Ray on 127.0.0.1, the Serve app on :8000 (HTTP) and
-:9000 (gRPC) with the built-in SmolLM2, one prefill and one decode instance. Ctrl-C (or
-SIGTERM) shuts Serve, the cluster and Ray down.
+"""``tandem serve [MODEL] [--config FILE] [vLLM's flags]``: a local Ray on 127.0.0.1, the Serve
+app on :8000 (HTTP) and :9000 (gRPC) with the model (default: the built-in SmolLM2), one
+prefill and one decode instance unless told otherwise. ``vllm serve MODEL --max-model-len
+4096`` becomes ``tandem serve MODEL --max-model-len 4096``. Ctrl-C (or SIGTERM) shuts Serve,
+the cluster and Ray down.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import sys
 from typing import Any
@@ -16,54 +19,139 @@ APP_NAME = "tandem"
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("config", nargs="?", default=None, help="a ClusterConfig YAML file")
-    p.add_argument("--host", default=None, help="HTTP bind address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=None, help="HTTP port (default 8000)")
-    p.add_argument("--ssl-keyfile", default=None, help="serve HTTPS: the key (PEM)")
-    p.add_argument("--ssl-certfile", default=None, help="serve HTTPS: the certificate (PEM)")
-    p.add_argument("--grpc-port", type=int, default=None, help="gRPC port (default 9000)")
-    p.add_argument("--no-grpc", action="store_true", help="serve HTTP only")
-    p.add_argument("--api-key", default=None, help="require this Bearer token on /v1 routes")
     p.add_argument(
-        "--admin-api-key",
+        "model",
+        nargs="?",
         default=None,
-        help="the admin routes (runtime LoRA loading, pool scaling) take this key, not --api-key",
+        metavar="MODEL",
+        help="the model to serve: a checkpoint folder, a .gguf file or a built-in name "
+        "(default: the built-in SmolLM2); a .yaml/.yml file here is read as --config",
     )
-    p.add_argument(
+    p.add_argument("--config", default=None, metavar="FILE", help="a ClusterConfig YAML file")
+
+    engine = p.add_argument_group("engine (vLLM's flags; they override the config file)")
+    engine.add_argument("--dtype", choices=DTYPES, default=None, help="weights' dtype")
+    engine.add_argument("--max-model-len", type=int, default=None, help="context length")
+    engine.add_argument(
+        "--max-num-seqs", type=int, default=None, help="running requests per instance"
+    )
+    engine.add_argument(
+        "--max-num-batched-tokens", type=int, default=None, help="token budget of a step"
+    )
+    engine.add_argument("--block-size", type=int, default=None, help="tokens per KV block")
+    engine.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="reuse the KV blocks of shared prefixes (default on)",
+    )
+    engine.add_argument(
+        "--pipeline-parallel-size",
+        "-pp",
+        type=int,
+        default=None,
+        help="pipeline stages per instance",
+    )
+    engine.add_argument("--served-model-name", default=None, help="the model's name in the API")
+    engine.add_argument(
+        "--tool-call-parser",
+        default=None,
+        help="not available yet: tool calling is not implemented (the flag is refused)",
+    )
+    lora = p.add_argument_group("LoRA (vLLM's flags)")
+    lora.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters")
+    lora.add_argument("--max-loras", type=int, default=None, help="adapters in one batch")
+    lora.add_argument("--max-lora-rank", type=int, default=None, help="highest adapter rank")
+    lora.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=[],
+        metavar="NAME=PATH",
+        help="serve adapters as model names from the start (enables LoRA)",
+    )
+    lora.add_argument(
+        "--lora-module",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="one adapter (repeatable; the same as --lora-modules)",
+    )
+    lora.add_argument(
         "--lora-adapter-root",
         default=None,
         metavar="DIR",
         help="allow runtime LoRA loading (/v1/load_lora_adapter) from below DIR",
     )
-    p.add_argument("--allow-runtime-scaling", action="store_true", help="serve /admin/scale_pool")
-    p.add_argument("--served-model-name", default=None, help="the model's name in the API")
-    p.add_argument(
-        "--lora-module",
-        action="append",
-        default=[],
-        metavar="NAME=PATH",
-        help="serve a LoRA adapter as model NAME (repeatable; enables LoRA)",
+
+    cluster = p.add_argument_group("cluster (Tandem's)")
+    cluster.add_argument(
+        "--prefill-instances",
+        type=int,
+        default=None,
+        metavar="N",
+        help="prefill instances (0: colocated -- every instance serves whole requests)",
     )
-    p.add_argument(
+    cluster.add_argument(
+        "--decode-instances", type=int, default=None, metavar="M", help="decode instances"
+    )
+    cluster.add_argument(
+        "--kv-transport", choices=("ray", "grpc"), default=None, help="how KV moves P to D"
+    )
+    cluster.add_argument(
         "--max-waiting-requests",
         type=int,
         default=None,
         help="refuse new requests with 429 while more than this many wait",
     )
-    p.add_argument("--address", default=None, help="join this Ray cluster instead")
-    p.add_argument("--num-cpus", type=int, default=None, help="CPUs of a local Ray")
-    p.add_argument(
+    cluster.add_argument(
+        "--allow-runtime-scaling", action="store_true", help="serve /admin/scale_pool"
+    )
+
+    server = p.add_argument_group("server")
+    server.add_argument("--host", default=None, help="HTTP bind address (default 127.0.0.1)")
+    server.add_argument("--port", type=int, default=None, help="HTTP port (default 8000)")
+    server.add_argument("--ssl-keyfile", default=None, help="serve HTTPS: the key (PEM)")
+    server.add_argument("--ssl-certfile", default=None, help="serve HTTPS: the certificate (PEM)")
+    server.add_argument("--grpc-port", type=int, default=None, help="gRPC port (default 9000)")
+    server.add_argument("--no-grpc", action="store_true", help="serve HTTP only")
+    server.add_argument("--api-key", default=None, help="require this Bearer token on /v1 routes")
+    server.add_argument(
+        "--admin-api-key",
+        default=None,
+        help="the admin routes (runtime LoRA loading, pool scaling) take this key, not --api-key",
+    )
+
+    ray = p.add_argument_group("Ray")
+    ray.add_argument("--address", default=None, help="join this Ray cluster instead")
+    ray.add_argument("--num-cpus", type=int, default=None, help="CPUs of a local Ray")
+    ray.add_argument(
         "--object-store-mb", type=int, default=512, help="object store of a local Ray (MiB)"
     )
     p.add_argument("-v", "--verbose", action="store_true", help="log cluster details")
+
+
+DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 
 def serve_config(args: argparse.Namespace) -> Any:
     """The ClusterConfig: the file (or the laptop default) with the flags on top."""
     from cluster.config import ClusterConfig, default_cluster_config
 
-    config = ClusterConfig.from_yaml(args.config) if args.config else default_cluster_config()
+    model, config_file = args.model, args.config
+    if model is not None and model.endswith((".yaml", ".yml")):
+        if config_file is not None:
+            raise ValueError(f"two config files: {model} and --config {config_file}")
+        model, config_file = None, model
+    if args.tool_call_parser is not None:
+        raise ValueError(
+            "--tool-call-parser: tool calling is not implemented yet (requests with tools are "
+            "refused with a 400), so there is nothing to parse"
+        )
+    config = ClusterConfig.from_yaml(config_file) if config_file else default_cluster_config()
     data = config.model_dump(exclude_unset=False)
+    if model is not None:
+        data["model"] = model
+    _engine_flags(args, data)
     serve = data["serve"]
     for key in (
         "host",
@@ -88,14 +176,70 @@ def serve_config(args: argparse.Namespace) -> Any:
         serve["allow_runtime_lora_updates"] = True
     if args.allow_runtime_scaling:
         serve["allow_runtime_scaling"] = True
-    for item in args.lora_module:
+    for item in [*args.lora_modules, *args.lora_module]:
         name, sep, path = item.partition("=")
         if not sep or not name or not path:
-            raise ValueError(f"--lora-module {item!r}: expected NAME=PATH")
+            raise ValueError(f"--lora-modules {item!r}: expected NAME=PATH")
         serve["lora_modules"][name] = path
-    if (serve["lora_modules"] or serve["allow_runtime_lora_updates"]) and data.get("lora") is None:
-        data["lora"] = {"max_loras": max(1, len(serve["lora_modules"]))}
+    lora_wanted = args.enable_lora or args.max_loras is not None or args.max_lora_rank is not None
+    if lora_wanted or serve["lora_modules"] or serve["allow_runtime_lora_updates"]:
+        lora = data.get("lora") or {"max_loras": max(1, len(serve["lora_modules"]))}
+        if args.max_loras is not None:
+            lora["max_loras"] = args.max_loras
+        if args.max_lora_rank is not None:
+            lora["max_lora_rank"] = args.max_lora_rank
+        data["lora"] = lora
     return ClusterConfig.model_validate(data)  # (a python-mode dump keeps the secrets)
+
+
+def _engine_flags(args: argparse.Namespace, data: dict[str, Any]) -> None:
+    """vLLM's engine flags and Tandem's pool sizes, onto a ClusterConfig dump: the top-level
+    fields, and every pool's scheduler and cache sections."""
+    for key in ("dtype", "max_model_len", "block_size"):
+        value = getattr(args, key)
+        if value is not None:
+            data[key] = value
+    if args.kv_transport is not None:
+        data["kv_transfer"]["transport"] = args.kv_transport
+    if args.prefill_instances is not None or args.decode_instances is not None:
+        data["pools"] = _pools(data["pools"], args.prefill_instances, args.decode_instances)
+    for pool in data["pools"]:
+        for key in ("max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(args, key)
+            if value is not None:
+                pool["scheduler"][key] = value
+        if args.enable_prefix_caching is not None:
+            pool["cache"]["enable_prefix_caching"] = args.enable_prefix_caching
+        if args.pipeline_parallel_size is not None:
+            pool["pp_size"] = args.pipeline_parallel_size
+
+
+def _pools(
+    pools: list[dict[str, Any]], prefill: int | None, decode: int | None
+) -> list[dict[str, Any]]:
+    """The pools for ``--prefill-instances`` / ``--decode-instances``, each from the config's
+    pool of that role (its threads, resources, cache) when it has one. Prefill 0: one
+    colocated pool (role both) of ``decode`` instances (default: the decode pool's count)."""
+    by_role = {pool["role"]: pool for pool in reversed(pools)}
+    decode_pool = by_role.get("decode") or by_role.get("both") or pools[0]
+    prefill_pool = by_role.get("prefill")
+    if prefill is None:
+        prefill = prefill_pool["replicas"] if prefill_pool is not None else 0
+    if decode is None:
+        decode = decode_pool["replicas"]
+    if prefill < 0 or decode < 1:
+        raise ValueError(
+            f"--prefill-instances {prefill} --decode-instances {decode}: decode instances must "
+            "be at least 1 and prefill instances at least 0"
+        )
+    decode_pool = copy.deepcopy(decode_pool)  # (the new pools share no section)
+    if prefill == 0:
+        return [{**decode_pool, "name": "colocated", "role": "both", "replicas": decode}]
+    template = copy.deepcopy(prefill_pool) if prefill_pool else {**decode_pool, "resources": {}}
+    return [
+        {**copy.deepcopy(template), "name": "prefill", "role": "prefill", "replicas": prefill},
+        {**decode_pool, "name": "decode", "role": "decode", "replicas": decode},
+    ]
 
 
 def start_serve(config: Any, *, address: str | None = None, **ray_options: Any) -> str:

@@ -65,3 +65,82 @@ def test_serve_section_is_validated() -> None:
     with pytest.raises(ValueError, match="port"):
         ClusterConfig.model_validate({"serve": {"port": 0}})
     assert ClusterConfig().serve.host == "127.0.0.1"
+
+
+def test_vllm_flags_and_pool_sizes(tmp_path: Path) -> None:
+    """``tandem serve MODEL`` with vLLM's engine flags, onto every pool; Tandem's pool sizes;
+    a .yaml in MODEL's place is the config, and the flags override it."""
+    config = serve_config(
+        _args(
+            "/models/m",
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            "4096",
+            "--max-num-seqs",
+            "32",
+            "--max-num-batched-tokens",
+            "1024",
+            "--block-size",
+            "32",
+            "--no-enable-prefix-caching",
+            "-pp",
+            "2",
+            "--kv-transport",
+            "grpc",
+            "--decode-instances",
+            "3",
+        )
+    )
+    assert config.model == "/models/m" and config.dtype == "float32"
+    assert config.max_model_len == 4096 and config.block_size == 32
+    assert config.kv_transfer.transport == "grpc"
+    assert [(p.name, p.role, p.replicas) for p in config.pools] == [
+        ("prefill", "prefill", 1),
+        ("decode", "decode", 3),
+    ]
+    for pool in config.pools:
+        assert pool.scheduler == {"max_num_seqs": 32, "max_num_batched_tokens": 1024}
+        assert pool.cache == {"enable_prefix_caching": False} and pool.pp_size == 2
+        assert pool.num_threads == 1  # the default pools' other settings stay
+    colocated = serve_config(_args("--prefill-instances", "0", "--decode-instances", "2"))
+    assert [(p.name, p.role, p.replicas) for p in colocated.pools] == [("colocated", "both", 2)]
+    file = tmp_path / "c.yaml"
+    file.write_text("block_size: 8\npools: [{name: c, role: both, replicas: 1}]\n")
+    from_file = serve_config(_args(str(file), "--prefill-instances", "2"))
+    assert from_file.block_size == 8 and from_file.model is None
+    assert [(p.name, p.role, p.replicas) for p in from_file.pools] == [
+        ("prefill", "prefill", 2),
+        ("decode", "decode", 1),
+    ]
+    both = serve_config(_args("/models/m", "--config", str(file), "--block-size", "16"))
+    assert both.model == "/models/m" and both.block_size == 16
+
+
+def test_lora_flags_and_refusals() -> None:
+    config = serve_config(
+        _args("--enable-lora", "--max-loras", "3", "--max-lora-rank", "32", "--api-key", "k" * 20)
+    )
+    assert config.lora is not None and config.lora.max_loras == 3
+    assert config.lora.max_lora_rank == 32
+    modules = serve_config(_args("--lora-modules", "a=/x", "b=/y", "--lora-module", "c=/z"))
+    assert modules.serve.lora_modules == {"a": "/x", "b": "/y", "c": "/z"}
+    assert modules.lora is not None
+    assert serve_config(_args()).lora is None
+    with pytest.raises(ValueError, match="tool calling is not implemented"):
+        serve_config(_args("--tool-call-parser", "hermes"))
+    with pytest.raises(ValueError, match="decode instances must be at least 1"):
+        serve_config(_args("--decode-instances", "0"))
+    with pytest.raises(SystemExit):
+        _args("--dtype", "int3")
+
+
+def test_help_groups_the_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    from cluster.tools.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    text = capsys.readouterr().out
+    for group in ("engine (vLLM's flags", "LoRA (vLLM's flags)", "cluster (Tandem's)", "server"):
+        assert group in text
+    assert "--max-model-len" in text and "--prefill-instances" in text
