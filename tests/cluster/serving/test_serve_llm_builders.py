@@ -1,0 +1,115 @@
+"""Ray Serve LLM's builders on Tandem: its config shapes (``llm_configs``, ``prefill_config``
++ ``decode_config`` with ``model_loading_config``, ``engine_kwargs``, ``deployment_config``)
+become a ClusterConfig, what does not map is refused naming it, and a Serve config written for
+``ray.serve.llm`` builds a Tandem app by changing its import path (no Ray needed)."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import pytest
+import yaml
+
+from cluster.serving.serve_llm import build_openai_app, build_pd_openai_app, cluster_config
+
+
+def _llm(**extra: Any) -> dict[str, Any]:
+    return {
+        "model_loading_config": {"model_id": "qwen", "model_source": "/models/qwen"},
+        "engine_kwargs": {"max_model_len": 4096, "max_num_seqs": 32},
+        **extra,
+    }
+
+
+def test_a_pd_config_becomes_a_prefill_and_a_decode_pool() -> None:
+    prefill = _llm(
+        deployment_config={"autoscaling_config": {"min_replicas": 2, "max_replicas": 2}},
+        engine_kwargs={
+            "max_model_len": 4096,
+            "max_num_batched_tokens": 8192,
+            "kv_transfer_config": {"kv_connector": "NixlConnector", "kv_role": "kv_both"},
+            "enable_prefix_caching": False,
+        },
+    )
+    decode = _llm(
+        deployment_config={"num_replicas": 3},
+        engine_kwargs={"max_model_len": 4096, "max_num_seqs": 64, "pipeline_parallel_size": 2},
+    )
+    config = cluster_config({"prefill": prefill, "decode": decode})
+    assert config.model == "/models/qwen" and config.serve.served_model_name == "qwen"
+    assert config.max_model_len == 4096
+    p, d = config.pools
+    assert (p.role, p.replicas, d.role, d.replicas) == ("prefill", 2, "decode", 3)
+    assert p.scheduler == {"max_num_batched_tokens": 8192}
+    assert p.cache == {"enable_prefix_caching": False}
+    assert d.scheduler == {"max_num_seqs": 64} and d.pp_size == 2
+
+
+def test_one_model_colocated_with_lora_and_an_accelerator() -> None:
+    llm = _llm(
+        engine_kwargs={"dtype": "bfloat16", "enable_lora": True, "max_loras": 2},
+        accelerator_type="A10G",
+    )
+    config = cluster_config({"both": llm})
+    (pool,) = config.pools
+    assert pool.role == "both" and pool.replicas == 1
+    assert pool.device == "cuda" and pool.num_gpus == 1.0
+    assert pool.resources == {"accelerator_type:A10G": 0.001}
+    assert config.dtype == "bfloat16"
+    assert config.lora is not None and config.lora.max_loras == 2
+
+
+@pytest.mark.parametrize(
+    ("llm", "named"),
+    [
+        (_llm(runtime_env={"pip": ["x"]}), "runtime_env"),
+        (_llm(engine_kwargs={"quantization": "awq"}), "quantization"),
+        (_llm(engine_kwargs={"tensor_parallel_size": 2}), "tensor_parallel_size"),
+        (_llm(deployment_config={"ray_actor_options": {}}), "ray_actor_options"),
+        (
+            {"model_loading_config": {"model_id": "m", "model_source": {"bucket_uri": "s3://x"}}},
+            "model_source",
+        ),
+        (_llm(lora_config={"dynamic_lora_loading_path": "s3://x"}), "lora_config"),
+    ],
+)
+def test_what_does_not_map_is_refused_by_name(llm: dict[str, Any], named: str) -> None:
+    with pytest.raises(ValueError, match=named):
+        cluster_config({"both": llm})
+
+
+def test_builders_check_their_arguments() -> None:
+    with pytest.raises(ValueError, match="one base model per application"):
+        build_openai_app({"llm_configs": [_llm(), _llm()]})
+    with pytest.raises(ValueError, match="decode_config"):
+        build_pd_openai_app({"prefill_config": _llm()})
+    other = _llm(model_loading_config={"model_id": "x", "model_source": "/models/x"})
+    with pytest.raises(ValueError, match="same model"):
+        build_pd_openai_app({"prefill_config": _llm(), "decode_config": other})
+
+
+def test_a_ray_serve_llm_config_runs_by_changing_the_import_path() -> None:
+    doc = yaml.safe_load(
+        """
+applications:
+- name: llm
+  route_prefix: /
+  import_path: ray.serve.llm:build_pd_openai_app
+  args:
+    prefill_config:
+      model_loading_config: {model_id: smollm, model_source: smollm2}
+      engine_kwargs: {max_model_len: 2048, kv_transfer_config: {kv_connector: NixlConnector}}
+    decode_config:
+      model_loading_config: {model_id: smollm, model_source: smollm2}
+      engine_kwargs: {max_model_len: 2048, kv_transfer_config: {kv_connector: NixlConnector}}
+      deployment_config: {autoscaling_config: {min_replicas: 1, max_replicas: 1}}
+"""
+    )
+    (app,) = doc["applications"]
+    path = app["import_path"].replace("ray.serve.llm:", "cluster.serving.serve_llm:")
+    module, _, name = path.partition(":")
+    builder = getattr(importlib.import_module(module), name)
+    from ray.serve import Application
+
+    assert isinstance(builder(app["args"]), Application)
