@@ -286,6 +286,11 @@ class MetricsConfig(_Config):
     slo_tpot_ms: float | None = Field(
         200.0, gt=0.0, description="Goodput: a request's mean time per output token at most this."
     )
+    vllm_names: bool = Field(
+        False,
+        description="Also export every series under vLLM's names (vllm: instead of tandem:), "
+        "for gateways and dashboards that scrape vLLM.",
+    )
 
 
 class ServeConfig(_Config):

@@ -62,7 +62,7 @@ class Placement:
     num_cached_tokens: int | None = None  # the prefill instance's prefix hit (a decode part)
     # For metrics (time.monotonic() of the central scheduler's process):
     arrival_time: float = 0.0
-    scheduled: bool = False  # an earlier placement was scheduled (its queue time is known)
+    scheduled_at: float | None = None  # its first step anywhere (an earlier placement's)
     first_token_at: float | None = None  # its first token reached the client
     last_token_at: float | None = None  # its last one did (a hand-off, a move)
     trace: Any = None  # the request's RequestTrace while tracing is on
@@ -92,14 +92,18 @@ class Held:
     def sent(self) -> list[int]:
         return self.tokens
 
+    @property
+    def first_scheduled_at(self) -> float | None:
+        """Its first step anywhere (queue time ends, prefill starts)."""
+        return self.placement.scheduled_at or self.scheduled_at
+
     def lost(self, internal_id: str) -> Lost:
-        scheduled = self.placement.scheduled or self.scheduled_at is not None
         return Lost(
             internal_id,
             list(self.tokens),
             self.first_token_at,
             self.last_token_at,
-            scheduled,
+            self.first_scheduled_at,
             self.num_cached_tokens,
         )
 
@@ -114,6 +118,7 @@ class Prefilled:
     kv_transfer_params: dict[str, Any] | None
     num_cached_tokens: int
     first_token_at: float | None
+    scheduled_at: float | None  # its first step (prefill started)
 
 
 @dataclass(slots=True)
@@ -125,7 +130,7 @@ class Lost:
     tokens: list[int]
     first_token_at: float | None
     last_token_at: float | None
-    scheduled: bool  # it had been scheduled somewhere (its queue time is observed)
+    scheduled_at: float | None  # its first step anywhere
     num_cached_tokens: int | None  # the prefix hit its client was told
 
 
@@ -208,6 +213,7 @@ class InstanceEngine:
         loop.on_preempted = self._on_preempted
         loop.on_kv_loads = self._on_kv_loads
         loop.on_summary = self._on_summary
+        loop.on_step = self._on_step
         return loop
 
     def start(self) -> None:
@@ -339,6 +345,7 @@ class InstanceEngine:
                 out.kv_transfer_params,
                 out.num_cached_tokens,
                 held.first_token_at,
+                held.first_scheduled_at,
             )
         )
         return True
@@ -360,6 +367,9 @@ class InstanceEngine:
         held = self.held.get(internal_id)
         if held is not None:
             self.observe.preempted(self, held)
+
+    def _on_step(self, loop: EngineLoop, num_tokens: int) -> None:
+        self.observe.step(self, num_tokens)
 
     def _on_kv_loads(self, loop: EngineLoop, loads: list[tuple[str, float, int, bool]]) -> None:
         self.observe.kv_loads(self, loads, self.held)
@@ -457,7 +467,13 @@ class InstanceEngine:
         return None if held is None else len(held.tokens)
 
     def stats(self) -> dict[str, Any]:
-        return {"role": self.role, **self.loop.stats()}
+        kv = self.loop.scheduler.kv_cache_manager
+        return {
+            "role": self.role,
+            "block_size": kv.block_size,
+            "enable_prefix_caching": kv.enable_caching,
+            **self.loop.stats(),
+        }
 
     def check_integrity(self) -> None:
         self.loop.scheduler.check_integrity()

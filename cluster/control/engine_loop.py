@@ -104,6 +104,8 @@ class EngineLoop:
         # ... and (loop, summary) after every step: the instance's load and prefix-cache events
         # for the router (the only thing the central scheduler reads of an instance).
         self.on_summary: Callable[[EngineLoop, EngineSummary], None] | None = None
+        # ... and (loop, tokens scheduled) for every step started (metrics).
+        self.on_step: Callable[[EngineLoop, int], None] | None = None
         self._kv_events = scheduler.kv_cache_manager.block_pool.record_events()
         self.num_received = 0  # add_request calls so far
         self._failure: str | None = None  # why fail() stopped the loop
@@ -320,6 +322,8 @@ class EngineLoop:
                 cap = -(-len(scheduler.running) // self.max_in_flight) or None
             out = scheduler.schedule(cap)
             self._count(out)
+            if self.on_step is not None:
+                self.on_step(self, out.total_num_scheduled_tokens)
             future = asyncio.ensure_future(self.executor.execute_model(out))
             in_flight.append((out, future, time.monotonic()))
             c = self.counters

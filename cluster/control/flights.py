@@ -84,7 +84,7 @@ class Flight:
     # For metrics (time.monotonic()), as its engines reported them:
     first_token_at: float | None = None
     last_token_at: float | None = None  # as of its last hand-off or move
-    scheduled: bool = False  # some instance scheduled it (its queue time is observed)
+    scheduled_at: float | None = None  # its first step anywhere
     trace: Any = None  # a RequestTrace while tracing is on
     submission: Submission | None = None  # the client's tag of its submit (outbox only)
 

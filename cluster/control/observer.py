@@ -13,7 +13,7 @@ from cluster.config import ClusterConfig, served_model_name
 from cluster.control.flights import Flight
 from cluster.control.placement import InstanceSpec
 from cluster.control.summaries import InstanceView
-from cluster.observability.metrics import ClusterMetrics
+from cluster.observability.metrics import ClusterMetrics, RequestTimes
 from scheduler.outputs import EngineCoreOutput
 
 
@@ -37,6 +37,7 @@ class RequestObserver:
             served_model_name(config),
             None if slo.slo_ttft_ms is None else slo.slo_ttft_ms / 1000,
             None if slo.slo_tpot_ms is None else slo.slo_tpot_ms / 1000,
+            vllm_names=slo.vllm_names,
         )
         from kv_transfer.tracing import init_tracing
 
@@ -88,10 +89,14 @@ class RequestObserver:
             held.trace.scheduled(iid, where.role, self.node(iid))
         if held.scheduled_at is None:
             held.scheduled_at = now = time.monotonic()
-            if not held.placement.scheduled:
+            if held.placement.scheduled_at is None:
                 queued = now - held.request.arrival_time
                 histograms = self.metrics.per_step(iid, where.role)
                 histograms.queue.observe(max(queued, 0.0))
+
+    def step(self, where: Instance, num_tokens: int) -> None:
+        """Instance ``where`` started a step of ``num_tokens`` tokens."""
+        self.metrics.per_step(where.instance_id, where.role).iteration_tokens.observe(num_tokens)
 
     def tokens_out(self, held: Any, where: Instance, num: int) -> None:
         """``num`` tokens of the request, sampled on instance ``where``, go to the client."""
@@ -163,15 +168,23 @@ class RequestObserver:
             record.trace.finish(final.finish_reason.value, final.error)
         now = time.monotonic()
         first = record.first_token_at
-        arrival = record.request.arrival_time
-        ttft = None if first is None else first - arrival
+        request = record.request
+        arrival = request.arrival_time
         num = len(record.sent)
-        tpot = (now - first) / (num - 1) if first is not None and num > 1 else None
+        scheduled = getattr(record, "first_scheduled_at", None) or record.scheduled_at
         self.metrics.request_finished(
             "" if where is None else where.instance_id,
             "" if where is None else where.role,
             final.finish_reason.value,
-            now - arrival,
-            ttft,
-            tpot,
+            RequestTimes(
+                e2e_s=now - arrival,
+                ttft_s=None if first is None else first - arrival,
+                tpot_s=(now - first) / (num - 1) if first is not None and num > 1 else None,
+                prefill_s=None if first is None or scheduled is None else first - scheduled,
+                decode_s=None if first is None else now - first,
+                inference_s=None if scheduled is None else now - scheduled,
+            ),
+            request.num_prompt_tokens,
+            num,
+            request.sampling_params.max_tokens,
         )

@@ -354,7 +354,7 @@ class SchedulerActor:
             hand_off=hand_off,
             num_cached_tokens=flight.num_cached_tokens,
             arrival_time=flight.request.arrival_time,
-            scheduled=flight.scheduled,
+            scheduled_at=flight.scheduled_at,
             first_token_at=flight.first_token_at,
             last_token_at=flight.last_token_at,
             trace=flight.trace,
@@ -452,7 +452,7 @@ class SchedulerActor:
         flight.sent = list(prefilled.first.new_token_ids)
         flight.num_cached_tokens = prefilled.num_cached_tokens
         flight.first_token_at = prefilled.first_token_at
-        flight.scheduled = True
+        flight.scheduled_at = prefilled.scheduled_at
         decode = flight.decode_target
         if decode is None or not decode.serves:
             alive = self._live("decode")
@@ -490,7 +490,7 @@ class SchedulerActor:
             flight.last_token_at = item.last_token_at
             if flight.num_cached_tokens is None:
                 flight.num_cached_tokens = item.num_cached_tokens
-            flight.scheduled = flight.scheduled or item.scheduled
+            flight.scheduled_at = flight.scheduled_at or item.scheduled_at
             flight.num_moves += 1
             self.num_moves += 1
             self.observe.moved(flight, reason)

@@ -98,6 +98,8 @@ _E2E_BUCKETS = (
     1920.0,
     7680.0,
 )
+# Token counts (vLLM's 1-2-5 series).
+_TOKEN_BUCKETS = tuple(float(m * 10**e) for e in range(6) for m in (1, 2, 5))
 _TRANSFER_BUCKETS = (
     0.001,
     0.0025,
@@ -202,6 +204,17 @@ class _StatsCollector:
                     continue
                 family.add_metric([self.model_name, iid, inst.get("role", "")], float(value))
             yield family
+        config = GaugeMetricFamily(
+            "tandem:cache_config_info",
+            "The KV cache of each instance (vLLM's info series: the labels carry it).",
+            labels=[*LABELS, "block_size", "num_gpu_blocks", "enable_prefix_caching"],
+        )
+        for iid, inst in sorted(instances.items()):
+            if "block_size" in inst:
+                values = [str(inst["block_size"]), str(inst["num_blocks"])]
+                values.append(str(bool(inst.get("enable_prefix_caching"))))
+                config.add_metric([self.model_name, iid, inst.get("role", ""), *values], 1.0)
+        yield config
         moves = CounterMetricFamily(
             "tandem:request_moves", "Requests moved off failed instances.", labels=["model_name"]
         )
@@ -268,13 +281,33 @@ class StepHistograms:
     ttft: StepHistogram
     itl: StepHistogram
     queue: StepHistogram
+    iteration_tokens: StepHistogram
+
+
+@dataclass(frozen=True)
+class RequestTimes:
+    """A finished request's durations (seconds; None where it never got that far)."""
+
+    e2e_s: float
+    ttft_s: float | None
+    tpot_s: float | None
+    prefill_s: float | None  # its first step to its first token
+    decode_s: float | None  # its first token to its last
+    inference_s: float | None  # its first step to its last token
 
 
 class ClusterMetrics:
     """The SchedulerActor's request-level metrics (one registry per actor)."""
 
-    def __init__(self, model_name: str, slo_ttft_s: float | None, slo_tpot_s: float | None) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        slo_ttft_s: float | None,
+        slo_tpot_s: float | None,
+        vllm_names: bool = False,
+    ) -> None:
         self.model_name = model_name
+        self.vllm_names = vllm_names  # every series also as vllm:... (render)
         self.slo_ttft_s = slo_ttft_s
         self.slo_tpot_s = slo_tpot_s
         r = self.registry = CollectorRegistry(auto_describe=True)
@@ -307,7 +340,44 @@ class ClusterMetrics:
             "Arrival to the request's first step.",
             _E2E_BUCKETS,
         )
-        r.register(_StepHistogramCollector([self.ttft, self.itl, self.queue]))
+        # vLLM's request-level series (its names, tandem: prefix).
+        self.iteration_tokens = _StepHistogramFamily(
+            "tandem:iteration_tokens_total",
+            "Tokens scheduled in one engine step.",
+            _TOKEN_BUCKETS,
+        )
+        self.prefill_time = _StepHistogramFamily(
+            "tandem:request_prefill_time_seconds",
+            "A request's first step to its first token.",
+            _E2E_BUCKETS,
+        )
+        self.decode_time = _StepHistogramFamily(
+            "tandem:request_decode_time_seconds",
+            "A request's first token to its last.",
+            _E2E_BUCKETS,
+        )
+        self.inference_time = _StepHistogramFamily(
+            "tandem:request_inference_time_seconds",
+            "A request's first step to its last token.",
+            _E2E_BUCKETS,
+        )
+        self.prompt_tokens = _StepHistogramFamily(
+            "tandem:request_prompt_tokens", "Prompt tokens of a finished request.", _TOKEN_BUCKETS
+        )
+        self.generation_tokens = _StepHistogramFamily(
+            "tandem:request_generation_tokens",
+            "Tokens generated for a finished request.",
+            _TOKEN_BUCKETS,
+        )
+        self.params_max_tokens = _StepHistogramFamily(
+            "tandem:request_params_max_tokens",
+            "The max_tokens of a finished request.",
+            _TOKEN_BUCKETS,
+        )
+        families = [self.ttft, self.itl, self.queue, self.iteration_tokens, self.prefill_time]
+        families += [self.decode_time, self.inference_time, self.prompt_tokens]
+        families += [self.generation_tokens, self.params_max_tokens]
+        r.register(_StepHistogramCollector(families))
         self.transfer = Histogram(
             "tandem:kv_transfer_duration_seconds",
             "One KV load, start to data in the blocks (failed ones too).",
@@ -348,6 +418,11 @@ class ClusterMetrics:
         labels = self.labels(instance, role)
         for metric in (self.ttft, self.itl, self.tpot, self.e2e, self.queue):
             metric.labels(*labels)
+        for family in (self.iteration_tokens, self.prefill_time, self.decode_time):
+            family.labels(*labels)
+        for family in (self.inference_time, self.prompt_tokens, self.generation_tokens):
+            family.labels(*labels)
+        self.params_max_tokens.labels(*labels)
         for counter in (self.goodput, self.total, self.recompute):
             counter.labels(*labels)
         for outcome in ("ok", "failed"):
@@ -366,7 +441,10 @@ class ClusterMetrics:
         if found is None:
             labels = self.labels(instance, role)
             found = self._per_step[key] = StepHistograms(
-                self.ttft.labels(*labels), self.itl.labels(*labels), self.queue.labels(*labels)
+                self.ttft.labels(*labels),
+                self.itl.labels(*labels),
+                self.queue.labels(*labels),
+                self.iteration_tokens.labels(*labels),
             )
         return found
 
@@ -375,11 +453,23 @@ class ClusterMetrics:
         instance: str,
         role: str,
         reason: str,
-        e2e_s: float,
-        ttft_s: float | None,
-        tpot_s: float | None,
+        times: RequestTimes,
+        num_prompt_tokens: int,
+        num_output_tokens: int,
+        max_tokens: int | None,
     ) -> None:
         labels = self.labels(instance, role)
+        e2e_s, ttft_s, tpot_s = times.e2e_s, times.ttft_s, times.tpot_s
+        for family, value in (
+            (self.prefill_time, times.prefill_s),
+            (self.decode_time, times.decode_s),
+            (self.inference_time, times.inference_s),
+            (self.params_max_tokens, max_tokens),
+        ):
+            if value is not None:
+                family.labels(*labels).observe(value)
+        self.prompt_tokens.labels(*labels).observe(num_prompt_tokens)
+        self.generation_tokens.labels(*labels).observe(num_output_tokens)
         self.e2e.labels(*labels).observe(e2e_s)
         self.finished.labels(*labels, reason).inc()
         self.total.labels(*labels).inc()
@@ -408,7 +498,10 @@ class ClusterMetrics:
 
     def render(self, stats: dict[str, Any]) -> str:
         own = generate_latest(self.registry).decode()
-        return own + render_stats(stats, self.model_name)[0]
+        text = own + render_stats(stats, self.model_name)[0]
+        if self.vllm_names:  # the same series under vLLM's names (ours are vLLM's, prefixed)
+            text += text.replace("tandem:", "vllm:")
+        return text
 
 
 def render_stats(stats: dict[str, Any], model_name: str) -> tuple[str, str]:

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster.observability.metrics import ClusterMetrics
+from cluster.observability.metrics import ClusterMetrics, RequestTimes
+
+
+def _finish(
+    m: ClusterMetrics, reason: str, e2e: float, ttft: float | None, tpot: float | None
+) -> None:
+    times = RequestTimes(e2e, ttft, tpot, ttft, None if ttft is None else e2e - ttft, e2e)
+    m.request_finished("d-0", "decode", reason, times, 16, 8, 32)
 
 
 def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -17,11 +24,11 @@ def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 
 def test_goodput_counts_requests_meeting_both_slos() -> None:
     m = ClusterMetrics("m", slo_ttft_s=1.0, slo_tpot_s=0.1)
-    m.request_finished("d-0", "decode", "length", 2.0, ttft_s=0.5, tpot_s=0.05)  # good
-    m.request_finished("d-0", "decode", "stop", 2.0, ttft_s=1.5, tpot_s=0.05)  # slow start
-    m.request_finished("d-0", "decode", "stop", 2.0, ttft_s=0.5, tpot_s=0.2)  # slow decode
-    m.request_finished("d-0", "decode", "abort", 2.0, ttft_s=0.1, tpot_s=0.01)  # not served
-    m.request_finished("d-0", "decode", "length", 0.3, ttft_s=0.3, tpot_s=None)  # one token
+    _finish(m, "length", 2.0, 0.5, 0.05)  # good
+    _finish(m, "stop", 2.0, 1.5, 0.05)  # slow start
+    _finish(m, "stop", 2.0, 0.5, 0.2)  # slow decode
+    _finish(m, "abort", 2.0, 0.1, 0.01)  # not served
+    _finish(m, "length", 0.3, 0.3, None)  # one token
     m.kv_loads("d-0", "decode", [("a", 0.01, 100, True), ("b", 2.0, 0, False)], recompute=True)
     samples = _samples(m.render({"instances": {}}))
     labels = (("instance", "d-0"), ("model_name", "m"), ("role", "decode"))
@@ -38,8 +45,64 @@ def test_goodput_counts_requests_meeting_both_slos() -> None:
 
 def test_no_slo_means_every_served_request_is_good() -> None:
     m = ClusterMetrics("m", slo_ttft_s=None, slo_tpot_s=None)
-    m.request_finished("d-0", "decode", "stop", 9.0, ttft_s=5.0, tpot_s=3.0)
-    m.request_finished("d-0", "decode", "error", 9.0, ttft_s=None, tpot_s=None)
+    _finish(m, "stop", 9.0, 5.0, 3.0)
+    _finish(m, "error", 9.0, None, None)
     samples = _samples(m.render({"instances": {}}))
     labels = (("instance", "d-0"), ("model_name", "m"), ("role", "decode"))
     assert samples[("tandem:goodput_requests_total", labels)] == 1
+
+
+def test_vllm_request_series() -> None:
+    """vLLM's per-request and per-step series: prefill, decode and inference times, prompt and
+    generation tokens, max_tokens, tokens per step."""
+    m = ClusterMetrics("m", slo_ttft_s=None, slo_tpot_s=None)
+    m.add_instance("d-0", "decode")
+    times = RequestTimes(2.0, 0.5, 0.1, prefill_s=0.4, decode_s=1.5, inference_s=1.9)
+    m.request_finished("d-0", "decode", "stop", times, 100, 16, 64)
+    m.per_step("d-0", "decode").iteration_tokens.observe(300)
+    samples = _samples(m.render({"instances": {}}))
+    labels = (("instance", "d-0"), ("model_name", "m"), ("role", "decode"))
+    for name, value in (
+        ("tandem:request_prefill_time_seconds_sum", 0.4),
+        ("tandem:request_decode_time_seconds_sum", 1.5),
+        ("tandem:request_inference_time_seconds_sum", 1.9),
+        ("tandem:request_prompt_tokens_sum", 100),
+        ("tandem:request_generation_tokens_sum", 16),
+        ("tandem:request_params_max_tokens_sum", 64),
+        ("tandem:iteration_tokens_total_sum", 300),
+    ):
+        assert samples[(name, labels)] == value, name
+    bucket = "tandem:iteration_tokens_total_bucket"
+    assert samples[(bucket, tuple(sorted((*labels, ("le", "500.0")))))] == 1
+    assert samples[(bucket, tuple(sorted((*labels, ("le", "200.0")))))] == 0
+
+
+def test_cache_config_info_and_vllm_names() -> None:
+    m = ClusterMetrics("m", slo_ttft_s=None, slo_tpot_s=None, vllm_names=True)
+    m.add_instance("d-0", "decode")
+    stats = {
+        "instances": {
+            "d-0": {
+                "role": "decode",
+                "block_size": 16,
+                "num_blocks": 100,
+                "enable_prefix_caching": True,
+                "num_running": 3,
+            }
+        }
+    }
+    samples = _samples(m.render(stats))
+    info = (
+        ("block_size", "16"),
+        ("enable_prefix_caching", "True"),
+        ("instance", "d-0"),
+        ("model_name", "m"),
+        ("num_gpu_blocks", "100"),
+        ("role", "decode"),
+    )
+    labels = (("instance", "d-0"), ("model_name", "m"), ("role", "decode"))
+    for prefix in ("tandem", "vllm"):  # every series under both names
+        assert samples[(f"{prefix}:cache_config_info", info)] == 1
+        assert samples[(f"{prefix}:num_requests_running", labels)] == 3
+        assert (f"{prefix}:time_to_first_token_seconds_count", labels) in samples
+    assert not ClusterMetrics("m", None, None).vllm_names
