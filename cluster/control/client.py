@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import threading
 import uuid
+from collections import Counter
 from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
 from pathlib import Path
@@ -37,6 +39,8 @@ from scheduler.outputs import EngineCoreOutput
 KEEPALIVE_S = 1.0
 # How long /health waits for every worker to answer.
 HEALTH_TIMEOUT_S = 10.0
+
+logger = logging.getLogger(__name__)
 
 
 class ClusterClient(EngineClient):
@@ -250,13 +254,14 @@ class Subscription:
         self.request_ids: dict[str, int] = {}  # open requests: id -> submission
         self._submissions = itertools.count()
         # Submits and aborts not sent yet, in order: (a submit's (request, trace context,
-        # submission) and its future) or (an abort's request id, None). They go together, in
-        # one submit_many call, and one call at a time: the actor runs a call's items in
-        # order, but two calls of one caller may run out of order (an async actor), and an
-        # abort overtaken by a later submit of the same id would refuse or end the new one.
+        # submission) and its future) or (an abort's request id, None). What one turn of the
+        # event loop queues goes in one submit_many call; the actor runs a call's items in
+        # order, but two calls of one caller may run out of order (an async actor), so the
+        # ops of a request id wait while a call carrying that id is on its way -- an abort
+        # overtaken by a later submit of the same id would refuse or end the new one.
         self._ops: list[tuple[Any, asyncio.Future[None] | None]] = []
         self._flush_scheduled = False
-        self._sending = False
+        self._in_flight: Counter[str] = Counter()  # request ids of the calls on their way
         self._submitting: set[asyncio.Task[None]] = set()
         self._stop = threading.Event()
         self._keepalive = threading.Thread(
@@ -288,9 +293,8 @@ class Subscription:
                 await future
             except (ValueError, RuntimeError):  # refused (or the actor is gone): nothing runs
                 raise
-            except BaseException:  # cancelled mid-submit: unless it never left, abort it
-                if not self._withdraw(future):
-                    self.abort(rid)
+            except BaseException:  # cancelled mid-submit: one that never left is taken back;
+                self._withdraw(future)  # one on its way is aborted if placed (_send_batch)
                 raise
             running = True
             while True:
@@ -334,21 +338,38 @@ class Subscription:
         return False
 
     def _schedule(self) -> None:
-        if not self._flush_scheduled and not self._sending:
+        if not self._flush_scheduled:
             self._flush_scheduled = True
             self.loop.call_soon(self._send_ops)
 
     def _send_ops(self) -> None:
+        """Send what is queued, but for the ops of a request id that a call still on its way
+        carries (they wait for it: one id's ops stay in order, and a slow submit -- an
+        adapter loading -- holds back only its own id)."""
         self._flush_scheduled = False
-        ops, self._ops = self._ops, []
-        if not ops:
+        ready: list[tuple[Any, asyncio.Future[None] | None]] = []
+        waiting: list[tuple[Any, asyncio.Future[None] | None]] = []
+        held: set[str] = set()
+        for op in self._ops:
+            rid = _op_id(op[0])
+            if rid in self._in_flight or rid in held:
+                held.add(rid)
+                waiting.append(op)
+            else:
+                ready.append(op)
+        self._ops = waiting
+        if not ready:
             return
-        self._sending = True
-        task = self.loop.create_task(self._send_batch(ops))
+        ids = [_op_id(item) for item, _ in ready]
+        self._in_flight.update(ids)
+        task = self.loop.create_task(self._send_batch(ready, ids))
         self._submitting.add(task)
         task.add_done_callback(self._submitting.discard)
 
-    async def _send_batch(self, ops: list[tuple[Any, asyncio.Future[None] | None]]) -> None:
+    async def _send_batch(
+        self, ops: list[tuple[Any, asyncio.Future[None] | None]], ids: list[str]
+    ) -> None:
+        outcomes: list[Exception | None] = []
         try:
             try:
                 outcomes = await self.handle.submit_many.remote(
@@ -357,23 +378,30 @@ class Subscription:
             except BaseException as exc:
                 # No answer (the actor died, the reply was lost): some may have been placed,
                 # so each is aborted -- an abort before its submit is remembered by the actor.
-                for item, future in ops:
-                    if future is not None:
-                        self.handle.abort.remote(item[0].request_id)
+                for rid in ids:
+                    self.handle.abort.remote(rid)
                 cause = _cause(exc, ValueError, RuntimeError)
                 error = cause if isinstance(cause, Exception) else RuntimeError(str(cause))
                 outcomes = [error] * len(ops)
         finally:
-            self._sending = False
-            if self._ops:  # what came while this call was on its way goes next
+            self._in_flight.subtract(ids)
+            self._in_flight += Counter()  # (drops the ids at zero)
+            for (item, future), outcome in zip(ops, outcomes or [None] * len(ops), strict=True):
+                if future is None:  # an abort: the actor answers None
+                    if outcome is not None and outcomes:  # an actor that takes no abort here
+                        logger.warning("abort of %s failed: %s", item, outcome)
+                        self.handle.abort.remote(item)
+                    continue
+                if future.cancelled():  # its stream left while it was on its way
+                    if outcome is None and outcomes:
+                        self.abort(item[0].request_id)  # placed: nothing may run for nobody
+                elif not future.done():
+                    if outcome is None and outcomes:
+                        future.set_result(None)
+                    else:
+                        future.set_exception(outcome or RuntimeError("the submit was lost"))
+            if self._ops:  # what waited for this call goes now
                 self._schedule()
-        for (_, future), outcome in zip(ops, outcomes, strict=True):
-            if future is None or future.done():  # an abort; a stream cancelled meanwhile
-                continue
-            if outcome is None:
-                future.set_result(None)
-            else:
-                future.set_exception(outcome)
 
     async def _run(self) -> None:
         queues = self.queues
@@ -404,6 +432,11 @@ class Subscription:
         while not self._stop.is_set():
             self.handle.keepalive.remote(self.client_id)
             self._stop.wait(KEEPALIVE_S)
+
+
+def _op_id(item: Any) -> str:
+    """The request id of a queued op: an abort's id, or a submit's request's."""
+    return item if isinstance(item, str) else str(item[0].request_id)
 
 
 def _cause(exc: BaseException, *kinds: type[BaseException]) -> BaseException:

@@ -171,7 +171,8 @@ class _Sampling(BaseModel):
     @classmethod
     def _logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
         for key, bias in (value or {}).items():
-            if not key.strip().isdigit():
+            text = key.strip()
+            if not (text.isascii() and text.isdigit()):
                 raise ValueError(f"logit_bias keys must be token ids; got {key!r}")
             if not -100.0 <= bias <= 100.0:
                 raise ValueError(f"logit_bias values must be within [-100, 100]; got {bias}")

@@ -311,18 +311,18 @@ class OpenAIServing:
     async def tokenize(self, req: TokenizeRequest) -> dict[str, Any]:
         """The ids a prompt (or a conversation, through the chat template) becomes, as a
         completion or chat request would send them: ``count``, ``max_model_len``, ``tokens``
-        and, when asked, ``token_strs``. 404 for an unknown model, 400 for a text longer than
-        the context could hold."""
+        and, when asked, ``token_strs``. 404 for an unknown model; a text longer than the
+        context is counted whole (as vLLM does)."""
         if req.model is not None:
             await self.resolve(req.model)
+        # As vLLM: the whole text is counted, past the context too (clients tokenize to
+        # truncate); the body limit bounds it.
         ids: list[int]
         if isinstance(req, TokenizeChatRequest):
             messages = [m.as_template_input() for m in req.messages]
-            self._check_chars(sum(len(m["content"]) for m in messages), "messages")
             ids = await self._off_loop(self._tokenize_chat, req, messages)
         else:
-            self._check_chars(len(req.prompt), "prompt")
-            ids = await self._off_loop(self._encode, req.prompt, "prompt", req.add_special_tokens)
+            ids = await self._off_loop(self.tokenizer.encode, req.prompt, req.add_special_tokens)
         result: dict[str, Any] = {
             "count": len(ids),
             "max_model_len": self.max_model_len,
@@ -335,7 +335,7 @@ class OpenAIServing:
 
     def _tokenize_chat(self, req: TokenizeChatRequest, messages: list[dict[str, Any]]) -> list[int]:
         text = self._render_chat(messages, req.add_generation_prompt, req.chat_template_kwargs)
-        return self._encode(text, "messages", add_special_tokens=req.add_special_tokens)
+        return self.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
 
     async def detokenize(self, req: DetokenizeRequest) -> dict[str, Any]:
         """The text of ``tokens`` (special tokens kept, as vLLM does); 400 naming the first id

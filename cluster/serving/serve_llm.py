@@ -12,16 +12,19 @@ Tandem by changing its ``import_path``::
 What maps onto Tandem is translated into a ``ClusterConfig`` (docs/serve.md has the table);
 anything else is refused with a ``ValueError`` naming it, never silently dropped:
 
-- ``model_loading_config``: ``model_source`` (a local path or a built-in name) is the model,
-  ``model_id`` the served name;
+- ``model_loading_config``: ``model_source`` (a local path or a built-in name; without it,
+  ``model_id``, as in Ray Serve LLM) is the model, ``model_id`` the served name;
 - ``engine_kwargs``: vLLM's engine arguments Tandem has (``dtype``, ``max_model_len``,
   ``max_num_seqs``, ``max_num_batched_tokens``, ``block_size``, ``enable_prefix_caching``,
   ``pipeline_parallel_size``, ``tensor_parallel_size: 1``, ``enable_lora``, ``max_loras``,
   ``max_lora_rank``); ``kv_transfer_config`` (vLLM's connector for P/D) is accepted -- Tandem
   moves KV with its own transport (``kv_transfer.transport``);
 - ``deployment_config``: ``num_replicas``, or ``autoscaling_config`` (its
-  ``initial_replicas`` or ``min_replicas``; the pools do not autoscale yet, which is logged);
-- ``accelerator_type``: the pool's workers ask Ray for that accelerator and a GPU.
+  ``initial_replicas`` or ``min_replicas``; the pools do not autoscale yet, so its other knobs
+  are logged as unused);
+- ``accelerator_type``: the pool's workers ask Ray for that accelerator and a GPU (without
+  it the pool runs on CPU workers, Tandem's default, which is logged -- Ray Serve LLM would
+  take a GPU).
 
 One base model per application (``llm_configs`` with one entry): Tandem's app serves one model
 and its LoRA adapters.
@@ -103,8 +106,11 @@ def _translate(by_role: dict[str, Any]) -> dict[str, Any]:
         _refuse_keys(llm, _LLM_CONFIG_KEYS, where)
         loading = llm.get("model_loading_config") or {}
         _refuse_keys(loading, ("model_id", "model_source"), f"{where}.model_loading_config")
-        source = loading.get("model_source")
-        if source is not None and not isinstance(source, str):
+        # Ray Serve LLM: without a model_source, model_id is where the model comes from.
+        source = loading.get("model_source", loading.get("model_id"))
+        if source is None:
+            raise ValueError(f"{where}.model_loading_config: model_id (or model_source) is needed")
+        if not isinstance(source, str):
             raise ValueError(
                 f"{where}.model_loading_config.model_source: a local path or a built-in name "
                 "(Tandem downloads nothing: mirror the model to a path first)"
@@ -118,6 +124,12 @@ def _translate(by_role: dict[str, Any]) -> dict[str, Any]:
         if accelerator is not None:
             pool.update(
                 device="cuda", num_gpus=1.0, resources={f"accelerator_type:{accelerator}": 0.001}
+            )
+        else:  # Ray Serve LLM would take a GPU; Tandem's pools default to the CPU
+            logger.warning(
+                "%s: no accelerator_type: the pool runs on CPU workers (give accelerator_type "
+                "for a GPU)",
+                where,
             )
         data["pools"].append(pool)
     if len(models) != 1:
@@ -151,7 +163,11 @@ def _engine(engine: dict[str, Any], data: dict[str, Any], pool: dict[str, Any], 
         )
     lora = {k: engine[k] for k in _ENGINE_LORA if k in engine}
     if engine.get("enable_lora") or lora:
-        data["lora"] = {**data.get("lora", {}), **lora}
+        before = data.get("lora", {})
+        clash = [k for k in lora if k in before and before[k] != lora[k]]
+        if clash:
+            raise ValueError(f"engine_kwargs.{clash[0]} differs between the configs")
+        data["lora"] = {**before, **lora}
     if "kv_transfer_config" in engine:
         logger.info(
             "%s: engine_kwargs.kv_transfer_config is vLLM's connector; Tandem moves the KV "
@@ -163,19 +179,42 @@ def _engine(engine: dict[str, Any], data: dict[str, Any], pool: dict[str, Any], 
 def _replicas(deployment: dict[str, Any], where: str) -> int:
     _refuse_keys(deployment, ("num_replicas", "autoscaling_config"), f"{where}.deployment_config")
     if "num_replicas" in deployment:
-        return int(deployment["num_replicas"])
+        replicas = deployment["num_replicas"]
+        if not isinstance(replicas, int):
+            raise ValueError(
+                f"{where}.deployment_config.num_replicas: {replicas!r} -- a number (pools do "
+                "not autoscale yet: give autoscaling_config.min_replicas for the start)"
+            )
+        return replicas
     scaling = deployment.get("autoscaling_config") or {}
-    known = ("min_replicas", "max_replicas", "initial_replicas", "target_ongoing_requests")
-    _refuse_keys(scaling, known, f"{where}.deployment_config.autoscaling_config")
+    _refuse_keys(scaling, _AUTOSCALING_KEYS, f"{where}.deployment_config.autoscaling_config")
     replicas = int(scaling.get("initial_replicas") or scaling.get("min_replicas") or 1)
-    if scaling.get("max_replicas", replicas) != replicas:
+    if scaling.get("max_replicas", replicas) != replicas or set(scaling) - _REPLICA_KEYS:
         logger.warning(
             "%s: the pool starts with %d instances and does not autoscale yet (max_replicas "
-            "is not used); resize it with tandem scale or /admin/scale_pool",
+            "and the tuning of autoscaling_config are not used); resize it with tandem scale "
+            "or /admin/scale_pool",
             where,
             replicas,
         )
     return max(replicas, 1)
+
+
+_REPLICA_KEYS = {"min_replicas", "max_replicas", "initial_replicas"}
+# Ray Serve's autoscaling knobs: accepted (logged as unused until pools autoscale).
+_AUTOSCALING_KEYS = (
+    *sorted(_REPLICA_KEYS),
+    "target_ongoing_requests",
+    "upscale_delay_s",
+    "downscale_delay_s",
+    "metrics_interval_s",
+    "look_back_period_s",
+    "smoothing_factor",
+    "upscale_smoothing_factor",
+    "downscale_smoothing_factor",
+    "upscaling_factor",
+    "downscaling_factor",
+)
 
 
 def _refuse_keys(mapping: dict[str, Any], known: tuple[str, ...], where: str) -> None:

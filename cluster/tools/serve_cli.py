@@ -52,7 +52,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="pipeline stages per instance",
     )
-    engine.add_argument("--served-model-name", default=None, help="the model's name in the API")
+    engine.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="the model's name in the API (default: MODEL as given; one name: no aliases yet)",
+    )
     engine.add_argument(
         "--tool-call-parser",
         default=None,
@@ -114,7 +119,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     server.add_argument("--ssl-certfile", default=None, help="serve HTTPS: the certificate (PEM)")
     server.add_argument("--grpc-port", type=int, default=None, help="gRPC port (default 9000)")
     server.add_argument("--no-grpc", action="store_true", help="serve HTTP only")
-    server.add_argument("--api-key", default=None, help="require this Bearer token on /v1 routes")
+    server.add_argument(
+        "--api-key",
+        default=None,
+        help="require this Bearer token on /v1 routes, /tokenize and /detokenize",
+    )
     server.add_argument(
         "--admin-api-key",
         default=None,
@@ -130,7 +139,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-v", "--verbose", action="store_true", help="log cluster details")
 
 
-DTYPES = ("auto", "float32", "float16", "bfloat16")
+DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
 
 
 def serve_config(args: argparse.Namespace) -> Any:
@@ -151,13 +160,20 @@ def serve_config(args: argparse.Namespace) -> Any:
     data = config.model_dump(exclude_unset=False)
     if model is not None:
         data["model"] = model
+        data["serve"]["served_model_name"] = model  # vLLM's default: the name as given
+    names = args.served_model_name or []
+    if len(names) > 1:
+        raise ValueError(
+            f"--served-model-name {' '.join(names)}: one name (aliases are not supported yet)"
+        )
     _engine_flags(args, data)
     serve = data["serve"]
+    if names:
+        serve["served_model_name"] = names[0]
     for key in (
         "host",
         "port",
         "grpc_port",
-        "served_model_name",
         "max_waiting_requests",
         "ssl_keyfile",
         "ssl_certfile",
@@ -186,6 +202,8 @@ def serve_config(args: argparse.Namespace) -> Any:
         lora = data.get("lora") or {"max_loras": max(1, len(serve["lora_modules"]))}
         if args.max_loras is not None:
             lora["max_loras"] = args.max_loras
+            if (lora.get("max_cpu_loras") or 0) < args.max_loras:
+                lora.pop("max_cpu_loras", None)  # (derived from the old max_loras)
         if args.max_lora_rank is not None:
             lora["max_lora_rank"] = args.max_lora_rank
         data["lora"] = lora

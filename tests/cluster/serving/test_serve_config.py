@@ -144,3 +144,19 @@ def test_help_groups_the_flags(capsys: pytest.CaptureFixture[str]) -> None:
     for group in ("engine (vLLM's flags", "LoRA (vLLM's flags)", "cluster (Tandem's)", "server"):
         assert group in text
     assert "--max-model-len" in text and "--prefill-instances" in text
+
+
+def test_vllm_defaults_names_and_dtypes(tmp_path: Path) -> None:
+    """As vllm serve: the served name is MODEL as given, --dtype takes half / float, one
+    --served-model-name; --max-loras over a file's lora section."""
+    assert serve_config(_args("/models/X")).serve.served_model_name == "/models/X"
+    named = serve_config(_args("/models/X", "--served-model-name", "x"))
+    assert named.serve.served_model_name == "x"
+    with pytest.raises(ValueError, match="one name"):
+        serve_config(_args("/models/X", "--served-model-name", "x", "y"))
+    for dtype in ("half", "float", "bfloat16"):
+        assert serve_config(_args("--dtype", dtype)).dtype == dtype
+    file = tmp_path / "lora.yaml"
+    file.write_text("lora: {max_loras: 1}\n")
+    config = serve_config(_args("--config", str(file), "--max-loras", "4"))
+    assert config.lora is not None and config.lora.max_loras == 4

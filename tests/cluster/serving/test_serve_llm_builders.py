@@ -113,3 +113,20 @@ applications:
     from ray.serve import Application
 
     assert isinstance(builder(app["args"]), Application)
+
+
+def test_ray_serve_llm_defaults_and_autoscaling_knobs() -> None:
+    """Without model_source the model comes from model_id (Ray Serve LLM's rule); Ray
+    Serve's autoscaling knobs are accepted (the pool starts at min_replicas); differing LoRA
+    limits between prefill and decode are refused."""
+    config = cluster_config({"both": {"model_loading_config": {"model_id": "/models/m"}}})
+    assert config.model == "/models/m" and config.serve.served_model_name == "/models/m"
+    scaling = {"min_replicas": 2, "max_replicas": 4, "upscale_delay_s": 5, "smoothing_factor": 1}
+    config = cluster_config({"both": _llm(deployment_config={"autoscaling_config": scaling})})
+    assert config.pools[0].replicas == 2
+    with pytest.raises(ValueError, match="num_replicas"):
+        cluster_config({"both": _llm(deployment_config={"num_replicas": "auto"})})
+    prefill = _llm(engine_kwargs={"max_loras": 2})
+    decode = _llm(engine_kwargs={"max_loras": 3})
+    with pytest.raises(ValueError, match="max_loras differs"):
+        cluster_config({"prefill": prefill, "decode": decode})
