@@ -1,0 +1,275 @@
+"""What operators ask of the central scheduler besides requests: resize a pool while it
+serves, serve LoRA adapters by name, metrics, and where everything is (stats, live requests,
+worker health, transfer history). A mixin of ``SchedulerActor`` (``control/scheduler_actor``):
+it works on the actor's own state, declared here."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from cluster.config import ClusterConfig
+from cluster.control.adapters import LoRAAdapters
+from cluster.control.engine import InstanceEngine, Lost
+from cluster.control.flights import Flight
+from cluster.control.heap import refreeze_heap
+from cluster.control.observer import RequestObserver
+from cluster.control.placement import InstanceSpec
+from cluster.control.summaries import InstanceView
+from scheduler import LoRARequest
+
+if TYPE_CHECKING:
+    from collections.abc import Coroutine
+
+logger = logging.getLogger(__name__)
+
+
+class ClusterOperations:
+    """Pool resizing, adapters, metrics and introspection over a ``SchedulerActor``'s state."""
+
+    # The actor's state (set by SchedulerActor.__init__ and start).
+    config: ClusterConfig
+    engines: dict[str, InstanceEngine]
+    views: dict[str, InstanceView]
+    roles: dict[str, str]
+    specs: dict[str, InstanceSpec]
+    flights: dict[str, Flight]
+    max_model_len: int
+    num_moves: int
+    failures: list[dict[str, Any]]
+    observe: RequestObserver
+    lora: LoRAAdapters
+    _resizing: asyncio.Lock
+
+    # ... and what of the actor this uses.
+    def _add_instance(self, spec: InstanceSpec) -> None:
+        raise NotImplementedError
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        raise NotImplementedError
+
+    async def _move(self, iid: str, lost: list[Lost], reason: str) -> None:
+        raise NotImplementedError
+
+    def _live(self, role: str) -> list[InstanceView]:
+        raise NotImplementedError
+
+    # -- pools resized at run time -----------------------------------------------------------
+    async def scale_pool(
+        self, pool_name: str, replicas: int, drain_timeout_s: float | None = None
+    ) -> dict[str, Any]:
+        """Resize pool ``pool_name`` to ``replicas`` instances while serving. New instances
+        start (workers placed, model loaded, KV cache sized) and then join routing. Removed
+        ones -- the newest first -- drain: they take no new request, and the ones they hold
+        finish; what is still there after ``drain_timeout_s`` (default
+        ``ClusterConfig.drain_timeout_s``) moves to live instances, as after a failure. Then
+        their workers stop. Returns the pool's instances. ``ValueError``: unknown pool, fewer
+        than one replica, workers that are not Ray actors (an in-process cluster)."""
+        pool = next((p for p in self.config.pools if p.name == pool_name), None)
+        if pool is None:
+            names = ", ".join(p.name for p in self.config.pools)
+            raise ValueError(f"no pool named {pool_name!r} (pools: {names})")
+        if replicas < 1:
+            raise ValueError(
+                f"pool {pool_name!r} must keep at least one instance (replicas {replicas}): "
+                "a pool with none could not serve its role"
+            )
+        if not any(spec.actors for spec in self.specs.values()):
+            raise ValueError("this cluster's workers are in-process: it cannot start more")
+        async with self._resizing:  # one resize at a time
+            live = self._pool_instances(pool_name)
+            # Dead instances (failed, not back) count for nothing: the resize retires them.
+            dead = [i for i in self._pool_instances(pool_name, alive=False) if i not in live]
+            if replicas > len(live):
+                await self._grow(pool, replicas - len(live))
+            await self._shrink(dead + live[replicas:], drain_timeout_s)
+            return {"pool": pool_name, "instances": self._pool_instances(pool_name)}
+
+    def _pool_instances(self, pool_name: str, alive: bool = True) -> list[str]:
+        """The pool's instances that serve (alive, not draining; ``alive=False``: all but
+        the draining ones), oldest first."""
+        ids = [i for i, s in self.specs.items() if s.pool.name == pool_name]
+        ids = [i for i in ids if not self.views[i].draining and (self.views[i].alive or not alive)]
+        return sorted(ids, key=lambda i: int(i.rpartition("-")[2]))
+
+    async def _grow(self, pool: Any, count: int) -> None:
+        from cluster.control.placement import start_instances
+
+        taken = [int(i.rpartition("-")[2]) for i, s in self.specs.items() if s.pool is pool]
+        first = max(taken, default=-1) + 1
+        wanted = [(f"{pool.name}-{first + k}", pool) for k in range(count)]
+        specs = await start_instances(self.config, wanted, self.config.startup_timeout_s)
+        for spec in specs:
+            info = spec.info
+            if min(info["max_position_embeddings"], info["num_blocks"] * info["block_size"]) < (
+                self.max_model_len
+            ):
+                for s in specs:
+                    for actor in s.actors:
+                        import ray
+
+                        ray.kill(actor)
+                raise ValueError(
+                    f"pool {pool.name!r}: a new instance holds {info['num_blocks']} KV blocks, "
+                    f"fewer than the cluster's max_model_len ({self.max_model_len}) needs"
+                )
+        for spec in specs:
+            self._add_instance(spec)
+        refreeze_heap()
+        logger.info("pool %s grew: %s", pool.name, ", ".join(s.instance_id for s in specs))
+
+    async def _shrink(self, instance_ids: list[str], drain_timeout_s: float | None) -> None:
+        if not instance_ids:
+            return
+        for iid in instance_ids:
+            self.views[iid].draining = True
+            self.engines[iid].draining = True
+        timeout = self.config.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
+        deadline = time.monotonic() + timeout
+        while any(self._holds_requests(i) for i in instance_ids) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for iid in instance_ids:
+            await self._retire(iid)
+
+    def _holds_requests(self, iid: str) -> bool:
+        """Requests still on the instance: queued, running, finished with KV still to send."""
+        if self.engines[iid].holds_requests():
+            return True
+        return any(f.instance == iid for f in self.flights.values())
+
+    async def _retire(self, iid: str) -> None:
+        """Take a drained instance out: stop its engine, move what it still holds, stop its
+        workers and forget it."""
+        engine = self.engines[iid]
+        await engine.stop()
+        # Taken after the stop: a step that was running may have finished (or handed off)
+        # some of them.
+        leftovers = engine.take_all()
+        engine.close()
+        if leftovers:
+            logger.warning("instance %s left with %d requests; they move", iid, len(leftovers))
+            self._spawn(self._move(iid, leftovers, f"instance {iid} was removed from its pool"))
+        spec = self.specs.pop(iid)
+        self.views[iid].alive = False  # a flight's decode_target may still point here
+        del self.engines[iid], self.roles[iid], self.views[iid]
+        self.lora.forget(iid)
+        del engine
+        refreeze_heap()  # its block pool is a cycle
+        for actor in spec.actors:
+            import ray
+
+            ray.kill(actor)
+        logger.info("instance %s left the cluster", iid)
+
+    # -- LoRA adapters by name (the API's /v1/load_lora_adapter) ------------------------------
+    def lora_adapters(self) -> dict[str, LoRARequest]:
+        return dict(self.lora.by_name)
+
+    async def load_lora_adapter(self, name: str, path: str) -> LoRARequest:
+        """Serve the adapter at ``path`` as model ``name`` (tried on a live instance first:
+        a bad one is a ``ValueError`` here, not on a request)."""
+        live = self._live("decode")
+        return await self.lora.load(name, path, live[0].instance_id if live else None)
+
+    def unload_lora_adapter(self, name: str) -> None:
+        self.lora.unload(name)
+
+    # -- metrics ----------------------------------------------------------------------------
+    def metrics_text(self) -> str:
+        """Prometheus exposition text of the whole cluster (``/metrics``)."""
+        return self.observe.render(self.stats())
+
+    # -- introspection -----------------------------------------------------------------------
+    def live_request_ids(self) -> list[str]:
+        """Ids of the requests in flight (for operators and tests)."""
+        return sorted(self.flights)
+
+    def requests(self) -> dict[str, dict[str, Any]]:
+        """Where each request in flight is: its ``instance``, its ``phase`` (``queued``: not
+        scheduled there yet, or preempted; ``prefill``; ``transfer``: its KV is being loaded
+        on the decode instance; ``decode``), the tokens sent to its client so far and how
+        often it moved off a failed instance."""
+        result = {}
+        for rid, flight in sorted(self.flights.items()):
+            engine = self.engines.get(flight.instance)
+            phase = None if engine is None else engine.phase(flight.internal_id)
+            sent = None if engine is None else engine.num_tokens(flight.internal_id)
+            result[rid] = {
+                "instance": flight.instance,
+                "phase": phase or "queued",
+                "num_tokens_sent": len(flight.sent) if sent is None else sent,
+                "num_moves": flight.num_moves,
+            }
+        return result
+
+    def settings(self) -> dict[str, Any]:
+        """What the cluster was built from (``ClusterConfig.cluster_settings``), to tell
+        whether a new deployment may reuse it."""
+        return self.config.cluster_settings()
+
+    def model_info(self) -> dict[str, Any]:
+        """What a client needs to tokenize and validate: the model and the context length."""
+        first = next(iter(self.specs.values())).info
+        return {**first, "max_model_len": self.max_model_len}
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "instances": {
+                iid: {
+                    "role": self.roles[iid],
+                    "pool": spec.pool.name,
+                    "node_id": spec.info.get("node_id"),
+                    "num_blocks": spec.info["num_blocks"],
+                }
+                for iid, spec in self.specs.items()
+            },
+            "max_model_len": self.max_model_len,
+        }
+
+    def stats(self) -> dict[str, Any]:
+        """Per-instance state: requests held, KV usage, counters (for tests and metrics)."""
+        return {
+            "num_flights": len(self.flights),
+            "num_moves": self.num_moves,
+            "failures": list(self.failures),
+            "instances": {iid: engine.stats() for iid, engine in self.engines.items()},
+        }
+
+    async def transfer_history(self) -> dict[str, list[Any]]:
+        """Every instance's finished KV loads (``TransferRecord``s), for benchmarks: every
+        stage's records (each moves its own layers); a dead worker's died with it."""
+        result: dict[str, list[Any]] = {}
+        for iid, spec in self.specs.items():
+            stages = await spec.call_stages(
+                "transfer_history", monitor=True, return_exceptions=True
+            )
+            result[iid] = [r for stage in stages if isinstance(stage, list) for r in stage]
+        return result
+
+    async def worker_health(self) -> dict[str, dict[str, Any]]:
+        """Each instance's ``health()`` (node id, pid, state): its first worker's, with every
+        pipeline stage's under ``stages``."""
+        result: dict[str, dict[str, Any]] = {}
+        for iid, spec in self.specs.items():
+            stages = [
+                s if isinstance(s, dict) else {"ok": False, "error": f"{type(s).__name__}"}
+                for s in await spec.call_stages("health", monitor=True, return_exceptions=True)
+            ]
+            result[iid] = {**stages[0], "stages": stages}
+        return result
+
+    async def set_fault_injection(
+        self, instance_id: str, load_delay_s: float = 0.0, step_delay_s: float = 0.0
+    ) -> None:
+        """Testing: slow one instance's worker down (``ModelWorker.set_fault_injection``)."""
+        await self.specs[instance_id].call_stages("set_fault_injection", load_delay_s, step_delay_s)
+
+    def check_integrity(self) -> None:
+        """Raise ``AssertionError`` if any instance's scheduler is inconsistent."""
+        for engine in self.engines.values():
+            engine.check_integrity()
+
+    def reset_prefix_cache(self) -> bool:
+        return all(engine.reset_prefix_cache() for engine in self.engines.values())
