@@ -146,8 +146,15 @@ class _Sampling(BaseModel):
     prompt_cache_retention: Any = None
     safety_identifier: Any = None
     prediction: Any = None
-    # OpenAI's: token id (a string key in JSON) -> bias in [-100, 100], added to its logit.
-    logit_bias: dict[str, float] | None = None
+    # OpenAI's: token id (a string of ASCII digits: JSON keys are strings) -> a bias in
+    # [-100, 100], added to its logit; the schema says both.
+    logit_bias: (
+        dict[
+            Annotated[str, Field(pattern=r"^[0-9]+$")],
+            Annotated[float, Field(ge=-100.0, le=100.0)],
+        ]
+        | None
+    ) = None
     # Refused when they ask for something (REFUSED_*; see ``_refuse_active``).
     response_format: Any = None
     prompt_logprobs: Any = None
@@ -166,17 +173,6 @@ class _Sampling(BaseModel):
     return_tokens_as_token_ids: Any = None
 
     _refused = field_validator(*REFUSED_COMPLETION, *REFUSED_VLLM, mode="after")(_refuse_active)
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
-        for key, bias in (value or {}).items():
-            text = key.strip()
-            if not (text.isascii() and text.isdigit()):
-                raise ValueError(f"logit_bias keys must be token ids; got {key!r}")
-            if not -100.0 <= bias <= 100.0:
-                raise ValueError(f"logit_bias values must be within [-100, 100]; got {bias}")
-        return value
 
     def logit_bias_ids(self) -> list[int]:
         return [int(k) for k in self.logit_bias or {}]

@@ -21,6 +21,10 @@ away from, and why:
   "broken": the fixture's adapter whose path is missing on purpose; requests to it answer 500
   by design (tested in test_serve_errors.py), so a body naming it is exempt from the 5xx check
   (still sent, still bounded in time).
+* ``logit_bias``: the schema says its keys are token ids (``patternProperties``) but neither
+  that no other key may appear nor how many ids the vocabulary has; a map keeps its id keys
+  only, taken modulo 1000 (the test model's vocabulary is larger), so that a valid body is
+  not refused for a key the schema could not rule out.
 * ``/v1/unload_lora_adapter``: a generated ``lora_name`` that names an adapter the app serves
   ("a", "broken", or one another test loaded) is renamed, or the fuzzing would unload it from
   under the other tests. Every other name must give 404 (or 400 for an invalid body).
@@ -44,7 +48,7 @@ import pytest
 schemathesis = pytest.importorskip("schemathesis")
 
 import requests  # noqa: E402
-from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
+from hypothesis import HealthCheck, Phase, example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from schemathesis.checks import not_a_server_error  # noqa: E402
 from schemathesis.config import SchemathesisConfig  # noqa: E402
@@ -74,6 +78,14 @@ ROUTES: dict[str, set[int]] = {
     "POST /admin/scale_pool": {400},
 }
 GENERATION = ("POST /v1/completions", "POST /v1/chat/completions")
+VALID = {  # a body each generation route serves (its model is the fixture's)
+    "POST /v1/completions": {"model": "m", "prompt": "fuzz", "max_tokens": 2},
+    "POST /v1/chat/completions": {
+        "model": "m",
+        "messages": [{"role": "user", "content": "fuzz"}],
+        "max_tokens": 2,
+    },
+}
 
 
 @pytest.fixture(scope="module")
@@ -108,6 +120,15 @@ def _prepare(case: Any, label: str, model: str | None, protected: set[str]) -> N
     generated = body.get("model")
     if label in GENERATION and model is not None and isinstance(generated, str) and generated:
         body["model"] = model
+    # A valid logit_bias (ids as the schema allows) is kept within the vocabulary, which
+    # the schema cannot say; an invalid one stays as generated.
+    bias = body.get("logit_bias")
+    if label in GENERATION and isinstance(bias, dict):
+        body["logit_bias"] = {
+            str(int(k) % 1000): v
+            for k, v in bias.items()
+            if isinstance(k, str) and k.isascii() and k.isdigit()
+        }
     name = body.get("lora_name")
     if label == "POST /v1/unload_lora_adapter" and isinstance(name, str) and name in protected:
         body["lora_name"] = f"not-{name}"
@@ -187,6 +208,11 @@ def test_generated_requests_give_no_server_error_and_no_hang(
         sent[mode] = sent.get(mode, 0) + 1
         _send(case, label, seen)
 
+    if label in GENERATION:
+        # One valid body always goes with the draws (hypothesis' explicit phase): whether
+        # the draws hold one the server serves shifts with every change of the schema.
+        valid = operation.Case(body=VALID[label], media_type="application/json")
+        check = example(case=valid, model=serve_app.model)(check)
     check()
     # The fuzzing reached where it should: generation ran, and invalid bodies were refused.
     if label in GENERATION:
