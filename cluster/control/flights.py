@@ -88,6 +88,11 @@ class Flight:
     trace: Any = None  # a RequestTrace while tracing is on
     submission: Submission | None = None  # the client's tag of its submit (outbox only)
 
+    @property
+    def first_scheduled_at(self) -> float | None:
+        """Its first step anywhere (as ``Held.first_scheduled_at``)."""
+        return self.scheduled_at
+
     def deliver(self, out: EngineCoreOutput) -> None:
         """Hand an output to whoever streams this request."""
         if self.outbox is not None:

@@ -171,7 +171,7 @@ class RequestObserver:
         request = record.request
         arrival = request.arrival_time
         num = len(record.sent)
-        scheduled = getattr(record, "first_scheduled_at", None) or record.scheduled_at
+        scheduled = record.first_scheduled_at
         self.metrics.request_finished(
             "" if where is None else where.instance_id,
             "" if where is None else where.role,
