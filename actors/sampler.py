@@ -9,6 +9,7 @@ that need it) with a handful of tensor ops::
         ├─► logit_bias: + bias at the given ids                   rows with a logit_bias
         ├─► penalties: repetition (prompt + output),              rows with a penalty
         │              frequency / presence (output)
+        ├─► grammar: tokens it forbids → -inf (all forbidden: EOS) rows with structured outputs
         ├─► greedy rows (temperature < 1e-5): argmax
         └─► random rows: exp((x - max) / T) ─► one cut-off per row (top-k, top-p, min-p) ─► 0 below
                          ─► ÷ Exp(1) noise ─► argmax            (exponential race = categorical)
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from actors.structured_output import allowed_tokens
 from scheduler.request import SamplingParams
 
 # At or below this temperature a row is sampled greedily (vLLM's epsilon).
@@ -88,8 +90,15 @@ class Sampler:
     the default torch generator of the logits' device (one batched draw per call).
     """
 
-    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
-        """Sample one token for each row; ``logits[i]`` belongs to ``rows[i]``."""
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        rows: Sequence[SamplingRow],
+        grammar: tuple[list[int], torch.Tensor] | None = None,
+    ) -> SamplerOutput:
+        """Sample one token for each row; ``logits[i]`` belongs to ``rows[i]``. ``grammar``:
+        the rows with structured outputs and their bitmask (one int32 row each, bit ``t`` of
+        word ``t // 32`` set where token ``t`` is allowed; ``actors.structured_output``)."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(
                 f"logits must be [num_rows={len(rows)}, vocab]; got {tuple(logits.shape)}."
@@ -103,7 +112,7 @@ class Sampler:
         penalized = [i for i, p in enumerate(params) if _uses_penalties(p)]
         mask_rows, mask_ids = _min_tokens_entries(rows, vocab)
         bias_rows, bias_ids, bias_values = _logit_bias_entries(rows, vocab)
-        if all(greedy) and not (lp_rows or penalized or mask_rows or bias_rows):
+        if all(greedy) and not (lp_rows or penalized or mask_rows or bias_rows or grammar):
             # Argmax is exact in any float dtype, but torch's CPU argmax over bf16 is about
             # twice as slow as converting to float32 first.
             if logits.device.type == "cpu" and logits.dtype != torch.float32:
@@ -128,6 +137,8 @@ class Sampler:
             )
         if penalized:
             _apply_penalties(x, rows, penalized)
+        if grammar:
+            _apply_grammar(x, rows, *grammar)
 
         greedy_rows = [i for i in range(num_rows) if greedy[i]]
         random_rows = [i for i in range(num_rows) if not greedy[i]]
@@ -190,6 +201,23 @@ def _logit_bias_entries(
                 bias_ids.append(token_id)
                 values.append(bias)
     return bias_rows, bias_ids, values
+
+
+def _apply_grammar(
+    x: torch.Tensor, rows: Sequence[SamplingRow], grammar_rows: list[int], bitmask: torch.Tensor
+) -> None:
+    """Send the logits of the tokens each grammar row forbids to -inf. A row left with no
+    token (min_tokens held EOS back where the grammar allows only EOS) takes EOS: the grammar
+    is complete, and EOS is the only token that keeps its output valid."""
+    idx = torch.tensor(grammar_rows, device=x.device)
+    allowed = allowed_tokens(bitmask.to(x.device), x.shape[1])
+    masked = x[idx].masked_fill_(~allowed, float("-inf"))
+    x[idx] = masked
+    empty = torch.isneginf(masked).all(dim=-1).nonzero().flatten().tolist()
+    for i in empty:
+        eos = rows[grammar_rows[i]].eos_token_id
+        if eos is not None:
+            x[grammar_rows[i], eos] = 0.0
 
 
 def _apply_penalties(x: torch.Tensor, rows: Sequence[SamplingRow], idx: list[int]) -> None:

@@ -25,9 +25,10 @@ from actors.model.llama import LlamaForCausalLM
 from actors.model.loader import load_model, resolve_model_path
 from actors.pipeline import IntermediateOutput, stage_report
 from actors.sampler import Sampler, SamplingRow
+from actors.structured_output import GrammarCompiler, GrammarError, GrammarState, fill_bitmask
 from scheduler import LoRAConfig, ModelRunnerOutput, SchedulerOutput
 from scheduler.outputs import TokenLogprobs
-from scheduler.request import LoRARequest, SamplingParams
+from scheduler.request import LoRARequest, SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
     from actors.lora import LoRAManager
@@ -49,6 +50,9 @@ class _RequestState:
     block_ids: list[int]
     lora: LoRARequest | None
     eos_token_id: int | None
+    # Structured outputs: the matcher, fed the outputs so far (built at the first sample;
+    # rebuilt from the tokens after a resume, a hand-off, a move).
+    grammar: GrammarState | None = None
 
 
 @dataclass
@@ -111,6 +115,7 @@ class ModelWorker:
         self.num_blocks = 0
         self.requests: dict[str, _RequestState] = {}
         self.sampler = Sampler()
+        self._grammars: GrammarCompiler | None = None  # built at the first structured request
         self.lora_manager: LoRAManager | None = None
         self.num_steps = 0
         self.kv_transfer = kv_transfer
@@ -352,12 +357,15 @@ class ModelWorker:
             )
             for s in sampling
         ]
-        sampled = self.sampler(logits, rows) if rows else None
+        grammar = self._grammar_bitmask(sampling, logits.shape[1])
+        sampled = self.sampler(logits, rows, grammar) if rows else None
         by_req: dict[str, tuple[list[int], list[TokenLogprobs] | None]] = {}
         for i, s in enumerate(sampling):
             assert sampled is not None
             token = sampled.token_ids[i]
             s.state.token_ids.append(token)
+            if s.state.grammar is not None:
+                s.state.grammar.accept(s.state.req_id, token)
             lp = sampled.logprobs[i]
             by_req[s.state.req_id] = ([token], None if lp is None else [lp])
         req_ids = [s.state.req_id for s in batch]
@@ -369,6 +377,45 @@ class ModelWorker:
             logprobs=logprobs if any(lp is not None for lp in logprobs) else None,
         )
         return self._with_connector_reports(output, None, meta, intermediate)
+
+    def _grammar_bitmask(
+        self, sampling: list[_Scheduled], vocab_size: int
+    ) -> tuple[list[int], torch.Tensor] | None:
+        """The rows with structured outputs and their bitmask, one row each: every state
+        first consumes the outputs it has not seen (a new one: all of them)."""
+        rows: list[int] = []
+        states: list[GrammarState] = []
+        for i, s in enumerate(sampling):
+            spec = s.state.params.structured_outputs
+            if spec is None:
+                continue
+            state = s.state.grammar
+            if state is None:
+                state = s.state.grammar = self._new_grammar_state(s.state, spec, vocab_size)
+            state.sync(s.state.req_id, s.state.token_ids[s.state.num_prompt_tokens :])
+            rows.append(i)
+            states.append(state)
+        return (rows, fill_bitmask(states, vocab_size)) if rows else None
+
+    def _new_grammar_state(
+        self, state: _RequestState, spec: StructuredOutputsParams, vocab_size: int
+    ) -> GrammarState:
+        """A matcher for a request's spec. The front ends check specs before anything is
+        scheduled; one that fails here anyway is logged and leaves the output unconstrained
+        (a worker never fails a step over one request's grammar)."""
+        try:
+            if self._grammars is None:
+                from actors.model.tokenizer import Tokenizer
+
+                tokenizer = Tokenizer.from_path(self.model_path)
+                eos = tokenizer.eos_token_id
+                self._grammars = GrammarCompiler(
+                    tokenizer, vocab_size, eos_token_id=state.eos_token_id if eos is None else eos
+                )
+            return self._grammars.state(spec)
+        except (GrammarError, OSError) as exc:
+            logger.error("request %s: its structured outputs cannot apply: %s", state.req_id, exc)
+            return GrammarState(None)
 
     def _with_connector_reports(
         self,
@@ -435,6 +482,7 @@ class ModelWorker:
             if cached.resumed_from_preemption[i]:
                 state.block_ids = list(new_blocks or [])
                 state.token_ids = list(cached.resumed_token_ids[req_id])
+                state.grammar = None  # rebuilt from the resumed outputs
             elif new_blocks:
                 state.block_ids.extend(new_blocks)
             start = cached.num_computed_tokens[i]

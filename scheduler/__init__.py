@@ -23,7 +23,14 @@ from scheduler.queues import (
     RequestQueue,
     create_request_queue,
 )
-from scheduler.request import FinishReason, LoRARequest, Request, RequestStatus, SamplingParams
+from scheduler.request import (
+    FinishReason,
+    LoRARequest,
+    Request,
+    RequestStatus,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 from scheduler.scheduler import Scheduler
 
 __all__ = [
@@ -51,5 +58,6 @@ __all__ = [
     "SchedulerConnector",
     "SchedulerOutput",
     "SchedulerStats",
+    "StructuredOutputsParams",
     "create_request_queue",
 ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import json
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -49,6 +50,64 @@ _FINISHED_REASONS = {
 }
 
 
+class StructuredOutputsParams(BaseModel):
+    """What a request's output must match (vLLM's ``StructuredOutputsParams``): exactly one of
+    a JSON schema, any JSON object, a regular expression, a choice of strings, or a grammar
+    (Lark, or GBNF as llama.cpp and vLLM's xgrammar take it). The worker's sampler masks every
+    token the grammar forbids (``actors/structured_output.py``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    json_schema: str | None = Field(None, alias="json")  # the schema as JSON text (canonical)
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+
+    @field_validator("json_schema", mode="before")
+    @classmethod
+    def _schema_text(cls, value: object) -> object:
+        if isinstance(value, dict | bool):  # a schema object: kept as canonical text
+            return json.dumps(value, sort_keys=True, separators=(",", ":"))
+        return value
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> StructuredOutputsParams:
+        given = [
+            name
+            for name, value in (
+                ("json", self.json_schema),
+                ("json_object", self.json_object or None),
+                ("regex", self.regex),
+                ("choice", self.choice),
+                ("grammar", self.grammar),
+            )
+            if value is not None
+        ]
+        if len(given) != 1:
+            raise ValueError(
+                "structured outputs take exactly one of json, json_object, regex, choice, "
+                f"grammar; got {', '.join(given) or 'none'}"
+            )
+        if self.choice is not None and not self.choice:
+            raise ValueError("choice must list at least one string")
+        return self
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """(kind, spec): what a compiled grammar is cached by."""
+        if self.json_schema is not None:
+            return ("json", self.json_schema)
+        if self.json_object:
+            return ("json", '{"type":"object"}')
+        if self.regex is not None:
+            return ("regex", self.regex)
+        if self.choice is not None:
+            return ("choice", json.dumps(list(self.choice)))
+        assert self.grammar is not None
+        return ("grammar", self.grammar)
+
+
 class SamplingParams(BaseModel):
     """Per-request sampling and stopping parameters (vLLM's names and defaults).
 
@@ -81,6 +140,9 @@ class SamplingParams(BaseModel):
     stop: tuple[str, ...] = ()
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # The output must match this (JSON schema, regex, choice, grammar): the sampler masks
+    # what it forbids, and the request ends (EOS) once it is complete.
+    structured_outputs: StructuredOutputsParams | None = None
 
     @field_validator("stop", mode="before")
     @classmethod

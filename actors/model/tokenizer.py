@@ -76,6 +76,11 @@ class Tokenizer:
         )
 
     @property
+    def backend(self) -> HFTokenizer:
+        """The ``tokenizers`` tokenizer underneath (grammars read its vocabulary)."""
+        return self._tok
+
+    @property
     def vocab_size(self) -> int:
         return int(self._tok.get_vocab_size(with_added_tokens=True))
 

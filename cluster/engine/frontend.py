@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from actors.model.tokenizer import Tokenizer
+from actors.structured_output import compiler_for
 from scheduler import LoRARequest, Request, SamplingParams
 
 
@@ -56,8 +57,11 @@ class RequestFactory:
         child_ids: list[str],
     ) -> PreparedRequest:
         """Raises ``ValueError`` naming the problem for an empty, too long or out-of-vocabulary
-        prompt. ``child_ids`` are the scheduler ids, one per sample."""
+        prompt, or structured outputs whose spec does not compile. ``child_ids`` are the
+        scheduler ids, one per sample."""
         params = params or SamplingParams()
+        if params.structured_outputs is not None:  # a spec that cannot compile: refused now
+            compiler_for(self.tokenizer, self.vocab_size).compile(params.structured_outputs)
         if isinstance(prompt, str):
             text: str | None = prompt
             prompt_ids = self.tokenizer.encode(prompt)

@@ -21,9 +21,18 @@ from __future__ import annotations
 import logging
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
-from scheduler import SamplingParams
+from scheduler import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +55,6 @@ REFUSED_CHAT = (
     "tool_choice",
     "functions",
     "function_call",
-    "response_format",
     "audio",
     "modalities",
     "web_search_options",
@@ -54,15 +62,10 @@ REFUSED_CHAT = (
     "verbosity",
     "moderation",
 )
-REFUSED_COMPLETION = ("response_format",)
+REFUSED_COMPLETION: tuple[str, ...] = ()
 REFUSED_VLLM = (  # vLLM's extras that change an output
     "prompt_logprobs",
-    "structured_outputs",
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
-    "guided_decoding_backend",
+    "guided_whitespace_pattern",
     "allowed_token_ids",
     "bad_words",
     "logits_processors",
@@ -155,15 +158,20 @@ class _Sampling(BaseModel):
         ]
         | None
     ) = None
+    # Structured outputs (``_structured``): OpenAI's response_format, vLLM's
+    # structured_outputs and its older guided_* fields -- one of them per request.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None  # accepted: one backend (llguidance) serves all
+    _structured: StructuredOutputsParams | None = PrivateAttr(None)
+    _structured_param: str = PrivateAttr("")
     # Refused when they ask for something (REFUSED_*; see ``_refuse_active``).
-    response_format: Any = None
     prompt_logprobs: Any = None
-    structured_outputs: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
-    guided_decoding_backend: Any = None
+    guided_whitespace_pattern: Any = None
     allowed_token_ids: Any = None
     bad_words: Any = None
     logits_processors: Any = None
@@ -183,6 +191,39 @@ class _Sampling(BaseModel):
             raise ValueError("stream_options is only allowed when stream is true")
         _log_unknown(self)
         return self
+
+    def structured(self) -> tuple[StructuredOutputsParams | None, str]:
+        """The structured-outputs spec asked for (None: free text) and the field that asked.
+        ``FieldError`` names the field when the shape is wrong or two fields ask; whether the
+        spec compiles is checked against the tokenizer by the serving layer."""
+        if self._structured_param:
+            return self._structured, self._structured_param
+        asked = [
+            (param, spec)
+            for param, spec in (
+                ("response_format", _response_format(self.response_format)),
+                ("structured_outputs", _structured_outputs(self.structured_outputs)),
+                ("guided_json", self.guided_json and {"json": self.guided_json}),
+                ("guided_regex", self.guided_regex and {"regex": self.guided_regex}),
+                ("guided_choice", self.guided_choice and {"choice": self.guided_choice}),
+                ("guided_grammar", self.guided_grammar and {"grammar": self.guided_grammar}),
+            )
+            if spec
+        ]
+        if len(asked) > 1:
+            names = ", ".join(param for param, _ in asked)
+            raise FieldError(asked[1][0], f"structured outputs asked for twice ({names})")
+        if asked:
+            param, spec = asked[0]
+            try:
+                self._structured = StructuredOutputsParams.model_validate(spec)
+            except ValidationError as exc:
+                problems = "; ".join(
+                    str(e["msg"]).removeprefix("Value error, ") for e in exc.errors()
+                )
+                raise FieldError(param, f"{param}: {problems}") from None
+            self._structured_param = param
+        return self._structured, self._structured_param
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """The scheduler's parameters (``max_tokens`` already resolved against the context)."""
@@ -206,11 +247,68 @@ class _Sampling(BaseModel):
             logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
+            structured_outputs=self.structured()[0],
         )
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+
+class FieldError(ValueError):
+    """A request field's value the API refuses (a 400 naming ``param``)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def _response_format(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    """OpenAI's ``response_format`` as a structured-outputs spec (None: free text)."""
+    if value is None:
+        return None
+    kind = value.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict):
+            raise FieldError("response_format", "response_format: json_schema must be an object")
+        schema = spec.get("schema", {"type": "object"})  # no schema: any JSON object
+        if not isinstance(schema, dict | bool):
+            raise FieldError(
+                "response_format", "response_format: json_schema.schema must be a JSON schema"
+            )
+        return {"json": schema}  # strict or not: the schema is always enforced
+    raise FieldError(
+        "response_format",
+        f"response_format: type {kind!r} is not supported (text, json_object, json_schema)",
+    )
+
+
+# vLLM's ``structured_outputs`` keys that need nothing here: the fallback and whitespace
+# choices describe what Tandem always does (one backend, no fallback; compact JSON).
+_STRUCTURED_NO_EFFECT = ("disable_fallback", "disable_any_whitespace")
+_STRUCTURED_SPEC_KEYS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+def _structured_outputs(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    """vLLM's ``structured_outputs`` object as a spec; keys that would change the output and
+    are not implemented are refused by name."""
+    if not value:
+        return None
+    spec = {}
+    for key, item in value.items():
+        if key in _STRUCTURED_SPEC_KEYS:
+            if item is not None and item is not False:
+                spec[key] = item
+        elif key in _STRUCTURED_NO_EFFECT or item in (None, False, ""):
+            continue
+        else:
+            raise FieldError("structured_outputs", f"structured_outputs.{key} is not supported")
+    return spec
 
 
 TokenIds = list[Annotated[int, Field(ge=0)]]
@@ -315,9 +413,7 @@ class ChatCompletionRequest(_Sampling):
     documents: Any = None
     echo: Any = None
 
-    _refused_chat = field_validator(*REFUSED_CHAT[:4], *REFUSED_CHAT[5:], *REFUSED_VLLM_CHAT)(
-        _refuse_active
-    )
+    _refused_chat = field_validator(*REFUSED_CHAT, *REFUSED_VLLM_CHAT)(_refuse_active)
 
     @model_validator(mode="after")
     def _logprobs(self) -> ChatCompletionRequest:

@@ -20,6 +20,7 @@ from contextlib import aclosing
 from pathlib import Path
 from typing import Any
 
+from actors.structured_output import GrammarError, compiler_for
 from cluster.engine.outputs import RequestOutput
 from cluster.engine.protocol import EngineClient
 from cluster.engine.streams import merge_streams
@@ -30,6 +31,7 @@ from cluster.serving.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    FieldError,
     LoadLoRAAdapterRequest,
     ScalePoolRequest,
     TokenizeChatRequest,
@@ -245,6 +247,21 @@ class OpenAIServing:
                 param="logit_bias",
             )
 
+    def _check_structured(self, req: CompletionRequest | ChatCompletionRequest) -> None:
+        """Structured outputs asked for in one field, with a spec that compiles for this
+        model's tokenizer: a 400 naming the field otherwise, before anything is scheduled
+        (compiled grammars are cached by spec)."""
+        try:
+            spec, param = req.structured()
+        except FieldError as exc:
+            raise APIError(400, str(exc), param=exc.param) from None
+        if spec is None:
+            return
+        try:
+            compiler_for(self.tokenizer, self.tokenizer.vocab_size).compile(spec)
+        except GrammarError as exc:
+            raise APIError(400, f"{param}: {exc}", param=param) from None
+
     def _check_ids(self, ids: list[int], param: str) -> None:
         try:
             self.engine.validate_prompt(ids)
@@ -261,6 +278,7 @@ class OpenAIServing:
         return jobs
 
     def _completion_jobs(self, req: CompletionRequest) -> list[Job]:
+        self._check_structured(req)
         jobs = []
         for i, prompt in enumerate(req.prompts()):
             text: str | None
@@ -300,6 +318,7 @@ class OpenAIServing:
         return text
 
     def _chat_job(self, req: ChatCompletionRequest, messages: list[dict[str, Any]]) -> Job:
+        self._check_structured(req)
         text = self._render_chat(messages, req.add_generation_prompt, req.chat_template_kwargs)
         # The template writes BOS itself when the model wants one.
         ids = self._encode(text, "messages", add_special_tokens=False)

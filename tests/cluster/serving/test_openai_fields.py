@@ -27,6 +27,7 @@ openai = pytest.importorskip("openai")
 IMPLEMENTED_COMMON = {
     *("model", "n", "stop", "stream_options", "temperature", "top_p", "seed"),
     *("presence_penalty", "frequency_penalty", "max_tokens", "logprobs", "logit_bias"),
+    "response_format",
 }
 IMPLEMENTED = {
     "completions": IMPLEMENTED_COMMON | {"prompt", "echo", "best_of", "suffix"},
@@ -52,7 +53,6 @@ ACTIVE: dict[str, Any] = {  # a value that asks for something
     "prompt_logprobs": 1,
     "truncate_prompt_tokens": 5,
     "length_penalty": 2.0,
-    "response_format": {"type": "json_object"},
 }
 BASE = {
     "completions": {"model": "m", "prompt": "hi"},

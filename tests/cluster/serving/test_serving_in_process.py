@@ -370,3 +370,110 @@ def test_logit_bias_is_applied_and_checked(serving: OpenAIServing) -> None:
         with pytest.raises(ValidationError, match="logit_bias") as bad:
             CompletionRequest.model_validate({**base, "logit_bias": {key: 1}})
         assert "should match pattern" in str(bad.value)
+
+
+SMALL_SCHEMA = {
+    "type": "object",
+    "properties": {"answer": {"enum": ["yes", "no"]}, "sure": {"type": "boolean"}},
+    "required": ["answer", "sure"],
+    "additionalProperties": False,
+}
+
+
+def test_structured_outputs_match_their_spec(serving: OpenAIServing) -> None:
+    """Each way of asking -- OpenAI's response_format (json_schema, json_object), vLLM's
+    structured_outputs and guided_* -- constrains the (random) model's output to the spec,
+    sampled or greedy, streamed or whole, for every sample of n. (The tiny model's EOS, id 2,
+    is a plain byte of its tokenizer: a completed output's text ends with it.)"""
+    eos = serving.tokenizer.decode([2])
+
+    def done(text: str) -> str:
+        assert text.endswith(eos)
+        return text.removesuffix(eos)
+
+    chat = {"model": "tiny-chat", "messages": [{"role": "user", "content": "well?"}]}
+    schema_format = {
+        "type": "json_schema",
+        "json_schema": {"name": "verdict", "schema": SMALL_SCHEMA, "strict": True},
+    }
+    body = _run(
+        serving.chat(
+            ChatCompletionRequest.model_validate(
+                {**chat, "max_tokens": 60, "n": 3, "seed": 1, "response_format": schema_format}
+            )
+        )
+    )
+    for choice in body["choices"]:
+        assert choice["finish_reason"] == "stop"
+        value = json.loads(done(choice["message"]["content"]))
+        assert value["answer"] in ("yes", "no") and isinstance(value["sure"], bool)
+    # (Any object: a random model's strings wander, and may hold the byte that is its EOS.)
+    any_object = {**chat, "max_tokens": 8, "response_format": {"type": "json_object"}}
+    text = _run(serving.chat(ChatCompletionRequest.model_validate(any_object)))["choices"][0]
+    assert text["message"]["content"].startswith("{")
+    completion = {"model": "tiny-chat", "prompt": [5, 6, 7], "max_tokens": 60}
+    for field, value, check in (
+        ("guided_choice", ["red", "green"], lambda t: t in ("red", "green")),
+        ("guided_regex", "[a-c]{3}-[0-9]{2}", lambda t: len(t) == 6 and t[3] == "-"),
+        ("guided_grammar", 'root ::= "<" [a-z] [a-z]? ">"', lambda t: t[0] + t[-1] == "<>"),
+        ("guided_json", SMALL_SCHEMA, lambda t: set(json.loads(t)) == {"answer", "sure"}),
+        ("structured_outputs", {"choice": ["up", "down"]}, lambda t: t in ("up", "down")),
+    ):
+        req = {**completion, field: value, "temperature": 1.0, "seed": 7}
+        out = _run(serving.completion(CompletionRequest.model_validate(req)))["choices"][0]
+        assert out["finish_reason"] == "stop" and check(done(out["text"])), (field, out)
+    streamed = CompletionRequest.model_validate(
+        {**completion, "stream": True, "guided_regex": "[a-c]{3}-[0-9]{2}"}
+    )
+
+    async def stream() -> list[dict[str, Any]]:
+        return await _drain(await serving.completion(streamed))
+
+    chunks = _run(stream())
+    text = done("".join(c["choices"][0]["text"] for c in chunks if c["choices"]))
+    assert len(text) == 6 and set(text[:3]) <= set("abc") and text[4:].isdigit()
+
+
+def test_structured_outputs_errors_name_the_field(serving: OpenAIServing) -> None:
+    """A spec that does not compile, a shape the API does not take, or two ways of asking
+    at once: a 400 naming the field, before anything is scheduled."""
+    completion = {"model": "tiny-chat", "prompt": [5, 6, 7], "max_tokens": 4}
+    chat = {"model": "tiny-chat", "messages": [{"role": "user", "content": "x"}]}
+    cases = [
+        (completion, {"guided_regex": "(a"}, "guided_regex", "invalid regex"),
+        (completion, {"guided_json": '{"type": "nope"}'}, "guided_json", "invalid JSON schema"),
+        (completion, {"guided_grammar": "root ::= ("}, "guided_grammar", "GBNF"),
+        (
+            chat,
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": 5}}},
+            "response_format",
+            "json_schema.schema",
+        ),
+        (chat, {"response_format": {"type": "xml"}}, "response_format", "not supported"),
+        (
+            completion,
+            {"structured_outputs": {"structural_tag": "{}"}},
+            "structured_outputs",
+            "structural_tag is not supported",
+        ),
+        (
+            completion,
+            {"structured_outputs": {"regex": "a", "choice": ["b"]}},
+            "structured_outputs",
+            "exactly one",
+        ),
+        (
+            chat,
+            {"guided_regex": "a", "response_format": {"type": "json_object"}},
+            "guided_regex",
+            "asked for twice",
+        ),
+    ]
+    for base, extra, param, words in cases:
+        model = ChatCompletionRequest if "messages" in base else CompletionRequest
+        req = model.model_validate({**base, **extra})
+        call: Any = serving.chat if "messages" in base else serving.completion
+        with pytest.raises(APIError) as refused:
+            _run(call(req))
+        error = refused.value
+        assert error.status == 400 and error.param == param and words in error.message, extra
