@@ -30,11 +30,15 @@ ray = pytest.importorskip("ray")
 
 from cluster.config import ClusterConfig  # noqa: E402
 from cluster.control.launch import build_cluster, shutdown_cluster  # noqa: E402
-from scheduler import Request, SamplingParams  # noqa: E402
+from scheduler import Request, SamplingParams, StructuredOutputsParams  # noqa: E402
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 160
 LONG = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+# Structured outputs: a grammar that runs past max_tokens, so a move lands mid-output.
+LOWERCASE = LONG.model_copy(
+    update={"structured_outputs": StructuredOutputsParams(regex="[a-m]{64}")}
+)
 PREFILL = {"name": "p", "role": "prefill", "resources": {"prefill": 0.01}, "num_blocks": NUM_BLOCKS}
 DECODE = {"name": "d", "role": "decode", "resources": {"decode": 0.01}, "num_blocks": NUM_BLOCKS}
 
@@ -59,24 +63,36 @@ def _prompts(count: int, seed: int = 7) -> list[list[int]]:
     return [[rng.randrange(3, 256) for _ in range(9 + 5 * i)] for i in range(count)]
 
 
-async def _stream(handle: Any, rid: str, prompt: list[int], progress: dict[str, int]) -> Any:
+async def _stream(
+    handle: Any,
+    rid: str,
+    prompt: list[int],
+    progress: dict[str, int],
+    params: SamplingParams = LONG,
+) -> Any:
     """The request's tokens as streamed, and its last output."""
     tokens: list[int] = []
     last = None
-    async for ref in handle.generate.remote(Request(rid, prompt, LONG, eos_token_id=2)):
+    async for ref in handle.generate.remote(Request(rid, prompt, params, eos_token_id=2)):
         last = await ref
         tokens.extend(last.new_token_ids)
         progress[rid] = len(tokens)
     return tokens, last
 
 
-def _run_all(handle: Any, prompts: list[list[int]], during: Any = None) -> list[Any]:
+def _run_all(
+    handle: Any,
+    prompts: list[list[int]],
+    during: Any = None,
+    params: list[SamplingParams] | None = None,
+) -> list[Any]:
     """Stream every prompt at once; ``during(progress)`` runs concurrently (the fault)."""
+    each = params or [LONG] * len(prompts)
 
     async def run() -> list[Any]:
         progress: dict[str, int] = {}
         streams = [
-            asyncio.ensure_future(_stream(handle, f"r{i}", p, progress))
+            asyncio.ensure_future(_stream(handle, f"r{i}", p, progress, each[i]))
             for i, p in enumerate(prompts)
         ]
         if during is not None:
@@ -99,11 +115,18 @@ def _stats(handle: Any) -> dict[str, Any]:
 def test_decode_worker_killed_mid_stream_moves_its_requests(
     ray_cluster: RayCluster, tiny_model: Path
 ) -> None:
+    """Half the requests have structured outputs: the instance they move to rebuilds their
+    matchers from the tokens sent, and their output still matches (and equals the
+    undisturbed run)."""
     handle = _build(tiny_model, "fault-decode", [PREFILL, {**DECODE, "replicas": 2}])
     try:
         prompts = _prompts(6)
-        undisturbed = [tokens for tokens, _ in _run_all(handle, prompts)]
+        params = [LONG, LOWERCASE] * 3
+        undisturbed = [tokens for tokens, _ in _run_all(handle, prompts, params=params)]
         assert all(len(t) == LONG.max_tokens for t in undisturbed)
+        lowercase = set(range(ord("a") - 33, ord("m") - 33 + 1))  # the byte tokenizer's ids
+        assert all(set(t) <= lowercase for t in undisturbed[1::2])
+        assert not all(set(t) <= lowercase for t in undisturbed[0::2])
         for iid in ("d-0", "d-1"):  # slow decode down so the kill lands mid-stream
             ray.get(handle.set_fault_injection.remote(iid, 0.0, 0.03))
 
@@ -114,7 +137,7 @@ def test_decode_worker_killed_mid_stream_moves_its_requests(
             assert on_d0 > 0  # the kill hits requests in flight
             _kill(handle, "d-0")
 
-        results = _run_all(handle, prompts, kill_when_streaming)
+        results = _run_all(handle, prompts, kill_when_streaming, params)
         assert [tokens for tokens, _ in results] == undisturbed  # nothing lost or repeated
         assert all(last.finish_reason.value == "length" and not last.error for _, last in results)
         stats = _stats(handle)
@@ -123,7 +146,7 @@ def test_decode_worker_killed_mid_stream_moves_its_requests(
         assert not stats["instances"]["d-0"]["alive"] and stats["instances"]["d-1"]["alive"]
         # The dead instance is out of routing: everything new goes to d-1.
         before = stats["instances"]["d-1"]["num_requests_added"]
-        again = [tokens for tokens, _ in _run_all(handle, prompts[:2])]
+        again = [tokens for tokens, _ in _run_all(handle, prompts[:2], params=params[:2])]
         assert again == undisturbed[:2]
         after = _stats(handle)["instances"]
         assert after["d-1"]["num_requests_added"] - before == 2

@@ -151,6 +151,43 @@ def test_n_and_seeded_sampling_match_in_process(client: ClusterClient, tiny_mode
     assert len({tuple(t) for t in got[0]}) > 1  # the three samples differ
 
 
+def test_structured_outputs_across_the_hand_off(client: ClusterClient, tiny_model: Path) -> None:
+    """The prefill instance samples the first token under the grammar; the decode instance
+    rebuilds the matcher from it and goes on: greedy output equals colocated and in-process
+    runs, seeded sampling (n = 2) equals in-process, and every output matches the schema."""
+    import json
+
+    from actors.model.tokenizer import Tokenizer
+    from scheduler import StructuredOutputsParams
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "answer": {"enum": ["yes", "no"]},
+            "n": {"type": "integer", "minimum": 0, "maximum": 999},
+        },
+        "required": ["answer", "n"],
+        "additionalProperties": False,
+    }
+    spec = StructuredOutputsParams(json=schema)
+    greedy = SamplingParams(max_tokens=48, temperature=0.0, structured_outputs=spec)
+    prompts = _prompts(8, seed=3)
+    disaggregated = token_ids(client.generate(prompts, greedy))
+    colocated = generate_colocated(tiny_model, prompts, greedy, "colocated-structured")
+    assert disaggregated == colocated == generate_in_process(tiny_model, prompts, greedy)
+    seeded = greedy.model_copy(update={"temperature": 1.0, "seed": 11, "n": 2})
+    sampled = [[s.token_ids for s in o.outputs] for o in client.generate(prompts[:4], seeded)]
+    from cluster.engine.llm import LLM
+
+    llm = LLM(str(tiny_model), block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, progress=False)
+    assert sampled == [[s.token_ids for s in o.outputs] for o in llm.generate(prompts[:4], seeded)]
+    tokenizer = Tokenizer.from_path(tiny_model)
+    for tokens in disaggregated + [t for pair in sampled for t in pair]:
+        assert tokens[-1] == 2  # complete: EOS, which the grammar allowed only at the end
+        value = json.loads(tokenizer.decode(tokens[:-1]))
+        assert value["answer"] in ("yes", "no") and isinstance(value["n"], int)
+
+
 # -- abort at every stage --------------------------------------------------------------------
 async def _collect(client: ClusterClient, prompt: list[int], params: SamplingParams) -> Any:
     final = None
