@@ -17,7 +17,7 @@ a 3-field object schema): llguidance installs as one 3 MB wheel with no dependen
 xgrammar requires triton (about 1 GB on disk) and imports transformers at ``import xgrammar``
 (Tandem never imports transformers at run time); llguidance needs no compile step (0.4-0.8 ms
 from schema to matcher; xgrammar 4 ms on first compile, cached after); xgrammar's mask is
-faster (3 us per row per step against 11 us), both far below a step (11.5 ms at batch 1 on
+faster (3 us per row per step against 11-15 us), both far below a step (11.5 ms at batch 1 on
 this CPU). vLLM offers both (``guidance`` and ``xgrammar`` backends).
 """
 

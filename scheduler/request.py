@@ -58,7 +58,9 @@ class StructuredOutputsParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
-    json_schema: str | None = Field(None, alias="json")  # the schema as JSON text (canonical)
+    # The schema as JSON text (a schema object is serialized in its own key order: the order
+    # of "properties" is the order the keys are generated in).
+    json_schema: str | None = Field(None, alias="json")
     json_object: bool = False
     regex: str | None = None
     choice: tuple[str, ...] | None = None
@@ -67,8 +69,8 @@ class StructuredOutputsParams(BaseModel):
     @field_validator("json_schema", mode="before")
     @classmethod
     def _schema_text(cls, value: object) -> object:
-        if isinstance(value, dict | bool):  # a schema object: kept as canonical text
-            return json.dumps(value, sort_keys=True, separators=(",", ":"))
+        if isinstance(value, dict | bool):
+            return json.dumps(value, separators=(",", ":"))
         return value
 
     @model_validator(mode="after")

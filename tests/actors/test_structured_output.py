@@ -58,6 +58,15 @@ def _allowed_text(compiler: GrammarCompiler, spec: StructuredOutputsParams, text
     return {"<eos>" if i == 2 else tok.decode([i]) for i in ids}
 
 
+def test_json_keys_come_in_the_schemas_order(compiler: GrammarCompiler) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"zeta": {"type": "integer"}, "alpha": {"type": "integer"}},
+        "required": ["zeta", "alpha"],
+    }
+    assert _allowed_text(compiler, StructuredOutputsParams(json=schema), '{"') == {"z"}
+
+
 def test_each_kind_allows_exactly_what_its_spec_does(compiler: GrammarCompiler) -> None:
     choice = StructuredOutputsParams(choice=["yes", "no"])
     assert _allowed_text(compiler, choice, "") == {"y", "n"}
@@ -99,11 +108,9 @@ def test_a_spec_names_exactly_one_kind() -> None:
     for bad in ({}, {"regex": "a", "choice": ["b"]}, {"choice": []}):
         with pytest.raises(ValueError, match=r"exactly one|at least one"):
             StructuredOutputsParams.model_validate(bad)
-    # A schema object and its text are one spec (one cache entry), whatever the key order.
-    a = StructuredOutputsParams(json={"type": "object", "required": []})
-    b = StructuredOutputsParams(json='{"required": [], "type": "object"}')
-    assert a.key[0] == b.key[0] == "json"
-    assert json.loads(a.key[1]) == json.loads(b.key[1])
+    # A schema object keeps its key order: the order of "properties" is the output's.
+    spec = StructuredOutputsParams(json={"properties": {"b": {}, "a": {}}, "type": "object"})
+    assert spec.key == ("json", '{"properties":{"b":{},"a":{}},"type":"object"}')
 
 
 def test_grammars_are_compiled_once_per_spec(
