@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from actors.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from scheduler import EngineCoreOutput, SamplingParams
 from scheduler.outputs import TokenLogprobs
+from scheduler.request import FinishReason
 
 
 @dataclass
@@ -66,7 +67,14 @@ class _Sample:
         if out.logprobs is not None and core.new_logprobs:
             out.logprobs.extend(core.new_logprobs)
         before = len(out.text)
-        delta = self.detok.add(core.new_token_ids) if core.new_token_ids else ""
+        text_ids = core.new_token_ids
+        # The token that stopped it (EOS, a stop_token_ids entry) is not part of the text
+        # unless include_stop_str_in_output (vLLM's rule; it matters for a stop id that is no
+        # special token). Stop strings end samples here, before any such output.
+        stop_token = core.finish_reason == FinishReason.STOP and text_ids
+        if stop_token and not self.params.include_stop_str_in_output:
+            text_ids = text_ids[:-1]
+        delta = self.detok.add(text_ids) if text_ids else ""
         if core.finish_reason is not None:  # the last tokens: nothing can complete them now
             delta += self.detok.flush()
         text = out.text + delta

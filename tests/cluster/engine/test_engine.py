@@ -144,6 +144,23 @@ def test_n_samples_and_stop_strings(tiny_llama: Path) -> None:
     assert not sched.has_requests() and sched.kv_cache_manager.usage == 0.0
 
 
+def test_a_stop_token_is_not_text_unless_asked(tiny_llama: Path) -> None:
+    """vLLM's rule: the token that stops a request (EOS, a stop_token_ids entry) stays in
+    token_ids but not in the text, unless include_stop_str_in_output (it shows for a stop id
+    that is no special token: the tiny byte tokenizer has none)."""
+    llm = engine(tiny_llama)
+    prompt = make_prompts(5)[2]
+    tokens = llm.generate(prompt, GREEDY)[0].outputs[0].token_ids
+    at = next(i for i in range(3, len(tokens)) if tokens[i] not in tokens[:i])
+    params = GREEDY.model_copy(update={"stop_token_ids": (tokens[at],)})
+    stopped = llm.generate(prompt, params)[0].outputs[0]
+    tok = llm.get_tokenizer()
+    assert stopped.token_ids == tokens[: at + 1] and stopped.stop_reason == tokens[at]
+    assert stopped.text == tok.decode(tokens[:at])
+    kept = params.model_copy(update={"include_stop_str_in_output": True})
+    assert llm.generate(prompt, kept)[0].outputs[0].text == tok.decode(tokens[: at + 1])
+
+
 def test_stream_and_abort(tiny_llama: Path) -> None:
     llm = engine(tiny_llama)
     prompts = make_prompts(6)[:3]

@@ -401,8 +401,7 @@ def test_fields_the_api_does_not_implement_are_400s_not_dropped(serve_app: Serve
         model=serve_app.model, messages=messages, max_tokens=20, response_format=response_format
     )
     content = answer.choices[0].message.content or ""
-    eos = "#"  # the tiny model's EOS (id 2) is a plain byte of its tokenizer
-    assert json.loads(content.removesuffix(eos)) in ({"ok": True}, {"ok": False})
+    assert json.loads(content) in ({"ok": True}, {"ok": False})
     bad: Any = {"type": "json_schema", "json_schema": {"name": "r", "schema": {"type": "x"}}}
     with pytest.raises(openai.BadRequestError) as invalid:
         client.chat.completions.create(
