@@ -374,6 +374,12 @@ class ServeConfig(_Config):
         description="Threads of each ingress replica that tokenize prompts and render chat "
         "templates, off its event loop.",
     )
+    tool_call_parser: Literal["hermes", "llama3_json"] | None = Field(
+        None,
+        description="The format tool_choice auto parses calls in (vLLM's --tool-call-parser): "
+        "hermes (<tool_call> blocks) or llama3_json (a bare JSON object); unset: chosen from "
+        "the chat template (hermes where it has no tool format of its own).",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> ServeConfig:

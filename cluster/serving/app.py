@@ -185,6 +185,7 @@ class OpenAIIngress:
                         tracer,
                         preprocess_threads=self._config.serve.preprocess_threads,
                         lora_adapter_root=self._config.serve.lora_adapter_root,
+                        tool_call_parser=self._config.serve.tool_call_parser,
                     )
                     from cluster.control.heap import freeze_heap
 

@@ -47,12 +47,9 @@ ACCEPTED = (
     "prompt_cache_retention",
     "safety_identifier",
     "prediction",
-    "parallel_tool_calls",
 )
 # Refused with a 400 naming the field when it asks for something (not yet implemented).
 REFUSED_CHAT = (
-    "tools",
-    "tool_choice",
     "functions",
     "function_call",
     "audio",
@@ -359,6 +356,50 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema (none: no arguments)
+    strict: bool | None = None  # enforced or not: forced calls always match the schema
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: str
+    arguments: str  # JSON text, as the API returned it
+
+
+class ToolCallItem(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -366,15 +407,20 @@ class ChatMessage(BaseModel):
     content: str | list[TextPart] | None = None
     name: str | None = None
     refusal: str | None = None  # an assistant's earlier refusal: kept as history, no effect
-    # Tool calling is not implemented yet: history that carries calls is refused, not dropped.
-    tool_calls: Any = None
-    tool_call_id: Any = None
+    tool_calls: list[ToolCallItem] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
     function_call: Any = None
     audio: Any = None
 
-    _refused = field_validator("tool_calls", "tool_call_id", "function_call", "audio")(
-        _refuse_active
-    )
+    _refused = field_validator("function_call", "audio")(_refuse_active)
+
+    @model_validator(mode="after")
+    def _tool_fields(self) -> ChatMessage:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("tool_calls belong to assistant messages")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        return self
 
     def as_template_input(self) -> dict[str, Any]:
         content = self.content
@@ -383,6 +429,10 @@ class ChatMessage(BaseModel):
         message: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
 
 
@@ -396,9 +446,11 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    # Tool calling (cluster/serving/tool_calls.py).
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # default true: required may return several
     # Refused when they ask for something (REFUSED_CHAT, REFUSED_VLLM_CHAT).
-    tools: Any = None
-    tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
     audio: Any = None
@@ -407,7 +459,6 @@ class ChatCompletionRequest(_Sampling):
     reasoning_effort: Any = None
     verbosity: Any = None
     moderation: Any = None
-    parallel_tool_calls: Any = None  # accepted: no tools, so nothing to run in parallel
     chat_template: Any = None
     continue_final_message: Any = None
     documents: Any = None
@@ -420,6 +471,54 @@ class ChatCompletionRequest(_Sampling):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs set to true")
         return self
+
+    @model_validator(mode="after")
+    def _tool_choice(self) -> ChatCompletionRequest:
+        choice = self.tool_choice
+        names = [tool.function.name for tool in self.tools or []]
+        if len(set(names)) != len(names):
+            raise ValueError("tools: function names must be unique")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice: no tool named {choice.function.name!r} in tools")
+        if choice == "required" and not names:
+            raise ValueError("tool_choice: required needs tools")
+        return self
+
+    @property
+    def tool_mode(self) -> str | None:
+        """How tools are used: None (no tools), "none", "auto", "required", "named"."""
+        if not self.tools:
+            return None
+        choice = self.tool_choice or "auto"
+        return "named" if isinstance(choice, NamedToolChoice) else choice
+
+    def tool(self, name: str) -> dict[str, Any]:
+        tool = next(t for t in self.tools or [] if t.function.name == name)
+        return tool.model_dump(exclude_none=True)
+
+    def tool_dicts(self) -> list[dict[str, Any]]:
+        return [t.model_dump(exclude_none=True) for t in self.tools or []]
+
+    def structured(self) -> tuple[StructuredOutputsParams | None, str]:
+        """A forced call (``required``, a named function) is a JSON schema held by structured
+        outputs; asking for other structured outputs with it is a 400."""
+        mode = self.tool_mode
+        if mode not in ("required", "named"):
+            return super().structured()
+        if self._structured_param:
+            return self._structured, self._structured_param
+        spec, param = super().structured()
+        if spec is not None:
+            raise FieldError(param, f"{param} cannot be combined with tool_choice {mode}")
+        from cluster.serving.tool_calls import named_schema, required_schema
+
+        if isinstance(self.tool_choice, NamedToolChoice):
+            schema = named_schema(self.tool(self.tool_choice.function.name))
+        else:
+            schema = required_schema(self.tool_dicts(), self.parallel_tool_calls is not False)
+        self._structured = StructuredOutputsParams.model_validate({"json": schema})
+        self._structured_param = "tools"
+        return self._structured, self._structured_param
 
     @property
     def requested_max_tokens(self) -> int | None:

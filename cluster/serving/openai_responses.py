@@ -20,6 +20,7 @@ from cluster.serving.openai_protocol import (
     CompletionRequest,
     StreamOptions,
 )
+from cluster.serving.tool_calls import ToolPlan, ToolStream
 from scheduler import SamplingParams
 from scheduler.outputs import TokenLogprobs
 
@@ -65,18 +66,31 @@ def completion_response(
 
 
 def chat_response(
-    rid: str, req: ChatCompletionRequest, job: Job, finals: Finals, tokenizer: Tokenizer
+    rid: str,
+    req: ChatCompletionRequest,
+    job: Job,
+    finals: Finals,
+    tokenizer: Tokenizer,
+    tools: ToolPlan | None = None,
 ) -> dict[str, Any]:
-    choices = [
-        {
-            "index": out.index,
-            "message": {"role": "assistant", "content": out.text},
-            "logprobs": _chat_logprobs(tokenizer, req, out.token_ids, out.logprobs),
-            "finish_reason": out.finish_reason,
-            "stop_reason": out.stop_reason,
-        }
-        for out in finals[job.first_index].outputs
-    ]
+    choices = []
+    for out in finals[job.first_index].outputs:
+        message: dict[str, Any] = {"role": "assistant", "content": out.text}
+        finish_reason = out.finish_reason
+        if tools is not None:
+            content, calls, finish_reason = tools.parse(out.text, out.finish_reason)
+            message = {"role": "assistant", "content": content}
+            if calls:
+                message["tool_calls"] = [call.as_openai() for call in calls]
+        choices.append(
+            {
+                "index": out.index,
+                "message": message,
+                "logprobs": _chat_logprobs(tokenizer, req, out.token_ids, out.logprobs),
+                "finish_reason": finish_reason,
+                "stop_reason": out.stop_reason,
+            }
+        )
     return {
         "id": rid,
         "object": "chat.completion",
@@ -138,8 +152,10 @@ def chat_chunks(
     outputs: Outputs,
     span: APISpan,
     tokenizer: Tokenizer,
+    tools: ToolPlan | None = None,
 ) -> AsyncIterator[str]:
-    """The SSE stream of a chat completion (the assistant role first, then content deltas)."""
+    """The SSE stream of a chat completion (the assistant role first, then content deltas;
+    with ``tools``, ``tool_calls`` deltas as well)."""
     prologue = [
         {
             "index": i,
@@ -150,13 +166,28 @@ def chat_chunks(
         for i in range(req.n)
     ]
 
+    streams: dict[int, ToolStream] = {}
+
     def choice(job: Job, sample: CompletionOutput) -> dict[str, Any]:
         new = sample.new_token_ids
+        delta: dict[str, Any] = {"content": sample.new_text} if sample.new_text else {}
+        finish_reason = sample.finish_reason
+        if tools is not None:
+            stream = streams.get(sample.index) or streams.setdefault(sample.index, tools.stream())
+            content, calls = stream.feed(sample.new_text)
+            if sample.finished:
+                more, last = stream.finish()
+                content, calls = content + more, calls + last
+                if finish_reason == "stop" and stream.calls and tools.mode != "named":
+                    finish_reason = "tool_calls"
+            delta = {"content": content} if content else {}
+            if calls:
+                delta["tool_calls"] = calls
         return {
             "index": sample.index,
-            "delta": {"content": sample.new_text} if sample.new_text else {},
+            "delta": delta,
             "logprobs": _chat_logprobs(tokenizer, req, new, new_logprobs(sample)),
-            "finish_reason": sample.finish_reason,
+            "finish_reason": finish_reason,
             "stop_reason": sample.stop_reason,
         }
 

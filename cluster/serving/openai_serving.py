@@ -33,6 +33,7 @@ from cluster.serving.openai_protocol import (
     DetokenizeRequest,
     FieldError,
     LoadLoRAAdapterRequest,
+    NamedToolChoice,
     ScalePoolRequest,
     TokenizeChatRequest,
     TokenizeRequest,
@@ -48,6 +49,7 @@ from cluster.serving.openai_responses import (
     completion_response,
     finish_reasons,
 )
+from cluster.serving.tool_calls import ToolPlan, parser_for, template_messages
 from scheduler import LoRARequest
 
 logger = logging.getLogger(__name__)
@@ -75,6 +77,7 @@ class OpenAIServing:
         tracer: Any = None,
         preprocess_threads: int = 2,
         lora_adapter_root: str | None = None,
+        tool_call_parser: str | None = None,
     ) -> None:
         self.engine = engine
         self.tracer = tracer  # an OpenTelemetry tracer while tracing is on
@@ -88,6 +91,8 @@ class OpenAIServing:
         # whose caller is trusted; the HTTP app gates the route and always sets one).
         self.lora_adapter_root = lora_adapter_root
         self._preprocess = ThreadPoolExecutor(preprocess_threads, "tandem-preprocess")
+        # The format ``tool_choice: auto`` parses (the template's own, or the override).
+        self.tool_parser = parser_for(self.tokenizer.chat_template, tool_call_parser)
 
     async def _off_loop(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._preprocess, fn, *args)
@@ -319,7 +324,10 @@ class OpenAIServing:
 
     def _chat_job(self, req: ChatCompletionRequest, messages: list[dict[str, Any]]) -> Job:
         self._check_structured(req)
-        text = self._render_chat(messages, req.add_generation_prompt, req.chat_template_kwargs)
+        tools = req.tool_dicts() if req.tool_mode not in (None, "none") else None
+        messages, extra = template_messages(messages, tools, self.tokenizer.chat_template)
+        kwargs = {**extra, **(req.chat_template_kwargs or {})}
+        text = self._render_chat(messages, req.add_generation_prompt, kwargs)
         # The template writes BOS itself when the model wants one.
         ids = self._encode(text, "messages", add_special_tokens=False)
         self._check_ids(ids, "messages")
@@ -402,6 +410,15 @@ class OpenAIServing:
             raise api_error(exc) from None
         return _outputs(jobs, streams, firsts)
 
+    def tool_plan(self, req: ChatCompletionRequest) -> ToolPlan | None:
+        """How the answer's tool calls are read (None: plain text)."""
+        mode = req.tool_mode
+        if mode is None or mode == "none":
+            return None
+        choice = req.tool_choice
+        name = choice.function.name if isinstance(choice, NamedToolChoice) else None
+        return ToolPlan(mode, self.tool_parser, name)
+
     # -- endpoints ---------------------------------------------------------------------------
     async def completion(
         self, req: CompletionRequest, trace_headers: dict[str, str] | None = None
@@ -428,9 +445,11 @@ class OpenAIServing:
             job = await self.chat_job(req)
             rid = f"chatcmpl-{uuid.uuid4().hex}"
             outputs = await self.run(rid, [job], lora, req.priority, span.context)
+            tools = self.tool_plan(req)
             if req.stream:
-                return span.stream(chat_chunks(rid, req, job, outputs, span, self.tokenizer))
-            body = chat_response(rid, req, job, await _collect(outputs), self.tokenizer)
+                chunks = chat_chunks(rid, req, job, outputs, span, self.tokenizer, tools)
+                return span.stream(chunks)
+            body = chat_response(rid, req, job, await _collect(outputs), self.tokenizer, tools)
             span.record(rid, body["usage"], finish_reasons(body))
             return body
 

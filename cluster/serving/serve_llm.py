@@ -42,7 +42,12 @@ logger = logging.getLogger(__name__)
 _ENGINE_TOP = ("dtype", "max_model_len", "block_size")  # ClusterConfig fields
 _ENGINE_SCHEDULER = ("max_num_seqs", "max_num_batched_tokens")  # every pool's scheduler
 _ENGINE_LORA = ("max_loras", "max_lora_rank")
-_ENGINE_ACCEPTED = ("kv_transfer_config", "enable_lora", "tensor_parallel_size")
+_ENGINE_ACCEPTED = (
+    "kv_transfer_config",
+    "enable_lora",
+    "tensor_parallel_size",
+    "enable_auto_tool_choice",  # tool_choice auto is always on
+)
 _ENGINE_KWARGS = (
     *_ENGINE_TOP,
     *_ENGINE_SCHEDULER,
@@ -50,6 +55,7 @@ _ENGINE_KWARGS = (
     *_ENGINE_ACCEPTED,
     "enable_prefix_caching",
     "pipeline_parallel_size",
+    "tool_call_parser",
 )
 _LLM_CONFIG_KEYS = (
     "model_loading_config",
@@ -139,7 +145,7 @@ def _translate(by_role: dict[str, Any]) -> dict[str, Any]:
     ((source, model_id),) = models
     data["model"] = source
     if model_id is not None:
-        data["serve"] = {"served_model_name": model_id}
+        data.setdefault("serve", {})["served_model_name"] = model_id
     return data
 
 
@@ -168,6 +174,11 @@ def _engine(engine: dict[str, Any], data: dict[str, Any], pool: dict[str, Any], 
         if clash:
             raise ValueError(f"engine_kwargs.{clash[0]} differs between the configs")
         data["lora"] = {**before, **lora}
+    if "tool_call_parser" in engine:
+        serve = data.setdefault("serve", {})
+        if serve.get("tool_call_parser", engine["tool_call_parser"]) != engine["tool_call_parser"]:
+            raise ValueError("engine_kwargs.tool_call_parser differs between the configs")
+        serve["tool_call_parser"] = engine["tool_call_parser"]
     if "kv_transfer_config" in engine:
         logger.info(
             "%s: engine_kwargs.kv_transfer_config is vLLM's connector; Tandem moves the KV "

@@ -60,8 +60,14 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     )
     engine.add_argument(
         "--tool-call-parser",
+        choices=("hermes", "llama3_json"),
         default=None,
-        help="not available yet: tool calling is not implemented (the flag is refused)",
+        help="the format tool_choice auto parses calls in (default: from the chat template)",
+    )
+    engine.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="accepted for vLLM's command lines: tool_choice auto is always on",
     )
     lora = p.add_argument_group("LoRA (vLLM's flags)")
     lora.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters")
@@ -151,11 +157,6 @@ def serve_config(args: argparse.Namespace) -> Any:
         if config_file is not None:
             raise ValueError(f"two config files: {model} and --config {config_file}")
         model, config_file = None, model
-    if args.tool_call_parser is not None:
-        raise ValueError(
-            "--tool-call-parser: tool calling is not implemented yet (requests with tools are "
-            "refused with a 400), so there is nothing to parse"
-        )
     config = ClusterConfig.from_yaml(config_file) if config_file else default_cluster_config()
     data = config.model_dump(exclude_unset=False)
     if model is not None:
@@ -170,6 +171,8 @@ def serve_config(args: argparse.Namespace) -> Any:
     serve = data["serve"]
     if names:
         serve["served_model_name"] = names[0]
+    if args.tool_call_parser is not None:
+        serve["tool_call_parser"] = args.tool_call_parser
     for key in (
         "host",
         "port",

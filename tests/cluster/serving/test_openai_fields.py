@@ -31,7 +31,9 @@ IMPLEMENTED_COMMON = {
 }
 IMPLEMENTED = {
     "completions": IMPLEMENTED_COMMON | {"prompt", "echo", "best_of", "suffix"},
-    "chat": IMPLEMENTED_COMMON | {"messages", "max_completion_tokens", "top_logprobs"},
+    "chat": IMPLEMENTED_COMMON
+    | {"messages", "max_completion_tokens", "top_logprobs"}
+    | {"tools", "tool_choice", "parallel_tool_calls"},
 }
 # best_of (== n) and suffix (empty) are implemented where they change nothing, refused otherwise.
 REFUSED = {
@@ -42,7 +44,6 @@ REFUSED = {
     | set(REFUSED_VLLM_CHAT),
 }
 ACTIVE: dict[str, Any] = {  # a value that asks for something
-    "tool_choice": "required",
     "modalities": ["text", "audio"],
     "reasoning_effort": "high",
     "verbosity": "low",
@@ -107,17 +108,45 @@ def test_accepted_fields_and_values_that_ask_for_nothing_pass(endpoint: str) -> 
     MODELS[endpoint].model_validate(body)
 
 
-def test_tool_calls_in_the_history_are_refused_not_dropped() -> None:
+def test_tool_calls_in_the_history_reach_the_template() -> None:
     call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
     history = [
         {"role": "user", "content": "hi"},
         {"role": "assistant", "content": None, "tool_calls": [call]},
         {"role": "tool", "content": "42", "tool_call_id": "c1"},
     ]
-    with pytest.raises(ValidationError) as refused:
-        ChatCompletionRequest.model_validate({"model": "m", "messages": history})
-    locs = {e["loc"] for e in refused.value.errors()}
-    assert locs == {("messages", 1, "tool_calls"), ("messages", 2, "tool_call_id")}
+    req = ChatCompletionRequest.model_validate({"model": "m", "messages": history})
+    assistant, tool = (m.as_template_input() for m in req.messages[1:])
+    assert assistant["tool_calls"] == [call] and assistant["content"] == ""
+    assert tool == {"role": "tool", "content": "42", "tool_call_id": "c1"}
+    for bad, words in (
+        ({"role": "tool", "content": "42"}, "tool_call_id"),
+        ({"role": "user", "content": "x", "tool_calls": [call]}, "assistant messages"),
+    ):
+        with pytest.raises(ValidationError, match=words):
+            ChatCompletionRequest.model_validate({"model": "m", "messages": [bad]})
+
+
+def test_tool_choice_is_checked_against_the_tools() -> None:
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    base = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    for extra, words in (
+        ({"tools": [tool], "tool_choice": {"type": "function", "function": {"name": "g"}}}, "g"),
+        ({"tool_choice": "required"}, "required needs tools"),
+        ({"tools": [tool, tool]}, "unique"),
+        ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "pattern"),
+    ):
+        with pytest.raises(ValidationError, match=words):
+            ChatCompletionRequest.model_validate({**base, **extra})
+    auto = ChatCompletionRequest.model_validate({**base, "tools": [tool]})
+    assert auto.tool_mode == "auto" and auto.structured() == (None, "")
+    assert ChatCompletionRequest.model_validate(base).tool_mode is None
+    named = ChatCompletionRequest.model_validate(
+        {**base, "tools": [tool], "tool_choice": {"type": "function", "function": {"name": "f"}}}
+    )
+    spec, param = named.structured()
+    assert named.tool_mode == "named" and param == "tools"
+    assert spec is not None and spec.key == ("json", '{"type":"object"}')
 
 
 def test_unknown_fields_are_ignored_and_logged_once(caplog: pytest.LogCaptureFixture) -> None:

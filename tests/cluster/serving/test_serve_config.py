@@ -127,8 +127,11 @@ def test_lora_flags_and_refusals() -> None:
     assert modules.serve.lora_modules == {"a": "/x", "b": "/y", "c": "/z"}
     assert modules.lora is not None
     assert serve_config(_args()).lora is None
-    with pytest.raises(ValueError, match="tool calling is not implemented"):
-        serve_config(_args("--tool-call-parser", "hermes"))
+    parser = serve_config(_args("--tool-call-parser", "llama3_json", "--enable-auto-tool-choice"))
+    assert parser.serve.tool_call_parser == "llama3_json"
+    assert serve_config(_args()).serve.tool_call_parser is None
+    with pytest.raises(SystemExit):
+        _args("--tool-call-parser", "mistral")
     with pytest.raises(ValueError, match="decode instances must be at least 1"):
         serve_config(_args("--decode-instances", "0"))
     with pytest.raises(SystemExit):

@@ -48,10 +48,18 @@ def test_a_pd_config_becomes_a_prefill_and_a_decode_pool() -> None:
 
 def test_one_model_colocated_with_lora_and_an_accelerator() -> None:
     llm = _llm(
-        engine_kwargs={"dtype": "bfloat16", "enable_lora": True, "max_loras": 2},
+        engine_kwargs={
+            "dtype": "bfloat16",
+            "enable_lora": True,
+            "max_loras": 2,
+            "enable_auto_tool_choice": True,
+            "tool_call_parser": "hermes",
+        },
         accelerator_type="A10G",
     )
     config = cluster_config({"both": llm})
+    assert config.serve.tool_call_parser == "hermes"
+    assert config.serve.served_model_name == "qwen"
     (pool,) = config.pools
     assert pool.role == "both" and pool.replicas == 1
     assert pool.device == "cuda" and pool.num_gpus == 1.0

@@ -1,0 +1,226 @@
+"""Tool calling's parts without an engine: the prompt (tools to the template, or the fallback
+system prompt and the history as text), the schemas forced calls are held to, the parsers of
+the models' own formats, and the streams -- whose deltas must add up to what the whole
+response says, however the text is cut into steps."""
+
+from __future__ import annotations
+
+import json
+import random
+from typing import Any
+
+import pytest
+
+from actors.model.chat_template import render_chat
+from cluster.serving.tool_calls import (
+    AutoStream,
+    NamedStream,
+    RequiredStream,
+    ToolPlan,
+    ToolStream,
+    calls_from_required,
+    parse_calls,
+    parser_for,
+    required_schema,
+    template_messages,
+    template_supports_tools,
+)
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"enum": ["C", "F"]}},
+            "required": ["city"],
+        },
+    },
+}
+TIME = {"type": "function", "function": {"name": "get_time"}}
+PLAIN_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+TOOLS_TEMPLATE = (
+    "{% if tools %}<|tools|>{{ tools | tojson }}\n{% endif %}"
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
+    "{% for c in m.get('tool_calls') or [] %}[{{ c.function.name }}"
+    "({{ c.function.arguments.city }})]{% endfor %}\n{% endfor %}"
+)
+HISTORY = [
+    {"role": "user", "content": "Weather in Oslo?"},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {
+                "id": "c1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+            }
+        ],
+    },
+    {"role": "tool", "content": "-3 C", "tool_call_id": "c1"},
+]
+
+
+def test_tools_and_history_reach_a_template_that_takes_them() -> None:
+    assert template_supports_tools(TOOLS_TEMPLATE) and not template_supports_tools(PLAIN_TEMPLATE)
+    messages, extra = template_messages(HISTORY, [WEATHER], TOOLS_TEMPLATE)
+    text = render_chat(TOOLS_TEMPLATE, messages, add_generation_prompt=False, **extra)
+    assert '"name": "get_weather"' in text  # the tools list
+    assert "[get_weather(Oslo)]" in text  # the call's arguments as an object
+    assert "<|tool|>-3 C" in text
+
+
+def test_a_template_without_tools_gets_the_fallback_prompt_and_text_history() -> None:
+    messages, extra = template_messages(HISTORY, [WEATHER, TIME], PLAIN_TEMPLATE)
+    assert extra == {}
+    system = messages[0]
+    assert system["role"] == "system" and "<tools>" in system["content"]
+    assert '"name": "get_weather"' in system["content"] and "<tool_call>" in system["content"]
+    assert messages[2]["content"] == (
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    )
+    assert messages[3] == {"role": "user", "content": "<tool_response>\n-3 C\n</tool_response>"}
+    # An existing system message is extended, not doubled; no tools and no history: as is.
+    with_system = [{"role": "system", "content": "Be brief."}, *HISTORY[:1]]
+    merged, _ = template_messages(with_system, [WEATHER], PLAIN_TEMPLATE)
+    assert len(merged) == 2 and merged[0]["content"].startswith("Be brief.\n\n")
+    assert template_messages(HISTORY[:1], None, PLAIN_TEMPLATE) == (HISTORY[:1], {})
+
+
+def test_the_parser_follows_the_template_unless_overridden() -> None:
+    assert parser_for(PLAIN_TEMPLATE, None) == "hermes"
+    assert parser_for("{{ '<|python_tag|>' }}", None) == "llama3_json"
+    assert parser_for(PLAIN_TEMPLATE, "llama3_json") == "llama3_json"
+    with pytest.raises(ValueError, match="hermes"):
+        parser_for(None, "mistral")
+
+
+def test_required_schema_lists_each_function_and_bounds_the_count() -> None:
+    schema = required_schema([WEATHER, TIME], parallel=True)
+    assert schema["minItems"] == 1 and "maxItems" not in schema
+    names = [item["properties"]["name"]["const"] for item in schema["items"]["anyOf"]]
+    assert names == ["get_weather", "get_time"]
+    time_item = schema["items"]["anyOf"][1]
+    assert time_item["properties"]["parameters"] == {"type": "object"}  # no parameters given
+    assert required_schema([WEATHER], parallel=False)["maxItems"] == 1
+
+
+HERMES_OUTPUT = (
+    "Let me check.\n<tool_call>\n"
+    '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+)
+
+
+def test_hermes_and_llama3_outputs_parse_into_calls() -> None:
+    content, calls = parse_calls("hermes", HERMES_OUTPUT)
+    assert content == "Let me check."
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris", "unit": "C"}),
+        ("get_time", {}),
+    ]
+    assert calls[0].id != calls[1].id and calls[0].id.startswith("call_")
+    # A broken block stays text, as does an unclosed one.
+    assert parse_calls("hermes", "<tool_call>{not json}</tool_call>") == (
+        "<tool_call>{not json}</tool_call>",
+        [],
+    )
+    assert parse_calls("hermes", "hi <tool_call>{") == ("hi <tool_call>{", [])
+    llama = (
+        '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Rome"}}; '
+        '{"name": "get_time", "parameters": {}}'
+    )
+    content, calls = parse_calls("llama3_json", llama)
+    assert content is None and [c.name for c in calls] == ["get_weather", "get_time"]
+    assert json.loads(calls[0].arguments) == {"city": "Rome"}
+    assert parse_calls("llama3_json", "Rome is sunny.") == ("Rome is sunny.", [])
+    assert parse_calls("llama3_json", '{"city": "x"}') == ('{"city": "x"}', [])  # no name
+
+
+def _pieces(text: str, seed: int) -> list[str]:
+    """``text`` cut at random places (steps of one to six characters)."""
+    rng, out, i = random.Random(seed), [], 0
+    while i < len(text):
+        n = rng.randint(1, 6)
+        out.append(text[i : i + n])
+        i += n
+    return out
+
+
+def _stream(stream: ToolStream, text: str, seed: int) -> tuple[str, list[dict[str, Any]]]:
+    """Feed ``text`` step by step: the content and the calls the deltas add up to."""
+    content, calls = "", []
+    for piece in _pieces(text, seed):
+        more, deltas = stream.feed(piece)
+        content += more
+        for delta in deltas:
+            _merge(calls, delta)
+    more, deltas = stream.finish()
+    content += more
+    for delta in deltas:
+        _merge(calls, delta)
+    return content, calls
+
+
+def _merge(calls: list[dict[str, Any]], delta: dict[str, Any]) -> None:
+    """How an OpenAI client assembles ``tool_calls`` deltas."""
+    index = delta["index"]
+    if index == len(calls):
+        assert {"id", "type", "function"} <= set(delta)  # a call opens with its header
+        calls.append({"id": delta["id"], "name": delta["function"]["name"], "arguments": ""})
+    calls[index]["arguments"] += delta["function"].get("arguments", "")
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_streamed_deltas_add_up_to_the_whole_response(seed: int) -> None:
+    plan = ToolPlan("auto", "hermes")
+    content, calls = _stream(plan.stream(), HERMES_OUTPUT, seed)
+    whole_content, whole_calls, reason = plan.parse(HERMES_OUTPUT, "stop")
+    assert reason == "tool_calls"
+    assert content.strip() == whole_content
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [
+        (c.name, json.loads(c.arguments)) for c in whole_calls
+    ]
+    # Text that only looks like the start of a tag is content in the end.
+    content, calls = _stream(AutoStream("hermes"), "a < b <tool_ca", seed)
+    assert (content, calls) == ("a < b <tool_ca", [])
+    llama = '  {"name": "get_time", "parameters": {"tz": "UTC"}}'
+    content, calls = _stream(AutoStream("llama3_json"), llama, seed)
+    assert content == "" and calls[0]["name"] == "get_time"
+    assert _stream(AutoStream("llama3_json"), "  Sunny today.", seed) == ("  Sunny today.", [])
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_forced_calls_stream_their_arguments_as_they_come(seed: int) -> None:
+    required = (
+        '[{"name": "get_weather", "parameters": {"city": "S\\"ao {Paulo}", "unit": "F"}}, '
+        '{"name": "get_time", "parameters": {}}]'
+    )
+    stream = RequiredStream()
+    content, calls = _stream(stream, required, seed)
+    assert content == ""
+    whole = calls_from_required(required)
+    assert whole is not None
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [
+        (c.name, json.loads(c.arguments)) for c in whole
+    ]
+    assert [c.id for c in stream.calls] == [c["id"] for c in calls]
+    named = NamedStream("get_weather")
+    content, calls = _stream(named, '{"city": "Lima"}', seed)
+    assert content == "" and calls == [
+        {"id": named.call.id, "name": "get_weather", "arguments": '{"city": "Lima"}'}
+    ]
+
+
+def test_a_call_cut_by_max_tokens_stays_text() -> None:
+    for mode in ("required", "named"):
+        plan = ToolPlan(mode, "hermes", "get_weather" if mode == "named" else None)
+        assert plan.parse('[{"name": "get_wea', "length") == ('[{"name": "get_wea', [], "length")
+    named = ToolPlan("named", "hermes", "get_weather").parse('{"city": "Oslo"}', "stop")
+    assert named[0] is None and named[2] == "stop"  # a forced function ends with stop
+    assert named[1][0].name == "get_weather" and named[1][0].arguments == '{"city": "Oslo"}'
