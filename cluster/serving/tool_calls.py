@@ -116,10 +116,8 @@ def fallback_system_prompt(tools: list[dict[str, Any]]) -> str:
     """Tools for a template that cannot render them: their schemas and how to call them."""
     lines = "\n".join(json.dumps(tool["function"], ensure_ascii=False) for tool in tools)
     return (
-        "You can call functions to help answer. The functions, as JSON schemas:\n"
-        f"<tools>\n{lines}\n</tools>\n"
-        "To call one, answer with a <tool_call></tool_call> block holding a JSON object with "
-        "the function's name and its arguments, one block per call:\n"
+        f"You may call these functions (JSON schemas):\n<tools>\n{lines}\n</tools>\n"
+        "To call one, reply with one block per call:\n"
         f'{_HERMES_OPEN}\n{{"name": "<function name>", "arguments": {{<arguments>}}}}\n'
         f"{_HERMES_CLOSE}"
     )
@@ -191,8 +189,12 @@ def _loads_or_text(function: dict[str, Any]) -> Any:
 
 
 # -- forced calls: the schemas structured outputs enforce ------------------------------------
+# A function without ``parameters`` takes none (OpenAI: "an empty parameter list").
+NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
+
+
 def _parameters(tool: dict[str, Any]) -> dict[str, Any]:
-    return tool["function"].get("parameters") or {"type": "object"}
+    return tool["function"].get("parameters") or NO_PARAMETERS
 
 
 def required_schema(tools: list[dict[str, Any]], parallel: bool) -> dict[str, Any]:

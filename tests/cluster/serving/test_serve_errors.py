@@ -375,21 +375,39 @@ def test_a_huge_prompt_does_not_delay_a_small_request(serve_app: ServeApp) -> No
 
 
 def test_fields_the_api_does_not_implement_are_400s_not_dropped(serve_app: ServeApp) -> None:
-    """Through the official SDK, as an agent would ask: tools are a 400 naming the field
-    (not a 200 with free text that ignored them); JSON mode is served (a schema that does
-    not compile: a 400 naming response_format); a logit bias is applied, and one on an id
-    outside the vocabulary is a 400 naming it."""
+    """Through the official SDK, as an agent would ask: the deprecated functions are a 400
+    naming the field (not a 200 with free text that ignored them); tools and JSON mode are
+    served (a schema that does not compile: a 400 naming response_format); a logit bias is
+    applied, and one on an id outside the vocabulary is a 400 naming it."""
     import openai
 
     client = serve_app.openai()
     messages = [{"role": "user", "content": "hi"}]
-    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    function = {"name": "f", "parameters": {"type": "object", "properties": {}}}
     with pytest.raises(openai.BadRequestError) as refused:
         client.chat.completions.create(
-            model=serve_app.model, messages=messages, max_tokens=2, tools=[tool]
+            model=serve_app.model, messages=messages, max_tokens=2, functions=[function]
         )
     error = refused.value.body
-    assert error["param"] == "tools" and "tools is not supported" in error["message"]
+    assert error["param"] == "functions" and "functions is not supported" in error["message"]
+    tool: Any = {
+        "type": "function",
+        "function": {
+            **function,
+            "parameters": {"type": "object", "properties": {}, "additionalProperties": False},
+        },
+    }
+    called = client.chat.completions.create(
+        model=serve_app.model,
+        messages=messages,
+        max_tokens=60,
+        tools=[tool],
+        tool_choice="required",
+        parallel_tool_calls=False,
+    )
+    assert called.choices[0].finish_reason == "tool_calls"
+    calls = called.choices[0].message.tool_calls or []
+    assert calls and all(c.function.name == "f" and c.function.arguments == "{}" for c in calls)
     schema = {
         "type": "object",
         "properties": {"ok": {"type": "boolean"}},

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,16 +20,18 @@ from cluster.engine.protocol import EngineClient
 from cluster.serving.errors import APIError
 from cluster.serving.openai_protocol import ChatCompletionRequest, CompletionRequest
 from cluster.serving.openai_serving import OpenAIServing
-from tests.actors.conftest import tiny_llama  # noqa: F401
+from tests.actors.conftest import make_checkpoint
 from tests.cluster.conftest import CHAT_TEMPLATE
 
-ENGINE = {"dtype": "float32", "block_size": 4, "num_blocks": 128, "progress": False}
+ENGINE = {"dtype": "float32", "block_size": 4, "num_blocks": 256, "progress": False}
 
 
 @pytest.fixture(scope="module")
-def model_dir(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:  # noqa: F811
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny checkpoint with a chat template, and a context of 1,024 tokens (its byte
+    tokenizer spends one per character: the tools' fallback prompt needs room)."""
     path = tmp_path_factory.mktemp("in-process") / "tiny-chat"
-    shutil.copytree(tiny_llama, path)
+    make_checkpoint(path, "llama", max_position_embeddings=1024)
     (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
     return path
 
@@ -470,3 +471,151 @@ def test_structured_outputs_errors_name_the_field(serving: OpenAIServing) -> Non
             _run(call(req))
         error = refused.value
         assert error.status == 400 and error.param == param and words in error.message, extra
+
+
+LOOKUP = {
+    "type": "function",
+    "function": {
+        "name": "lookup",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "unit": {"enum": ["C", "F"]},
+                "day": {"type": "integer", "minimum": 0, "maximum": 9},
+            },
+            "required": ["unit", "day"],
+            "additionalProperties": False,
+        },
+    },
+}
+PING = {"type": "function", "function": {"name": "ping"}}
+
+
+def _chat(serving: OpenAIServing, **extra: Any) -> dict[str, Any]:
+    body = {"model": "tiny-chat", "messages": [{"role": "user", "content": "go"}], **extra}
+    result: dict[str, Any] = _run(serving.chat(ChatCompletionRequest.model_validate(body)))
+    return result
+
+
+def _streamed_chat(serving: OpenAIServing, **extra: Any) -> list[dict[str, Any]]:
+    body = {"model": "tiny-chat", "messages": [{"role": "user", "content": "go"}], **extra}
+
+    async def stream() -> list[dict[str, Any]]:
+        req = ChatCompletionRequest.model_validate({**body, "stream": True})
+        return await _drain(await serving.chat(req))
+
+    chunks: list[dict[str, Any]] = _run(stream())
+    return chunks
+
+
+def _assembled(chunks: list[dict[str, Any]]) -> tuple[str, list[dict[str, Any]], str]:
+    """A client's view of a streamed choice 0: its content, its calls, its finish reason."""
+    content, calls, reason = "", [], ""
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            delta = choice["delta"]
+            content += delta.get("content") or ""
+            for call in delta.get("tool_calls", []):
+                if call["index"] == len(calls):
+                    calls.append({"id": call["id"], **call["function"]})
+                else:
+                    calls[call["index"]]["arguments"] += call["function"]["arguments"]
+            reason = choice["finish_reason"] or reason
+    return content, calls, reason
+
+
+def test_forced_tool_calls_match_their_functions(serving: OpenAIServing) -> None:
+    """required and a named function, on the (random) tiny model: calls to the given
+    functions with arguments that match their schemas, whole and streamed alike."""
+    required = _chat(
+        serving, tools=[LOOKUP, PING], tool_choice="required", max_tokens=400, n=3, seed=4
+    )
+    for choice in required["choices"]:
+        message = choice["message"]
+        assert choice["finish_reason"] == "tool_calls" and message["content"] is None
+        assert message["tool_calls"]
+        for call in message["tool_calls"]:
+            assert call["type"] == "function" and call["id"].startswith("call_")
+            arguments = json.loads(call["function"]["arguments"])
+            if call["function"]["name"] == "lookup":
+                assert arguments["unit"] in ("C", "F") and arguments["day"] <= 9
+            else:
+                assert call["function"]["name"] == "ping" and isinstance(arguments, dict)
+    single = _chat(
+        serving, tools=[LOOKUP, PING], tool_choice="required", parallel_tool_calls=False, seed=1
+    )
+    assert len(single["choices"][0]["message"]["tool_calls"]) == 1
+    named = {"type": "function", "function": {"name": "lookup"}}
+    whole = _chat(serving, tools=[LOOKUP, PING], tool_choice=named, max_tokens=40, temperature=0)
+    (call,) = whole["choices"][0]["message"]["tool_calls"]
+    assert whole["choices"][0]["finish_reason"] == "stop"  # OpenAI's, for a forced function
+    assert call["function"]["name"] == "lookup"
+    assert set(json.loads(call["function"]["arguments"])) == {"unit", "day"}
+    chunks = _streamed_chat(
+        serving, tools=[LOOKUP, PING], tool_choice=named, max_tokens=40, temperature=0
+    )
+    content, calls, reason = _assembled(chunks)
+    assert content == "" and reason == "stop"
+    assert [(c["name"], c["arguments"]) for c in calls] == [
+        ("lookup", call["function"]["arguments"])  # greedy: the same arguments
+    ]
+    forced = {"tools": [LOOKUP, PING], "tool_choice": "required", "max_tokens": 400, "seed": 9}
+    chunks = _streamed_chat(serving, **forced)
+    content, calls, reason = _assembled(chunks)
+    whole = _chat(serving, **forced)
+    expected = whole["choices"][0]["message"]["tool_calls"]
+    assert reason == "tool_calls" and content == ""
+    assert [(c["name"], c["arguments"]) for c in calls] == [
+        (e["function"]["name"], e["function"]["arguments"]) for e in expected
+    ]
+
+
+def test_auto_parses_the_models_own_format(serving: OpenAIServing) -> None:
+    """auto: the output is read for Hermes-style calls (the tiny chat template has no tool
+    format, so the fallback prompt asks for that one). The random model would never write a
+    call, so a regex holds it to text + a call here -- the parser does the rest."""
+    block = (
+        r'Sure\.\n<tool_call>\n\{"name": "lookup", '
+        r'"arguments": \{"unit": "C", "day": [1-9]\}\}\n</tool_call>'
+    )
+    whole = _chat(serving, tools=[LOOKUP], guided_regex=block, max_tokens=120, seed=3)
+    choice = whole["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Sure."
+    (call,) = choice["message"]["tool_calls"]
+    assert call["function"]["name"] == "lookup"
+    assert json.loads(call["function"]["arguments"])["unit"] == "C"
+    content, calls, reason = _assembled(
+        _streamed_chat(serving, tools=[LOOKUP], guided_regex=block, max_tokens=120, seed=3)
+    )
+    assert reason == "tool_calls" and content.strip() == "Sure."
+    assert calls[0]["arguments"] == call["function"]["arguments"]
+    # No call in the output: plain text, finish "stop" or "length" as without tools.
+    plain = _chat(serving, tools=[LOOKUP], guided_regex="[a-z]{4}", max_tokens=20)
+    assert plain["choices"][0]["finish_reason"] == "stop"
+    assert "tool_calls" not in plain["choices"][0]["message"]
+
+
+def test_tools_in_the_prompt_follow_tool_choice(serving: OpenAIServing) -> None:
+    """The fallback prompt carries the tools for auto (and forced calls), not for none; the
+    history's calls and results reach the prompt as text."""
+
+    def prompt(**extra: Any) -> str:
+        body = {"model": "tiny-chat", "messages": [{"role": "user", "content": "go"}], **extra}
+        job = _run(serving.chat_job(ChatCompletionRequest.model_validate(body)))
+        return str(serving.tokenizer.decode(job.prompt_ids))
+
+    assert "<tools>" in prompt(tools=[LOOKUP]) and '"name": "lookup"' in prompt(tools=[LOOKUP])
+    assert "<tools>" not in prompt(tools=[LOOKUP], tool_choice="none")
+    assert "<tools>" not in prompt()
+    call = {"id": "c1", "type": "function", "function": {"name": "ping", "arguments": "{}"}}
+    history = [
+        {"role": "user", "content": "ping it"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "content": "pong", "tool_call_id": "c1"},
+    ]
+    text = prompt(messages=history, tools=[PING])
+    assert '<tool_call>\n{"name": "ping", "arguments": {}}\n</tool_call>' in text
+    assert "<tool_response>\npong\n</tool_response>" in text
+    with pytest.raises(APIError) as both:
+        _chat(serving, tools=[LOOKUP], tool_choice="required", guided_regex="a")
+    assert both.value.status == 400 and both.value.param == "guided_regex"

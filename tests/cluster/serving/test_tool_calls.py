@@ -13,6 +13,7 @@ import pytest
 
 from actors.model.chat_template import render_chat
 from cluster.serving.tool_calls import (
+    NO_PARAMETERS,
     AutoStream,
     NamedStream,
     RequiredStream,
@@ -106,7 +107,7 @@ def test_required_schema_lists_each_function_and_bounds_the_count() -> None:
     names = [item["properties"]["name"]["const"] for item in schema["items"]["anyOf"]]
     assert names == ["get_weather", "get_time"]
     time_item = schema["items"]["anyOf"][1]
-    assert time_item["properties"]["parameters"] == {"type": "object"}  # no parameters given
+    assert time_item["properties"]["parameters"] == NO_PARAMETERS  # none given: none taken
     assert required_schema([WEATHER], parallel=False)["maxItems"] == 1
 
 
