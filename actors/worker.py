@@ -28,7 +28,12 @@ from actors.sampler import Sampler, SamplingRow
 from actors.structured_output import GrammarCompiler, GrammarError, GrammarState, fill_bitmask
 from scheduler import LoRAConfig, ModelRunnerOutput, SchedulerOutput
 from scheduler.outputs import TokenLogprobs
-from scheduler.request import LoRARequest, SamplingParams, StructuredOutputsParams
+from scheduler.request import (
+    LoRARequest,
+    PromptLogprob,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 
 if TYPE_CHECKING:
     from actors.lora import LoRAManager
@@ -37,6 +42,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30  # CPU default (vLLM's CPU backend uses a fixed space too)
+_PROMPT_LOGPROBS_SLICE = 256  # prompt positions whose logits are computed at once
 
 
 @dataclass
@@ -375,6 +381,7 @@ class ModelWorker:
             req_ids=req_ids,
             sampled_token_ids=tokens,
             logprobs=logprobs if any(lp is not None for lp in logprobs) else None,
+            prompt_logprobs=self._prompt_logprobs(batch, hidden),
         )
         return self._with_connector_reports(output, None, meta, intermediate)
 
@@ -555,6 +562,40 @@ class ModelWorker:
             hidden_in,
         )
         return hidden
+
+    def _prompt_logprobs(
+        self, batch: list[_Scheduled], hidden: torch.Tensor
+    ) -> dict[str, tuple[int, list[PromptLogprob]]] | None:
+        """For the requests that asked for prompt logprobs: each prompt token this step's
+        chunk predicts (the one after each input position), its logprob, rank and the top
+        ``prompt_logprobs`` (logits in slices: a long chunk never holds a [tokens, vocab]
+        tensor whole)."""
+        result: dict[str, tuple[int, list[PromptLogprob]]] = {}
+        row = 0
+        for s in batch:
+            first, row = row, row + s.num_tokens
+            k = s.state.params.prompt_logprobs
+            end = min(s.start + s.num_tokens, s.state.num_prompt_tokens - 1)
+            if k is None or end <= s.start:
+                continue
+            targets = s.state.token_ids[s.start + 1 : end + 1]
+            entries: list[PromptLogprob] = []
+            for lo in range(0, len(targets), _PROMPT_LOGPROBS_SLICE):
+                part = targets[lo : lo + _PROMPT_LOGPROBS_SLICE]
+                h = hidden[first + lo : first + lo + len(part)]
+                logp = self._model.compute_logits(h).float().log_softmax(dim=-1)
+                own_ids = torch.tensor(part, device=logp.device)
+                own = logp.gather(1, own_ids[:, None])
+                ranks = ((logp > own).sum(dim=-1) + 1).tolist()
+                top_values, top_ids = (
+                    logp.topk(k, dim=-1) if k else (own[:, :0], own_ids[:, None][:, :0])
+                )
+                for j, token in enumerate(part):
+                    entry = dict(zip(top_ids[j].tolist(), top_values[j].tolist(), strict=True))
+                    entry[token] = float(own[j, 0])
+                    entries.append((entry, int(ranks[j])))
+            result[s.state.req_id] = (s.start + 1, entries)
+        return result or None
 
     def _logits(self, batch: list[_Scheduled], hidden: torch.Tensor) -> torch.Tensor:
         """Logits of the last token of each sampling request."""

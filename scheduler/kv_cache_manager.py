@@ -60,11 +60,14 @@ class KVCacheManager:
         cache (it may extend the request's own list of block hashes).
 
         The hit is block-aligned and never covers the last token, which must be computed to
-        produce logits: 33 tokens in cached blocks of 16 -> 32 hit; 32 tokens -> 16 hit.
+        produce logits: 33 tokens in cached blocks of 16 -> 32 hit; 32 tokens -> 16 hit. A
+        request that wants prompt logprobs gets no hit (vLLM's rule).
         """
         if not self.enable_caching:
             return KVCacheBlocks(), 0
         hashes = update_block_hashes(request, self.block_size)
+        if request.prompt_logprobs is not None:  # every prompt token's logits are wanted
+            return KVCacheBlocks(), 0
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVCacheBlock] = []
         get = self.block_pool.get_cached_block

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from scheduler.request import FinishReason, LoRARequest, Request, SamplingParams
+from scheduler.request import FinishReason, LoRARequest, PromptLogprob, Request, SamplingParams
 
 # Top-n logprobs of one sampled position: token id -> logprob (includes the sampled token).
 TokenLogprobs = dict[int, float]
@@ -91,6 +91,9 @@ class ModelRunnerOutput:
     req_ids: list[str]
     sampled_token_ids: list[list[int]]
     logprobs: list[list[TokenLogprobs] | None] | None = None  # aligned with sampled tokens
+    # prompt_logprobs requests: req_id -> (the prompt position of the first entry, entries)
+    # for the prompt tokens this step's chunk predicted.
+    prompt_logprobs: dict[str, tuple[int, list[PromptLogprob]]] | None = None
     finished_sending: set[str] | None = None
     finished_recving: set[str] | None = None
     failed_recving: set[str] | None = None
@@ -123,6 +126,9 @@ class EngineCoreOutput:
     kv_transfer_params: dict[str, Any] | None = None  # prefill side: where the KV waits
     new_logprobs: list[TokenLogprobs] | None = None
     error: str | None = None
+    # With the first output token of a request that asked: one entry per prompt token (the
+    # first None).
+    prompt_logprobs: list[PromptLogprob | None] | None = None
 
     @property
     def finished(self) -> bool:

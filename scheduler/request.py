@@ -32,6 +32,11 @@ class RequestStatus(enum.IntEnum):
         return _FINISHED_REASONS.get(status)
 
 
+# One prompt position's logprobs: {token id: logprob} (the prompt's own token and the top-k),
+# and the rank of the prompt's own token (1: the most likely).
+PromptLogprob = tuple[dict[int, float], int]
+
+
 class FinishReason(str, enum.Enum):
     """OpenAI-style finish reasons reported to clients."""
 
@@ -134,6 +139,9 @@ class SamplingParams(BaseModel):
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
     seed: int | None = None
     logprobs: int | None = Field(None, ge=0, le=20)
+    # Per prompt token after the first: its logprob and the top ``prompt_logprobs`` others
+    # (vLLM's). Such a request computes its whole prompt: prefix-cache hits are skipped.
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)
     # Added to the logits of these token ids before sampling (OpenAI's logit_bias: -100 bans
     # a token, 100 all but forces it); ids outside the model's vocabulary are ignored.
     logit_bias: tuple[tuple[int, float], ...] = ()
@@ -278,6 +286,11 @@ class Request:
         self.kv_hash_boundary = 0
         # Its blocks hold externally loaded KV not yet known good: do not hash them.
         self.kv_hash_deferred = False
+        # prompt_logprobs: entry p is prompt token p's (None for p = 0 and until computed);
+        # sent with the request's first output token.
+        self.prompt_logprobs: list[PromptLogprob | None] | None = (
+            None if sampling_params.prompt_logprobs is None else [None] * self.num_prompt_tokens
+        )
 
     # -- views -----------------------------------------------------------------------------
     @property

@@ -22,7 +22,7 @@ from scheduler.kv_connector import SchedulerConnector
 from scheduler.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput, SchedulerStats
 from scheduler.queues import RequestQueue
 from scheduler.remote_kv import RemoteKV
-from scheduler.request import Request, RequestStatus
+from scheduler.request import PromptLogprob, Request, RequestStatus
 from scheduler.state import SchedulerState
 from scheduler.step import StepBuilder
 from scheduler.stop import append_and_check_stop, check_stop
@@ -193,6 +193,8 @@ class Scheduler:
         index = mro.req_id_to_index
         all_sampled = mro.sampled_token_ids
         all_logprobs = mro.logprobs
+        if mro.prompt_logprobs:
+            _store_prompt_logprobs(state.requests, mro.prompt_logprobs)
         requests = state.requests
         stopped_running: set[str] = set()
         stopped_waiting: list[Request] = []
@@ -237,6 +239,8 @@ class Scheduler:
                 # speculative decoding, sampled tokens were never counted as computed.
                 kept, stopped = append_and_check_stop(request, sampled, max_model_len)
             out = EngineCoreOutput(req_id, kept, None, None, request.num_cached_tokens or 0)
+            if request.prompt_logprobs is not None and len(request.output_token_ids) == len(kept):
+                out.prompt_logprobs = request.prompt_logprobs  # with the first token only
             if all_logprobs is not None:
                 logprobs = all_logprobs[i]
                 if logprobs is not None:
@@ -399,3 +403,15 @@ class Scheduler:
     @num_steps.setter
     def num_steps(self, value: int) -> None:
         self.state.num_steps = value
+
+
+def _store_prompt_logprobs(
+    requests: dict[str, Request], entries: dict[str, tuple[int, list[PromptLogprob]]]
+) -> None:
+    """Write a step's prompt logprobs into their requests, by position (a chunk computed
+    again after a preemption overwrites what it computed before)."""
+    for req_id, (start, items) in entries.items():
+        request = requests.get(req_id)
+        if request is None or request.prompt_logprobs is None:
+            continue
+        request.prompt_logprobs[start : start + len(items)] = items

@@ -332,6 +332,7 @@ class InstanceEngine:
             held.num_cached_tokens or 0,
             None,
             out.new_logprobs,
+            prompt_logprobs=out.prompt_logprobs,
         )
         index = len(held.tokens)
         held.tokens.extend(out.new_token_ids)

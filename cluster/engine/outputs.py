@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from actors.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from scheduler import EngineCoreOutput, SamplingParams
 from scheduler.outputs import TokenLogprobs
-from scheduler.request import FinishReason
+from scheduler.request import FinishReason, PromptLogprob
 
 
 @dataclass
@@ -41,6 +41,8 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     num_cached_tokens: int = 0
+    # prompt_logprobs: one entry per prompt token (the first None), from the first output.
+    prompt_logprobs: list[PromptLogprob | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -192,6 +194,8 @@ class OutputProcessor:
                 for s in parent.samples:
                     s.out.new_text, s.out.new_token_ids = "", []
                 changed[rid] = parent
+            if core.prompt_logprobs is not None and parent.output.prompt_logprobs is None:
+                parent.output.prompt_logprobs = core.prompt_logprobs  # (every sample's alike)
             if core.num_cached_tokens:
                 parent.output.num_cached_tokens = max(
                     parent.output.num_cached_tokens, core.num_cached_tokens

@@ -61,7 +61,6 @@ REFUSED_CHAT = (
 )
 REFUSED_COMPLETION: tuple[str, ...] = ()
 REFUSED_VLLM = (  # vLLM's extras that change an output
-    "prompt_logprobs",
     "guided_whitespace_pattern",
     "allowed_token_ids",
     "bad_words",
@@ -166,8 +165,9 @@ class _Sampling(BaseModel):
     guided_decoding_backend: str | None = None  # accepted: one backend (llguidance) serves all
     _structured: StructuredOutputsParams | None = PrivateAttr(None)
     _structured_param: str = PrivateAttr("")
+    # vLLM's: per prompt token, its logprob and the top-k (non-streamed responses).
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)
     # Refused when they ask for something (REFUSED_*; see ``_refuse_active``).
-    prompt_logprobs: Any = None
     guided_whitespace_pattern: Any = None
     allowed_token_ids: Any = None
     bad_words: Any = None
@@ -186,6 +186,8 @@ class _Sampling(BaseModel):
     def _streaming_options(self) -> _Sampling:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
+        if self.stream and self.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs is not available when stream is true (as vLLM)")
         _log_unknown(self)
         return self
 
@@ -222,8 +224,15 @@ class _Sampling(BaseModel):
             self._structured_param = param
         return self._structured, self._structured_param
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        """The scheduler's parameters (``max_tokens`` already resolved against the context)."""
+    def sampling_params(
+        self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
+        """The scheduler's parameters (``max_tokens`` already resolved against the context;
+        ``prompt_logprobs``: at least this many, whatever the request asked)."""
+        if prompt_logprobs is not None:
+            prompt_logprobs = max(prompt_logprobs, self.prompt_logprobs or 0)
+        else:
+            prompt_logprobs = self.prompt_logprobs
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
             n=self.n,
@@ -241,6 +250,7 @@ class _Sampling(BaseModel):
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             seed=None if self.seed is None else self.seed % 2**63,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
@@ -315,7 +325,8 @@ class CompletionRequest(_Sampling):
     """``POST /v1/completions``: a prompt (text, token ids, or a batch of either)."""
 
     prompt: str | list[str] | TokenIds | list[TokenIds]
-    max_tokens: int | None = Field(16, ge=1)
+    # 0 with echo: the prompt alone, with its logprobs (loglikelihood evaluation).
+    max_tokens: int | None = Field(16, ge=0)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     best_of: int | None = Field(None, ge=1)
@@ -338,7 +349,19 @@ class CompletionRequest(_Sampling):
             raise ValueError("best_of is not supported (only best_of == n)")
         if self.suffix:
             raise ValueError("suffix is not supported")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens 0 is only allowed with echo (the prompt alone)")
         return self
+
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0: the prompt (and its logprobs), nothing generated."""
+        return self.echo and self.max_tokens == 0
+
+    @property
+    def echo_logprobs(self) -> int | None:
+        """The prompt logprobs echo needs: the completion's logprobs count, for the prompt."""
+        return self.logprobs if self.echo else None
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt

@@ -23,6 +23,7 @@ from cluster.serving.openai_protocol import (
 from cluster.serving.tool_calls import ToolPlan, ToolStream
 from scheduler import SamplingParams
 from scheduler.outputs import TokenLogprobs
+from scheduler.request import PromptLogprob
 
 
 @dataclass
@@ -33,6 +34,7 @@ class Job:
     text: str | None
     params: SamplingParams
     first_index: int
+    echo_only: bool = False  # echo with max_tokens 0: what is generated is not shown
 
 
 Finals = dict[int, RequestOutput]  # job.first_index -> the job's latest output
@@ -45,16 +47,28 @@ def completion_response(
 ) -> dict[str, Any]:
     choices = []
     for job in jobs:
-        for out in finals[job.first_index].outputs:
-            choices.append(
-                {
-                    "index": job.first_index + out.index,
-                    "text": (job.text or "") + out.text if req.echo else out.text,
-                    "logprobs": _completion_logprobs(tokenizer, job, out.token_ids, out.logprobs),
-                    "finish_reason": out.finish_reason,
-                    "stop_reason": out.stop_reason,
-                }
+        final = finals[job.first_index]
+        for out in final.outputs:
+            ids, text, lps = (
+                ([], "", []) if job.echo_only else (out.token_ids, out.text, out.logprobs)
             )
+            logprobs = _completion_logprobs(tokenizer, job, ids, lps)
+            if req.echo:
+                text = (job.text or "") + text
+                if logprobs is not None:
+                    logprobs = _with_prompt(tokenizer, job, final.prompt_logprobs, logprobs)
+            choice: dict[str, Any] = {
+                "index": job.first_index + out.index,
+                "text": text,
+                "logprobs": logprobs,
+                "finish_reason": "length" if job.echo_only else out.finish_reason,
+                "stop_reason": None if job.echo_only else out.stop_reason,
+            }
+            if req.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = prompt_logprobs_body(
+                    tokenizer, job.prompt_ids, final.prompt_logprobs
+                )
+            choices.append(choice)
     return {
         "id": rid,
         "object": "text_completion",
@@ -91,7 +105,7 @@ def chat_response(
                 "stop_reason": out.stop_reason,
             }
         )
-    return {
+    body: dict[str, Any] = {
         "id": rid,
         "object": "chat.completion",
         "created": int(time.time()),
@@ -99,6 +113,10 @@ def chat_response(
         "choices": choices,
         "usage": usage_of([job], finals),
     }
+    if req.prompt_logprobs is not None:
+        prompt = finals[job.first_index].prompt_logprobs
+        body["prompt_logprobs"] = prompt_logprobs_body(tokenizer, job.prompt_ids, prompt)
+    return body
 
 
 def finish_reasons(body: dict[str, Any]) -> list[str]:
@@ -114,35 +132,34 @@ def completion_chunks(
     span: APISpan,
     tokenizer: Tokenizer,
 ) -> AsyncIterator[str]:
-    """The SSE stream of a completion (``echo`` sends each prompt first)."""
-    prologue = (
-        [
-            {
-                "index": job.first_index + i,
-                "text": job.text or "",
-                "logprobs": None,
-                "finish_reason": None,
-            }
-            for job in jobs
-            for i in range(req.n)
-        ]
-        if req.echo
-        else None
-    )
+    """The SSE stream of a completion (``echo``: each choice's first chunk starts with its
+    prompt, and its logprobs with the prompt's)."""
+    echoed: set[int] = set()
 
     def choice(job: Job, sample: CompletionOutput) -> dict[str, Any]:
+        index = job.first_index + sample.index
+        ids, text = sample.new_token_ids, sample.new_text
+        lps: list[TokenLogprobs] | None = new_logprobs(sample)
+        if job.echo_only:
+            ids, text, lps = [], "", []
+        logprobs = _completion_logprobs(tokenizer, job, ids, lps)
+        if req.echo and index not in echoed:
+            echoed.add(index)
+            text = (job.text or "") + text
+            if logprobs is not None:
+                prompt = stream.finals[job.first_index].prompt_logprobs
+                logprobs = _with_prompt(tokenizer, job, prompt, logprobs)
+        finished = sample.finish_reason is not None
         return {
-            "index": job.first_index + sample.index,
-            "text": sample.new_text,
-            "logprobs": _completion_logprobs(
-                tokenizer, job, sample.new_token_ids, new_logprobs(sample)
-            ),
-            "finish_reason": sample.finish_reason,
-            "stop_reason": sample.stop_reason,
+            "index": index,
+            "text": text,
+            "logprobs": logprobs,
+            "finish_reason": "length" if job.echo_only and finished else sample.finish_reason,
+            "stop_reason": None if job.echo_only else sample.stop_reason,
         }
 
     stream = SSEStream(rid, "text_completion", req.model, jobs, req.stream_options, span)
-    return stream.run(outputs, prologue, choice)
+    return stream.run(outputs, None, choice)
 
 
 def chat_chunks(
@@ -274,7 +291,12 @@ def sse(body: dict[str, Any]) -> str:
 
 def usage_of(jobs: list[Job], finals: Finals) -> dict[str, Any]:
     prompt = sum(len(job.prompt_ids) for job in jobs)
-    completion = sum(len(out.token_ids) for final in finals.values() for out in final.outputs)
+    completion = sum(
+        len(out.token_ids)
+        for job in jobs
+        if not job.echo_only and job.first_index in finals
+        for out in finals[job.first_index].outputs
+    )
     cached = sum(final.num_cached_tokens for final in finals.values())
     return {
         "prompt_tokens": prompt,
@@ -344,6 +366,67 @@ def completion_logprobs(
         "top_logprobs": tops,
         "text_offset": offsets,
     }
+
+
+def _with_prompt(
+    tokenizer: Tokenizer,
+    job: Job,
+    prompt: list[PromptLogprob | None] | None,
+    generated: dict[str, Any],
+) -> dict[str, Any]:
+    """``echo``'s logprobs: the prompt's tokens first (the first has none: null), then the
+    generated ones, offsets counted over the whole returned text."""
+    assert job.params.logprobs is not None
+    k = job.params.logprobs
+    tokens: list[str] = []
+    values: list[float | None] = []
+    tops: list[dict[str, float] | None] = []
+    offsets: list[int] = []
+    offset = 0
+    for position, token_id in enumerate(job.prompt_ids):
+        entry = prompt[position] if prompt is not None and position < len(prompt) else None
+        text = _token_text(tokenizer, token_id)
+        tokens.append(text)
+        offsets.append(offset)
+        offset += len(text)
+        if entry is None:
+            values.append(None)
+            tops.append(None)
+        else:
+            lp = entry[0]
+            values.append(_finite(lp.get(token_id)))
+            tops.append({_token_text(tokenizer, t): _finite(v) for t, v in _top(lp)[:k]})
+    shift = len(job.text or "")
+    return {
+        "tokens": tokens + generated["tokens"],
+        "token_logprobs": values + generated["token_logprobs"],
+        "top_logprobs": tops + generated["top_logprobs"],
+        "text_offset": offsets + [shift + o for o in generated["text_offset"]],
+    }
+
+
+def prompt_logprobs_body(
+    tokenizer: Tokenizer, prompt_ids: list[int], prompt: list[PromptLogprob | None] | None
+) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's ``prompt_logprobs``: per prompt token, null for the first, else ``{token id:
+    {"logprob", "rank", "decoded_token"}}`` for the prompt's own token (its computed rank)
+    and the top-k (ranked by their order)."""
+    body: list[dict[str, dict[str, Any]] | None] = []
+    for position, entry in enumerate(prompt or []):
+        if entry is None:
+            body.append(None)
+            continue
+        lp, own_rank = entry
+        own = prompt_ids[position]
+        item: dict[str, dict[str, Any]] = {}
+        for place, (token_id, value) in enumerate(_top(lp), start=1):
+            item[str(token_id)] = {
+                "logprob": _finite(value),
+                "rank": own_rank if token_id == own else place,
+                "decoded_token": _token_text(tokenizer, token_id),
+            }
+        body.append(item)
+    return body
 
 
 def chat_logprobs(

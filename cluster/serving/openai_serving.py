@@ -293,9 +293,12 @@ class OpenAIServing:
                 ids = list(prompt)
                 text = self.tokenizer.decode(ids, skip_special_tokens=False) if req.echo else None
             self._check_ids(ids, "prompt")
-            max_tokens = self._max_tokens(len(ids), req.max_tokens, "prompt")
-            params = req.sampling_params(max_tokens, req.logprobs)
-            jobs.append(Job(ids, text, params, i * req.n))
+            # echo with max_tokens 0: one token is generated (and dropped) to get the
+            # prompt's logprobs, as vLLM does.
+            wanted = 1 if req.echo_only else req.max_tokens
+            max_tokens = self._max_tokens(len(ids), wanted, "prompt")
+            params = req.sampling_params(max_tokens, req.logprobs, req.echo_logprobs)
+            jobs.append(Job(ids, text, params, i * req.n, echo_only=req.echo_only))
         return jobs
 
     async def chat_job(self, req: ChatCompletionRequest) -> Job:

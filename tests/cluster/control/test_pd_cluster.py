@@ -188,6 +188,24 @@ def test_structured_outputs_across_the_hand_off(client: ClusterClient, tiny_mode
         assert value["answer"] in ("yes", "no") and isinstance(value["n"], int)
 
 
+def test_prompt_logprobs_come_from_the_prefill_instance(
+    client: ClusterClient, tiny_model: Path
+) -> None:
+    """The prefill instance computes the prompt's logprobs and sends them with the first
+    token; the decode instance sends none again: equal to the in-process engine's."""
+    from cluster.engine.llm import LLM
+
+    params = SamplingParams(max_tokens=4, temperature=0.0, prompt_logprobs=2)
+    prompts = _prompts(4, seed=8)
+    llm = LLM(str(tiny_model), block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, progress=False)
+    expected = [o.prompt_logprobs for o in llm.generate(prompts, params)]
+    got = client.generate(prompts, params)
+    for out, want, prompt in zip(got, expected, prompts, strict=True):
+        assert out.prompt_logprobs is not None and len(out.prompt_logprobs) == len(prompt)
+        assert out.prompt_logprobs == want
+        assert len(out.outputs[0].token_ids) == 4
+
+
 # -- abort at every stage --------------------------------------------------------------------
 async def _collect(client: ClusterClient, prompt: list[int], params: SamplingParams) -> Any:
     final = None

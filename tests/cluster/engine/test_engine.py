@@ -268,3 +268,36 @@ def test_interleaved_streams_lose_nothing(tiny_llama: Path) -> None:
             finals.append(out)
     assert len(finals) == 1 and tokens == alone[0]
     assert other[0].outputs[0].token_ids == alone[1]
+
+
+def test_prompt_logprobs_equal_transformers(tiny_llama: Path) -> None:
+    """Every prompt token's logprob, rank and top-k equal transformers' log-softmax on the same
+    weights -- whole, in chunks of a small token budget, and for a prompt whose blocks sit in
+    the prefix cache (such a request computes its whole prompt: no hit)."""
+    prompts = make_prompts(9)[:4]
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+    params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=3)
+    runs = [
+        engine(tiny_llama).generate(prompts, params),
+        engine(tiny_llama, max_num_batched_tokens=8, max_num_seqs=4).generate(prompts, params),
+    ]
+    cached = engine(tiny_llama)
+    cached.generate(prompts, GREEDY.model_copy(update={"max_tokens": 1}))  # fill the cache
+    runs.append(cached.generate(prompts, params))
+    assert all(o.num_cached_tokens == 0 for o in runs[2])
+    for outputs in runs:
+        for prompt, out in zip(prompts, outputs, strict=True):
+            with torch.no_grad():
+                ref = model(torch.tensor([prompt])).logits[0].float().log_softmax(-1)
+            got = out.prompt_logprobs
+            assert got is not None and len(got) == len(prompt) and got[0] is None
+            for position in range(1, len(prompt)):
+                entry = got[position]
+                assert entry is not None
+                values, rank = entry
+                row, token = ref[position - 1], prompt[position]
+                assert values[token] == pytest.approx(row[token].item(), abs=1e-4)
+                assert rank == int((row > row[token]).sum()) + 1
+                assert set(row.topk(3).indices.tolist()) <= set(values)
+    # Asked for nothing: nothing computed or sent.
+    assert engine(tiny_llama).generate(prompts[:1], GREEDY)[0].prompt_logprobs is None

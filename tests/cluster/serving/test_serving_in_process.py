@@ -619,3 +619,57 @@ def test_tools_in_the_prompt_follow_tool_choice(serving: OpenAIServing) -> None:
     with pytest.raises(APIError) as both:
         _chat(serving, tools=[LOOKUP], tool_choice="required", guided_regex="a")
     assert both.value.status == 400 and both.value.param == "guided_regex"
+
+
+def test_echo_and_prompt_logprobs_for_loglikelihood(serving: OpenAIServing) -> None:
+    """What evaluation harnesses send -- echo, max_tokens 0, logprobs -- answers the prompt
+    alone with a logprob per prompt token (the first null) and no completion tokens; with
+    generation, the prompt's entries come first; vLLM's prompt_logprobs gives the same
+    values with ranks; streamed echo adds up to the whole answer."""
+    from pydantic import ValidationError
+
+    prompt = [5, 17, 99, 3, 42, 42, 8]
+    base = {"model": "tiny-chat", "prompt": prompt, "echo": True, "logprobs": 2}
+    only = _run(serving.completion(CompletionRequest.model_validate({**base, "max_tokens": 0})))
+    choice = only["choices"][0]
+    text = serving.tokenizer.decode(prompt, skip_special_tokens=False)
+    assert choice["text"] == text and choice["finish_reason"] == "length"
+    assert only["usage"]["completion_tokens"] == 0 and only["usage"]["prompt_tokens"] == 7
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == 7 and lp["token_logprobs"][0] is None
+    assert lp["top_logprobs"][0] is None and all(v < 0 for v in lp["token_logprobs"][1:])
+    assert all(1 <= len(top) <= 2 for top in lp["top_logprobs"][1:])
+    assert lp["text_offset"] == sorted(lp["text_offset"]) and lp["text_offset"][0] == 0
+
+    generated = CompletionRequest.model_validate({**base, "max_tokens": 3, "temperature": 0})
+    both = _run(serving.completion(generated))["choices"][0]
+    assert both["text"].startswith(text) and len(both["logprobs"]["tokens"]) == 7 + 3
+    assert both["logprobs"]["token_logprobs"][:7] == lp["token_logprobs"]
+
+    vllm_style = {"model": "tiny-chat", "prompt": prompt, "max_tokens": 1, "prompt_logprobs": 0}
+    body = _run(serving.completion(CompletionRequest.model_validate(vllm_style)))
+    entries = body["choices"][0]["prompt_logprobs"]
+    assert entries[0] is None and len(entries) == 7
+    for position in range(1, 7):
+        own = entries[position][str(prompt[position])]
+        assert own["logprob"] == pytest.approx(lp["token_logprobs"][position])
+        assert own["rank"] >= 1 and isinstance(own["decoded_token"], str)
+    chat = {"model": "tiny-chat", "messages": [{"role": "user", "content": "hi"}]}
+    chat_body = _run(
+        serving.chat(ChatCompletionRequest.model_validate({**chat, "prompt_logprobs": 1}))
+    )
+    assert chat_body["prompt_logprobs"][0] is None and len(chat_body["prompt_logprobs"]) > 3
+
+    async def streamed() -> list[dict[str, Any]]:
+        req = CompletionRequest.model_validate({**base, "max_tokens": 3, "temperature": 0})
+        req.stream = True
+        return await _drain(await serving.completion(req))
+
+    chunks = [c["choices"][0] for c in _run(streamed()) if c["choices"]]
+    assert "".join(c["text"] for c in chunks) == both["text"]
+    stream_tokens = [t for c in chunks if c["logprobs"] for t in c["logprobs"]["tokens"]]
+    assert stream_tokens == both["logprobs"]["tokens"]
+    with pytest.raises(ValidationError, match="only allowed with echo"):
+        CompletionRequest.model_validate({"model": "tiny-chat", "prompt": "x", "max_tokens": 0})
+    with pytest.raises(ValidationError, match="not available when stream"):
+        CompletionRequest.model_validate({**vllm_style, "stream": True})
