@@ -237,11 +237,13 @@ class Request:
         kv_transfer_params: dict[str, Any] | None = None,
         cache_salt: str | None = None,
         output_token_ids: list[int] | None = None,
+        num_samples: int = 1,
     ) -> None:
-        """``output_token_ids``: outputs already produced elsewhere (the first token sampled
-        by a prefill instance; the tokens a client already has when a request moves to
-        another instance). They count toward ``max_tokens`` and are computed (or loaded)
-        like the prompt, and the request continues after them."""
+        """``num_samples``: the ``n`` of the user request this one is a sample of (metrics:
+        the scheduler sees only ``n == 1``). ``output_token_ids``: outputs already produced
+        elsewhere (the first token sampled by a prefill instance; the tokens a client already
+        has when a request moves to another instance). They count toward ``max_tokens`` and
+        are computed (or loaded) like the prompt, and the request continues after them."""
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
@@ -251,6 +253,7 @@ class Request:
         self.lora_request = lora_request
         self.kv_transfer_params = kv_transfer_params
         self.cache_salt = cache_salt
+        self.num_samples = num_samples
 
         self.status = RequestStatus.WAITING
         self.num_prompt_tokens = len(self.prompt_token_ids)

@@ -468,13 +468,25 @@ class InstanceEngine:
         return None if held is None else len(held.tokens)
 
     def stats(self) -> dict[str, Any]:
-        kv = self.loop.scheduler.kv_cache_manager
-        return {
+        scheduler = self.loop.scheduler
+        kv = scheduler.kv_cache_manager
+        stats = {
             "role": self.role,
             "block_size": kv.block_size,
             "enable_prefix_caching": kv.enable_caching,
             **self.loop.stats(),
         }
+        if self.config.lora is not None:  # vLLM's lora_requests_info
+            running: set[str] = set()
+            waiting: set[str] = set()
+            for request in scheduler.requests.values():
+                if request.lora_request is not None and not request.is_finished:
+                    into = running if request.status == RequestStatus.RUNNING else waiting
+                    into.add(request.lora_request.lora_name)
+            stats["max_loras"] = self.config.lora.max_loras
+            stats["running_loras"] = sorted(running)
+            stats["waiting_loras"] = sorted(waiting)
+        return stats
 
     def check_integrity(self) -> None:
         self.loop.scheduler.check_integrity()

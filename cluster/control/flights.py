@@ -103,6 +103,13 @@ class Flight:
             self.queue.put_nowait(out)
 
 
+def later_sample(request_id: str) -> bool:
+    """True for sample i > 0 of a request fanned out into n (a client's id "{id}#{i}",
+    ``cluster.engine.outputs`` names)."""
+    _, sep, index = request_id.rpartition("#")
+    return bool(sep) and index.isdigit() and index != "0"
+
+
 def clone_request(request: Request, **overrides: Any) -> Request:
     """A fresh scheduler request with the client's fields (schedulers own their copies)."""
     args: dict[str, Any] = dict(
@@ -116,6 +123,7 @@ def clone_request(request: Request, **overrides: Any) -> Request:
         kv_transfer_params=None,
         cache_salt=request.cache_salt,
         output_token_ids=list(request.output_token_ids),
+        num_samples=request.num_samples,
     )
     args.update(overrides)
     return Request(**args)
@@ -134,7 +142,8 @@ def prefill_request(request: Request, request_id: str) -> Request:
 
 
 # One output on the wire of a client's batched stream: (submission, request id, new token
-# ids, finish reason's value or None, stop reason, cached tokens, new logprobs, error). Plain
+# ids, finish reason's value or None, stop reason, cached tokens, new logprobs, error, prompt
+# logprobs). Plain
 # tuples pickle about 20x faster than the dataclass (0.1 vs 2.4 us an output with Ray's
 # cloudpickle) -- per token, that is most of the stream's cost.
 WireOutput = tuple[Submission, str, list[int], str | None, Any, int, Any, str | None, Any]

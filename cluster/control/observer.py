@@ -10,7 +10,7 @@ import time
 from typing import Any, Protocol
 
 from cluster.config import ClusterConfig, served_model_name
-from cluster.control.flights import Flight
+from cluster.control.flights import Flight, later_sample
 from cluster.control.placement import InstanceSpec
 from cluster.control.summaries import InstanceView
 from cluster.observability.metrics import ClusterMetrics, RequestTimes
@@ -187,4 +187,6 @@ class RequestObserver:
             request.num_prompt_tokens,
             num,
             request.sampling_params.max_tokens,
+            # n, once per user request: on its first sample ("{id}#0", or the only one)
+            None if later_sample(final.request_id) else request.num_samples,
         )

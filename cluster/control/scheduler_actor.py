@@ -40,6 +40,7 @@ from cluster.control.flights import (
     Submission,
     WireOutput,
     clone_request,
+    later_sample,
     merge_outputs,
     pack_batch,
     prefill_request,
@@ -271,7 +272,7 @@ class SchedulerActor(ClusterOperations):
         # A user request is admitted or refused as a whole: its first sample is checked, the
         # others of its ``n`` ("{id}#{i}", i > 0) follow it (otherwise n above the bound
         # would be refused forever, on an idle cluster too).
-        if bound is not None and not _later_sample(rid):
+        if bound is not None and not later_sample(rid):
             waiting = sum(view.num_waiting for view in self.views.values() if view.alive)
             if waiting >= bound:
                 raise OverloadedError(waiting, bound, self.config.serve.retry_after_s)
@@ -508,9 +509,3 @@ class SchedulerActor(ClusterOperations):
         the ones draining to leave."""
         prefill = role == "prefill"
         return [v for v in self.views.values() if (v.role == "prefill") == prefill and v.serves]
-
-
-def _later_sample(request_id: str) -> bool:
-    """True for sample i > 0 of a request fanned out into n (``cluster.engine.outputs`` names)."""
-    _, sep, index = request_id.rpartition("#")
-    return bool(sep) and index.isdigit() and index != "0"

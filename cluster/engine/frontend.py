@@ -86,6 +86,7 @@ class RequestFactory:
                     arrival_time=now,
                     priority=priority,
                     lora_request=lora_request,
+                    num_samples=len(child_ids),
                 )
             )
         return PreparedRequest(request_id, text, prompt_ids, params, requests)

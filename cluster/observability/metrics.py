@@ -12,6 +12,7 @@ serves the same cluster-wide numbers on ``/metrics``):
 
 from __future__ import annotations
 
+import time
 from bisect import bisect_left
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -100,6 +101,7 @@ _E2E_BUCKETS = (
 )
 # Token counts (vLLM's 1-2-5 series).
 _TOKEN_BUCKETS = tuple(float(m * 10**e) for e in range(6) for m in (1, 2, 5))
+_N_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0)  # vLLM's request_params_n buckets
 _TRANSFER_BUCKETS = (
     0.001,
     0.0025,
@@ -192,6 +194,7 @@ class _StatsCollector:
 
     def collect(self) -> Iterator[Metric]:
         instances = self.stats.get("instances", {})
+        now = time.time()
         for name, doc, key, kind in _PER_INSTANCE:
             family: GaugeMetricFamily | CounterMetricFamily
             if kind == "gauge":
@@ -215,6 +218,18 @@ class _StatsCollector:
                 values.append(str(bool(inst.get("enable_prefix_caching"))))
                 config.add_metric([self.model_name, iid, inst.get("role", ""), *values], 1.0)
         yield config
+        loras = GaugeMetricFamily(
+            "tandem:lora_requests_info",
+            "LoRA adapters of each instance's running and waiting requests (vLLM's info "
+            "series: the labels carry them, comma-separated; the value is the scrape time).",
+            labels=[*LABELS, "max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+        )
+        for iid, inst in sorted(instances.items()):
+            if "max_loras" in inst:
+                values = [str(inst["max_loras"])]
+                values += [",".join(inst[k]) for k in ("running_loras", "waiting_loras")]
+                loras.add_metric([self.model_name, iid, inst.get("role", ""), *values], now)
+        yield loras
         moves = CounterMetricFamily(
             "tandem:request_moves", "Requests moved off failed instances.", labels=["model_name"]
         )
@@ -374,9 +389,14 @@ class ClusterMetrics:
             "The max_tokens of a finished request.",
             _TOKEN_BUCKETS,
         )
+        self.params_n = _StepHistogramFamily(
+            "tandem:request_params_n",
+            "The n of a finished request (counted once, with its first sample).",
+            _N_BUCKETS,
+        )
         families = [self.ttft, self.itl, self.queue, self.iteration_tokens, self.prefill_time]
         families += [self.decode_time, self.inference_time, self.prompt_tokens]
-        families += [self.generation_tokens, self.params_max_tokens]
+        families += [self.generation_tokens, self.params_max_tokens, self.params_n]
         r.register(_StepHistogramCollector(families))
         self.transfer = Histogram(
             "tandem:kv_transfer_duration_seconds",
@@ -423,6 +443,7 @@ class ClusterMetrics:
         for family in (self.inference_time, self.prompt_tokens, self.generation_tokens):
             family.labels(*labels)
         self.params_max_tokens.labels(*labels)
+        self.params_n.labels(*labels)
         for counter in (self.goodput, self.total, self.recompute):
             counter.labels(*labels)
         for outcome in ("ok", "failed"):
@@ -457,7 +478,9 @@ class ClusterMetrics:
         num_prompt_tokens: int,
         num_output_tokens: int,
         max_tokens: int | None,
+        n: int | None = None,
     ) -> None:
+        """``n``: the user request's ``n``, given for one of its samples only."""
         labels = self.labels(instance, role)
         e2e_s, ttft_s, tpot_s = times.e2e_s, times.ttft_s, times.tpot_s
         for family, value in (
@@ -465,6 +488,7 @@ class ClusterMetrics:
             (self.decode_time, times.decode_s),
             (self.inference_time, times.inference_s),
             (self.params_max_tokens, max_tokens),
+            (self.params_n, n),
         ):
             if value is not None:
                 family.labels(*labels).observe(value)

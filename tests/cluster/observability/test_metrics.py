@@ -106,3 +106,47 @@ def test_cache_config_info_and_vllm_names() -> None:
         assert samples[(f"{prefix}:num_requests_running", labels)] == 3
         assert (f"{prefix}:time_to_first_token_seconds_count", labels) in samples
     assert not ClusterMetrics("m", None, None).vllm_names
+
+
+def test_request_params_n_and_lora_requests_info() -> None:
+    """vLLM's request_params_n (once per user request: given with its first sample only)
+    and lora_requests_info (an instance's adapters, in labels)."""
+    m = ClusterMetrics("m", slo_ttft_s=None, slo_tpot_s=None, vllm_names=True)
+    m.add_instance("d-0", "decode")
+    times = RequestTimes(2.0, 0.5, 0.1, prefill_s=0.4, decode_s=1.5, inference_s=1.9)
+    m.request_finished("d-0", "decode", "stop", times, 10, 4, 8, n=3)  # sample 0 of n=3
+    for _ in range(2):  # samples 1 and 2 count nothing here
+        m.request_finished("d-0", "decode", "stop", times, 10, 4, 8, n=None)
+    stats = {
+        "instances": {
+            "d-0": {
+                "role": "decode",
+                "max_loras": 2,
+                "running_loras": ["a", "b"],
+                "waiting_loras": [],
+            }
+        }
+    }
+    samples = _samples(m.render(stats))
+    labels = (("instance", "d-0"), ("model_name", "m"), ("role", "decode"))
+    assert samples[("vllm:request_params_n_count", labels)] == 1
+    assert samples[("vllm:request_params_n_sum", labels)] == 3
+    info = tuple(
+        sorted(
+            (
+                *labels,
+                ("max_lora", "2"),
+                ("running_lora_adapters", "a,b"),
+                ("waiting_lora_adapters", ""),
+            )
+        )
+    )
+    assert samples[("vllm:lora_requests_info", info)] > 1.7e9  # the scrape time
+
+
+def test_only_a_first_sample_counts_n() -> None:
+    from cluster.control.flights import later_sample
+
+    assert not later_sample("req") and not later_sample("req#0")
+    assert later_sample("req#1") and later_sample("a#b#12")
+    assert not later_sample("req#x") and not later_sample("req#")

@@ -336,6 +336,7 @@ def test_health_and_metrics(serve_app: ServeApp) -> None:
     from prometheus_client.parser import text_string_to_metric_families
 
     serve_app.openai().completions.create(model=serve_app.model, prompt=PROMPT, **GREEDY)
+    serve_app.openai().completions.create(model=serve_app.model, prompt=PROMPT, n=2, max_tokens=3)
     r = requests.get(f"{serve_app.url}/health", timeout=30)
     assert r.status_code == 200 and r.json()["instances"] == ["d-0", "p-0"]
     text = requests.get(f"{serve_app.url}/metrics", timeout=30).text
@@ -366,6 +367,20 @@ def test_health_and_metrics(serve_app: ServeApp) -> None:
     assert value("tandem:kv_transfer_duration_seconds_count", "d-0", outcome="ok") > 0
     assert value("tandem:kv_transfer_bytes_loaded_total", "d-0") > 0
     assert value("tandem:kv_transfer_bytes_saved_total", "p-0") > 0
+    # n once per user request (with its first sample): fewer counts than finished samples,
+    # and the n=2 request above adds 2 to the sum.
+    n_count = sum(v for (name, _), v in samples.items() if name == "tandem:request_params_n_count")
+    n_sum = sum(v for (name, _), v in samples.items() if name == "tandem:request_params_n_sum")
+    all_finished = sum(
+        v for (name, _), v in samples.items() if name == "tandem:requests_finished_total"
+    )
+    assert 0 < n_count < all_finished and n_sum >= n_count + 1
+    lora_info = [
+        dict(labels)
+        for (name, labels) in samples
+        if name == "tandem:lora_requests_info" and dict(labels)["instance"] == "d-0"
+    ]
+    assert len(lora_info) == 1 and lora_info[0]["running_lora_adapters"] == ""
 
 
 def test_every_metric_the_grafana_dashboard_queries_is_exported(serve_app: ServeApp) -> None:
