@@ -138,7 +138,7 @@ class Sampler:
         if penalized:
             _apply_penalties(x, rows, penalized)
         if grammar:
-            _apply_grammar(x, rows, *grammar)
+            _apply_grammar(x, rows, *grammar, mask_rows)
 
         greedy_rows = [i for i in range(num_rows) if greedy[i]]
         random_rows = [i for i in range(num_rows) if not greedy[i]]
@@ -204,20 +204,27 @@ def _logit_bias_entries(
 
 
 def _apply_grammar(
-    x: torch.Tensor, rows: Sequence[SamplingRow], grammar_rows: list[int], bitmask: torch.Tensor
+    x: torch.Tensor,
+    rows: Sequence[SamplingRow],
+    grammar_rows: list[int],
+    bitmask: torch.Tensor,
+    min_tokens_rows: list[int],
 ) -> None:
     """Send the logits of the tokens each grammar row forbids to -inf. A row left with no
-    token (min_tokens held EOS back where the grammar allows only EOS) takes EOS: the grammar
-    is complete, and EOS is the only token that keeps its output valid."""
-    idx = torch.tensor(grammar_rows, device=x.device)
-    allowed = allowed_tokens(bitmask.to(x.device), x.shape[1])
-    masked = x[idx].masked_fill_(~allowed, float("-inf"))
-    x[idx] = masked
-    empty = torch.isneginf(masked).all(dim=-1).nonzero().flatten().tolist()
-    for i in empty:
-        eos = rows[grammar_rows[i]].eos_token_id
-        if eos is not None:
-            x[grammar_rows[i], eos] = 0.0
+    token (min_tokens held EOS back where the grammar allows only EOS: the only way a row
+    can empty) takes EOS: the grammar is complete, and EOS keeps its output valid."""
+    forbidden = ~allowed_tokens(bitmask, x.shape[1])
+    if len(grammar_rows) == x.shape[0]:  # every row: in place
+        x.masked_fill_(forbidden, float("-inf"))
+    else:
+        idx = torch.tensor(grammar_rows, device=x.device)
+        x[idx] = x[idx].masked_fill_(forbidden, float("-inf"))
+    held_back = set(min_tokens_rows)
+    for row in grammar_rows:
+        if row in held_back and bool(torch.isneginf(x[row]).all()):
+            eos = rows[row].eos_token_id
+            if eos is not None:
+                x[row, eos] = 0.0
 
 
 def _apply_penalties(x: torch.Tensor, rows: Sequence[SamplingRow], idx: list[int]) -> None:

@@ -30,9 +30,11 @@ import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import llguidance
+import numpy as np
 import torch
 from llguidance.gbnf_to_lark import any_to_lark
 
@@ -52,7 +54,6 @@ _JSON_OPTIONS: JsonCompileOptions = {
     "item_separator": ", ",
     "key_separator": ": ",
 }
-_BITS = torch.arange(32, dtype=torch.int32)
 
 
 class GrammarError(ValueError):
@@ -81,23 +82,36 @@ def grammar_text(params: StructuredOutputsParams) -> str:
     return str(llguidance.LLMatcher.grammar_from_lark(spec))
 
 
+@dataclass(slots=True)
+class _Compiled:
+    """A spec's checked grammar and a matcher built from it that nothing has fed: requests
+    get deep copies (microseconds; building a matcher parses the grammar again)."""
+
+    grammar: str
+    template: llguidance.LLMatcher
+    size: int  # bytes held, about: spec + grammar text
+
+
 class GrammarCompiler:
-    """The grammars of one model's tokenizer: each spec compiled and checked once (an LRU of
-    ``max_cached`` specs, failures included), matchers made from them. Thread-safe."""
+    """The grammars of one model's tokenizer: each spec compiled and checked once, kept in an
+    LRU bounded by ``max_cached_bytes`` (failures kept as their message), matchers copied
+    from it. Thread-safe."""
 
     def __init__(
         self,
         tokenizer: Tokenizer,
         vocab_size: int,
-        max_cached: int = 256,
+        max_cached_bytes: int = 32 << 20,
         eos_token_id: int | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size  # the logits' width (may exceed the tokenizer's vocab)
-        # The token a complete output ends with: the tokenizer's EOS, else the model's.
+        # The token a complete output ends with: the model's (the requests'), else the
+        # tokenizer's.
         self.eos_token_id = tokenizer.eos_token_id if eos_token_id is None else eos_token_id
-        self.max_cached = max_cached
-        self._cache: OrderedDict[tuple[str, str], str | GrammarError] = OrderedDict()
+        self.max_cached_bytes = max_cached_bytes
+        self._cache: OrderedDict[tuple[str, str], _Compiled | str] = OrderedDict()
+        self._cached_bytes = 0
         self._lock = threading.Lock()
 
     @functools.cached_property
@@ -110,6 +124,13 @@ class GrammarCompiler:
     def compile(self, params: StructuredOutputsParams) -> str:
         """The checked grammar of ``params``; ``GrammarError`` (a ``ValueError``) naming what
         is wrong with it."""
+        return self._compiled(params).grammar
+
+    def state(self, params: StructuredOutputsParams) -> GrammarState:
+        """A fresh matcher for one request (nothing consumed yet)."""
+        return GrammarState(self._compiled(params).template.deep_copy())
+
+    def _compiled(self, params: StructuredOutputsParams) -> _Compiled:
         key = params.key
         with self._lock:
             cached = self._cache.get(key)
@@ -117,31 +138,37 @@ class GrammarCompiler:
                 self._cache.move_to_end(key)
         if cached is None:
             cached = self._compile(params)
-            with self._lock:
-                self._cache[key] = cached
-                while len(self._cache) > self.max_cached:
-                    self._cache.popitem(last=False)
-        if isinstance(cached, GrammarError):
-            raise cached
+            size = 2 * len(key[1]) + (len(cached) if isinstance(cached, str) else cached.size)
+            if size <= self.max_cached_bytes // 8:  # a huge spec is compiled each time
+                with self._lock:
+                    if key not in self._cache:
+                        self._cache[key] = cached
+                        self._cached_bytes += size
+                    while self._cached_bytes > self.max_cached_bytes and self._cache:
+                        old_key, old = self._cache.popitem(last=False)
+                        self._cached_bytes -= 2 * len(old_key[1]) + (
+                            len(old) if isinstance(old, str) else old.size
+                        )
+        if isinstance(cached, str):
+            # A fresh exception each time: a cached one would keep every raise's frames
+            # (and the requests they hold) alive through its growing traceback.
+            raise GrammarError(cached)
         return cached
 
-    def _compile(self, params: StructuredOutputsParams) -> str | GrammarError:
+    def _compile(self, params: StructuredOutputsParams) -> _Compiled | str:
         try:
             grammar = grammar_text(params)
         except GrammarError as exc:
-            return exc
+            return str(exc)
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
             grammar, self.ll_tokenizer
         )
         if is_error:
-            kind = params.key[0]
-            return GrammarError(f"invalid {_KIND_NAMES[kind]}: {messages[0]}")
-        return grammar
-
-    def state(self, params: StructuredOutputsParams) -> GrammarState:
-        """A fresh matcher for one request (nothing consumed yet)."""
-        matcher = llguidance.LLMatcher(self.ll_tokenizer, self.compile(params), log_level=0)
-        return GrammarState(matcher)
+            return f"invalid {_KIND_NAMES[params.key[0]]}: {messages[0]}"
+        template = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
+        if template.is_error():
+            return f"invalid {_KIND_NAMES[params.key[0]]}: {template.get_error()}"
+        return _Compiled(grammar, template, 2 * len(grammar))
 
 
 _compilers: weakref.WeakKeyDictionary[Tokenizer, GrammarCompiler] = weakref.WeakKeyDictionary()
@@ -163,22 +190,33 @@ _KIND_NAMES = {"json": "JSON schema", "regex": "regex", "choice": "choice", "gra
 
 
 class GrammarState:
-    """One request's matcher and how many of its output tokens it has consumed."""
+    """One request's matcher and the output tokens it has consumed."""
 
-    __slots__ = ("broken", "matcher", "num_consumed")
+    __slots__ = ("broken", "consumed", "matcher")
 
     def __init__(self, matcher: llguidance.LLMatcher | None) -> None:
         self.matcher = matcher
-        self.num_consumed = 0
+        self.consumed: list[int] = []
         # No matcher (its spec failed to compile), or a token the grammar refused: no mask
         # any more (logged).
         self.broken = matcher is None
 
+    @property
+    def num_consumed(self) -> int:
+        return len(self.consumed)
+
+    def extends(self, outputs: Sequence[int]) -> bool:
+        """Whether ``outputs`` begin with what it consumed (a resumed request whose matcher
+        can stay)."""
+        n = len(self.consumed)
+        return n <= len(outputs) and list(outputs[:n]) == self.consumed
+
     def sync(self, req_id: str, outputs: Sequence[int]) -> None:
         """Consume the outputs it has not seen (a new state: all of them)."""
-        if self.broken or self.num_consumed >= len(outputs):
+        n = len(self.consumed)
+        if self.broken or n >= len(outputs):
             return
-        for token in outputs[self.num_consumed :]:
+        for token in outputs[n:]:
             if not self.accept(req_id, token):
                 return
 
@@ -195,23 +233,42 @@ class GrammarState:
                 token,
                 self.matcher.get_error(),
             )
-        self.num_consumed += 1
+        self.consumed.append(token)
         return not self.broken
+
+
+_executor: llguidance.LLExecutor | None = None
 
 
 def fill_bitmask(states: Sequence[GrammarState], vocab_size: int) -> torch.Tensor:
     """One int32 bitmask row per state (bit ``t`` of word ``t // 32``: token ``t`` allowed); a
-    broken state's row allows everything."""
+    broken state's row allows everything. Several rows are computed in one call, on
+    llguidance's thread pool (the GIL released)."""
+    global _executor
     words = (vocab_size + 31) // 32
     mask = torch.full((len(states), words), -1, dtype=torch.int32)
-    for i, state in enumerate(states):
-        if state.matcher is not None and not state.broken:
-            row = mask[i]
-            state.matcher.unsafe_compute_mask_ptr(row.data_ptr(), words * 4)
+    live = [(s.matcher, i) for i, s in enumerate(states) if s.matcher is not None and not s.broken]
+    if len(live) > 1:
+        if _executor is None:
+            _executor = llguidance.LLExecutor()
+        try:
+            _executor.unsafe_compute_mask_ptr(live, mask.data_ptr(), words * 4, len(states))
+            return mask
+        except Exception:  # one row at a time below: the failing one goes unconstrained
+            mask.fill_(-1)
+    for matcher, i in live:
+        try:
+            matcher.unsafe_compute_mask_ptr(mask[i].data_ptr(), words * 4)
+        except Exception as exc:
+            logger.warning("a grammar's mask failed (%s); its output is no longer constrained", exc)
+            mask[i].fill_(-1)
+            states[i].broken = True
     return mask
 
 
 def allowed_tokens(mask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """The bitmask as a bool tensor [rows, vocab_size]."""
-    bits = (mask.unsqueeze(-1) >> _BITS.to(mask.device)) & 1
-    return bits.view(mask.shape[0], -1)[:, :vocab_size].bool()
+    """The bitmask as a bool tensor [rows, vocab_size] (bits unpacked by numpy: the words
+    are little-endian, so byte ``b``'s bit ``j`` is token ``8 b + j``)."""
+    as_bytes = mask.cpu().numpy().view(np.uint8)
+    bits = np.unpackbits(as_bytes, axis=-1, count=vocab_size, bitorder="little")
+    return torch.from_numpy(bits).to(device=mask.device, dtype=torch.bool)

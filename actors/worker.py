@@ -25,7 +25,7 @@ from actors.model.llama import LlamaForCausalLM
 from actors.model.loader import load_model, resolve_model_path
 from actors.pipeline import IntermediateOutput, stage_report
 from actors.sampler import Sampler, SamplingRow
-from actors.structured_output import GrammarCompiler, GrammarError, GrammarState, fill_bitmask
+from actors.structured_output import GrammarCompiler, GrammarState, fill_bitmask
 from scheduler import LoRAConfig, ModelRunnerOutput, SchedulerOutput
 from scheduler.outputs import TokenLogprobs
 from scheduler.request import (
@@ -414,13 +414,14 @@ class ModelWorker:
             if self._grammars is None:
                 from actors.model.tokenizer import Tokenizer
 
-                tokenizer = Tokenizer.from_path(self.model_path)
-                eos = tokenizer.eos_token_id
+                # EOS: the requests' (what stops them), else the tokenizer's.
                 self._grammars = GrammarCompiler(
-                    tokenizer, vocab_size, eos_token_id=state.eos_token_id if eos is None else eos
+                    Tokenizer.from_path(self.model_path),
+                    vocab_size,
+                    eos_token_id=state.eos_token_id,
                 )
             return self._grammars.state(spec)
-        except (GrammarError, OSError) as exc:
+        except Exception as exc:  # a spec, a tokenizer llguidance cannot read, ...
             logger.error("request %s: its structured outputs cannot apply: %s", state.req_id, exc)
             return GrammarState(None)
 
@@ -489,7 +490,11 @@ class ModelWorker:
             if cached.resumed_from_preemption[i]:
                 state.block_ids = list(new_blocks or [])
                 state.token_ids = list(cached.resumed_token_ids[req_id])
-                state.grammar = None  # rebuilt from the resumed outputs
+                grammar = state.grammar
+                if grammar is not None and not grammar.extends(
+                    state.token_ids[state.num_prompt_tokens :]
+                ):
+                    state.grammar = None  # rebuilt from the resumed outputs
             elif new_blocks:
                 state.block_ids.extend(new_blocks)
             start = cached.num_computed_tokens[i]

@@ -61,7 +61,8 @@ class RequestFactory:
         scheduler ids, one per sample."""
         params = params or SamplingParams()
         if params.structured_outputs is not None:  # a spec that cannot compile: refused now
-            compiler_for(self.tokenizer, self.vocab_size).compile(params.structured_outputs)
+            compiler = compiler_for(self.tokenizer, self.tokenizer.vocab_size)
+            compiler.compile(params.structured_outputs)
         if isinstance(prompt, str):
             text: str | None = prompt
             prompt_ids = self.tokenizer.encode(prompt)

@@ -202,12 +202,12 @@ class _Sampling(BaseModel):
             for param, spec in (
                 ("response_format", _response_format(self.response_format)),
                 ("structured_outputs", _structured_outputs(self.structured_outputs)),
-                ("guided_json", self.guided_json and {"json": self.guided_json}),
-                ("guided_regex", self.guided_regex and {"regex": self.guided_regex}),
-                ("guided_choice", self.guided_choice and {"choice": self.guided_choice}),
-                ("guided_grammar", self.guided_grammar and {"grammar": self.guided_grammar}),
+                ("guided_json", _given("json", self.guided_json)),
+                ("guided_regex", _given("regex", self.guided_regex)),
+                ("guided_choice", _given("choice", self.guided_choice)),
+                ("guided_grammar", _given("grammar", self.guided_grammar)),
             )
-            if spec
+            if spec is not None
         ]
         if len(asked) > 1:
             names = ", ".join(param for param, _ in asked)
@@ -270,6 +270,12 @@ class FieldError(ValueError):
         self.param = param
 
 
+def _given(key: str, value: Any) -> dict[str, Any] | None:
+    """A guided_* field as a spec (given empty, it is still asked for: the spec's checks
+    refuse an empty choice; an empty schema allows any JSON)."""
+    return None if value is None else {key: value}
+
+
 def _response_format(value: dict[str, Any] | None) -> dict[str, Any] | None:
     """OpenAI's ``response_format`` as a structured-outputs spec (None: free text)."""
     if value is None:
@@ -315,7 +321,7 @@ def _structured_outputs(value: dict[str, Any] | None) -> dict[str, Any] | None:
             continue
         else:
             raise FieldError("structured_outputs", f"structured_outputs.{key} is not supported")
-    return spec
+    return spec or None
 
 
 TokenIds = list[Annotated[int, Field(ge=0)]]
@@ -386,6 +392,13 @@ class FunctionDefinition(BaseModel):
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema (none: no arguments)
     strict: bool | None = None  # enforced or not: forced calls always match the schema
+
+    @field_validator("parameters")
+    @classmethod
+    def _an_object(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None and value.get("type", "object") != "object":
+            raise ValueError("parameters must be a JSON schema of an object (arguments by name)")
+        return value
 
 
 class Tool(BaseModel):
@@ -538,7 +551,10 @@ class ChatCompletionRequest(_Sampling):
         if isinstance(self.tool_choice, NamedToolChoice):
             schema = named_schema(self.tool(self.tool_choice.function.name))
         else:
-            schema = required_schema(self.tool_dicts(), self.parallel_tool_calls is not False)
+            try:
+                schema = required_schema(self.tool_dicts(), self.parallel_tool_calls is not False)
+            except ValueError as exc:
+                raise FieldError("tools", str(exc)) from None
         self._structured = StructuredOutputsParams.model_validate({"json": schema})
         self._structured_param = "tools"
         return self._structured, self._structured_param
@@ -603,13 +619,13 @@ class TokenizeChatRequest(BaseModel):
     add_special_tokens: bool = False  # the template writes BOS itself
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
+    tools: list[Tool] | None = None  # rendered as a chat request with them would be
     # Refused when they ask for something, as on chat completions.
-    tools: Any = None
     chat_template: Any = None
     continue_final_message: Any = None
     documents: Any = None
 
-    _refused = field_validator("tools", "chat_template", "continue_final_message", "documents")(
+    _refused = field_validator("chat_template", "continue_final_message", "documents")(
         _refuse_active
     )
 

@@ -195,8 +195,7 @@ def chat_chunks(
             if sample.finished:
                 more, last = stream.finish()
                 content, calls = content + more, calls + last
-                if finish_reason == "stop" and stream.calls and tools.mode != "named":
-                    finish_reason = "tool_calls"
+                finish_reason = tools.finish_reason(finish_reason, stream)
             delta = {"content": content} if content else {}
             if calls:
                 delta["tool_calls"] = calls

@@ -49,7 +49,12 @@ from cluster.serving.openai_responses import (
     completion_response,
     finish_reasons,
 )
-from cluster.serving.tool_calls import ToolPlan, parser_for, template_messages
+from cluster.serving.tool_calls import (
+    ToolPlan,
+    parser_for,
+    template_messages,
+    template_supports_tools,
+)
 from scheduler import LoRARequest
 
 logger = logging.getLogger(__name__)
@@ -328,14 +333,18 @@ class OpenAIServing:
     def _chat_job(self, req: ChatCompletionRequest, messages: list[dict[str, Any]]) -> Job:
         self._check_structured(req)
         tools = req.tool_dicts() if req.tool_mode not in (None, "none") else None
-        messages, extra = template_messages(messages, tools, self.tokenizer.chat_template)
-        kwargs = {**extra, **(req.chat_template_kwargs or {})}
-        text = self._render_chat(messages, req.add_generation_prompt, kwargs)
+        text = self._render_with_tools(
+            messages, tools, req.add_generation_prompt, req.chat_template_kwargs
+        )
         # The template writes BOS itself when the model wants one.
         ids = self._encode(text, "messages", add_special_tokens=False)
         self._check_ids(ids, "messages")
         max_tokens = self._max_tokens(len(ids), req.requested_max_tokens, "messages")
-        return Job(ids, None, req.sampling_params(max_tokens, req.num_logprobs), 0)
+        params = req.sampling_params(max_tokens, req.num_logprobs)
+        if req.tool_mode == "auto" and self.tool_parser == "hermes":
+            # The <tool_call> tags may be special tokens: the parser must see them (vLLM).
+            params = params.model_copy(update={"skip_special_tokens": False})
+        return Job(ids, None, params, 0)
 
     # -- tokens (vLLM's /tokenize and /detokenize) ------------------------------------------
     async def tokenize(self, req: TokenizeRequest) -> dict[str, Any]:
@@ -364,8 +373,32 @@ class OpenAIServing:
         return result
 
     def _tokenize_chat(self, req: TokenizeChatRequest, messages: list[dict[str, Any]]) -> list[int]:
-        text = self._render_chat(messages, req.add_generation_prompt, req.chat_template_kwargs)
+        tools = [t.model_dump(exclude_none=True) for t in req.tools or []] or None
+        text = self._render_with_tools(
+            messages, tools, req.add_generation_prompt, req.chat_template_kwargs
+        )
         return self.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
+
+    def _render_with_tools(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        add_generation_prompt: bool,
+        template_kwargs: dict[str, Any] | None,
+    ) -> str:
+        """Render a conversation with its tools and tool history (``template_messages``);
+        a template that refuses the fallback prompt's system message gets it in the first
+        user message instead."""
+        template = self.tokenizer.chat_template
+        rendered, extra = template_messages(messages, tools, template)
+        kwargs = {**extra, **(template_kwargs or {})}
+        try:
+            return self._render_chat(rendered, add_generation_prompt, kwargs)
+        except APIError:
+            if not tools or template_supports_tools(template):
+                raise
+            rendered, extra = template_messages(messages, tools, template, system_role=False)
+            return self._render_chat(rendered, add_generation_prompt, {**extra, **kwargs})
 
     async def detokenize(self, req: DetokenizeRequest) -> dict[str, Any]:
         """The text of ``tokens`` (special tokens kept, as vLLM does); 400 naming the first id
@@ -420,7 +453,8 @@ class OpenAIServing:
             return None
         choice = req.tool_choice
         name = choice.function.name if isinstance(choice, NamedToolChoice) else None
-        return ToolPlan(mode, self.tool_parser, name)
+        names = tuple(tool.function.name for tool in req.tools or [])
+        return ToolPlan(mode, self.tool_parser, name, names)
 
     # -- endpoints ---------------------------------------------------------------------------
     async def completion(

@@ -65,6 +65,7 @@ class ToolPlan:
     mode: str  # "auto", "required" or "named"
     parser: str  # the format auto parses
     name: str | None = None  # the named function
+    names: tuple[str, ...] = ()  # the request's functions (auto: calls of others are text)
 
     def stream(self) -> ToolStream:
         if self.mode == "named":
@@ -72,26 +73,29 @@ class ToolPlan:
             return NamedStream(self.name)
         if self.mode == "required":
             return RequiredStream()
-        return AutoStream(self.parser)
+        return AutoStream(self.parser, self.names)
 
     def parse(
         self, text: str, finish_reason: str | None
     ) -> tuple[str | None, list[ToolCall], str | None]:
-        """(content, calls, finish_reason) of a whole output. A call cut short by max_tokens
-        stays text (``length``); calls found end the choice with ``tool_calls`` (a named
-        choice with ``stop``, as OpenAI)."""
-        if self.mode == "named":
-            assert self.name is not None
-            if finish_reason != "stop":
-                return text, [], finish_reason
-            return None, [ToolCall(self.name, text)], finish_reason
-        if self.mode == "required":
-            calls = calls_from_required(text) if finish_reason == "stop" else None
-            if not calls:
-                return text, [], finish_reason
-            return None, calls, "tool_calls"
-        content, calls = parse_calls(self.parser, text)
-        return content, calls, "tool_calls" if calls and finish_reason == "stop" else finish_reason
+        """(content, calls, finish_reason) of a whole output: what its stream sends, so the
+        two always agree. Calls end the choice with ``tool_calls`` (a named function's with
+        ``stop``, as OpenAI; a call cut by max_tokens keeps ``length``); with calls, empty
+        content is null."""
+        stream = self.stream()
+        content, _ = stream.feed(text)
+        more, _ = stream.finish()
+        content += more
+        return (
+            (content or None) if stream.calls else content,
+            stream.calls,
+            self.finish_reason(finish_reason, stream),
+        )
+
+    def finish_reason(self, reason: str | None, stream: ToolStream) -> str | None:
+        if reason == "stop" and stream.calls and self.mode != "named":
+            return "tool_calls"
+        return reason
 
 
 # -- the prompt ------------------------------------------------------------------------------
@@ -124,25 +128,40 @@ def fallback_system_prompt(tools: list[dict[str, Any]]) -> str:
 
 
 def template_messages(
-    messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, template: str | None
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    template: str | None,
+    system_role: bool = True,
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The messages and extra template variables to render: with ``tools`` (None: left out)
-    for a template that takes them; otherwise the fallback prompt, and the history's calls
-    and results written as text."""
+    for a template that takes them; otherwise the fallback prompt -- a system message, or
+    (``system_role`` false, for templates that refuse one) the start of the first user
+    message -- and the history's calls and results written as text (consecutive results in
+    one user turn: strict templates want user and assistant to alternate)."""
     if template_supports_tools(template):
-        rendered = [_with_parsed_arguments(m) for m in messages]
-        return rendered, ({"tools": tools} if tools else {})
+        parsed = [_with_parsed_arguments(m) for m in messages]
+        return parsed, ({"tools": tools} if tools else {})
     has_history = any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
     if not tools and not has_history:
         return messages, {}
-    rendered = [_as_text(m) for m in messages]
+    rendered: list[dict[str, Any]] = []
+    for message in messages:
+        text = _as_text(message)
+        if message["role"] == "tool" and rendered and rendered[-1].get("_results"):
+            last = rendered[-1]
+            rendered[-1] = {**last, "content": f"{last['content']}\n{text['content']}"}
+        else:
+            rendered.append({**text, "_results": True} if message["role"] == "tool" else text)
+    rendered = [{k: v for k, v in m.items() if k != "_results"} for m in rendered]
     if tools:
         prompt = fallback_system_prompt(tools)
-        if rendered and rendered[0]["role"] == "system":
-            first = rendered[0]
+        first = rendered[0] if rendered else None
+        if first is not None and first["role"] == "system":
             rendered[0] = {**first, "content": f"{first['content']}\n\n{prompt}"}
-        else:
+        elif system_role or first is None or first["role"] != "user":
             rendered.insert(0, {"role": "system", "content": prompt})
+        else:
+            rendered[0] = {**first, "content": f"{prompt}\n\n{first['content']}"}
     return rendered, {}
 
 
@@ -199,24 +218,37 @@ def _parameters(tool: dict[str, Any]) -> dict[str, Any]:
 
 def required_schema(tools: list[dict[str, Any]], parallel: bool) -> dict[str, Any]:
     """``tool_choice: required``: a non-empty array of calls, each a function's name with
-    arguments that match its schema (one call at most without ``parallel_tool_calls``)."""
-    items = {
-        "anyOf": [
+    arguments that match its schema (one call at most without ``parallel_tool_calls``).
+    Each function's ``$defs`` / ``definitions`` move to the root, where its references
+    point; ``ValueError`` if two functions define one name differently."""
+    hoisted: dict[str, dict[str, Any]] = {}
+    variants = []
+    for tool in tools:
+        parameters = dict(_parameters(tool))
+        for key in ("$defs", "definitions"):
+            for def_name, definition in (parameters.pop(key, None) or {}).items():
+                into = hoisted.setdefault(key, {})
+                if def_name in into and into[def_name] != definition:
+                    raise ValueError(
+                        f"tools: {key}.{def_name} differs between functions (one schema holds "
+                        "them all for tool_choice required)"
+                    )
+                into[def_name] = definition
+        variants.append(
             {
                 "type": "object",
                 "properties": {
                     "name": {"const": tool["function"]["name"]},
-                    "parameters": _parameters(tool),
+                    "parameters": parameters,
                 },
                 "required": ["name", "parameters"],
                 "additionalProperties": False,
             }
-            for tool in tools
-        ]
-    }
-    schema: dict[str, Any] = {"type": "array", "items": items, "minItems": 1}
+        )
+    schema: dict[str, Any] = {"type": "array", "items": {"anyOf": variants}, "minItems": 1}
     if not parallel:
         schema["maxItems"] = 1
+    schema.update(hoisted)
     return schema
 
 
@@ -225,73 +257,45 @@ def named_schema(tool: dict[str, Any]) -> dict[str, Any]:
     return _parameters(tool)
 
 
-def calls_from_required(text: str) -> list[ToolCall] | None:
-    """The calls of a ``required`` output (None: not a complete array -- cut by length)."""
-    try:
-        items = json.loads(text)
-    except json.JSONDecodeError:
-        return None
-    return [
-        ToolCall(item["name"], json.dumps(item["parameters"], ensure_ascii=False)) for item in items
-    ]
-
-
 # -- auto: parsing the model's own format ----------------------------------------------------
-def parse_calls(parser: str, text: str) -> tuple[str | None, list[ToolCall]]:
-    """(content, calls) of a whole ``auto`` output: calls that do not parse stay content."""
-    if parser == "llama3_json":
-        return _parse_llama3(text)
-    return _parse_hermes(text)
+def parse_calls(
+    parser: str, text: str, names: tuple[str, ...] = ()
+) -> tuple[str | None, list[ToolCall]]:
+    """(content, calls) of a whole ``auto`` output (``ToolPlan.parse``: its stream)."""
+    return ToolPlan("auto", parser, names=names).parse(text, None)[:2]
 
 
-def _call_from_json(blob: str, args_key: str) -> ToolCall | None:
+def _call_from_json(blob: str, strict: bool, names: tuple[str, ...] = ()) -> ToolCall | None:
+    """A call from ``{"name": ..., "arguments" | "parameters": {...}}``. ``strict``
+    (llama3_json, whose calls are bare JSON that any answer could look like): the arguments
+    must be there and the name one of ``names``."""
     try:
         value = json.loads(blob)
     except json.JSONDecodeError:
         return None
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
-    arguments = value.get(args_key, value.get("arguments", value.get("parameters", {})))
+    key = "arguments" if "arguments" in value else "parameters"
+    if strict and (key not in value or (names and value["name"] not in names)):
+        return None
+    arguments = value.get(key, {})
     if isinstance(arguments, str):
         return ToolCall(value["name"], arguments)
     return ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False))
 
 
-def _parse_hermes(text: str) -> tuple[str | None, list[ToolCall]]:
-    calls: list[ToolCall] = []
-    content: list[str] = []
-    pos = 0
-    while True:
-        start = text.find(_HERMES_OPEN, pos)
-        if start < 0:
-            content.append(text[pos:])
-            break
-        end = text.find(_HERMES_CLOSE, start)
-        if end < 0:  # an unclosed block (cut by length): text
-            content.append(text[pos:])
-            break
-        call = _call_from_json(text[start + len(_HERMES_OPEN) : end].strip(), "arguments")
-        if call is None:
-            content.append(text[pos : end + len(_HERMES_CLOSE)])
-        else:
-            content.append(text[pos:start])
-            calls.append(call)
-        pos = end + len(_HERMES_CLOSE)
-    rest = "".join(content).strip() if calls else "".join(content)
-    return (rest or None) if calls else rest, calls
-
-
-def _parse_llama3(text: str) -> tuple[str | None, list[ToolCall]]:
+def _parse_llama3(text: str, names: tuple[str, ...]) -> list[ToolCall]:
+    """The calls of a whole llama3_json output ([] when any part is no call)."""
     body = text.strip().removeprefix(_PYTHON_TAG).strip()
     if not body.startswith("{"):
-        return text, []
+        return []
     calls = []
     for blob in _split_objects(body):
-        call = _call_from_json(blob, "parameters")
+        call = _call_from_json(blob, True, names)
         if call is None:
-            return text, []
+            return []
         calls.append(call)
-    return None, calls
+    return calls
 
 
 def _split_objects(body: str) -> list[str]:
@@ -363,10 +367,12 @@ class NamedStream(ToolStream):
 class RequiredStream(ToolStream):
     """``tool_choice: required``: the output is ``[{"name": ..., "parameters": {...}}, ...]``
     (the grammar fixes the key order and the separators); a scanner that knows where it is in
-    that JSON sends each call's header when its parameters begin and their text as it comes."""
+    that JSON sends each call's header when its parameters begin and their text as it comes.
+    An output with no call in it (unconstrained after a grammar failure) ends as content."""
 
     def __init__(self) -> None:
         super().__init__()
+        self.seen: list[str] = []  # the whole output, for that case
         self.depth = 0
         self.in_str = self.escaped = self.in_value = False
         self.text: list[str] = []  # the current string's characters
@@ -377,6 +383,7 @@ class RequiredStream(ToolStream):
     def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
         deltas: list[dict[str, Any]] = []
         args: list[str] = []
+        self.seen.append(text)
         for ch in text:
             if self.capturing:
                 args.append(ch)
@@ -416,6 +423,9 @@ class RequiredStream(ToolStream):
         self._flush(args, deltas)
         return "", deltas
 
+    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+        return ("" if self.calls else "".join(self.seen)), []
+
     def _string(self, value: str) -> None:
         if self.depth != 2:
             return
@@ -433,15 +443,18 @@ class RequiredStream(ToolStream):
 
 
 class AutoStream(ToolStream):
-    """``auto``: content streams as it comes, except what may be the start of a call, which
-    waits until it is one (then sent whole) or is not (then sent as content)."""
+    """``auto``: content streams as it comes, except what may be the start of a call (held
+    until it is one, then sent whole, or is not, then sent as content) and whitespace next
+    to calls (dropped: with calls, content is what the model wrote around them)."""
 
-    def __init__(self, parser: str) -> None:
+    def __init__(self, parser: str, names: tuple[str, ...] = ()) -> None:
         super().__init__()
         self.parser = parser
+        self.names = names
         self.pending = ""  # text held back
         self.started = False  # any non-space output yet (llama3_json decides on the first)
-        self.buffering_all = False  # llama3_json: the output is a call: parse it at the end
+        self.buffering_all = False  # llama3_json: the output may be calls: read it at the end
+        self.after_call = False  # a call went out and no text since
 
     def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
         if self.parser == "llama3_json":
@@ -452,24 +465,35 @@ class AutoStream(ToolStream):
         while self.pending:
             start = self.pending.find(_HERMES_OPEN)
             if start < 0:
-                keep = _partial_suffix(self.pending, _HERMES_OPEN)
-                content.append(self.pending[: len(self.pending) - keep])
-                self.pending = self.pending[len(self.pending) - keep :]
+                cut = len(self.pending) - _partial_suffix(self.pending, _HERMES_OPEN)
+                while cut > 0 and self.pending[cut - 1].isspace():
+                    cut -= 1  # whitespace waits: a call may follow it
+                content.append(self._content(self.pending[:cut]))
+                self.pending = self.pending[cut:]
                 break
             end = self.pending.find(_HERMES_CLOSE, start)
-            if end < 0:
-                content.append(self.pending[:start])
-                self.pending = self.pending[start:]
+            if end < 0:  # the whitespace before the tag waits with it
+                kept = self.pending[:start].rstrip()
+                content.append(self._content(kept))
+                self.pending = self.pending[len(kept) :]
                 break
             block = self.pending[start + len(_HERMES_OPEN) : end].strip()
-            call = _call_from_json(block, "arguments")
-            if call is None:
-                content.append(self.pending[: end + len(_HERMES_CLOSE)])
+            call = _call_from_json(block, False)
+            if call is None:  # not a call after all: text
+                content.append(self._content(self.pending[: end + len(_HERMES_CLOSE)]))
             else:
-                content.append(self.pending[:start])
+                content.append(self._content(self.pending[:start].rstrip()))
                 deltas.append(self._whole(call))
+                self.after_call = True
             self.pending = self.pending[end + len(_HERMES_CLOSE) :]
         return "".join(content), deltas
+
+    def _content(self, text: str) -> str:
+        """Text to send; right after a call, its leading whitespace is dropped."""
+        if self.after_call:
+            text = text.lstrip()
+            self.after_call = not text
+        return text
 
     def _feed_llama3(self, text: str) -> tuple[str, list[dict[str, Any]]]:
         if self.buffering_all:
@@ -490,11 +514,13 @@ class AutoStream(ToolStream):
     def finish(self) -> tuple[str, list[dict[str, Any]]]:
         pending, self.pending = self.pending, ""
         if self.parser == "llama3_json" and self.buffering_all:
-            content, calls = _parse_llama3(pending)
+            calls = _parse_llama3(pending, self.names)
             if calls:
                 return "", [self._whole(call) for call in calls]
-            return content or "", []
-        return pending, []
+            return pending, []
+        if self.calls and not pending.strip():
+            return "", []  # whitespace after the last call
+        return self._content(pending), []
 
 
 def _partial_suffix(text: str, tag: str) -> int:

@@ -116,6 +116,9 @@ def test_a_spec_names_exactly_one_kind() -> None:
 def test_grammars_are_compiled_once_per_spec(
     byte_tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """One compile per spec (failures too); requests get copies of one matcher, independent
+    of each other; the cache is bounded by bytes; each failure is a fresh exception (a cached
+    one would keep every raise's frames alive through its traceback)."""
     calls: list[str] = []
     real = structured_output.grammar_text
 
@@ -124,17 +127,32 @@ def test_grammars_are_compiled_once_per_spec(
         return real(params)
 
     monkeypatch.setattr(structured_output, "grammar_text", counting)
-    compiler = GrammarCompiler(byte_tokenizer, VOCAB, max_cached=2, eos_token_id=2)
+    compiler = GrammarCompiler(byte_tokenizer, VOCAB, max_cached_bytes=1 << 20, eos_token_id=2)
     spec = StructuredOutputsParams(json=SCHEMA)
     bad = StructuredOutputsParams(regex="(")
+    errors = []
+    states = [compiler.state(spec) for _ in range(3)]
     for _ in range(3):
-        compiler.state(spec)
-        with pytest.raises(GrammarError):
-            compiler.compile(bad)  # failures are cached too
+        with pytest.raises(GrammarError) as failed:
+            compiler.compile(bad)
+        errors.append(failed.value)
     assert calls == ["json", "regex"]
-    compiler.compile(StructuredOutputsParams(choice=["a"]))  # evicts the oldest (json)
+    assert len({id(e) for e in errors}) == 3 and str(errors[0]) == str(errors[2])
+    states[0].sync("r", compiler.tokenizer.encode('{"city', add_special_tokens=False))
+    first, fresh = fill_bitmask([states[0], states[1]], VOCAB)
+    assert not torch.equal(first, fresh)  # feeding one copy left the others alone
+    assert torch.equal(fresh, fill_bitmask([states[2]], VOCAB)[0])
+    # A spec bigger than an eighth of the budget is compiled each time, not kept.
+    big = StructuredOutputsParams(choice=["x" * 40_000 + str(i) for i in range(4)])
+    compiler.compile(big)
+    compiler.compile(big)
+    assert calls[-2:] == ["choice", "choice"]
+    # The budget evicts the oldest specs first.
+    for i in range(100):
+        compiler.compile(StructuredOutputsParams(choice=["y" * 4000 + str(i)]))
+    assert compiler._cached_bytes <= compiler.max_cached_bytes
     compiler.compile(spec)
-    assert calls == ["json", "regex", "choice", "json"]
+    assert calls[-1] == "json"  # evicted, compiled again
     # One compiler per tokenizer in a process, shared by the API's checks and the factory.
     assert compiler_for(byte_tokenizer, VOCAB) is compiler_for(byte_tokenizer, 100)
 
@@ -271,3 +289,84 @@ def test_output_stays_valid_through_preemption(smollm: Any) -> None:
             assert isinstance(json.loads(text), dict)
         else:  # cut by max_tokens: a valid prefix of an object
             assert text.startswith("{")
+
+
+# -- a property: every completed output validates against its schema -------------------------
+def _leaf() -> Any:
+    from hypothesis import strategies as st
+
+    names = st.text(alphabet="abcxyz", min_size=1, max_size=4)
+    return st.one_of(
+        st.builds(
+            lambda lo, span: {"type": "integer", "minimum": lo, "maximum": lo + span},
+            st.integers(-50, 50),
+            st.integers(0, 100),
+        ),
+        st.just({"type": "boolean"}),
+        st.just({"type": "null"}),
+        st.lists(names, min_size=1, max_size=3, unique=True).map(lambda e: {"enum": e}),
+        # (The tiny tokenizer's EOS is the byte "#": free strings would end outputs early.)
+        st.integers(0, 5).map(lambda n: {"type": "string", "pattern": f"^[a-z]{{0,{n}}}$"}),
+    )
+
+
+def _schemas() -> Any:
+    from hypothesis import strategies as st
+
+    keys = st.text(alphabet="abcdefgh", min_size=1, max_size=4)
+
+    def nest(children: Any) -> Any:
+        arrays = st.builds(
+            lambda items, n: {"type": "array", "items": items, "maxItems": n},
+            children,
+            st.integers(0, 3),
+        )
+        objects = st.dictionaries(keys, children, min_size=1, max_size=3).map(
+            lambda props: {
+                "type": "object",
+                "properties": props,
+                "required": sorted(props),
+                "additionalProperties": False,
+            }
+        )
+        return st.one_of(arrays, objects)
+
+    tree = st.recursive(_leaf(), nest, max_leaves=6)
+    return st.dictionaries(keys, tree, min_size=1, max_size=3).map(
+        lambda props: {
+            "type": "object",
+            "properties": props,
+            "required": sorted(props),
+            "additionalProperties": False,
+        }
+    )
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(tiny_llama: Path) -> Any:
+    from cluster import LLM
+
+    return LLM(str(tiny_llama), dtype="float32", block_size=4, num_blocks=256, progress=False)
+
+
+def test_every_completed_output_validates_against_its_schema(tiny_llm: Any) -> None:
+    """Generated JSON schemas (nested objects and arrays, enums, bounded integers and
+    strings, booleans, nulls), sampled outputs of a random model: each completed output
+    parses and validates (``jsonschema``)."""
+    import jsonschema
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(schema=_schemas(), seed=st.integers(0, 2**31))
+    def check(schema: dict[str, Any], seed: int) -> None:
+        spec = StructuredOutputsParams(json=schema)
+        params = SamplingParams(
+            max_tokens=400, temperature=1.0, seed=seed, n=2, structured_outputs=spec
+        )
+        (out,) = tiny_llm.generate([[5, 6, 7]], params)
+        for sample in out.outputs:
+            assert sample.finish_reason == "stop", (schema, sample.text)
+            jsonschema.validate(json.loads(sample.text), schema)
+
+    check()

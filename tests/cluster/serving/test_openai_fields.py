@@ -135,6 +135,17 @@ def test_tool_choice_is_checked_against_the_tools() -> None:
         ({"tool_choice": "required"}, "required needs tools"),
         ({"tools": [tool, tool]}, "unique"),
         ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "pattern"),
+        (
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {"name": "f", "parameters": {"type": "string"}},
+                    }
+                ]
+            },
+            "an object",
+        ),
     ):
         with pytest.raises(ValidationError, match=words):
             ChatCompletionRequest.model_validate({**base, **extra})
@@ -155,3 +166,19 @@ def test_unknown_fields_are_ignored_and_logged_once(caplog: pytest.LogCaptureFix
             CompletionRequest.model_validate({**BASE["completions"], "frobnicate_xyz": 1})
     logged = [r for r in caplog.records if "frobnicate_xyz" in r.getMessage()]
     assert len(logged) == 1
+
+
+def test_empty_guided_fields_are_still_asked_for() -> None:
+    """An empty choice is a 400 (as structured_outputs.choice []), an empty schema allows
+    any JSON: neither is silently dropped."""
+    from cluster.serving.openai_protocol import FieldError
+
+    base = {"model": "m", "prompt": "hi"}
+    with pytest.raises(FieldError, match="at least one"):
+        CompletionRequest.model_validate({**base, "guided_choice": []}).structured()
+    spec, param = CompletionRequest.model_validate({**base, "guided_json": {}}).structured()
+    assert param == "guided_json" and spec is not None and spec.key == ("json", "{}")
+    nothing = CompletionRequest.model_validate(
+        {**base, "structured_outputs": {"disable_fallback": True}}
+    )
+    assert nothing.structured() == (None, "")

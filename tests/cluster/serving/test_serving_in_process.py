@@ -339,8 +339,8 @@ def test_tokenize_errors_name_what_is_wrong(serving: OpenAIServing) -> None:
         _run(serving.detokenize(DetokenizeRequest(tokens=[1, vocab])))
     assert outside.value.status == 400 and outside.value.param == "tokens"
     assert str(vocab) in outside.value.message
-    with pytest.raises(ValidationError, match="tools is not supported"):
-        _tokenize(serving, {"messages": [{"role": "user", "content": "x"}], "tools": [{}]})
+    with pytest.raises(ValidationError, match="chat_template is not supported"):
+        _tokenize(serving, {"messages": [{"role": "user", "content": "x"}], "chat_template": "x"})
     long = "hello " * (serving.max_model_len * 2)  # counted whole, as vLLM does
     counted = _tokenize(serving, {"prompt": long, "add_special_tokens": False})
     assert counted["count"] > serving.max_model_len
@@ -616,6 +616,11 @@ def test_tools_in_the_prompt_follow_tool_choice(serving: OpenAIServing) -> None:
     text = prompt(messages=history, tools=[PING])
     assert '<tool_call>\n{"name": "ping", "arguments": {}}\n</tool_call>' in text
     assert "<tool_response>\npong\n</tool_response>" in text
+    # /tokenize renders the same conversation the same way (clients count to truncate).
+    counted = _tokenize(serving, {"messages": history, "tools": [PING]})
+    body = {"model": "tiny-chat", "messages": history, "tools": [PING]}
+    job = _run(serving.chat_job(ChatCompletionRequest.model_validate(body)))
+    assert counted["tokens"] == job.prompt_ids
     with pytest.raises(APIError) as both:
         _chat(serving, tools=[LOOKUP], tool_choice="required", guided_regex="a")
     assert both.value.status == 400 and both.value.param == "guided_regex"

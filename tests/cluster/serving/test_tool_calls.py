@@ -19,7 +19,6 @@ from cluster.serving.tool_calls import (
     RequiredStream,
     ToolPlan,
     ToolStream,
-    calls_from_required,
     parse_calls,
     parser_for,
     required_schema,
@@ -91,6 +90,16 @@ def test_a_template_without_tools_gets_the_fallback_prompt_and_text_history() ->
     merged, _ = template_messages(with_system, [WEATHER], PLAIN_TEMPLATE)
     assert len(merged) == 2 and merged[0]["content"].startswith("Be brief.\n\n")
     assert template_messages(HISTORY[:1], None, PLAIN_TEMPLATE) == (HISTORY[:1], {})
+    # Two results in a row: one user turn (strict templates alternate user and assistant);
+    # a template that refuses a system role gets the prompt in the first user message.
+    two = [*HISTORY, {"role": "tool", "content": "windy", "tool_call_id": "c2"}]
+    messages, _ = template_messages(two, [WEATHER], PLAIN_TEMPLATE, system_role=False)
+    assert [m["role"] for m in messages] == ["user", "assistant", "user"]
+    assert (
+        messages[0]["content"].startswith("You may call")
+        and "Weather in Oslo?" in messages[0]["content"]
+    )
+    assert messages[2]["content"].count("<tool_response>") == 2
 
 
 def test_the_parser_follows_the_template_unless_overridden() -> None:
@@ -99,6 +108,32 @@ def test_the_parser_follows_the_template_unless_overridden() -> None:
     assert parser_for(PLAIN_TEMPLATE, "llama3_json") == "llama3_json"
     with pytest.raises(ValueError, match="hermes"):
         parser_for(None, "mistral")
+
+
+def test_required_schema_hoists_each_functions_definitions() -> None:
+    """Pydantic-made parameters reference ``#/$defs/...``: in the array schema of
+    ``required`` those definitions must sit at the root (a 400 if two functions disagree)."""
+    loc = {"type": "object", "properties": {"lat": {"type": "number"}}, "required": ["lat"]}
+    with_defs = {
+        "type": "function",
+        "function": {
+            "name": "go",
+            "parameters": {
+                "type": "object",
+                "properties": {"to": {"$ref": "#/$defs/Loc"}},
+                "required": ["to"],
+                "$defs": {"Loc": loc},
+            },
+        },
+    }
+    schema = required_schema([with_defs, TIME], parallel=True)
+    assert schema["$defs"] == {"Loc": loc}
+    assert "$defs" not in schema["items"]["anyOf"][0]["properties"]["parameters"]
+    other = json.loads(json.dumps(with_defs))
+    other["function"]["name"] = "come"
+    other["function"]["parameters"]["$defs"]["Loc"] = {"type": "string"}
+    with pytest.raises(ValueError, match="Loc differs"):
+        required_schema([with_defs, other], parallel=True)
 
 
 def test_required_schema_lists_each_function_and_bounds_the_count() -> None:
@@ -126,21 +161,25 @@ def test_hermes_and_llama3_outputs_parse_into_calls() -> None:
         ("get_time", {}),
     ]
     assert calls[0].id != calls[1].id and calls[0].id.startswith("call_")
-    # A broken block stays text, as does an unclosed one.
+    # A broken block stays text, as does an unclosed one; no calls: the text exactly.
     assert parse_calls("hermes", "<tool_call>{not json}</tool_call>") == (
         "<tool_call>{not json}</tool_call>",
         [],
     )
     assert parse_calls("hermes", "hi <tool_call>{") == ("hi <tool_call>{", [])
+    assert parse_calls("hermes", "plain text \n") == ("plain text \n", [])
+    names = ("get_weather", "get_time")
     llama = (
         '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Rome"}}; '
         '{"name": "get_time", "parameters": {}}'
     )
-    content, calls = parse_calls("llama3_json", llama)
+    content, calls = parse_calls("llama3_json", llama, names)
     assert content is None and [c.name for c in calls] == ["get_weather", "get_time"]
     assert json.loads(calls[0].arguments) == {"city": "Rome"}
-    assert parse_calls("llama3_json", "Rome is sunny.") == ("Rome is sunny.", [])
-    assert parse_calls("llama3_json", '{"city": "x"}') == ('{"city": "x"}', [])  # no name
+    assert parse_calls("llama3_json", "Rome is sunny.", names) == ("Rome is sunny.", [])
+    # Any JSON answer could look like a call: it must name a tool and carry arguments.
+    for answer in ('{"name": "Bob", "parameters": {}}', '{"name": "get_time", "age": 3}'):
+        assert parse_calls("llama3_json", answer, names) == (answer, [])
 
 
 def _pieces(text: str, seed: int) -> list[str]:
@@ -180,20 +219,23 @@ def _merge(calls: list[dict[str, Any]], delta: dict[str, Any]) -> None:
 @pytest.mark.parametrize("seed", range(8))
 def test_streamed_deltas_add_up_to_the_whole_response(seed: int) -> None:
     plan = ToolPlan("auto", "hermes")
-    content, calls = _stream(plan.stream(), HERMES_OUTPUT, seed)
-    whole_content, whole_calls, reason = plan.parse(HERMES_OUTPUT, "stop")
+    spaced = f"{HERMES_OUTPUT}\n\n"  # whitespace after the calls is no content
+    content, calls = _stream(plan.stream(), spaced, seed)
+    whole_content, whole_calls, reason = plan.parse(spaced, "stop")
     assert reason == "tool_calls"
-    assert content.strip() == whole_content
-    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [
-        (c.name, json.loads(c.arguments)) for c in whole_calls
+    assert content == whole_content == "Let me check."
+    assert [(c["name"], c["arguments"]) for c in calls] == [
+        (c.name, c.arguments) for c in whole_calls
     ]
     # Text that only looks like the start of a tag is content in the end.
     content, calls = _stream(AutoStream("hermes"), "a < b <tool_ca", seed)
     assert (content, calls) == ("a < b <tool_ca", [])
     llama = '  {"name": "get_time", "parameters": {"tz": "UTC"}}'
-    content, calls = _stream(AutoStream("llama3_json"), llama, seed)
+    content, calls = _stream(AutoStream("llama3_json", ("get_time",)), llama, seed)
     assert content == "" and calls[0]["name"] == "get_time"
     assert _stream(AutoStream("llama3_json"), "  Sunny today.", seed) == ("  Sunny today.", [])
+    # No call at all: the text exactly, its whitespace too.
+    assert _stream(AutoStream("hermes"), " a\n\nb \n", seed) == (" a\n\nb \n", [])
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -205,11 +247,10 @@ def test_forced_calls_stream_their_arguments_as_they_come(seed: int) -> None:
     stream = RequiredStream()
     content, calls = _stream(stream, required, seed)
     assert content == ""
-    whole = calls_from_required(required)
-    assert whole is not None
-    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [
-        (c.name, json.loads(c.arguments)) for c in whole
-    ]
+    _, whole, reason = ToolPlan("required", "hermes").parse(required, "stop")
+    assert reason == "tool_calls"
+    assert [(c["name"], c["arguments"]) for c in calls] == [(c.name, c.arguments) for c in whole]
+    assert json.loads(calls[0]["arguments"]) == {"city": 'S"ao {Paulo}', "unit": "F"}
     assert [c.id for c in stream.calls] == [c["id"] for c in calls]
     named = NamedStream("get_weather")
     content, calls = _stream(named, '{"city": "Lima"}', seed)
@@ -218,10 +259,14 @@ def test_forced_calls_stream_their_arguments_as_they_come(seed: int) -> None:
     ]
 
 
-def test_a_call_cut_by_max_tokens_stays_text() -> None:
-    for mode in ("required", "named"):
-        plan = ToolPlan(mode, "hermes", "get_weather" if mode == "named" else None)
-        assert plan.parse('[{"name": "get_wea', "length") == ('[{"name": "get_wea', [], "length")
+def test_forced_calls_whole_agree_with_their_streams() -> None:
+    """Cut by max_tokens, a forced call is what was streamed -- a call with the arguments so
+    far, finish length; an output with no call in it (unconstrained) is its text."""
+    required = ToolPlan("required", "hermes")
+    content, calls, reason = required.parse('[{"name": "get_weather", "parameters": {"ci', "length")
+    assert (content, reason) == (None, "length")
+    assert [(c.name, c.arguments) for c in calls] == [("get_weather", '{"ci')]
+    assert required.parse("[1, 2]", "stop") == ("[1, 2]", [], "stop")
     named = ToolPlan("named", "hermes", "get_weather").parse('{"city": "Oslo"}', "stop")
     assert named[0] is None and named[2] == "stop"  # a forced function ends with stop
     assert named[1][0].name == "get_weather" and named[1][0].arguments == '{"city": "Oslo"}'

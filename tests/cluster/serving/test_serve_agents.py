@@ -1,0 +1,222 @@
+"""What agents ask of the API, through the official ``openai`` SDK against the live Serve app:
+structured outputs parsed into Pydantic models (``beta.chat.completions.parse``), and tool
+calling -- named, required and auto choices, single and parallel calls, streamed deltas the
+SDK reassembles into the non-streamed result, a conversation carrying tool results.
+Disaggregated (the shared app: every request prefilled on one instance and decoded on
+another) and colocated (a second app, on a one-instance cluster of its own).
+
+The model is the tiny random checkpoint: its outputs mean nothing, which is the point -- only
+the constraints make them parse. Schemas bound their strings, numbers and arrays so that a
+random model finishes them within max_tokens."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any, Literal
+
+import pytest
+from pydantic import BaseModel, Field
+
+from tests.cluster.conftest import API_KEY, ServeApp
+
+ray = pytest.importorskip("ray")
+openai = pytest.importorskip("openai")
+
+
+class Address(BaseModel):
+    city: str = Field(max_length=6)
+    zone: Literal["north", "south"]
+
+
+class Person(BaseModel):
+    name: str = Field(max_length=6)
+    age: int = Field(ge=0, le=120)
+    home: Address  # nested (a $ref in the schema)
+    tags: list[Literal["a", "b", "c"]] = Field(max_length=3)
+    active: bool
+
+
+class Reading(BaseModel):
+    sensor: Literal["t1", "t2"]
+    values: list[int] = Field(max_length=4)
+    ok: bool
+
+
+@pytest.fixture(scope="module")
+def colocated(serve_app: ServeApp) -> Iterator[Any]:
+    """A second app, route /colocated, on a cluster of one colocated instance."""
+    from ray import serve
+
+    from cluster.config import ClusterConfig
+    from cluster.control.launch import app_cluster_name, shutdown_cluster
+    from cluster.serving.app import build_app_from_config
+
+    config = ClusterConfig.model_validate(
+        {
+            "model": str(serve_app.model_dir),
+            "block_size": 4,
+            "pools": [
+                {"name": "c", "role": "both", "num_blocks": 160, "scheduler": {"max_num_seqs": 8}}
+            ],
+            "serve": {"api_key": API_KEY, "grpc_port": None},
+        }
+    )
+    serve.run(build_app_from_config(config), name="colocated", route_prefix="/colocated")
+    try:
+        yield openai.OpenAI(
+            base_url=f"{serve_app.url}/colocated/v1", api_key=API_KEY, max_retries=0
+        )
+    finally:
+        serve.delete("colocated")
+        from cluster.control.launch import DEFAULT_NAMESPACE
+
+        handle = ray.get_actor(app_cluster_name("colocated"), namespace=DEFAULT_NAMESPACE)
+        shutdown_cluster(handle)
+
+
+@pytest.fixture(params=["disaggregated", "colocated"])
+def client(request: pytest.FixtureRequest, serve_app: ServeApp) -> Any:
+    if request.param == "colocated":
+        return request.getfixturevalue("colocated")
+    return serve_app.openai()
+
+
+MESSAGES: list[Any] = [{"role": "user", "content": "Describe someone."}]
+
+
+def test_parse_returns_pydantic_objects(client: Any, serve_app: ServeApp) -> None:
+    """Nested objects, enums, arrays, required fields; greedy and sampled; streamed and not."""
+    for model, extra in (
+        (Person, {"temperature": 0}),
+        (Person, {"temperature": 1.0, "seed": 3}),
+        (Reading, {"temperature": 1.0, "seed": 8}),
+    ):
+        done = client.beta.chat.completions.parse(
+            model=serve_app.model,
+            messages=MESSAGES,
+            response_format=model,
+            max_tokens=200,
+            **extra,
+        )
+        choice = done.choices[0]
+        assert choice.finish_reason == "stop"
+        assert isinstance(choice.message.parsed, model)
+        with client.beta.chat.completions.stream(
+            model=serve_app.model,
+            messages=MESSAGES,
+            response_format=model,
+            max_tokens=200,
+            **extra,
+        ) as stream:
+            streamed = stream.get_final_completion()
+        assert isinstance(streamed.choices[0].message.parsed, model)
+        if extra.get("seed") is not None or extra.get("temperature") == 0:
+            # The same request, streamed: the same object.
+            assert streamed.choices[0].message.parsed == choice.message.parsed
+
+
+WEATHER: Any = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 5},
+                "unit": {"enum": ["C", "F"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+CLOCK: Any = {"type": "function", "function": {"name": "get_time"}}
+
+
+def _calls(message: Any) -> list[tuple[str, Any]]:
+    return [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls]
+
+
+def _streamed(client: Any, **kwargs: Any) -> Any:
+    """The SDK's own reassembly of a streamed chat completion."""
+    with client.beta.chat.completions.stream(**kwargs) as stream:
+        return stream.get_final_completion()
+
+
+def test_tool_calls_named_required_auto_streamed_and_not(client: Any, serve_app: ServeApp) -> None:
+    base: dict[str, Any] = {
+        "model": serve_app.model,
+        "messages": [{"role": "user", "content": "Weather in Oslo?"}],
+        "tools": [WEATHER, CLOCK],
+        "max_tokens": 120,
+        "temperature": 0,
+    }
+    named = {**base, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+    whole = client.chat.completions.create(**named)
+    ((name, arguments),) = _calls(whole.choices[0].message)
+    assert name == "get_weather" and arguments["unit"] in ("C", "F")
+    assert len(arguments["city"]) <= 5
+    assert _calls(_streamed(client, **named).choices[0].message) == [(name, arguments)]
+
+    single = {**base, "tool_choice": "required", "parallel_tool_calls": False}
+    whole = client.chat.completions.create(**single)
+    assert whole.choices[0].finish_reason == "tool_calls"
+    assert len(whole.choices[0].message.tool_calls) == 1
+    streamed = _streamed(client, **single)
+    assert _calls(streamed.choices[0].message) == _calls(whole.choices[0].message)
+
+    parallel = {**base, "tool_choice": "required", "temperature": 1.0, "seed": 5}
+    whole = client.chat.completions.create(**parallel)
+    calls = _calls(whole.choices[0].message)
+    assert calls and {n for n, _ in calls} <= {"get_weather", "get_time"}
+    assert all(a == {} for n, a in calls if n == "get_time")
+    assert _calls(_streamed(client, **parallel).choices[0].message) == calls
+
+    # auto: the model's own format, parsed. The random model never writes a call by itself,
+    # so a regex (vLLM's guided_regex) writes two for it; the parser does the rest.
+    block = (
+        r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "Oslo", "unit": "C"\}\}'
+        r'\n</tool_call>\n<tool_call>\n\{"name": "get_time", "arguments": \{\}\}\n</tool_call>'
+    )
+    auto = {**base, "extra_body": {"guided_regex": block}}
+    whole = client.chat.completions.create(**auto)
+    expected = [("get_weather", {"city": "Oslo", "unit": "C"}), ("get_time", {})]
+    assert whole.choices[0].finish_reason == "tool_calls"
+    assert _calls(whole.choices[0].message) == expected
+    streamed = _streamed(client, **auto)
+    assert _calls(streamed.choices[0].message) == expected
+    assert streamed.choices[0].finish_reason == "tool_calls"
+
+
+def test_a_conversation_with_tool_results(client: Any, serve_app: ServeApp) -> None:
+    """Call a tool, send its result back with the call in the history, get an answer: the
+    history reaches the prompt (its tokens grow with the tool turns)."""
+    messages: list[Any] = [{"role": "user", "content": "Weather in Oslo?"}]
+    first = client.chat.completions.create(
+        model=serve_app.model,
+        messages=messages,
+        tools=[WEATHER],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=120,
+        temperature=0,
+    )
+    message = first.choices[0].message
+    (call,) = message.tool_calls
+    messages.append(message.model_dump(exclude_none=True))
+    messages.append({"role": "tool", "tool_call_id": call.id, "content": '{"temp": -3}'})
+    answer = client.chat.completions.create(
+        model=serve_app.model, messages=messages, tools=[WEATHER], max_tokens=8, temperature=0
+    )
+    assert answer.choices[0].message.role == "assistant"
+    grown = answer.usage.prompt_tokens - first.usage.prompt_tokens
+    assert grown >= len(call.function.arguments) + len('{"temp": -3}')
+    with pytest.raises(openai.BadRequestError) as missing:  # a tool result must name its call
+        client.chat.completions.create(
+            model=serve_app.model,
+            messages=[*messages[:2], {"role": "tool", "content": "x"}],
+            max_tokens=2,
+        )
+    assert "tool_call_id" in missing.value.body["message"]
