@@ -6,7 +6,7 @@ decode the same number of tokens: a constrained request that completes its objec
 repeat EOS). The ratio constrained / free is the figure; the mask's own cost per row and
 step (llguidance, measured in isolation on the same vocabulary) is printed beside it.
 
-    python -m bench.structured_outputs --batches 1 8 32
+    python -m bench.structured_outputs --batches 1 16 64
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def _mask_cost_us(llm: Any) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     from cluster import LLM
