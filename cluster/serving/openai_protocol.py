@@ -331,10 +331,10 @@ class CompletionRequest(_Sampling):
     """``POST /v1/completions``: a prompt (text, token ids, or a batch of either)."""
 
     prompt: str | list[str] | TokenIds | list[TokenIds]
+    echo: bool = False  # (before max_tokens: its check reads it)
     # 0 with echo: the prompt alone, with its logprobs (loglikelihood evaluation).
     max_tokens: int | None = Field(16, ge=0)
     logprobs: int | None = Field(None, ge=0, le=20)
-    echo: bool = False
     best_of: int | None = Field(None, ge=1)
     suffix: str | None = None
 
@@ -355,9 +355,14 @@ class CompletionRequest(_Sampling):
             raise ValueError("best_of is not supported (only best_of == n)")
         if self.suffix:
             raise ValueError("suffix is not supported")
-        if self.max_tokens == 0 and not self.echo:
-            raise ValueError("max_tokens 0 is only allowed with echo (the prompt alone)")
         return self
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _zero_with_echo(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value == 0 and not info.data.get("echo"):
+            raise ValueError("max_tokens must be at least 1 (0 only with echo: the prompt alone)")
+        return value
 
     @property
     def echo_only(self) -> bool:

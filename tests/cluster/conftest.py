@@ -289,6 +289,11 @@ def serve_app(
     model_dir = root / "tiny-chat"
     shutil.copytree(tiny_model, model_dir)
     (model_dir / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
+    # A longer context than the checkpoint's 512 (its KV cache then bounds it: 640 tokens):
+    # the byte tokenizer spends a token per character, and tool prompts are long.
+    model_config = json.loads((model_dir / "config.json").read_text())
+    model_config["max_position_embeddings"] = 1024
+    (model_dir / "config.json").write_text(json.dumps(model_config))
     lora = make_adapter(model_dir, root / "a", seed=3)
     receiver = OTLPReceiver()
     spare = make_adapter(model_dir, root / "b", seed=4)

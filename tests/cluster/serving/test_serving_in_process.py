@@ -674,7 +674,7 @@ def test_echo_and_prompt_logprobs_for_loglikelihood(serving: OpenAIServing) -> N
     assert "".join(c["text"] for c in chunks) == both["text"]
     stream_tokens = [t for c in chunks if c["logprobs"] for t in c["logprobs"]["tokens"]]
     assert stream_tokens == both["logprobs"]["tokens"]
-    with pytest.raises(ValidationError, match="only allowed with echo"):
+    with pytest.raises(ValidationError, match="0 only with echo"):
         CompletionRequest.model_validate({"model": "tiny-chat", "prompt": "x", "max_tokens": 0})
     with pytest.raises(ValidationError, match="not available when stream"):
         CompletionRequest.model_validate({**vllm_style, "stream": True})
