@@ -237,32 +237,23 @@ class GrammarState:
         return not self.broken
 
 
-_executor: llguidance.LLExecutor | None = None
-
-
 def fill_bitmask(states: Sequence[GrammarState], vocab_size: int) -> torch.Tensor:
     """One int32 bitmask row per state (bit ``t`` of word ``t // 32``: token ``t`` allowed); a
-    broken state's row allows everything. Several rows are computed in one call, on
-    llguidance's thread pool (the GIL released)."""
-    global _executor
+    broken state's row allows everything. One row after the other, on this thread:
+    llguidance's thread pool (``LLExecutor``) measured slower in the engine -- its workers
+    spin on the cores the model's next step needs (bench/structured_outputs.py)."""
     words = (vocab_size + 31) // 32
     mask = torch.full((len(states), words), -1, dtype=torch.int32)
-    live = [(s.matcher, i) for i, s in enumerate(states) if s.matcher is not None and not s.broken]
-    if len(live) > 1:
-        if _executor is None:
-            _executor = llguidance.LLExecutor()
-        try:
-            _executor.unsafe_compute_mask_ptr(live, mask.data_ptr(), words * 4, len(states))
-            return mask
-        except Exception:  # one row at a time below: the failing one goes unconstrained
-            mask.fill_(-1)
-    for matcher, i in live:
+    for i, state in enumerate(states):
+        matcher = state.matcher
+        if matcher is None or state.broken:
+            continue
         try:
             matcher.unsafe_compute_mask_ptr(mask[i].data_ptr(), words * 4)
         except Exception as exc:
             logger.warning("a grammar's mask failed (%s); its output is no longer constrained", exc)
             mask[i].fill_(-1)
-            states[i].broken = True
+            state.broken = True
     return mask
 
 
