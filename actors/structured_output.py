@@ -94,8 +94,10 @@ class _Compiled:
 
 class GrammarCompiler:
     """The grammars of one model's tokenizer: each spec compiled and checked once, kept in an
-    LRU bounded by ``max_cached_bytes`` (failures kept as their message), matchers copied
-    from it. Thread-safe."""
+    LRU of at most ``max_cached`` specs and ``max_cached_bytes`` of spec and grammar text
+    (failures kept as their message), matchers copied from it. A kept matcher holds about
+    100 KB beyond its text (measured on a 256-token vocabulary): the count bounds those.
+    Thread-safe."""
 
     def __init__(
         self,
@@ -103,6 +105,7 @@ class GrammarCompiler:
         vocab_size: int,
         max_cached_bytes: int = 32 << 20,
         eos_token_id: int | None = None,
+        max_cached: int = 256,
     ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size  # the logits' width (may exceed the tokenizer's vocab)
@@ -110,6 +113,7 @@ class GrammarCompiler:
         # tokenizer's.
         self.eos_token_id = tokenizer.eos_token_id if eos_token_id is None else eos_token_id
         self.max_cached_bytes = max_cached_bytes
+        self.max_cached = max_cached
         self._cache: OrderedDict[tuple[str, str], _Compiled | str] = OrderedDict()
         self._cached_bytes = 0
         self._lock = threading.Lock()
@@ -144,7 +148,10 @@ class GrammarCompiler:
                     if key not in self._cache:
                         self._cache[key] = cached
                         self._cached_bytes += size
-                    while self._cached_bytes > self.max_cached_bytes and self._cache:
+                    while self._cache and (
+                        self._cached_bytes > self.max_cached_bytes
+                        or len(self._cache) > self.max_cached
+                    ):
                         old_key, old = self._cache.popitem(last=False)
                         self._cached_bytes -= 2 * len(old_key[1]) + (
                             len(old) if isinstance(old, str) else old.size

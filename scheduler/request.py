@@ -289,10 +289,13 @@ class Request:
         self.kv_hash_boundary = 0
         # Its blocks hold externally loaded KV not yet known good: do not hash them.
         self.kv_hash_deferred = False
-        # prompt_logprobs: entry p is prompt token p's (None for p = 0 and until computed);
-        # sent with the request's first output token.
+        # prompt_logprobs: entry p is prompt token p's (None for p = 0 and until computed),
+        # handed over with the first output token (then None: nothing more to compute, and
+        # prefix-cache hits are allowed again). None from the start for a request that
+        # arrives with outputs (P/D decode part, a move): its first output carried them.
+        wanted = sampling_params.prompt_logprobs is not None and not self.output_token_ids
         self.prompt_logprobs: list[PromptLogprob | None] | None = (
-            None if sampling_params.prompt_logprobs is None else [None] * self.num_prompt_tokens
+            [None] * self.num_prompt_tokens if wanted else None
         )
 
     # -- views -----------------------------------------------------------------------------

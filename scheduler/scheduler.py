@@ -240,7 +240,8 @@ class Scheduler:
                 kept, stopped = append_and_check_stop(request, sampled, max_model_len)
             out = EngineCoreOutput(req_id, kept, None, None, request.num_cached_tokens or 0)
             if request.prompt_logprobs is not None and len(request.output_token_ids) == len(kept):
-                out.prompt_logprobs = request.prompt_logprobs  # with the first token only
+                # With the first token only; handed over (the scheduler keeps no reference).
+                out.prompt_logprobs, request.prompt_logprobs = request.prompt_logprobs, None
             if all_logprobs is not None:
                 logprobs = all_logprobs[i]
                 if logprobs is not None:

@@ -76,6 +76,8 @@ class RequestFactory:
         requests = []
         for i, child_id in enumerate(child_ids):
             update: dict[str, Any] = {"n": 1, "stop_token_ids": stop_ids}
+            if i > 0 and params.prompt_logprobs is not None:
+                update["prompt_logprobs"] = None  # one sample computes them for all
             if params.seed is not None:
                 update["seed"] = params.seed + i
             requests.append(

@@ -61,12 +61,12 @@ def completion_response(
                 "index": job.first_index + out.index,
                 "text": text,
                 "logprobs": logprobs,
-                "finish_reason": "length" if job.echo_only else out.finish_reason,
+                "finish_reason": _echo_reason(job, out.finish_reason),
                 "stop_reason": None if job.echo_only else out.stop_reason,
             }
             if req.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = prompt_logprobs_body(
-                    tokenizer, job.prompt_ids, final.prompt_logprobs
+                    tokenizer, job.prompt_ids, final.prompt_logprobs, req.prompt_logprobs
                 )
             choices.append(choice)
     return {
@@ -115,7 +115,8 @@ def chat_response(
     }
     if req.prompt_logprobs is not None:
         prompt = finals[job.first_index].prompt_logprobs
-        body["prompt_logprobs"] = prompt_logprobs_body(tokenizer, job.prompt_ids, prompt)
+        k = req.prompt_logprobs
+        body["prompt_logprobs"] = prompt_logprobs_body(tokenizer, job.prompt_ids, prompt, k)
     return body
 
 
@@ -135,6 +136,7 @@ def completion_chunks(
     """The SSE stream of a completion (``echo``: each choice's first chunk starts with its
     prompt, and its logprobs with the prompt's)."""
     echoed: set[int] = set()
+    offsets: dict[int, int] = {}  # per choice: where its next token's text starts
 
     def choice(job: Job, sample: CompletionOutput) -> dict[str, Any]:
         index = job.first_index + sample.index
@@ -142,19 +144,20 @@ def completion_chunks(
         lps: list[TokenLogprobs] | None = new_logprobs(sample)
         if job.echo_only:
             ids, text, lps = [], "", []
-        logprobs = _completion_logprobs(tokenizer, job, ids, lps)
+        start = offsets.get(index, 0)
+        logprobs = _completion_logprobs(tokenizer, job, ids, lps, start)
         if req.echo and index not in echoed:
             echoed.add(index)
             text = (job.text or "") + text
             if logprobs is not None:
                 prompt = stream.finals[job.first_index].prompt_logprobs
                 logprobs = _with_prompt(tokenizer, job, prompt, logprobs)
-        finished = sample.finish_reason is not None
+        offsets[index] = _end_offset(logprobs, start)
         return {
             "index": index,
             "text": text,
             "logprobs": logprobs,
-            "finish_reason": "length" if job.echo_only and finished else sample.finish_reason,
+            "finish_reason": _echo_reason(job, sample.finish_reason),
             "stop_reason": None if job.echo_only else sample.stop_reason,
         }
 
@@ -328,11 +331,30 @@ def _token_text(tokenizer: Tokenizer, token_id: int) -> str:
 
 
 def _completion_logprobs(
-    tokenizer: Tokenizer, job: Job, token_ids: list[int], logprobs: list[TokenLogprobs] | None
+    tokenizer: Tokenizer,
+    job: Job,
+    token_ids: list[int],
+    logprobs: list[TokenLogprobs] | None,
+    start: int = 0,
 ) -> dict[str, Any] | None:
     if job.params.logprobs is None:
         return None
-    return completion_logprobs(tokenizer, token_ids, logprobs, job.params.logprobs)
+    return completion_logprobs(tokenizer, token_ids, logprobs, job.params.logprobs, start)
+
+
+def _echo_reason(job: Job, reason: str | None) -> str | None:
+    """echo with max_tokens 0 ends with length (the generated token is dropped), unless it
+    was aborted or failed."""
+    if job.echo_only and reason not in (None, "abort", "error"):
+        return "length"
+    return reason
+
+
+def _end_offset(logprobs: dict[str, Any] | None, start: int) -> int:
+    """Where the next token's text starts (offsets run over the whole returned text)."""
+    if not logprobs or not logprobs["tokens"]:
+        return start
+    return int(logprobs["text_offset"][-1]) + len(logprobs["tokens"][-1])
 
 
 def _chat_logprobs(
@@ -347,11 +369,16 @@ def _chat_logprobs(
 
 
 def completion_logprobs(
-    tokenizer: Tokenizer, token_ids: list[int], logprobs: list[TokenLogprobs] | None, k: int
+    tokenizer: Tokenizer,
+    token_ids: list[int],
+    logprobs: list[TokenLogprobs] | None,
+    k: int,
+    start: int = 0,
 ) -> dict[str, Any]:
-    """The legacy completions ``logprobs`` object (tokens, their logprobs, ``k`` best, offsets)."""
+    """The legacy completions ``logprobs`` object (tokens, their logprobs, ``k`` best, offsets
+    from ``start``: what came before them in the returned text, token by token)."""
     tokens, token_logprobs, tops, offsets = [], [], [], []
-    offset = 0
+    offset = start
     for tid, lp in zip(token_ids, logprobs or [], strict=False):
         text = _token_text(tokenizer, tid)
         tokens.append(text)
@@ -395,7 +422,7 @@ def _with_prompt(
             lp = entry[0]
             values.append(_finite(lp.get(token_id)))
             tops.append({_token_text(tokenizer, t): _finite(v) for t, v in _top(lp)[:k]})
-    shift = len(job.text or "")
+    shift = offset - (generated["text_offset"][0] if generated["text_offset"] else 0)
     return {
         "tokens": tokens + generated["tokens"],
         "token_logprobs": values + generated["token_logprobs"],
@@ -405,7 +432,10 @@ def _with_prompt(
 
 
 def prompt_logprobs_body(
-    tokenizer: Tokenizer, prompt_ids: list[int], prompt: list[PromptLogprob | None] | None
+    tokenizer: Tokenizer,
+    prompt_ids: list[int],
+    prompt: list[PromptLogprob | None] | None,
+    k: int,
 ) -> list[dict[str, dict[str, Any]] | None]:
     """vLLM's ``prompt_logprobs``: per prompt token, null for the first, else ``{token id:
     {"logprob", "rank", "decoded_token"}}`` for the prompt's own token (its computed rank)
@@ -418,7 +448,9 @@ def prompt_logprobs_body(
         lp, own_rank = entry
         own = prompt_ids[position]
         item: dict[str, dict[str, Any]] = {}
-        for place, (token_id, value) in enumerate(_top(lp), start=1):
+        ranked = _top(lp)  # (echo may have asked the engine for more than k)
+        kept = ranked[:k] + [(t, v) for t, v in ranked[k:] if t == own]
+        for place, (token_id, value) in enumerate(kept, start=1):
             item[str(token_id)] = {
                 "logprob": _finite(value),
                 "rank": own_rank if token_id == own else place,

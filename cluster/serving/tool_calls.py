@@ -455,6 +455,7 @@ class AutoStream(ToolStream):
         self.started = False  # any non-space output yet (llama3_json decides on the first)
         self.buffering_all = False  # llama3_json: the output may be calls: read it at the end
         self.after_call = False  # a call went out and no text since
+        self.wrote = False  # some content went out
 
     def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
         if self.parser == "llama3_json":
@@ -489,10 +490,14 @@ class AutoStream(ToolStream):
         return "".join(content), deltas
 
     def _content(self, text: str) -> str:
-        """Text to send; right after a call, its leading whitespace is dropped."""
+        """Text to send; right after a call, its leading whitespace is dropped (one newline
+        keeps it apart from text before the call)."""
         if self.after_call:
             text = text.lstrip()
             self.after_call = not text
+            if text and self.wrote:
+                text = "\n" + text
+        self.wrote = self.wrote or bool(text)
         return text
 
     def _feed_llama3(self, text: str) -> tuple[str, list[dict[str, Any]]]:

@@ -214,6 +214,17 @@ def test_a_state_rebuilt_from_the_tokens_equals_the_one_fed_step_by_step(
     assert torch.equal(fill_bitmask([running], VOCAB), fill_bitmask([rebuilt], VOCAB))
 
 
+def test_a_resumed_request_keeps_its_matcher_when_its_outputs_extend_it(
+    compiler: GrammarCompiler,
+) -> None:
+    state = compiler.state(StructuredOutputsParams(json=SCHEMA))
+    ids = compiler.tokenizer.encode('{"city": "Rome"', add_special_tokens=False)
+    state.sync("r", ids[:6])
+    assert state.extends(ids) and state.extends(ids[:6])
+    assert not state.extends(ids[:5])  # fewer outputs than it consumed
+    assert not state.extends([ids[0] + 1, *ids[1:]])  # different ones
+
+
 def test_a_token_the_grammar_refuses_unconstrains_and_is_logged(
     compiler: GrammarCompiler, caplog: pytest.LogCaptureFixture
 ) -> None:

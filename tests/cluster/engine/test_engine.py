@@ -274,7 +274,8 @@ def test_prompt_logprobs_equal_transformers(tiny_llama: Path) -> None:
     """Every prompt token's logprob, rank and top-k equal transformers' log-softmax on the same
     weights -- whole, in chunks of a small token budget, and for a prompt whose blocks sit in
     the prefix cache (such a request computes its whole prompt: no hit)."""
-    prompts = make_prompts(9)[:4]
+    # (150 tokens: logits are taken 64 positions at a time.)
+    prompts = [*make_prompts(9)[:4], torch.randint(3, 256, (150,)).tolist()]
     model = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
     params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=3)
     runs = [
@@ -299,5 +300,7 @@ def test_prompt_logprobs_equal_transformers(tiny_llama: Path) -> None:
                 assert values[token] == pytest.approx(row[token].item(), abs=1e-4)
                 assert rank == int((row > row[token]).sum()) + 1
                 assert set(row.topk(3).indices.tolist()) <= set(values)
-    # Asked for nothing: nothing computed or sent.
+    # Asked for nothing: nothing computed or sent. With n > 1, one sample computes them.
     assert engine(tiny_llama).generate(prompts[:1], GREEDY)[0].prompt_logprobs is None
+    fanned = engine(tiny_llama).generate(prompts[:1], params.model_copy(update={"n": 3}))[0]
+    assert fanned.prompt_logprobs == runs[0][0].prompt_logprobs

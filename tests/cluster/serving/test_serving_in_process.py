@@ -672,8 +672,15 @@ def test_echo_and_prompt_logprobs_for_loglikelihood(serving: OpenAIServing) -> N
 
     chunks = [c["choices"][0] for c in _run(streamed()) if c["choices"]]
     assert "".join(c["text"] for c in chunks) == both["text"]
-    stream_tokens = [t for c in chunks if c["logprobs"] for t in c["logprobs"]["tokens"]]
-    assert stream_tokens == both["logprobs"]["tokens"]
+    for key in ("tokens", "token_logprobs", "text_offset"):  # offsets run over the whole text
+        streamed_values = [v for c in chunks if c["logprobs"] for v in c["logprobs"][key]]
+        assert streamed_values == both["logprobs"][key], key
+    offsets, tokens = both["logprobs"]["text_offset"], both["logprobs"]["tokens"]
+    assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    # The engine computes as many as echo needs; the field shows what it asked for.
+    trimmed = CompletionRequest.model_validate({**base, "max_tokens": 1, "prompt_logprobs": 0})
+    entries = _run(serving.completion(trimmed))["choices"][0]["prompt_logprobs"]
+    assert all(len(e) == 1 for e in entries[1:])  # the prompt's own token only
     with pytest.raises(ValidationError, match="0 only with echo"):
         CompletionRequest.model_validate({"model": "tiny-chat", "prompt": "x", "max_tokens": 0})
     with pytest.raises(ValidationError, match="not available when stream"):

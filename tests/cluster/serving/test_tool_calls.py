@@ -234,6 +234,10 @@ def test_streamed_deltas_add_up_to_the_whole_response(seed: int) -> None:
     content, calls = _stream(AutoStream("llama3_json", ("get_time",)), llama, seed)
     assert content == "" and calls[0]["name"] == "get_time"
     assert _stream(AutoStream("llama3_json"), "  Sunny today.", seed) == ("  Sunny today.", [])
+    # Text on both sides of a call stays apart.
+    around = 'a <tool_call>{"name": "get_time", "arguments": {}}</tool_call> b'
+    assert _stream(AutoStream("hermes"), around, seed)[0] == "a\nb"
+    assert ToolPlan("auto", "hermes").parse(around, "stop")[0] == "a\nb"
     # No call at all: the text exactly, its whitespace too.
     assert _stream(AutoStream("hermes"), " a\n\nb \n", seed) == (" a\n\nb \n", [])
 
