@@ -151,6 +151,51 @@ def test_n_and_seeded_sampling_match_in_process(client: ClusterClient, tiny_mode
     assert len({tuple(t) for t in got[0]}) > 1  # the three samples differ
 
 
+def test_n_samples_share_their_prompts_blocks(disagg: Any, tiny_model: Path) -> None:
+    """The n samples of a request, submitted in one call and admitted in one step: the
+    prefill instance computes their prompt once -- the first sample's full blocks are cached
+    when it is scheduled (as vLLM v1), and the others' look-ups hit them -- the others only
+    its last, partial block. Their tokens are the in-process engine's."""
+    from cluster.engine.llm import LLM
+
+    rng = random.Random(11)
+    prompt = [rng.randrange(3, 256) for _ in range(61)]  # 15 full blocks and one token
+    n = 4
+    params = SamplingParams(max_tokens=6, temperature=0.9, seed=21, n=n)
+    children = [
+        Request(
+            f"sibs#{i}",
+            prompt,
+            params.model_copy(update={"n": 1, "seed": 21 + i}),
+            eos_token_id=2,
+            num_samples=n,
+        )
+        for i in range(n)
+    ]
+    before = _stats_of(disagg)["p-0"]["num_prompt_tokens_computed"]
+    stream = disagg.subscribe.remote("sibs-client")
+    items = [(child, None, None) for child in children]
+    assert ray.get(disagg.submit_many.remote("sibs-client", items)) == [None] * n
+    tokens: dict[str, list[int]] = {c.request_id: [] for c in children}
+    finished: set[str] = set()
+    while len(finished) < n:
+        for tag, out in unpack_batch(ray.get(next(stream))):
+            tokens[str(tag)].extend(out.new_token_ids)
+            if out.finished:
+                finished.add(str(tag))
+    ray.get(disagg.unsubscribe.remote("sibs-client"))
+    computed = _stats_of(disagg)["p-0"]["num_prompt_tokens_computed"] - before
+    assert len(prompt) <= computed <= len(prompt) + (n - 1) * BLOCK_SIZE
+    llm = LLM(str(tiny_model), block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, progress=False)
+    (expected,) = llm.generate([prompt], params)
+    assert [tokens[f"sibs#{i}"] for i in range(n)] == [s.token_ids for s in expected.outputs]
+
+
+def _stats_of(handle: Any) -> dict[str, Any]:
+    instances: dict[str, Any] = ray.get(handle.stats.remote())["instances"]
+    return instances
+
+
 def test_structured_outputs_across_the_hand_off(client: ClusterClient, tiny_model: Path) -> None:
     """The prefill instance samples the first token under the grammar; the decode instance
     rebuilds the matcher from it and goes on: greedy output equals colocated and in-process
