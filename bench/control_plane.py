@@ -5,6 +5,8 @@ routing, scheduling, bookkeeping and streaming -- what caps a cluster before its
 
     python -m bench.control_plane                         # in-process and on Ray, 1 4 16 instances
     python -m bench.control_plane --modes ray --instances 8 --concurrency 128 --step-ms 25
+    python -m bench.control_plane --modes client --instances 8 --concurrency 128 --step-ms 25 \
+        --async-scheduling                                 # step N+1 scheduled while N runs
     python -m bench.control_plane --quick                 # smoke: 1 and 4 instances, short
 
 Four modes:
@@ -57,17 +59,27 @@ class NullWorker:
         return {"ok": True, "node_id": None}
 
 
+ASYNC_SCHEDULING = False  # --async-scheduling
+
+
 class NullExecutor:
     """Samples ``token`` for each scheduled request whose tokens reach its known length; a step
-    takes ``step_s`` (asyncio sleep: the actor's event loop stays free, as with a GPU)."""
+    takes ``step_s`` (asyncio sleep: the actor's event loop stays free, as with a GPU). Steps
+    run one at a time, in order, as on one device: with async scheduling the next step is
+    scheduled while one runs, never run beside it."""
 
     def __init__(self, step_s: float, token: int = TOKEN) -> None:
         self.step_s = step_s
         self.token = token
         self.worker = NullWorker()
         self.lengths: dict[str, int] = {}  # request id -> tokens known (prompt + sampled)
+        self._device = asyncio.Lock()
 
     async def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        async with self._device:
+            return await self._execute(out)
+
+    async def _execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         lengths = self.lengths
         for req_id in out.finished_req_ids:
             lengths.pop(req_id, None)
@@ -131,6 +143,7 @@ def make_config(instances: int, concurrency: int, **extra: Any) -> ClusterConfig
                     "scheduler": {
                         "max_num_seqs": concurrency,
                         "max_num_batched_tokens": max(2048, concurrency * 2),
+                        "async_scheduling": ASYNC_SCHEDULING,
                     },
                 }
             ],
@@ -429,8 +442,15 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="1 and 4 instances, short windows.")
     parser.add_argument("--ingress-replicas", type=int, default=1, help="http mode.")
     parser.add_argument("--http-port", type=int, default=8123, help="http mode.")
+    parser.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="schedule step N+1 while step N runs (scheduler.async_scheduling)",
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    global ASYNC_SCHEDULING
+    ASYNC_SCHEDULING = args.async_scheduling
     if args.quick:
         args.instances, args.warmup_s, args.window_s = [1, 4], 1.0, 2.0
         args.admission_requests = 500
