@@ -238,9 +238,11 @@ class Request:
         cache_salt: str | None = None,
         output_token_ids: list[int] | None = None,
         num_samples: int = 1,
+        sample_index: int = 0,
     ) -> None:
-        """``num_samples``: the ``n`` of the user request this one is a sample of (metrics:
-        the scheduler sees only ``n == 1``). ``output_token_ids``: outputs already produced
+        """``num_samples``: the ``n`` of the user request this one is sample ``sample_index``
+        of (the scheduler sees only ``n == 1``; admission and metrics count a user request
+        once, by its sample 0). ``output_token_ids``: outputs already produced
         elsewhere (the first token sampled by a prefill instance; the tokens a client already
         has when a request moves to another instance). They count toward ``max_tokens`` and
         are computed (or loaded) like the prompt, and the request continues after them."""
@@ -254,6 +256,7 @@ class Request:
         self.kv_transfer_params = kv_transfer_params
         self.cache_salt = cache_salt
         self.num_samples = num_samples
+        self.sample_index = sample_index
 
         self.status = RequestStatus.WAITING
         self.num_prompt_tokens = len(self.prompt_token_ids)

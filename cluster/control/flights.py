@@ -103,11 +103,10 @@ class Flight:
             self.queue.put_nowait(out)
 
 
-def later_sample(request_id: str) -> bool:
-    """True for sample i > 0 of a request fanned out into n (a client's id "{id}#{i}",
-    ``cluster.engine.outputs`` names)."""
-    _, sep, index = request_id.rpartition("#")
-    return bool(sep) and index.isdigit() and index != "0"
+def later_sample(request: Request) -> bool:
+    """True for sample i > 0 of a request fanned out into n (by the index its client set,
+    not by its id: a client may name a request "job#2")."""
+    return request.sample_index > 0
 
 
 def clone_request(request: Request, **overrides: Any) -> Request:
@@ -124,6 +123,7 @@ def clone_request(request: Request, **overrides: Any) -> Request:
         cache_salt=request.cache_salt,
         output_token_ids=list(request.output_token_ids),
         num_samples=request.num_samples,
+        sample_index=request.sample_index,
     )
     args.update(overrides)
     return Request(**args)

@@ -188,5 +188,5 @@ class RequestObserver:
             num,
             request.sampling_params.max_tokens,
             # n, once per user request: on its first sample ("{id}#0", or the only one)
-            None if later_sample(final.request_id) else request.num_samples,
+            None if later_sample(request) else request.num_samples,
         )

@@ -270,9 +270,9 @@ class SchedulerActor(ClusterOperations):
             )
         bound = self.config.serve.max_waiting_requests
         # A user request is admitted or refused as a whole: its first sample is checked, the
-        # others of its ``n`` ("{id}#{i}", i > 0) follow it (otherwise n above the bound
+        # others of its ``n`` (sample_index > 0) follow it (otherwise n above the bound
         # would be refused forever, on an idle cluster too).
-        if bound is not None and not later_sample(rid):
+        if bound is not None and not later_sample(request):
             waiting = sum(view.num_waiting for view in self.views.values() if view.alive)
             if waiting >= bound:
                 raise OverloadedError(waiting, bound, self.config.serve.retry_after_s)

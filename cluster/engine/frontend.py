@@ -90,6 +90,7 @@ class RequestFactory:
                     priority=priority,
                     lora_request=lora_request,
                     num_samples=len(child_ids),
+                    sample_index=i,
                 )
             )
         return PreparedRequest(request_id, text, prompt_ids, params, requests)

@@ -145,8 +145,12 @@ def test_request_params_n_and_lora_requests_info() -> None:
 
 
 def test_only_a_first_sample_counts_n() -> None:
-    from cluster.control.flights import later_sample
+    """By the index its client set, not by its id (a client may name a request "job#2")."""
+    from cluster.control.flights import clone_request, later_sample
+    from scheduler import Request, SamplingParams
 
-    assert not later_sample("req") and not later_sample("req#0")
-    assert later_sample("req#1") and later_sample("a#b#12")
-    assert not later_sample("req#x") and not later_sample("req#")
+    def request(rid: str, index: int) -> Request:
+        return Request(rid, [1, 2], SamplingParams(), num_samples=3, sample_index=index)
+
+    assert not later_sample(request("job#2", 0)) and later_sample(request("x", 1))
+    assert later_sample(clone_request(request("y#1", 1), request_id="y#1@7"))
