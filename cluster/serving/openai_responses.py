@@ -20,7 +20,8 @@ from cluster.serving.openai_protocol import (
     CompletionRequest,
     StreamOptions,
 )
-from cluster.serving.tool_calls import ToolPlan, ToolStream
+from cluster.serving.tool_calls import ToolPlan
+from cluster.serving.tool_streams import ToolStream
 from scheduler import SamplingParams
 from scheduler.outputs import TokenLogprobs
 from scheduler.request import PromptLogprob

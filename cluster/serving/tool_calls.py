@@ -30,11 +30,21 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+from cluster.serving.tool_streams import (
+    HERMES_CLOSE,
+    HERMES_OPEN,
+    AutoStream,
+    NamedStream,
+    RequiredStream,
+    ToolCall,
+    ToolStream,
+)
+
 PARSERS = ("hermes", "llama3_json")
+
 
 @dataclass(frozen=True)
 class ToolPlan:
@@ -100,8 +110,8 @@ def fallback_system_prompt(tools: list[dict[str, Any]]) -> str:
     return (
         f"You may call these functions (JSON schemas):\n<tools>\n{lines}\n</tools>\n"
         "To call one, reply with one block per call:\n"
-        f'{_HERMES_OPEN}\n{{"name": "<function name>", "arguments": {{<arguments>}}}}\n'
-        f"{_HERMES_CLOSE}"
+        f'{HERMES_OPEN}\n{{"name": "<function name>", "arguments": {{<arguments>}}}}\n'
+        f"{HERMES_CLOSE}"
     )
 
 
@@ -166,12 +176,12 @@ def _as_text(message: dict[str, Any]) -> dict[str, Any]:
     if not calls:
         return message
     blocks = [
-        f"{_HERMES_OPEN}\n"
+        f"{HERMES_OPEN}\n"
         + json.dumps(
             {"name": c["function"]["name"], "arguments": _loads_or_text(c["function"])},
             ensure_ascii=False,
         )
-        + f"\n{_HERMES_CLOSE}"
+        + f"\n{HERMES_CLOSE}"
         for c in calls
     ]
     text = "\n".join(([message["content"]] if message["content"] else []) + blocks)

@@ -9,8 +9,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-_HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
-_PYTHON_TAG = "<|python_tag|>"
+HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+PYTHON_TAG = "<|python_tag|>"
 
 
 def new_call_id() -> str:
@@ -52,7 +52,7 @@ def _call_from_json(blob: str, strict: bool, names: tuple[str, ...] = ()) -> Too
 
 def _parse_llama3(text: str, names: tuple[str, ...]) -> list[ToolCall]:
     """The calls of a whole llama3_json output ([] when any part is no call)."""
-    body = text.strip().removeprefix(_PYTHON_TAG).strip()
+    body = text.strip().removeprefix(PYTHON_TAG).strip()
     if not body.startswith("{"):
         return []
     calls = []
@@ -230,29 +230,29 @@ class AutoStream(ToolStream):
         content: list[str] = []
         deltas: list[dict[str, Any]] = []
         while self.pending:
-            start = self.pending.find(_HERMES_OPEN)
+            start = self.pending.find(HERMES_OPEN)
             if start < 0:
-                cut = len(self.pending) - _partial_suffix(self.pending, _HERMES_OPEN)
+                cut = len(self.pending) - _partial_suffix(self.pending, HERMES_OPEN)
                 while cut > 0 and self.pending[cut - 1].isspace():
                     cut -= 1  # whitespace waits: a call may follow it
                 content.append(self._content(self.pending[:cut]))
                 self.pending = self.pending[cut:]
                 break
-            end = self.pending.find(_HERMES_CLOSE, start)
+            end = self.pending.find(HERMES_CLOSE, start)
             if end < 0:  # the whitespace before the tag waits with it
                 kept = self.pending[:start].rstrip()
                 content.append(self._content(kept))
                 self.pending = self.pending[len(kept) :]
                 break
-            block = self.pending[start + len(_HERMES_OPEN) : end].strip()
+            block = self.pending[start + len(HERMES_OPEN) : end].strip()
             call = _call_from_json(block, False)
             if call is None:  # not a call after all: text
-                content.append(self._content(self.pending[: end + len(_HERMES_CLOSE)]))
+                content.append(self._content(self.pending[: end + len(HERMES_CLOSE)]))
             else:
                 content.append(self._content(self.pending[:start].rstrip()))
                 deltas.append(self._whole(call))
                 self.after_call = True
-            self.pending = self.pending[end + len(_HERMES_CLOSE) :]
+            self.pending = self.pending[end + len(HERMES_CLOSE) :]
         return "".join(content), deltas
 
     def _content(self, text: str) -> str:
@@ -276,7 +276,7 @@ class AutoStream(ToolStream):
             if not head:
                 return "", []
             self.started = True
-            if head.startswith("{") or head.startswith(_PYTHON_TAG):
+            if head.startswith("{") or head.startswith(PYTHON_TAG):
                 self.buffering_all = True
                 return "", []
             text, self.pending = self.pending, ""

@@ -14,17 +14,14 @@ import pytest
 from actors.model.chat_template import render_chat
 from cluster.serving.tool_calls import (
     NO_PARAMETERS,
-    AutoStream,
-    NamedStream,
-    RequiredStream,
     ToolPlan,
-    ToolStream,
     parse_calls,
     parser_for,
     required_schema,
     template_messages,
     template_supports_tools,
 )
+from cluster.serving.tool_streams import AutoStream, NamedStream, RequiredStream, ToolStream
 
 WEATHER = {
     "type": "function",
