@@ -262,68 +262,6 @@ class _Sampling(BaseModel):
         return self.stream_options is not None and self.stream_options.include_usage
 
 
-class FieldError(ValueError):
-    """A request field's value the API refuses (a 400 naming ``param``)."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param = param
-
-
-def _given(key: str, value: Any) -> dict[str, Any] | None:
-    """A guided_* field as a spec (given empty, it is still asked for: the spec's checks
-    refuse an empty choice; an empty schema allows any JSON)."""
-    return None if value is None else {key: value}
-
-
-def _response_format(value: dict[str, Any] | None) -> dict[str, Any] | None:
-    """OpenAI's ``response_format`` as a structured-outputs spec (None: free text)."""
-    if value is None:
-        return None
-    kind = value.get("type")
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return {"json_object": True}
-    if kind == "json_schema":
-        spec = value.get("json_schema")
-        if not isinstance(spec, dict):
-            raise FieldError("response_format", "response_format: json_schema must be an object")
-        schema = spec.get("schema", {"type": "object"})  # no schema: any JSON object
-        if not isinstance(schema, dict | bool):
-            raise FieldError(
-                "response_format", "response_format: json_schema.schema must be a JSON schema"
-            )
-        return {"json": schema}  # strict or not: the schema is always enforced
-    raise FieldError(
-        "response_format",
-        f"response_format: type {kind!r} is not supported (text, json_object, json_schema)",
-    )
-
-
-# vLLM's ``structured_outputs`` keys that need nothing here: the fallback and whitespace
-# choices describe what Tandem always does (one backend, no fallback; compact JSON).
-_STRUCTURED_NO_EFFECT = ("disable_fallback", "disable_any_whitespace")
-_STRUCTURED_SPEC_KEYS = ("json", "json_object", "regex", "choice", "grammar")
-
-
-def _structured_outputs(value: dict[str, Any] | None) -> dict[str, Any] | None:
-    """vLLM's ``structured_outputs`` object as a spec; keys that would change the output and
-    are not implemented are refused by name."""
-    if not value:
-        return None
-    spec = {}
-    for key, item in value.items():
-        if key in _STRUCTURED_SPEC_KEYS:
-            if item is not None and item is not False:
-                spec[key] = item
-        elif key in _STRUCTURED_NO_EFFECT or item in (None, False, ""):
-            continue
-        else:
-            raise FieldError("structured_outputs", f"structured_outputs.{key} is not supported")
-    return spec or None
-
-
 TokenIds = list[Annotated[int, Field(ge=0)]]
 
 
@@ -388,57 +326,6 @@ class TextPart(BaseModel):
 
     type: Literal["text"]
     text: str
-
-
-class FunctionDefinition(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
-    description: str | None = None
-    parameters: dict[str, Any] | None = None  # a JSON schema (none: no arguments)
-    strict: bool | None = None  # enforced or not: forced calls always match the schema
-
-    @field_validator("parameters")
-    @classmethod
-    def _an_object(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        if value is not None and value.get("type", "object") != "object":
-            raise ValueError("parameters must be a JSON schema of an object (arguments by name)")
-        return value
-
-
-class Tool(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    type: Literal["function"]
-    function: FunctionDefinition
-
-
-class NamedFunction(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    name: str
-
-
-class NamedToolChoice(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    type: Literal["function"]
-    function: NamedFunction
-
-
-class CalledFunction(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    name: str
-    arguments: str  # JSON text, as the API returned it
-
-
-class ToolCallItem(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    id: str
-    type: Literal["function"] = "function"
-    function: CalledFunction
 
 
 class ChatMessage(BaseModel):
