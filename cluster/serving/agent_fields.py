@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+
 class FieldError(ValueError):
     """A request field's value the API refuses (a 400 naming ``param``)."""
 
@@ -17,13 +18,13 @@ class FieldError(ValueError):
         self.param = param
 
 
-def _given(key: str, value: Any) -> dict[str, Any] | None:
+def given_spec(key: str, value: Any) -> dict[str, Any] | None:
     """A guided_* field as a spec (given empty, it is still asked for: the spec's checks
     refuse an empty choice; an empty schema allows any JSON)."""
     return None if value is None else {key: value}
 
 
-def _response_format(value: dict[str, Any] | None) -> dict[str, Any] | None:
+def response_format_spec(value: dict[str, Any] | None) -> dict[str, Any] | None:
     """OpenAI's ``response_format`` as a structured-outputs spec (None: free text)."""
     if value is None:
         return None
@@ -54,7 +55,7 @@ _STRUCTURED_NO_EFFECT = ("disable_fallback", "disable_any_whitespace")
 _STRUCTURED_SPEC_KEYS = ("json", "json_object", "regex", "choice", "grammar")
 
 
-def _structured_outputs(value: dict[str, Any] | None) -> dict[str, Any] | None:
+def structured_outputs_spec(value: dict[str, Any] | None) -> dict[str, Any] | None:
     """vLLM's ``structured_outputs`` object as a spec; keys that would change the output and
     are not implemented are refused by name."""
     if not value:

@@ -32,6 +32,15 @@ from pydantic import (
     model_validator,
 )
 
+from cluster.serving.agent_fields import (
+    FieldError,
+    NamedToolChoice,
+    Tool,
+    ToolCallItem,
+    given_spec,
+    response_format_spec,
+    structured_outputs_spec,
+)
 from scheduler import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -200,12 +209,12 @@ class _Sampling(BaseModel):
         asked = [
             (param, spec)
             for param, spec in (
-                ("response_format", _response_format(self.response_format)),
-                ("structured_outputs", _structured_outputs(self.structured_outputs)),
-                ("guided_json", _given("json", self.guided_json)),
-                ("guided_regex", _given("regex", self.guided_regex)),
-                ("guided_choice", _given("choice", self.guided_choice)),
-                ("guided_grammar", _given("grammar", self.guided_grammar)),
+                ("response_format", response_format_spec(self.response_format)),
+                ("structured_outputs", structured_outputs_spec(self.structured_outputs)),
+                ("guided_json", given_spec("json", self.guided_json)),
+                ("guided_regex", given_spec("regex", self.guided_regex)),
+                ("guided_choice", given_spec("choice", self.guided_choice)),
+                ("guided_grammar", given_spec("grammar", self.guided_grammar)),
             )
             if spec is not None
         ]

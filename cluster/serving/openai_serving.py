@@ -26,14 +26,13 @@ from cluster.engine.protocol import EngineClient
 from cluster.engine.streams import merge_streams
 from cluster.errors import UnknownModelError
 from cluster.observability.api_span import APISpan
+from cluster.serving.agent_fields import FieldError, NamedToolChoice
 from cluster.serving.errors import APIError, api_error
 from cluster.serving.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
-    FieldError,
     LoadLoRAAdapterRequest,
-    NamedToolChoice,
     ScalePoolRequest,
     TokenizeChatRequest,
     TokenizeRequest,

@@ -171,7 +171,7 @@ def test_unknown_fields_are_ignored_and_logged_once(caplog: pytest.LogCaptureFix
 def test_empty_guided_fields_are_still_asked_for() -> None:
     """An empty choice is a 400 (as structured_outputs.choice []), an empty schema allows
     any JSON: neither is silently dropped."""
-    from cluster.serving.openai_protocol import FieldError
+    from cluster.serving.agent_fields import FieldError
 
     base = {"model": "m", "prompt": "hi"}
     with pytest.raises(FieldError, match="at least one"):
