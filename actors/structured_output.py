@@ -31,14 +31,15 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
 
 import llguidance
 import numpy as np
 import torch
 from llguidance.gbnf_to_lark import any_to_lark
 
-from scheduler.request import StructuredOutputsParams
+from scheduler.request import SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
@@ -270,3 +271,64 @@ def allowed_tokens(mask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     as_bytes = mask.cpu().numpy().view(np.uint8)
     bits = np.unpackbits(as_bytes, axis=-1, count=vocab_size, bitorder="little")
     return torch.from_numpy(bits).to(device=mask.device, dtype=torch.bool)
+
+
+class GrammarRequest(Protocol):
+    """What a worker keeps of a request that the grammars read (``_RequestState``)."""
+
+    req_id: str
+    params: SamplingParams
+    token_ids: list[int]  # prompt + outputs so far
+    num_prompt_tokens: int
+    eos_token_id: int | None
+    grammar: GrammarState | None  # set here at its first sample
+
+
+class WorkerGrammars:
+    """A worker's structured outputs: its ``GrammarCompiler`` (built at the first constrained
+    request, from the model's tokenizer) and each step's bitmask."""
+
+    def __init__(self, model_path: Path) -> None:
+        self.model_path = model_path
+        self._compiler: GrammarCompiler | None = None
+
+    def bitmask(
+        self, requests: Sequence[GrammarRequest], vocab_size: int
+    ) -> tuple[list[int], torch.Tensor] | None:
+        """The rows (of ``requests``, the step's sampling rows) with structured outputs and
+        their bitmask, one row each: every state first consumes the outputs it has not seen
+        (a new one: all of them)."""
+        rows: list[int] = []
+        states: list[GrammarState] = []
+        for i, request in enumerate(requests):
+            spec = request.params.structured_outputs
+            if spec is None:
+                continue
+            state = request.grammar
+            if state is None:
+                state = request.grammar = self._state(request, spec, vocab_size)
+            state.sync(request.req_id, request.token_ids[request.num_prompt_tokens :])
+            rows.append(i)
+            states.append(state)
+        return (rows, fill_bitmask(states, vocab_size)) if rows else None
+
+    def _state(
+        self, request: GrammarRequest, spec: StructuredOutputsParams, vocab_size: int
+    ) -> GrammarState:
+        """A matcher for a request's spec. The front ends check specs before anything is
+        scheduled; one that fails here anyway is logged and leaves the output unconstrained
+        (a worker never fails a step over one request's grammar)."""
+        try:
+            if self._compiler is None:
+                from actors.model.tokenizer import Tokenizer
+
+                # EOS: the requests' (what stops them), else the tokenizer's.
+                self._compiler = GrammarCompiler(
+                    Tokenizer.from_path(self.model_path),
+                    vocab_size,
+                    eos_token_id=request.eos_token_id,
+                )
+            return self._compiler.state(spec)
+        except Exception as exc:  # a spec, a tokenizer llguidance cannot read, ...
+            logger.error("request %s: its structured outputs cannot apply: %s", request.req_id, exc)
+            return GrammarState(None)

@@ -24,15 +24,14 @@ from actors.model.attention import AttentionMetadata, select_backend
 from actors.model.llama import LlamaForCausalLM
 from actors.model.loader import load_model, resolve_model_path
 from actors.pipeline import IntermediateOutput, stage_report
+from actors.prompt_logprobs import prompt_logprobs
 from actors.sampler import Sampler, SamplingRow
-from actors.structured_output import GrammarCompiler, GrammarState, fill_bitmask
+from actors.structured_output import GrammarState, WorkerGrammars
 from scheduler import LoRAConfig, ModelRunnerOutput, SchedulerOutput
 from scheduler.outputs import TokenLogprobs
 from scheduler.request import (
     LoRARequest,
-    PromptLogprob,
     SamplingParams,
-    StructuredOutputsParams,
 )
 
 if TYPE_CHECKING:
@@ -42,9 +41,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30  # CPU default (vLLM's CPU backend uses a fixed space too)
-# Prompt positions whose logits are computed at once (64 x a 152k vocabulary: ~120 MB of
-# float32 for the logits and their log-softmax).
-_PROMPT_LOGPROBS_SLICE = 64
 
 
 @dataclass
@@ -126,7 +122,7 @@ class ModelWorker:
         self.num_blocks = 0
         self.requests: dict[str, _RequestState] = {}
         self.sampler = Sampler()
-        self._grammars: GrammarCompiler | None = None  # built at the first structured request
+        self.grammars = WorkerGrammars(self.model_path)  # structured outputs' matchers
         self.lora_manager: LoRAManager | None = None
         self.num_steps = 0
         self.kv_transfer = kv_transfer
@@ -368,7 +364,7 @@ class ModelWorker:
             )
             for s in sampling
         ]
-        grammar = self._grammar_bitmask(sampling, logits.shape[1])
+        grammar = self.grammars.bitmask([s.state for s in sampling], logits.shape[1])
         sampled = self.sampler(logits, rows, grammar) if rows else None
         by_req: dict[str, tuple[list[int], list[TokenLogprobs] | None]] = {}
         for i, s in enumerate(sampling):
@@ -386,49 +382,9 @@ class ModelWorker:
             req_ids=req_ids,
             sampled_token_ids=tokens,
             logprobs=logprobs if any(lp is not None for lp in logprobs) else None,
-            prompt_logprobs=self._prompt_logprobs(batch, hidden),
+            prompt_logprobs=prompt_logprobs(self._model, batch, hidden),
         )
         return self._with_connector_reports(output, None, meta, intermediate)
-
-    def _grammar_bitmask(
-        self, sampling: list[_Scheduled], vocab_size: int
-    ) -> tuple[list[int], torch.Tensor] | None:
-        """The rows with structured outputs and their bitmask, one row each: every state
-        first consumes the outputs it has not seen (a new one: all of them)."""
-        rows: list[int] = []
-        states: list[GrammarState] = []
-        for i, s in enumerate(sampling):
-            spec = s.state.params.structured_outputs
-            if spec is None:
-                continue
-            state = s.state.grammar
-            if state is None:
-                state = s.state.grammar = self._new_grammar_state(s.state, spec, vocab_size)
-            state.sync(s.state.req_id, s.state.token_ids[s.state.num_prompt_tokens :])
-            rows.append(i)
-            states.append(state)
-        return (rows, fill_bitmask(states, vocab_size)) if rows else None
-
-    def _new_grammar_state(
-        self, state: _RequestState, spec: StructuredOutputsParams, vocab_size: int
-    ) -> GrammarState:
-        """A matcher for a request's spec. The front ends check specs before anything is
-        scheduled; one that fails here anyway is logged and leaves the output unconstrained
-        (a worker never fails a step over one request's grammar)."""
-        try:
-            if self._grammars is None:
-                from actors.model.tokenizer import Tokenizer
-
-                # EOS: the requests' (what stops them), else the tokenizer's.
-                self._grammars = GrammarCompiler(
-                    Tokenizer.from_path(self.model_path),
-                    vocab_size,
-                    eos_token_id=state.eos_token_id,
-                )
-            return self._grammars.state(spec)
-        except Exception as exc:  # a spec, a tokenizer llguidance cannot read, ...
-            logger.error("request %s: its structured outputs cannot apply: %s", state.req_id, exc)
-            return GrammarState(None)
 
     def _with_connector_reports(
         self,
@@ -575,40 +531,6 @@ class ModelWorker:
             hidden_in,
         )
         return hidden
-
-    def _prompt_logprobs(
-        self, batch: list[_Scheduled], hidden: torch.Tensor
-    ) -> dict[str, tuple[int, list[PromptLogprob]]] | None:
-        """For the requests that asked for prompt logprobs: each prompt token this step's
-        chunk predicts (the one after each input position), its logprob, rank and the top
-        ``prompt_logprobs`` (logits in slices: a long chunk never holds a [tokens, vocab]
-        tensor whole)."""
-        result: dict[str, tuple[int, list[PromptLogprob]]] = {}
-        row = 0
-        for s in batch:
-            first, row = row, row + s.num_tokens
-            k = s.state.params.prompt_logprobs
-            end = min(s.start + s.num_tokens, s.state.num_prompt_tokens - 1)
-            if k is None or end <= s.start or not s.state.wants_prompt_logprobs:
-                continue
-            targets = s.state.token_ids[s.start + 1 : end + 1]
-            entries: list[PromptLogprob] = []
-            for lo in range(0, len(targets), _PROMPT_LOGPROBS_SLICE):
-                part = targets[lo : lo + _PROMPT_LOGPROBS_SLICE]
-                h = hidden[first + lo : first + lo + len(part)]
-                logp = self._model.compute_logits(h).float().log_softmax(dim=-1)
-                own_ids = torch.tensor(part, device=logp.device)
-                own = logp.gather(1, own_ids[:, None])
-                ranks = ((logp > own).sum(dim=-1) + 1).tolist()
-                top_values, top_ids = logp.topk(k, dim=-1)  # k = 0: empty
-                # One copy to Python per slice (a sync per row costs 7x on a GPU).
-                values, ids, owns = top_values.tolist(), top_ids.tolist(), own[:, 0].tolist()
-                for j, token in enumerate(part):
-                    entry = dict(zip(ids[j], values[j], strict=True))
-                    entry[token] = owns[j]
-                    entries.append((entry, ranks[j]))
-            result[s.state.req_id] = (s.start + 1, entries)
-        return result or None
 
     def _logits(self, batch: list[_Scheduled], hidden: torch.Tensor) -> torch.Tensor:
         """Logits of the last token of each sampling request."""
