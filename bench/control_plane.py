@@ -60,6 +60,7 @@ class NullWorker:
 
 
 ASYNC_SCHEDULING = False  # --async-scheduling
+ENGINE_ACTORS = False  # --engine-actors
 
 
 class NullExecutor:
@@ -149,6 +150,7 @@ def make_config(instances: int, concurrency: int, **extra: Any) -> ClusterConfig
             ],
             "health_check_interval_s": 0,
             "admission_window_s": 0.0,
+            "engine_actors": ENGINE_ACTORS,
         }
     )
 
@@ -164,6 +166,7 @@ class Cell:
     cpu_us_per_token: float  # every process on the path
     actor_cpu_us_per_token: float
     actor_cpu_us_per_instance_step: float
+    engines_cpu_us_per_token: float  # the engine actors' (engine_actors), summed
     num_tokens: int
     num_steps: int
     window_s: float
@@ -213,7 +216,8 @@ class Driver:
 
     async def call(self, method: str) -> Any:
         if self.mode == "inproc":
-            return getattr(self.actor, method)()
+            result = getattr(self.actor, method)()
+            return await result if asyncio.iscoroutine(result) else result
         return await getattr(self.actor, method).remote()
 
 
@@ -245,10 +249,15 @@ async def measure(
     await asyncio.sleep(args.warmup_s)
     pids = path_pids or ([os.getpid()] if mode == "inproc" else [os.getpid(), pid])
     stats = Driver(mode, actor, 1, 1).call
-    steps0 = _steps(await stats("stats"))
+    before = await stats("stats")
+    engines = sorted({i["engine_pid"] for i in before["instances"].values()} - {pid, os.getpid()})
+    pids = pids + engines
+    steps0 = _steps(before)
     tokens0, cpu0, actor0, t0 = driver.tokens, _cpu(pids), _cpu([pid]), time.perf_counter()
+    engines0 = _cpu(engines)
     await asyncio.sleep(args.window_s)
     tokens1, cpu1, actor1, t1 = driver.tokens, _cpu(pids), _cpu([pid]), time.perf_counter()
+    engines1 = _cpu(engines)
     steps1 = _steps(await stats("stats"))
     stop.set()
     loop_task.cancel()  # the requests in flight end with the actor's shutdown
@@ -266,6 +275,7 @@ async def measure(
         cpu_us_per_token=(cpu1 - cpu0) / max(tokens, 1) * 1e6,
         actor_cpu_us_per_token=(actor1 - actor0) / max(tokens, 1) * 1e6,
         actor_cpu_us_per_instance_step=(actor1 - actor0) / max(steps, 1) * 1e6,
+        engines_cpu_us_per_token=(engines1 - engines0) / max(tokens, 1) * 1e6,
         num_tokens=tokens,
         num_steps=steps,
         window_s=window,
@@ -447,10 +457,17 @@ def main() -> None:
         action="store_true",
         help="schedule step N+1 while step N runs (scheduler.async_scheduling)",
     )
+    parser.add_argument(
+        "--engine-actors",
+        action="store_true",
+        help="each instance's engine in a Ray actor of its own (engine_actors; modes client "
+        "and http)",
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    global ASYNC_SCHEDULING
+    global ASYNC_SCHEDULING, ENGINE_ACTORS
     ASYNC_SCHEDULING = args.async_scheduling
+    ENGINE_ACTORS = args.engine_actors
     if args.quick:
         args.instances, args.warmup_s, args.window_s = [1, 4], 1.0, 2.0
         args.admission_requests = 500
@@ -511,18 +528,19 @@ def _row(c: Cell) -> str:
     return (
         f"{c.mode:7s}{c.instances:10d}{c.concurrency:8d}{c.step_ms:8.1f}{c.tokens_per_s:12,.0f}"
         f"{ideal:>8s}{c.cpu_us_per_token:10.1f}{c.actor_cpu_us_per_token:10.1f}"
-        f"{c.actor_cpu_us_per_instance_step:12.0f}"
+        f"{c.actor_cpu_us_per_instance_step:12.0f}{c.engines_cpu_us_per_token:10.1f}"
     )
 
 
 def _table(cells: list[Cell], admissions: dict[str, float]) -> str:
     head = (
         f"{'mode':7s}{'instances':>10s}{'conc':>8s}{'step ms':>8s}{'tokens/s':>12s}{'x ideal':>8s}"
-        f"{'us/tok':>10s}{'actor':>10s}{'actor/step':>12s}"
+        f"{'us/tok':>10s}{'actor':>10s}{'actor/step':>12s}{'engines':>10s}"
     )
     lines = [
         "Control plane with a null executor (us/tok: CPU of every process on the path per "
-        "streamed token; actor: the SchedulerActor's alone; actor/step: its CPU per instance-step)",
+        "streamed token; actor: the SchedulerActor's alone; actor/step: its CPU per instance-step; "
+        "engines: the engine actors', with --engine-actors)",
         head,
         "-" * len(head),
         *(_row(c) for c in cells),
