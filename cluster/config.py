@@ -463,6 +463,13 @@ class ClusterConfig(_Config):
     startup_timeout_s: float = Field(
         600.0, gt=0.0, description="Time allowed for placing workers and loading the model."
     )
+    engine_actors: bool = Field(
+        False,
+        description="Run each instance's engine (its scheduler and step loop) in a Ray actor "
+        "of its own on the instance's node, streaming tokens straight to the clients, instead "
+        "of in the central SchedulerActor's process: scheduling then scales with the "
+        "instances instead of sharing one core.",
+    )
     health_check_interval_s: float = Field(
         1.0,
         ge=0.0,

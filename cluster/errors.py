@@ -24,6 +24,14 @@ class OverloadedError(RuntimeError):
         return (type(self), (self.num_waiting, self.bound, self.retry_after_s))
 
 
+class UnavailableError(RuntimeError):
+    """The central scheduler is restarting and did not recover in time (503); the request
+    may be sent again."""
+
+    def __reduce__(self) -> tuple[type, tuple[str]]:
+        return (type(self), (str(self),))
+
+
 class UnknownModelError(LookupError):
     """A model name that is neither the served model nor a loaded LoRA adapter (404)."""
 

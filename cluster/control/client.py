@@ -27,7 +27,7 @@ from typing import Any
 import ray
 
 from actors.model.tokenizer import Tokenizer
-from cluster.control.flights import unpack_batch
+from cluster.control.flights import unpack_indexed
 from cluster.engine.frontend import RequestFactory
 from cluster.engine.outputs import OutputProcessor, RequestOutput
 from cluster.engine.protocol import EngineClient
@@ -252,6 +252,12 @@ class Subscription:
         self.loop = asyncio.get_running_loop()
         self.queues: dict[int, asyncio.Queue[EngineCoreOutput | BaseException]] = {}
         self.request_ids: dict[str, int] = {}  # open requests: id -> submission
+        # A request's outputs may come from several processes (its prefill engine, then its
+        # decode engine): each is delivered in the order of its position in the request's
+        # output. Per submission: the next position, and outputs that came early.
+        self._next_index: dict[int, int] = {}
+        self._early: dict[int, dict[int, EngineCoreOutput]] = {}
+        self._engines: dict[str, asyncio.Task[None]] = {}  # engine actors streamed from
         self._submissions = itertools.count()
         # Submits and aborts not sent yet, in order: (a submit's (request, trace context,
         # submission) and its future) or (an abort's request id, None). What one turn of the
@@ -302,12 +308,14 @@ class Subscription:
                 if isinstance(item, BaseException):
                     running = False  # the stream (or the actor) is gone
                     raise item
+                running = not item.finished  # a consumer may leave at the last yield
                 yield item
                 if item.finished:
-                    running = False
                     return
         finally:
             self.queues.pop(submission, None)
+            self._next_index.pop(submission, None)
+            self._early.pop(submission, None)
             self.request_ids.pop(rid, None)
             if running:  # left before the end: nothing may keep running for nobody
                 self.abort(rid)
@@ -389,7 +397,7 @@ class Subscription:
             for (item, future), outcome in zip(ops, outcomes or [None] * len(ops), strict=True):
                 if future is None:  # an abort: the actor answers None
                     if outcome is not None and outcomes:  # an actor that takes no abort here
-                        logger.warning("abort of %s failed: %s", item, outcome)
+                        logger.warning("abort of %s failed: %r", item, outcome)
                         self.handle.abort.remote(item)
                     continue
                 if future.cancelled():  # its stream left while it was on its way
@@ -411,20 +419,79 @@ class Subscription:
         )
         try:
             async for ref in self.handle.subscribe.remote(self.client_id):
-                for submission, out in unpack_batch(await ref):
-                    queue = queues.get(submission)  # type: ignore[arg-type]
-                    if queue is not None:
-                        queue.put_nowait(out)
+                batch = await ref
+                if isinstance(batch, dict):  # a notice: the engine actors to stream from
+                    self._follow(batch.get("engines", {}))
+                    continue
+                self._deliver_batch(batch)
         except BaseException as exc:
             ended = exc if isinstance(exc, Exception) else RuntimeError(str(exc))
             raise
         finally:
             self._stop.set()
+            for task in self._engines.values():
+                task.cancel()
             for queue in queues.values():  # requests still open get the end, never a hang
                 queue.put_nowait(ended)
             # The actor's end of the stream may outlive this task (a loop that closed):
             # say goodbye so it forgets this client and aborts whatever is left.
             self.handle.unsubscribe.remote(self.client_id)
+
+    def _deliver_batch(self, wire: list[Any]) -> None:
+        queues = self.queues
+        for submission, out, index in unpack_indexed(wire):
+            queue = queues.get(submission)  # type: ignore[arg-type]
+            if queue is None:
+                continue
+            if index is None:  # no position (an end the central scheduler decided)
+                queue.put_nowait(out)
+            else:
+                self._in_order(queue, submission, out, index)  # type: ignore[arg-type]
+
+    def _in_order(
+        self,
+        queue: asyncio.Queue[EngineCoreOutput | BaseException],
+        submission: int,
+        out: EngineCoreOutput,
+        index: int,
+    ) -> None:
+        """Deliver ``out`` (its first token at output position ``index``) once everything
+        before it is delivered; what overlaps what was delivered is dropped."""
+        expected = self._next_index.get(submission, 0)
+        if index > expected:
+            self._early.setdefault(submission, {})[index] = out
+            return
+        if index < expected:  # already delivered in part
+            skip = expected - index
+            if skip >= len(out.new_token_ids) and not out.finished:
+                return
+            del out.new_token_ids[:skip]
+            if out.new_logprobs is not None:
+                del out.new_logprobs[:skip]
+            index = expected
+        queue.put_nowait(out)
+        expected = index + len(out.new_token_ids)
+        self._next_index[submission] = expected
+        early = self._early.get(submission)
+        if early and expected in early:
+            self._in_order(queue, submission, early.pop(expected), expected)
+
+    def _follow(self, engines: dict[str, Any]) -> None:
+        """Stream from every engine actor in ``engines`` not streamed from yet."""
+        for iid, actor in engines.items():
+            if iid not in self._engines:
+                task = self.loop.create_task(self._stream_engine(iid, actor))
+                self._engines[iid] = task
+
+    async def _stream_engine(self, iid: str, actor: Any) -> None:
+        try:
+            async for ref in actor.subscribe.remote(self.client_id):
+                self._deliver_batch(await ref)
+        except Exception as exc:  # the engine died: the central scheduler ends its requests
+            logger.warning("client %s: instance %s's stream ended: %s", self.client_id, iid, exc)
+        finally:
+            if self._engines.get(iid) is asyncio.current_task():
+                del self._engines[iid]
 
     def _keep_alive(self) -> None:
         """(A thread.) Tell the actor every second that this client lives: if the process

@@ -15,6 +15,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import AsyncGenerator, Callable
+from typing import Any
 
 from cluster.control.flights import Flight, Outbox, Submission
 from scheduler.outputs import EngineCoreOutput
@@ -29,10 +30,15 @@ class Clients:
     find a client's requests); ``abort`` ends one request by its client id."""
 
     def __init__(
-        self, flights: dict[str, Flight], abort: Callable[[str], bool], timeout_s: float
+        self,
+        flights: dict[str, Flight],
+        abort: Callable[[str], bool],
+        timeout_s: float,
+        on_drop: Callable[[str], None] | None = None,
     ) -> None:
         self._flights = flights
         self._abort = abort
+        self._on_drop = on_drop  # told each client dropped (after its requests' aborts)
         self.timeout_s = timeout_s
         self._outboxes: dict[str, Outbox] = {}
         self._seen: dict[str, float] = {}  # client id -> its last keep-alive (or submit)
@@ -53,13 +59,17 @@ class Clients:
 
     async def stream(
         self, client_id: str
-    ) -> AsyncGenerator[list[tuple[Submission, EngineCoreOutput]], None]:
-        """The client's batches until it is dropped (``SchedulerActor.subscribe``); dropped
-        when the stream ends, however it ends."""
+    ) -> AsyncGenerator[list[tuple[Submission, EngineCoreOutput, int | None]] | dict[str, Any]]:
+        """The client's batches until it is dropped (``SchedulerActor.subscribe``), and the
+        notices for every client (``notify_all``: a dict) in between; dropped when the
+        stream ends, however it ends."""
         outbox = self.outbox(client_id)
         try:
             while True:
                 batch = await outbox.take()
+                notice, outbox.notice = outbox.notice, None
+                if notice is not None:
+                    yield notice
                 if batch:
                     yield batch
                 if outbox.closed and not outbox.pending:
@@ -84,6 +94,14 @@ class Clients:
         current.close()
         for rid in [r for r, f in self._flights.items() if f.outbox is current]:
             self._abort(rid)
+        if self._on_drop is not None:
+            self._on_drop(client_id)
+
+    def notify_all(self, notice: dict[str, Any]) -> None:
+        """Send ``notice`` to every client before its next batch (the latest one only)."""
+        for outbox in self._outboxes.values():
+            outbox.notice = notice
+            outbox.ready.set()
 
     async def reap_silent(self) -> None:
         """Forever: drop every client that sent a keep-alive once and then none for

@@ -28,22 +28,28 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from cluster.config import ClusterConfig
 from cluster.control.engine_loop import EngineLoop
+from cluster.control.flights import Submission
 from cluster.control.heap import refreeze_heap
 from cluster.control.placement import InstanceSpec
 from cluster.control.recovery import check_workers, end_hung_workers, restore_workers
 from cluster.control.summaries import EngineSummary
 from kv_transfer.connector import PDConnector
-from scheduler import CacheConfig, Request, Scheduler
+from scheduler import CacheConfig, Request, SamplingParams, Scheduler
 from scheduler.outputs import EngineCoreOutput
 from scheduler.request import FinishReason, RequestStatus
 
 logger = logging.getLogger(__name__)
+
+# Where a request is on an instance: its phase and the tokens its client has (None, None: not
+# there).
+RequestPlace = tuple[str | None, int | None]
 
 # Where a request's outputs go: (output, the position of its first token in the request's
 # output -- a final without tokens: the number of tokens before it).
@@ -66,6 +72,10 @@ class Placement:
     first_token_at: float | None = None  # its first token reached the client
     last_token_at: float | None = None  # its last one did (a hand-off, a move)
     trace: Any = None  # the request's RequestTrace while tracing is on
+    # Its client, for an engine in another process (``RemoteEngine``: no sink crosses).
+    client_id: str | None = None
+    submission: Submission | None = None
+    client_params: SamplingParams | None = None  # a prefill part's: what its client asked
 
 
 @dataclass(slots=True)
@@ -155,6 +165,8 @@ def _discard(loop: EngineLoop, outputs: list[EngineCoreOutput]) -> None:
 class InstanceEngine:
     """One instance: builds its scheduler and loop, takes placements, streams their outputs,
     reports each step to ``on_report`` and recovers its workers."""
+
+    remote = False  # in the caller's process (``RemoteEngine``: in an actor of its own)
 
     def __init__(
         self,
@@ -467,11 +479,20 @@ class InstanceEngine:
         held = self.held.get(internal_id)
         return None if held is None else len(held.tokens)
 
+    def describe_requests(self, internal_ids: list[str]) -> dict[str, RequestPlace]:
+        """``phase`` and ``num_tokens`` of each request."""
+        return {i: (self.phase(i), self.num_tokens(i)) for i in internal_ids}
+
+    def handed_off(self, internal_ids: list[str]) -> None:
+        """The central scheduler took these prefilled requests on (nothing to forget in one
+        process; an ``EngineActor`` keeps them until then)."""
+
     def stats(self) -> dict[str, Any]:
         scheduler = self.loop.scheduler
         kv = scheduler.kv_cache_manager
         stats = {
             "role": self.role,
+            "engine_pid": os.getpid(),  # the process its scheduler and loop run in
             "block_size": kv.block_size,
             "enable_prefix_caching": kv.enable_caching,
             **self.loop.stats(),

@@ -31,19 +31,24 @@ Submission = int | str  # a client's tag of one submit (the request id when it g
 class Outbox:
     """The outputs bound for one client (an ingress replica, a driver), batched: what its
     requests produced since it last took a batch, merged into one output per submission (so
-    a stale output of an earlier request with the same id is never merged into a new one)."""
+    a stale output of an earlier request with the same id is never merged into a new one),
+    each with the output position of its first token (``index``; None: unknown, deliver as
+    it comes) by which a client that hears one request from several engines orders them."""
 
     def __init__(self) -> None:
         self.pending: dict[Submission, EngineCoreOutput] = {}
+        self.index: dict[Submission, int | None] = {}  # the first pending output's position
         self._merged: set[Submission] = set()  # pending outputs this outbox made (its own)
         self.ready = asyncio.Event()
         self.closed = False
+        self.notice: dict[str, Any] | None = None  # for the client, before its next batch
 
-    def put(self, submission: Submission, out: EngineCoreOutput) -> None:
+    def put(self, submission: Submission, out: EngineCoreOutput, index: int | None = None) -> None:
         pending = self.pending
         before = pending.get(submission)
         if before is None:
             pending[submission] = out
+            self.index[submission] = index
         elif submission in self._merged:  # its own copy: grows in place, no re-copy
             _extend(before, out)
         else:
@@ -52,11 +57,14 @@ class Outbox:
         if not self.ready.is_set():
             self.ready.set()
 
-    async def take(self) -> list[tuple[Submission, EngineCoreOutput]]:
-        """Wait for outputs (or ``close``), then take them all, each with its submission."""
+    async def take(self) -> list[tuple[Submission, EngineCoreOutput, int | None]]:
+        """Wait for outputs (or ``close``), then take them all, each with its submission and
+        position."""
         await self.ready.wait()
         self.ready.clear()
-        batch, self.pending = list(self.pending.items()), {}
+        index = self.index
+        batch = [(tag, out, index[tag]) for tag, out in self.pending.items()]
+        self.pending, self.index = {}, {}
         self._merged.clear()
         return batch
 
@@ -87,17 +95,24 @@ class Flight:
     scheduled_at: float | None = None  # its first step anywhere
     trace: Any = None  # a RequestTrace while tracing is on
     submission: Submission | None = None  # the client's tag of its submit (outbox only)
+    client_id: str | None = None  # its client's (outbox only)
+    aborting: bool = False  # an abort went to its engine in another process (it answers)
 
     @property
     def first_scheduled_at(self) -> float | None:
         """Its first step anywhere (as ``Held.first_scheduled_at``)."""
         return self.scheduled_at
 
-    def deliver(self, out: EngineCoreOutput) -> None:
-        """Hand an output to whoever streams this request."""
+    @property
+    def tag(self) -> Submission:
+        """What its client's outputs are tagged with."""
+        return self.request.request_id if self.submission is None else self.submission
+
+    def deliver(self, out: EngineCoreOutput, index: int | None = None) -> None:
+        """Hand an output to whoever streams this request (``index``: its first token's
+        position in the request's output, when known)."""
         if self.outbox is not None:
-            tag = self.request.request_id if self.submission is None else self.submission
-            self.outbox.put(tag, out)
+            self.outbox.put(self.tag, out, index)
         else:
             assert self.queue is not None
             self.queue.put_nowait(out)
@@ -143,13 +158,15 @@ def prefill_request(request: Request, request_id: str) -> Request:
 
 # One output on the wire of a client's batched stream: (submission, request id, new token
 # ids, finish reason's value or None, stop reason, cached tokens, new logprobs, error, prompt
-# logprobs). Plain
-# tuples pickle about 20x faster than the dataclass (0.1 vs 2.4 us an output with Ray's
-# cloudpickle) -- per token, that is most of the stream's cost.
-WireOutput = tuple[Submission, str, list[int], str | None, Any, int, Any, str | None, Any]
+# logprobs, position of its first token or None). Plain tuples pickle about 20x faster than
+# the dataclass (0.1 vs 2.4 us an output with Ray's cloudpickle) -- per token, that is most
+# of the stream's cost.
+WireOutput = tuple[
+    Submission, str, list[int], str | None, Any, int, Any, str | None, Any, int | None
+]
 
 
-def pack_batch(batch: list[tuple[Submission, EngineCoreOutput]]) -> list[WireOutput]:
+def pack_batch(batch: list[tuple[Submission, EngineCoreOutput, int | None]]) -> list[WireOutput]:
     return [
         (
             tag,
@@ -161,12 +178,20 @@ def pack_batch(batch: list[tuple[Submission, EngineCoreOutput]]) -> list[WireOut
             o.new_logprobs,
             o.error,
             o.prompt_logprobs,
+            index,
         )
-        for tag, o in batch
+        for tag, o, index in batch
     ]
 
 
 def unpack_batch(wire: list[WireOutput]) -> list[tuple[Submission, EngineCoreOutput]]:
+    return [(tag, out) for tag, out, _ in unpack_indexed(wire)]
+
+
+def unpack_indexed(
+    wire: list[WireOutput],
+) -> list[tuple[Submission, EngineCoreOutput, int | None]]:
+    """The batch's outputs with their submissions and positions."""
     return [
         (
             tag,
@@ -181,8 +206,9 @@ def unpack_batch(wire: list[WireOutput]) -> list[tuple[Submission, EngineCoreOut
                 error,
                 prompt_logprobs,
             ),
+            index,
         )
-        for tag, rid, tokens, reason, stop, cached, logprobs, error, prompt_logprobs in wire
+        for tag, rid, tokens, reason, stop, cached, logprobs, error, prompt_logprobs, index in wire
     ]
 
 

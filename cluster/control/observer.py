@@ -49,9 +49,10 @@ class RequestObserver:
     def add_instance(self, instance_id: str, role: str) -> None:
         self.metrics.add_instance(instance_id, role)
 
-    def render(self, stats: dict[str, Any]) -> str:
-        """Prometheus exposition text (``/metrics``)."""
-        return self.metrics.render(stats)
+    def render(self, stats: dict[str, Any], others: list[str] | None = None) -> str:
+        """Prometheus exposition text (``/metrics``), with other processes' request metrics
+        (``others``: engine actors') merged in."""
+        return self.metrics.render(stats, others)
 
     async def flush(self) -> None:
         """Export the buffered spans now (the actor is killed after shutdown: no exit hook)."""

@@ -6,13 +6,15 @@ it works on the actor's own state, declared here."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
+import os
 import time
 from typing import TYPE_CHECKING, Any
 
 from cluster.config import ClusterConfig
 from cluster.control.adapters import LoRAAdapters
-from cluster.control.engine import InstanceEngine, Lost
+from cluster.control.engine import Lost
 from cluster.control.flights import Flight
 from cluster.control.heap import refreeze_heap
 from cluster.control.observer import RequestObserver
@@ -31,7 +33,7 @@ class ClusterOperations:
 
     # The actor's state (set by SchedulerActor.__init__ and start).
     config: ClusterConfig
-    engines: dict[str, InstanceEngine]
+    engines: dict[str, Any]  # InstanceEngine or RemoteEngine
     views: dict[str, InstanceView]
     roles: dict[str, str]
     specs: dict[str, InstanceSpec]
@@ -44,7 +46,7 @@ class ClusterOperations:
     _resizing: asyncio.Lock
 
     # ... and what of the actor this uses.
-    def _add_instance(self, spec: InstanceSpec) -> None:
+    async def _add_instances(self, specs: list[InstanceSpec]) -> None:
         raise NotImplementedError
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
@@ -115,8 +117,7 @@ class ClusterOperations:
                     f"pool {pool.name!r}: a new instance holds {info['num_blocks']} KV blocks, "
                     f"fewer than the cluster's max_model_len ({self.max_model_len}) needs"
                 )
-        for spec in specs:
-            self._add_instance(spec)
+        await self._add_instances(specs)
         refreeze_heap()
         logger.info("pool %s grew: %s", pool.name, ", ".join(s.instance_id for s in specs))
 
@@ -128,16 +129,19 @@ class ClusterOperations:
             self.engines[iid].draining = True
         timeout = self.config.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
         deadline = time.monotonic() + timeout
-        while any(self._holds_requests(i) for i in instance_ids) and time.monotonic() < deadline:
+        while time.monotonic() < deadline:
+            holding = [await self._holds_requests(i) for i in instance_ids]
+            if not any(holding):
+                break
             await asyncio.sleep(0.05)
         for iid in instance_ids:
             await self._retire(iid)
 
-    def _holds_requests(self, iid: str) -> bool:
+    async def _holds_requests(self, iid: str) -> bool:
         """Requests still on the instance: queued, running, finished with KV still to send."""
-        if self.engines[iid].holds_requests():
+        if any(f.instance == iid for f in self.flights.values()):
             return True
-        return any(f.instance == iid for f in self.flights.values())
+        return bool(await _answer(self.engines[iid].holds_requests()))
 
     async def _retire(self, iid: str) -> None:
         """Take a drained instance out: stop its engine, move what it still holds, stop its
@@ -146,7 +150,7 @@ class ClusterOperations:
         await engine.stop()
         # Taken after the stop: a step that was running may have finished (or handed off)
         # some of them.
-        leftovers = engine.take_all()
+        leftovers = await _answer(engine.take_all())
         engine.close()
         if leftovers:
             logger.warning("instance %s left with %d requests; they move", iid, len(leftovers))
@@ -177,25 +181,34 @@ class ClusterOperations:
         self.lora.unload(name)
 
     # -- metrics ----------------------------------------------------------------------------
-    def metrics_text(self) -> str:
-        """Prometheus exposition text of the whole cluster (``/metrics``)."""
-        return self.observe.render(self.stats())
+    async def metrics_text(self) -> str:
+        """Prometheus exposition text of the whole cluster (``/metrics``): the engine
+        actors' request metrics merged with this process's."""
+        remote = [e for e in self.engines.values() if e.remote]
+        others = [await e.metrics_text() for e in remote]
+        return self.observe.render(await self.stats(), others)
 
     # -- introspection -----------------------------------------------------------------------
     def live_request_ids(self) -> list[str]:
         """Ids of the requests in flight (for operators and tests)."""
         return sorted(self.flights)
 
-    def requests(self) -> dict[str, dict[str, Any]]:
+    async def requests(self) -> dict[str, dict[str, Any]]:
         """Where each request in flight is: its ``instance``, its ``phase`` (``queued``: not
         scheduled there yet, or preempted; ``prefill``; ``transfer``: its KV is being loaded
         on the decode instance; ``decode``), the tokens sent to its client so far and how
         often it moved off a failed instance."""
+        by_instance: dict[str, list[str]] = {}
+        for flight in self.flights.values():
+            by_instance.setdefault(flight.instance, []).append(flight.internal_id)
+        where: dict[str, tuple[str | None, int | None]] = {}
+        for iid, ids in by_instance.items():
+            engine = self.engines.get(iid)
+            if engine is not None:
+                where.update(await _answer(engine.describe_requests(ids)))
         result = {}
         for rid, flight in sorted(self.flights.items()):
-            engine = self.engines.get(flight.instance)
-            phase = None if engine is None else engine.phase(flight.internal_id)
-            sent = None if engine is None else engine.num_tokens(flight.internal_id)
+            phase, sent = where.get(flight.internal_id, (None, None))
             result[rid] = {
                 "instance": flight.instance,
                 "phase": phase or "queued",
@@ -228,13 +241,15 @@ class ClusterOperations:
             "max_model_len": self.max_model_len,
         }
 
-    def stats(self) -> dict[str, Any]:
+    async def stats(self) -> dict[str, Any]:
         """Per-instance state: requests held, KV usage, counters (for tests and metrics)."""
+        instances = {iid: await _answer(e.stats()) for iid, e in list(self.engines.items())}
         return {
+            "pid": os.getpid(),
             "num_flights": len(self.flights),
             "num_moves": self.num_moves,
             "failures": list(self.failures),
-            "instances": {iid: engine.stats() for iid, engine in self.engines.items()},
+            "instances": instances,
         }
 
     async def transfer_history(self) -> dict[str, list[Any]]:
@@ -266,10 +281,19 @@ class ClusterOperations:
         """Testing: slow one instance's worker down (``ModelWorker.set_fault_injection``)."""
         await self.specs[instance_id].call_stages("set_fault_injection", load_delay_s, step_delay_s)
 
-    def check_integrity(self) -> None:
+    async def check_integrity(self) -> None:
         """Raise ``AssertionError`` if any instance's scheduler is inconsistent."""
-        for engine in self.engines.values():
-            engine.check_integrity()
+        for engine in list(self.engines.values()):
+            await _answer(engine.check_integrity())
 
-    def reset_prefix_cache(self) -> bool:
-        return all(engine.reset_prefix_cache() for engine in self.engines.values())
+    async def reset_prefix_cache(self) -> bool:
+        done = [await _answer(e.reset_prefix_cache()) for e in list(self.engines.values())]
+        return all(done)
+
+
+async def _answer(value: Any) -> Any:
+    """What an engine method answers: at once (an ``InstanceEngine``) or awaited (a
+    ``RemoteEngine``'s coroutine)."""
+    if inspect.isawaitable(value):
+        return await value
+    return value

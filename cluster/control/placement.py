@@ -135,9 +135,12 @@ async def start_instances(
     check_placeable(config, ray.nodes())  # type: ignore[no-untyped-call]
     remote_worker = ray.remote(concurrency_groups={MONITOR: 1})(ModelWorker)  # type: ignore[call-overload]
     created: list[tuple[str, InstancePool, list[Any]]] = []
+    # With engine actors the central scheduler may die and come back: the workers (like the
+    # engines) must not die with it, their creator. Its shutdown kills them.
+    lifetime = {"lifetime": "detached"} if config.engine_actors else {}
     for instance_id, pool in wanted:
         stages = [
-            remote_worker.options(**worker_options(pool, rank)).remote(
+            remote_worker.options(**worker_options(pool, rank), **lifetime).remote(
                 **worker_kwargs(config, pool, rank)
             )
             for rank in range(pool.pp_size)

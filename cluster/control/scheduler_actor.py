@@ -69,14 +69,16 @@ class SchedulerActor(ClusterOperations):
         self.config = config
         self._specs = instances
         self.router = Router(config.router)
-        self.engines: dict[str, InstanceEngine] = {}
+        self.engines: dict[str, Any] = {}  # InstanceEngine, or RemoteEngine (engine_actors)
         # What routing and admission read of each instance: its engine's per-step reports.
         self.views: dict[str, InstanceView] = {}
         self.roles: dict[str, str] = {}
         self.specs: dict[str, InstanceSpec] = {}
         self.flights: dict[str, Flight] = {}  # by the client's request id
         # The clients streaming in batches (submit / subscribe), and their liveness.
-        self.clients = Clients(self.flights, self.abort, config.client_timeout_s)
+        self.clients = Clients(
+            self.flights, self.abort, config.client_timeout_s, on_drop=self._client_dropped
+        )
         self._internal: dict[str, Flight] = {}  # by the schedulers' id
         self._early_aborts = EarlyAborts()  # aborts that overtook their submit
         self._seq = itertools.count()
@@ -100,27 +102,50 @@ class SchedulerActor(ClusterOperations):
             self._specs = await start_workers(self.config, self.config.startup_timeout_s)
         specs = self._specs
         self.max_model_len = self._common_max_model_len(specs)
-        for spec in specs:
-            self._add_instance(spec)
+        await self._add_instances(specs)
         self._spawn(self.clients.reap_silent())
         self.started = True
         freeze_heap()  # the block pools and the rest of start-up: never garbage
         logger.info("cluster started: %s", ", ".join(f"{i} ({r})" for i, r in self.roles.items()))
         return self.describe()
 
-    def _add_instance(self, spec: InstanceSpec) -> None:
-        """Start a started instance's engine and let it serve."""
-        iid = spec.instance_id
-        self.specs[iid] = spec
-        self.roles[iid] = spec.pool.role
-        self.views[iid] = self._new_view(spec)
-        self.lora.reset(iid)
-        self.observe.add_instance(iid, spec.pool.role)
-        engine = InstanceEngine(
-            self.config, spec, self.max_model_len, self._on_report, self.observe
-        )
-        self.engines[iid] = engine
-        engine.start()
+    async def _add_instances(self, specs: list[InstanceSpec]) -> None:
+        """Start the engines of started instances and let them serve: in this process, or
+        each in an ``EngineActor`` of its own (``engine_actors``; they start in parallel)."""
+        engines: list[Any] = []
+        for spec in specs:
+            if self.config.engine_actors:
+                import ray
+
+                from cluster.control.remote_engine import RemoteEngine
+
+                me = ray.get_runtime_context().current_actor
+                engines.append(
+                    RemoteEngine(self.config, spec, self.max_model_len, me, self._engine_died)
+                )
+            else:
+                engines.append(
+                    InstanceEngine(
+                        self.config, spec, self.max_model_len, self._on_report, self.observe
+                    )
+                )
+        if self.config.engine_actors:
+            await asyncio.gather(*(engine.ready() for engine in engines))
+        for spec, engine in zip(specs, engines, strict=True):
+            iid = spec.instance_id
+            self.specs[iid] = spec
+            self.roles[iid] = spec.pool.role
+            self.views[iid] = self._new_view(spec)
+            self.lora.reset(iid)
+            self.observe.add_instance(iid, spec.pool.role)
+            self.engines[iid] = engine
+            engine.start()
+        if self.config.engine_actors:  # clients stream from the new engines too
+            self.clients.notify_all(self.engine_handles())
+
+    def engine_handles(self) -> dict[str, Any]:
+        """The engine actors clients stream from, by instance (``engine_actors``)."""
+        return {iid: e.actor for iid, e in self.engines.items() if e.remote}
 
     @staticmethod
     def _new_view(spec: InstanceSpec) -> InstanceView:
@@ -155,6 +180,10 @@ class SchedulerActor(ClusterOperations):
             self._end(flight, FinishReason.ABORT, "shutdown")
         self.clients.close_all()  # their last batches go out, then their streams end
         await self.observe.flush()
+        for engine in self.engines.values():
+            if engine.remote:
+                await engine.flush_traces()
+                engine.close()
         for spec in self.specs.values():
             for actor in spec.actors:
                 import ray
@@ -170,6 +199,11 @@ class SchedulerActor(ClusterOperations):
         ``finish_reason`` set. Raises ``ValueError`` before the first output for a request that
         can never be served. A consumer that goes away aborts the request. ``trace_context``:
         the caller's span (a W3C carrier) when tracing is on."""
+        if self.config.engine_actors:
+            raise ValueError(
+                "with engine_actors the engines stream to their clients: use a ClusterClient "
+                "(submit / subscribe), not generate()"
+            )
         queue: asyncio.Queue[EngineCoreOutput] = asyncio.Queue()
         flight = await self._submit(request, trace_context, queue=queue)
         rid = request.request_id
@@ -199,7 +233,9 @@ class SchedulerActor(ClusterOperations):
         that was dropped; otherwise returns once it is placed, and ``abort`` reaches it from
         then on."""
         outbox = self.clients.outbox(client_id)
-        await self._submit(request, trace_context, outbox=outbox, submission=submission)
+        await self._submit(
+            request, trace_context, outbox=outbox, submission=submission, client_id=client_id
+        )
 
     async def submit_many(
         self,
@@ -227,17 +263,22 @@ class SchedulerActor(ClusterOperations):
                 outcomes.append(None)
         return outcomes
 
-    async def subscribe(self, client_id: str) -> AsyncIterator[list[WireOutput]]:
+    async def subscribe(self, client_id: str) -> AsyncIterator[list[WireOutput] | dict[str, Any]]:
         """The outputs of every request ``client_id`` submitted, as they come: one batch per
         wake-up (a step's outputs of every instance at once), one merged output per request
         with its submission tag, each request's last with ``finish_reason`` set, packed as
         plain tuples (``flights.unpack_batch`` restores them). Tokens cross to the client in
         one Ray message per batch, not one per token or per request. When the
         stream ends (the client left, ``unsubscribe``, or it fell silent) its unfinished
-        requests are aborted. (A generator function itself: Ray streams only those.)"""
+        requests are aborted. With ``engine_actors`` the tokens come from the engines (the
+        client streams from each, ``EngineActor.subscribe``): this stream first says which
+        engines there are, again when that changes (a dict), and carries the ends the actor
+        decides. (A generator function itself: Ray streams only those.)"""
         async with aclosing(self.clients.stream(client_id)) as batches:
+            if self.config.engine_actors:  # where its tokens come from
+                yield {"engines": self.engine_handles()}
             async for batch in batches:
-                yield pack_batch(batch)
+                yield batch if isinstance(batch, dict) else pack_batch(batch)
 
     def keepalive(self, client_id: str) -> None:
         """Client ``client_id`` lives (its ``Subscription`` says so every second); one that
@@ -256,6 +297,7 @@ class SchedulerActor(ClusterOperations):
         queue: asyncio.Queue[EngineCoreOutput] | None = None,
         outbox: Outbox | None = None,
         submission: Submission | None = None,
+        client_id: str | None = None,
     ) -> Flight:
         if not self.started:
             raise RuntimeError("the cluster is not started")
@@ -280,6 +322,7 @@ class SchedulerActor(ClusterOperations):
         request.arrival_time = time.monotonic()
         flight = Flight(request, queue, outbox, "", "decode")
         flight.submission = submission
+        flight.client_id = client_id
         self.observe.arrived(flight, trace_context)
         self.flights[rid] = flight
         if self._early_aborts.take(rid):  # its abort came first: it ends at once
@@ -320,6 +363,9 @@ class SchedulerActor(ClusterOperations):
             raise RuntimeError("instances kept failing while the request was being routed")
         if self.flights.get(request.request_id) is not flight:
             return  # aborted while an adapter loaded
+        if flight.aborting:  # its abort went to an engine that no longer held it
+            self._end(flight, FinishReason.ABORT, index=len(flight.sent))
+            return
         # Schedulers see a unique internal id: an aborted request may linger in one (its
         # blocks wait for a load to end) while the client already reuses its id.
         self._internal.pop(flight.internal_id, None)
@@ -349,7 +395,7 @@ class SchedulerActor(ClusterOperations):
         flight.instance = view.instance_id
 
         def sink(out: EngineCoreOutput, index: int) -> None:
-            flight.deliver(out)
+            flight.deliver(out, index)
 
         placement = Placement(
             part,
@@ -362,6 +408,9 @@ class SchedulerActor(ClusterOperations):
             first_token_at=flight.first_token_at,
             last_token_at=flight.last_token_at,
             trace=flight.trace,
+            client_id=flight.client_id,
+            submission=flight.tag,
+            client_params=flight.request.sampling_params if hand_off else None,
         )
         self.engines[view.instance_id].add([placement])
 
@@ -386,10 +435,15 @@ class SchedulerActor(ClusterOperations):
             self._early_aborts.remember(request_id)
             return False
         engine = self.engines.get(flight.instance)
-        if engine is not None and engine.end(flight.internal_id, FinishReason.ABORT):
+        if engine is not None and engine.remote and engine.dead is None:
+            # Its engine answers (a final to the client, then ``finished`` in a report),
+            # or, if it no longer holds the request, whoever takes it next sees the flag.
+            flight.aborting = True
+            engine.end(flight.internal_id, FinishReason.ABORT)
+        elif engine is not None and engine.end(flight.internal_id, FinishReason.ABORT):
             self._forget(flight)
         else:  # between instances: the actor answers for it
-            self._end(flight, FinishReason.ABORT)
+            self._end(flight, FinishReason.ABORT, index=len(flight.sent))
         return True
 
     def _forget(self, flight: Flight) -> None:
@@ -400,18 +454,38 @@ class SchedulerActor(ClusterOperations):
             self._early_aborts.finished(rid)
         self._internal.pop(flight.internal_id, None)
 
-    def _end(self, flight: Flight, reason: FinishReason, error: str | None = None) -> None:
-        """End a flight that no engine holds, with a last output from the actor."""
+    def _end(
+        self,
+        flight: Flight,
+        reason: FinishReason,
+        error: str | None = None,
+        index: int | None = None,
+    ) -> None:
+        """End a flight that no engine holds, with a last output from the actor (``index``:
+        the number of tokens its client has, when the actor knows it)."""
         if self.flights.get(flight.request.request_id) is not flight:
             return
         final = EngineCoreOutput(flight.request.request_id, [], reason, error=error)
         self._forget(flight)
-        flight.deliver(final)
+        flight.deliver(final, index)
         # Counted on its last instance (one that left: the first, as before it was placed).
         where = self.views.get(flight.instance) or next(iter(self.views.values()), None)
         self.observe.finished(flight, final, where)
 
     # -- what the engines report -------------------------------------------------------------
+    def report(self, report: EngineReport) -> None:
+        """An ``EngineActor``'s report (its instants as ages: ``engine_actor.rebase_report``)."""
+        from cluster.control.engine_actor import rebase_report
+
+        rebase_report(report, time.monotonic())
+        engine = self.engines.get(report.instance_id)
+        if engine is not None and engine.remote:
+            if report.failure is not None:
+                engine.failed = report.failure
+            if report.rejoined:
+                engine.failed = None
+        self._on_report(report)
+
     def _on_report(self, report: EngineReport) -> None:
         iid = report.instance_id
         if iid not in self.engines:
@@ -426,8 +500,10 @@ class SchedulerActor(ClusterOperations):
                 self._forget(flight)
         for prefilled in report.prefilled:
             flight = self._internal.get(prefilled.internal_id)
-            if flight is not None and flight.instance == iid:
+            if flight is not None and flight.instance == iid and not flight.aborting:
                 self._hand_off(flight, prefilled)
+                self.engines[iid].handed_off([prefilled.internal_id])
+            # else: aborted; an engine actor ends it itself (and reports it finished)
         if report.failure is not None:
             view.alive = False
             logger.warning("instance %s failed: %s", iid, report.failure)
@@ -461,7 +537,8 @@ class SchedulerActor(ClusterOperations):
         if decode is None or not decode.serves:
             alive = self._live("decode")
             if not alive:
-                self._end(flight, FinishReason.ERROR, "no live decode instance to continue")
+                error = "no live decode instance to continue"
+                self._end(flight, FinishReason.ERROR, error, index=len(flight.sent))
                 return
             decode = self.router.best_decode(alive)
         params = prefilled.kv_transfer_params
@@ -489,6 +566,9 @@ class SchedulerActor(ClusterOperations):
             flight = self._internal.get(item.internal_id)
             if flight is None or flight.instance != iid:
                 continue  # aborted meanwhile
+            if flight.aborting:  # its abort reached the engine too late
+                self._end(flight, FinishReason.ABORT, index=len(item.tokens))
+                continue
             flight.sent = list(item.tokens)
             flight.first_token_at = item.first_token_at
             flight.last_token_at = item.last_token_at
@@ -502,7 +582,26 @@ class SchedulerActor(ClusterOperations):
                 await self._place(flight)
             except Exception as exc:
                 error = f"{reason}; the request could not move: {exc}"
-                self._end(flight, FinishReason.ERROR, error)
+                self._end(flight, FinishReason.ERROR, error, index=len(flight.sent))
+
+    def _engine_died(self, iid: str, reason: str) -> None:
+        """An engine actor's process died: its instance leaves routing, and the requests it
+        held end with an error (their tokens so far were there and with their clients)."""
+        view = self.views.get(iid)
+        if view is None:
+            return
+        view.alive = False
+        self.failures.append(
+            {"instance_id": iid, "event": "failed", "reason": reason, "time": time.time()}
+        )
+        for flight in [f for f in self.flights.values() if f.instance == iid]:
+            self._end(flight, FinishReason.ERROR, reason)
+
+    def _client_dropped(self, client_id: str) -> None:
+        """Engine actors keep an outbox per client: the dropped one's goes."""
+        for engine in self.engines.values():
+            if engine.remote:
+                engine.drop_client(client_id)
 
     def _live(self, role: str) -> list[InstanceView]:
         """Live instances that can take ``role`` work (decode: roles decode and both); not

@@ -520,12 +520,69 @@ class ClusterMetrics:
             if not ok and recompute:
                 self.recompute.labels(*labels).inc()
 
-    def render(self, stats: dict[str, Any]) -> str:
+    def render_registry(self) -> str:
+        """The request-level series alone (an engine actor's part of ``/metrics``)."""
+        return generate_latest(self.registry).decode()
+
+    def render(self, stats: dict[str, Any], others: list[str] | None = None) -> str:
+        """``/metrics``: this registry's series summed with ``others`` (other processes'
+        ``render_registry``), then the instances' gauges from ``stats``."""
         own = generate_latest(self.registry).decode()
+        if others:
+            own = merge_expositions([own, *others])
         text = own + render_stats(stats, self.model_name)[0]
         if self.vllm_names:  # the same series under vLLM's names (ours are vLLM's, prefixed)
             text += text.replace("tandem:", "vllm:")
         return text
+
+
+def merge_expositions(texts: list[str]) -> str:
+    """Several registries' exposition texts as one: each family once (its HELP and TYPE from
+    the first text that has it), samples with the same name and labels summed (counters and
+    histogram buckets, sums and counts of one series recorded in several processes)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families: dict[str, Any] = {}
+    values: dict[str, dict[tuple[str, tuple[tuple[str, str], ...]], float]] = {}
+    for text in texts:
+        for family in text_string_to_metric_families(text):
+            families.setdefault(family.name, family)
+            into = values.setdefault(family.name, {})
+            for sample in family.samples:
+                key = (sample.name, tuple(sorted(sample.labels.items())))
+                before = into.get(key)
+                if before is None:
+                    into[key] = sample.value
+                elif sample.name.endswith("_created"):  # a start time: the earliest
+                    into[key] = min(before, sample.value)
+                else:
+                    into[key] = before + sample.value
+    lines: list[str] = []
+    for name, family in families.items():
+        kind = family.type
+        shown = f"{name}_total" if kind == "counter" else name
+        lines.append(f"# HELP {shown} {_escape_help(family.documentation)}")
+        lines.append(f"# TYPE {shown} {kind}")
+        for (sample_name, labels), value in values[name].items():
+            rendered = ",".join(f'{k}="{_escape_label(v)}"' for k, v in labels)
+            lines.append(f"{sample_name}{{{rendered}}} {_number(value)}")
+    return "\n".join(lines) + "\n" if lines else ""
+
+
+def _escape_help(text: str) -> str:
+    return text.replace("\\", "\\\\").replace("\n", "\\n")
+
+
+def _escape_label(text: str) -> str:
+    return text.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _number(value: float) -> str:
+    if value == float("inf"):
+        return "+Inf"
+    if value == int(value) and abs(value) < 1e15:
+        return f"{int(value)}.0"
+    return repr(value)
 
 
 def render_stats(stats: dict[str, Any], model_name: str) -> tuple[str, str]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from cluster.errors import OverloadedError, UnknownModelError
+from cluster.errors import OverloadedError, UnavailableError, UnknownModelError
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +65,8 @@ def api_error(exc: BaseException, param: str | None = None) -> APIError:
         return APIError(429, str(exc), headers={"Retry-After": str(exc.retry_after_s)})
     if isinstance(exc, UnknownModelError):
         return APIError(404, str(exc), param="model")
+    if isinstance(exc, UnavailableError):
+        return APIError(503, str(exc))
     if "no live decode-capable instance" in str(exc):  # every decode instance is gone
         return APIError(503, str(exc))
     if isinstance(exc, ValueError):

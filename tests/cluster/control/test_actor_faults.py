@@ -82,7 +82,7 @@ def test_decode_instance_gone_at_hand_off(ray_cluster: RayCluster, tiny_model: P
     assert len(tokens) == 1  # the prefill instance's token, then a clear error
     assert outs[-1].finish_reason is not None and outs[-1].finish_reason.value == "error"
     assert outs[-1].error and "decode" in outs[-1].error
-    assert actor.stats()["instances"]["p-0"]["kv_cache_usage"] == 0.0
+    assert asyncio.run(actor.stats())["instances"]["p-0"]["kv_cache_usage"] == 0.0
     wait_until(lambda: plasma_objects() == 0, 10, "the KV object to be released")
 
 
@@ -92,7 +92,7 @@ def test_failed_save_is_recomputed_on_decode(ray_cluster: RayCluster, tiny_model
     async def run() -> tuple[list[int], list[int]]:
         await actor.start()
         good = [t for o in await _collect(actor, "a") for t in o.new_token_ids]
-        actor.reset_prefix_cache()
+        await actor.reset_prefix_cache()
         connector = workers["p-0"].connector
         assert connector is not None
 
@@ -100,9 +100,9 @@ def test_failed_save_is_recomputed_on_decode(ray_cluster: RayCluster, tiny_model
             raise MemoryError("object store full")
 
         connector._save = full  # type: ignore[method-assign]
-        before = actor.stats()["instances"]["d-0"]["num_prompt_tokens_computed"]
+        before = (await actor.stats())["instances"]["d-0"]["num_prompt_tokens_computed"]
         again = [t for o in await _collect(actor, "b") for t in o.new_token_ids]
-        after = actor.stats()["instances"]["d-0"]["num_prompt_tokens_computed"]
+        after = (await actor.stats())["instances"]["d-0"]["num_prompt_tokens_computed"]
         assert after - before == len(PROMPT)  # no KV arrived: the decode side recomputed
         await actor.shutdown()
         return good, again

@@ -187,9 +187,9 @@ def test_scheduler_actor_in_process(tiny_model: Path) -> None:
         assert rest[-1].finish_reason is not None and rest[-1].finish_reason.value == "abort"
         assert not first.finished
         await asyncio.sleep(0.05)  # the loop frees the aborted request's blocks
-        stats = actor.stats()["instances"]["c-0"]
+        stats = (await actor.stats())["instances"]["c-0"]
         assert stats["num_requests"] == 0 and stats["kv_cache_usage"] == 0.0
-        actor.check_integrity()
+        await actor.check_integrity()
         await actor.shutdown()
 
     asyncio.run(run())

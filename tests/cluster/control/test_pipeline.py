@@ -104,8 +104,8 @@ def _run_in_process(actor: SchedulerActor, prompts: list[list[int]], params: Sam
     async def run() -> tuple[list[list[int]], dict[str, Any]]:
         await actor.start()
         tokens = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
-        stats = actor.stats()["instances"]["c-0"]
-        actor.check_integrity()
+        stats = (await actor.stats())["instances"]["c-0"]
+        await actor.check_integrity()
         await actor.shutdown()
         return list(tokens), stats
 

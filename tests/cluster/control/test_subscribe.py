@@ -44,15 +44,15 @@ def _prompt(i: int) -> list[int]:
 async def _idle(actor: SchedulerActor) -> None:
     """Wait for every request and block to be gone; then check the schedulers."""
     for _ in range(500):
-        stats = actor.stats()
+        stats = await actor.stats()
         if not stats["num_flights"] and all(
             i["num_requests"] == 0 and i["kv_cache_usage"] == 0.0
             for i in stats["instances"].values()
         ):
-            actor.check_integrity()
+            await actor.check_integrity()
             return
         await asyncio.sleep(0.01)
-    raise AssertionError(f"not idle: {actor.stats()}")
+    raise AssertionError(f"not idle: {await actor.stats()}")
 
 
 def test_a_clients_requests_come_one_batch_per_step(tiny_model: Path) -> None:
@@ -80,7 +80,7 @@ def test_a_clients_requests_come_one_batch_per_step(tiny_model: Path) -> None:
         for i in range(8):  # the same prompts, one stream each
             outs = [o async for o in actor.generate(Request(f"s{i}", _prompt(i), GREEDY))]
             streamed[f"r{i}"] = [t for o in outs for t in o.new_token_ids]
-        stats = actor.stats()["instances"]["c-0"]
+        stats = (await actor.stats())["instances"]["c-0"]
         await _idle(actor)
         await actor.shutdown()
         return batches, streamed, stats
@@ -176,7 +176,7 @@ def test_a_request_the_scheduler_refuses_ends_once(tiny_model: Path) -> None:
         assert actor.live_request_ids() == []
         again = [out async for out in actor.generate(Request("empty", _prompt(0), GREEDY))]
         assert again[-1].finish_reason is not None and again[-1].finish_reason.value == "length"
-        text = actor.metrics_text()
+        text = await actor.metrics_text()
         await _idle(actor)
         await actor.shutdown()
         ended = {

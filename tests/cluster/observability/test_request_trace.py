@@ -144,11 +144,11 @@ def test_real_preemptions_reach_the_requests_traces(traced: Any, tiny_model: Pat
 
         await asyncio.gather(*(one(i) for i in range(6)))
         for _ in range(500):  # the loop frees the last finished requests' blocks
-            stats: dict[str, Any] = actor.stats()["instances"]["c-0"]
+            stats: dict[str, Any] = (await actor.stats())["instances"]["c-0"]
             if stats["num_free_blocks"] == num_blocks:
                 break
             await asyncio.sleep(0.01)
-        actor.check_integrity()
+        await actor.check_integrity()
         await actor.shutdown()
         return stats
 

@@ -1,0 +1,467 @@
+"""``EngineActor``: one instance's ``InstanceEngine`` in a Ray actor of its own, on the
+instance's node (``ClusterConfig.engine_actors``; the control-plane issue)::
+
+    SchedulerActor ── ops(seq, [...]) ──▶ EngineActor ── steps ──▶ worker(s)
+          ▲                                 │  │
+          └── report(EngineReport) ─────────┘  └── subscribe(client): one batch per step
+              (one per step, coalesced while                 to each client, every one
+               the last is on its way)                       of its requests' tokens
+
+The central scheduler's calls arrive as numbered op batches and are applied in their order
+(Ray runs an async actor's calls in any order; an abort must not overtake its request's
+add). Each request's outputs go to its client's ``Outbox`` here, with the position of their
+first token, and reach the client in the client's own stream from this actor: tokens never
+pass through the central scheduler. What the central scheduler hears is the engine's
+``EngineReport`` per step (milestones, load, prefix-cache events), as in one process.
+
+Instants cross processes as ages (``rebase``): two nodes' ``time.monotonic()`` clocks are
+not comparable, a duration is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, replace
+from typing import Any
+
+from cluster.config import ClusterConfig
+from cluster.control.engine import (
+    EngineReport,
+    InstanceEngine,
+    Placement,
+    Prefilled,
+    RequestPlace,
+)
+from cluster.control.flights import Outbox, Submission, pack_batch
+from cluster.control.placement import InstanceSpec
+from scheduler import Request, SamplingParams
+from scheduler.outputs import EngineCoreOutput
+from scheduler.request import FinishReason
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class WirePlacement:
+    """A ``Placement`` on its way to an engine actor: its client by id instead of a sink,
+    its instants as (negative) offsets from the moment it was sent."""
+
+    request: Request
+    client_request_id: str
+    client_id: str
+    submission: Submission
+    hand_off: bool
+    num_cached_tokens: int | None
+    arrival_time: float
+    scheduled_at: float | None
+    first_token_at: float | None
+    last_token_at: float | None
+    client_params: SamplingParams | None = None  # a prefill part's: what its client asked
+
+
+def shift(value: float | None, delta: float) -> float | None:
+    return None if value is None else value + delta
+
+
+def rebase_placement(p: WirePlacement, delta: float) -> None:
+    """Move ``p``'s instants by ``delta``: ``-time.monotonic()`` before sending (ages),
+    ``+time.monotonic()`` on receipt (the receiver's clock)."""
+    p.arrival_time += delta
+    p.request.arrival_time += delta
+    p.scheduled_at = shift(p.scheduled_at, delta)
+    p.first_token_at = shift(p.first_token_at, delta)
+    p.last_token_at = shift(p.last_token_at, delta)
+
+
+def rebase_report(report: EngineReport, delta: float) -> None:
+    """``rebase_placement`` for the instants an ``EngineReport`` carries."""
+    for p in report.prefilled:
+        p.first_token_at = shift(p.first_token_at, delta)
+        p.scheduled_at = shift(p.scheduled_at, delta)
+    for lost in report.lost:
+        lost.first_token_at = shift(lost.first_token_at, delta)
+        lost.last_token_at = shift(lost.last_token_at, delta)
+        lost.scheduled_at = shift(lost.scheduled_at, delta)
+
+
+def _plain(report: EngineReport) -> bool:
+    """A step's report that may be merged with the next one."""
+    return not (report.lost or report.failure or report.rejoined)
+
+
+def coalesce(into: EngineReport, later: EngineReport) -> EngineReport:
+    """One report saying what two consecutive plain ones say: the later summary, every
+    prefix-cache event and milestone of both, in order."""
+    later.summary.kv_events[:0] = into.summary.kv_events
+    later.finished[:0] = into.finished
+    later.prefilled[:0] = into.prefilled
+    return later
+
+
+@dataclass(slots=True)
+class _Route:
+    """Where a request placed here sends its outputs, and what a restarted central
+    scheduler needs to take it on again (``snapshot``)."""
+
+    client_id: str
+    submission: Submission
+    client_request_id: str
+    request: Request  # this engine's part (the scheduler's copy)
+    client_params: SamplingParams | None  # a prefill part's: its client's
+
+
+@dataclass(slots=True)
+class HeldSnapshot:
+    """A request an engine holds, for a restarted central scheduler (instants as ages)."""
+
+    internal_id: str
+    client_id: str
+    submission: Submission
+    client_request_id: str
+    request: Request  # the engine's part
+    client_params: SamplingParams | None
+    hand_off: bool
+    tokens: list[int]  # what its client has
+    num_cached_tokens: int | None
+    arrival_time: float
+    scheduled_at: float | None
+    first_token_at: float | None
+    last_token_at: float | None
+    prefilled: Prefilled | None = None  # prefilled, its hand-off not confirmed
+
+
+@dataclass(slots=True)
+class EngineSnapshot:
+    """What an engine actor tells a restarted central scheduler (``EngineActor.snapshot``)."""
+
+    spec: InstanceSpec
+    max_model_len: int
+    next_op: int  # the op batch number it applies next
+    draining: bool
+    failed: str | None
+    summary: Any  # an EngineSummary whose events rebuild the prefix index from nothing
+    held: list[HeldSnapshot]
+
+
+class EngineActor:
+    """The engine of instance ``spec`` (an async Ray actor, ``num_cpus=0``): started by
+    ``RemoteEngine`` (``control/remote_engine.py``) for the central ``SchedulerActor``,
+    whose handle is ``central``."""
+
+    def __init__(
+        self, config: ClusterConfig, spec: InstanceSpec, max_model_len: int, central: Any
+    ) -> None:
+        from cluster.control.observer import RequestObserver
+
+        self.config = config
+        self.spec = spec
+        self.instance_id = spec.instance_id
+        self.max_model_len = max_model_len
+        self.central = central
+        iid, role = spec.instance_id, spec.pool.role
+        self.observe = RequestObserver(config, {iid: role}, {iid: spec})
+        self.observe.add_instance(iid, role)
+        self.engine: InstanceEngine | None = None
+        self._outboxes: dict[str, Outbox] = {}
+        self._dropped: set[str] = set()
+        self._routes: dict[str, _Route] = {}  # by internal id: the requests placed here
+        # Prefilled requests whose hand-off the central scheduler has not confirmed yet: an
+        # abort that reaches them here still ends them (their client gets the final).
+        self._awaiting: dict[str, Prefilled] = {}
+        self._next_op = 0
+        self._early_ops: dict[int, list[tuple[Any, ...]]] = {}
+        self._outgoing: deque[EngineReport] = deque()
+        self._wake = asyncio.Event()
+        self._sender: asyncio.Task[None] | None = None
+
+    # -- life cycle --------------------------------------------------------------------------
+    async def start(self) -> str:
+        """Build the engine (its scheduler and loop) and start stepping; returns the
+        instance id once it serves."""
+        if self.engine is None:
+            from cluster.control.heap import freeze_heap
+
+            self.engine = InstanceEngine(
+                self.config, self.spec, self.max_model_len, self._on_report, self.observe
+            )
+            self.engine.start()
+            self._sender = asyncio.ensure_future(self._send_reports())
+            freeze_heap()
+        return self.instance_id
+
+    def _engine(self) -> InstanceEngine:
+        if self.engine is None:
+            raise RuntimeError(f"the engine of instance {self.instance_id} is not started")
+        return self.engine
+
+    async def stop(self) -> None:
+        """Stop stepping (``InstanceEngine.stop``); the clients' streams end after their last
+        outputs."""
+        if self.engine is not None:
+            await self.engine.stop()
+        for outbox in self._outboxes.values():
+            outbox.close()
+
+    def take_all(self) -> list[Any]:
+        """Every request still here, as lost (after ``stop``: the instance leaves)."""
+        lost = self._engine().take_all()
+        delta = -time.monotonic()
+        report = EngineReport(self.instance_id, self._engine().loop.summary(), lost=lost)
+        rebase_report(report, delta)
+        return report.lost
+
+    async def ping(self) -> str:
+        return self.instance_id
+
+    # -- the central scheduler's ops, in its order ---------------------------------------------
+    def ops(self, seq: int, items: list[tuple[Any, ...]]) -> None:
+        """Apply op batch number ``seq`` once every earlier batch is applied."""
+        self._early_ops[seq] = items
+        while self._next_op in self._early_ops:
+            batch = self._early_ops.pop(self._next_op)
+            self._next_op += 1
+            for item in batch:
+                try:
+                    self._apply(item)
+                except Exception:  # one bad op must not stop the ones after it
+                    logger.exception("instance %s: op %s failed", self.instance_id, item[0])
+
+    def _apply(self, item: tuple[Any, ...]) -> None:
+        kind = item[0]
+        engine = self._engine()
+        if kind == "add":
+            engine.add([self._placement(p) for p in item[1]])
+        elif kind == "end":
+            self._end(item[1], FinishReason(item[2]), item[3])
+        elif kind == "abort":
+            for internal in item[1]:
+                self._routes.pop(internal, None)
+                self._awaiting.pop(internal, None)
+            engine.abort(item[1])
+        elif kind == "handed_off":
+            for internal in item[1]:
+                self._awaiting.pop(internal, None)
+                self._routes.pop(internal, None)
+        elif kind == "drop_client":
+            self._drop_client(item[1])
+        elif kind == "draining":
+            engine.draining = bool(item[1])
+        elif kind == "fail":
+            engine.fail(item[1])
+        else:
+            raise ValueError(f"unknown op {kind!r}")
+
+    def _placement(self, wire: WirePlacement) -> Placement:
+        rebase_placement(wire, time.monotonic())
+        internal = wire.request.request_id
+        route = self._routes[internal] = _Route(
+            wire.client_id,
+            wire.submission,
+            wire.client_request_id,
+            wire.request,
+            wire.client_params,
+        )
+        return Placement(
+            wire.request,
+            wire.client_request_id,
+            self._sink(route),
+            hand_off=wire.hand_off,
+            num_cached_tokens=wire.num_cached_tokens,
+            arrival_time=wire.arrival_time,
+            scheduled_at=wire.scheduled_at,
+            first_token_at=wire.first_token_at,
+            last_token_at=wire.last_token_at,
+        )
+
+    def _sink(self, route: _Route) -> Any:
+        def sink(out: EngineCoreOutput, index: int) -> None:
+            outbox = self._outbox(route.client_id)
+            if outbox is not None:
+                outbox.put(route.submission, out, index)
+
+        return sink
+
+    def _end(self, internal: str, reason: FinishReason, error: str | None) -> None:
+        """End a request with a final output to its client: held here (the engine ends
+        it), or prefilled and not handed off yet (its first token went out; its KV, kept
+        for the decode side, is freed). Either way the central scheduler hears it finished.
+        Nothing for a request that already finished here."""
+        engine = self._engine()
+        if engine.end(internal, reason, error):
+            self._routes.pop(internal, None)
+            self._report_finished(internal)
+            return
+        prefilled = self._awaiting.pop(internal, None)
+        route = self._routes.pop(internal, None)
+        if prefilled is None or route is None:
+            return
+        engine.abort([internal])
+        final = EngineCoreOutput(route.client_request_id, [], reason, error=error)
+        self._sink(route)(final, len(prefilled.first.new_token_ids))
+        self._report_finished(internal)
+
+    def _report_finished(self, internal: str) -> None:
+        summary = self._engine().loop.summary()
+        self._on_report(EngineReport(self.instance_id, summary, finished=[internal]))
+
+    # -- clients ------------------------------------------------------------------------------
+    def _outbox(self, client_id: str) -> Outbox | None:
+        if client_id in self._dropped:
+            return None
+        outbox = self._outboxes.get(client_id)
+        if outbox is None:
+            outbox = self._outboxes[client_id] = Outbox()
+        return outbox
+
+    async def subscribe(self, client_id: str) -> Any:
+        """Client ``client_id``'s outputs from this instance, one batch per wake-up (a step's
+        outputs of all its requests), packed as ``flights.pack_batch``; ends when the central
+        scheduler drops the client or the engine stops. (A generator: Ray streams those.)"""
+        outbox = self._outbox(client_id)
+        if outbox is None:
+            return
+        while True:
+            batch = await outbox.take()
+            if batch:
+                yield pack_batch(batch)
+            if outbox.closed and not outbox.pending:
+                return
+
+    def _drop_client(self, client_id: str) -> None:
+        self._dropped.add(client_id)
+        outbox = self._outboxes.pop(client_id, None)
+        if outbox is not None:
+            outbox.close()
+
+    # -- reports ------------------------------------------------------------------------------
+    def _on_report(self, report: EngineReport) -> None:
+        for prefilled in report.prefilled:  # (a copy: the report's is rebased below)
+            self._awaiting[prefilled.internal_id] = replace(prefilled)
+        for internal in report.finished:
+            self._routes.pop(internal, None)
+        for lost in report.lost:
+            self._routes.pop(lost.internal_id, None)
+        rebase_report(report, -time.monotonic())
+        queue = self._outgoing
+        if queue and _plain(queue[-1]) and _plain(report):
+            queue[-1] = coalesce(queue[-1], report)
+        else:
+            queue.append(report)
+        self._wake.set()
+
+    async def _send_reports(self) -> None:
+        """Forever: send the reports in order, one at a time; those made meanwhile are merged
+        into one (a slow central scheduler gets fewer, larger reports, never a backlog)."""
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._outgoing:
+                report = self._outgoing.popleft()
+                try:
+                    await self.central.report.remote(report)
+                except Exception as exc:
+                    logger.warning("instance %s: a report was lost: %s", self.instance_id, exc)
+                # Not kept while idle: its KV handles (object references) pin their objects.
+                del report
+
+    # -- introspection ------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        return self._engine().stats()
+
+    def describe_requests(self, internal_ids: list[str]) -> dict[str, RequestPlace]:
+        return self._engine().describe_requests(internal_ids)
+
+    def holds_requests(self) -> bool:
+        return self._engine().holds_requests() or bool(self._awaiting)
+
+    def check_integrity(self) -> None:
+        self._engine().check_integrity()
+
+    def reset_prefix_cache(self) -> bool:
+        return self._engine().reset_prefix_cache()
+
+    def metrics_text(self) -> str:
+        """This engine's request metrics (its registry; the central scheduler merges every
+        engine's into ``/metrics``)."""
+        return self.observe.metrics.render_registry()
+
+    async def flush_traces(self) -> None:
+        await self.observe.flush()
+
+    # -- a restarted central scheduler ---------------------------------------------------------
+    def snapshot(self) -> EngineSnapshot:
+        """Everything a restarted central scheduler rebuilds its state from: the instance,
+        its load and whole prefix cache, and every request held here (prefilled ones whose
+        hand-off it did not confirm included). Reports still queued keep their milestones
+        but lose their cache events: the snapshot's supersede them."""
+        from scheduler.kv_events import AllBlocksCleared, BlockStored
+
+        engine = self._engine()
+        now = time.monotonic()
+        summary = engine.loop.summary()
+        pool = engine.loop.scheduler.kv_cache_manager.block_pool
+        summary.kv_events = [AllBlocksCleared(), BlockStored(tuple(pool.cached))]
+        for queued in self._outgoing:
+            queued.summary.kv_events = []
+        held: list[HeldSnapshot] = []
+        for internal, h in engine.held.items():
+            route = self._routes.get(internal)
+            if route is None:
+                continue
+            p = h.placement
+            held.append(
+                HeldSnapshot(
+                    internal,
+                    route.client_id,
+                    route.submission,
+                    route.client_request_id,
+                    route.request,
+                    route.client_params,
+                    p.hand_off,
+                    list(h.tokens),
+                    h.num_cached_tokens,
+                    p.arrival_time - now,
+                    None if h.first_scheduled_at is None else h.first_scheduled_at - now,
+                    shift(h.first_token_at, -now),
+                    shift(h.last_token_at, -now),
+                )
+            )
+        for internal, prefilled in self._awaiting.items():
+            route = self._routes.get(internal)
+            if route is None:
+                continue
+            tokens = list(prefilled.first.new_token_ids)
+            held.append(
+                HeldSnapshot(
+                    internal,
+                    route.client_id,
+                    route.submission,
+                    route.client_request_id,
+                    route.request,
+                    route.client_params,
+                    True,
+                    tokens,
+                    prefilled.num_cached_tokens,
+                    route.request.arrival_time - now,
+                    shift(prefilled.scheduled_at, -now),
+                    shift(prefilled.first_token_at, -now),
+                    shift(prefilled.first_token_at, -now),
+                    prefilled=replace(
+                        prefilled,
+                        first_token_at=shift(prefilled.first_token_at, -now),
+                        scheduled_at=shift(prefilled.scheduled_at, -now),
+                    ),
+                )
+            )
+        return EngineSnapshot(
+            self.spec,
+            self.max_model_len,
+            self._next_op,
+            engine.draining,
+            engine.failed,
+            summary,
+            held,
+        )

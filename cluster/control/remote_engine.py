@@ -1,0 +1,252 @@
+"""``RemoteEngine``: the central scheduler's end of an ``EngineActor`` -- an instance engine
+in a process of its own (``control/engine_actor.py``). It stands where an ``InstanceEngine``
+stands in ``SchedulerActor.engines``, with the same methods; what it sends goes out as one
+numbered op batch per turn of the event loop (the actor applies them in that order), and
+what asks for an answer is a coroutine.
+
+It also watches the actor: one that stops answering ``ping`` (its process died) is reported
+to ``on_dead``. The requests it held die with it -- their tokens were only there and in
+their clients -- and end with an error (recovering them from the clients is not built).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from cluster.config import ClusterConfig
+from cluster.control.engine import Lost, Placement
+from cluster.control.engine_actor import EngineActor, WirePlacement, rebase_placement, shift
+from cluster.control.placement import InstanceSpec
+from scheduler.request import FinishReason
+
+logger = logging.getLogger(__name__)
+
+PING_TIMEOUT_S = 10.0
+
+
+def engine_actor_prefix(central_actor_id: str) -> str:
+    """The names of a central scheduler's engine actors start with this (its actor id stays
+    the same across its restarts)."""
+    return f"tandem-engine/{central_actor_id}/"
+
+
+class RemoteEngine:
+    """An instance engine in an ``EngineActor`` (started on the instance's node)."""
+
+    remote = True
+
+    def __init__(
+        self,
+        config: ClusterConfig,
+        spec: InstanceSpec,
+        max_model_len: int,
+        central: Any,
+        on_dead: Callable[[str, str], None],
+        attach: tuple[Any, int] | None = None,
+    ) -> None:
+        """Start the instance's engine actor -- or, with ``attach`` (its handle and the next
+        op batch number), take on one that runs already (a restarted central scheduler)."""
+        import ray
+
+        self.config = config
+        self.spec = spec
+        self.instance_id = spec.instance_id
+        self.role = spec.pool.role
+        self.failed: str | None = None  # from its reports
+        self._draining = False
+        self._on_dead = on_dead
+        self._seq = 0 if attach is None else attach[1]
+        self._ops: list[tuple[Any, ...]] = []
+        self._flush_scheduled = False
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.dead: str | None = None
+        if attach is not None:
+            self.actor: Any = attach[0]
+            return
+        # Detached and named: it outlives a central scheduler that dies (which finds it again
+        # by name when it restarts); the central scheduler's shutdown kills it.
+        options: dict[str, Any] = {
+            "num_cpus": 0,
+            "max_concurrency": 10_000,
+            "lifetime": "detached",
+            "name": engine_actor_prefix(ray.get_runtime_context().get_actor_id() or "")
+            + spec.instance_id,
+        }
+        node = spec.info.get("node_id")
+        if node:  # beside its workers: no cross-node hop per step
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=True)
+        actor_class: Any = ray.remote(EngineActor).options(**options)
+        self.actor = actor_class.remote(config, spec, max_model_len, central)
+
+    # -- life cycle --------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the watch; ``ready`` waits for the engine to serve."""
+        if self.config.health_check_interval_s > 0:
+            self._spawn(self._watch())
+
+    async def ready(self) -> None:
+        await self.actor.start.remote()
+
+    async def stop(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        self._flush()
+        if self.dead is None:
+            try:
+                await self.actor.stop.remote()
+            except Exception as exc:
+                logger.warning("instance %s: its engine did not stop: %s", self.instance_id, exc)
+
+    def close(self) -> None:
+        """After ``stop``: the engine's process goes."""
+        import ray
+
+        ray.kill(self.actor)
+
+    async def take_all(self) -> list[Lost]:
+        if self.dead is not None:
+            return []
+        self._flush()
+        lost: list[Lost] = await self.actor.take_all.remote()
+        delta = time.monotonic()
+        for item in lost:
+            item.first_token_at = shift(item.first_token_at, delta)
+            item.last_token_at = shift(item.last_token_at, delta)
+            item.scheduled_at = shift(item.scheduled_at, delta)
+        return lost
+
+    @property
+    def alive(self) -> bool:
+        return self.dead is None and self.failed is None
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    @draining.setter
+    def draining(self, value: bool) -> None:
+        self._draining = value
+        self._op(("draining", value))
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _watch(self) -> None:
+        interval = self.config.health_check_interval_s
+        while self.dead is None:
+            await asyncio.sleep(interval)
+            try:
+                await asyncio.wait_for(self.actor.ping.remote(), PING_TIMEOUT_S)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self.dead = f"the engine process of instance {self.instance_id} died ({exc!r})"
+                logger.warning("%s", self.dead)
+                self._on_dead(self.instance_id, self.dead)
+                return
+
+    # -- requests ----------------------------------------------------------------------------
+    def add(self, placements: list[Placement]) -> None:
+        wires = []
+        delta = -time.monotonic()
+        for p in placements:
+            assert p.client_id is not None and p.submission is not None
+            wire = WirePlacement(
+                p.request,
+                p.client_request_id,
+                p.client_id,
+                p.submission,
+                p.hand_off,
+                p.num_cached_tokens,
+                p.arrival_time,
+                p.scheduled_at,
+                p.first_token_at,
+                p.last_token_at,
+                p.client_params,
+            )
+            rebase_placement(wire, delta)
+            wires.append(wire)
+        self._op(("add", wires))
+
+    def abort(self, internal_ids: list[str]) -> None:
+        self._op(("abort", list(internal_ids)))
+
+    def end(self, internal_id: str, reason: FinishReason, error: str | None = None) -> bool:
+        """Ask the engine to end the request with a final output to its client. The answer
+        comes as a report (finished), so this always says True: the caller waits for it."""
+        self._op(("end", internal_id, reason.value, error))
+        return True
+
+    def handed_off(self, internal_ids: list[str]) -> None:
+        self._op(("handed_off", list(internal_ids)))
+
+    def drop_client(self, client_id: str) -> None:
+        self._op(("drop_client", client_id))
+
+    def fail(self, reason: str) -> None:
+        self._op(("fail", reason))
+
+    def _op(self, item: tuple[Any, ...]) -> None:
+        self._ops.append(item)
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        if not self._ops or self.dead is not None:
+            self._ops = []
+            return
+        items, self._ops = self._ops, []
+        self.actor.ops.remote(self._seq, items)
+        self._seq += 1
+
+    # -- introspection -----------------------------------------------------------------------
+    async def _ask(self, method: str, *args: Any) -> Any:
+        self._flush()  # after what was sent before
+        return await getattr(self.actor, method).remote(*args)
+
+    async def holds_requests(self) -> bool:
+        if self.dead is not None:
+            return False
+        return bool(await self._ask("holds_requests"))
+
+    async def describe_requests(
+        self, internal_ids: list[str]
+    ) -> dict[str, tuple[str | None, int | None]]:
+        if self.dead is not None:
+            return {}
+        result: dict[str, tuple[str | None, int | None]] = await self._ask(
+            "describe_requests", internal_ids
+        )
+        return result
+
+    async def stats(self) -> dict[str, Any]:
+        if self.dead is not None:
+            return {"role": self.role, "dead": self.dead}
+        result: dict[str, Any] = await self._ask("stats")
+        return result
+
+    async def check_integrity(self) -> None:
+        await self._ask("check_integrity")
+
+    async def reset_prefix_cache(self) -> bool:
+        return bool(await self._ask("reset_prefix_cache"))
+
+    async def metrics_text(self) -> str:
+        if self.dead is not None:
+            return ""
+        text: str = await self._ask("metrics_text")
+        return text
+
+    async def flush_traces(self) -> None:
+        if self.dead is None:
+            await self._ask("flush_traces")

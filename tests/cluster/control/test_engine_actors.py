@@ -1,0 +1,366 @@
+"""Engines in processes of their own (``engine_actors``): each instance's scheduler and step
+loop run in an ``EngineActor`` beside its workers, and stream tokens straight to the clients;
+the central SchedulerActor sees only per-step reports. On a real multi-node
+``ray.cluster_utils.Cluster``: P/D output equal to the in-process engine's, aborts at every
+stage, metrics merged across processes, pools resized, a worker killed (its requests move), an
+engine process killed (its requests end with an error, never hang)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.cluster.conftest import RayCluster, assert_clean, wait_until
+from tests.cluster.control.helpers import (
+    BLOCK_SIZE,
+    DECODE,
+    NUM_BLOCKS,
+    PREFILL,
+    cluster_config,
+    generate_in_process,
+    token_ids,
+)
+
+ray = pytest.importorskip("ray")
+
+from cluster.control.client import ClusterClient  # noqa: E402
+from cluster.control.launch import build_cluster, shutdown_cluster  # noqa: E402
+from scheduler import SamplingParams  # noqa: E402
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
+LONG = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+TIMEOUT_S = 1.0
+
+
+def _prompts(count: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 256) for _ in range(1 + (i * 37) % 61)] for i in range(count)]
+
+
+@pytest.fixture(scope="module")
+def engines(ray_cluster: RayCluster, tiny_model: Path) -> Iterator[Any]:
+    """1 prefill + 2 decode instances, every request disaggregated, each engine an actor."""
+    config = cluster_config(
+        tiny_model,
+        [PREFILL, {**DECODE, "replicas": 2}],
+        router={"disaggregation": "always"},
+        kv_transfer={"timeout_s": TIMEOUT_S},
+        engine_actors=True,
+    )
+    handle = build_cluster(config, name="engine-actors", namespace="tandem-tests")
+    yield handle
+    shutdown_cluster(handle)
+
+
+@pytest.fixture(scope="module")
+def client(engines: Any) -> ClusterClient:
+    return ClusterClient(engines)
+
+
+@pytest.fixture(autouse=True)
+def _no_leaks(request: pytest.FixtureRequest, engines: Any) -> Iterator[None]:
+    yield
+    if request.node.name.startswith("test_a_killed_engine"):
+        return  # its own checks: the dead engine's scheduler cannot be asked
+    for iid, stats in _instances(engines).items():
+        if stats["alive"]:
+            ray.get(engines.set_fault_injection.remote(iid, 0.0, 0.0))
+    assert_clean(engines)
+
+
+def _instances(handle: Any) -> dict[str, Any]:
+    result: dict[str, Any] = ray.get(handle.stats.remote())["instances"]
+    return result
+
+
+def _live_ids(handle: Any) -> list[str]:
+    ids: list[str] = ray.get(handle.live_request_ids.remote())
+    return ids
+
+
+async def _until(predicate: Any, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not await asyncio.to_thread(predicate):
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.02)
+
+
+def test_each_engine_runs_in_a_process_of_its_own_beside_its_workers(engines: Any) -> None:
+    stats = ray.get(engines.stats.remote())
+    health = ray.get(engines.worker_health.remote())
+    pids = {iid: s["engine_pid"] for iid, s in stats["instances"].items()}
+    assert set(pids) == {"p-0", "d-0", "d-1"}
+    assert len(set(pids.values())) == 3 and stats["pid"] not in pids.values()
+    for iid, pid in pids.items():
+        assert pid != health[iid]["pid"]  # not in the worker either: beside it
+    described = ray.get(engines.describe.remote())["instances"]
+    assert described["p-0"]["node_id"] != described["d-0"]["node_id"]
+
+
+def test_disaggregated_output_equals_the_in_process_engine(
+    client: ClusterClient, tiny_model: Path
+) -> None:
+    from cluster.engine.llm import LLM
+
+    prompts = _prompts(16)
+    before = _instances(client.handle)
+    got = token_ids(client.generate(prompts, GREEDY))
+    assert got == generate_in_process(tiny_model, prompts, GREEDY)
+    after = _instances(client.handle)
+    loads = sum(
+        after[i]["num_kv_loads_started"] - before[i]["num_kv_loads_started"] for i in ("d-0", "d-1")
+    )
+    assert loads == sum(len(t) > 1 for t in got) >= 12  # the KV crossed for each
+    assert (
+        min(
+            after[i]["num_requests_added"] - before[i]["num_requests_added"] for i in ("d-0", "d-1")
+        )
+        > 0
+    )
+
+    params = SamplingParams(max_tokens=10, temperature=0.9, top_k=50, seed=7, n=3)
+    llm = LLM(str(tiny_model), block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, progress=False)
+    expected = [[s.token_ids for s in o.outputs] for o in llm.generate(prompts[:3], params)]
+    sampled = [[s.token_ids for s in o.outputs] for o in client.generate(prompts[:3], params)]
+    assert sampled == expected
+
+
+def test_first_token_from_the_prefill_engine_then_the_decode_engines(
+    client: ClusterClient,
+) -> None:
+    prompt = _prompts(1, seed=3)[0] + [9] * 20
+    params = GREEDY.model_copy(update={"ignore_eos": True})
+
+    async def run() -> list[list[int]]:
+        return [
+            list(out.outputs[0].new_token_ids)
+            async for out in client.generate_async(prompt, params)
+            if out.outputs[0].new_token_ids
+        ]
+
+    deltas = asyncio.run(run())
+    assert len(deltas[0]) == 1  # the prefill engine's token, in its own batch
+    assert sum(map(len, deltas)) == GREEDY.max_tokens and len(deltas) > 2
+
+
+async def _collect(client: ClusterClient, prompt: list[int], params: SamplingParams) -> Any:
+    final = None
+    async for out in client.generate_async(prompt, params):
+        final = out
+    return final
+
+
+def test_abort_while_queued_prefilling_transferring_and_decoding(
+    engines: Any, client: ClusterClient
+) -> None:
+    ray.get(engines.set_fault_injection.remote("p-0", 0.0, 0.5))  # each prefill step +0.5 s
+    steps = _instances(engines)["p-0"]["num_steps"]
+
+    async def prefilling() -> list[Any]:
+        first = asyncio.ensure_future(_collect(client, _prompts(1, 1)[0] + [5] * 8, GREEDY))
+        await _until(lambda: _instances(engines)["p-0"]["num_steps"] > steps)
+        second = asyncio.ensure_future(_collect(client, [7, 8, 9, 10], GREEDY))
+        await _until(lambda: len(_live_ids(engines)) == 2)
+        for rid in _live_ids(engines):
+            assert ray.get(engines.abort.remote(rid))
+        return [await first, await second]
+
+    for out in asyncio.run(prefilling()):
+        assert out.outputs[0].finish_reason == "abort"
+    ray.get(engines.set_fault_injection.remote("p-0", 0.0, 0.0))
+    assert_clean(engines)
+
+    for iid in ("d-0", "d-1"):  # loads slowed, within the deadline
+        ray.get(engines.set_fault_injection.remote(iid, TIMEOUT_S / 2, 0.0))
+
+    async def transferring() -> Any:
+        task = asyncio.ensure_future(_collect(client, _prompts(1, 2)[0] + [4] * 30, GREEDY))
+        await _until(
+            lambda: sum(s["num_waiting_for_remote_kvs"] for s in _instances(engines).values()) == 1
+        )
+        (rid,) = _live_ids(engines)
+        assert ray.get(engines.abort.remote(rid))
+        return await task
+
+    out = asyncio.run(transferring())
+    assert out.outputs[0].finish_reason == "abort" and len(out.outputs[0].token_ids) == 1
+    for iid in ("d-0", "d-1"):
+        ray.get(engines.set_fault_injection.remote(iid, 0.0, 0.0))
+    assert_clean(engines)
+
+    async def decoding() -> Any:
+        got = 0
+        async for out in client.generate_async(_prompts(1, 4)[0], LONG, request_id="dec"):
+            got += len(out.outputs[0].new_token_ids)
+            if got >= 5 and not out.finished:
+                client.abort("dec")
+            if out.finished:
+                return out
+        raise AssertionError("the stream ended without a final output")
+
+    out = asyncio.run(decoding())
+    assert out.outputs[0].finish_reason == "abort"
+    assert 5 <= len(out.outputs[0].token_ids) < 400
+
+
+def test_an_abort_right_after_generate_and_a_client_that_leaves(client: ClusterClient) -> None:
+    async def run() -> tuple[Any, int]:
+        stream = client.generate_async(_prompts(1, 5)[0], LONG, request_id="now")
+        first = asyncio.ensure_future(stream.__anext__())
+        await asyncio.sleep(0)  # submitted with this turn of the loop
+        client.abort("now")
+        out = await first
+        while not out.finished:
+            out = await stream.__anext__()
+        seen = 0
+        async for part in client.generate_async(_prompts(1, 6)[0], LONG):
+            seen = len(part.outputs[0].token_ids)
+            if seen >= 3:
+                break  # leaves: the request is aborted on the cluster
+        return out, seen
+
+    out, seen = asyncio.run(run())
+    assert out.outputs[0].finish_reason == "abort" and seen >= 3
+
+
+def test_metrics_of_every_engine_in_one_exposition(client: ClusterClient) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    client.generate(_prompts(4, seed=9), GREEDY)
+    text = asyncio.run(client.metrics_text())
+    helps = [line.split()[2] for line in text.splitlines() if line.startswith("# HELP")]
+    assert len(helps) == len(set(helps))  # each family once
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    ttft = families["tandem:time_to_first_token_seconds"]
+    counts = {s.labels["instance"]: s.value for s in ttft.samples if s.name.endswith("_count")}
+    assert counts["p-0"] >= 4  # the prefill engine sampled the first tokens (its registry)
+    finished = families["tandem:request_success"]
+    by_instance: dict[str, float] = {}
+    for s in finished.samples:
+        if s.name.endswith("_total"):
+            iid = s.labels["instance"]
+            by_instance[iid] = by_instance.get(iid, 0.0) + s.value
+    assert by_instance["d-0"] + by_instance["d-1"] >= 4  # ended on the decode engines
+    gauges = families["tandem:kv_cache_usage_perc"]
+    assert {s.labels["instance"] for s in gauges.samples} == {"p-0", "d-0", "d-1"}
+
+
+def test_operators_see_where_requests_are(client: ClusterClient) -> None:
+    async def run() -> dict[str, Any]:
+        live: dict[str, Any] = {}
+        async for out in client.generate_async(_prompts(1, 10)[0], LONG, request_id="ops"):
+            if not live and len(out.outputs[0].token_ids) >= 3:
+                live = await client.live_requests()
+                client.abort("ops")
+        return live
+
+    live = asyncio.run(run())
+    assert live["ops"]["instance"] in ("d-0", "d-1") and live["ops"]["phase"] == "decode"
+    assert live["ops"]["num_tokens_sent"] >= 3
+
+
+def test_a_pool_grows_and_shrinks_under_load(
+    engines: Any, client: ClusterClient, tiny_model: Path
+) -> None:
+    prompts = _prompts(6, seed=12)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    expected = generate_in_process(tiny_model, prompts, params)
+    assert asyncio.run(client.scale_pool("d", 3))["instances"] == ["d-0", "d-1", "d-2"]
+    assert token_ids(client.generate(prompts, params)) == expected
+    assert _instances(engines)["d-2"]["num_requests_added"] > 0  # a new engine streamed too
+    ray.get(engines.set_fault_injection.remote("d-2", 0.0, 0.02))
+
+    async def shrink_under_load() -> tuple[list[Any], dict[str, Any]]:
+        tasks = [asyncio.ensure_future(_collect(client, p, params)) for p in prompts]
+        await _until(lambda: _instances(engines)["d-2"]["num_running"] > 0)
+        resized = await client.scale_pool("d", 2)
+        return list(await asyncio.gather(*tasks)), resized
+
+    outs, resized = asyncio.run(shrink_under_load())
+    assert resized["instances"] == ["d-0", "d-1"]
+    assert token_ids(outs) == expected  # the drained engine's requests finished
+    assert set(_instances(engines)) == {"p-0", "d-0", "d-1"}
+
+
+def test_a_killed_worker_moves_its_requests_to_another_engine(
+    engines: Any, client: ClusterClient, tiny_model: Path
+) -> None:
+    prompts = _prompts(4, seed=13)
+    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    expected = generate_in_process(tiny_model, prompts, params)
+    for iid in ("d-0", "d-1"):
+        ray.get(engines.set_fault_injection.remote(iid, 0.0, 0.03))
+
+    async def run() -> list[Any]:
+        tasks = [asyncio.ensure_future(_collect(client, p, params)) for p in prompts]
+        await _until(lambda: _instances(engines)["d-0"]["num_running"] > 0)
+        pid = ray.get(engines.worker_health.remote())["d-0"]["pid"]
+        os.kill(pid, signal.SIGKILL)
+        return list(await asyncio.gather(*tasks))
+
+    outs = asyncio.run(asyncio.wait_for(run(), 120))
+    assert token_ids(outs) == expected  # nothing lost or repeated across the move
+    stats = ray.get(engines.stats.remote())
+    assert stats["num_moves"] >= 1 and not stats["instances"]["d-0"]["alive"]
+
+
+def test_a_killed_engine_process_ends_its_requests_with_an_error(
+    engines: Any, client: ClusterClient
+) -> None:
+    """The last decode instance's engine process dies mid-stream: its requests end with an
+    error naming it (no hang), the instance leaves routing, a new request is refused clearly,
+    and the prefill side is left clean."""
+    ray.get(engines.set_fault_injection.remote("d-1", 0.0, 0.03))
+
+    async def run() -> tuple[Any, Any]:
+        task = asyncio.ensure_future(_collect(client, _prompts(1, 14)[0], LONG))
+        await _until(lambda: _instances(engines)["d-1"]["num_running"] > 0)
+        os.kill(_instances(engines)["d-1"]["engine_pid"], signal.SIGKILL)
+        out = await asyncio.wait_for(task, 30)
+        try:
+            after = await _collect(client, [5, 6, 7], GREEDY)
+        except Exception as exc:
+            after = exc
+        return out, after
+
+    out, after = asyncio.run(run())
+    assert out.outputs[0].finish_reason == "error"
+    assert "engine process of instance d-1 died" in (out.outputs[0].error or "")
+    assert isinstance(after, Exception) or after.outputs[0].finish_reason == "error"
+    assert "no live decode" in str(
+        after if isinstance(after, Exception) else after.outputs[0].error
+    )
+    wait_until(lambda: not ray.get(engines.live_request_ids.remote()), 10, "no flight left")
+    prefill = _instances(engines)["p-0"]
+    wait_until(lambda: _instances(engines)["p-0"]["kv_cache_usage"] == 0.0, 10, "p-0's blocks free")
+    assert prefill["num_requests"] == 0
+
+
+def test_a_stream_read_to_its_end_sends_no_abort(client: ClusterClient) -> None:
+    """Regression: a consumer that stops at the final output closed the request's stream at
+    its last ``yield``, which took it for a consumer leaving early and sent an abort (one
+    Ray call per finished request)."""
+
+    async def run() -> list[str]:
+        sub = client._subscription()
+        aborts: list[str] = []
+        original = sub.abort
+
+        def spy(request_id: str) -> None:
+            aborts.append(request_id)
+            original(request_id)
+
+        sub.abort = spy  # type: ignore[method-assign]
+        async for _ in client.generate_async(_prompts(1, 15)[0], GREEDY):
+            pass
+        return aborts
+
+    assert asyncio.run(run()) == []
