@@ -14,9 +14,11 @@ deals in token ids.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import threading
+import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncGenerator, Sequence
@@ -37,6 +39,9 @@ from scheduler.outputs import EngineCoreOutput
 
 # How often a Subscription tells the SchedulerActor that its client lives.
 KEEPALIVE_S = 1.0
+# How long a client waits for a restarting central actor (engine actors) before its open
+# requests fail.
+CENTRAL_RESTART_S = 60.0
 # How long /health waits for every worker to answer.
 HEALTH_TIMEOUT_S = 10.0
 
@@ -258,6 +263,9 @@ class Subscription:
         self._next_index: dict[int, int] = {}
         self._early: dict[int, dict[int, EngineCoreOutput]] = {}
         self._engines: dict[str, asyncio.Task[None]] = {}  # engine actors streamed from
+        self._generation = 0  # how often the central actor came back from a restart
+        # Submitted, not finished: what a restarted central actor may have to be sent again.
+        self._open: dict[int, tuple[Request, dict[str, str] | None]] = {}
         self._submissions = itertools.count()
         # Submits and aborts not sent yet, in order: (a submit's (request, trace context,
         # submission) and its future) or (an abort's request id, None). What one turn of the
@@ -292,6 +300,7 @@ class Subscription:
         # Registered before submitting: outputs may come before submit returns.
         self.queues[submission] = queue
         self.request_ids[rid] = submission
+        self._open[submission] = (request, trace_context)
         running = False
         try:
             future = self._submit(request, trace_context, submission)
@@ -316,6 +325,7 @@ class Subscription:
             self.queues.pop(submission, None)
             self._next_index.pop(submission, None)
             self._early.pop(submission, None)
+            self._open.pop(submission, None)
             self.request_ids.pop(rid, None)
             if running:  # left before the end: nothing may keep running for nobody
                 self.abort(rid)
@@ -378,11 +388,35 @@ class Subscription:
         self, ops: list[tuple[Any, asyncio.Future[None] | None]], ids: list[str]
     ) -> None:
         outcomes: list[Exception | None] = []
+        retried = False
+        deadline = time.monotonic() + CENTRAL_RESTART_S
         try:
             try:
-                outcomes = await self.handle.submit_many.remote(
-                    self.client_id, [item for item, _ in ops]
-                )
+                while True:
+                    generation = self._generation
+                    try:
+                        answer = await self._answer_or_restart(
+                            self.handle.submit_many.remote(
+                                self.client_id, [item for item, _ in ops]
+                            ),
+                            generation,
+                        )
+                    except Exception as exc:
+                        # The central actor restarts (engine actors): send again once it is
+                        # back; what it placed before it died is in its rebuilt state.
+                        if not (self._engines and _central_gone(exc)):
+                            raise
+                        if time.monotonic() > deadline:
+                            raise
+                        retried = True
+                        await asyncio.sleep(0.2)
+                        continue
+                    if answer is not None:
+                        outcomes = answer
+                        break
+                    retried = True  # sent to the actor that died: it may never answer
+                if retried:  # "already in use": placed by the first try (ids are checked here)
+                    outcomes = [None if _in_use(o) else o for o in outcomes]
             except BaseException as exc:
                 # No answer (the actor died, the reply was lost): some may have been placed,
                 # so each is aborted -- an abort before its submit is remembered by the actor.
@@ -411,6 +445,54 @@ class Subscription:
             if self._ops:  # what waited for this call goes now
                 self._schedule()
 
+    def _spawn(self, coro: Any) -> None:
+        task = self.loop.create_task(coro)
+        self._submitting.add(task)
+        task.add_done_callback(self._submitting.discard)
+
+    async def _resubmit_lost(self) -> None:
+        """After a central actor's restart: submit again what it acknowledged but never gave
+        an engine (it died first). Only requests without any output yet are asked about: one
+        with outputs was on an engine, which the restarted actor took on again."""
+        silent = {
+            submission: item
+            for submission, item in self._open.items()
+            if self._next_index.get(submission, 0) == 0 and submission not in self._early
+        }
+        if not silent:
+            return
+        pairs = [(request.request_id, submission) for submission, (request, _) in silent.items()]
+        unknown: list[int] = await self.handle.unknown_requests.remote(self.client_id, pairs)
+        for submission in unknown:
+            request, trace_context = silent[submission]
+            if submission not in self._open:
+                continue  # ended meanwhile
+            logger.warning(
+                "request %s was lost with the central actor: sent again", request.request_id
+            )
+            future = self._submit(request, trace_context, submission)
+            future.add_done_callback(functools.partial(self._resubmitted, submission=submission))
+
+    def _resubmitted(self, future: asyncio.Future[None], *, submission: int) -> None:
+        """A refused resubmit ends its request's stream with the reason."""
+        if future.cancelled() or future.exception() is None:
+            return
+        queue = self.queues.get(submission)
+        if queue is not None:
+            queue.put_nowait(future.exception() or RuntimeError("resubmit failed"))
+
+    async def _answer_or_restart(self, ref: Any, generation: int) -> Any:
+        """The answer of the call ``ref``, or None when the central actor came back from a
+        restart meanwhile (a call sent to the process that died may never be answered)."""
+        call = asyncio.ensure_future(ref)
+        while True:
+            try:
+                return await asyncio.wait_for(asyncio.shield(call), 0.5)
+            except TimeoutError:
+                if self._generation != generation:
+                    call.cancel()
+                    return None
+
     async def _run(self) -> None:
         queues = self.queues
         ended: BaseException = RuntimeError(
@@ -418,12 +500,31 @@ class Subscription:
             "or was unsubscribed)"
         )
         try:
-            async for ref in self.handle.subscribe.remote(self.client_id):
-                batch = await ref
-                if isinstance(batch, dict):  # a notice: the engine actors to stream from
-                    self._follow(batch.get("engines", {}))
-                    continue
-                self._deliver_batch(batch)
+            lost_at: float | None = None
+            while True:
+                try:
+                    async for ref in self.handle.subscribe.remote(self.client_id):
+                        batch = await ref
+                        if lost_at is not None:  # a restarted central actor answers
+                            lost_at = None
+                            self._generation += 1
+                            self._spawn(self._resubmit_lost())
+                        if isinstance(batch, dict):  # a notice: the engine actors to stream from
+                            self._follow(batch.get("engines", {}))
+                            continue
+                        self._deliver_batch(batch)
+                    return  # the actor ended it (dropped this client)
+                except Exception as exc:
+                    # The central actor died: with engine actors the requests go on streaming
+                    # from the engines while Ray restarts it; subscribe again when it is back.
+                    if not (self._engines and _central_gone(exc)):
+                        raise
+                    if lost_at is None:
+                        lost_at = time.monotonic()
+                        logger.warning("client %s: the central scheduler is away", self.client_id)
+                    if time.monotonic() - lost_at > CENTRAL_RESTART_S:
+                        raise
+                    await asyncio.sleep(0.2)
         except BaseException as exc:
             ended = exc if isinstance(exc, Exception) else RuntimeError(str(exc))
             raise
@@ -499,6 +600,17 @@ class Subscription:
         while not self._stop.is_set():
             self.handle.keepalive.remote(self.client_id)
             self._stop.wait(KEEPALIVE_S)
+
+
+def _central_gone(exc: BaseException) -> bool:
+    """The central actor's process died or is restarting (not an error it raised)."""
+    from ray.exceptions import ActorUnavailableError, RayActorError
+
+    return isinstance(exc, (RayActorError, ActorUnavailableError))
+
+
+def _in_use(outcome: Exception | None) -> bool:
+    return isinstance(outcome, ValueError) and "is already in use" in str(outcome)
 
 
 def _op_id(item: Any) -> str:

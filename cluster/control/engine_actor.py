@@ -139,7 +139,7 @@ class EngineSnapshot:
 
     spec: InstanceSpec
     max_model_len: int
-    next_op: int  # the op batch number it applies next
+    epoch: int  # the new central scheduler's op epoch (its batches start at 0)
     draining: bool
     failed: str | None
     summary: Any  # an EngineSummary whose events rebuild the prefix index from nothing
@@ -171,6 +171,10 @@ class EngineActor:
         # Prefilled requests whose hand-off the central scheduler has not confirmed yet: an
         # abort that reaches them here still ends them (their client gets the final).
         self._awaiting: dict[str, Prefilled] = {}
+        # Op batches are numbered per epoch: each central scheduler that takes the engine on
+        # (after a restart, ``snapshot``) starts a new one, and late batches of an earlier one
+        # are dropped (its numbers would collide with the new one's).
+        self._epoch = 0
         self._next_op = 0
         self._early_ops: dict[int, list[tuple[Any, ...]]] = {}
         self._outgoing: deque[EngineReport] = deque()
@@ -217,8 +221,11 @@ class EngineActor:
         return self.instance_id
 
     # -- the central scheduler's ops, in its order ---------------------------------------------
-    def ops(self, seq: int, items: list[tuple[Any, ...]]) -> None:
-        """Apply op batch number ``seq`` once every earlier batch is applied."""
+    def ops(self, epoch: int, seq: int, items: list[tuple[Any, ...]]) -> None:
+        """Apply op batch number ``seq`` of ``epoch`` once every earlier batch is applied."""
+        if epoch != self._epoch:
+            logger.warning("instance %s: ops of an earlier central scheduler", self.instance_id)
+            return
         self._early_ops[seq] = items
         while self._next_op in self._early_ops:
             batch = self._early_ops.pop(self._next_op)
@@ -400,6 +407,9 @@ class EngineActor:
         from scheduler.kv_events import AllBlocksCleared, BlockStored
 
         engine = self._engine()
+        self._epoch += 1
+        self._next_op = 0
+        self._early_ops.clear()
         now = time.monotonic()
         summary = engine.loop.summary()
         pool = engine.loop.scheduler.kv_cache_manager.block_pool
@@ -459,7 +469,7 @@ class EngineActor:
         return EngineSnapshot(
             self.spec,
             self.max_model_len,
-            self._next_op,
+            self._epoch,
             engine.draining,
             engine.failed,
             summary,

@@ -96,6 +96,10 @@ def build_cluster(
         "num_cpus": 0,
         "max_concurrency": 10_000,  # one slot per concurrent generate() stream
     }
+    if config.engine_actors:
+        # Restartable: the engines, workers and client streams outlive it, and a restarted
+        # one rebuilds its state from the engines (control/restart.py).
+        options["max_restarts"] = -1
     if detached:
         options["lifetime"] = "detached"
     handle = scheduler_actor_class().options(**options).remote(config)

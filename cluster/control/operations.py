@@ -58,6 +58,9 @@ class ClusterOperations:
     def _live(self, role: str) -> list[InstanceView]:
         raise NotImplementedError
 
+    async def _ready(self) -> None:
+        raise NotImplementedError
+
     # -- pools resized at run time -----------------------------------------------------------
     async def scale_pool(
         self, pool_name: str, replicas: int, drain_timeout_s: float | None = None
@@ -222,8 +225,9 @@ class ClusterOperations:
         whether a new deployment may reuse it."""
         return self.config.cluster_settings()
 
-    def model_info(self) -> dict[str, Any]:
+    async def model_info(self) -> dict[str, Any]:
         """What a client needs to tokenize and validate: the model and the context length."""
+        await self._ready()
         first = next(iter(self.specs.values())).info
         return {**first, "max_model_len": self.max_model_len}
 
@@ -243,6 +247,7 @@ class ClusterOperations:
 
     async def stats(self) -> dict[str, Any]:
         """Per-instance state: requests held, KV usage, counters (for tests and metrics)."""
+        await self._ready()
         instances = {iid: await _answer(e.stats()) for iid, e in list(self.engines.items())}
         return {
             "pid": os.getpid(),

@@ -48,8 +48,9 @@ class RemoteEngine:
         on_dead: Callable[[str, str], None],
         attach: tuple[Any, int] | None = None,
     ) -> None:
-        """Start the instance's engine actor -- or, with ``attach`` (its handle and the next
-        op batch number), take on one that runs already (a restarted central scheduler)."""
+        """Start the instance's engine actor -- or, with ``attach`` (its handle and the op
+        epoch it gave this central scheduler), take on one that runs already (a restarted
+        central scheduler)."""
         import ray
 
         self.config = config
@@ -59,7 +60,8 @@ class RemoteEngine:
         self.failed: str | None = None  # from its reports
         self._draining = False
         self._on_dead = on_dead
-        self._seq = 0 if attach is None else attach[1]
+        self._epoch = 0 if attach is None else attach[1]
+        self._seq = 0
         self._ops: list[tuple[Any, ...]] = []
         self._flush_scheduled = False
         self._tasks: set[asyncio.Task[None]] = set()
@@ -206,7 +208,7 @@ class RemoteEngine:
             self._ops = []
             return
         items, self._ops = self._ops, []
-        self.actor.ops.remote(self._seq, items)
+        self.actor.ops.remote(self._epoch, self._seq, items)
         self._seq += 1
 
     # -- introspection -----------------------------------------------------------------------
@@ -231,7 +233,7 @@ class RemoteEngine:
 
     async def stats(self) -> dict[str, Any]:
         if self.dead is not None:
-            return {"role": self.role, "dead": self.dead}
+            return {"role": self.role, "alive": False, "dead": self.dead}
         result: dict[str, Any] = await self._ask("stats")
         return result
 

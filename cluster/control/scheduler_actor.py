@@ -49,6 +49,7 @@ from cluster.control.heap import freeze_heap
 from cluster.control.observer import RequestObserver
 from cluster.control.operations import ClusterOperations
 from cluster.control.placement import InstanceSpec
+from cluster.control.restart import Restart, was_restarted
 from cluster.control.router import Route, Router
 from cluster.control.summaries import InstanceView
 from cluster.errors import OverloadedError
@@ -59,11 +60,12 @@ from scheduler.request import FinishReason
 logger = logging.getLogger(__name__)
 
 
-class SchedulerActor(ClusterOperations):
+class SchedulerActor(Restart, ClusterOperations):
     """Admits and routes requests, hands them off between instances, moves them off failed
     ones; the instances' engines run them and stream their tokens. What operators call --
     pool resizing, adapters, metrics, introspection -- is ``ClusterOperations``
-    (``control/operations.py``)."""
+    (``control/operations.py``); the rebuild after a restart is ``Restart``
+    (``control/restart.py``)."""
 
     def __init__(self, config: ClusterConfig, instances: list[InstanceSpec] | None = None) -> None:
         self.config = config
@@ -90,10 +92,16 @@ class SchedulerActor(ClusterOperations):
         self._resizing = asyncio.Lock()  # scale_pool: one resize at a time
         self.observe = RequestObserver(config, self.roles, self.specs)
         self.lora = LoRAAdapters(config, self.specs)  # served by name, loaded per instance
+        # Restarted by Ray (engine_actors): rebuilt from the engines before serving again.
+        self.recovering = config.engine_actors and was_restarted()
+        self._recovery: asyncio.Task[None] | None = None
+        self._held_reports: list[EngineReport] = []  # reports that came during the rebuild
 
     # -- life cycle --------------------------------------------------------------------------
     async def start(self) -> dict[str, Any]:
         """Start the workers (unless injected), then each instance's engine."""
+        if self.recovering:
+            await self._ready()
         if self.started:
             return self.describe()
         if self._specs is None:
@@ -274,16 +282,32 @@ class SchedulerActor(ClusterOperations):
         client streams from each, ``EngineActor.subscribe``): this stream first says which
         engines there are, again when that changes (a dict), and carries the ends the actor
         decides. (A generator function itself: Ray streams only those.)"""
+        await self._ready()
         async with aclosing(self.clients.stream(client_id)) as batches:
             if self.config.engine_actors:  # where its tokens come from
                 yield {"engines": self.engine_handles()}
             async for batch in batches:
                 yield batch if isinstance(batch, dict) else pack_batch(batch)
 
+    async def unknown_requests(
+        self, client_id: str, pairs: list[tuple[str, Submission]]
+    ) -> list[Submission]:
+        """Of client ``client_id``'s (request id, submission) pairs, the submissions this
+        actor has no request for: after a restart, what its previous process acknowledged
+        but never gave an engine (the client sends them again)."""
+        await self._ready()
+        unknown = []
+        for rid, submission in pairs:
+            flight = self.flights.get(rid)
+            if flight is None or flight.client_id != client_id or flight.tag != submission:
+                unknown.append(submission)
+        return unknown
+
     def keepalive(self, client_id: str) -> None:
         """Client ``client_id`` lives (its ``Subscription`` says so every second); one that
         then stays silent for ``client_timeout_s`` is taken for dead (``control/clients.py``)."""
         self.clients.keepalive(client_id)
+        self._kick_recovery()
 
     def unsubscribe(self, client_id: str) -> None:
         """Forget client ``client_id``: its stream ends and its unfinished requests are
@@ -299,6 +323,7 @@ class SchedulerActor(ClusterOperations):
         submission: Submission | None = None,
         client_id: str | None = None,
     ) -> Flight:
+        await self._ready()
         if not self.started:
             raise RuntimeError("the cluster is not started")
         rid = request.request_id
@@ -478,6 +503,10 @@ class SchedulerActor(ClusterOperations):
         from cluster.control.engine_actor import rebase_report
 
         rebase_report(report, time.monotonic())
+        if self.recovering:  # applied once the state is rebuilt
+            self._held_reports.append(report)
+            self._kick_recovery()
+            return
         engine = self.engines.get(report.instance_id)
         if engine is not None and engine.remote:
             if report.failure is not None:

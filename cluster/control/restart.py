@@ -1,0 +1,196 @@
+"""A central scheduler that comes back: with ``engine_actors`` the ``SchedulerActor`` is
+restartable (``max_restarts``), and a restarted one rebuilds its state from the engines.
+
+The engines, their workers and the clients' streams from the engines do not depend on the
+central actor's process (the engines and workers are detached actors, the clients stream from
+the engines directly): while it is away, requests already placed keep running and streaming.
+When Ray restarts it, its constructor runs again on a fresh process; the first call that needs
+its state -- an engine's report, a client's keep-alive or submit -- starts the rebuild:
+
+    find its engine actors (named after its actor id, which a restart keeps)
+    ask each for a snapshot: the instance, its load and prefix cache, the requests it holds
+    rebuild the instances' views, the flights (by client and submission), the id sequence
+    hand off what was prefilled and not yet handed off
+    apply the reports that came meanwhile; serve
+
+Calls that arrive meanwhile wait for it (``submit`` at most ``RECOVERY_WAIT_S``, then a clear
+``UnavailableError``: HTTP 503). What is not rebuilt: LoRA adapters loaded at run time (load
+them again), the failure history and move count, and requests an engine reported lost while the
+central actor was away (a worker failing during its restart: a double fault).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from cluster.control.engine_actor import EngineSnapshot, shift
+from cluster.control.flights import Flight, clone_request
+from cluster.errors import UnavailableError
+
+if TYPE_CHECKING:
+    from cluster.control.scheduler_actor import SchedulerActor
+
+logger = logging.getLogger(__name__)
+
+RECOVERY_WAIT_S = 30.0  # how long a call waits for a restarted central actor's rebuild
+
+
+def was_restarted() -> bool:
+    """True in a central actor that Ray restarted (its constructor runs again)."""
+    try:
+        import ray
+
+        return bool(ray.get_runtime_context().was_current_actor_reconstructed)
+    except Exception:  # not in a Ray actor
+        return False
+
+
+class Restart:
+    """The ``SchedulerActor``'s rebuild after a restart (a mixin: its state is the actor's)."""
+
+    recovering: bool
+    _recovery: asyncio.Task[None] | None
+    _held_reports: list[Any]
+
+    def _kick_recovery(self: SchedulerActor) -> None:  # type: ignore[misc]
+        if self.recovering and self._recovery is None:
+            self._recovery = asyncio.ensure_future(self._recover())
+
+    async def _ready(self: SchedulerActor) -> None:  # type: ignore[misc]
+        """Return once the actor serves: at once, or after a restart's rebuild (at most
+        ``RECOVERY_WAIT_S``, else ``UnavailableError``)."""
+        if not self.recovering:
+            return
+        self._kick_recovery()
+        assert self._recovery is not None
+        try:
+            await asyncio.wait_for(asyncio.shield(self._recovery), RECOVERY_WAIT_S)
+        except TimeoutError:
+            raise UnavailableError(
+                "the central scheduler is restarting and has not recovered yet; retry"
+            ) from None
+
+    async def _recover(self: SchedulerActor) -> None:  # type: ignore[misc]
+        try:
+            await rebuild(self)
+        except Exception:
+            logger.exception("the central scheduler could not rebuild its state")
+            raise
+        finally:
+            self.recovering = False
+            held, self._held_reports = self._held_reports, []
+            for report in held:  # what the engines said meanwhile
+                self._on_report(report)
+
+
+async def rebuild(actor: SchedulerActor) -> None:
+    """Rebuild ``actor``'s instances and flights from its engine actors' snapshots."""
+    import ray
+
+    from cluster.control.remote_engine import RemoteEngine, engine_actor_prefix
+
+    context = ray.get_runtime_context()
+    prefix = engine_actor_prefix(context.get_actor_id() or "")
+    namespace = context.namespace
+    names = [
+        a["name"]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["namespace"] == namespace and a["name"].startswith(prefix)
+    ]
+    handles = [ray.get_actor(name, namespace=namespace) for name in names]
+    answers = await asyncio.gather(*(h.snapshot.remote() for h in handles), return_exceptions=True)
+    found: list[tuple[Any, EngineSnapshot]] = []
+    for name, handle, answer in zip(names, handles, answers, strict=True):
+        if isinstance(answer, BaseException):
+            logger.warning("engine %s did not answer after the restart: %s", name, answer)
+        else:
+            found.append((handle, answer))
+    if not found:
+        raise RuntimeError("no engine actor left to rebuild the cluster from")
+    found.sort(key=lambda pair: pair[1].spec.instance_id)
+    actor.max_model_len = found[0][1].max_model_len
+    me = context.current_actor
+    for handle, snap in found:
+        spec = snap.spec
+        iid = spec.instance_id
+        engine = RemoteEngine(
+            actor.config,
+            spec,
+            snap.max_model_len,
+            me,
+            actor._engine_died,
+            attach=(handle, snap.epoch),
+        )
+        engine.failed = snap.failed
+        engine._draining = snap.draining
+        actor.specs[iid] = spec
+        actor.roles[iid] = spec.pool.role
+        view = actor.views[iid] = actor._new_view(spec)
+        view.draining = snap.draining
+        view.alive = snap.failed is None
+        view.update(snap.summary)
+        actor.lora.reset(iid)
+        actor.observe.add_instance(iid, spec.pool.role)
+        actor.engines[iid] = engine
+        engine.start()
+    now = time.monotonic()
+    last = 0
+    handoffs = []
+    # Held requests first: a request both decoding on one engine and awaiting its hand-off
+    # on another (the restart fell between the two) is the decoding one.
+    held = [(snap.spec.instance_id, h) for _, snap in found for h in snap.held]
+    held.sort(key=lambda pair: pair[1].prefilled is not None)
+    for iid, h in held:
+        last = max(last, _sequence(h.internal_id))
+        if h.internal_id in actor._internal:
+            actor.engines[iid].handed_off([h.internal_id])  # taken on by its decode engine
+            continue
+        params = h.client_params or h.request.sampling_params
+        request = clone_request(
+            h.request,
+            request_id=h.client_request_id,
+            sampling_params=params,
+            output_token_ids=[],
+            arrival_time=h.arrival_time + now,
+        )
+        outbox = actor.clients.outbox(h.client_id)
+        flight = Flight(request, None, outbox, iid, "prefill" if h.hand_off else "decode")
+        flight.internal_id = h.internal_id
+        flight.submission = h.submission
+        flight.client_id = h.client_id
+        flight.sent = list(h.tokens)
+        flight.num_cached_tokens = h.num_cached_tokens
+        flight.scheduled_at = shift(h.scheduled_at, now)
+        flight.first_token_at = shift(h.first_token_at, now)
+        flight.last_token_at = shift(h.last_token_at, now)
+        actor.flights[h.client_request_id] = flight
+        actor._internal[h.internal_id] = flight
+        if h.prefilled is not None:
+            prefilled = h.prefilled
+            prefilled.first_token_at = shift(prefilled.first_token_at, now)
+            prefilled.scheduled_at = shift(prefilled.scheduled_at, now)
+            handoffs.append((iid, flight, prefilled))
+    actor._seq = itertools.count(last + 1)
+    actor.started = True
+    actor._spawn(actor.clients.reap_silent())
+    actor.clients.notify_all(actor.engine_handles())
+    for iid, flight, prefilled in handoffs:
+        actor._hand_off(flight, prefilled)
+        actor.engines[iid].handed_off([prefilled.internal_id])
+    for rid in list(actor.flights):  # aborts that came during the rebuild
+        if actor._early_aborts.take(rid):
+            actor.abort(rid)
+    logger.warning(
+        "central scheduler restarted: %d instances, %d requests in flight taken on",
+        len(found),
+        len(actor.flights),
+    )
+
+
+def _sequence(internal_id: str) -> int:
+    tail = internal_id.rpartition("@")[2]
+    return int(tail) if tail.isdigit() else 0
