@@ -156,6 +156,9 @@ class EngineReport:
     lost: list[Lost] = field(default_factory=list)
     failure: str | None = None  # the instance failed (the loop stopped)
     rejoined: bool = False  # a fresh loop serves again (after a failure): empty cache
+    # How the finished ones ended: (finish reason, error, output tokens), for the root span
+    # of a request traced across processes.
+    outcomes: dict[str, tuple[str, str | None, int]] = field(default_factory=dict)
 
 
 def _discard(loop: EngineLoop, outputs: list[EngineCoreOutput]) -> None:
@@ -187,6 +190,7 @@ class InstanceEngine:
         self.draining = False  # set by the owner: leaving the cluster
         self.failed: str | None = None  # why the current loop failed (until a rejoin)
         self._finished: list[str] = []  # since the last report
+        self._outcomes: dict[str, tuple[str, str | None, int]] = {}
         self._prefilled: list[Prefilled] = []
         self._tasks: set[asyncio.Task[None]] = set()
         self.loop = self._build_loop()
@@ -324,6 +328,7 @@ class InstanceEngine:
             if out.finish_reason is not None:
                 del held_by_id[internal_id]
                 self._finished.append(internal_id)
+                self._outcomes[internal_id] = (out.finish_reason.value, out.error, len(held.tokens))
                 observe.finished(held, out, self)
             placement.sink(out, index)
 
@@ -367,7 +372,8 @@ class InstanceEngine:
         if loop is not self.loop:
             return
         report = EngineReport(self.instance_id, summary, self._finished, self._prefilled)
-        self._finished, self._prefilled = [], []
+        report.outcomes = self._outcomes
+        self._finished, self._prefilled, self._outcomes = [], [], {}
         self.on_report(report)
 
     # -- metrics -----------------------------------------------------------------------------
@@ -405,8 +411,9 @@ class InstanceEngine:
             self._prefilled,
             lost,
             failure=reason if first_failure else None,
+            outcomes=self._outcomes,
         )
-        self._finished, self._prefilled = [], []
+        self._finished, self._prefilled, self._outcomes = [], [], {}
         if first_failure:
             logger.warning("instance %s failed: %s", self.instance_id, reason)
             pool = self.spec.pool

@@ -60,6 +60,7 @@ class WirePlacement:
     first_token_at: float | None
     last_token_at: float | None
     client_params: SamplingParams | None = None  # a prefill part's: what its client asked
+    trace_context: dict[str, str] | None = None  # the request's root span, when traced
 
 
 def shift(value: float | None, delta: float) -> float | None:
@@ -98,6 +99,7 @@ def coalesce(into: EngineReport, later: EngineReport) -> EngineReport:
     later.summary.kv_events[:0] = into.summary.kv_events
     later.finished[:0] = into.finished
     later.prefilled[:0] = into.prefilled
+    later.outcomes = {**into.outcomes, **later.outcomes}
     return later
 
 
@@ -264,6 +266,9 @@ class EngineActor:
     def _placement(self, wire: WirePlacement) -> Placement:
         rebase_placement(wire, time.monotonic())
         internal = wire.request.request_id
+        trace = None
+        if self.observe.tracer is not None and wire.trace_context:
+            trace = self._part_trace(wire)
         route = self._routes[internal] = _Route(
             wire.client_id,
             wire.submission,
@@ -281,7 +286,39 @@ class EngineActor:
             scheduled_at=wire.scheduled_at,
             first_token_at=wire.first_token_at,
             last_token_at=wire.last_token_at,
+            trace=trace,
         )
+
+    def _part_trace(self, wire: WirePlacement) -> Any:
+        """This engine's spans of a traced request: children of its root (``part``); a
+        decode part after a hand-off opens the transfer and decode spans now, and its KV load
+        joins the transfer span."""
+        from cluster.observability.request_trace import RequestTrace
+        from kv_transfer.tracing import extract, inject
+
+        request = wire.request
+        trace = RequestTrace(
+            self.observe.tracer,  # type: ignore[arg-type]
+            extract(wire.trace_context),
+            wire.client_request_id,
+            request.num_prompt_tokens,
+            wire.arrival_time,
+            part=True,
+            output_tokens=len(request.output_token_ids),
+        )
+        trace.hand_off = wire.hand_off
+        params = request.kv_transfer_params
+        if params and params.get("do_remote_prefill"):
+            block_size = self.spec.info["block_size"]
+            trace.handed_off(
+                self.instance_id,
+                self.spec.info.get("node_id"),
+                self.config.kv_transfer.transport,
+                -(-request.num_prompt_tokens // block_size),
+            )
+            assert trace.transfer is not None
+            request.kv_transfer_params = {**params, "trace_context": inject(trace.transfer)}
+        return trace
 
     def _sink(self, route: _Route) -> Any:
         def sink(out: EngineCoreOutput, index: int) -> None:
@@ -297,9 +334,11 @@ class EngineActor:
         for the decode side, is freed). Either way the central scheduler hears it finished.
         Nothing for a request that already finished here."""
         engine = self._engine()
+        held = engine.held.get(internal)
+        num_tokens = 0 if held is None else len(held.tokens)
         if engine.end(internal, reason, error):
             self._routes.pop(internal, None)
-            self._report_finished(internal)
+            self._report_finished(internal, (reason.value, error, num_tokens))
             return
         prefilled = self._awaiting.pop(internal, None)
         route = self._routes.pop(internal, None)
@@ -307,12 +346,15 @@ class EngineActor:
             return
         engine.abort([internal])
         final = EngineCoreOutput(route.client_request_id, [], reason, error=error)
-        self._sink(route)(final, len(prefilled.first.new_token_ids))
-        self._report_finished(internal)
+        num_tokens = len(prefilled.first.new_token_ids)
+        self._sink(route)(final, num_tokens)
+        self._report_finished(internal, (reason.value, error, num_tokens))
 
-    def _report_finished(self, internal: str) -> None:
+    def _report_finished(self, internal: str, outcome: tuple[str, str | None, int]) -> None:
         summary = self._engine().loop.summary()
-        self._on_report(EngineReport(self.instance_id, summary, finished=[internal]))
+        report = EngineReport(self.instance_id, summary, finished=[internal])
+        report.outcomes[internal] = outcome
+        self._on_report(report)
 
     # -- clients ------------------------------------------------------------------------------
     def _outbox(self, client_id: str) -> Outbox | None:

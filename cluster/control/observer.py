@@ -45,6 +45,8 @@ class RequestObserver:
         self._roles = roles
         self._specs = specs
         self._recompute = config.kv_transfer.failure_policy == "recompute"
+        # Engine actors make their own spans (children of the root, by context).
+        self._engines_trace = config.engine_actors
 
     def add_instance(self, instance_id: str, role: str) -> None:
         self.metrics.add_instance(instance_id, role)
@@ -80,6 +82,7 @@ class RequestObserver:
             request.request_id,
             request.num_prompt_tokens,
             request.arrival_time,
+            root_only=self._engines_trace,
         )
 
     def scheduled(self, where: Instance, held: Any) -> None:
@@ -117,7 +120,7 @@ class RequestObserver:
 
     def handed_off(self, flight: Flight, decode: InstanceView, transport: str) -> None:
         """The prefilled request goes on to ``decode``; its KV follows."""
-        if flight.trace is None:
+        if flight.trace is None or self._engines_trace:  # (the decode engine's spans)
             return
         iid = decode.instance_id
         block_size = self._specs[iid].info["block_size"]
@@ -130,7 +133,7 @@ class RequestObserver:
         if not params:
             return None
         result = dict(params)
-        if flight.trace is not None and flight.trace.transfer is not None:
+        if flight.trace is not None and flight.trace.transfer is not None:  # (one process)
             from kv_transfer.tracing import inject
 
             result["trace_context"] = inject(flight.trace.transfer)

@@ -21,6 +21,7 @@ from cluster.config import ClusterConfig
 from cluster.control.engine import Lost, Placement
 from cluster.control.engine_actor import EngineActor, WirePlacement, rebase_placement, shift
 from cluster.control.placement import InstanceSpec
+from kv_transfer.tracing import inject
 from scheduler.request import FinishReason
 
 logger = logging.getLogger(__name__)
@@ -173,6 +174,7 @@ class RemoteEngine:
                 p.first_token_at,
                 p.last_token_at,
                 p.client_params,
+                None if p.trace is None or p.trace.root is None else inject(p.trace.root),
             )
             rebase_placement(wire, delta)
             wires.append(wire)

@@ -527,6 +527,9 @@ class SchedulerActor(Restart, ClusterOperations):
             flight = self._internal.get(internal)
             if flight is not None and flight.instance == iid:
                 self._forget(flight)
+                outcome = report.outcomes.get(internal)
+                if flight.trace is not None and outcome is not None and self.engines[iid].remote:
+                    flight.trace.finish(*outcome)  # the root span; the engine ended its own
         for prefilled in report.prefilled:
             flight = self._internal.get(prefilled.internal_id)
             if flight is not None and flight.instance == iid and not flight.aborting:

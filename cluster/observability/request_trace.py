@@ -12,6 +12,12 @@ with ``generate``)::
 
 A colocated request (no hand-off) has no kv_transfer span; its decode span starts at its first
 token on the same instance.
+
+With engine actors (``engine_actors``) the spans are made where the events happen: the central
+scheduler's ``RequestTrace`` is the root alone (``root_only``: ended when an engine reports the
+request finished), and each engine that runs a part of the request keeps a ``part`` trace whose
+spans are children of the root by context -- queue and prefill on the prefill instance,
+kv_transfer and decode on the decode instance; the root's events go on the part's open span.
 """
 
 from __future__ import annotations
@@ -30,27 +36,45 @@ def _ns(monotonic: float) -> int:
 
 class RequestTrace:
     def __init__(
-        self, tracer: Tracer, parent: Any, request_id: str, prompt_tokens: int, arrival: float
+        self,
+        tracer: Tracer,
+        parent: Any,
+        request_id: str,
+        prompt_tokens: int,
+        arrival: float,
+        *,
+        root_only: bool = False,
+        part: bool = False,
+        output_tokens: int = 0,
     ) -> None:
+        """``root_only``: the root span alone (a central scheduler with engine actors).
+        ``part``: an engine's part of a request whose root is ``parent`` (a context); its
+        first part (no ``output_tokens`` yet) starts with the queue span."""
         from opentelemetry.trace import SpanKind
 
         self.tracer = tracer
         self.prompt_tokens = prompt_tokens
-        self.root = tracer.start_span(
-            "tandem.request",
-            context=parent,
-            kind=SpanKind.INTERNAL,
-            start_time=_ns(arrival),
-            attributes={
-                "tandem.request_id": request_id,
-                "gen_ai.usage.input_tokens": prompt_tokens,
-            },
-        )
-        self.queue: Span | None = self._child("tandem.queue", start=arrival)
+        self.root: Span | None = None
+        self._context = parent
+        if not part:
+            self.root = tracer.start_span(
+                "tandem.request",
+                context=parent,
+                kind=SpanKind.INTERNAL,
+                start_time=_ns(arrival),
+                attributes={
+                    "tandem.request_id": request_id,
+                    "gen_ai.usage.input_tokens": prompt_tokens,
+                },
+            )
+        self.queue: Span | None = None
+        if not root_only and output_tokens == 0:
+            self.queue = self._child("tandem.queue", start=arrival)
         self.prefill: Span | None = None
         self.transfer: Span | None = None
         self.decode: Span | None = None
-        self.output_tokens = 0
+        self.output_tokens = output_tokens
+        self.hand_off = False  # a prefill part that continues elsewhere: no decode span here
         self.kv_bytes = 0
         self.prefill_preemptions = 0  # before the first token
         self.decode_preemptions = 0  # after it
@@ -58,12 +82,24 @@ class RequestTrace:
     def _child(self, name: str, start: float | None = None, **attributes: Any) -> Span:
         from opentelemetry.trace import set_span_in_context
 
+        context = self._context if self.root is None else set_span_in_context(self.root)
         return self.tracer.start_span(
             name,
-            context=set_span_in_context(self.root),
+            context=context,
             start_time=None if start is None else _ns(start),
             attributes={k.replace("__", "."): v for k, v in attributes.items() if v is not None},
         )
+
+    def _event(self, name: str, attributes: dict[str, Any] | None = None) -> None:
+        """An event of the request: on its root, or (a part) on the part's open span."""
+        span = self.root
+        if span is None:
+            for candidate in (self.decode, self.transfer, self.prefill, self.queue):
+                if candidate is not None and candidate.is_recording():
+                    span = candidate
+                    break
+        if span is not None:
+            span.add_event(name, attributes)
 
     @staticmethod
     def _end(span: Span | None) -> None:
@@ -76,7 +112,7 @@ class RequestTrace:
             self.queue.set_attribute("tandem.instance", instance)
             self._end(self.queue)
             self.queue = None
-        if self.prefill is None:
+        if self.prefill is None and self.output_tokens == 0:  # (a decode part has none)
             self.prefill = self._child(
                 "tandem.prefill",
                 tandem__instance=instance,
@@ -89,12 +125,13 @@ class RequestTrace:
         if num <= 0:
             return
         if self.output_tokens == 0:
-            self.root.add_event("first_token")
+            self._event("first_token")
             if self.prefill is not None:
                 self.prefill.set_attribute("tandem.cached_tokens", cached_tokens or 0)
                 self.prefill.set_attribute("tandem.preemptions", self.prefill_preemptions)
                 self._end(self.prefill)
-            if self.decode is None and self.transfer is None:  # colocated: decode goes on here
+            if self.decode is None and self.transfer is None and not self.hand_off:
+                # colocated: decode goes on here
                 self.decode = self._child(
                     "tandem.decode", tandem__instance=instance, tandem__node_id=node
                 )
@@ -122,7 +159,7 @@ class RequestTrace:
         span.set_attribute("tandem.kv.bytes", self.kv_bytes)
         span.set_attribute("tandem.kv.outcome", "ok" if ok else "failed")
         if not ok:
-            self.root.add_event("recompute_fallback")
+            self._event("recompute_fallback")
             from opentelemetry.trace import Status, StatusCode
 
             span.set_status(Status(StatusCode.ERROR, "KV load failed: recomputed"))
@@ -130,26 +167,31 @@ class RequestTrace:
 
     def preempted(self, instance: str) -> None:
         """Preempted by recompute on ``instance`` (an event; counted on the phase's span)."""
-        self.root.add_event("preemption", {"tandem.instance": instance})
+        self._event("preemption", {"tandem.instance": instance})
         if self.output_tokens == 0:
             self.prefill_preemptions += 1
         else:
             self.decode_preemptions += 1
 
     def moved(self, reason: str) -> None:
-        self.root.add_event("moved", {"tandem.reason": reason})
+        self._event("moved", {"tandem.reason": reason})
 
-    def finish(self, reason: str, error: str | None) -> None:
+    def finish(self, reason: str, error: str | None, output_tokens: int | None = None) -> None:
+        """The request ended (``output_tokens``: its count when another process streamed
+        them: a root-only trace)."""
         from opentelemetry.trace import Status, StatusCode
 
+        if output_tokens is not None:
+            self.output_tokens = output_tokens
         if reason == "abort":
-            self.root.add_event("abort")
+            self._event("abort")
         if self.decode is not None:
             self.decode.set_attribute("gen_ai.usage.output_tokens", self.output_tokens)
             self.decode.set_attribute("tandem.preemptions", self.decode_preemptions)
-        self.root.set_attribute("gen_ai.usage.output_tokens", self.output_tokens)
-        self.root.set_attribute("gen_ai.response.finish_reasons", [reason])
-        if error:
-            self.root.set_status(Status(StatusCode.ERROR, error))
+        if self.root is not None:
+            self.root.set_attribute("gen_ai.usage.output_tokens", self.output_tokens)
+            self.root.set_attribute("gen_ai.response.finish_reasons", [reason])
+            if error:
+                self.root.set_status(Status(StatusCode.ERROR, error))
         for span in (self.queue, self.prefill, self.transfer, self.decode, self.root):
             self._end(span)

@@ -355,6 +355,83 @@ def test_the_central_scheduler_killed_mid_stream_comes_back(
     assert set(stats["instances"]) == {"p-0", "d-0", "d-1"}
 
 
+def test_one_trace_across_the_central_actor_and_both_engines(
+    ray_cluster: RayCluster, tiny_model: Path
+) -> None:
+    """Tracing with engine actors: the central actor's root span, and each engine's spans
+    made in its own process as the root's children (queue and prefill on the prefill engine,
+    KV transfer and decode on the decode engine), the workers' save and load under them."""
+    from kv_transfer.tracing import inject
+    from tests.cluster.conftest import OTLPReceiver, span_attributes
+
+    receiver = OTLPReceiver()
+    config = cluster_config(
+        tiny_model,
+        [PREFILL, DECODE],
+        router={"disaggregation": "always"},
+        engine_actors=True,
+        tracing={"enabled": True, "otlp_endpoint": receiver.endpoint, "export_delay_ms": 100},
+    )
+    handle = build_cluster(config, name="engine-actors-traced", namespace="tandem-tests")
+    try:
+        from opentelemetry.sdk.trace import TracerProvider
+
+        tracer = TracerProvider().get_tracer("test")
+        with tracer.start_as_current_span("caller") as caller:
+            carrier = inject(caller)
+        trace_id = caller.get_span_context().trace_id.to_bytes(16, "big")
+        client = ClusterClient(handle)
+        params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+        async def run() -> Any:
+            return await _collect_traced(client, _prompts(1, 17)[0] + [3] * 10, params, carrier)
+
+        out = asyncio.run(run())
+        assert len(out.outputs[0].token_ids) == 6
+        wanted = {
+            "tandem.request",
+            "tandem.queue",
+            "tandem.prefill",
+            "tandem.kv_transfer",
+            "tandem.decode",
+            "tandem.kv_save",
+            "tandem.kv_load",
+        }
+        wait_until(
+            lambda: wanted <= {s.name for _, s in receiver.trace(trace_id)},
+            30,
+            "the request's spans at the OTLP receiver",
+        )
+        spans = {s.name: s for _, s in receiver.trace(trace_id)}
+        root = spans["tandem.request"]
+        assert root.parent_span_id == caller.get_span_context().span_id.to_bytes(8, "big")
+        assert span_attributes(root)["gen_ai.usage.output_tokens"] == 6
+        assert span_attributes(root)["gen_ai.response.finish_reasons"] == ["length"]
+        for name in ("tandem.queue", "tandem.prefill", "tandem.kv_transfer", "tandem.decode"):
+            assert spans[name].parent_span_id == root.span_id, name
+        assert span_attributes(spans["tandem.prefill"])["tandem.instance"] == "p-0"
+        assert span_attributes(spans["tandem.decode"])["tandem.instance"] == "d-0"
+        assert span_attributes(spans["tandem.decode"])["gen_ai.usage.output_tokens"] == 6
+        assert "first_token" in [e.name for e in spans["tandem.prefill"].events]
+        transfer = span_attributes(spans["tandem.kv_transfer"])
+        assert transfer["tandem.kv.outcome"] == "ok" and transfer["tandem.kv.bytes"] > 0
+        assert spans["tandem.kv_load"].parent_span_id == spans["tandem.kv_transfer"].span_id
+        assert spans["tandem.kv_save"].parent_span_id == root.span_id
+        assert_clean(handle)
+    finally:
+        shutdown_cluster(handle)
+        receiver.stop()
+
+
+async def _collect_traced(
+    client: ClusterClient, prompt: list[int], params: SamplingParams, carrier: dict[str, str]
+) -> Any:
+    final = None
+    async for out in client.generate_async(prompt, params, trace_context=carrier):
+        final = out
+    return final
+
+
 def test_a_killed_worker_moves_its_requests_to_another_engine(
     engines: Any, client: ClusterClient, tiny_model: Path
 ) -> None:
