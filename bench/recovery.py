@@ -272,7 +272,74 @@ def prefill_faults(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def central_faults(args: argparse.Namespace) -> dict[str, Any]:
+    """Kill the central SchedulerActor (``engine_actors``: Ray restarts it) while every
+    request streams; the engines go on streaming, the new actor rebuilds its state from them.
+    Per trial: each stream's longest stall after the kill, and the time from the kill to the
+    first token of a request sent right after it."""
+    import ray
+
+    from cluster.control.client import ClusterClient
+    from scheduler import SamplingParams
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    prompts = _prompts(args.concurrency, 3)
+    stalls: list[float] = []
+    served: list[float] = []
+    mismatched: list[dict[str, int]] = []
+    config = _config(args, 1, 2).model_copy(update={"engine_actors": True})
+    with tandem_cluster(config, "recovery-central") as handle:
+        client = ClusterClient(handle)
+
+        async def stream(prompt: list[int], log: list[float], tokens: list[int]) -> None:
+            async for out in client.generate_async(prompt, params):
+                now = time.perf_counter()
+                for token in out.outputs[0].new_token_ids:
+                    tokens.append(token)
+                    log.append(now)
+
+        async def trial(kill: bool) -> tuple[list[list[int]], list[list[float]], float, float]:
+            logs: list[list[float]] = [[] for _ in prompts]
+            tokens: list[list[int]] = [[] for _ in prompts]
+            tasks = [
+                asyncio.ensure_future(stream(p, logs[i], tokens[i])) for i, p in enumerate(prompts)
+            ]
+            killed_at = first_after = 0.0
+            if kill:
+                while min(len(t) for t in logs) < 4:
+                    await asyncio.sleep(0.005)
+                ray.kill(handle, no_restart=False)
+                killed_at = time.perf_counter()
+                async for out in client.generate_async(prompts[0][:16], params):
+                    if out.outputs[0].new_token_ids:
+                        first_after = time.perf_counter() - killed_at
+                        break
+            await asyncio.gather(*tasks)
+            return tokens, logs, killed_at, first_after
+
+        reference, _, _, _ = asyncio.run(trial(False))
+        for t in range(args.trials):
+            tokens, logs, killed_at, first_after = asyncio.run(trial(True))
+            for i, (got, want) in enumerate(zip(tokens, reference, strict=True)):
+                if got != want:
+                    mismatched.append({"trial": t, "stream": i, "got": len(got), "want": len(want)})
+            waits = sorted(_stall(times, killed_at) for times in logs)
+            stalls += waits
+            served.append(first_after)
+            print(
+                f"central trial {t}: new request's first token {first_after:.2f} s after the "
+                f"kill; stalls {[round(w, 2) for w in waits]}"
+            )
+    return {
+        "stream_stall_after_kill": _summary(stalls),
+        "new_request_first_token_after_kill": _summary(served),
+        "outputs_equal_undisturbed": not mismatched,
+        "mismatched_streams": mismatched,
+    }
+
+
 FAULTS = {
+    "central_kill": central_faults,
     "decode_kill": decode_faults,
     "prefill_kill": prefill_faults,
     "decode_hang": lambda args: decode_faults(args, hang=True),

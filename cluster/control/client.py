@@ -451,22 +451,38 @@ class Subscription:
         task.add_done_callback(self._submitting.discard)
 
     async def _resubmit_lost(self) -> None:
-        """After a central actor's restart: submit again what it acknowledged but never gave
-        an engine (it died first). Only requests without any output yet are asked about: one
-        with outputs was on an engine, which the restarted actor took on again."""
-        silent = {
+        """After a central actor's restart: ask it which open requests it does not know. One
+        without any output yet was acknowledged by the dead process but never given to an
+        engine: it is submitted again. One with output was on an engine the restarted actor
+        could not take it back from: it ends with an error (never a hang)."""
+        pending = {_op_id(item) for item, _ in self._ops} | set(self._in_flight)
+        asked = {  # (a submit still on its way is not lost: it is being sent again)
             submission: item
             for submission, item in self._open.items()
-            if self._next_index.get(submission, 0) == 0 and submission not in self._early
+            if item[0].request_id not in pending
         }
-        if not silent:
+        if not asked:
             return
-        pairs = [(request.request_id, submission) for submission, (request, _) in silent.items()]
-        unknown: list[int] = await self.handle.unknown_requests.remote(self.client_id, pairs)
+        pairs = [(request.request_id, submission) for submission, (request, _) in asked.items()]
+        try:
+            unknown: list[int] = await self.handle.unknown_requests.remote(self.client_id, pairs)
+        except Exception as exc:
+            logger.warning("client %s: could not reconcile: %s", self.client_id, exc)
+            return
         for submission in unknown:
-            request, trace_context = silent[submission]
+            request, trace_context = asked[submission]
             if submission not in self._open:
                 continue  # ended meanwhile
+            if self._next_index.get(submission, 0) or submission in self._early:
+                queue = self.queues.get(submission)
+                if queue is not None:
+                    queue.put_nowait(
+                        RuntimeError(
+                            f"request {request.request_id} was lost with the central "
+                            "scheduler's restart"
+                        )
+                    )
+                continue
             logger.warning(
                 "request %s was lost with the central actor: sent again", request.request_id
             )
@@ -475,7 +491,7 @@ class Subscription:
 
     def _resubmitted(self, future: asyncio.Future[None], *, submission: int) -> None:
         """A refused resubmit ends its request's stream with the reason."""
-        if future.cancelled() or future.exception() is None:
+        if future.cancelled() or future.exception() is None or _in_use(future.exception()):
             return
         queue = self.queues.get(submission)
         if queue is not None:
@@ -603,13 +619,18 @@ class Subscription:
 
 
 def _central_gone(exc: BaseException) -> bool:
-    """The central actor's process died or is restarting (not an error it raised)."""
+    """The central actor's process died or is restarting (not an error it raised), or it
+    restarted and has not rebuilt its state yet."""
     from ray.exceptions import ActorUnavailableError, RayActorError
 
+    from cluster.errors import UnavailableError
+
+    if isinstance(_cause(exc, UnavailableError), UnavailableError):
+        return True
     return isinstance(exc, (RayActorError, ActorUnavailableError))
 
 
-def _in_use(outcome: Exception | None) -> bool:
+def _in_use(outcome: BaseException | None) -> bool:
     return isinstance(outcome, ValueError) and "is already in use" in str(outcome)
 
 

@@ -31,6 +31,7 @@ from cluster.config import ClusterConfig
 from cluster.control.engine import (
     EngineReport,
     InstanceEngine,
+    Lost,
     Placement,
     Prefilled,
     RequestPlace,
@@ -42,6 +43,8 @@ from scheduler.outputs import EngineCoreOutput
 from scheduler.request import FinishReason
 
 logger = logging.getLogger(__name__)
+
+CENTRAL_WATCH_S = 5.0  # how often an engine asks whether its central actor still exists
 
 
 @dataclass(slots=True)
@@ -182,6 +185,7 @@ class EngineActor:
         self._outgoing: deque[EngineReport] = deque()
         self._wake = asyncio.Event()
         self._sender: asyncio.Task[None] | None = None
+        self._watchdog: asyncio.Task[None] | None = None
 
     # -- life cycle --------------------------------------------------------------------------
     async def start(self) -> str:
@@ -195,8 +199,31 @@ class EngineActor:
             )
             self.engine.start()
             self._sender = asyncio.ensure_future(self._send_reports())
+            self._watchdog = asyncio.ensure_future(self._watch_central())
             freeze_heap()
         return self.instance_id
+
+    async def _watch_central(self) -> None:
+        """The engine and its workers are detached (they outlive a central actor that Ray
+        restarts); one whose central actor is dead for good -- not restarting: its owner
+        went, or it was killed without a restart -- takes its workers and itself down."""
+        from ray.exceptions import ActorDiedError
+
+        while True:
+            await asyncio.sleep(CENTRAL_WATCH_S)
+            try:
+                await self.central.__ray_ready__.remote()
+            except ActorDiedError:
+                logger.warning(
+                    "instance %s: the central scheduler is gone: exiting", self.instance_id
+                )
+                import ray
+
+                for actor in self.spec.actors:
+                    ray.kill(actor)
+                ray.actor.exit_actor()  # type: ignore[no-untyped-call]
+            except Exception:  # restarting, or slow: ask again later
+                continue
 
     def _engine(self) -> InstanceEngine:
         if self.engine is None:
@@ -211,13 +238,39 @@ class EngineActor:
         for outbox in self._outboxes.values():
             outbox.close()
 
-    def take_all(self) -> list[Any]:
-        """Every request still here, as lost (after ``stop``: the instance leaves)."""
-        lost = self._engine().take_all()
-        delta = -time.monotonic()
-        report = EngineReport(self.instance_id, self._engine().loop.summary(), lost=lost)
-        rebase_report(report, delta)
-        return report.lost
+    def take_all(self) -> tuple[list[EngineReport], list[Lost]]:
+        """After ``stop`` (the instance leaves): the reports not sent yet (the caller applies
+        them) and every request still here as lost -- held ones, and prefilled ones whose
+        hand-off was not confirmed (with their first token) -- instants as ages."""
+        engine = self._engine()
+        lost = engine.take_all()
+        for internal, p in self._awaiting.items():
+            tokens = list(p.first.new_token_ids)
+            lost.append(
+                Lost(
+                    internal,
+                    tokens,
+                    p.first_token_at,
+                    p.first_token_at,
+                    p.scheduled_at,
+                    p.num_cached_tokens,
+                )
+            )
+        self._awaiting.clear()
+        if self._sender is not None:
+            self._sender.cancel()
+        now = time.monotonic()
+        reports = list(self._outgoing)
+        self._outgoing.clear()
+        for report in reports:
+            rebase_report(report, -now)
+        leftovers = EngineReport(self.instance_id, engine.loop.summary(), lost=lost)
+        rebase_report(leftovers, -now)
+        return reports, leftovers.lost
+
+    def drained(self) -> bool:
+        """No output waits for a client any more (after ``stop``)."""
+        return not any(outbox.pending for outbox in self._outboxes.values())
 
     async def ping(self) -> str:
         return self.instance_id
@@ -387,13 +440,12 @@ class EngineActor:
 
     # -- reports ------------------------------------------------------------------------------
     def _on_report(self, report: EngineReport) -> None:
-        for prefilled in report.prefilled:  # (a copy: the report's is rebased below)
+        for prefilled in report.prefilled:  # (a copy: the report's is rebased when sent)
             self._awaiting[prefilled.internal_id] = replace(prefilled)
         for internal in report.finished:
             self._routes.pop(internal, None)
         for lost in report.lost:
             self._routes.pop(lost.internal_id, None)
-        rebase_report(report, -time.monotonic())
         queue = self._outgoing
         if queue and _plain(queue[-1]) and _plain(report):
             queue[-1] = coalesce(queue[-1], report)
@@ -409,6 +461,7 @@ class EngineActor:
             self._wake.clear()
             while self._outgoing:
                 report = self._outgoing.popleft()
+                rebase_report(report, -time.monotonic())  # ages as of now: it leaves now
                 try:
                     await self.central.report.remote(report)
                 except Exception as exc:

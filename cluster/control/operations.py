@@ -61,6 +61,12 @@ class ClusterOperations:
     async def _ready(self) -> None:
         raise NotImplementedError
 
+    def report(self, report: Any) -> None:
+        raise NotImplementedError
+
+    def _end_flight(self, flight: Flight, error: str) -> None:
+        raise NotImplementedError
+
     # -- pools resized at run time -----------------------------------------------------------
     async def scale_pool(
         self, pool_name: str, replicas: int, drain_timeout_s: float | None = None
@@ -102,7 +108,10 @@ class ClusterOperations:
     async def _grow(self, pool: Any, count: int) -> None:
         from cluster.control.placement import start_instances
 
-        taken = [int(i.rpartition("-")[2]) for i, s in self.specs.items() if s.pool is pool]
+        # By name: after a restart the specs' pools are copies (from the engines' snapshots).
+        taken = [
+            int(i.rpartition("-")[2]) for i, s in self.specs.items() if s.pool.name == pool.name
+        ]
         first = max(taken, default=-1) + 1
         wanted = [(f"{pool.name}-{first + k}", pool) for k in range(count)]
         specs = await start_instances(self.config, wanted, self.config.startup_timeout_s)
@@ -153,11 +162,23 @@ class ClusterOperations:
         await engine.stop()
         # Taken after the stop: a step that was running may have finished (or handed off)
         # some of them.
-        leftovers = await _answer(engine.take_all())
+        if engine.remote:  # its last reports first (they may finish or hand off some)
+            reports, leftovers = await engine.take_all()
+            for report in reports:
+                self.report(report)
+            await engine.wait_drained()  # its clients' last outputs
+        else:
+            leftovers = engine.take_all()
         engine.close()
         if leftovers:
             logger.warning("instance %s left with %d requests; they move", iid, len(leftovers))
             self._spawn(self._move(iid, leftovers, f"instance {iid} was removed from its pool"))
+        moving = {item.internal_id for item in leftovers}
+        for flight in [f for f in self.flights.values() if f.instance == iid]:
+            if flight.internal_id not in moving:  # (cannot happen in one process)
+                self._end_flight(
+                    flight, f"instance {iid} left with the request in an unknown state"
+                )
         spec = self.specs.pop(iid)
         self.views[iid].alive = False  # a flight's decode_target may still point here
         del self.engines[iid], self.roles[iid], self.views[iid]

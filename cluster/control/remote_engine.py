@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from cluster.config import ClusterConfig
-from cluster.control.engine import Lost, Placement
+from cluster.control.engine import EngineReport, Lost, Placement
 from cluster.control.engine_actor import EngineActor, WirePlacement, rebase_placement, shift
 from cluster.control.placement import InstanceSpec
 from kv_transfer.tracing import inject
@@ -112,17 +112,30 @@ class RemoteEngine:
 
         ray.kill(self.actor)
 
-    async def take_all(self) -> list[Lost]:
+    async def take_all(self) -> tuple[list[EngineReport], list[Lost]]:
+        """After ``stop``: the engine's reports not sent yet (ages: apply them with
+        ``SchedulerActor.report``) and what it still holds, as lost."""
         if self.dead is not None:
-            return []
+            return [], []
         self._flush()
-        lost: list[Lost] = await self.actor.take_all.remote()
+        reports, lost = await self.actor.take_all.remote()
         delta = time.monotonic()
         for item in lost:
             item.first_token_at = shift(item.first_token_at, delta)
             item.last_token_at = shift(item.last_token_at, delta)
             item.scheduled_at = shift(item.scheduled_at, delta)
-        return lost
+        return reports, lost
+
+    async def wait_drained(self, timeout_s: float = 5.0) -> None:
+        """Until the clients took the engine's last outputs (or ``timeout_s``)."""
+        deadline = time.monotonic() + timeout_s
+        while self.dead is None and time.monotonic() < deadline:
+            try:
+                if await self.actor.drained.remote():
+                    return
+            except Exception:
+                return
+            await asyncio.sleep(0.05)
 
     @property
     def alive(self) -> bool:
@@ -153,6 +166,9 @@ class RemoteEngine:
             except Exception as exc:
                 self.dead = f"the engine process of instance {self.instance_id} died ({exc!r})"
                 logger.warning("%s", self.dead)
+                import ray
+
+                ray.kill(self.actor)  # one that only stopped answering must not run on
                 self._on_dead(self.instance_id, self.dead)
                 return
 

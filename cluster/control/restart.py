@@ -132,6 +132,7 @@ async def rebuild(actor: SchedulerActor) -> None:
         view = actor.views[iid] = actor._new_view(spec)
         view.draining = snap.draining
         view.alive = snap.failed is None
+        view.received_so_far(snap.summary.num_received)
         view.update(snap.summary)
         actor.lora.reset(iid)
         actor.observe.add_instance(iid, spec.pool.role)
@@ -146,8 +147,11 @@ async def rebuild(actor: SchedulerActor) -> None:
     held.sort(key=lambda pair: pair[1].prefilled is not None)
     for iid, h in held:
         last = max(last, _sequence(h.internal_id))
-        if h.internal_id in actor._internal:
-            actor.engines[iid].handed_off([h.internal_id])  # taken on by its decode engine
+        taken = actor.flights.get(h.client_request_id)
+        if taken is not None and taken.client_id == h.client_id and taken.tag == h.submission:
+            # Running elsewhere already (its decode part, or a move's new copy): this one,
+            # prefilled and never confirmed, is dropped.
+            actor.engines[iid].abort([h.internal_id])
             continue
         params = h.client_params or h.request.sampling_params
         request = clone_request(

@@ -109,8 +109,19 @@ class SchedulerActor(Restart, ClusterOperations):
 
             self._specs = await start_workers(self.config, self.config.startup_timeout_s)
         specs = self._specs
-        self.max_model_len = self._common_max_model_len(specs)
-        await self._add_instances(specs)
+        try:
+            self.max_model_len = self._common_max_model_len(specs)
+            await self._add_instances(specs)
+        except BaseException:  # nothing started is left behind (workers may be detached)
+            import ray
+
+            for engine in self.engines.values():
+                if engine.remote:
+                    engine.close()
+            for spec in specs:
+                for actor in spec.actors:
+                    ray.kill(actor)
+            raise
         self._spawn(self.clients.reap_silent())
         self.started = True
         freeze_heap()  # the block pools and the rest of start-up: never garbage
@@ -138,7 +149,12 @@ class SchedulerActor(Restart, ClusterOperations):
                     )
                 )
         if self.config.engine_actors:
-            await asyncio.gather(*(engine.ready() for engine in engines))
+            try:
+                await asyncio.gather(*(engine.ready() for engine in engines))
+            except BaseException:
+                for engine in engines:
+                    engine.close()
+                raise
         for spec, engine in zip(specs, engines, strict=True):
             iid = spec.instance_id
             self.specs[iid] = spec
@@ -327,7 +343,10 @@ class SchedulerActor(Restart, ClusterOperations):
         if not self.started:
             raise RuntimeError("the cluster is not started")
         rid = request.request_id
-        if rid in self.flights:
+        previous = self.flights.get(rid)
+        if previous is not None and self._ended_for_its_client(previous, client_id, submission):
+            del self.flights[rid]  # (its engine's last report still finds it by internal id)
+        elif previous is not None:
             raise ValueError(f"request_id {rid!r} is already in use")
         if request.sampling_params.n != 1:
             raise ValueError("sampling_params.n must be 1: clients fan out n > 1")
@@ -361,6 +380,21 @@ class SchedulerActor(Restart, ClusterOperations):
                 self._internal.pop(flight.internal_id, None)
             raise
         return flight
+
+    def _ended_for_its_client(
+        self, flight: Flight, client_id: str | None, submission: Submission | None
+    ) -> bool:
+        """A request its client no longer streams, whose id the client reuses: with engine
+        actors the client has its final (or sent an abort) before the engine's report that
+        ends it reaches this actor. A client never has two open requests under one id, so
+        another submission of the same client means the earlier one is over for it."""
+        return (
+            self.config.engine_actors
+            and client_id is not None
+            and flight.client_id == client_id
+            and submission is not None
+            and flight.submission != submission
+        )
 
     async def _place(self, flight: Flight) -> None:
         """Route the flight and give its request to the chosen instance(s), under a fresh
@@ -615,6 +649,10 @@ class SchedulerActor(Restart, ClusterOperations):
             except Exception as exc:
                 error = f"{reason}; the request could not move: {exc}"
                 self._end(flight, FinishReason.ERROR, error, index=len(flight.sent))
+
+    def _end_flight(self, flight: Flight, error: str) -> None:
+        """End a flight with an error from the actor (its engine is gone)."""
+        self._end(flight, FinishReason.ERROR, error)
 
     def _engine_died(self, iid: str, reason: str) -> None:
         """An engine actor's process died: its instance leaves routing, and the requests it

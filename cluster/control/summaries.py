@@ -53,6 +53,11 @@ class InstanceView:
         self._unseen: deque[tuple[int, int]] = deque()  # (send number, tokens) not yet summarized
         self._unseen_tokens = 0
 
+    def received_so_far(self, num_received: int) -> None:
+        """Count from an engine that has been given ``num_received`` requests already (a
+        view rebuilt after a central scheduler's restart)."""
+        self._num_sent = num_received
+
     def sent(self, num_tokens: int) -> None:
         """A request of ``num_tokens`` tokens to compute went to the engine."""
         self._num_sent += 1

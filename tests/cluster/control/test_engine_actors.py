@@ -311,6 +311,22 @@ def test_a_pool_grows_and_shrinks_under_load(
     assert token_ids(outs) == expected  # the drained engine's requests finished
     assert set(_instances(engines)) == {"p-0", "d-0", "d-1"}
 
+    # No time to drain: what the leaving engine holds moves (its last reports applied
+    # first), and every request still ends with the undisturbed output.
+    assert asyncio.run(client.scale_pool("d", 3))["instances"] == ["d-0", "d-1", "d-2"]
+    ray.get(engines.set_fault_injection.remote("d-2", 0.0, 0.02))
+
+    async def shrink_at_once() -> list[Any]:
+        tasks = [asyncio.ensure_future(_collect(client, p, params)) for p in prompts]
+        await _until(lambda: _instances(engines)["d-2"]["num_running"] > 0)
+        await engines.scale_pool.remote("d", 2, 0.0)
+        return list(await asyncio.gather(*tasks))
+
+    outs = asyncio.run(asyncio.wait_for(shrink_at_once(), 120))
+    assert token_ids(outs) == expected
+    assert ray.get(engines.stats.remote())["num_moves"] > 0
+    assert set(_instances(engines)) == {"p-0", "d-0", "d-1"}
+
 
 def test_the_central_scheduler_killed_mid_stream_comes_back(
     engines: Any, client: ClusterClient, tiny_model: Path
