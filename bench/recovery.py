@@ -306,8 +306,12 @@ def central_faults(args: argparse.Namespace) -> dict[str, Any]:
             ]
             killed_at = first_after = 0.0
             if kill:
+                started = time.monotonic()
                 while min(len(t) for t in logs) < 4:
                     await asyncio.sleep(0.005)
+                    if time.monotonic() - started > 120:
+                        live = await client.live_requests()
+                        raise TimeoutError(f"streams stalled before the kill: {live}")
                 ray.kill(handle, no_restart=False)
                 killed_at = time.perf_counter()
                 async for out in client.generate_async(prompts[0][:16], params):
