@@ -25,14 +25,11 @@ import asyncio
 import itertools
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from cluster.control.engine_actor import EngineSnapshot, shift
 from cluster.control.flights import Flight, clone_request
 from cluster.errors import UnavailableError
-
-if TYPE_CHECKING:
-    from cluster.control.scheduler_actor import SchedulerActor
 
 logger = logging.getLogger(__name__)
 
@@ -56,11 +53,14 @@ class Restart:
     _recovery: asyncio.Task[None] | None
     _held_reports: list[Any]
 
-    def _kick_recovery(self: SchedulerActor) -> None:  # type: ignore[misc]
+    def _on_report(self, report: Any) -> None:  # the actor's
+        raise NotImplementedError
+
+    def _kick_recovery(self) -> None:
         if self.recovering and self._recovery is None:
             self._recovery = asyncio.ensure_future(self._recover())
 
-    async def _ready(self: SchedulerActor) -> None:  # type: ignore[misc]
+    async def _ready(self) -> None:
         """Return once the actor serves: at once, or after a restart's rebuild (at most
         ``RECOVERY_WAIT_S``, else ``UnavailableError``)."""
         if not self.recovering:
@@ -74,7 +74,7 @@ class Restart:
                 "the central scheduler is restarting and has not recovered yet; retry"
             ) from None
 
-    async def _recover(self: SchedulerActor) -> None:  # type: ignore[misc]
+    async def _recover(self) -> None:
         try:
             await rebuild(self)
         except Exception:
@@ -87,8 +87,9 @@ class Restart:
                 self._on_report(report)
 
 
-async def rebuild(actor: SchedulerActor) -> None:
-    """Rebuild ``actor``'s instances and flights from its engine actors' snapshots."""
+async def rebuild(actor: Any) -> None:
+    """Rebuild ``actor``'s instances and flights from its engine actors' snapshots
+    (``actor``: the ``SchedulerActor``, not imported here: it imports this module)."""
     import ray
 
     from cluster.control.remote_engine import RemoteEngine, engine_actor_prefix
