@@ -197,7 +197,7 @@ class Driver:
                 self.tokens += len(out.new_token_ids)
         elif self.mode == "client":
             if self.subscription is None:
-                from cluster.control.client import Subscription
+                from cluster.control.subscription import Subscription
 
                 self.subscription = Subscription(self.actor, f"bench-{os.getpid()}")
             async for out in self.subscription.stream(request):

@@ -1,0 +1,435 @@
+"""``Subscription``: one event loop's batched stream to and from a running cluster (the
+``ClusterClient``'s connection, ``cluster.control.client``): its submits and aborts in one
+Ray call per turn of the loop, its outputs from the SchedulerActor's stream and, with engine
+actors, from every engine's, delivered to each request in output order; keep-alives; and
+what it does while a restartable central actor comes back."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import itertools
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import AsyncGenerator
+from typing import Any
+
+from cluster.control.flights import unpack_indexed
+from scheduler import Request
+from scheduler.outputs import EngineCoreOutput
+
+# How often a Subscription tells the SchedulerActor that its client lives.
+KEEPALIVE_S = 1.0
+# How long a client waits for a restarting central actor (engine actors) before its open
+# requests fail.
+CENTRAL_RESTART_S = 60.0
+
+logger = logging.getLogger(__name__)
+
+
+class Subscription:
+    """One event loop's end of ``SchedulerActor.subscribe``: a task reads the client's batched
+    stream (one Ray message per batch, whatever the number of requests) and hands each output
+    to its request's queue, by submission: every ``submit`` carries a number of this
+    subscription's own, so the late outputs of an earlier request with the same id (aborted,
+    say) never reach a new one. When the stream ends -- broken (the actor is gone) or closed
+    (the actor dropped this client) -- every open request gets an error and ``ClusterClient``
+    opens a new subscription for the next request. A thread tells the actor every second that
+    the process lives (a busy event loop does not count as dead). Token ids only:
+    ``ClusterClient`` adds detokenization, stop strings and ``n``."""
+
+    def __init__(self, handle: Any, client_id: str) -> None:
+        self.handle = handle
+        self.client_id = client_id
+        self.loop = asyncio.get_running_loop()
+        self.queues: dict[int, asyncio.Queue[EngineCoreOutput | BaseException]] = {}
+        self.request_ids: dict[str, int] = {}  # open requests: id -> submission
+        # A request's outputs may come from several processes (its prefill engine, then its
+        # decode engine): each is delivered in the order of its position in the request's
+        # output. Per submission: the next position, and outputs that came early.
+        self._next_index: dict[int, int] = {}
+        self._early: dict[int, dict[int, EngineCoreOutput]] = {}
+        self._engines: dict[str, asyncio.Task[None]] = {}  # engine actors streamed from
+        self._generation = 0  # how often the central actor came back from a restart
+        # Submitted, not finished: what a restarted central actor may have to be sent again.
+        self._open: dict[int, tuple[Request, dict[str, str] | None]] = {}
+        self._submissions = itertools.count()
+        # Submits and aborts not sent yet, in order: (a submit's (request, trace context,
+        # submission) and its future) or (an abort's request id, None). What one turn of the
+        # event loop queues goes in one submit_many call; the actor runs a call's items in
+        # order, but two calls of one caller may run out of order (an async actor), so the
+        # ops of a request id wait while a call carrying that id is on its way -- an abort
+        # overtaken by a later submit of the same id would refuse or end the new one.
+        self._ops: list[tuple[Any, asyncio.Future[None] | None]] = []
+        self._flush_scheduled = False
+        self._in_flight: Counter[str] = Counter()  # request ids of the calls on their way
+        self._submitting: set[asyncio.Task[None]] = set()
+        self._stop = threading.Event()
+        self._keepalive = threading.Thread(
+            target=self._keep_alive, name=f"keepalive {client_id}", daemon=True
+        )
+        self._keepalive.start()
+        self.task = self.loop.create_task(self._run(), name=f"subscription {client_id}")
+
+    async def stream(
+        self, request: Request, trace_context: dict[str, str] | None = None
+    ) -> AsyncGenerator[EngineCoreOutput, None]:
+        """Submit ``request`` and yield its outputs, the last one finished. Raises the
+        cluster's ``ValueError`` for a request it refuses (an id already streaming here
+        included), before any output."""
+        rid = request.request_id
+        if rid in self.request_ids:
+            raise ValueError(f"request_id {rid!r} is already in use")
+        if self.task.done():
+            raise RuntimeError(f"the subscription of client {self.client_id} has ended")
+        submission = next(self._submissions)
+        queue: asyncio.Queue[EngineCoreOutput | BaseException] = asyncio.Queue()
+        # Registered before submitting: outputs may come before submit returns.
+        self.queues[submission] = queue
+        self.request_ids[rid] = submission
+        self._open[submission] = (request, trace_context)
+        running = False
+        try:
+            future = self._submit(request, trace_context, submission)
+            try:
+                await future
+            except (ValueError, RuntimeError):  # refused (or the actor is gone): nothing runs
+                raise
+            except BaseException:  # cancelled mid-submit: one that never left is taken back;
+                self._withdraw(future)  # one on its way is aborted if placed (_send_batch)
+                raise
+            running = True
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    running = False  # the stream (or the actor) is gone
+                    raise item
+                running = not item.finished  # a consumer may leave at the last yield
+                yield item
+                if item.finished:
+                    return
+        finally:
+            self.queues.pop(submission, None)
+            self._next_index.pop(submission, None)
+            self._early.pop(submission, None)
+            self._open.pop(submission, None)
+            self.request_ids.pop(rid, None)
+            if running:  # left before the end: nothing may keep running for nobody
+                self.abort(rid)
+
+    def abort(self, request_id: str) -> None:
+        """Abort ``request_id`` on the cluster, after whatever this subscription submitted
+        before (from this event loop)."""
+        self._ops.append((request_id, None))
+        self._schedule()
+
+    def _submit(
+        self, request: Request, trace_context: dict[str, str] | None, submission: int
+    ) -> asyncio.Future[None]:
+        """Submit ``request`` with the others of this turn of the event loop (one
+        ``submit_many`` call). The future fails with the cluster's reason when the request
+        is refused."""
+        future: asyncio.Future[None] = self.loop.create_future()
+        self._ops.append(((request, trace_context, submission), future))
+        self._schedule()
+        return future
+
+    def _withdraw(self, future: asyncio.Future[None]) -> bool:
+        """Take back a submit that has not been sent (True), so nothing needs aborting."""
+        for i, (_, pending) in enumerate(self._ops):
+            if pending is future:
+                del self._ops[i]
+                return True
+        return False
+
+    def _schedule(self) -> None:
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            self.loop.call_soon(self._send_ops)
+
+    def _send_ops(self) -> None:
+        """Send what is queued, but for the ops of a request id that a call still on its way
+        carries (they wait for it: one id's ops stay in order, and a slow submit -- an
+        adapter loading -- holds back only its own id)."""
+        self._flush_scheduled = False
+        ready: list[tuple[Any, asyncio.Future[None] | None]] = []
+        waiting: list[tuple[Any, asyncio.Future[None] | None]] = []
+        held: set[str] = set()
+        for op in self._ops:
+            rid = _op_id(op[0])
+            if rid in self._in_flight or rid in held:
+                held.add(rid)
+                waiting.append(op)
+            else:
+                ready.append(op)
+        self._ops = waiting
+        if not ready:
+            return
+        ids = [_op_id(item) for item, _ in ready]
+        self._in_flight.update(ids)
+        task = self.loop.create_task(self._send_batch(ready, ids))
+        self._submitting.add(task)
+        task.add_done_callback(self._submitting.discard)
+
+    async def _send_batch(
+        self, ops: list[tuple[Any, asyncio.Future[None] | None]], ids: list[str]
+    ) -> None:
+        outcomes: list[Exception | None] = []
+        retried = False
+        deadline = time.monotonic() + CENTRAL_RESTART_S
+        try:
+            try:
+                while True:
+                    generation = self._generation
+                    try:
+                        answer = await self._answer_or_restart(
+                            self.handle.submit_many.remote(
+                                self.client_id, [item for item, _ in ops]
+                            ),
+                            generation,
+                        )
+                    except Exception as exc:
+                        # The central actor restarts (engine actors): send again once it is
+                        # back; what it placed before it died is in its rebuilt state.
+                        if not (self._engines and _central_gone(exc)):
+                            raise
+                        if time.monotonic() > deadline:
+                            raise
+                        retried = True
+                        await asyncio.sleep(0.2)
+                        continue
+                    if answer is not None:
+                        outcomes = answer
+                        break
+                    retried = True  # sent to the actor that died: it may never answer
+                if retried:  # "already in use": placed by the first try (ids are checked here)
+                    outcomes = [None if _in_use(o) else o for o in outcomes]
+            except BaseException as exc:
+                # No answer (the actor died, the reply was lost): some may have been placed,
+                # so each is aborted -- an abort before its submit is remembered by the actor.
+                for rid in ids:
+                    self.handle.abort.remote(rid)
+                cause = unwrap_cause(exc, ValueError, RuntimeError)
+                error = cause if isinstance(cause, Exception) else RuntimeError(str(cause))
+                outcomes = [error] * len(ops)
+        finally:
+            self._in_flight.subtract(ids)
+            self._in_flight += Counter()  # (drops the ids at zero)
+            for (item, future), outcome in zip(ops, outcomes or [None] * len(ops), strict=True):
+                if future is None:  # an abort: the actor answers None
+                    if outcome is not None and outcomes:  # an actor that takes no abort here
+                        logger.warning("abort of %s failed: %r", item, outcome)
+                        self.handle.abort.remote(item)
+                    continue
+                if future.cancelled():  # its stream left while it was on its way
+                    if outcome is None and outcomes:
+                        self.abort(item[0].request_id)  # placed: nothing may run for nobody
+                elif not future.done():
+                    if outcome is None and outcomes:
+                        future.set_result(None)
+                    else:
+                        future.set_exception(outcome or RuntimeError("the submit was lost"))
+            if self._ops:  # what waited for this call goes now
+                self._schedule()
+
+    def _spawn(self, coro: Any) -> None:
+        task = self.loop.create_task(coro)
+        self._submitting.add(task)
+        task.add_done_callback(self._submitting.discard)
+
+    async def _resubmit_lost(self) -> None:
+        """After a central actor's restart: ask it which open requests it does not know. One
+        without any output yet was acknowledged by the dead process but never given to an
+        engine: it is submitted again. One with output was on an engine the restarted actor
+        could not take it back from: it ends with an error (never a hang)."""
+        pending = {_op_id(item) for item, _ in self._ops} | set(self._in_flight)
+        asked = {  # (a submit still on its way is not lost: it is being sent again)
+            submission: item
+            for submission, item in self._open.items()
+            if item[0].request_id not in pending
+        }
+        if not asked:
+            return
+        pairs = [(request.request_id, submission) for submission, (request, _) in asked.items()]
+        try:
+            unknown: list[int] = await self.handle.unknown_requests.remote(self.client_id, pairs)
+        except Exception as exc:
+            logger.warning("client %s: could not reconcile: %s", self.client_id, exc)
+            return
+        for submission in unknown:
+            request, trace_context = asked[submission]
+            if submission not in self._open:
+                continue  # ended meanwhile
+            if self._next_index.get(submission, 0) or submission in self._early:
+                queue = self.queues.get(submission)
+                if queue is not None:
+                    queue.put_nowait(
+                        RuntimeError(
+                            f"request {request.request_id} was lost with the central "
+                            "scheduler's restart"
+                        )
+                    )
+                continue
+            logger.warning(
+                "request %s was lost with the central actor: sent again", request.request_id
+            )
+            future = self._submit(request, trace_context, submission)
+            future.add_done_callback(functools.partial(self._resubmitted, submission=submission))
+
+    def _resubmitted(self, future: asyncio.Future[None], *, submission: int) -> None:
+        """A refused resubmit ends its request's stream with the reason."""
+        if future.cancelled() or future.exception() is None or _in_use(future.exception()):
+            return
+        queue = self.queues.get(submission)
+        if queue is not None:
+            queue.put_nowait(future.exception() or RuntimeError("resubmit failed"))
+
+    async def _answer_or_restart(self, ref: Any, generation: int) -> Any:
+        """The answer of the call ``ref``, or None when the central actor came back from a
+        restart meanwhile (a call sent to the process that died may never be answered)."""
+        call = asyncio.ensure_future(ref)
+        while True:
+            try:
+                return await asyncio.wait_for(asyncio.shield(call), 0.5)
+            except TimeoutError:
+                if self._generation != generation:
+                    call.cancel()
+                    return None
+
+    async def _run(self) -> None:
+        queues = self.queues
+        ended: BaseException = RuntimeError(
+            f"the SchedulerActor ended the stream of client {self.client_id} (it timed out "
+            "or was unsubscribed)"
+        )
+        try:
+            lost_at: float | None = None
+            while True:
+                try:
+                    async for ref in self.handle.subscribe.remote(self.client_id):
+                        batch = await ref
+                        if lost_at is not None:  # a restarted central actor answers
+                            lost_at = None
+                            self._generation += 1
+                            self._spawn(self._resubmit_lost())
+                        if isinstance(batch, dict):  # a notice: the engine actors to stream from
+                            self._follow(batch.get("engines", {}))
+                            continue
+                        self._deliver_batch(batch)
+                    return  # the actor ended it (dropped this client)
+                except Exception as exc:
+                    # The central actor died: with engine actors the requests go on streaming
+                    # from the engines while Ray restarts it; subscribe again when it is back.
+                    if not (self._engines and _central_gone(exc)):
+                        raise
+                    if lost_at is None:
+                        lost_at = time.monotonic()
+                        logger.warning("client %s: the central scheduler is away", self.client_id)
+                    if time.monotonic() - lost_at > CENTRAL_RESTART_S:
+                        raise
+                    await asyncio.sleep(0.2)
+        except BaseException as exc:
+            ended = exc if isinstance(exc, Exception) else RuntimeError(str(exc))
+            raise
+        finally:
+            self._stop.set()
+            for task in self._engines.values():
+                task.cancel()
+            for queue in queues.values():  # requests still open get the end, never a hang
+                queue.put_nowait(ended)
+            # The actor's end of the stream may outlive this task (a loop that closed):
+            # say goodbye so it forgets this client and aborts whatever is left.
+            self.handle.unsubscribe.remote(self.client_id)
+
+    def _deliver_batch(self, wire: list[Any]) -> None:
+        queues = self.queues
+        for submission, out, index in unpack_indexed(wire):
+            queue = queues.get(submission)  # type: ignore[arg-type]
+            if queue is None:
+                continue
+            if index is None:  # no position (an end the central scheduler decided)
+                queue.put_nowait(out)
+            else:
+                self._in_order(queue, submission, out, index)  # type: ignore[arg-type]
+
+    def _in_order(
+        self,
+        queue: asyncio.Queue[EngineCoreOutput | BaseException],
+        submission: int,
+        out: EngineCoreOutput,
+        index: int,
+    ) -> None:
+        """Deliver ``out`` (its first token at output position ``index``) once everything
+        before it is delivered; what overlaps what was delivered is dropped."""
+        expected = self._next_index.get(submission, 0)
+        if index > expected:
+            self._early.setdefault(submission, {})[index] = out
+            return
+        if index < expected:  # already delivered in part
+            skip = expected - index
+            if skip >= len(out.new_token_ids) and not out.finished:
+                return
+            del out.new_token_ids[:skip]
+            if out.new_logprobs is not None:
+                del out.new_logprobs[:skip]
+            index = expected
+        queue.put_nowait(out)
+        expected = index + len(out.new_token_ids)
+        self._next_index[submission] = expected
+        early = self._early.get(submission)
+        if early and expected in early:
+            self._in_order(queue, submission, early.pop(expected), expected)
+
+    def _follow(self, engines: dict[str, Any]) -> None:
+        """Stream from every engine actor in ``engines`` not streamed from yet."""
+        for iid, actor in engines.items():
+            if iid not in self._engines:
+                task = self.loop.create_task(self._stream_engine(iid, actor))
+                self._engines[iid] = task
+
+    async def _stream_engine(self, iid: str, actor: Any) -> None:
+        try:
+            async for ref in actor.subscribe.remote(self.client_id):
+                self._deliver_batch(await ref)
+        except Exception as exc:  # the engine died: the central scheduler ends its requests
+            logger.warning("client %s: instance %s's stream ended: %s", self.client_id, iid, exc)
+        finally:
+            if self._engines.get(iid) is asyncio.current_task():
+                del self._engines[iid]
+
+    def _keep_alive(self) -> None:
+        """(A thread.) Tell the actor every second that this client lives: if the process
+        dies, the actor aborts its requests after ``client_timeout_s`` of silence."""
+        while not self._stop.is_set():
+            self.handle.keepalive.remote(self.client_id)
+            self._stop.wait(KEEPALIVE_S)
+
+
+def _central_gone(exc: BaseException) -> bool:
+    """The central actor's process died or is restarting (not an error it raised), or it
+    restarted and has not rebuilt its state yet."""
+    from ray.exceptions import ActorUnavailableError, RayActorError
+
+    from cluster.errors import UnavailableError
+
+    if isinstance(unwrap_cause(exc, UnavailableError), UnavailableError):
+        return True
+    return isinstance(exc, (RayActorError, ActorUnavailableError))
+
+
+def _in_use(outcome: BaseException | None) -> bool:
+    return isinstance(outcome, ValueError) and "is already in use" in str(outcome)
+
+
+def _op_id(item: Any) -> str:
+    """The request id of a queued op: an abort's id, or a submit's request's."""
+    return item if isinstance(item, str) else str(item[0].request_id)
+
+
+def unwrap_cause(exc: BaseException, *kinds: type[BaseException]) -> BaseException:
+    """The actor's own exception inside a ``RayTaskError`` when it is one of ``kinds`` (so
+    callers see the ``ValueError`` the cluster raised), else the ``RayTaskError`` itself."""
+    inner = getattr(exc, "cause", None)
+    return inner if isinstance(inner, kinds) else exc
