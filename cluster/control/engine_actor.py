@@ -123,11 +123,7 @@ class HeldSnapshot:
     """A request an engine holds, for a restarted central scheduler (instants as ages)."""
 
     internal_id: str
-    client_id: str
-    submission: Submission
-    client_request_id: str
-    request: Request  # the engine's part
-    client_params: SamplingParams | None
+    route: _Route  # its client, and the engine's part
     hand_off: bool
     tokens: list[int]  # what its client has
     num_cached_tokens: int | None
@@ -520,11 +516,7 @@ class EngineActor:
             held.append(
                 HeldSnapshot(
                     internal,
-                    route.client_id,
-                    route.submission,
-                    route.client_request_id,
-                    route.request,
-                    route.client_params,
+                    route,
                     p.hand_off,
                     list(h.tokens),
                     h.num_cached_tokens,
@@ -538,17 +530,12 @@ class EngineActor:
             route = self._routes.get(internal)
             if route is None:
                 continue
-            tokens = list(prefilled.first.new_token_ids)
             held.append(
                 HeldSnapshot(
                     internal,
-                    route.client_id,
-                    route.submission,
-                    route.client_request_id,
-                    route.request,
-                    route.client_params,
+                    route,
                     True,
-                    tokens,
+                    list(prefilled.first.new_token_ids),
                     prefilled.num_cached_tokens,
                     route.request.arrival_time - now,
                     shift(prefilled.scheduled_at, -now),

@@ -148,31 +148,33 @@ async def rebuild(actor: Any) -> None:
     held.sort(key=lambda pair: pair[1].prefilled is not None)
     for iid, h in held:
         last = max(last, _sequence(h.internal_id))
-        taken = actor.flights.get(h.client_request_id)
-        if taken is not None and taken.client_id == h.client_id and taken.tag == h.submission:
+        route = h.route
+        taken = actor.flights.get(route.client_request_id)
+        mine = (route.client_id, route.submission)
+        if taken is not None and (taken.client_id, taken.tag) == mine:
             # Running elsewhere already (its decode part, or a move's new copy): this one,
             # prefilled and never confirmed, is dropped.
             actor.engines[iid].abort([h.internal_id])
             continue
-        params = h.client_params or h.request.sampling_params
+        params = h.route.client_params or h.route.request.sampling_params
         request = clone_request(
-            h.request,
-            request_id=h.client_request_id,
+            h.route.request,
+            request_id=h.route.client_request_id,
             sampling_params=params,
             output_token_ids=[],
             arrival_time=h.arrival_time + now,
         )
-        outbox = actor.clients.outbox(h.client_id)
+        outbox = actor.clients.outbox(h.route.client_id)
         flight = Flight(request, None, outbox, iid, "prefill" if h.hand_off else "decode")
         flight.internal_id = h.internal_id
-        flight.submission = h.submission
-        flight.client_id = h.client_id
+        flight.submission = h.route.submission
+        flight.client_id = h.route.client_id
         flight.sent = list(h.tokens)
         flight.num_cached_tokens = h.num_cached_tokens
         flight.scheduled_at = shift(h.scheduled_at, now)
         flight.first_token_at = shift(h.first_token_at, now)
         flight.last_token_at = shift(h.last_token_at, now)
-        actor.flights[h.client_request_id] = flight
+        actor.flights[h.route.client_request_id] = flight
         actor._internal[h.internal_id] = flight
         if h.prefilled is not None:
             prefilled = h.prefilled
