@@ -231,11 +231,19 @@ class ModelWorker:
 
     def init_kv_cache(self, num_blocks: int) -> None:
         """Allocate ``num_blocks`` blocks per layer (zeroed). Drops all request state."""
+        from kv_transfer.blocks import allocate_kv_caches
+
         cfg = self._model.config
-        shape = (2, num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
-        self.kv_caches = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers
-        ]
+        self.kv_caches = []  # the old cache goes before the new one is allocated
+        self.kv_caches = allocate_kv_caches(
+            len(self.layers),
+            num_blocks,
+            self.block_size,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            self.dtype,
+            self.device,
+        )
         self.num_blocks = num_blocks
         self.requests.clear()
         if self.kv_transfer is not None:

@@ -50,14 +50,16 @@ class KVEndpoint:
     def __init__(self, transport: str, options: dict[str, Any], num_blocks: int, seed: int):
         import torch
 
+        from kv_transfer.blocks import allocate_kv_caches
         from kv_transfer.registry import create_worker_connector
 
         torch.set_num_threads(1)
         gen = torch.Generator().manual_seed(seed)
-        shape = (2, num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
-        self.caches = [
-            torch.randn(*shape, generator=gen).to(torch.bfloat16) for _ in range(NUM_LAYERS)
-        ]
+        self.caches = allocate_kv_caches(
+            NUM_LAYERS, num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM, torch.bfloat16
+        )
+        for cache in self.caches:  # the workers' layout: views of one block-first buffer
+            cache.copy_(torch.randn(cache.shape, generator=gen))
         self.connector = create_worker_connector(transport, **options)
         self.connector.register_kv_caches(self.caches, range(NUM_LAYERS))
 

@@ -1,8 +1,15 @@
 """Copy a request's KV blocks out of a worker's paged cache and into another's.
 
 Every transport moves the same thing: for each layer of a range, the K and V slabs of a list of
-blocks. With the cache layout of ``actors.model.attention`` (per layer
-``[2, num_blocks, block_size, kv_heads, head_dim]``) one request's blocks pack into::
+blocks. A worker's cache is one buffer, block first (``allocate_kv_caches``)::
+
+    pool          [num_blocks, num_layers, 2, block_size, kv_heads, head_dim]
+    kv_caches[l]  pool[:, l].transpose(0, 1): [2, num_blocks, block_size, kv_heads, head_dim]
+
+so the model sees the per-layer layout of ``actors.model.attention`` (as views with a block
+stride), while everything one block holds, every layer's K and V, is one contiguous span: a
+run of adjacent blocks is one span of memory, which a one-sided transport (``nixl``) reads with
+one descriptor. One request's blocks pack into::
 
     data[layer - first_layer, kv, i] = kv_caches[layer][kv, block_ids[i]]
     shape [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]
@@ -20,7 +27,32 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-__all__ = ["KVPayload", "extract_blocks", "gather_blocks", "insert_blocks", "scatter_blocks"]
+__all__ = [
+    "KVPayload",
+    "allocate_kv_caches",
+    "extract_blocks",
+    "gather_blocks",
+    "insert_blocks",
+    "scatter_blocks",
+]
+
+
+def allocate_kv_caches(
+    num_layers: int,
+    num_blocks: int,
+    block_size: int,
+    kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+) -> list[torch.Tensor]:
+    """A zeroed paged cache: one block-first buffer, returned as one view per layer
+    (``[2, num_blocks, block_size, kv_heads, head_dim]``, block stride = a whole block of every
+    layer). The views keep the buffer alive."""
+    pool = torch.zeros(
+        (num_blocks, num_layers, 2, block_size, kv_heads, head_dim), dtype=dtype, device=device
+    )
+    return [pool[:, layer].transpose(0, 1) for layer in range(num_layers)]
 
 
 def extract_blocks(

@@ -4,6 +4,11 @@ KV cache layout, per layer (the layout `vllm-flash-attn` reads, so both backends
 
     kv_cache[layer] : [2, num_blocks, block_size, num_kv_heads, head_dim]   (0 = K, 1 = V)
 
+The layer tensors are views of one block-first buffer (``kv_transfer.blocks.
+allocate_kv_caches``): a block's rows are contiguous, but one block of a layer is a whole
+block of every layer away from the next (``stride(1)``), so nothing here flattens the block
+and position dimensions together; new K/V go in by (block, offset) pairs.
+
     token at position p of a request with block table [b0, b1, b2, ...]
       -> block  = table[p // block_size]
       -> slot   = block * block_size + p % block_size      (the "slot mapping")
@@ -43,6 +48,8 @@ class AttentionMetadata:
     """Per-step tensors shared by every layer. Built once by the worker (see ``build``)."""
 
     slot_mapping: torch.Tensor  # [num_tokens] long
+    slot_blocks: torch.Tensor  # [num_tokens] long: slot_mapping // block_size
+    slot_offsets: torch.Tensor  # [num_tokens] long: slot_mapping % block_size
     num_decodes: int  # tokens [0, num_decodes) are single-token decodes
     decode_block_table: torch.Tensor  # [num_decodes, max_blocks] long (padded with block 0)
     decode_mask: torch.Tensor  # [num_decodes, 1, 1, max_blocks * block_size] bool
@@ -76,6 +83,8 @@ class AttentionMetadata:
             for pos in range(ctx - q_len, ctx):
                 slots.append(table[pos // block_size] * block_size + pos % block_size)
         slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
+        slot_blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
+        slot_offsets = slot_mapping - slot_blocks * block_size
 
         max_blocks = max((len(t) for t in block_tables[:num_decodes]), default=0)
         padded = [t + [0] * (max_blocks - len(t)) for t in block_tables[:num_decodes]]
@@ -100,7 +109,16 @@ class AttentionMetadata:
             prefills.append(PrefillSpan(start, q_len, ctx, ctx_table, mask))
             start += q_len
 
-        meta = cls(slot_mapping, num_decodes, decode_table, decode_mask, lens, prefills)
+        meta = cls(
+            slot_mapping,
+            slot_blocks,
+            slot_offsets,
+            num_decodes,
+            decode_table,
+            decode_mask,
+            lens,
+            prefills,
+        )
         if with_flash:
             cum = [0]
             for q_len in query_lens:
@@ -155,8 +173,9 @@ class TorchAttention:
         v = v.view(t, kvh, d)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         # 1. Write every new token's K/V first (same-step prefix sharing reads them).
-        k_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, v)
+        slots = (meta.slot_blocks, meta.slot_offsets)
+        k_cache.index_put_(slots, k)
+        v_cache.index_put_(slots, v)
         out = torch.empty(t, h, d, dtype=q.dtype, device=q.device)
         q3 = q.view(t, h, d)
         # 2. Decodes: gather each request's blocks (index_select is several times faster than
@@ -181,8 +200,8 @@ class TorchAttention:
         elif n:
             width = meta.decode_block_table.shape[1]
             flat_ids = meta.decode_block_table.view(-1)
-            kd = k_cache.view(k_cache.shape[0], -1).index_select(0, flat_ids)
-            vd = v_cache.view(v_cache.shape[0], -1).index_select(0, flat_ids)
+            kd = k_cache.flatten(1).index_select(0, flat_ids)
+            vd = v_cache.flatten(1).index_select(0, flat_ids)
             kd = kd.view(n, width * self.block_size, kvh, d).transpose(1, 2)
             vd = vd.view(n, width * self.block_size, kvh, d).transpose(1, 2)
             o = F.scaled_dot_product_attention(
@@ -240,8 +259,9 @@ class FlashAttention:
         t = q.shape[0]
         kvh, d = self.num_kv_heads, self.head_dim
         k_cache, v_cache = kv_cache[0], kv_cache[1]
-        k_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, k.view(t, kvh, d))
-        v_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, v.view(t, kvh, d))
+        slots = (meta.slot_blocks, meta.slot_offsets)
+        k_cache.index_put_(slots, k.view(t, kvh, d))
+        v_cache.index_put_(slots, v.view(t, kvh, d))
         out = self._fn(
             q=q.view(t, self.num_heads, d),
             k=k_cache,

@@ -93,6 +93,7 @@ _ARGTYPES: list[Any] = [
     ctypes.c_int,  # head_dim
     ctypes.c_int,  # block_size
     ctypes.c_int,  # max_blocks
+    ctypes.c_int64,  # block_stride (elements from one block to the next)
     ctypes.c_float,  # scale
     ctypes.c_int,  # num_threads
 ]
@@ -118,14 +119,20 @@ class PagedDecodeKernel:
     def __call__(
         self,
         q: torch.Tensor,  # [S, H, D] contiguous
-        k_cache: torch.Tensor,  # [num_blocks, block_size, KV, D] contiguous
-        v_cache: torch.Tensor,
+        k_cache: torch.Tensor,  # [num_blocks, block_size, KV, D], each block contiguous
+        v_cache: torch.Tensor,  # the same shape and strides
         tables: torch.Tensor,  # [S, max_blocks] int64 contiguous
         seq_lens: torch.Tensor,  # [S] int64
         out: torch.Tensor,  # [S, H, D] contiguous, written
         scale: float,
     ) -> None:
         s, h, d = q.shape
+        _, block_size, kvh, _ = k_cache.shape
+        if k_cache.stride()[1:] != (kvh * d, d, 1) or v_cache.stride() != k_cache.stride():
+            raise ValueError(
+                f"paged_decode_attention needs contiguous blocks, not strides {k_cache.stride()} "
+                f"/ {v_cache.stride()}"
+            )
         rc = self._fns[q.dtype](
             q.data_ptr(),
             k_cache.data_ptr(),
@@ -139,6 +146,7 @@ class PagedDecodeKernel:
             d,
             k_cache.shape[1],
             tables.shape[1],
+            k_cache.stride(0),
             scale,
             torch.get_num_threads(),
         )

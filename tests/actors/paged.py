@@ -9,6 +9,7 @@ import torch
 from actors.model.attention import AttentionMetadata, TorchAttention
 from actors.model.llama import LlamaForCausalLM, LoRAHook
 from actors.model.loader import load_model
+from kv_transfer.blocks import allocate_kv_caches
 
 
 class PagedRunner:
@@ -32,8 +33,14 @@ class PagedRunner:
         self.attn = TorchAttention(
             cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, block_size
         )
-        shape = (2, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
-        self.kv = [torch.zeros(shape, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
+        self.kv = allocate_kv_caches(
+            cfg.num_hidden_layers,
+            num_blocks,
+            block_size,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            dtype,
+        )
         # Hand out blocks in a scrambled order so tables are not contiguous.
         gen = torch.Generator().manual_seed(0)
         self.free = torch.randperm(num_blocks, generator=gen).tolist()

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from actors.model.attention import AttentionMetadata, TorchAttention
 from actors.model.cpu_kernels import paged_decode_kernel
 from actors.model.llama import pack_linear
+from kv_transfer.blocks import allocate_kv_caches
 
 needs_kernel = pytest.mark.skipif(paged_decode_kernel() is None, reason="no C compiler here")
 
@@ -42,6 +43,38 @@ def test_paged_decode_kernel_matches_sdpa(
     assert torch.equal(kv_fast, kv_slow)  # both wrote this step's K/V to the same slots
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert (got - ref).abs().max().item() <= tol
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_block_first_cache_gives_the_same_attention(dtype: torch.dtype) -> None:
+    """A layer's view of the block-first pool (a block stride of every layer's block) reads
+    and writes exactly what a contiguous per-layer cache does, in the C kernel and the torch
+    path, for decodes and a prefill chunk continuing a cached prefix."""
+    gen = torch.Generator().manual_seed(7)
+    heads, kv_heads, head_dim, block_size, num_blocks = 9, 3, 64, 16, 40
+    contiguous = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=gen)
+    contiguous = contiguous.to(dtype)
+    views = allocate_kv_caches(3, num_blocks, block_size, kv_heads, head_dim, dtype)
+    views[1].copy_(contiguous)
+    assert views[1].stride(1) == 3 * 2 * block_size * kv_heads * head_dim
+    lens, query = [5, 40, 17, 70], [1, 1, 1, 22]  # three decodes, then a 22-token chunk
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = [[perm.pop() for _ in range(-(-n // block_size))] for n in lens]
+    meta = AttentionMetadata.build(query, lens, tables, block_size, torch.device("cpu"))
+    t = sum(query)
+    q = torch.randn(t, heads * head_dim, generator=gen).to(dtype)
+    k = torch.randn(t, kv_heads * head_dim, generator=gen).to(dtype)
+    v = torch.randn(t, kv_heads * head_dim, generator=gen).to(dtype)
+    for use_kernel in (True, False):
+        attn = TorchAttention(heads, kv_heads, head_dim, block_size, use_cpu_kernel=use_kernel)
+        plain, snapshot = contiguous.clone(), views[1].clone()
+        got = attn.forward(q, k, v, views[1], meta)  # the view: writes must land in the pool
+        ref = attn.forward(q, k, v, plain, meta)
+        assert torch.equal(got, ref)
+        assert torch.equal(views[1], plain)  # this step's K/V went to the same slots
+        assert torch.equal(views[0], torch.zeros_like(views[0]))  # other layers untouched
+        views[1].copy_(snapshot)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

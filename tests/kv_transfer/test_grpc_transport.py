@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from kv_transfer.base import WorkerConnector
+from kv_transfer.blocks import allocate_kv_caches
 from kv_transfer.connector import KVConnectorMetadata, KVSegment, LoadSpec, SaveSpec
 from kv_transfer.grpc_transport import (
     TOKEN_METADATA_KEY,
@@ -38,9 +39,12 @@ DST_IDS = [11, 0, 6]
 def _caches(
     num_blocks: int, dtype: torch.dtype, seed: int, layers: range = range(NUM_LAYERS)
 ) -> list[torch.Tensor]:
+    """Random caches in the workers' layout (views of one block-first buffer)."""
     gen = torch.Generator().manual_seed(seed)
-    shape = (2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
-    return [torch.randn(*shape, generator=gen).to(dtype) for _ in layers]
+    caches = allocate_kv_caches(len(layers), num_blocks, BLOCK, KV_HEADS, HEAD_DIM, dtype)
+    for cache in caches:
+        cache.copy_(torch.randn(cache.shape, generator=gen))
+    return caches
 
 
 @pytest.fixture

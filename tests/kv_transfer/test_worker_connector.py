@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kv_transfer.base import WorkerConnector
-from kv_transfer.blocks import KVPayload
+from kv_transfer.blocks import KVPayload, allocate_kv_caches
 from kv_transfer.connector import KVConnectorMetadata, LoadSpec, SaveSpec
 
 NUM_LAYERS, BLOCK, KV_HEADS, HEAD_DIM = 2, 4, 2, 8
@@ -52,9 +52,12 @@ class MemoryConnector(WorkerConnector):
 
 
 def _caches(num_blocks: int, dtype: torch.dtype, seed: int) -> list[torch.Tensor]:
+    """Random caches in the workers' layout (views of one block-first buffer)."""
     gen = torch.Generator().manual_seed(seed)
-    shape = (2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
-    return [torch.randn(*shape, generator=gen).to(dtype) for _ in range(NUM_LAYERS)]
+    caches = allocate_kv_caches(NUM_LAYERS, num_blocks, BLOCK, KV_HEADS, HEAD_DIM, dtype)
+    for cache in caches:
+        cache.copy_(torch.randn(cache.shape, generator=gen))
+    return caches
 
 
 def _bytes_per_block(dtype: torch.dtype) -> int:

@@ -4,6 +4,8 @@
  *
  *   q        [num_seqs, num_heads, head_dim]
  *   k_cache  [num_blocks, block_size, num_kv_heads, head_dim]   (v_cache: same)
+ *            each block contiguous; block b starts block_stride elements after block b-1
+ *            (the cache is block first: a block of every layer lies between two of one layer)
  *   tables   [num_seqs, max_blocks]  int64 block ids
  *   seq_lens [num_seqs]              int64 keys to attend (this step's token included)
  *   out      [num_seqs, num_heads, head_dim]
@@ -44,7 +46,8 @@ static inline float f32_id(float x) { return x; }
 #define DEFINE_PAIR(NAME, T, LOAD, STORE)                                                      \
 static inline __attribute__((always_inline)) void NAME(                                       \
     const int HD, const T *q, const T *k_cache, const T *v_cache, const int64_t *table,       \
-    int64_t len, T *out, int group, int block_size, int64_t kv_stride, float scale,          \
+    int64_t len, T *out, int group, int block_size, int64_t kv_stride, int64_t block_stride, \
+    float scale,                                                                              \
     float *scores) {                                                                          \
     float qf[MAX_GROUP][MAX_HEAD_DIM];                                                        \
     float row[MAX_HEAD_DIM];                                                                  \
@@ -56,7 +59,7 @@ static inline __attribute__((always_inline)) void NAME(                         
     }                                                                                         \
     int64_t l = 0;                                                                            \
     for (int64_t b = 0; l < len; ++b) {                                                       \
-        const T *kb = k_cache + table[b] * block_size * kv_stride;                            \
+        const T *kb = k_cache + table[b] * block_stride;                                      \
         const int64_t n = len - l < block_size ? len - l : block_size;                        \
         for (int64_t i = 0; i < n; ++i, ++l) {                                                \
             const T *kp = kb + i * kv_stride;                                                 \
@@ -77,7 +80,7 @@ static inline __attribute__((always_inline)) void NAME(                         
     }                                                                                         \
     l = 0;                                                                                    \
     for (int64_t b = 0; l < len; ++b) {                                                       \
-        const T *vb = v_cache + table[b] * block_size * kv_stride;                            \
+        const T *vb = v_cache + table[b] * block_stride;                                      \
         const int64_t n = len - l < block_size ? len - l : block_size;                        \
         for (int64_t i = 0; i < n; ++i, ++l) {                                                \
             const T *vp = vb + i * kv_stride;                                                 \
@@ -97,7 +100,8 @@ static inline __attribute__((always_inline)) void NAME(                         
 #define DEFINE_KERNEL(NAME, PAIR, T)                                                           \
 int NAME(const T *q, const T *k_cache, const T *v_cache, const int64_t *tables,              \
          const int64_t *seq_lens, T *out, int num_seqs, int num_heads, int num_kv_heads,      \
-         int head_dim, int block_size, int max_blocks, float scale, int num_threads) {        \
+         int head_dim, int block_size, int max_blocks, int64_t block_stride, float scale,     \
+         int num_threads) {                                                                   \
     const int group = num_heads / num_kv_heads;                                               \
     if (group > MAX_GROUP || head_dim > MAX_HEAD_DIM) return 1;                               \
     int64_t max_len = 0;                                                                      \
@@ -119,13 +123,13 @@ int NAME(const T *q, const T *k_cache, const T *v_cache, const int64_t *tables, 
             const int64_t *table = tables + (int64_t)s * max_blocks;                          \
             if (head_dim == 64)                                                               \
                 PAIR(64, qp, kc, vc, table, seq_lens[s], out + off, group, block_size,        \
-                     kv_stride, scale, scores);                                               \
+                     kv_stride, block_stride, scale, scores);                                  \
             else if (head_dim == 128)                                                         \
                 PAIR(128, qp, kc, vc, table, seq_lens[s], out + off, group, block_size,       \
-                     kv_stride, scale, scores);                                               \
+                     kv_stride, block_stride, scale, scores);                                  \
             else                                                                              \
                 PAIR(head_dim, qp, kc, vc, table, seq_lens[s], out + off, group, block_size,  \
-                     kv_stride, scale, scores);                                               \
+                     kv_stride, block_stride, scale, scores);                                  \
         }                                                                                     \
         free(scores);                                                                         \
     }                                                                                         \
