@@ -127,7 +127,7 @@ class PagedDecodeKernel:
         scale: float,
     ) -> None:
         s, h, d = q.shape
-        _, block_size, kvh, _ = k_cache.shape
+        kvh = k_cache.shape[2]
         if k_cache.stride()[1:] != (kvh * d, d, 1) or v_cache.stride() != k_cache.stride():
             raise ValueError(
                 f"paged_decode_attention needs contiguous blocks, not strides {k_cache.stride()} "
