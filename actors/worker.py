@@ -247,17 +247,58 @@ class ModelWorker:
         self.num_blocks = num_blocks
         self.requests.clear()
         if self.kv_transfer is not None:
-            from kv_transfer.registry import create_worker_connector
+            self._attach_connector()
 
-            if self.connector is None:
-                self.connector = create_worker_connector(
-                    self.kv_transfer, **self.kv_transfer_options
-                )
-                if self.tracing is not None:
-                    from kv_transfer.tracing import init_tracing
+    # -- KV transport peers ---------------------------------------------------------------
+    def kv_peer(self) -> Any:
+        """What other workers need to read this worker's KV blocks (``nixl``: its agent and
+        pool layout), or None for a transport that needs nothing published."""
+        return None if self.connector is None else self.connector.peer_info()
 
-                    self.connector.tracer = init_tracing(self.tracing, "worker")
-            self.connector.register_kv_caches(self.kv_caches, self.layers)
+    def add_kv_peers(self, peers: list[Any]) -> None:
+        """Learn other workers' ``kv_peer`` (the control plane calls this when instances
+        register)."""
+        if self.connector is not None:
+            with self._step_lock:  # the transport's agent is not thread-safe
+                self.connector.add_peers(peers)
+
+    def kv_probe(self, peer: Any, timeout_s: float = 5.0) -> str | None:
+        """Read a little of ``peer``'s cache: None when the transport reaches it, else why
+        not. Before serving only: it overwrites a slab of this worker's block 0."""
+        if self.connector is None:
+            return "no KV connector"
+        probe = getattr(self.connector, "probe", None)
+        if probe is None:
+            return None  # nothing to probe: the transport needs no direct reach
+        with self._step_lock:
+            try:
+                probe(peer, timeout_s)
+            except Exception as exc:
+                return f"{type(exc).__name__}: {exc}"
+        return None
+
+    def use_kv_transport(self, transport: str, options: dict[str, Any]) -> None:
+        """Switch to another KV transport (``transport: auto`` falling back before serving):
+        the old connector closes, the new one takes the current cache."""
+        with self._step_lock:
+            if self.connector is not None:
+                self.connector.close()
+                self.connector = None
+            self.kv_transfer, self.kv_transfer_options = transport, dict(options)
+            if self.kv_caches:
+                self._attach_connector()
+
+    def _attach_connector(self) -> None:
+        from kv_transfer.registry import create_worker_connector
+
+        assert self.kv_transfer is not None
+        if self.connector is None:
+            self.connector = create_worker_connector(self.kv_transfer, **self.kv_transfer_options)
+            if self.tracing is not None:
+                from kv_transfer.tracing import init_tracing
+
+                self.connector.tracer = init_tracing(self.tracing, "worker")
+        self.connector.register_kv_caches(self.kv_caches, self.layers)
 
     # -- LoRA -------------------------------------------------------------------------------
     def add_lora(self, lora: LoRARequest) -> bool:
@@ -284,6 +325,8 @@ class ModelWorker:
             "step_seconds": self.step_seconds,
             "device": str(self.device),
             "num_loading": 0 if self.connector is None else self.connector.num_loading(),
+            "kv_transport": None if self.connector is None else self.connector.transport,
+            "ucx_tls": os.environ.get("UCX_TLS"),  # nixl: UCX's transports, if restricted
             "node_id": _ray_node_id(),
             "pid": os.getpid(),
         }

@@ -150,8 +150,16 @@ class RouterConfig(_Config):
         return self
 
 
+NIXL_SAFETY_MARGIN_S = 1.0  # a one-sided read ends this long before its source's lease
+
+
 class KVTransferConfig(_Config):
     """The KV connector between prefill and decode instances.
+
+    ``transport``: ``nixl`` (one-sided reads straight into the decode blocks; the
+    ``tandem-serve[nixl]`` extra), ``ray`` (the object store), ``grpc`` (pulls from each
+    worker's KV server), or ``auto`` (the default): ``nixl`` when it can be imported and the
+    workers reach each other with it (probed when they start), else ``ray``.
 
     The ``grpc`` transport's knobs are ignored by ``ray``. Its cluster token, which every KV
     request carries, is ``auth_token`` or, unset, a random one made when the config is built:
@@ -160,7 +168,7 @@ class KVTransferConfig(_Config):
     never in reprs, logs or dumps.
     """
 
-    transport: Literal["ray", "grpc"] = "ray"
+    transport: Literal["auto", "nixl", "ray", "grpc"] = "auto"
     timeout_s: float = Field(5.0, gt=0.0, le=600.0, description="Deadline of one transfer.")
     failure_policy: Literal["recompute", "fail"] = "recompute"
     auth_token: SecretStr | None = Field(
@@ -172,9 +180,15 @@ class KVTransferConfig(_Config):
         None,
         gt=0.0,
         le=3600.0,
-        description="grpc: how long a prefill worker holds a request's blocks for the pull "
+        description="grpc, nixl: how long a prefill worker holds a request's blocks for the pull "
         "(default: timeout_s plus a grace of max(1 s, timeout_s / 2), so that the lease "
         "outlives the decode side's deadline).",
+    )
+    ucx_tls: str | None = Field(
+        None,
+        min_length=1,
+        description="nixl: the UCX transports the workers' KV reads may use (UCX_TLS), e.g. "
+        "'tcp' where a same-node kernel copy (CMA) is not permitted; default: UCX's choice.",
     )
     bind_host: str = Field(
         "127.0.0.1",
@@ -226,6 +240,11 @@ class KVTransferConfig(_Config):
             )
         if any(f is not None for f in files) and not self.tls:
             raise ValueError("kv_transfer.tls_* files are set but kv_transfer.tls is false")
+        if self.transport == "nixl" and self.effective_lease_s <= NIXL_SAFETY_MARGIN_S:
+            raise ValueError(
+                f"kv_transfer.lease_s ({self.effective_lease_s}) must exceed the nixl "
+                f"transport's safety margin of {NIXL_SAFETY_MARGIN_S} s"
+            )
         if self.tls and self.transport != "grpc":
             raise ValueError(
                 "kv_transfer.tls is for the grpc transport; the ray transport rides Ray's own "
@@ -263,8 +282,33 @@ class KVTransferConfig(_Config):
             return self.lease_s
         return self.timeout_s + max(1.0, self.timeout_s / 2)
 
+    @property
+    def auto(self) -> bool:
+        return self.transport == "auto"
+
+    def resolved(self) -> KVTransferConfig:
+        """This config with ``auto`` replaced by its first choice here: ``nixl`` when NIXL can
+        be imported, else ``ray`` (whether the workers reach each other is probed when they
+        start: ``cluster.control.placement.connect_kv_peers``)."""
+        if not self.auto:
+            return self
+        from kv_transfer.nixl_transport import nixl_available
+
+        return self.with_transport("nixl" if nixl_available() else "ray")
+
+    def with_transport(self, transport: str) -> KVTransferConfig:
+        return self.model_copy(update={"transport": transport})
+
     def connector_options(self) -> dict[str, Any]:
         """Keyword arguments of the workers' connector for this transport."""
+        if self.transport == "nixl":
+            options: dict[str, Any] = {
+                "lease_s": self.effective_lease_s,
+                "safety_margin_s": NIXL_SAFETY_MARGIN_S,
+            }
+            if self.ucx_tls is not None:
+                options["ucx_tls"] = self.ucx_tls
+            return options
         if self.transport != "grpc":
             return {}
         return {
@@ -505,6 +549,10 @@ class ClusterConfig(_Config):
         ``serve`` (``INGRESS_ONLY``: key, ports, replicas), which a redeploy of the API may
         change under a running cluster. JSON; secrets masked."""
         return self.model_dump(mode="json", exclude={"serve": set(INGRESS_ONLY)})
+
+    def with_kv_transport(self, transport: str) -> ClusterConfig:
+        """This config with another KV transport (``auto`` resolved, or its fallback)."""
+        return self.model_copy(update={"kv_transfer": self.kv_transfer.with_transport(transport)})
 
     @property
     def disaggregated(self) -> bool:

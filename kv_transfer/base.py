@@ -76,7 +76,7 @@ class _Fetched:
 @dataclass
 class _Load:
     spec: LoadSpec
-    future: cf.Future[_Fetched]
+    future: cf.Future[_Fetched] | None  # None: a transport that writes in place (nixl)
     started: float  # time.monotonic()
     deadline: float  # time.monotonic()
     started_at: float  # time.time()
@@ -127,6 +127,14 @@ class WorkerConnector(ABC):
         self.layers = layers
         self._loads.clear()
 
+    def peer_info(self) -> Any:
+        """What peers must know before they can read from this worker (published once per
+        cache through the control plane), or None for a transport that needs nothing."""
+        return None
+
+    def add_peers(self, peers: list[Any]) -> None:  # noqa: B027
+        """Learn other workers' ``peer_info`` (a no-op for transports that need none)."""
+
     # -- loading (decode side) -------------------------------------------------------------
     def start_load_kv(self, metadata: KVConnectorMetadata | None, idle: bool = False) -> None:
         """Start this step's fetches; write every fetched load into its blocks. ``idle``: the
@@ -138,7 +146,8 @@ class WorkerConnector(ABC):
         if idle and self._loads:
             soonest = min(load.deadline for load in self._loads.values())
             wait = min(0.05, max(0.0, soonest - time.monotonic()))
-            cf.wait([load.future for load in self._loads.values()], wait, cf.FIRST_COMPLETED)
+            futures = [load.future for load in self._loads.values() if load.future is not None]
+            cf.wait(futures, wait, cf.FIRST_COMPLETED)
         self._apply_loads()
 
     def wait_for_layer_load(self, layer: int) -> None:  # noqa: B027
@@ -178,24 +187,37 @@ class WorkerConnector(ABC):
     def _apply_loads(self) -> None:
         now = time.monotonic()
         for req_id, load in list(self._loads.items()):
+            assert load.future is not None
             if load.future.done():
                 del self._loads[req_id]
-                ok = self._write(load)
+                self._write(load)
             elif now >= load.deadline:
                 # The fetch thread may still finish; its result is dropped unread, so it can
                 # never write into blocks that have been handed to someone else.
                 del self._loads[req_id]
                 load.future.cancel()
-                logger.warning("KV load of %s timed out after %.1fs", req_id, now - load.started)
-                self._report.loads.append((req_id, now - load.started, 0, False))
-                self._trace_load(load, 0, False, "timed out")
-                self.history.append(
-                    TransferRecord(req_id, 0, now - load.started, False, started_at=load.started_at)
-                )
-                ok = False
-            else:
-                continue
-            (self._recving_done if ok else self._recving_failed).add(req_id)
+                self._end_load(load, 0, f"timed out after {now - load.started:.1f}s")
+
+    def _end_load(
+        self, load: _Load, num_bytes: int, error: str | None, copy_seconds: float = 0.0
+    ) -> None:
+        """A load is over (``error`` None: its blocks hold the data): report it to the
+        scheduler (``finished_recving`` / ``failed_recving``), the metrics, the trace and
+        the history."""
+        spec, ok = load.spec, error is None
+        seconds = time.monotonic() - load.started
+        if not ok:
+            logger.warning("KV load of %s failed: %s", spec.req_id, error)
+            num_bytes = 0
+        self._report.bytes_loaded += num_bytes
+        self._report.loads.append((spec.req_id, seconds, num_bytes, ok))
+        self._trace_load(load, num_bytes, ok, error)
+        self.history.append(
+            TransferRecord(
+                spec.req_id, num_bytes, seconds, ok, "load", copy_seconds, load.started_at
+            )
+        )
+        (self._recving_done if ok else self._recving_failed).add(spec.req_id)
 
     def _trace_save(
         self, spec: SaveSpec, started_at: float, num_bytes: int, error: str | None
@@ -249,50 +271,23 @@ class WorkerConnector(ABC):
             span.set_status(Status(StatusCode.ERROR, error))
         span.end()
 
-    def _write(self, load: _Load) -> bool:
-        spec = load.spec
+    def _write(self, load: _Load) -> None:
+        assert load.future is not None
         fetched = load.future.result()
         data, error = fetched.data, fetched.error
+        num_bytes, copy_seconds = 0, 0.0
         try:
             if data is None:
                 raise ConnectionError(error)
             start = time.perf_counter()
-            num_bytes = self._scatter(spec, data)
+            num_bytes = self._scatter(load.spec, data)
             copy_seconds = fetched.seconds + time.perf_counter() - start
         except Exception as exc:  # any failure of a load means "recompute" (or "fail")
             error = f"{type(exc).__name__}: {exc}"
         finally:
             # Release the transport's buffers (an object store pin) now.
             del data, fetched
-        if error is not None:
-            logger.warning("KV load of %s failed: %s", spec.req_id, error)
-            self._report.loads.append((spec.req_id, time.monotonic() - load.started, 0, False))
-            self._trace_load(load, 0, False, error)
-            self.history.append(
-                TransferRecord(
-                    spec.req_id,
-                    0,
-                    time.monotonic() - load.started,
-                    False,
-                    started_at=load.started_at,
-                )
-            )
-            return False
-        self._report.bytes_loaded += num_bytes
-        self._report.loads.append((spec.req_id, time.monotonic() - load.started, num_bytes, True))
-        self._trace_load(load, num_bytes, True, None)
-        self.history.append(
-            TransferRecord(
-                spec.req_id,
-                num_bytes,
-                time.monotonic() - load.started,
-                True,
-                "load",
-                copy_seconds,
-                load.started_at,
-            )
-        )
-        return True
+        self._end_load(load, num_bytes, error, copy_seconds)
 
     def _scatter(self, spec: LoadSpec, data: list[KVPayload]) -> int:
         """Write each fetched payload's overlap with this worker's layers. A payload that does

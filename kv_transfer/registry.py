@@ -10,6 +10,7 @@ from kv_transfer.base import WorkerConnector
 _TRANSPORTS = {
     "ray": "kv_transfer.ray_transport:RayWorkerConnector",
     "grpc": "kv_transfer.grpc_transport:GrpcWorkerConnector",
+    "nixl": "kv_transfer.nixl_transport:NixlWorkerConnector",  # the [nixl] extra
 }
 
 

@@ -252,6 +252,10 @@ class ClusterOperations:
         first = next(iter(self.specs.values())).info
         return {**first, "max_model_len": self.max_model_len}
 
+    def _kv_transport(self) -> str | None:
+        """The KV transport the workers use (``auto`` resolved); None without P/D."""
+        return self.config.kv_transfer.transport if self.config.disaggregated else None
+
     def describe(self) -> dict[str, Any]:
         return {
             "instances": {
@@ -264,6 +268,9 @@ class ClusterOperations:
                 for iid, spec in self.specs.items()
             },
             "max_model_len": self.max_model_len,
+            "kv_transport": self.config.kv_transfer.transport
+            if self.config.disaggregated
+            else None,
         }
 
     async def stats(self) -> dict[str, Any]:
@@ -275,6 +282,9 @@ class ClusterOperations:
             "num_flights": len(self.flights),
             "num_moves": self.num_moves,
             "failures": list(self.failures),
+            "kv_transport": self.config.kv_transfer.transport
+            if self.config.disaggregated
+            else None,
             "instances": instances,
         }
 

@@ -34,6 +34,7 @@ class InstanceSpec:
     handle: Any  # the Ray actor, the first stage's for a pipeline (None for in-process workers)
     info: dict[str, Any]  # the last stage's (for a pipeline; it holds the output head)
     stages: list[Any] = field(default_factory=list)  # every stage's actor, in order
+    kv_peers: list[Any] = field(default_factory=list)  # the KV transport's per-worker info
 
     @property
     def actors(self) -> list[Any]:
@@ -192,6 +193,32 @@ async def start_instances(
         )
         for (iid, pool, stages), info in zip(created, infos, strict=True)
     ]
+
+
+async def connect_kv_peers(
+    specs: list[InstanceSpec], new: list[InstanceSpec], probe: bool = False
+) -> list[str]:
+    """Hand every worker of ``specs`` what the KV transport needs to read from the others
+    (``nixl``: each worker's agent and pool layout, gathered once from the workers of the
+    ``new`` instances, kept on their spec). ``probe``: each new instance's first worker also
+    reads a little from one worker of every other instance (before any of them serves);
+    returns what failed, one line each. A no-op for transports that publish nothing."""
+    for spec in new:
+        spec.kv_peers = [p for p in await spec.call_stages("kv_peer") if p is not None]
+    peers = [p for spec in specs for p in spec.kv_peers]
+    if not peers:
+        return []
+    await asyncio.gather(*(spec.call_stages("add_kv_peers", peers) for spec in specs))
+    errors: list[str] = []
+    if probe:
+        for spec in new:
+            for other in specs:
+                if other is spec or not other.kv_peers:
+                    continue
+                error = (await spec.call_stages("kv_probe", other.kv_peers[0]))[0]
+                if error is not None:
+                    errors.append(f"{spec.instance_id} -> {other.instance_id}: {error}")
+    return errors
 
 
 def check_placeable(config: ClusterConfig, nodes: list[dict[str, Any]]) -> None:

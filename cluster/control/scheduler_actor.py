@@ -25,7 +25,7 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from contextlib import aclosing
 from typing import Any
 
@@ -68,6 +68,10 @@ class SchedulerActor(Restart, ClusterOperations):
     (``control/restart.py``)."""
 
     def __init__(self, config: ClusterConfig, instances: list[InstanceSpec] | None = None) -> None:
+        # ``transport: auto``: nixl if it imports here, checked against the workers at start.
+        self._kv_auto = config.kv_transfer.auto
+        if self._kv_auto:
+            config = config.with_kv_transport(config.kv_transfer.resolved().transport)
         self.config = config
         self._specs = instances
         self.router = Router(config.router)
@@ -131,6 +135,7 @@ class SchedulerActor(Restart, ClusterOperations):
     async def _add_instances(self, specs: list[InstanceSpec]) -> None:
         """Start the engines of started instances and let them serve: in this process, or
         each in an ``EngineActor`` of its own (``engine_actors``; they start in parallel)."""
+        await self._connect_kv_peers(specs)
         engines: list[Any] = []
         for spec in specs:
             if self.config.engine_actors:
@@ -166,6 +171,34 @@ class SchedulerActor(Restart, ClusterOperations):
             engine.start()
         if self.config.engine_actors:  # clients stream from the new engines too
             self.clients.notify_all(self.engine_handles())
+
+    async def _connect_kv_peers(self, specs: list[InstanceSpec]) -> None:
+        """Tell every worker how to reach the new instances' workers, and these the others
+        (the ``nixl`` transport). Under ``transport: auto`` a new instance first reads a
+        little from each other instance: if it cannot, the cluster's first instances fall
+        back to ``ray``; a later one is refused."""
+        from cluster.control.placement import connect_kv_peers
+
+        if not self.config.disaggregated:
+            return
+        probe = self._kv_auto and self.config.kv_transfer.transport == "nixl"
+        errors = await connect_kv_peers([*self.specs.values(), *specs], specs, probe)
+        if not errors:
+            if specs and not self.specs:
+                how = " (auto)" if self._kv_auto else ""
+                logger.info("KV transport: %s%s", self.config.kv_transfer.transport, how)
+            return
+        if self.specs:
+            raise RuntimeError(f"the nixl KV transport cannot reach: {'; '.join(errors)}")
+        logger.warning(
+            "KV transport: nixl cannot reach every worker (%s); falling back to ray",
+            "; ".join(errors),
+        )
+        self.config = self.config.with_kv_transport("ray")
+        options = self.config.kv_transfer.connector_options()
+        for spec in specs:
+            await spec.call_stages("use_kv_transport", "ray", options)
+            spec.kv_peers = []
 
     def engine_handles(self) -> dict[str, Any]:
         """The engine actors clients stream from, by instance (``engine_actors``)."""
@@ -555,6 +588,11 @@ class SchedulerActor(Restart, ClusterOperations):
             return  # it left the cluster
         if report.rejoined:
             self._rejoined(iid)
+            if self.config.disaggregated:  # its workers' transport agents are new
+                from cluster.control.placement import connect_kv_peers
+
+                specs = list(self.specs.values())
+                self._spawn(_quietly(connect_kv_peers(specs, [self.specs[iid]])))
         view = self.views[iid]
         view.update(report.summary)
         for internal in report.finished:
@@ -678,3 +716,12 @@ class SchedulerActor(Restart, ClusterOperations):
         the ones draining to leave."""
         prefill = role == "prefill"
         return [v for v in self.views.values() if (v.role == "prefill") == prefill and v.serves]
+
+
+async def _quietly(coro: Coroutine[Any, Any, Any]) -> None:
+    """Run ``coro``; log its failure (a background task's)."""
+    try:
+        await coro
+    except Exception as exc:
+        name = getattr(coro, "__qualname__", "a background task")
+        logger.warning("%s failed: %s: %s", name, type(exc).__name__, exc)

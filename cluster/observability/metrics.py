@@ -230,6 +230,16 @@ class _StatsCollector:
                 values += [",".join(inst[k]) for k in ("running_loras", "waiting_loras")]
                 loras.add_metric([self.model_name, iid, inst.get("role", ""), *values], now)
         yield loras
+        transport = self.stats.get("kv_transport")
+        if transport:
+            info = GaugeMetricFamily(
+                "tandem:kv_transport_info",
+                "The KV transport between prefill and decode instances (an info series: the "
+                "label carries it; transport: auto shows what it chose).",
+                labels=["model_name", "transport"],
+            )
+            info.add_metric([self.model_name, transport], 1.0)
+            yield info
         moves = CounterMetricFamily(
             "tandem:request_moves", "Requests moved off failed instances.", labels=["model_name"]
         )

@@ -119,6 +119,8 @@ def _run_up(args: argparse.Namespace) -> int:
     described = ray.get(handle.describe.remote())
     for iid, inst in described["instances"].items():
         print(f"  {iid}: {inst['role']}, {inst['num_blocks']} KV blocks, node {inst['node_id']}")
+    if described.get("kv_transport"):
+        print(f"  KV transport: {described['kv_transport']}")
     address = ray.get_runtime_context().gcs_address
     print(
         f"ready (max_model_len {described['max_model_len']}, Ray at {address}). "

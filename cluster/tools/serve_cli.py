@@ -334,6 +334,11 @@ def run_serve(args: argparse.Namespace) -> int:
         ray.shutdown()
         return 1
     model = served_model_name(config)
+    from cluster.control.launch import app_cluster_name, get_cluster
+
+    described = ray.get(get_cluster(app_cluster_name(APP_NAME)).describe.remote())
+    if described.get("kv_transport"):
+        print(f"KV transport: {described['kv_transport']}", flush=True)
     auth = ' -H "Authorization: Bearer $TANDEM_API_KEY"' if config.serve.api_key else ""
     grpc = (
         f"gRPC tandem.v1.Generate on {config.serve.host}:{config.serve.grpc_port}"

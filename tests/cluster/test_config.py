@@ -45,7 +45,7 @@ def test_pd_yaml_loads(tmp_path: Path) -> None:
 def test_defaults_are_one_colocated_instance() -> None:
     cfg = ClusterConfig.from_yaml("")
     assert [(p.name, p.role, p.replicas) for p in cfg.pools] == [("default", "both", 1)]
-    assert cfg.kv_transfer.transport == "ray" and cfg.kv_transfer.timeout_s == 5.0
+    assert cfg.kv_transfer.transport == "auto" and cfg.kv_transfer.timeout_s == 5.0
     assert cfg.kv_transfer.failure_policy == "recompute"
 
 
@@ -140,6 +140,28 @@ def test_grpc_lease_outlives_the_transfer_deadline_by_default() -> None:
     for timeout_s, lease_s in [(1.0, 2.0), (5.0, 7.5), (60.0, 90.0)]:
         kv = KVTransferConfig(transport="grpc", timeout_s=timeout_s)
         assert kv.effective_lease_s == lease_s == kv.connector_options()["lease_s"]
+
+
+def test_auto_picks_nixl_where_it_imports_else_ray(monkeypatch: pytest.MonkeyPatch) -> None:
+    import kv_transfer.nixl_transport as nixl
+
+    cfg = ClusterConfig.from_yaml("pools: [{name: p, role: prefill}, {name: d, role: decode}]")
+    assert cfg.kv_transfer.auto
+    monkeypatch.setattr(nixl, "nixl_available", lambda: True)
+    chosen = cfg.kv_transfer.resolved()
+    assert chosen.transport == "nixl" and not chosen.auto
+    assert chosen.connector_options() == {"lease_s": 7.5, "safety_margin_s": 1.0}
+    monkeypatch.setattr(nixl, "nixl_available", lambda: False)
+    assert cfg.kv_transfer.resolved().transport == "ray"
+    assert cfg.with_kv_transport("grpc").kv_transfer.transport == "grpc"
+    assert cfg.kv_transfer.transport == "auto"  # copies: the loaded config is unchanged
+    explicit = KVTransferConfig(transport="ray")
+    assert explicit.resolved() is explicit
+
+
+def test_a_nixl_lease_must_outlast_its_safety_margin() -> None:
+    with pytest.raises(ValueError, match="safety margin"):
+        KVTransferConfig(transport="nixl", lease_s=0.5)
 
 
 def test_a_generated_cluster_token_is_shared_by_every_copy_and_never_shown() -> None:

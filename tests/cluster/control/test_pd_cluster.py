@@ -1,6 +1,7 @@
 """The Ray cluster end to end: prefill and decode workers on their own nodes, KV handed off
-through the object store, streamed tokens equal to colocated and in-process runs, aborts at
-every stage, transfer deadlines. A real ``ray.cluster_utils.Cluster`` (tests/cluster/conftest).
+by NIXL reads (the default, ``auto``, where NIXL is installed) and through the object store
+(``ray``): streamed tokens equal to colocated and in-process runs, aborts at every stage,
+transfer deadlines. A real ``ray.cluster_utils.Cluster`` (tests/cluster/conftest).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ ray = pytest.importorskip("ray")
 from cluster.control.client import ClusterClient  # noqa: E402
 from cluster.control.flights import unpack_batch  # noqa: E402
 from cluster.control.launch import build_cluster, shutdown_cluster  # noqa: E402
+from kv_transfer.nixl_transport import MISSING, nixl_available  # noqa: E402
 from scheduler import Request, SamplingParams  # noqa: E402
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
@@ -44,16 +46,26 @@ def _prompts(count: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(3, 256) for _ in range(n)] for n in lengths]
 
 
-@pytest.fixture(scope="module")
-def disagg(ray_cluster: RayCluster, tiny_model: Path) -> Iterator[Any]:
-    """1 prefill + 1 decode instance, every request disaggregated, recompute on failure."""
+@pytest.fixture(
+    scope="module",
+    params=[
+        pytest.param("nixl", marks=pytest.mark.skipif(not nixl_available(), reason=MISSING)),
+        "ray",
+    ],
+)
+def disagg(
+    ray_cluster: RayCluster, tiny_model: Path, request: pytest.FixtureRequest
+) -> Iterator[Any]:
+    """1 prefill + 1 decode instance, every request disaggregated, recompute on failure; KV
+    over each transport in turn."""
     config = cluster_config(
         tiny_model,
         [PREFILL, DECODE],
         router={"disaggregation": "always"},
-        kv_transfer={"timeout_s": TIMEOUT_S},
+        kv_transfer={"timeout_s": TIMEOUT_S, "transport": request.param},
     )
-    handle = build_cluster(config, name="disagg", namespace="tandem-tests")
+    handle = build_cluster(config, name=f"disagg-{request.param}", namespace="tandem-tests")
+    assert ray.get(handle.describe.remote())["kv_transport"] == request.param
     yield handle
     shutdown_cluster(handle)
 

@@ -1,0 +1,565 @@
+"""The ``nixl`` KV transport: the decode worker READs the prompt's blocks straight out of the
+prefill worker's cache into its own blocks, one-sided, with NVIDIA's NIXL (UCX underneath: a
+kernel copy between processes of one node, TCP or RDMA between nodes). No buffer in between,
+no object store, no serialization.
+
+Set-up, once per cache (``register_kv_caches``): the worker makes a NIXL agent (a fresh name
+per registration), registers its whole KV pool with it (DRAM on CPU, VRAM on CUDA: the memory
+type follows the cache's device) and describes the pool (``PoolLayout``: where each layer's K
+and V of block 0 are, the block stride). ``peer_info()`` is that agent's metadata and the
+layout; the control plane gathers it from every worker when their instance registers and hands
+every worker the others' (``add_peers``), so nothing about the peer travels per request.
+
+Prefill side: a save copies nothing. ``_publish`` leases the request's blocks (as ``grpc``
+does, ``kv_transfer.leases``) and returns a ``NixlHandle``: the agent, the lease, the block
+ids, the layers, and the wall-clock time the lease expires. The blocks stay allocated until
+the lease ends::
+
+    save ─▶ lease ─┬─ a READ's notification for each of its layers ─▶ ended ─▶ blocks freed
+                   └─ expired (lease_s)                              ─▶ ended ─▶ blocks freed
+
+Decode side: ``start_load_kv`` builds, per segment of the handle that overlaps the worker's
+layers, one transfer: a descriptor per (layer, K or V, block) pair on both sides, merged where
+both are contiguous. With the block-first cache (``kv_transfer.blocks.allocate_kv_caches``) a
+block's layers are one span, so a run of adjacent blocks on both sides is one descriptor; a
+pipeline stage reads its own layer range. The READ is posted at once (no thread); each step
+polls it. When it is done, its notification tells the source which layers were read, and
+the request's blocks are reported received; an error, or the deadline, reports it failed and
+the scheduler's ``failure_policy`` applies (recompute or fail).
+
+One-sided reads need one rule the pull transports do not: the source cannot see a read in
+progress, so it frees on its own clock. A read therefore starts only while the lease has
+``safety_margin_s`` left, and is cancelled when that margin is reached (the decode side then
+recomputes); the handle carries the lease's expiry as wall-clock time, so the two workers'
+clocks must agree within the margin (NTP does far better). A dead source fails the read (the
+kernel copy or the connection fails) or lets it run into its deadline: no hang either way.
+
+Progress: UCX carries a READ as messages the source must answer (on one node, too: the data
+moves by a kernel copy, the request does not), so the source's agent needs a progress thread:
+a request would otherwise wait for the prefill worker's next step, or forever when it idles.
+NIXL's default thread busy-polls a core even when idle (``pthrDelay = 0``); ours waits on
+UCX's events, at most ``progress_wait_us`` at a time: it answers a read within microseconds
+and costs nothing measurable when idle (``_make_agent``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+import logging
+import os
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+
+from kv_transfer.base import WorkerConnector, _Load
+from kv_transfer.blocks import KVPayload
+from kv_transfer.leases import LeaseTable
+
+if TYPE_CHECKING:
+    import torch
+
+    from kv_transfer.connector import KVConnectorMetadata, KVSegment, LoadSpec
+
+logger = logging.getLogger(__name__)
+
+# The PyPI wheels: ``nixl-cu12`` imports as ``nixl_cu12``; other builds as ``nixl``.
+_MODULES = ("nixl_cu12", "nixl")
+MISSING = (
+    "the nixl KV transport needs NVIDIA NIXL: install the extra, "
+    "`pip install 'tandem-serve[nixl]'` (the nixl-cu12 wheel; install torch first)"
+)
+
+
+def nixl_available() -> bool:
+    """Whether a NIXL package is installed (without importing it)."""
+    return any(importlib.util.find_spec(name) is not None for name in _MODULES)
+
+
+def _nixl_api() -> Any:
+    for name in _MODULES:
+        try:
+            return importlib.import_module(f"{name}._api")
+        except ImportError:
+            continue
+    raise ImportError(MISSING)
+
+
+_AGENT_LOCK = threading.Lock()
+
+
+def _make_agent(api: Any, name: str, backends: list[str], progress_wait_us: int) -> Any:
+    """A NIXL agent with a progress thread that sleeps on UCX events between bursts of work,
+    at most ``progress_wait_us`` at a time. ``nixl_agent`` hard-codes the thread's delay to 0
+    (a busy loop); the binding's config class is swapped, for the construction only, for one
+    that keeps ours."""
+    base = api.nixlBind.nixlAgentConfig
+
+    class _Config(base):  # type: ignore[misc, valid-type]
+        def __setattr__(self, key: str, value: Any) -> None:
+            super().__setattr__(key, progress_wait_us if key == "pthrDelay" else value)
+
+    config = api.nixl_agent_config(
+        enable_prog_thread=True, enable_listen_thread=False, backends=backends
+    )
+    with _AGENT_LOCK:
+        api.nixlBind.nixlAgentConfig = _Config
+        try:
+            return api.nixl_agent(name, config)
+        finally:
+            api.nixlBind.nixlAgentConfig = base
+
+
+@dataclass(frozen=True)
+class PoolLayout:
+    """Where a worker's blocks are, for a peer to read them: per held layer, the address of
+    block 0's K and of its V; the bytes from one block to the next; one block's K (or V)
+    of one layer (``slab``). Plus what both sides must agree on (dtype, block shape)."""
+
+    first_layer: int
+    bases: tuple[tuple[int, int], ...]
+    block_stride: int
+    slab: int
+    num_blocks: int
+    dtype: str
+    block_shape: tuple[int, ...]
+    mem_type: str  # "DRAM" or "VRAM"
+    device_id: int
+
+    @property
+    def layers(self) -> range:
+        return range(self.first_layer, self.first_layer + len(self.bases))
+
+    @classmethod
+    def of(cls, kv_caches: list[torch.Tensor], layers: range) -> PoolLayout:
+        first = kv_caches[0]
+        strides = {(c.stride(), c.dtype, tuple(c.shape)) for c in kv_caches}
+        if len(strides) != 1:
+            raise ValueError("every layer's cache must have the same shape, dtype and strides")
+        elem = first.element_size()
+        block_shape = tuple(first.shape[2:])
+        slab = int(np.prod(block_shape)) * elem
+        if not first[0, 0].is_contiguous():
+            raise ValueError("each block of a layer's K (and V) must be contiguous")
+        cuda = first.device.type == "cuda"
+        return cls(
+            first_layer=layers.start,
+            bases=tuple((c[0].data_ptr(), c[1].data_ptr()) for c in kv_caches),
+            block_stride=first.stride(1) * elem,
+            slab=slab,
+            num_blocks=first.shape[1],
+            dtype=str(first.dtype),
+            block_shape=block_shape,
+            mem_type="VRAM" if cuda else "DRAM",
+            device_id=(first.device.index or 0) if cuda else 0,
+        )
+
+    def addresses(self, block_ids: np.ndarray, layers: range) -> np.ndarray:
+        """The address of every (layer, K or V, block) slab, layer-major, for model
+        ``layers`` (within this pool's)."""
+        lo = layers.start - self.first_layer
+        bases = np.array(self.bases[lo : lo + len(layers)], dtype=np.uint64).reshape(-1, 1)
+        offsets = block_ids.astype(np.uint64) * np.uint64(self.block_stride)
+        addresses: np.ndarray = (bases + offsets.reshape(1, -1)).reshape(-1)
+        return addresses
+
+    def check_compatible(self, other: PoolLayout) -> None:
+        if (self.dtype, self.block_shape) != (other.dtype, other.block_shape):
+            raise ValueError(
+                f"KV layouts differ: {self.dtype} blocks of {self.block_shape} here, "
+                f"{other.dtype} blocks of {other.block_shape} at the source"
+            )
+
+
+@dataclass(frozen=True)
+class NixlPeer:
+    """What a worker publishes once per cache: its agent's name and metadata, its layout."""
+
+    agent: str
+    metadata: bytes
+    layout: PoolLayout
+
+
+@dataclass(frozen=True)
+class NixlHandle:
+    """A ``KVSegment.handle`` of this transport: a lease on the source worker's blocks.
+    Small and picklable; it travels in ``kv_transfer_params``."""
+
+    agent: str
+    lease_id: str
+    first_layer: int  # the model layers [first_layer, last_layer) the lease covers
+    last_layer: int
+    block_ids: tuple[int, ...]
+    expires_at: float  # time.time() after which the source may reuse the blocks
+
+
+def merge_descriptors(
+    src: np.ndarray, dst: np.ndarray, length: int, src_dev: int = 0, dst_dev: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
+    """Pair up equal-size slabs (``src[i]`` -> ``dst[i]``, ``length`` bytes each) and merge
+    every run that is contiguous on both sides into one descriptor. Returns the two NIXL
+    descriptor lists (N x 3: address, bytes, device), in the same order."""
+    order = np.argsort(src, kind="stable")
+    s, d = src[order], dst[order]
+    step = np.uint64(length)
+    breaks = np.flatnonzero((s[1:] != s[:-1] + step) | (d[1:] != d[:-1] + step)) + 1
+    starts = np.concatenate(([0], breaks))
+    sizes = np.diff(np.append(starts, len(s))).astype(np.uint64) * step
+    local = np.stack([d[starts], sizes, np.full(len(starts), dst_dev, np.uint64)], axis=1)
+    remote = np.stack([s[starts], sizes, np.full(len(starts), src_dev, np.uint64)], axis=1)
+    return local, remote
+
+
+@dataclass
+class _Read:
+    load: _Load
+    xfers: list[Any]  # NIXL transfer handles still running
+    num_bytes: int
+    num_descriptors: int
+    aborting: bool = False
+
+
+class NixlWorkerConnector(WorkerConnector):
+    """Serves this worker's blocks to one-sided READs and reads other workers' into its own.
+
+    ``lease_s``: how long saved blocks wait for their read. ``safety_margin_s``: a read must
+    end this long before the source's lease does (see the module's notes). ``backends``:
+    NIXL backends (UCX). ``progress_wait_us``: the longest sleep of the progress thread
+    between UCX events (it wakes on events; this only bounds an idle wait). ``ucx_tls``: the
+    UCX transports to allow (``UCX_TLS``; this worker process's environment), e.g. ``tcp``.
+    """
+
+    transport: ClassVar[str] = "nixl"
+    supports_cross_node: ClassVar[bool] = True
+    supports_layer_ranges: ClassVar[bool] = True
+    serves_in_place: ClassVar[bool] = True
+
+    def __init__(
+        self,
+        *,
+        lease_s: float = 10.0,
+        safety_margin_s: float = 1.0,
+        backends: tuple[str, ...] | list[str] = ("UCX",),
+        progress_wait_us: int = 100_000,
+        ucx_tls: str | None = None,
+        max_parallel_loads: int = 4,
+    ) -> None:
+        super().__init__(max_parallel_loads)
+        if lease_s <= safety_margin_s or safety_margin_s < 0:
+            raise ValueError("lease_s must be > safety_margin_s >= 0")
+        self._api = _nixl_api()
+        self.lease_s = lease_s
+        self.safety_margin_s = safety_margin_s
+        self.backends = list(backends)
+        self.progress_wait_us = progress_wait_us
+        self.ucx_tls = ucx_tls
+        self.leases = LeaseTable()
+        self.agent: Any = None
+        self.layout: PoolLayout | None = None
+        self._registered: list[Any] = []
+        self._peers: dict[str, PoolLayout] = {}  # agent name -> its pool
+        self._reads: dict[str, _Read] = {}
+        # Loads not posted yet: (when to post, the load). Only ``load_delay_s`` (fault
+        # injection in tests) keeps one here past the step that brought it.
+        self._delayed: dict[str, tuple[float, _Load]] = {}
+        self._zombies: list[Any] = []  # cancelled transfers NIXL could not release yet
+        self.num_descriptors = 0  # descriptors of the reads so far (merging at work)
+
+    # -- set-up ----------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: list[torch.Tensor], layers: range) -> None:
+        """Register the pool with a new agent (its old name, and every lease, end: the blocks
+        they named are gone). Peers learn the new name through ``peer_info``."""
+        self.leases.end_all()
+        self._drop_reads()
+        super().register_kv_caches(kv_caches, layers)
+        self._close_agent()
+        layout = PoolLayout.of(kv_caches, layers)
+        if self.ucx_tls is not None:  # read by UCX when the agent makes its backend
+            os.environ["UCX_TLS"] = self.ucx_tls
+        name = f"tandem-kv-{uuid.uuid4().hex[:16]}"
+        agent = _make_agent(self._api, name, self.backends, self.progress_wait_us)
+        if not agent.backends:
+            raise RuntimeError(f"NIXL has none of the backends {self.backends} here")
+        regions: dict[int, Any] = {}
+        for cache in kv_caches:
+            storage = cache.untyped_storage()
+            regions[storage.data_ptr()] = storage.nbytes()
+        descs = [(addr, size, layout.device_id, "") for addr, size in regions.items()]
+        self._registered = [agent.register_memory(descs, layout.mem_type)]
+        self.agent, self.layout = agent, layout
+        logger.info(
+            "NIXL agent %s: %d MiB of %s registered (%d region(s))",
+            agent.name,
+            sum(regions.values()) >> 20,
+            layout.mem_type,
+            len(regions),
+        )
+
+    def peer_info(self) -> NixlPeer:
+        if self.agent is None or self.layout is None:
+            raise RuntimeError("register_kv_caches first")
+        return NixlPeer(self.agent.name, bytes(self.agent.get_agent_metadata()), self.layout)
+
+    def add_peers(self, peers: list[Any]) -> None:
+        """Learn other workers' agents (idempotent; this worker's own is skipped)."""
+        if self.agent is None:
+            raise RuntimeError("register_kv_caches first")
+        for peer in peers:
+            if not isinstance(peer, NixlPeer) or peer.agent == self.agent.name:
+                continue
+            if peer.agent not in self._peers:
+                self.agent.add_remote_agent(peer.metadata)
+                self._peers[peer.agent] = peer.layout
+
+    def probe(self, peer: NixlPeer, timeout_s: float = 5.0) -> None:
+        """Read one slab of ``peer``'s block 0 into this worker's block 0 (before serving:
+        it overwrites that slab); raise if NIXL cannot reach the peer."""
+        if self.agent is None or self.layout is None:
+            raise RuntimeError("register_kv_caches first")
+        self.add_peers([peer])
+        mine, theirs = self.layout, peer.layout
+        mine.check_compatible(theirs)
+        local = np.array([[mine.bases[0][0], mine.slab, mine.device_id]], dtype=np.uint64)
+        remote = np.array([[theirs.bases[0][0], mine.slab, theirs.device_id]], dtype=np.uint64)
+        xfer = self.agent.initialize_xfer(
+            "READ",
+            self.agent.get_xfer_descs(local, mine.mem_type),
+            self.agent.get_xfer_descs(remote, theirs.mem_type),
+            peer.agent,
+            b"probe",
+        )
+        deadline = time.monotonic() + timeout_s
+        state = self.agent.transfer(xfer)
+        while state == "PROC" and time.monotonic() < deadline:
+            time.sleep(0.001)
+            state = self.agent.check_xfer_state(xfer)
+        self._release(xfer)
+        if state != "DONE":
+            why = "timed out" if state == "PROC" else state
+            raise ConnectionError(f"NIXL could not read from {peer.agent} ({why})")
+
+    def close(self) -> None:
+        self._drop_reads()
+        self.leases.end_all()
+        self._close_agent()
+        super().close()
+
+    def _close_agent(self) -> None:
+        agent, self.agent = self.agent, None
+        if agent is None:
+            return
+        for name in list(self._peers):
+            with contextlib.suppress(Exception):  # already gone: nothing to undo
+                agent.remove_remote_agent(name)
+        self._peers.clear()
+        for reg in self._registered:
+            try:
+                agent.deregister_memory(reg)
+            except Exception as exc:
+                logger.warning("NIXL deregister failed: %s", exc)
+        self._registered = []
+
+    # -- prefill side ----------------------------------------------------------------------
+    def _publish(self, req_id: str, block_ids: list[int]) -> tuple[Any, int]:
+        if self.agent is None or self.layout is None:
+            raise RuntimeError("register_kv_caches first: no NIXL agent")
+        expires_at = time.time() + self.lease_s
+        lease_id = self.leases.add(req_id, block_ids, self.layers, self.lease_s)
+        handle = NixlHandle(
+            self.agent.name,
+            lease_id,
+            self.layers.start,
+            self.layers.stop,
+            tuple(block_ids),
+            expires_at,
+        )
+        return handle, 2 * self.layout.slab * len(self.layers) * len(block_ids)
+
+    def _finished_sending(self) -> set[str]:
+        if self.agent is not None:
+            for messages in self.agent.get_new_notifs().values():
+                for message in messages:
+                    self._read_done(message)
+        return self.leases.take_ended()
+
+    def _read_done(self, message: bytes) -> None:
+        """A reader's notification, ``lease_id:first:last``: those layers were read."""
+        try:
+            lease_id, first, last = message.decode().split(":")
+            layers = range(int(first), int(last))
+            self.leases.pin(lease_id, layers)
+        except (KeyError, ValueError, UnicodeDecodeError):
+            return  # an expired lease, or not one of ours
+        self.leases.unpin(lease_id, layers, complete=True)
+
+    # -- decode side -----------------------------------------------------------------------
+    def start_load_kv(self, metadata: KVConnectorMetadata | None, idle: bool = False) -> None:
+        """Post this step's READs; end the ones that finished (or ran out of time). ``idle``:
+        nothing is computed this step, so wait a little (polling, with sleeps) for a read."""
+        now, wall = time.monotonic(), time.time()
+        for spec in metadata.loads if metadata else ():
+            load = _Load(spec, None, now, now + spec.timeout_s, wall)
+            self._delayed[spec.req_id] = (now + self.load_delay_s, load)
+        for req_id, (post_at, load) in list(self._delayed.items()):
+            if now >= load.deadline:
+                del self._delayed[req_id]
+                self._end_load(load, 0, f"timed out after {now - load.started:.1f}s")
+            elif now >= post_at:
+                del self._delayed[req_id]
+                try:
+                    self._reads[req_id] = self._start_read(load, wall)
+                except Exception as exc:
+                    self._end_load(load, 0, f"{type(exc).__name__}: {exc}")
+        self._poll_reads()
+        if idle and self._reads and not self._delayed:
+            until = min(time.monotonic() + 0.05, min(r.load.deadline for r in self._reads.values()))
+            before = len(self._reads)
+            while self._reads and len(self._reads) == before and time.monotonic() < until:
+                time.sleep(0.0005)
+                self._poll_reads()
+        elif idle and self._delayed:
+            time.sleep(0.005)
+
+    def _start_read(self, load: _Load, wall: float) -> _Read:
+        if self.agent is None or self.layout is None:
+            raise RuntimeError("register_kv_caches first: no NIXL agent")
+        spec, mine = load.spec, self.layout
+        xfers: list[Any] = []
+        num_bytes = num_descriptors = 0
+        covered = 0
+        try:
+            for segment in spec.handle:
+                lo = max(segment.first_layer, self.layers.start)
+                hi = min(segment.last_layer, self.layers.stop)
+                if lo >= hi:
+                    continue  # another stage's layers
+                handle = self._check_handle(segment, spec, wall)
+                # The read must end before the lease does (minus the margin).
+                load.deadline = min(
+                    load.deadline, load.started + handle.expires_at - self.safety_margin_s - wall
+                )
+                source = self._peers[handle.agent]
+                first = spec.first_block
+                src_ids = np.array(handle.block_ids[first : first + len(spec.block_ids)])
+                dst_ids = np.array(spec.block_ids)
+                layers = range(lo, hi)
+                local, remote = merge_descriptors(
+                    source.addresses(src_ids, layers),
+                    mine.addresses(dst_ids, layers),
+                    mine.slab,
+                    source.device_id,
+                    mine.device_id,
+                )
+                xfer = self.agent.initialize_xfer(
+                    "READ",
+                    self.agent.get_xfer_descs(local, mine.mem_type),
+                    self.agent.get_xfer_descs(remote, source.mem_type),
+                    handle.agent,
+                    f"{handle.lease_id}:{lo}:{hi}".encode(),
+                )
+                xfers.append(xfer)
+                if self.agent.transfer(xfer) == "ERR":
+                    raise ConnectionError(f"the READ from {handle.agent} failed to start")
+                num_bytes += 2 * mine.slab * len(layers) * len(dst_ids)
+                num_descriptors += len(local)
+                covered += hi - lo
+            if covered != len(self.layers):
+                raise ValueError(
+                    f"the saved KV covers {covered} of this worker's {len(self.layers)} layers "
+                    f"({[s.layers for s in spec.handle]} vs {self.layers})"
+                )
+        except BaseException:
+            for xfer in xfers:
+                self._release(xfer)
+            raise
+        self.num_descriptors += num_descriptors
+        return _Read(load, xfers, num_bytes, num_descriptors)
+
+    def _check_handle(self, segment: KVSegment, spec: LoadSpec, wall: float) -> NixlHandle:
+        handle = segment.handle
+        if not isinstance(handle, NixlHandle):
+            raise TypeError(f"the nixl transport cannot read a {type(handle).__name__}")
+        source = self._peers.get(handle.agent)
+        if source is None:
+            raise ConnectionError(f"unknown KV source {handle.agent} (not registered, or gone)")
+        assert self.layout is not None
+        self.layout.check_compatible(source)
+        if len(handle.block_ids) < spec.first_block + len(spec.block_ids):
+            raise ValueError(
+                f"the source holds {len(handle.block_ids)} blocks, blocks "
+                f"[{spec.first_block}, {spec.first_block + len(spec.block_ids)}) were asked for"
+            )
+        if wall >= handle.expires_at - self.safety_margin_s:
+            raise TimeoutError("the source's lease has expired (or is about to)")
+        return handle
+
+    def _poll_reads(self) -> None:
+        if self.agent is None:
+            return
+        if self._zombies:  # cancelled transfers that were still running: release them now
+            zombies, self._zombies = self._zombies, []
+            for xfer in zombies:
+                self._release(xfer)
+        now = time.monotonic()
+        for req_id, read in list(self._reads.items()):
+            states = [self.agent.check_xfer_state(x) for x in read.xfers]
+            if read.aborting:
+                if "PROC" not in states or now >= read.load.deadline + 30.0:
+                    del self._reads[req_id]
+                    for xfer in read.xfers:
+                        self._release(xfer)
+                    self._end_load(read.load, 0, "timed out (the read was cancelled)")
+                continue
+            if all(state == "DONE" for state in states):
+                del self._reads[req_id]
+                for xfer in read.xfers:
+                    self._release(xfer)
+                seconds = now - read.load.started
+                self._end_load(read.load, read.num_bytes, None, seconds)
+            elif "ERR" in states:
+                del self._reads[req_id]
+                for xfer in read.xfers:
+                    self._release(xfer)
+                self._end_load(read.load, 0, "the READ failed (is the source gone?)")
+            elif now >= read.load.deadline:
+                self._abort(req_id, read)
+
+    def _abort(self, req_id: str, read: _Read) -> None:
+        """Cancel a read past its deadline. Its blocks are reported failed only once NIXL
+        has stopped writing into them (release succeeded, or the transfer left PROC)."""
+        still: list[Any] = []
+        for xfer in read.xfers:
+            try:
+                xfer.release()
+            except Exception:  # in flight, the cancel started: poll until it stops
+                still.append(xfer)
+        if not still:
+            del self._reads[req_id]
+            self._end_load(read.load, 0, "timed out")
+            return
+        read.xfers, read.aborting = still, True
+
+    def _release(self, xfer: Any) -> None:
+        try:
+            xfer.release()
+        except Exception:
+            self._zombies.append(xfer)
+
+    def _drop_reads(self) -> None:
+        """Forget every read (the cache goes: nobody waits for these requests any more)."""
+        reads, self._reads = self._reads, {}
+        self._delayed.clear()
+        for read in reads.values():
+            for xfer in read.xfers:
+                self._release(xfer)
+
+    def num_loading(self) -> int:
+        return len(self._reads) + len(self._delayed)
+
+    def _fetch(self, handle: Any, layers: range, timeout_s: float) -> KVPayload:
+        raise NotImplementedError("the nixl transport reads into the blocks in place")

@@ -1,0 +1,213 @@
+"""The NIXL KV transport end to end: a prefill instance split into two pipeline stages hands
+off to a decode instance with one (each decode read takes the layers of both prefill stages'
+leases), prefill and decode workers on different Ray nodes; tokens equal to a colocated run
+with no prompt token recomputed; the readers' notifications free the prefill blocks at once;
+a lease nobody reads in time expires (the decode side recomputes); a prefill worker killed
+before the read (recompute, nothing leaked); UCX forced onto TCP (no kernel copy) still
+correct. A real ``ray.cluster_utils.Cluster`` (tests/cluster/conftest). Skipped without the
+``nixl`` extra."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kv_transfer.nixl_transport import MISSING, nixl_available
+from tests.cluster.conftest import RayCluster, assert_clean, wait_until
+from tests.cluster.control.helpers import (
+    DECODE,
+    PREFILL,
+    cluster_config,
+    generate_colocated,
+    generate_in_process,
+    token_ids,
+)
+
+ray = pytest.importorskip("ray")
+pytestmark = pytest.mark.skipif(not nixl_available(), reason=MISSING)
+
+from cluster.control.client import ClusterClient  # noqa: E402
+from cluster.control.launch import build_cluster, shutdown_cluster  # noqa: E402
+from scheduler import SamplingParams  # noqa: E402
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
+TIMEOUT_S = 1.0  # the transfer deadline
+LEASE_S = 4.0  # how long the prefill side holds blocks for a read
+
+
+def _prompts(count: int, seed: int = 0) -> list[list[int]]:
+    """Mixed lengths (5 to 45 tokens), no shared prefixes, no EOS (token 2) inside."""
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 256) for _ in range(5 + (i * 13) % 41)] for i in range(count)]
+
+
+def _instances(handle: Any) -> dict[str, Any]:
+    instances: dict[str, Any] = ray.get(handle.stats.remote())["instances"]
+    return instances
+
+
+@pytest.fixture(scope="module")
+def nixl_pp(ray_cluster: RayCluster, tiny_model: Path) -> Iterator[Any]:
+    """A prefill instance of two pipeline stages, a decode instance of one, KV over NIXL."""
+    config = cluster_config(
+        tiny_model,
+        [{**PREFILL, "pp_size": 2}, DECODE],
+        router={"disaggregation": "always"},
+        kv_transfer={"transport": "nixl", "timeout_s": TIMEOUT_S, "lease_s": LEASE_S},
+    )
+    handle = build_cluster(config, name="nixl-pp", namespace="tandem-tests")
+    yield handle
+    shutdown_cluster(handle)
+
+
+@pytest.fixture(autouse=True)
+def _no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
+    yield
+    if "nixl_pp" in request.fixturenames:
+        handle = request.getfixturevalue("nixl_pp")
+        ray.get(handle.set_fault_injection.remote("d-0", 0.0, 0.0))
+        assert_clean(handle)
+
+
+def test_pipeline_prefill_to_plain_decode_equals_colocated(
+    nixl_pp: Any, ray_cluster: RayCluster, tiny_model: Path
+) -> None:
+    described = ray.get(nixl_pp.describe.remote())
+    assert described["kv_transport"] == "nixl"
+    health = ray.get(nixl_pp.worker_health.remote())
+    assert health["p-0"]["node_id"] == ray_cluster.prefill_node_id
+    assert health["d-0"]["node_id"] == ray_cluster.decode_node_id
+    prompts = _prompts(8)
+    before = _instances(nixl_pp)
+    disaggregated = token_ids(ClusterClient(nixl_pp).generate(prompts, GREEDY))
+    after = _instances(nixl_pp)
+    # Each lease ended with the read's notification: the prefill blocks are free well before
+    # a lease made during the run could have expired.
+    wait_until(
+        lambda: _instances(nixl_pp)["p-0"]["num_requests"] == 0,
+        timeout_s=LEASE_S / 2,
+        what="the prefill instance to free the blocks that were read",
+    )
+
+    colocated = generate_colocated(tiny_model, prompts, GREEDY, "nixl-colocated")
+
+    assert disaggregated == colocated
+    handed_off = [t for t in disaggregated if len(t) > 1]  # EOS first: nothing to decode
+    assert len(handed_off) >= 6
+    # The KV came by NIXL reads: the decode instance computed no prompt token, every load
+    # carried bytes, the object store stayed empty (assert_clean).
+    d_before, d_after = before["d-0"], after["d-0"]
+    computed = d_after["num_prompt_tokens_computed"] - d_before["num_prompt_tokens_computed"]
+    assert computed == 0
+    assert d_after["num_kv_loads_started"] - d_before["num_kv_loads_started"] == len(handed_off)
+    history = ray.get(nixl_pp.transfer_history.remote())["d-0"]
+    assert len(history) == len(handed_off)  # one read of both prefill stages' layers each
+    assert all(r.ok and r.num_bytes > 0 for r in history)
+
+
+def test_an_unread_lease_expires_and_frees_the_prefill_blocks(
+    nixl_pp: Any, tiny_model: Path
+) -> None:
+    prompt = _prompts(1, seed=4)[0] + [7] * 20
+    (expected,) = generate_in_process(tiny_model, [prompt], GREEDY)
+    before = _instances(nixl_pp)
+    # The decode side would read only after its deadline: the load times out, the prompt is
+    # recomputed, and no read is ever posted.
+    ray.get(nixl_pp.set_fault_injection.remote("d-0", LEASE_S + 1.0, 0.0))
+    started = time.monotonic()
+    got = token_ids(ClusterClient(nixl_pp).generate([prompt], GREEDY))[0]
+    assert got == expected
+    stats = _instances(nixl_pp)
+    d_before, d_after = before["d-0"], stats["d-0"]
+    computed = d_after["num_prompt_tokens_computed"] - d_before["num_prompt_tokens_computed"]
+    assert computed == len(prompt)
+    # The prefill instance still holds the request's blocks under the lease ...
+    assert time.monotonic() - started < LEASE_S
+    assert stats["p-0"]["num_requests"] == 1
+    assert stats["p-0"]["num_free_blocks"] < stats["p-0"]["num_blocks"]
+    # ... until it expires; then every block of every instance is free (the leak check).
+    wait_until(
+        lambda: _instances(nixl_pp)["p-0"]["num_requests"] == 0,
+        timeout_s=LEASE_S + 5.0,
+        what="the lease to expire",
+    )
+    history = ray.get(nixl_pp.transfer_history.remote())["d-0"]
+    assert not history[-1].ok and history[-1].num_bytes == 0
+
+
+def test_a_prefill_worker_killed_before_the_read_is_recomputed(
+    ray_cluster: RayCluster, tiny_model: Path
+) -> None:
+    """The source dies with the request's blocks leased: the decode side's read fails (or
+    runs into its deadline), it recomputes, and nothing is left behind."""
+    config = cluster_config(
+        tiny_model,
+        [{**PREFILL, "max_restarts": 0}, DECODE],
+        router={"disaggregation": "always"},
+        kv_transfer={"transport": "nixl", "timeout_s": 2.0, "lease_s": LEASE_S},
+    )
+    handle = build_cluster(config, name="nixl-kill", namespace="tandem-tests")
+    try:
+        prompt = _prompts(1, seed=9)[0] + [5] * 16
+        (expected,) = generate_in_process(tiny_model, [prompt], GREEDY)
+        ray.get(handle.set_fault_injection.remote("d-0", 0.5, 0.0))  # reads start late
+        client = ClusterClient(handle)
+        pid = ray.get(handle.worker_health.remote())["p-0"]["pid"]
+
+        async def run() -> list[int]:
+            tokens: list[int] = []
+            async for out in client.generate_async(prompt, GREEDY):
+                if not tokens:  # the prefill instance's token: its blocks are leased now
+                    os.kill(pid, signal.SIGKILL)
+                tokens += out.outputs[0].new_token_ids
+            return tokens
+
+        got = asyncio.run(run())
+        assert got == expected
+        stats = _instances(handle)
+        assert stats["d-0"]["num_prompt_tokens_computed"] >= len(prompt)  # recomputed
+        history = ray.get(handle.transfer_history.remote())["d-0"]
+        assert not history[-1].ok
+        ray.get(handle.set_fault_injection.remote("d-0", 0.0, 0.0))
+        wait_until(
+            lambda: _instances(handle)["d-0"]["num_requests"] == 0,
+            timeout_s=10.0,
+            what="the decode instance to finish",
+        )
+        d = _instances(handle)["d-0"]
+        assert d["num_free_blocks"] == d["num_blocks"] and d["connector_pending"] == 0
+    finally:
+        shutdown_cluster(handle)
+
+
+def test_ucx_over_tcp_only_is_still_correct(ray_cluster: RayCluster, tiny_model: Path) -> None:
+    """Where a same-node kernel copy is not permitted (no ptrace rights in a pod), UCX carries
+    the reads over TCP: slower, the same tokens."""
+    config = cluster_config(
+        tiny_model,
+        [PREFILL, DECODE],
+        router={"disaggregation": "always"},
+        kv_transfer={"transport": "nixl", "timeout_s": 5.0, "ucx_tls": "tcp"},
+    )
+    handle = build_cluster(config, name="nixl-tcp", namespace="tandem-tests")
+    try:
+        prompts = _prompts(4, seed=3)
+        expected = generate_in_process(tiny_model, prompts, GREEDY)
+        health = ray.get(handle.worker_health.remote())
+        for iid in ("p-0", "d-0"):
+            assert (health[iid]["kv_transport"], health[iid]["ucx_tls"]) == ("nixl", "tcp")
+        got = token_ids(ClusterClient(handle).generate(prompts, GREEDY))
+        assert got == expected
+        stats = _instances(handle)
+        assert stats["d-0"]["num_prompt_tokens_computed"] == 0  # every prompt was read
+        assert_clean(handle)
+    finally:
+        shutdown_cluster(handle)

@@ -1,0 +1,348 @@
+"""The NIXL KV transport in one process (two agents over UCX on loopback): READs land bit for
+bit straight in the destination blocks, with adjacent blocks merged into one descriptor; a
+pipeline stage reads its layer range; leases end on the readers' notifications or on expiry;
+an unknown source, an expired lease or a source that is gone fail the load (nothing written);
+idle agents use no CPU. Skipped without the ``nixl`` extra."""
+
+from __future__ import annotations
+
+import pickle
+import resource
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from kv_transfer.base import WorkerConnector
+from kv_transfer.blocks import allocate_kv_caches
+from kv_transfer.connector import KVConnectorMetadata, KVSegment, LoadSpec, SaveSpec
+from kv_transfer.nixl_transport import MISSING, nixl_available
+
+pytestmark = pytest.mark.skipif(not nixl_available(), reason=MISSING)
+
+if nixl_available():
+    from kv_transfer.nixl_transport import (
+        NixlHandle,
+        NixlWorkerConnector,
+        PoolLayout,
+        merge_descriptors,
+    )
+
+NUM_LAYERS, BLOCK, KV_HEADS, HEAD_DIM = 4, 4, 2, 8
+SRC_TABLE = [5, 6, 7, 2]  # the saved request's block table; 10 tokens fill its first three
+DST_IDS = [10, 11, 0]  # 5->10 and 6->11 are adjacent on both sides: one descriptor; 7->0 another
+
+
+def _caches(
+    num_blocks: int, dtype: torch.dtype, seed: int, layers: range = range(NUM_LAYERS)
+) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    caches = allocate_kv_caches(len(layers), num_blocks, BLOCK, KV_HEADS, HEAD_DIM, dtype)
+    for cache in caches:
+        cache.copy_(torch.randn(cache.shape, generator=gen))
+    return caches
+
+
+@pytest.fixture
+def make() -> Iterator[Callable[..., NixlWorkerConnector]]:
+    """Builds connectors holding ``layers`` of a cache; every one knows every other."""
+    made: list[NixlWorkerConnector] = []
+
+    def build(
+        num_blocks: int = 8,
+        seed: int = 0,
+        layers: range = range(NUM_LAYERS),
+        dtype: torch.dtype = torch.float32,
+        **options: Any,
+    ) -> NixlWorkerConnector:
+        connector = NixlWorkerConnector(**options)
+        connector.register_kv_caches(_caches(num_blocks, dtype, seed, layers), layers)
+        for other in made:
+            other.add_peers([connector.peer_info()])
+            connector.add_peers([other.peer_info()])
+        made.append(connector)
+        return connector
+
+    yield build
+    for connector in made:
+        connector.close()
+
+
+def _save(src: WorkerConnector, num_tokens: int = 10, req_id: str = "r") -> list[KVSegment]:
+    src.wait_for_save(
+        KVConnectorMetadata(saves=[SaveSpec(req_id, num_tokens)]), {req_id: SRC_TABLE}
+    )
+    saved: list[KVSegment] = src.report().saved[req_id]
+    return saved
+
+
+def _load(
+    dst: WorkerConnector, handle: list[KVSegment], timeout_s: float = 5.0, req_id: str = "r"
+) -> tuple[set[str] | None, set[str] | None]:
+    """Load ``handle`` into ``DST_IDS``, stepping idle until the load ends; (done, failed)."""
+    dst.start_load_kv(KVConnectorMetadata(loads=[LoadSpec(req_id, handle, DST_IDS, 0, timeout_s)]))
+    deadline = time.monotonic() + timeout_s + 5.0
+    while dst.num_loading() and time.monotonic() < deadline:
+        dst.start_load_kv(None, idle=True)
+    assert dst.num_loading() == 0, "the load never ended"
+    _, done, failed = dst.get_finished()
+    return done, failed
+
+
+def _same_blocks(dst: WorkerConnector, src: WorkerConnector, layers: range) -> bool:
+    for layer in layers:
+        got = dst.kv_caches[layer - dst.layers.start]
+        want = src.kv_caches[layer - src.layers.start]
+        for s, d in zip(SRC_TABLE[:3], DST_IDS, strict=True):
+            if not torch.equal(got[:, d].view(torch.uint8), want[:, s].view(torch.uint8)):
+                return False
+    return True
+
+
+def _snapshot(c: WorkerConnector) -> list[torch.Tensor]:
+    return [t.clone() for t in c.kv_caches]
+
+
+def _unchanged(c: WorkerConnector, before: list[torch.Tensor]) -> bool:
+    return all(torch.equal(a, b) for a, b in zip(c.kv_caches, before, strict=True))
+
+
+def _sending(c: WorkerConnector, wait_s: float = 0.0) -> set[str] | None:
+    """The source's ended leases; with ``wait_s``, poll that long for the notification."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        ended = c.get_finished()[0]
+        if ended or time.monotonic() >= deadline:
+            return ended
+        time.sleep(0.005)
+
+
+# -- the round trip --------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_read_blocks_land_bit_for_bit_and_end_the_lease(
+    make: Callable[..., NixlWorkerConnector], dtype: torch.dtype
+) -> None:
+    src, dst = make(dtype=dtype), make(num_blocks=12, seed=1, dtype=dtype)
+    handle = _save(src)
+    (segment,) = handle
+    assert segment.in_place and segment.layers == range(NUM_LAYERS)
+    lease = segment.handle
+    assert isinstance(lease, NixlHandle) and lease.agent == src.agent.name
+    assert lease.block_ids == tuple(SRC_TABLE[:3]) and pickle.loads(pickle.dumps(lease)) == lease
+    assert _sending(src) is None  # held until read
+    before = _snapshot(dst)
+
+    assert _load(dst, handle) == ({"r"}, None)
+    assert _same_blocks(dst, src, range(NUM_LAYERS))
+    others = [b for b in range(12) if b not in DST_IDS]
+    for layer, old in zip(dst.kv_caches, before, strict=True):
+        assert torch.equal(layer[:, others], old[:, others])
+    per_block = NUM_LAYERS * 2 * BLOCK * KV_HEADS * HEAD_DIM * dtype.itemsize
+    assert dst.report().bytes_loaded == 3 * per_block
+    # Block-first caches: every layer of 5,6 -> 10,11 is one span, 7 -> 0 another.
+    assert dst.num_descriptors == 2
+    # The reader's notification ends the lease: reported once, and gone.
+    assert _sending(src, wait_s=5.0) == {"r"}
+    assert _sending(src) is None and len(src.leases) == 0
+
+
+def test_layer_first_caches_work_with_more_descriptors(
+    make: Callable[..., NixlWorkerConnector],
+) -> None:
+    """Separate tensors per layer (not the workers' layout) still transfer correctly."""
+    src, dst = NixlWorkerConnector(), NixlWorkerConnector()
+    try:
+        gen = torch.Generator().manual_seed(3)
+        for c, n in ((src, 8), (dst, 12)):
+            caches = [
+                torch.randn(2, n, BLOCK, KV_HEADS, HEAD_DIM, generator=gen)
+                for _ in range(NUM_LAYERS)
+            ]
+            c.register_kv_caches(caches, range(NUM_LAYERS))
+        src.add_peers([dst.peer_info()])
+        dst.add_peers([src.peer_info()])
+        assert _load(dst, _save(src)) == ({"r"}, None)
+        assert _same_blocks(dst, src, range(NUM_LAYERS))
+        assert dst.num_descriptors == NUM_LAYERS * 2 * 2  # per layer, K and V: two runs each
+    finally:
+        src.close()
+        dst.close()
+
+
+def test_decode_stages_read_their_ranges_and_the_lease_ends_after_both(
+    make: Callable[..., NixlWorkerConnector],
+) -> None:
+    src = make()
+    low = make(num_blocks=12, seed=1, layers=range(0, 1))
+    high = make(num_blocks=12, seed=2, layers=range(1, NUM_LAYERS))
+    handle = _save(src)
+    assert _load(low, handle) == ({"r"}, None)
+    assert _same_blocks(low, src, range(0, 1))
+    time.sleep(0.05)
+    assert _sending(src) is None  # layers 1-3 not read yet: still held
+    assert _load(high, handle) == ({"r"}, None)
+    assert _same_blocks(high, src, range(1, NUM_LAYERS))
+    assert _sending(src, wait_s=5.0) == {"r"}
+    assert high.report().bytes_loaded == 3 * low.report().bytes_loaded
+
+
+def test_prefill_stages_each_lease_their_layers_for_one_decode_worker(
+    make: Callable[..., NixlWorkerConnector],
+) -> None:
+    first, second = make(layers=range(0, 3)), make(seed=5, layers=range(3, NUM_LAYERS))
+    dst = make(num_blocks=12, seed=1)
+    handle = sorted(_save(first) + _save(second), key=lambda s: s.first_layer)
+    assert [s.layers for s in handle] == [range(0, 3), range(3, NUM_LAYERS)]
+    assert _load(dst, handle) == ({"r"}, None)
+    assert _same_blocks(dst, first, range(0, 3))
+    assert _same_blocks(dst, second, range(3, NUM_LAYERS))
+    assert _sending(first, wait_s=5.0) == {"r"} and _sending(second, wait_s=5.0) == {"r"}
+
+
+def test_a_load_from_the_middle_of_the_saved_blocks(
+    make: Callable[..., NixlWorkerConnector],
+) -> None:
+    """A local prefix hit: the decode side reads only the blocks after it."""
+    src, dst = make(), make(num_blocks=12, seed=1)
+    handle = _save(src)
+    spec = LoadSpec("r", handle, [3, 4], 1, 5.0)  # saved blocks 1 and 2 (ids 6, 7)
+    dst.start_load_kv(KVConnectorMetadata(loads=[spec]))
+    while dst.num_loading():
+        dst.start_load_kv(None, idle=True)
+    assert dst.get_finished()[1] == {"r"}
+    for layer in range(NUM_LAYERS):
+        assert torch.equal(dst.kv_caches[layer][:, [3, 4]], src.kv_caches[layer][:, [6, 7]])
+
+
+# -- failures ----------------------------------------------------------------------------------
+def test_an_unknown_source_fails_the_load_and_writes_nothing(
+    make: Callable[..., NixlWorkerConnector], caplog: pytest.LogCaptureFixture
+) -> None:
+    dst = make(num_blocks=12, seed=1)
+    stranger = NixlHandle("tandem-kv-nobody", "x", 0, NUM_LAYERS, tuple(SRC_TABLE[:3]), 1e12)
+    before = _snapshot(dst)
+    assert _load(dst, [KVSegment(0, NUM_LAYERS, stranger, True)]) == (None, {"r"})
+    assert _unchanged(dst, before)
+    assert "unknown KV source tandem-kv-nobody" in caplog.text
+    assert not dst.history[-1].ok and dst.history[-1].num_bytes == 0
+
+
+def test_an_expired_lease_is_reported_and_no_read_starts(
+    make: Callable[..., NixlWorkerConnector],
+) -> None:
+    src = make(lease_s=0.3, safety_margin_s=0.1)
+    dst = make(num_blocks=12, seed=1, lease_s=0.3, safety_margin_s=0.1)
+    handle = _save(src)
+    assert _sending(src) is None
+    time.sleep(0.35)
+    assert _sending(src) == {"r"}  # expired: the prefill side may free the blocks
+    assert len(src.leases) == 0
+    before = _snapshot(dst)
+    assert _load(dst, handle) == (None, {"r"})
+    assert _unchanged(dst, before)  # the decode side did not read blocks that may be reused
+
+
+def test_no_read_starts_within_the_margin_of_the_lease(
+    make: Callable[..., NixlWorkerConnector], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The source frees on its own clock (it cannot see a one-sided read): a read that could
+    outlast the lease, less the margin, does not start."""
+    src, dst = make(), make(num_blocks=12, seed=1)  # dst: the default margin of 1 s
+    (segment,) = _save(src)
+    lease = segment.handle
+    late = NixlHandle(
+        lease.agent, lease.lease_id, 0, NUM_LAYERS, lease.block_ids, time.time() + 0.5
+    )
+    before = _snapshot(dst)
+    assert _load(dst, [KVSegment(0, NUM_LAYERS, late, True)]) == (None, {"r"})
+    assert _unchanged(dst, before)
+    assert "lease has expired" in caplog.text
+
+
+def test_a_source_that_is_gone_fails_the_load(make: Callable[..., NixlWorkerConnector]) -> None:
+    src, dst = make(), make(num_blocks=12, seed=1)
+    assert _load(dst, _save(src, req_id="warm"), req_id="warm") == ({"warm"}, None)
+    handle = _save(src)
+    src.close()  # its memory deregistered, its agent gone
+    before = _snapshot(dst)
+    start = time.monotonic()
+    assert _load(dst, handle, timeout_s=3.0) == (None, {"r"})
+    assert time.monotonic() - start < 4.0
+    assert _unchanged(dst, before)
+
+
+def test_layouts_that_differ_are_refused(make: Callable[..., NixlWorkerConnector]) -> None:
+    src, dst = make(dtype=torch.bfloat16), make(num_blocks=12, seed=1)
+    before = _snapshot(dst)
+    assert _load(dst, _save(src)) == (None, {"r"})
+    assert _unchanged(dst, before)
+
+
+def test_new_caches_end_every_lease_and_change_the_agent(
+    make: Callable[..., NixlWorkerConnector],
+) -> None:
+    src = make()
+    old = src.agent.name
+    _save(src)
+    src.register_kv_caches(_caches(8, torch.float32, 3), range(NUM_LAYERS))
+    assert _sending(src) == {"r"} and len(src.leases) == 0
+    assert src.agent.name != old  # peers holding the old name cannot read the new blocks
+
+
+def test_probe_reads_a_peer(make: Callable[..., NixlWorkerConnector]) -> None:
+    src, dst = make(), make(num_blocks=12, seed=1)
+    dst.probe(src.peer_info())
+    assert torch.equal(dst.kv_caches[0][0, 0], src.kv_caches[0][0, 0])
+
+
+# -- descriptors -------------------------------------------------------------------------------
+def test_merge_descriptors_joins_runs_contiguous_on_both_sides() -> None:
+    slab = 100
+    src = np.array([1000, 1100, 1200, 5000, 700, 600], dtype=np.uint64)
+    dst = np.array([0, 100, 900, 1000, 2000, 1900], dtype=np.uint64)
+    local, remote = merge_descriptors(src, dst, slab)
+    columns = (remote[:, 0].tolist(), local[:, 0].tolist(), local[:, 1].tolist())
+    pairs = sorted(zip(*columns, strict=True))
+    # 600->1900, 700->2000: both count up: one; 1000->0, 1100->100: one; 1200->900 breaks
+    # the destination; 5000 stands alone.
+    assert pairs == [(600, 1900, 200), (1000, 0, 200), (1200, 900, 100), (5000, 1000, 100)]
+    assert (local[:, 1] == remote[:, 1]).all()
+
+
+def test_the_layout_reads_the_block_first_strides() -> None:
+    caches = allocate_kv_caches(3, 5, BLOCK, KV_HEADS, HEAD_DIM, torch.float32)
+    layout = PoolLayout.of(caches, range(2, 5))
+    slab = BLOCK * KV_HEADS * HEAD_DIM * 4
+    assert layout.slab == slab and layout.block_stride == 3 * 2 * slab
+    base = caches[0].data_ptr()
+    assert layout.bases[1] == (base + 2 * slab, base + 3 * slab)
+    addrs = layout.addresses(np.array([4]), range(3, 5))
+    assert addrs.tolist() == [base + 4 * 6 * slab + k * slab for k in (2, 3, 4, 5)]
+
+
+# -- no busy-spinning --------------------------------------------------------------------------
+def test_idle_agents_use_no_cpu(make: Callable[..., NixlWorkerConnector]) -> None:
+    src, dst = make(), make(num_blocks=12, seed=1)
+    assert _load(dst, _save(src)) == ({"r"}, None)  # connected and used once
+    before = resource.getrusage(resource.RUSAGE_SELF)
+    time.sleep(1.0)
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    busy = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    assert busy < 0.2, f"{busy:.2f} s of CPU in 1 s idle: a thread is spinning"
+
+
+def test_the_config_builds_it_and_a_missing_extra_names_it() -> None:
+    from cluster.config import KVTransferConfig
+    from kv_transfer.registry import create_worker_connector
+
+    options = KVTransferConfig(transport="nixl", timeout_s=2.0).connector_options()
+    connector = create_worker_connector("nixl", **options)
+    try:
+        assert isinstance(connector, NixlWorkerConnector)
+        assert connector.lease_s == 3.0 and connector.serves_in_place
+    finally:
+        connector.close()
+    assert "tandem-serve[nixl]" in MISSING
