@@ -92,13 +92,17 @@ class ModelWorker:
         progress: bool = True,
         kv_transfer: str | None = None,
         kv_transfer_options: dict[str, Any] | None = None,
+        kv_transfer_fallback: str | None = None,
         num_threads: int | None = None,
         pp_rank: int = 0,
         pp_size: int = 1,
         tracing: Any = None,
     ) -> None:
-        """``kv_transfer`` names a KV transport (``ray``, ``grpc``) for prefill/decode
-        hand-off, built with ``kv_transfer_options``; ``num_threads`` sets torch's intra-op
+        """``kv_transfer`` names a KV transport (``nixl``, ``ray``, ``grpc``) for prefill/
+        decode hand-off, built with ``kv_transfer_options``; if it cannot be built here (no
+        NIXL on this node), ``kv_transfer_fallback`` (no options) is used instead, when given
+        (``transport: auto``: the control plane sees it and moves every worker to it);
+        ``num_threads`` sets torch's intra-op
         threads (a Ray actor otherwise gets one). ``pp_rank`` of ``pp_size``: this worker is
         one pipeline stage and holds only its layers (``actors.pipeline``). ``tracing``: a
         ``TracingConfig``; when enabled, KV loads are spans of their requests' traces."""
@@ -127,6 +131,7 @@ class ModelWorker:
         self.num_steps = 0
         self.kv_transfer = kv_transfer
         self.kv_transfer_options = dict(kv_transfer_options or {})
+        self.kv_transfer_fallback = kv_transfer_fallback
         self.connector: WorkerConnector | None = None
         self.step_delay_s = 0.0  # fault injection (tests)
         self.step_seconds = 0.0  # time spent in execute_model (for benchmarks)
@@ -289,16 +294,39 @@ class ModelWorker:
                 self._attach_connector()
 
     def _attach_connector(self) -> None:
+        """Give the connector (made now if there is none) the current cache. A transport
+        that cannot be made or set up here gives way to ``kv_transfer_fallback``."""
+        try:
+            if self.connector is None:
+                self.connector = self._new_connector(self.kv_transfer, self.kv_transfer_options)
+            self.connector.register_kv_caches(self.kv_caches, self.layers)
+        except Exception as exc:
+            fallback = self.kv_transfer_fallback
+            if fallback is None or fallback == self.kv_transfer:
+                raise
+            logger.warning(
+                "KV transport %s unusable here (%s: %s); using %s",
+                self.kv_transfer,
+                type(exc).__name__,
+                exc,
+                fallback,
+            )
+            if self.connector is not None:
+                self.connector.close()
+            self.kv_transfer, self.kv_transfer_options = fallback, {}
+            self.connector = self._new_connector(fallback, {})
+            self.connector.register_kv_caches(self.kv_caches, self.layers)
+
+    def _new_connector(self, transport: str | None, options: dict[str, Any]) -> WorkerConnector:
         from kv_transfer.registry import create_worker_connector
 
-        assert self.kv_transfer is not None
-        if self.connector is None:
-            self.connector = create_worker_connector(self.kv_transfer, **self.kv_transfer_options)
-            if self.tracing is not None:
-                from kv_transfer.tracing import init_tracing
+        assert transport is not None
+        connector = create_worker_connector(transport, **options)
+        if self.tracing is not None:
+            from kv_transfer.tracing import init_tracing
 
-                self.connector.tracer = init_tracing(self.tracing, "worker")
-        self.connector.register_kv_caches(self.kv_caches, self.layers)
+            connector.tracer = init_tracing(self.tracing, "worker")
+        return connector
 
     # -- LoRA -------------------------------------------------------------------------------
     def add_lora(self, lora: LoRARequest) -> bool:

@@ -1,5 +1,6 @@
-"""KV transport bandwidth: ``grpc`` (plaintext and mutual TLS) vs ``ray`` vs memcpy, for the
-built-in model's KV layout.
+"""KV transport bandwidth: ``nixl`` (and ``nixl`` with UCX forced onto TCP) vs ``grpc``
+(plaintext and mutual TLS) vs ``ray`` vs memcpy and a plain TCP socket copy, for the built-in
+model's KV layout.
 
 SmolLM2's cache (30 layers, 3 KV heads, head_dim 64, bfloat16, blocks of 16 tokens: 360 KiB per
 block, 22.5 KiB per token), random, in two ``KVEndpoint`` actors (a worker's connector and cache,
@@ -8,13 +9,19 @@ no model) on a ``ray.cluster_utils.Cluster`` on 127.0.0.1: a head, a ``prefill``
 (``same-node``) or on the decode node (``cross-node``).
 
 One transfer = the source saves a prompt's blocks (``wait_for_save``: ``ray`` gathers and
-``ray.put``s them; ``grpc`` leases them in place), the driver hands the handle over, the
-destination loads them into other blocks (``start_load_kv`` until done: ``ray.get`` + write, or
-the gRPC pull + write). Times come from the connectors' ``TransferRecord``s:
+``ray.put``s them; ``grpc`` and ``nixl`` lease them in place), the driver hands the handle
+over, the destination loads them into other blocks (``start_load_kv`` until done: ``ray.get`` +
+write, the gRPC pull + write, or the NIXL READ straight into the blocks). Times come from the
+connectors' ``TransferRecord``s:
 
 - transfer = save copy + load copy (the time spent moving data, as in ``bench/pd_cluster.py``);
+  for ``nixl`` the load is end to end: from the decode side's request (descriptors built, READ
+  posted) to the blocks being usable;
 - bandwidth = bytes / transfer; ratio = bandwidth / memcpy of the same byte count (``np.copyto``
-  into a pre-touched array, median), measured in this run with Ray down.
+  into a pre-touched array, median), measured in this run with Ray down;
+- ``tcp`` = a plain socket copy of the same bytes between two actors placed like the
+  endpoints (one node: loopback within it; two nodes: between them, loopback too here), the
+  bar for ``nixl-tcp`` (UCX on TCP only, as where a same-node kernel copy is not permitted).
 
 Lengths and transports are interleaved; a warm-up first pushes the object store's size through
 the ``ray`` path (the store's pages are slow on first touch) and a few pulls through ``grpc``.
@@ -39,7 +46,8 @@ from typing import Any
 from bench.pd_common import memcpy_bandwidth, ray_cluster
 
 NUM_LAYERS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 30, 3, 64, 16  # SmolLM2-135M
-TRANSPORTS = ("grpc", "grpc-tls", "ray")  # grpc-tls: grpc with kv_transfer.tls (mutual TLS)
+# grpc-tls: grpc with kv_transfer.tls (mutual TLS); nixl-tcp: nixl with kv_transfer.ucx_tls=tcp
+TRANSPORTS = ("nixl", "nixl-tcp", "grpc", "grpc-tls", "ray")
 PLACEMENTS = {"same-node": "prefill", "cross-node": "decode"}  # -> the destination's resource
 
 
@@ -96,8 +104,21 @@ class KVEndpoint:
             "e2e_s": record.seconds,
         }
 
-    def finished_sending(self) -> set[str]:
-        return self.connector.get_finished()[0] or set()
+    def finished_sending(self, wait_s: float = 0.0) -> set[str]:
+        """Requests whose blocks the source may free now; polls up to ``wait_s`` (nixl: the
+        reader's notification comes just after its data)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            sent = self.connector.get_finished()[0] or set()
+            if sent or time.monotonic() >= deadline:
+                return sent
+            time.sleep(0.001)
+
+    def peer(self) -> Any:
+        return self.connector.peer_info()
+
+    def add_peers(self, peers: list[Any]) -> None:
+        self.connector.add_peers(peers)
 
     def digest(self, block_ids: list[int]) -> str:
         """A hash of ``block_ids`` in every layer, in order (to compare two endpoints)."""
@@ -142,10 +163,8 @@ def run_pair(
                 dst.digest.remote(dst_ids)
             ):
                 raise RuntimeError(f"{req_id}: the destination's blocks differ from the source's")
-            if transport.startswith(
-                "grpc"
-            ):  # the pull ended the lease: the source frees the blocks
-                sent = ray.get(src.finished_sending.remote())
+            if transport.startswith(("grpc", "nixl")):  # the read ended the lease
+                sent = ray.get(src.finished_sending.remote(5.0))
                 if req_id not in sent:
                     raise RuntimeError(f"{req_id}: the lease did not end with the pull")
             transfer_s = save_s + load["copy_s"]
@@ -173,12 +192,16 @@ def run_all(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, s
     kv = KVTransferConfig(transport="grpc", chunk_size_bytes=args.chunk_size_bytes)
     tls = KVTransferConfig(transport="grpc", chunk_size_bytes=args.chunk_size_bytes, tls=True)
     options = {"grpc": kv.connector_options(), "grpc-tls": tls.connector_options(), "ray": {}}
+    options["nixl"] = KVTransferConfig(transport="nixl").connector_options()
+    options["nixl-tcp"] = KVTransferConfig(transport="nixl", ucx_tls="tcp").connector_options()
+    transports = [t for t in TRANSPORTS if t in args.transports]
     per_block = NUM_LAYERS * 2 * BLOCK_SIZE * KV_HEADS * HEAD_DIM * 2
     results: list[dict[str, Any]] = []
     where: dict[str, str] = {}
     for placement, dst_resource in PLACEMENTS.items():
-        for transport in TRANSPORTS:
-            kind = transport.removesuffix("-tls")
+        results.extend(tcp_rows(args, placement, dst_resource))
+        for transport in transports:
+            kind = transport.removesuffix("-tls").removesuffix("-tcp")
             src = endpoint.options(resources={"prefill": 0.01}).remote(
                 kind, options[transport], num_blocks, 0
             )
@@ -186,6 +209,9 @@ def run_all(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, s
                 kind, options[transport], num_blocks, 1
             )
             nodes = ray.get([src.node_id.remote(), dst.node_id.remote()])
+            if kind == "nixl":  # what the control plane does when instances register
+                peers = ray.get([src.peer.remote(), dst.peer.remote()])
+                ray.get([src.add_peers.remote(peers), dst.add_peers.remote(peers)])
             where[placement] = "one node" if nodes[0] == nodes[1] else "two nodes"
             # Warm-up: the object store's size through the ray path (first touch of its
             # pages), a few transfers through grpc (connections, allocator).
@@ -207,6 +233,88 @@ def run_all(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, s
             for actor in (src, dst):
                 ray.kill(actor)
     return results, where
+
+
+class TcpPeer:
+    """One end of a plain TCP socket copy (the bar for ``nixl-tcp``): ``serve`` receives
+    ``nbytes`` into a pre-touched buffer and answers one byte; ``send`` times that."""
+
+    def __init__(self) -> None:
+        self.server: Any = None
+
+    def serve(self, nbytes: int) -> int:
+        import socket
+        import threading
+
+        import numpy as np
+
+        server = socket.create_server(("127.0.0.1", 0))
+        buffer = np.zeros(nbytes, dtype=np.uint8)
+
+        def run() -> None:
+            conn, _ = server.accept()
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            view = memoryview(buffer)
+            with conn:
+                while True:
+                    got = 0
+                    while got < nbytes:
+                        n = conn.recv_into(view[got:], nbytes - got)
+                        if n == 0:
+                            return
+                        got += n
+                    conn.sendall(b"k")
+
+        threading.Thread(target=run, daemon=True).start()
+        self.server = server
+        port: int = server.getsockname()[1]
+        return port
+
+    def send(self, port: int, nbytes: int, repeat: int) -> list[float]:
+        import socket
+
+        import numpy as np
+
+        data = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+        times = []
+        with socket.create_connection(("127.0.0.1", port)) as conn:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            for i in range(repeat + 2):  # two warm-ups
+                start = time.perf_counter()
+                conn.sendall(memoryview(data))
+                if conn.recv(1) != b"k":
+                    raise RuntimeError("the TCP peer did not answer")
+                if i >= 2:
+                    times.append(time.perf_counter() - start)
+        return times
+
+
+def tcp_rows(args: argparse.Namespace, placement: str, dst_resource: str) -> list[dict[str, Any]]:
+    """The plain socket copy of each transfer's bytes, placed like the endpoints."""
+    import ray
+
+    peer = ray.remote(num_cpus=0)(TcpPeer)
+    per_block = NUM_LAYERS * 2 * BLOCK_SIZE * KV_HEADS * HEAD_DIM * 2
+    rows = []
+    for tokens in args.prompt_tokens:
+        nbytes = _blocks(tokens) * per_block
+        receiver = peer.options(resources={"prefill": 0.01}).remote()
+        sender = peer.options(resources={dst_resource: 0.01}).remote()
+        port = ray.get(receiver.serve.remote(nbytes))
+        times = ray.get(sender.send.remote(port, nbytes, args.repeat))
+        samples = [
+            {"bytes": nbytes, "save_s": 0.0, "load_copy_s": t, "load_e2e_s": t, "transfer_s": t}
+            | {"bw": nbytes / t}
+            for t in times
+        ]
+        rows.append(
+            {"placement": placement, "transport": "tcp", "tokens": tokens}
+            | _summary(samples)
+            | {"samples": samples}
+        )
+        for actor in (receiver, sender):
+            ray.kill(actor)
+    return rows
 
 
 def _summary(samples: list[dict[str, Any]]) -> dict[str, Any]:
@@ -236,8 +344,9 @@ def report(results: list[dict[str, Any]], where: dict[str, str]) -> list[dict[st
     )
     head = (
         f"{'placement':22s} {'tokens':>6s} {'MiB':>6s} {'transport':>9s} {'save ms':>8s} "
-        f"{'load ms':>8s} {'GB/s':>6s} {'x memcpy':>8s}"
+        f"{'load ms':>8s} {'GB/s':>6s} {'x memcpy':>8s} {'x tcp':>6s}"
     )
+    tcp = {(r["placement"], r["tokens"]): r["bw_p50"] for r in results if r["transport"] == "tcp"}
     print(head)
     print("-" * len(head))
     for r in sorted(results, key=lambda r: (r["placement"], r["tokens"], r["transport"])):
@@ -247,12 +356,15 @@ def report(results: list[dict[str, Any]], where: dict[str, str]) -> list[dict[st
             "ratio_to_memcpy": r["bw_p50"] / mc,
             "where": where[r["placement"]],
         }
+        bar = tcp.get((r["placement"], r["tokens"]))
+        row["ratio_to_tcp"] = None if bar is None else r["bw_p50"] / bar
         rows.append(row | {"samples": r["samples"]})
         print(
             f"{r['placement'] + ' (' + where[r['placement']] + ')':22s} {r['tokens']:6d} "
             f"{r['bytes'] / 2**20:6.1f} {r['transport']:>9s} {r['save_s_p50'] * 1e3:8.2f} "
             f"{r['load_copy_s_p50'] * 1e3:8.2f} {r['bw_p50'] / 1e9:6.2f} "
-            f"{row['ratio_to_memcpy']:8.3f}"
+            f"{row['ratio_to_memcpy']:8.3f} "
+            + ("     -" if bar is None else f"{row['ratio_to_tcp']:6.2f}")
         )
     print(
         "memcpy: "
@@ -270,6 +382,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--chunk-size-bytes", type=int, default=1 << 20, help="grpc data messages")
     ap.add_argument("--object-store-mb", type=int, default=256, help="per Ray node")
     ap.add_argument("--quick", action="store_true", help="128 512 tokens, 3 transfers each")
+    ap.add_argument(
+        "--transports", nargs="+", default=list(TRANSPORTS), help=f"of {', '.join(TRANSPORTS)}"
+    )
     ap.add_argument("--out", default=None, help="default: bench/results/kv_transport.json")
     args = ap.parse_args()
     default_tokens = [128, 512] if args.quick else [128, 512, 2048]

@@ -6,7 +6,7 @@
       - {name: decode,  role: decode,  replicas: 1, resources: {decode: 0.01},
          scheduler: {max_num_seqs: 64}}
     router: {disaggregation: 256}     # uncached prompt tokens below this stay on a decode
-    kv_transfer: {transport: ray, timeout_s: 5, failure_policy: recompute}
+    kv_transfer: {transport: auto, timeout_s: 5, failure_policy: recompute}
 
 Pydantic models with ``extra="forbid"``: a misspelt key is an error naming it. The cluster
 layer (SchedulerActor, Router, workers) reads these; this module only validates.

@@ -218,10 +218,11 @@ def merge_descriptors(
 @dataclass
 class _Read:
     load: _Load
-    xfers: list[Any]  # NIXL transfer handles still running
+    xfers: list[Any]  # NIXL transfer handles, posted
     num_bytes: int
     num_descriptors: int
-    aborting: bool = False
+    lease_deadline: float  # time.monotonic(): the data is trusted only if read before this
+    error: str | None = None  # failed: reported once no transfer of it runs any more
 
 
 class NixlWorkerConnector(WorkerConnector):
@@ -261,6 +262,7 @@ class NixlWorkerConnector(WorkerConnector):
         self.leases = LeaseTable()
         self.agent: Any = None
         self.layout: PoolLayout | None = None
+        self.scratch: Any = None  # a registered slab that probes read into
         self._registered: list[Any] = []
         self._peers: dict[str, PoolLayout] = {}  # agent name -> its pool
         self._reads: dict[str, _Read] = {}
@@ -268,6 +270,7 @@ class NixlWorkerConnector(WorkerConnector):
         # injection in tests) keeps one here past the step that brought it.
         self._delayed: dict[str, tuple[float, _Load]] = {}
         self._zombies: list[Any] = []  # cancelled transfers NIXL could not release yet
+        self.abort_grace_s = 30.0  # how long a cancelled read may keep running, at most
         self.num_descriptors = 0  # descriptors of the reads so far (merging at work)
 
     # -- set-up ----------------------------------------------------------------------------
@@ -285,7 +288,11 @@ class NixlWorkerConnector(WorkerConnector):
         agent = _make_agent(self._api, name, self.backends, self.progress_wait_us)
         if not agent.backends:
             raise RuntimeError(f"NIXL has none of the backends {self.backends} here")
-        regions: dict[int, Any] = {}
+        # A slab of scratch space, registered too: what probes read into (never the cache).
+        import torch
+
+        self.scratch = torch.zeros(layout.slab, dtype=torch.uint8, device=kv_caches[0].device)
+        regions: dict[int, Any] = {self.scratch.data_ptr(): layout.slab}
         for cache in kv_caches:
             storage = cache.untyped_storage()
             regions[storage.data_ptr()] = storage.nbytes()
@@ -313,18 +320,25 @@ class NixlWorkerConnector(WorkerConnector):
             if not isinstance(peer, NixlPeer) or peer.agent == self.agent.name:
                 continue
             if peer.agent not in self._peers:
-                self.agent.add_remote_agent(peer.metadata)
+                try:
+                    self.agent.add_remote_agent(peer.metadata)
+                except Exception as exc:  # e.g. a worker that died since: reads from it fail
+                    logger.warning(
+                        "NIXL peer %s not added: %s: %s", peer.agent, type(exc).__name__, exc
+                    )
+                    continue
                 self._peers[peer.agent] = peer.layout
 
     def probe(self, peer: NixlPeer, timeout_s: float = 5.0) -> None:
-        """Read one slab of ``peer``'s block 0 into this worker's block 0 (before serving:
-        it overwrites that slab); raise if NIXL cannot reach the peer."""
+        """Read one slab of ``peer``'s block 0 into this worker's scratch slab (the caches
+        are not touched: safe while both serve); raise if NIXL cannot reach the peer."""
         if self.agent is None or self.layout is None:
             raise RuntimeError("register_kv_caches first")
         self.add_peers([peer])
         mine, theirs = self.layout, peer.layout
         mine.check_compatible(theirs)
-        local = np.array([[mine.bases[0][0], mine.slab, mine.device_id]], dtype=np.uint64)
+        scratch = self.scratch.data_ptr()
+        local = np.array([[scratch, mine.slab, mine.device_id]], dtype=np.uint64)
         remote = np.array([[theirs.bases[0][0], mine.slab, theirs.device_id]], dtype=np.uint64)
         xfer = self.agent.initialize_xfer(
             "READ",
@@ -334,10 +348,10 @@ class NixlWorkerConnector(WorkerConnector):
             b"probe",
         )
         deadline = time.monotonic() + timeout_s
-        state = self.agent.transfer(xfer)
+        state = self._post(xfer)
         while state == "PROC" and time.monotonic() < deadline:
             time.sleep(0.001)
-            state = self.agent.check_xfer_state(xfer)
+            state = self._state(xfer)
         self._release(xfer)
         if state != "DONE":
             why = "timed out" if state == "PROC" else state
@@ -412,73 +426,87 @@ class NixlWorkerConnector(WorkerConnector):
             elif now >= post_at:
                 del self._delayed[req_id]
                 try:
-                    self._reads[req_id] = self._start_read(load, wall)
+                    self._reads[req_id] = self._start_read(load)
                 except Exception as exc:
                     self._end_load(load, 0, f"{type(exc).__name__}: {exc}")
         self._poll_reads()
         if idle and self._reads and not self._delayed:
-            until = min(time.monotonic() + 0.05, min(r.load.deadline for r in self._reads.values()))
+            # Nothing to compute: wait for a read, polling (the progress threads move the
+            # data). Most reads take well under a millisecond: poll at once for the first
+            # one, then every half millisecond, for at most 50 ms per idle step.
+            start = time.monotonic()
+            until = min(start + 0.05, min(r.load.deadline for r in self._reads.values()))
             before = len(self._reads)
-            while self._reads and len(self._reads) == before and time.monotonic() < until:
-                time.sleep(0.0005)
+            while self._reads and len(self._reads) == before:
+                now = time.monotonic()
+                if now >= until:
+                    break
+                time.sleep(0 if now - start < 0.001 else 0.0005)
                 self._poll_reads()
         elif idle and self._delayed:
             time.sleep(0.005)
 
-    def _start_read(self, load: _Load, wall: float) -> _Read:
+    def _start_read(self, load: _Load) -> _Read:
+        """Check every segment and build its descriptors, then post the READs. Nothing is
+        posted unless all of them can be: a failure before that writes nothing."""
         if self.agent is None or self.layout is None:
             raise RuntimeError("register_kv_caches first: no NIXL agent")
         spec, mine = load.spec, self.layout
-        xfers: list[Any] = []
-        num_bytes = num_descriptors = 0
-        covered = 0
-        try:
-            for segment in spec.handle:
-                lo = max(segment.first_layer, self.layers.start)
-                hi = min(segment.last_layer, self.layers.stop)
-                if lo >= hi:
-                    continue  # another stage's layers
-                handle = self._check_handle(segment, spec, wall)
-                # The read must end before the lease does (minus the margin).
-                load.deadline = min(
-                    load.deadline, load.started + handle.expires_at - self.safety_margin_s - wall
-                )
-                source = self._peers[handle.agent]
-                first = spec.first_block
-                src_ids = np.array(handle.block_ids[first : first + len(spec.block_ids)])
-                dst_ids = np.array(spec.block_ids)
-                layers = range(lo, hi)
-                local, remote = merge_descriptors(
-                    source.addresses(src_ids, layers),
-                    mine.addresses(dst_ids, layers),
-                    mine.slab,
-                    source.device_id,
-                    mine.device_id,
-                )
+        now, wall = time.monotonic(), time.time()
+        lease_deadline = load.deadline
+        planned: list[tuple[NixlHandle, Any, Any, bytes]] = []
+        num_bytes = num_descriptors = covered = 0
+        for segment in spec.handle:
+            lo = max(segment.first_layer, self.layers.start)
+            hi = min(segment.last_layer, self.layers.stop)
+            if lo >= hi:
+                continue  # another stage's layers
+            handle = self._check_handle(segment, spec, wall)
+            # The read must end before the lease does, less the margin (the source's clock).
+            lease_deadline = min(
+                lease_deadline, now + handle.expires_at - self.safety_margin_s - wall
+            )
+            source = self._peers[handle.agent]
+            first = spec.first_block
+            src_ids = np.array(handle.block_ids[first : first + len(spec.block_ids)])
+            dst_ids = np.array(spec.block_ids)
+            layers = range(lo, hi)
+            local, remote = merge_descriptors(
+                source.addresses(src_ids, layers),
+                mine.addresses(dst_ids, layers),
+                mine.slab,
+                source.device_id,
+                mine.device_id,
+            )
+            descs = (
+                self.agent.get_xfer_descs(local, mine.mem_type),
+                self.agent.get_xfer_descs(remote, source.mem_type),
+            )
+            planned.append((handle, *descs, f"{handle.lease_id}:{lo}:{hi}".encode()))
+            num_bytes += 2 * mine.slab * len(layers) * len(dst_ids)
+            num_descriptors += len(local)
+            covered += hi - lo
+        if covered != len(self.layers):
+            raise ValueError(
+                f"the saved KV covers {covered} of this worker's {len(self.layers)} layers "
+                f"({[s.layers for s in spec.handle]} vs {self.layers})"
+            )
+        read = _Read(load, [], num_bytes, num_descriptors, lease_deadline)
+        load.deadline = min(load.deadline, lease_deadline)
+        for handle, local_descs, remote_descs, notif in planned:
+            try:
                 xfer = self.agent.initialize_xfer(
-                    "READ",
-                    self.agent.get_xfer_descs(local, mine.mem_type),
-                    self.agent.get_xfer_descs(remote, source.mem_type),
-                    handle.agent,
-                    f"{handle.lease_id}:{lo}:{hi}".encode(),
+                    "READ", local_descs, remote_descs, handle.agent, notif
                 )
-                xfers.append(xfer)
-                if self.agent.transfer(xfer) == "ERR":
-                    raise ConnectionError(f"the READ from {handle.agent} failed to start")
-                num_bytes += 2 * mine.slab * len(layers) * len(dst_ids)
-                num_descriptors += len(local)
-                covered += hi - lo
-            if covered != len(self.layers):
-                raise ValueError(
-                    f"the saved KV covers {covered} of this worker's {len(self.layers)} layers "
-                    f"({[s.layers for s in spec.handle]} vs {self.layers})"
-                )
-        except BaseException:
-            for xfer in xfers:
-                self._release(xfer)
-            raise
+            except Exception as exc:
+                read.error = f"the READ from {handle.agent} could not be made: {exc}"
+                break
+            read.xfers.append(xfer)
+            if self._post(xfer) == "ERR":
+                read.error = f"the READ from {handle.agent} failed to start (is it gone?)"
+                break
         self.num_descriptors += num_descriptors
-        return _Read(load, xfers, num_bytes, num_descriptors)
+        return read
 
     def _check_handle(self, segment: KVSegment, spec: LoadSpec, wall: float) -> NixlHandle:
         handle = segment.handle
@@ -507,42 +535,63 @@ class NixlWorkerConnector(WorkerConnector):
                 self._release(xfer)
         now = time.monotonic()
         for req_id, read in list(self._reads.items()):
-            states = [self.agent.check_xfer_state(x) for x in read.xfers]
-            if read.aborting:
-                if "PROC" not in states or now >= read.load.deadline + 30.0:
-                    del self._reads[req_id]
-                    for xfer in read.xfers:
-                        self._release(xfer)
-                    self._end_load(read.load, 0, "timed out (the read was cancelled)")
-                continue
-            if all(state == "DONE" for state in states):
-                del self._reads[req_id]
-                for xfer in read.xfers:
+            states = [self._state(x) for x in read.xfers]
+            if read.error is None:
+                if all(state == "DONE" for state in states):
+                    if now > read.lease_deadline:
+                        # Seen done only after the source may have freed the blocks: the
+                        # data cannot be trusted (a step ran long; recompute instead).
+                        read.error = "the read ended after the source's lease"
+                    else:
+                        del self._reads[req_id]
+                        for xfer in read.xfers:
+                            self._release(xfer)
+                        seconds = now - read.load.started
+                        self._end_load(read.load, read.num_bytes, None, seconds)
+                        continue
+                elif "ERR" in states:
+                    read.error = "the READ failed (is the source gone?)"
+                elif now >= read.load.deadline:
+                    read.error = f"timed out after {now - read.load.started:.1f}s"
+                else:
+                    continue
+            # Failed: cancel what still runs; report only once nothing writes any more.
+            running = []
+            for xfer, state in zip(read.xfers, states, strict=True):
+                if state != "PROC":
                     self._release(xfer)
-                seconds = now - read.load.started
-                self._end_load(read.load, read.num_bytes, None, seconds)
-            elif "ERR" in states:
+                    continue
+                try:
+                    xfer.release()  # cancels a transfer in flight, or raises if it cannot yet
+                except Exception:
+                    running.append(xfer)
+            read.xfers = running
+            if not running:
                 del self._reads[req_id]
-                for xfer in read.xfers:
-                    self._release(xfer)
-                self._end_load(read.load, 0, "the READ failed (is the source gone?)")
-            elif now >= read.load.deadline:
-                self._abort(req_id, read)
+                self._end_load(read.load, 0, read.error)
+            elif now >= read.load.deadline + self.abort_grace_s:
+                # NIXL could not cancel it for this long: report it failed (the scheduler
+                # waits no longer) and keep releasing it in the background.
+                logger.error("a cancelled KV read of %s is still running; giving up", req_id)
+                del self._reads[req_id]
+                self._zombies.extend(running)
+                self._end_load(read.load, 0, read.error)
 
-    def _abort(self, req_id: str, read: _Read) -> None:
-        """Cancel a read past its deadline. Its blocks are reported failed only once NIXL
-        has stopped writing into them (release succeeded, or the transfer left PROC)."""
-        still: list[Any] = []
-        for xfer in read.xfers:
-            try:
-                xfer.release()
-            except Exception:  # in flight, the cancel started: poll until it stops
-                still.append(xfer)
-        if not still:
-            del self._reads[req_id]
-            self._end_load(read.load, 0, "timed out")
-            return
-        read.xfers, read.aborting = still, True
+    def _post(self, xfer: Any) -> str:
+        """Post a transfer: "DONE", "PROC" or "ERR" (NIXL raises for a peer it knows is
+        gone, e.g. ``nixlRemoteDisconnectError``: that is an "ERR" too)."""
+        try:
+            return str(self.agent.transfer(xfer))
+        except Exception as exc:
+            logger.warning("NIXL transfer failed: %s: %s", type(exc).__name__, exc)
+            return "ERR"
+
+    def _state(self, xfer: Any) -> str:
+        try:
+            return str(self.agent.check_xfer_state(xfer))
+        except Exception as exc:
+            logger.warning("NIXL transfer failed: %s: %s", type(exc).__name__, exc)
+            return "ERR"
 
     def _release(self, xfer: Any) -> None:
         try:

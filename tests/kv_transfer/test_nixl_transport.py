@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from kv_transfer.base import WorkerConnector
+from kv_transfer.base import WorkerConnector, _Load
 from kv_transfer.blocks import allocate_kv_caches
 from kv_transfer.connector import KVConnectorMetadata, KVSegment, LoadSpec, SaveSpec
 from kv_transfer.nixl_transport import MISSING, nixl_available
@@ -262,6 +262,39 @@ def test_no_read_starts_within_the_margin_of_the_lease(
     assert "lease has expired" in caplog.text
 
 
+def test_a_read_seen_done_only_after_the_lease_is_not_trusted(
+    make: Callable[..., NixlWorkerConnector], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A step that runs past the lease (less the margin) sees the read done too late: the
+    source may have reused its blocks meanwhile, so the load fails and is recomputed."""
+    src, dst = make(), make(num_blocks=12, seed=1)
+    (segment,) = _save(src)
+    lease = segment.handle
+    soon = time.time() + dst.safety_margin_s + 0.1  # 0.1 s to read in
+    late = NixlHandle(lease.agent, lease.lease_id, 0, NUM_LAYERS, lease.block_ids, soon)
+    spec = LoadSpec("r", [KVSegment(0, NUM_LAYERS, late, True)], DST_IDS, 0, 5.0)
+    now = time.monotonic()
+    dst._reads["r"] = dst._start_read(_Load(spec, None, now, now + 5.0, time.time()))  # in time
+    time.sleep(0.2)  # ... but the worker's next look comes after the lease's margin
+    while dst.num_loading():
+        dst.start_load_kv(None, idle=True)
+    assert dst.get_finished()[1:] == (None, {"r"})
+    assert "after the source's lease" in caplog.text
+
+
+def test_a_read_failing_in_one_segment_fails_after_the_others_stop(
+    make: Callable[..., NixlWorkerConnector],
+) -> None:
+    """Two prefill stages; the second is gone. The first stage's READ was posted: the load is
+    reported failed only once nothing of it runs any more."""
+    first, second = make(layers=range(0, 3)), make(seed=5, layers=range(3, NUM_LAYERS))
+    dst = make(num_blocks=12, seed=1)
+    handle = sorted(_save(first) + _save(second), key=lambda s: s.first_layer)
+    second.close()
+    assert _load(dst, handle) == (None, {"r"})
+    assert not dst._reads and not dst._zombies  # no transfer left running or unreleased
+
+
 def test_a_source_that_is_gone_fails_the_load(make: Callable[..., NixlWorkerConnector]) -> None:
     src, dst = make(), make(num_blocks=12, seed=1)
     assert _load(dst, _save(src, req_id="warm"), req_id="warm") == ({"warm"}, None)
@@ -292,10 +325,18 @@ def test_new_caches_end_every_lease_and_change_the_agent(
     assert src.agent.name != old  # peers holding the old name cannot read the new blocks
 
 
-def test_probe_reads_a_peer(make: Callable[..., NixlWorkerConnector]) -> None:
+def test_a_probe_reads_into_scratch_space_not_the_cache(
+    make: Callable[..., NixlWorkerConnector],
+) -> None:
     src, dst = make(), make(num_blocks=12, seed=1)
+    before = _snapshot(dst)
     dst.probe(src.peer_info())
-    assert torch.equal(dst.kv_caches[0][0, 0], src.kv_caches[0][0, 0])
+    assert _unchanged(dst, before)  # safe on a serving worker
+    assert torch.equal(dst.scratch, src.kv_caches[0][0, 0].contiguous().view(-1).view(torch.uint8))
+    stranger = src.peer_info()
+    src.close()  # its agent is gone: the probe fails, it does not hang
+    with pytest.raises((ConnectionError, RuntimeError)):
+        dst.probe(stranger, timeout_s=2.0)
 
 
 # -- descriptors -------------------------------------------------------------------------------

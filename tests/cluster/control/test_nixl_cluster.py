@@ -211,3 +211,67 @@ def test_ucx_over_tcp_only_is_still_correct(ray_cluster: RayCluster, tiny_model:
         assert_clean(handle)
     finally:
         shutdown_cluster(handle)
+
+
+def test_a_restarted_prefill_worker_publishes_its_new_agent(
+    ray_cluster: RayCluster, tiny_model: Path
+) -> None:
+    """A prefill worker dies and Ray restarts it: its new NIXL agent reaches the decode
+    worker before the instance serves again, so hand-offs read (no recompute)."""
+    config = cluster_config(
+        tiny_model,
+        [{**PREFILL, "max_restarts": 1}, DECODE],
+        router={"disaggregation": "always"},
+        kv_transfer={"transport": "nixl", "timeout_s": 2.0},
+    )
+    handle = build_cluster(config, name="nixl-rejoin", namespace="tandem-tests")
+    try:
+        prompts = _prompts(3, seed=5)
+        expected = generate_in_process(tiny_model, prompts, GREEDY)
+        os.kill(ray.get(handle.worker_health.remote())["p-0"]["pid"], signal.SIGKILL)
+
+        def rejoined() -> bool:
+            events = [
+                (f["instance_id"], f["event"]) for f in ray.get(handle.stats.remote())["failures"]
+            ]
+            return events == [("p-0", "failed"), ("p-0", "rejoined")]
+
+        wait_until(rejoined, 60, "p-0 to fail and rejoin")
+        before = _instances(handle)["d-0"]["num_prompt_tokens_computed"]
+        assert token_ids(ClusterClient(handle).generate(prompts, GREEDY)) == expected
+        assert _instances(handle)["d-0"]["num_prompt_tokens_computed"] == before  # all read
+        history = ray.get(handle.transfer_history.remote())["d-0"]
+        assert history and all(r.ok for r in history[-len(prompts) :])
+        assert_clean(handle)
+    finally:
+        shutdown_cluster(handle)
+
+
+def test_auto_falls_back_to_ray_when_nixl_cannot_start(
+    ray_cluster: RayCluster, tiny_model: Path
+) -> None:
+    """``transport: auto`` where NIXL imports but cannot run (here: UCX given no usable
+    transport): the workers fall back, the cluster says ``ray``, and hand-offs work."""
+    config = cluster_config(
+        tiny_model,
+        [PREFILL, DECODE],
+        router={"disaggregation": "always"},
+        kv_transfer={"transport": "auto", "ucx_tls": "no-such-transport"},
+    )
+    handle = build_cluster(config, name="nixl-auto", namespace="tandem-tests")
+    try:
+        assert ray.get(handle.describe.remote())["kv_transport"] == "ray"
+        health = ray.get(handle.worker_health.remote())
+        assert {health[i]["kv_transport"] for i in ("p-0", "d-0")} == {"ray"}
+        # The running cluster still matches the config it was built from (a redeployment
+        # with the same config reuses it): ``auto`` is what was asked for.
+        assert ray.get(handle.settings.remote()) == config.cluster_settings()
+        prompts = _prompts(3, seed=6)
+        expected = generate_in_process(tiny_model, prompts, GREEDY)
+        assert token_ids(ClusterClient(handle).generate(prompts, GREEDY)) == expected
+        assert _instances(handle)["d-0"]["num_prompt_tokens_computed"] == 0  # read via ray
+        text = ray.get(handle.metrics_text.remote())
+        assert "tandem:kv_transport_info{model_name=" in text and 'transport="ray"' in text
+        assert_clean(handle)
+    finally:
+        shutdown_cluster(handle)
