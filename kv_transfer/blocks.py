@@ -125,6 +125,12 @@ class KVPayload:
 
     Pieces gathered from a cache are views: valid until those blocks change, so a transport
     copies them out at once (``ray.put`` does; the decode side reads its copy zero-copy).
+
+    From a block-first cache (``allocate_kv_caches``) a run's blocks of every layer are one
+    contiguous span of memory, so a payload gathered whole from one carries ``spans`` (per run,
+    ``[run length, num_layers, 2, block_size, kv_heads, head_dim]``) and its pieces are views of
+    them. Pickled, only the spans travel: contiguous buffers that ``ray.put`` stores out of
+    band and ``ray.get`` maps back without a copy (strided pieces would be copied in band).
     """
 
     runs: list[int]
@@ -133,6 +139,21 @@ class KVPayload:
     bfloat16: bool  # pieces hold bfloat16 bit patterns as int16
     descending: list[bool] | None = None  # per run; None: all ascending
     first_layer: int = 0  # the model layer of layer index 0 (a pipeline stage's range)
+    spans: list[np.ndarray] | None = None  # per run, every layer (block-first caches)
+
+    def __post_init__(self) -> None:
+        if self.spans is not None and not self.pieces:
+            self.pieces = _pieces_of(self.spans, self.num_layers)
+
+    def __getstate__(self) -> dict[str, object]:
+        state = dict(self.__dict__)
+        if self.spans is not None:
+            state["pieces"] = []  # views of the spans: rebuilt on arrival
+        return state
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self.__dict__.update(state)
+        self.__post_init__()
 
     @property
     def layers(self) -> range:
@@ -152,6 +173,16 @@ class KVPayload:
 
     def copy(self) -> KVPayload:
         """A payload that owns its memory (for transports that keep it in process)."""
+        if self.spans is not None:
+            return KVPayload(
+                list(self.runs),
+                [],
+                self.num_layers,
+                self.bfloat16,
+                None if self.descending is None else list(self.descending),
+                self.first_layer,
+                [span.copy() for span in self.spans],
+            )
         return KVPayload(
             list(self.runs),
             [p.copy() for p in self.pieces],
@@ -160,6 +191,30 @@ class KVPayload:
             None if self.descending is None else list(self.descending),
             self.first_layer,
         )
+
+
+def _pieces_of(spans: list[np.ndarray], num_layers: int) -> list[np.ndarray]:
+    """The (layer, K or V, run) pieces of block-first spans, as views."""
+    return [span[:, layer, kv] for layer in range(num_layers) for kv in (0, 1) for span in spans]
+
+
+def _block_first_pool(kv_caches: list[torch.Tensor], layers: range) -> np.ndarray | None:
+    """The numpy view of the block-first buffer behind ``kv_caches`` when they are exactly its
+    per-layer views (``allocate_kv_caches``) and ``layers`` is all of them; else None."""
+    base = kv_caches[0]._base
+    if (
+        base is None
+        or base.dim() != 6
+        or base.shape[1] != len(kv_caches)
+        or layers != range(len(kv_caches))
+        or not base.is_contiguous()
+    ):
+        return None
+    for i, cache in enumerate(kv_caches):
+        view = base[:, i].transpose(0, 1)
+        if cache.data_ptr() != view.data_ptr() or cache.stride() != view.stride():
+            return None
+    return _numpy_view(base)
 
 
 def _runs(block_ids: list[int]) -> list[tuple[int, int, int]]:
@@ -207,15 +262,24 @@ def gather_blocks(
         return KVPayload([len(block_ids)], host, len(layers), bf16)
     runs = _runs(block_ids)
     spans = [(_lowest(first, n, step), n) for first, n, step in runs]
+    descending = [step == -1 for _, _, step in runs]
+    lengths = [n for _, n, _ in runs]
+    pool = _block_first_pool(kv_caches, layers)
+    if pool is not None:  # one contiguous span per run, every layer
+        return KVPayload(
+            lengths,
+            [],
+            len(layers),
+            bf16,
+            descending if any(descending) else None,
+            spans=[pool[lo : lo + n] for lo, n in spans],
+        )
     pieces: list[np.ndarray] = []
     for layer in layers:
         array = _numpy_view(kv_caches[layer])
         for kv in (0, 1):
             pieces.extend(array[kv, lo : lo + n] for lo, n in spans)
-    descending = [step == -1 for _, _, step in runs]
-    return KVPayload(
-        [n for _, n, _ in runs], pieces, len(layers), bf16, descending if any(descending) else None
-    )
+    return KVPayload(lengths, pieces, len(layers), bf16, descending if any(descending) else None)
 
 
 def scatter_blocks(

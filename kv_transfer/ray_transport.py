@@ -1,7 +1,8 @@
 """The ``ray`` KV transport: saved KV goes into the Ray object store as one numpy array.
 
-The prefill worker ``ray.put``s the request's blocks (a ``KVPayload``: its pieces are slices of
-the cache, so the put is the only copy on that side) and hands the ``ObjectRef`` to the scheduler;
+The prefill worker ``ray.put``s the request's blocks (a ``KVPayload``: from the workers'
+block-first cache one contiguous span of every layer per run of adjacent blocks, views of the
+cache, so the put is the only copy on that side) and hands the ``ObjectRef`` to the scheduler;
 the reference travels inside ``kv_transfer_params`` to the decode instance, whose worker
 ``ray.get``s it (zero-copy from shared memory on the same node, pulled by Ray's object manager
 from another node) and writes it into its own blocks.

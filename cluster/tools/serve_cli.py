@@ -106,7 +106,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "--decode-instances", type=int, default=None, metavar="M", help="decode instances"
     )
     cluster.add_argument(
-        "--kv-transport", choices=("ray", "grpc"), default=None, help="how KV moves P to D"
+        "--kv-transport",
+        choices=("auto", "nixl", "ray", "grpc"),
+        default=None,
+        help="how KV moves P to D (default auto: nixl where installed, else ray)",
     )
     cluster.add_argument(
         "--max-waiting-requests",

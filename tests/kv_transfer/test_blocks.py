@@ -106,6 +106,36 @@ def test_gathered_pieces_are_views_until_copied() -> None:
     assert not (owned.piece(0, 0, 0)[0] == 123.0).any()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_block_first_caches_gather_one_contiguous_span_per_run(dtype: torch.dtype) -> None:
+    """From the workers' block-first cache a run of blocks is one span of every layer: the
+    payload pickles (protocol 5, as ``ray.put``) as one out-of-band buffer per run, not as
+    copies of strided pieces, and lands bit for bit."""
+    import pickle
+
+    from kv_transfer.blocks import allocate_kv_caches, gather_blocks, scatter_blocks
+
+    gen = torch.Generator().manual_seed(4)
+    src = allocate_kv_caches(3, 8, 4, 2, 8, dtype)
+    dst = allocate_kv_caches(3, 10, 4, 2, 8, dtype)
+    for cache in src:
+        cache.copy_(torch.randn(cache.shape, generator=gen))
+    src_ids, dst_ids = [2, 3, 4, 7, 6], [9, 0, 1, 5, 4]
+    payload = gather_blocks(src, src_ids)
+    assert payload.spans is not None and [s.shape[0] for s in payload.spans] == [3, 2]
+    assert all(s.flags["C_CONTIGUOUS"] for s in payload.spans)
+    buffers: list[pickle.PickleBuffer] = []
+    data = pickle.dumps(payload, protocol=5, buffer_callback=buffers.append)
+    assert len(buffers) == 2 and len(data) < 2048  # the bytes travel out of band
+    arrived = pickle.loads(data, buffers=buffers)
+    assert len(arrived.pieces) == 3 * 2 * 2
+    before = [c.clone() for c in dst]
+    scatter_blocks(dst, dst_ids, arrived)
+    _assert_moved(src, dst, before, src_ids, dst_ids)
+    # A pipeline stage's layer range (not the whole pool) gathers per-layer pieces.
+    assert gather_blocks(src, src_ids, range(1, 3)).spans is None
+
+
 def test_scatter_refuses_mismatches_before_writing() -> None:
     from kv_transfer.blocks import gather_blocks, scatter_blocks
 
