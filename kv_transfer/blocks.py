@@ -48,10 +48,17 @@ def allocate_kv_caches(
 ) -> list[torch.Tensor]:
     """A zeroed paged cache: one block-first buffer, returned as one view per layer
     (``[2, num_blocks, block_size, kv_heads, head_dim]``, block stride = a whole block of every
-    layer). The views keep the buffer alive."""
-    pool = torch.zeros(
-        (num_blocks, num_layers, 2, block_size, kv_heads, head_dim), dtype=dtype, device=device
-    )
+    layer). The views keep the buffer alive.
+
+    On CPU the buffer comes from numpy, which asks the kernel for transparent huge pages on
+    large allocations (``madvise``): a cross-process copy of KV blocks (NIXL's kernel copy
+    pins the pages it reads) runs 2-2.5x faster on them here than on torch's 4 KiB pages."""
+    shape = (num_blocks, num_layers, 2, block_size, kv_heads, head_dim)
+    if torch.device(device).type == "cpu":
+        nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+        pool = torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+    else:
+        pool = torch.zeros(shape, dtype=dtype, device=device)
     return [pool[:, layer].transpose(0, 1) for layer in range(num_layers)]
 
 
@@ -201,20 +208,19 @@ def _pieces_of(spans: list[np.ndarray], num_layers: int) -> list[np.ndarray]:
 def _block_first_pool(kv_caches: list[torch.Tensor], layers: range) -> np.ndarray | None:
     """The numpy view of the block-first buffer behind ``kv_caches`` when they are exactly its
     per-layer views (``allocate_kv_caches``) and ``layers`` is all of them; else None."""
-    base = kv_caches[0]._base
-    if (
-        base is None
-        or base.dim() != 6
-        or base.shape[1] != len(kv_caches)
-        or layers != range(len(kv_caches))
-        or not base.is_contiguous()
-    ):
+    first = kv_caches[0]
+    if layers != range(len(kv_caches)) or first.dim() != 5 or first.device.type != "cpu":
         return None
+    _, num_blocks, *block = first.shape
+    shape = (num_blocks, len(kv_caches), 2, *block)
+    strides = torch.empty(0).new_empty(shape, device="meta").stride()  # C order
+    expected = (strides[2], strides[0], *strides[3:])  # a layer's view of that buffer
+    step = strides[1] * first.element_size()
     for i, cache in enumerate(kv_caches):
-        view = base[:, i].transpose(0, 1)
-        if cache.data_ptr() != view.data_ptr() or cache.stride() != view.stride():
+        if cache.stride() != expected or cache.data_ptr() != first.data_ptr() + i * step:
             return None
-    return _numpy_view(base)
+    pool = torch.as_strided(first, shape, strides, first.storage_offset())
+    return _numpy_view(pool)
 
 
 def _runs(block_ids: list[int]) -> list[tuple[int, int, int]]:

@@ -91,6 +91,16 @@ def _nixl_api() -> Any:
 
 
 _AGENT_LOCK = threading.Lock()
+# UCX's TCP transport (between nodes without RDMA, or where the kernel copy is not allowed)
+# cuts messages into 8 KiB segments by default: one system call each. Bigger segments and
+# socket buffers took KV reads over TCP from 0.3-0.4 to 0.5-1x a plain socket copy here
+# (``make bench-kv``, nixl-tcp vs tcp). Set in the worker's environment before its agent.
+UCX_DEFAULTS = {
+    "UCX_TCP_TX_SEG_SIZE": "256k",
+    "UCX_TCP_RX_SEG_SIZE": "256k",
+    "UCX_TCP_SNDBUF": "4m",
+    "UCX_TCP_RCVBUF": "4m",
+}
 
 
 def _make_agent(api: Any, name: str, backends: list[str], progress_wait_us: int) -> Any:
@@ -284,6 +294,8 @@ class NixlWorkerConnector(WorkerConnector):
         layout = PoolLayout.of(kv_caches, layers)
         if self.ucx_tls is not None:  # read by UCX when the agent makes its backend
             os.environ["UCX_TLS"] = self.ucx_tls
+        for key, value in UCX_DEFAULTS.items():  # unless this process's environment says
+            os.environ.setdefault(key, value)
         name = f"tandem-kv-{uuid.uuid4().hex[:16]}"
         agent = _make_agent(self._api, name, self.backends, self.progress_wait_us)
         if not agent.backends:
