@@ -268,8 +268,8 @@ class ModelWorker:
                 self.connector.add_peers(peers)
 
     def kv_probe(self, peer: Any, timeout_s: float = 5.0) -> str | None:
-        """Read a little of ``peer``'s cache: None when the transport reaches it, else why
-        not. Before serving only: it overwrites a slab of this worker's block 0."""
+        """Read a little of ``peer``'s cache (into scratch space, not this worker's cache:
+        safe while serving): None when the transport reaches it, else why not."""
         if self.connector is None:
             return "no KV connector"
         probe = getattr(self.connector, "probe", None)

@@ -240,10 +240,11 @@ class KVTransferConfig(_Config):
             )
         if any(f is not None for f in files) and not self.tls:
             raise ValueError("kv_transfer.tls_* files are set but kv_transfer.tls is false")
-        if self.transport == "nixl" and self.effective_lease_s <= NIXL_SAFETY_MARGIN_S:
+        if self.transport in ("nixl", "auto") and self.effective_lease_s <= NIXL_SAFETY_MARGIN_S:
             raise ValueError(
                 f"kv_transfer.lease_s ({self.effective_lease_s}) must exceed the nixl "
-                f"transport's safety margin of {NIXL_SAFETY_MARGIN_S} s"
+                f"transport's safety margin of {NIXL_SAFETY_MARGIN_S} s (transport "
+                f"{self.transport})"
             )
         if self.tls and self.transport != "grpc":
             raise ValueError(

@@ -56,7 +56,8 @@ def allocate_kv_caches(
     shape = (num_blocks, num_layers, 2, block_size, kv_heads, head_dim)
     if torch.device(device).type == "cpu":
         nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
-        pool = torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+        pool = torch.from_numpy(np.empty(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+        pool.zero_()  # touched now: a cache that does not fit fails at start, not under load
     else:
         pool = torch.zeros(shape, dtype=dtype, device=device)
     return [pool[:, layer].transpose(0, 1) for layer in range(num_layers)]

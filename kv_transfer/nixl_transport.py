@@ -52,7 +52,7 @@ import os
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
@@ -232,7 +232,9 @@ class _Read:
     num_bytes: int
     num_descriptors: int
     lease_deadline: float  # time.monotonic(): the data is trusted only if read before this
+    sources: list[str] = field(default_factory=list)  # the agents it reads from
     error: str | None = None  # failed: reported once no transfer of it runs any more
+    disconnected: bool = False  # its sources were disconnected (it ran far past its deadline)
 
 
 class NixlWorkerConnector(WorkerConnector):
@@ -279,8 +281,10 @@ class NixlWorkerConnector(WorkerConnector):
         # Loads not posted yet: (when to post, the load). Only ``load_delay_s`` (fault
         # injection in tests) keeps one here past the step that brought it.
         self._delayed: dict[str, tuple[float, _Load]] = {}
-        self._zombies: list[Any] = []  # cancelled transfers NIXL could not release yet
-        self.abort_grace_s = 30.0  # how long a cancelled read may keep running, at most
+        # Transfers still running when their read was given up on (or the cache replaced),
+        # with the caches they write into: kept alive until the transfers end.
+        self._retired: list[tuple[list[Any], list[Any]]] = []
+        self.abort_grace_s = 10.0  # a failed read still running this long: disconnect
         self.num_descriptors = 0  # descriptors of the reads so far (merging at work)
 
     # -- set-up ----------------------------------------------------------------------------
@@ -503,20 +507,29 @@ class NixlWorkerConnector(WorkerConnector):
                 f"the saved KV covers {covered} of this worker's {len(self.layers)} layers "
                 f"({[s.layers for s in spec.handle]} vs {self.layers})"
             )
-        read = _Read(load, [], num_bytes, num_descriptors, lease_deadline)
-        load.deadline = min(load.deadline, lease_deadline)
-        for handle, local_descs, remote_descs, notif in planned:
-            try:
-                xfer = self.agent.initialize_xfer(
-                    "READ", local_descs, remote_descs, handle.agent, notif
+        # Every transfer is made (NIXL checks the descriptors, connects) before any is posted.
+        made = []
+        try:
+            for handle, local_descs, remote_descs, notif in planned:
+                made.append(
+                    self.agent.initialize_xfer(
+                        "READ", local_descs, remote_descs, handle.agent, notif
+                    )
                 )
-            except Exception as exc:
-                read.error = f"the READ from {handle.agent} could not be made: {exc}"
-                break
+        except Exception:
+            for xfer in made:
+                self._release(xfer)  # made, never posted
+            raise
+        sources = [handle.agent for handle, *_ in planned]
+        read = _Read(load, [], num_bytes, num_descriptors, lease_deadline, sources)
+        load.deadline = min(load.deadline, lease_deadline)
+        for (handle, *_), xfer in zip(planned, made, strict=True):
+            if read.error is not None:
+                self._release(xfer)  # not posted: a failed read posts nothing more
+                continue
             read.xfers.append(xfer)
             if self._post(xfer) == "ERR":
                 read.error = f"the READ from {handle.agent} failed to start (is it gone?)"
-                break
         self.num_descriptors += num_descriptors
         return read
 
@@ -541,13 +554,18 @@ class NixlWorkerConnector(WorkerConnector):
     def _poll_reads(self) -> None:
         if self.agent is None:
             return
-        if self._zombies:  # cancelled transfers that were still running: release them now
-            zombies, self._zombies = self._zombies, []
-            for xfer in zombies:
-                self._release(xfer)
-        now = time.monotonic()
+        if self._retired:  # transfers given up on: released once they end
+            retired, self._retired = self._retired, []
+            for xfers, caches in retired:
+                still = [x for x in xfers if self._state(x) == "PROC"]
+                for xfer in xfers:
+                    if xfer not in still:
+                        self._release(xfer)
+                if still:
+                    self._retired.append((still, caches))
         for req_id, read in list(self._reads.items()):
             states = [self._state(x) for x in read.xfers]
+            now = time.monotonic()  # after the states: a check may have run the copy
             if read.error is None:
                 if all(state == "DONE" for state in states):
                     if now > read.lease_deadline:
@@ -567,27 +585,43 @@ class NixlWorkerConnector(WorkerConnector):
                     read.error = f"timed out after {now - read.load.started:.1f}s"
                 else:
                     continue
-            # Failed: cancel what still runs; report only once nothing writes any more.
+            # Failed: reported only once nothing of it writes into the blocks any more (the
+            # scheduler hands them to another request then). NIXL's release of a running UCX
+            # transfer frees the request without stopping the copy, so a running one is never
+            # released: it is waited for. One that still runs ``abort_grace_s`` past the
+            # deadline has an unresponsive source: its endpoint is closed (which ends its
+            # operations), and after as long again the load is given up on, with an error.
             running = []
             for xfer, state in zip(read.xfers, states, strict=True):
-                if state != "PROC":
-                    self._release(xfer)
-                    continue
-                try:
-                    xfer.release()  # cancels a transfer in flight, or raises if it cannot yet
-                except Exception:
+                if state == "PROC":
                     running.append(xfer)
+                else:
+                    self._release(xfer)
             read.xfers = running
             if not running:
                 del self._reads[req_id]
                 self._end_load(read.load, 0, read.error)
-            elif now >= read.load.deadline + self.abort_grace_s:
-                # NIXL could not cancel it for this long: report it failed (the scheduler
-                # waits no longer) and keep releasing it in the background.
-                logger.error("a cancelled KV read of %s is still running; giving up", req_id)
+                continue
+            overdue = now - read.load.deadline
+            if overdue >= self.abort_grace_s and not read.disconnected:
+                logger.warning(
+                    "KV read of %s still running: disconnecting %s", req_id, read.sources
+                )
+                for name in read.sources:
+                    self._forget_peer(name)
+                read.disconnected = True
+            elif overdue >= 2 * self.abort_grace_s:
+                logger.error("KV read of %s never ended; giving up on it", req_id)
                 del self._reads[req_id]
-                self._zombies.extend(running)
+                self._retired.append((running, self.kv_caches))
                 self._end_load(read.load, 0, read.error)
+
+    def _forget_peer(self, name: str) -> None:
+        """Disconnect a peer (reads from it end); it is unknown until published again."""
+        self._peers.pop(name, None)
+        if self.agent is not None:
+            with contextlib.suppress(Exception):
+                self.agent.remove_remote_agent(name)
 
     def _post(self, xfer: Any) -> str:
         """Post a transfer: "DONE", "PROC" or "ERR" (NIXL raises for a peer it knows is
@@ -606,18 +640,22 @@ class NixlWorkerConnector(WorkerConnector):
             return "ERR"
 
     def _release(self, xfer: Any) -> None:
-        try:
+        """Release an ended transfer (never a running one: see ``_poll_reads``)."""
+        with contextlib.suppress(Exception):
             xfer.release()
-        except Exception:
-            self._zombies.append(xfer)
 
     def _drop_reads(self) -> None:
-        """Forget every read (the cache goes: nobody waits for these requests any more)."""
+        """Forget every read (the cache goes: nobody waits for these requests any more). Its
+        transfers still running keep the old cache alive until they end."""
         reads, self._reads = self._reads, {}
         self._delayed.clear()
         for read in reads.values():
+            running = [x for x in read.xfers if self._state(x) == "PROC"]
             for xfer in read.xfers:
-                self._release(xfer)
+                if xfer not in running:
+                    self._release(xfer)
+            if running:
+                self._retired.append((running, self.kv_caches))
 
     def num_loading(self) -> int:
         return len(self._reads) + len(self._delayed)

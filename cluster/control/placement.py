@@ -237,18 +237,31 @@ async def connect_kv_peers(
             live.append(spec)
     if not probe or errors:
         return errors
-    for spec in new:
-        for other in live:
-            if other is spec or not other.kv_peers:
-                continue
-            for reader, source in ((spec, other), (other, spec)):
-                for stage, error in enumerate(
-                    await reader.call_stages("kv_probe", source.kv_peers[0], return_exceptions=True)
-                ):
-                    if error is not None:
-                        errors.append(
-                            f"{reader.instance_id} (stage {stage}) -> {source.instance_id}: {error}"
-                        )
+    # Each new instance reads from every live one and is read by it: every reader stage
+    # probes every source stage (a few bytes into scratch space), all pairs at once.
+    pairs = {
+        (id(reader), id(source)): (reader, source)
+        for spec in new
+        for other in live
+        if other is not spec
+        for reader, source in ((spec, other), (other, spec))
+        if source.kv_peers
+    }
+
+    async def probe_pair(reader: InstanceSpec, source: InstanceSpec) -> list[str]:
+        found = []
+        for s_stage, peer in enumerate(source.kv_peers):
+            results = await reader.call_stages("kv_probe", peer, 2.0, return_exceptions=True)
+            for r_stage, error in enumerate(results):
+                if error is not None:
+                    found.append(
+                        f"{reader.instance_id}[{r_stage}] -> {source.instance_id}[{s_stage}]: "
+                        f"{error}"
+                    )
+        return found
+
+    for found in await asyncio.gather(*(probe_pair(r, s) for r, s in pairs.values())):
+        errors.extend(found)
     return errors
 
 

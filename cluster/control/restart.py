@@ -114,8 +114,18 @@ async def rebuild(actor: Any) -> None:
         raise RuntimeError("no engine actor left to rebuild the cluster from")
     found.sort(key=lambda pair: pair[1].spec.instance_id)
     actor.max_model_len = found[0][1].max_model_len
-    if actor._kv_auto and actor.config.disaggregated:
-        await _kv_transport_in_use(actor, [snap.spec for _, snap in found])
+    if actor.config.disaggregated:
+        specs = [snap.spec for _, snap in found if snap.failed is None]
+        if actor._kv_auto:
+            await _kv_transport_in_use(actor, specs)
+        # The snapshots' peer lists may be older than a worker's last restart: gather them
+        # afresh and hand every worker every other's (a no-op for the ray transport).
+        from cluster.control.placement import connect_kv_peers
+
+        try:
+            await connect_kv_peers(specs, specs)
+        except Exception as exc:
+            logger.warning("KV peers not reconnected after the restart: %s", exc)
     me = context.current_actor
     for handle, snap in found:
         spec = snap.spec
@@ -208,10 +218,13 @@ def _sequence(internal_id: str) -> int:
 async def _kv_transport_in_use(actor: Any, specs: list[Any]) -> None:
     """``transport: auto`` is resolved again by a restarted actor's ``__init__``; the workers
     know what the cluster chose (it may have fallen back): take theirs."""
+    counts: dict[str, int] = {}
     for spec in specs:
         health = await spec.call_stages("health", monitor=True, return_exceptions=True)
-        used = [h.get("kv_transport") for h in health if isinstance(h, dict)]
-        if used and used[0]:
-            if used[0] != actor.config.kv_transfer.transport:
-                actor.config = actor.config.with_kv_transport(used[0])
-            return
+        for h in health:
+            if isinstance(h, dict) and h.get("kv_transport"):
+                counts[h["kv_transport"]] = counts.get(h["kv_transport"], 0) + 1
+    if counts:  # what most workers use (a straggler that fell back does not decide)
+        used = max(counts, key=lambda t: counts[t])
+        if used != actor.config.kv_transfer.transport:
+            actor.config = actor.config.with_kv_transport(used)

@@ -649,21 +649,37 @@ class SchedulerActor(Restart, ClusterOperations):
 
         spec = self.specs[iid]
         transport = self.config.kv_transfer.transport
+        problem = None
         try:
             health = await spec.call_stages("health", monitor=True)
             if any(h.get("kv_transport") != transport for h in health):
                 options = self.config.kv_transfer.connector_options()
                 await spec.call_stages("use_kv_transport", transport, options)
-            live = [s for i, s in self.specs.items() if self.views[i].alive or i == iid]
-            await connect_kv_peers(live, [spec])
-        except Exception as exc:  # it serves anyway: its loads fail and are recomputed
-            logger.warning("instance %s: KV peers not connected: %s", iid, exc)
+                health = await spec.call_stages("health", monitor=True)
+            used = {h.get("kv_transport") for h in health}
+            if used != {transport}:  # e.g. NIXL cannot start there any more: it fell back
+                problem = f"its workers use {sorted(map(str, used))}, the cluster {transport}"
+            else:
+                live = [s for i, s in self.specs.items() if self.views[i].alive or i == iid]
+                probe = self._kv_auto and transport == "nixl"
+                errors = await connect_kv_peers(live, [spec], probe)
+                problem = "; ".join(errors) or None
+        except Exception as exc:
+            problem = f"{type(exc).__name__}: {exc}"
         failed_again = any(
             f["instance_id"] == iid and f["event"] == "failed" for f in self.failures[mark:]
         )
-        if self.views.get(iid) is view and not failed_again:  # (or left the cluster)
-            view.alive = True
-            self._serves_again(iid)
+        if self.views.get(iid) is not view or failed_again:  # failed again, or left
+            return
+        if problem is not None:  # it would fail every hand-off: it stays out of routing
+            logger.error("instance %s cannot rejoin: KV transport: %s", iid, problem)
+            self.failures.append(
+                {"instance_id": iid, "event": "failed", "reason": f"KV transport: {problem}"}
+                | {"time": time.time()}
+            )
+            return
+        view.alive = True
+        self._serves_again(iid)
 
     def _hand_off(self, flight: Flight, prefilled: Prefilled) -> None:
         """The prefill instance sampled the first token (its engine sent it to the client):

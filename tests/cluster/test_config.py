@@ -159,9 +159,11 @@ def test_auto_picks_nixl_where_it_imports_else_ray(monkeypatch: pytest.MonkeyPat
     assert explicit.resolved() is explicit
 
 
-def test_a_nixl_lease_must_outlast_its_safety_margin() -> None:
+@pytest.mark.parametrize("transport", ["nixl", "auto"])
+def test_a_nixl_lease_must_outlast_its_safety_margin(transport: str) -> None:
     with pytest.raises(ValueError, match="safety margin"):
-        KVTransferConfig(transport="nixl", lease_s=0.5)
+        KVTransferConfig(transport=transport, lease_s=0.5)
+    assert KVTransferConfig(transport="ray", lease_s=0.5).lease_s == 0.5  # no such reads
 
 
 def test_a_generated_cluster_token_is_shared_by_every_copy_and_never_shown() -> None:

@@ -28,6 +28,7 @@ if nixl_available():
         NixlHandle,
         NixlWorkerConnector,
         PoolLayout,
+        _Read,
         merge_descriptors,
     )
 
@@ -292,7 +293,67 @@ def test_a_read_failing_in_one_segment_fails_after_the_others_stop(
     handle = sorted(_save(first) + _save(second), key=lambda s: s.first_layer)
     second.close()
     assert _load(dst, handle) == (None, {"r"})
-    assert not dst._reads and not dst._zombies  # no transfer left running or unreleased
+    assert not dst._reads and not dst._retired  # no transfer left running
+
+
+class _RunningTransfer:
+    """Stands in for a NIXL transfer whose copy is still running (state set by the test)."""
+
+    def __init__(self) -> None:
+        self.state = "PROC"
+        self.released = False
+
+    def release(self) -> None:
+        self.released = True
+
+
+def test_a_failed_read_is_reported_only_once_its_transfer_stops(
+    make: Callable[..., NixlWorkerConnector], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NIXL's release of a running UCX transfer does not stop its copy: a read past its
+    deadline is not released or reported while its transfer runs (the blocks would go to
+    another request); its source is disconnected after ``abort_grace_s``; it is reported
+    failed as soon as the transfer stops."""
+    dst = make(num_blocks=12, seed=1)
+    xfer = _RunningTransfer()
+    monkeypatch.setattr(dst, "_state", lambda x: x.state)
+    forgotten: list[str] = []
+    monkeypatch.setattr(dst, "_forget_peer", forgotten.append)
+    dst.abort_grace_s = 0.2
+    now = time.monotonic()
+    load = _Load(LoadSpec("r", [], DST_IDS, 0, 0.1), None, now - 0.2, now - 0.1, time.time())
+    dst._reads["r"] = _Read(load, [xfer], 0, 0, now + 100.0, ["tandem-kv-source"])
+    dst._poll_reads()
+    assert dst.num_loading() == 1 and not xfer.released  # past its deadline, still running
+    assert dst.get_finished()[1:] == (None, None)
+    time.sleep(0.2)
+    dst._poll_reads()
+    assert forgotten == ["tandem-kv-source"] and dst.num_loading() == 1
+    xfer.state = "ERR"  # the closed endpoint ended it
+    dst._poll_reads()
+    assert xfer.released and dst.num_loading() == 0
+    assert dst.get_finished()[1:] == (None, {"r"})
+
+
+def test_a_read_that_never_ends_is_given_up_and_keeps_its_cache_alive(
+    make: Callable[..., NixlWorkerConnector], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    dst = make(num_blocks=12, seed=1)
+    xfer = _RunningTransfer()
+    monkeypatch.setattr(dst, "_state", lambda x: x.state)
+    monkeypatch.setattr(dst, "_forget_peer", lambda name: None)
+    dst.abort_grace_s = 0.05
+    now = time.monotonic()
+    load = _Load(LoadSpec("r", [], DST_IDS, 0, 0.1), None, now - 1.0, now - 0.5, time.time())
+    dst._reads["r"] = _Read(load, [xfer], 0, 0, now + 100.0, ["tandem-kv-source"])
+    dst._poll_reads()  # 0.5 s overdue: disconnected ...
+    dst._poll_reads()  # ... and, still running, given up on
+    assert dst.get_finished()[1:] == (None, {"r"}) and not xfer.released
+    (running, caches), *_ = dst._retired
+    assert running == [xfer] and caches is dst.kv_caches  # the memory it writes stays
+    xfer.state = "DONE"
+    dst._poll_reads()
+    assert xfer.released and not dst._retired
 
 
 def test_a_source_that_is_gone_fails_the_load(make: Callable[..., NixlWorkerConnector]) -> None:
