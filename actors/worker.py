@@ -477,8 +477,10 @@ class ModelWorker:
         stages' list that travels with the hidden states (``actors.pipeline``)."""
         report = None
         if self.connector is not None:
-            if meta and meta.saves:  # block tables only for the (rare) steps that save
-                tables = {r: s.block_ids for r, s in self.requests.items()}
+            if meta and (meta.saves or meta.releases):
+                # Block tables only for the (rare) steps that save.
+                saving = meta.saves
+                tables = {r: s.block_ids for r, s in self.requests.items()} if saving else {}
                 self.connector.wait_for_save(meta, tables)
             report = stage_report(
                 self.pp_rank, self.connector.get_finished(), self.connector.report()

@@ -317,7 +317,10 @@ class WorkerConnector(ABC):
     def wait_for_save(
         self, metadata: KVConnectorMetadata | None, block_tables: Mapping[str, list[int]]
     ) -> None:
-        """Copy out the KV of this step's saves (after the forward pass wrote it)."""
+        """Copy out the KV of this step's saves (after the forward pass wrote it); end the
+        leases of saves nobody will take (``metadata.releases``)."""
+        if metadata and metadata.releases:
+            self._release_saved(metadata.releases)
         if not metadata or not metadata.saves:
             return
         block_size = self.kv_caches[0].shape[2]
@@ -348,6 +351,14 @@ class WorkerConnector(ABC):
             self.history.append(
                 TransferRecord(spec.req_id, nbytes, seconds, True, "save", seconds, started_at)
             )
+
+    def _release_saved(self, req_ids: list[str]) -> None:
+        """In-place transports: end these requests' leases now (reported as sending done).
+        Copy-out transports keep nothing to end."""
+        leases = getattr(self, "leases", None)
+        if leases is not None:
+            for req_id in req_ids:
+                leases.end_request(req_id)
 
     def _publish(self, req_id: str, block_ids: list[int]) -> tuple[Any, int]:
         """Make the blocks of this worker's layers fetchable; ``(handle, bytes)``. Copy-out

@@ -86,9 +86,12 @@ class KVConnectorMetadata:
 
     saves: list[SaveSpec] = field(default_factory=list)
     loads: list[LoadSpec] = field(default_factory=list)
+    # Prefill side: requests whose saved KV nobody will take (no hand-off): a transport that
+    # serves blocks in place ends their leases now instead of at expiry.
+    releases: list[str] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.saves or self.loads)
+        return bool(self.saves or self.loads or self.releases)
 
 
 @dataclass
@@ -116,6 +119,10 @@ class PDConnector(SchedulerConnector):
         self._saving: set[str] = set()  # save requested from the worker, no handle yet
         self._saved: dict[str, Any] = {}  # handles of saved requests, until they finish
         self._loads: list[LoadSpec] = []  # built since the last step
+        self._releases: list[str] = []  # saved KV no decode instance will take
+        # Decode side: (request, source instance) of handles dropped unread (the local prefix
+        # cache had the prompt): the source can let their blocks go (``take_unread``).
+        self._unread: list[tuple[str, str]] = []
         self.num_saves = 0
         self.num_loads = 0
 
@@ -147,6 +154,9 @@ class PDConnector(SchedulerConnector):
                 request.kv_transfer_params = {k: v for k, v in params.items() if k != "handle"} | {
                     "do_remote_prefill": False
                 }
+                source = params.get("remote_instance_id")
+                if source is not None and any(s.in_place for s in params["handle"]):
+                    self._unread.append((request.request_id, str(source)))
             return
         remote = min(int(params["remote_num_tokens"]), request.num_prompt_tokens)
         # The external tokens are the positions just before ``remote``; the local prefix hit
@@ -167,8 +177,8 @@ class PDConnector(SchedulerConnector):
 
     # -- both ------------------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        meta = KVConnectorMetadata(loads=self._loads)
-        self._loads = []
+        meta = KVConnectorMetadata(loads=self._loads, releases=self._releases)
+        self._loads, self._releases = [], []
         if self._to_save:
             new_reqs = scheduler_output.scheduled_new_reqs
             starts = {new.req_id: new.num_computed_tokens for new in new_reqs}
@@ -210,10 +220,12 @@ class PDConnector(SchedulerConnector):
         # (pulled, or its lease expired), even when the request did not end normally: the
         # lease is already out.
         delay_free = any(segment.in_place for segment in handle)
-        if request.status not in (
-            RequestStatus.FINISHED_LENGTH_CAPPED,
-            RequestStatus.FINISHED_STOPPED,
-        ):
+        if request.status != RequestStatus.FINISHED_LENGTH_CAPPED:
+            # Nothing to hand off (the first token ended it -- EOS, a stop string -- or it was
+            # aborted, or failed), as in vLLM: the KV goes. Blocks served in place wait for
+            # the worker to end their lease, which it does at the next step.
+            if delay_free:
+                self._releases.append(req_id)
             return delay_free, None
         params = {
             "do_remote_prefill": True,
@@ -228,4 +240,21 @@ class PDConnector(SchedulerConnector):
 
     def num_pending(self) -> int:
         """Saves requested or done whose request has not finished yet (0 when idle)."""
-        return len(self._to_save) + len(self._saving) + len(self._saved) + len(self._loads)
+        return (
+            len(self._to_save)
+            + len(self._saving)
+            + len(self._saved)
+            + len(self._loads)
+            + len(self._releases)
+        )
+
+    def take_unread(self) -> list[tuple[str, str]]:
+        """Decode side: (request id, source instance) of the handles dropped unread since the
+        last call. The control plane tells each source to ``release`` them."""
+        unread, self._unread = self._unread, []
+        return unread
+
+    def release(self, req_id: str) -> None:
+        """The engine will not hand ``req_id`` off after all (its saved KV was returned in
+        ``kv_transfer_params``): its lease ends at the next step."""
+        self._releases.append(req_id)

@@ -93,6 +93,16 @@ class LeaseTable:
             ended, self._ended = self._ended, set()
         return ended
 
+    def end_request(self, req_id: str) -> None:
+        """``req_id``'s leases end now, unless a pull is reading one (it ends after it)."""
+        with self._lock:
+            for lease_id in list(self._by_req.get(req_id, ())):
+                lease = self._leases[lease_id]
+                if lease.active:
+                    lease.expires = 0.0  # ends with its last pull (take_ended)
+                else:
+                    self._end(lease_id)
+
     def end_all(self) -> None:
         """Every lease ends now (the caches they point into are gone)."""
         with self._lock:

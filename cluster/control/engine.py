@@ -159,6 +159,9 @@ class EngineReport:
     # How the finished ones ended: (finish reason, error, output tokens), for the root span
     # of a request traced across processes.
     outcomes: dict[str, tuple[str, str | None, int]] = field(default_factory=dict)
+    # (internal id, source instance) of KV this decode instance will not read (its local
+    # prefix cache had the prompt): the source's lease can end now.
+    kv_unread: list[tuple[str, str]] = field(default_factory=list)
 
 
 def _discard(loop: EngineLoop, outputs: list[EngineCoreOutput]) -> None:
@@ -314,8 +317,11 @@ class InstanceEngine:
                 held.num_cached_tokens = out.num_cached_tokens
             index = len(held.tokens)
             new = out.new_token_ids
-            if placement.hand_off and out.finished and self._prefilled_now(held, out):
-                continue
+            if placement.hand_off and out.finished:
+                if self._prefilled_now(held, out):
+                    continue
+                if out.kv_transfer_params and out.kv_transfer_params.get("handle"):
+                    self.release_kv(out.request_id)  # ends here: nobody will read it
             internal_id = out.request_id
             # The step's output becomes the client's (the scheduler keeps no reference to
             # it): the client's id, the prefix hit it was told, and no KV handle -- handles
@@ -331,6 +337,15 @@ class InstanceEngine:
                 self._outcomes[internal_id] = (out.finish_reason.value, out.error, len(held.tokens))
                 observe.finished(held, out, self)
             placement.sink(out, index)
+
+    def release_kv(self, internal_id: str) -> None:
+        """A prefilled request will not be handed off (it ended at its first token, was
+        aborted, or has no decode instance): the prefill worker ends the lease on its KV
+        at the next step instead of at expiry, and its blocks are freed."""
+        connector = self.loop.scheduler.connector
+        if isinstance(connector, PDConnector):
+            connector.release(internal_id)
+            self.loop.wake()
 
     def _prefilled_now(self, held: Held, out: EngineCoreOutput) -> bool:
         """The prefill part sampled the first token. Unless the request is complete with it,
@@ -373,6 +388,9 @@ class InstanceEngine:
             return
         report = EngineReport(self.instance_id, summary, self._finished, self._prefilled)
         report.outcomes = self._outcomes
+        connector = loop.scheduler.connector
+        if isinstance(connector, PDConnector):
+            report.kv_unread = connector.take_unread()
         self._finished, self._prefilled, self._outcomes = [], [], {}
         self.on_report(report)
 

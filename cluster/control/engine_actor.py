@@ -103,6 +103,7 @@ def coalesce(into: EngineReport, later: EngineReport) -> EngineReport:
     later.finished[:0] = into.finished
     later.prefilled[:0] = into.prefilled
     later.outcomes = {**into.outcomes, **later.outcomes}
+    later.kv_unread[:0] = into.kv_unread
     return later
 
 
@@ -299,6 +300,8 @@ class EngineActor:
                 self._routes.pop(internal, None)
                 self._awaiting.pop(internal, None)
             engine.abort(item[1])
+        elif kind == "release_kv":
+            self._engine().release_kv(item[1])
         elif kind == "handed_off":
             for internal in item[1]:
                 self._awaiting.pop(internal, None)
@@ -394,6 +397,7 @@ class EngineActor:
         if prefilled is None or route is None:
             return
         engine.abort([internal])
+        engine.release_kv(internal)  # prefilled, never handed off: nobody will read its KV
         final = EngineCoreOutput(route.client_request_id, [], reason, error=error)
         num_tokens = len(prefilled.first.new_token_ids)
         self._sink(route)(final, num_tokens)

@@ -159,6 +159,10 @@ class EngineLoop:
         self.scheduler.finish_requests(list(ids), RequestStatus.FINISHED_ABORTED)
         self._wake.set()  # a finished request still has blocks to free on the next step
 
+    def wake(self) -> None:
+        """Step soon (e.g. the connector has instructions for the workers)."""
+        self._wake.set()
+
     def queued_tokens(self) -> int:
         """Tokens this instance still has to compute for the requests it knows (its load)."""
         s = self.scheduler

@@ -205,6 +205,10 @@ class RemoteEngine:
         self._op(("end", internal_id, reason.value, error))
         return True
 
+    def release_kv(self, internal_id: str) -> None:
+        """A prefilled request's KV will not be read: its lease ends now."""
+        self._op(("release_kv", internal_id))
+
     def handed_off(self, internal_ids: list[str]) -> None:
         self._op(("handed_off", list(internal_ids)))
 

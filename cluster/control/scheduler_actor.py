@@ -612,6 +612,12 @@ class SchedulerActor(Restart, ClusterOperations):
             if flight is not None and flight.instance == iid and not flight.aborting:
                 self._hand_off(flight, prefilled)
                 self.engines[iid].handed_off([prefilled.internal_id])
+            elif not self.engines[iid].remote:  # aborted: nobody will read its KV
+                self.engines[iid].release_kv(prefilled.internal_id)
+        for internal, source in report.kv_unread:  # the decode side had the prompt cached
+            engine = self.engines.get(source)
+            if engine is not None:
+                engine.release_kv(internal)
             # else: aborted; an engine actor ends it itself (and reports it finished)
         if report.failure is not None:
             view.alive = False
@@ -694,7 +700,10 @@ class SchedulerActor(Restart, ClusterOperations):
             alive = self._live("decode")
             if not alive:
                 error = "no live decode instance to continue"
+                source = self.engines.get(flight.instance)
                 self._end(flight, FinishReason.ERROR, error, index=len(flight.sent))
+                if source is not None and not source.remote:  # nobody will read its KV
+                    source.release_kv(prefilled.internal_id)
                 return
             decode = self.router.best_decode(alive)
         params = prefilled.kv_transfer_params

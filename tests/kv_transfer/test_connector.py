@@ -218,18 +218,36 @@ def test_save_of_a_request_aborted_during_its_saving_step_is_dropped() -> None:
     _assert_idle(s, c)
 
 
-def test_prefill_whose_first_token_is_eos_still_returns_params() -> None:
+def test_prefill_whose_first_token_is_eos_hands_nothing_off() -> None:
+    """Only a request capped at its first token continues on a decode instance (as vLLM's
+    connectors: ``FINISHED_LENGTH_CAPPED``); one that stopped there returns no params, and
+    its copy-out KV is let go with its blocks."""
     s, c, out = _prefill_scheduled(9)
-    block_ids = s.kv_cache_manager.get_block_ids("p")
     result = model_output(s, out, {"p": [EOS]})
     result.kv_connector_output = KVConnectorReport(saved={"p": SEG})
     (o,) = s.update_from_output(out, result)
     assert o.new_token_ids == [EOS] and o.finish_reason == FinishReason.STOP
-    # The scheduler actor, not the connector, decides that there is nothing to decode.
-    assert o.kv_transfer_params is not None
-    assert o.kv_transfer_params["handle"] == SEG
-    assert o.kv_transfer_params["remote_block_ids"] == block_ids
-    assert o.kv_transfer_params["remote_num_tokens"] == 9
+    assert o.kv_transfer_params is None
+    _assert_idle(s, c)
+
+
+def test_an_in_place_save_nobody_takes_is_released_at_the_next_step() -> None:
+    """Blocks served in place (grpc, nixl) stay allocated until the worker ends their lease:
+    for a request that ends at its first token, the next step's metadata tells it to, and
+    the blocks are freed when it reports the send finished."""
+    s, c, out = _prefill_scheduled(9)
+    in_place = [KVSegment(0, 2, "lease", in_place=True)]
+    result = model_output(s, out, {"p": [EOS]})
+    result.kv_connector_output = KVConnectorReport(saved={"p": in_place})
+    (o,) = s.update_from_output(out, result)
+    assert o.finish_reason == FinishReason.STOP and o.kv_transfer_params is None
+    assert s.kv_cache_manager.block_pool.num_free_blocks < s.kv_cache_manager.block_pool.num_blocks
+    nxt = s.schedule()
+    assert _meta(nxt).releases == ["p"]
+    done = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+    done.kv_connector_output = KVConnectorReport()
+    done.finished_sending = {"p"}
+    s.update_from_output(nxt, done)
     _assert_idle(s, c)
 
 

@@ -375,6 +375,19 @@ def test_layouts_that_differ_are_refused(make: Callable[..., NixlWorkerConnector
     assert _unchanged(dst, before)
 
 
+def test_a_released_save_ends_its_lease_at_the_next_step(
+    make: Callable[..., NixlWorkerConnector],
+) -> None:
+    """The scheduler side says nobody will take a saved request's KV (``releases``): the
+    lease ends at once and the blocks are reported free (no wait for the expiry)."""
+    src = make()
+    _save(src)
+    _save(src, req_id="kept")
+    assert _sending(src) is None
+    src.wait_for_save(KVConnectorMetadata(releases=["r"]), {})
+    assert _sending(src) == {"r"} and len(src.leases) == 1  # "kept" still waits
+
+
 def test_new_caches_end_every_lease_and_change_the_agent(
     make: Callable[..., NixlWorkerConnector],
 ) -> None:

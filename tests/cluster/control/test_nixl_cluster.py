@@ -113,6 +113,50 @@ def test_pipeline_prefill_to_plain_decode_equals_colocated(
     assert all(r.ok and r.num_bytes > 0 for r in history)
 
 
+def test_a_request_that_ends_at_its_first_token_frees_the_prefill_blocks_at_once(
+    nixl_pp: Any, tiny_model: Path
+) -> None:
+    """Nothing to hand off (its first token is a stop token): nobody will read its KV, so
+    the prefill worker ends the lease at once rather than at its expiry (as vLLM frees the
+    blocks of a request that is not LENGTH_CAPPED)."""
+    prompt = _prompts(1, seed=12)[0] + [9] * 12
+    (expected,) = generate_in_process(tiny_model, [prompt], GREEDY)
+    params = GREEDY.model_copy(update={"stop_token_ids": (expected[0],)})
+    started = time.monotonic()
+    (got,) = token_ids(ClusterClient(nixl_pp).generate([prompt], params))
+    assert got == expected[:1]
+    wait_until(
+        lambda: _instances(nixl_pp)["p-0"]["num_requests"] == 0,
+        timeout_s=LEASE_S / 2,
+        what="the prefill instance to free the blocks nobody will read",
+    )
+    assert time.monotonic() - started < LEASE_S  # not the lease's expiry
+
+
+def test_kv_the_decode_side_has_cached_is_let_go_at_once(nixl_pp: Any, tiny_model: Path) -> None:
+    """The same prompt twice: the second time the decode instance's prefix cache holds the
+    whole prompt, so it reads nothing -- and tells the prefill instance (through the central
+    scheduler) to end the lease now instead of at its expiry."""
+    prompt = _prompts(1, seed=13)[0][:4] * 6  # 24 tokens: whole blocks
+    client = ClusterClient(nixl_pp)
+    first = token_ids(client.generate([prompt], GREEDY))
+    wait_until(
+        lambda: _instances(nixl_pp)["p-0"]["num_requests"] == 0,
+        timeout_s=LEASE_S / 2,
+        what="the first request's lease to end with its read",
+    )
+    loads = _instances(nixl_pp)["d-0"]["num_kv_loads_started"]
+    started = time.monotonic()
+    assert token_ids(client.generate([prompt], GREEDY)) == first
+    assert _instances(nixl_pp)["d-0"]["num_kv_loads_started"] == loads  # nothing read
+    wait_until(
+        lambda: _instances(nixl_pp)["p-0"]["num_requests"] == 0,
+        timeout_s=LEASE_S / 2,
+        what="the prefill instance to let go of KV the decode instance had cached",
+    )
+    assert time.monotonic() - started < LEASE_S  # not the lease's expiry
+
+
 def test_an_unread_lease_expires_and_frees_the_prefill_blocks(
     nixl_pp: Any, tiny_model: Path
 ) -> None:
