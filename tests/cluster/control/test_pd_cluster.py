@@ -76,12 +76,10 @@ def client(disagg: Any) -> ClusterClient:
 
 
 # With the ``ray`` transport only what depends on the transport runs again (the rest was run
-# with nixl): hand-off equality, n samples' blocks, aborts around the transfer, its deadline.
+# with nixl): hand-off equality, an abort during the transfer, its deadline.
 RAY_TESTS = {
     "test_disaggregated_equals_colocated_equals_in_process",
-    "test_n_samples_share_their_prompts_blocks",
     "test_abort_while_transferring",
-    "test_abort_while_decoding",
     "test_transfer_timeout_recomputes_on_decode",
 }
 
