@@ -412,7 +412,12 @@ class NixlWorkerConnector(WorkerConnector):
 
     def _finished_sending(self) -> set[str]:
         if self.agent is not None:
-            for messages in self.agent.get_new_notifs().values():
+            try:
+                notifs = self.agent.get_new_notifs()
+            except Exception as exc:  # e.g. a reader that died: its notifications are lost
+                logger.warning("NIXL notifications: %s: %s", type(exc).__name__, exc)
+                notifs = {}
+            for messages in notifs.values():
                 for message in messages:
                     self._read_done(message)
         return self.leases.take_ended()
