@@ -266,8 +266,10 @@ class EngineActor:
         return reports, leftovers.lost
 
     def drained(self) -> bool:
-        """No output waits for a client any more (after ``stop``)."""
-        return not any(outbox.pending for outbox in self._outboxes.values())
+        """No output waits for a client any more (after ``stop``), and no client stream is
+        still running (a stream's last batch is yielded, not yet delivered, until it ends:
+        Ray ends a generator's task once the caller has every item)."""
+        return not any(o.pending or o.streams for o in self._outboxes.values())
 
     async def ping(self) -> str:
         return self.instance_id
@@ -425,12 +427,16 @@ class EngineActor:
         outbox = self._outbox(client_id)
         if outbox is None:
             return
-        while True:
-            batch = await outbox.take()
-            if batch:
-                yield pack_batch(batch)
-            if outbox.closed and not outbox.pending:
-                return
+        outbox.streams += 1
+        try:
+            while True:
+                batch = await outbox.take()
+                if batch:
+                    yield pack_batch(batch)
+                if outbox.closed and not outbox.pending:
+                    return
+        finally:
+            outbox.streams -= 1
 
     def _drop_client(self, client_id: str) -> None:
         self._dropped.add(client_id)

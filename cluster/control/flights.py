@@ -41,6 +41,7 @@ class Outbox:
         self._merged: set[Submission] = set()  # pending outputs this outbox made (its own)
         self.ready = asyncio.Event()
         self.closed = False
+        self.streams = 0  # generators streaming it to its client now (engine actors)
         self.notice: dict[str, Any] | None = None  # for the client, before its next batch
 
     def put(self, submission: Submission, out: EngineCoreOutput, index: int | None = None) -> None:

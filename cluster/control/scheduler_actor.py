@@ -466,7 +466,7 @@ class SchedulerActor(Restart, ClusterOperations):
         if self.flights.get(request.request_id) is not flight:
             return  # aborted while an adapter loaded
         if flight.aborting:  # its abort went to an engine that no longer held it
-            self._end(flight, FinishReason.ABORT, index=len(flight.sent))
+            self._end(flight, FinishReason.ABORT, tokens=flight.sent)
             return
         # Schedulers see a unique internal id: an aborted request may linger in one (its
         # blocks wait for a load to end) while the client already reuses its id.
@@ -545,7 +545,7 @@ class SchedulerActor(Restart, ClusterOperations):
         elif engine is not None and engine.end(flight.internal_id, FinishReason.ABORT):
             self._forget(flight)
         else:  # between instances: the actor answers for it
-            self._end(flight, FinishReason.ABORT, index=len(flight.sent))
+            self._end(flight, FinishReason.ABORT, tokens=flight.sent)
         return True
 
     def _forget(self, flight: Flight) -> None:
@@ -561,15 +561,15 @@ class SchedulerActor(Restart, ClusterOperations):
         flight: Flight,
         reason: FinishReason,
         error: str | None = None,
-        index: int | None = None,
+        tokens: list[int] | None = None,
     ) -> None:
-        """End a flight that no engine holds, with a last output from the actor (``index``:
-        the number of tokens its client has, when the actor knows it)."""
+        """End a flight that no engine holds, with a last output from the actor (``tokens``:
+        the tokens its client should have, when the actor knows them: ``_replay``)."""
         if self.flights.get(flight.request.request_id) is not flight:
             return
         final = EngineCoreOutput(flight.request.request_id, [], reason, error=error)
         self._forget(flight)
-        flight.deliver(final, index)
+        _replay(flight, final, tokens)
         # Counted on its last instance (one that left: the first, as before it was placed).
         where = self.views.get(flight.instance) or next(iter(self.views.values()), None)
         self.observe.finished(flight, final, where)
@@ -701,7 +701,7 @@ class SchedulerActor(Restart, ClusterOperations):
             if not alive:
                 error = "no live decode instance to continue"
                 source = self.engines.get(flight.instance)
-                self._end(flight, FinishReason.ERROR, error, index=len(flight.sent))
+                self._end(flight, FinishReason.ERROR, error, tokens=flight.sent)
                 if source is not None and not source.remote:  # nobody will read its KV
                     source.release_kv(prefilled.internal_id)
                 return
@@ -732,9 +732,13 @@ class SchedulerActor(Restart, ClusterOperations):
             if flight is None or flight.instance != iid:
                 continue  # aborted meanwhile
             if flight.aborting:  # its abort reached the engine too late
-                self._end(flight, FinishReason.ABORT, index=len(item.tokens))
+                self._end(flight, FinishReason.ABORT, tokens=item.tokens)
                 continue
             flight.sent = list(item.tokens)
+            # What the engine it left sent last may never have reached the client (its
+            # process stopped before Ray delivered it), and the next engine's tokens come
+            # after these: the client gets them again, so its stream has no gap.
+            _replay(flight, EngineCoreOutput(flight.request.request_id, []), flight.sent)
             flight.first_token_at = item.first_token_at
             flight.last_token_at = item.last_token_at
             if flight.num_cached_tokens is None:
@@ -747,7 +751,7 @@ class SchedulerActor(Restart, ClusterOperations):
                 await self._place(flight)
             except Exception as exc:
                 error = f"{reason}; the request could not move: {exc}"
-                self._end(flight, FinishReason.ERROR, error, index=len(flight.sent))
+                self._end(flight, FinishReason.ERROR, error, tokens=flight.sent)
 
     def _end_flight(self, flight: Flight, error: str) -> None:
         """End a flight with an error from the actor (its engine is gone)."""
@@ -777,3 +781,20 @@ class SchedulerActor(Restart, ClusterOperations):
         the ones draining to leave."""
         prefill = role == "prefill"
         return [v for v in self.views.values() if (v.role == "prefill") == prefill and v.serves]
+
+
+def _replay(flight: Flight, out: EngineCoreOutput, tokens: list[int] | None) -> None:
+    """Deliver ``out`` after ``tokens``, the output the actor knows its client should have.
+    A client of engine actors orders a request's outputs by position and drops what it
+    already has, so the tokens are sent from position 0 and fill any gap (the tokens of an
+    engine that stopped before its last outputs reached the client); it is the request's
+    own queue (an engine in this process): ``out`` alone. Tokens already there cost nothing
+    but the message; the tokens refilled this way carry no logprobs (the engine that made
+    them is gone)."""
+    if flight.outbox is None or tokens is None:
+        flight.deliver(out, None if tokens is None else len(tokens))
+        return
+    if not tokens and out.finish_reason is None:
+        return
+    out.new_token_ids = list(tokens) + out.new_token_ids
+    flight.deliver(out, 0)

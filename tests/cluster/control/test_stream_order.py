@@ -1,0 +1,111 @@
+"""A request's outputs reach its client in order when several processes send them (its
+prefill engine, its decode engine, the engine it moved to, the central actor), and a gap left
+by an engine that stopped before its last outputs were delivered is filled by the central
+actor's replay of the tokens it learned at the move (regression: a request moved off a
+removed instance hung when the removed engine's last batch never reached the client)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from cluster.control.flights import Flight, Outbox, pack_batch
+from cluster.control.scheduler_actor import _replay
+from cluster.control.subscription import Subscription
+from scheduler import Request, SamplingParams
+from scheduler.outputs import EngineCoreOutput
+from scheduler.request import FinishReason
+
+
+def _subscription() -> tuple[Subscription, asyncio.Queue[Any]]:
+    """The delivery half of a Subscription (no actor: outputs are fed in by hand)."""
+    sub = Subscription.__new__(Subscription)
+    sub._next_index, sub._early = {}, {}
+    queue: asyncio.Queue[Any] = asyncio.Queue()
+    sub.queues = {7: queue}
+    return sub, queue
+
+
+def _out(tokens: list[int], finished: bool = False) -> EngineCoreOutput:
+    return EngineCoreOutput("r", list(tokens), FinishReason.LENGTH if finished else None)
+
+
+def _feed(sub: Subscription, out: EngineCoreOutput, index: int | None) -> None:
+    sub._deliver_batch(pack_batch([(7, out, index)]))
+
+
+def _drain(queue: asyncio.Queue[Any]) -> tuple[list[int], bool]:
+    tokens: list[int] = []
+    finished = False
+    while not queue.empty():
+        out = queue.get_nowait()
+        assert not finished, "an output after the final one"
+        tokens += out.new_token_ids
+        finished = out.finished
+    return tokens, finished
+
+
+def _flight(tokens: list[int]) -> Flight:
+    request = Request("r", [1, 2, 3], SamplingParams(max_tokens=9))
+    flight = Flight(request, None, Outbox(), "d-2", "decode", submission=7, client_id="c")
+    flight.sent = list(tokens)
+    return flight
+
+
+def _taken(flight: Flight) -> list[tuple[Any, EngineCoreOutput, int | None]]:
+    assert flight.outbox is not None
+    return asyncio.run(flight.outbox.take())
+
+
+def test_a_move_replays_the_tokens_so_a_lost_batch_leaves_no_gap() -> None:
+    sub, queue = _subscription()
+    _feed(sub, _out([10]), 0)  # the prefill engine's first token
+    _feed(sub, _out([11, 12]), 1)  # the decode engine's first batch
+    # Its next batch, [13, 14] at 3, is lost with its process; the request moved with the
+    # five tokens the engine had made, and the next engine continues at position 5:
+    _feed(sub, _out([15, 16]), 5)
+    assert _drain(queue) == ([10, 11, 12], False)  # held: position 3 never came
+    flight = _flight([10, 11, 12, 13, 14])
+    _replay(flight, EngineCoreOutput("r", []), flight.sent)
+    for _tag, out, index in _taken(flight):
+        _feed(sub, out, index)
+    _feed(sub, _out([17], finished=True), 7)
+    assert _drain(queue) == ([13, 14, 15, 16, 17], True)  # no gap, nothing twice
+
+
+def test_a_replay_of_what_the_client_has_delivers_nothing() -> None:
+    sub, queue = _subscription()
+    _feed(sub, _out([10, 11, 12]), 0)
+    assert _drain(queue) == ([10, 11, 12], False)
+    flight = _flight([10, 11, 12])
+    _replay(flight, EngineCoreOutput("r", []), flight.sent)
+    for _tag, out, index in _taken(flight):
+        _feed(sub, out, index)
+    assert queue.empty()
+    _feed(sub, _out([13], finished=True), 3)
+    assert _drain(queue) == ([13], True)
+
+
+def test_an_end_from_the_central_actor_fills_the_gap_before_it() -> None:
+    """A request ended by the actor (no engine holds it: an abort between instances, no
+    instance left to move to) after an engine's last batch was lost: the final output
+    carries the tokens, so the stream ends instead of waiting for position 2."""
+    sub, queue = _subscription()
+    _feed(sub, _out([10, 11]), 0)
+    flight = _flight([10, 11, 12, 13])
+    _replay(flight, EngineCoreOutput("r", [], FinishReason.ABORT), flight.sent)
+    for _tag, out, index in _taken(flight):
+        _feed(sub, out, index)
+    tokens, finished = _drain(queue)
+    assert (tokens, finished) == ([10, 11, 12, 13], True)
+
+
+def test_nothing_to_replay_sends_nothing_and_an_in_process_stream_gets_the_final_alone() -> None:
+    flight = _flight([])
+    _replay(flight, EngineCoreOutput("r", []), flight.sent)
+    assert flight.outbox is not None and not flight.outbox.pending
+    queue: asyncio.Queue[EngineCoreOutput] = asyncio.Queue()
+    local = Flight(flight.request, queue, None, "c-0", "decode")
+    _replay(local, EngineCoreOutput("r", [], FinishReason.ABORT), [10, 11])
+    final = queue.get_nowait()
+    assert final.new_token_ids == [] and final.finished and queue.empty()
