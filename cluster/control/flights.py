@@ -39,9 +39,13 @@ class Outbox:
         self.pending: dict[Submission, EngineCoreOutput] = {}
         self.index: dict[Submission, int | None] = {}  # the first pending output's position
         self._merged: set[Submission] = set()  # pending outputs this outbox made (its own)
+        # Outputs that do not continue their submission's pending one (by position).
+        self.apart: list[tuple[Submission, EngineCoreOutput, int | None]] = []
         self.ready = asyncio.Event()
         self.closed = False
         self.streams = 0  # generators streaming it to its client now (engine actors)
+        # Asks for the client's tokens of its requests on a dead engine: (instance, submissions).
+        self.resume: list[tuple[str, list[Submission]]] = []
         self.notice: dict[str, Any] | None = None  # for the client, before its next batch
 
     def put(self, submission: Submission, out: EngineCoreOutput, index: int | None = None) -> None:
@@ -50,6 +54,10 @@ class Outbox:
         if before is None:
             pending[submission] = out
             self.index[submission] = index
+        elif not self._continues(submission, before, index):
+            # Not where the pending one ends (the central actor's replay of a moved request
+            # from position 0, say): it goes as it is; the client orders them by position.
+            self.apart.append((submission, out, index))
         elif submission in self._merged:  # its own copy: grows in place, no re-copy
             _extend(before, out)
         else:
@@ -58,6 +66,14 @@ class Outbox:
         if not self.ready.is_set():
             self.ready.set()
 
+    def _continues(
+        self, submission: Submission, before: EngineCoreOutput, index: int | None
+    ) -> bool:
+        """``index`` is where the pending output of ``submission`` ends (or a position is
+        unknown): the two merge into one."""
+        start = self.index.get(submission)
+        return start is None or index is None or index == start + len(before.new_token_ids)
+
     async def take(self) -> list[tuple[Submission, EngineCoreOutput, int | None]]:
         """Wait for outputs (or ``close``), then take them all, each with its submission and
         position."""
@@ -65,6 +81,9 @@ class Outbox:
         self.ready.clear()
         index = self.index
         batch = [(tag, out, index[tag]) for tag, out in self.pending.items()]
+        if self.apart:
+            batch += self.apart
+            self.apart = []
         self.pending, self.index = {}, {}
         self._merged.clear()
         return batch

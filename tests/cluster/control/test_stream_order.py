@@ -20,7 +20,7 @@ from scheduler.request import FinishReason
 def _subscription() -> tuple[Subscription, asyncio.Queue[Any]]:
     """The delivery half of a Subscription (no actor: outputs are fed in by hand)."""
     sub = Subscription.__new__(Subscription)
-    sub._next_index, sub._early = {}, {}
+    sub._next_index, sub._early, sub._tokens = {}, {}, {}
     queue: asyncio.Queue[Any] = asyncio.Queue()
     sub.queues = {7: queue}
     return sub, queue
@@ -109,3 +109,23 @@ def test_nothing_to_replay_sends_nothing_and_an_in_process_stream_gets_the_final
     _replay(local, EngineCoreOutput("r", [], FinishReason.ABORT), [10, 11])
     final = queue.get_nowait()
     assert final.new_token_ids == [] and final.finished and queue.empty()
+
+
+def test_a_replay_behind_a_pending_output_is_not_merged_into_it() -> None:
+    """The request's outbox still holds its old engine's last output (positions 3-4) when
+    the replay from position 0 comes: merging them would put the replayed tokens at 5; they
+    stay apart, and the client gets each token once, in place (regression: a request moved
+    by a drain timeout repeated its first tokens)."""
+    sub, queue = _subscription()
+    _feed(sub, _out([10, 11, 12]), 0)
+    flight = _flight([10, 11, 12, 13, 14])
+    assert flight.outbox is not None
+    flight.outbox.put(7, _out([13, 14]), 3)
+    _replay(flight, EngineCoreOutput("r", []), flight.sent)
+    flight.outbox.put(7, _out([15]), 5)  # the next engine's, after the replay: merged
+    batch = _taken(flight)
+    assert [index for _, _, index in batch] == [3, 0]
+    for _tag, out, index in batch:
+        _feed(sub, out, index)
+    _feed(sub, _out([16], finished=True), 6)
+    assert _drain(queue) == ([10, 11, 12, 13, 14, 15, 16], True)
