@@ -70,6 +70,9 @@ class Clients:
                 notice, outbox.notice = outbox.notice, None
                 if notice is not None:
                     yield notice
+                if outbox.resume:
+                    asks, outbox.resume = outbox.resume, []
+                    yield {"resume": asks}
                 if batch:
                     yield batch
                 if outbox.closed and not outbox.pending:
@@ -96,6 +99,16 @@ class Clients:
             self._abort(rid)
         if self._on_drop is not None:
             self._on_drop(client_id)
+
+    def ask_resume(self, client_id: str, iid: str, submissions: list[Submission]) -> bool:
+        """Ask the client for the tokens it has of ``submissions`` (its requests on instance
+        ``iid``, whose engine died: ``control/migration.py``). False: no such client."""
+        outbox = self._outboxes.get(client_id)
+        if outbox is None or outbox.closed:
+            return False
+        outbox.resume.append((iid, list(submissions)))
+        outbox.ready.set()
+        return True
 
     def notify_all(self, notice: dict[str, Any]) -> None:
         """Send ``notice`` to every client before its next batch (the latest one only)."""

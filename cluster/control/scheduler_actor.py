@@ -46,6 +46,7 @@ from cluster.control.flights import (
     prefill_request,
 )
 from cluster.control.heap import freeze_heap
+from cluster.control.migration import Migration
 from cluster.control.observer import RequestObserver
 from cluster.control.operations import ClusterOperations
 from cluster.control.placement import InstanceSpec
@@ -60,12 +61,13 @@ from scheduler.request import FinishReason
 logger = logging.getLogger(__name__)
 
 
-class SchedulerActor(Restart, ClusterOperations):
+class SchedulerActor(Restart, ClusterOperations, Migration):
     """Admits and routes requests, hands them off between instances, moves them off failed
     ones; the instances' engines run them and stream their tokens. What operators call --
     pool resizing, adapters, metrics, introspection -- is ``ClusterOperations``
     (``control/operations.py``); the rebuild after a restart is ``Restart``
-    (``control/restart.py``)."""
+    (``control/restart.py``); requests of an engine process that died move on with their
+    clients' tokens (``Migration``, ``control/migration.py``)."""
 
     def __init__(self, config: ClusterConfig, instances: list[InstanceSpec] | None = None) -> None:
         # ``transport: auto``: nixl if it imports here, checked against the workers at start.
@@ -102,6 +104,7 @@ class SchedulerActor(Restart, ClusterOperations):
         self.recovering = config.engine_actors and was_restarted()
         self._recovery: asyncio.Task[None] | None = None
         self._held_reports: list[EngineReport] = []  # reports that came during the rebuild
+        self._orphans = {}  # a dead engine's requests, waiting for their clients' tokens
 
     # -- life cycle --------------------------------------------------------------------------
     async def start(self) -> dict[str, Any]:
@@ -537,15 +540,18 @@ class SchedulerActor(Restart, ClusterOperations):
             self._early_aborts.remember(request_id)
             return False
         engine = self.engines.get(flight.instance)
-        if engine is not None and engine.remote and engine.dead is None:
-            # Its engine answers (a final to the client, then ``finished`` in a report),
-            # or, if it no longer holds the request, whoever takes it next sees the flag.
-            flight.aborting = True
-            engine.end(flight.internal_id, FinishReason.ABORT)
+        if engine is not None and engine.remote:
+            if engine.dead is None:
+                # Its engine answers (a final to the client, then ``finished`` in a report),
+                # or, if it no longer holds the request, whoever takes it next sees the flag.
+                flight.aborting = True
+                engine.end(flight.internal_id, FinishReason.ABORT)
+                return True
         elif engine is not None and engine.end(flight.internal_id, FinishReason.ABORT):
             self._forget(flight)
-        else:  # between instances: the actor answers for it
-            self._end(flight, FinishReason.ABORT, tokens=flight.sent)
+            return True
+        # Between instances, or on an engine that died: the actor answers for it.
+        self._end(flight, FinishReason.ABORT, tokens=flight.sent)
         return True
 
     def _forget(self, flight: Flight) -> None:
@@ -756,19 +762,6 @@ class SchedulerActor(Restart, ClusterOperations):
     def _end_flight(self, flight: Flight, error: str) -> None:
         """End a flight with an error from the actor (its engine is gone)."""
         self._end(flight, FinishReason.ERROR, error)
-
-    def _engine_died(self, iid: str, reason: str) -> None:
-        """An engine actor's process died: its instance leaves routing, and the requests it
-        held end with an error (their tokens so far were there and with their clients)."""
-        view = self.views.get(iid)
-        if view is None:
-            return
-        view.alive = False
-        self.failures.append(
-            {"instance_id": iid, "event": "failed", "reason": reason, "time": time.time()}
-        )
-        for flight in [f for f in self.flights.values() if f.instance == iid]:
-            self._end(flight, FinishReason.ERROR, reason)
 
     def _client_dropped(self, client_id: str) -> None:
         """Engine actors keep an outbox per client: the dropped one's goes."""

@@ -25,6 +25,9 @@ KEEPALIVE_S = 1.0
 # How long a client waits for a restarting central actor (engine actors) before its open
 # requests fail.
 CENTRAL_RESTART_S = 60.0
+# How long a client waits for its stream from a dead engine to end before it tells the
+# central actor the tokens its requests there have (``Subscription._resume``).
+RESUME_WAIT_S = 5.0
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +54,9 @@ class Subscription:
         # output. Per submission: the next position, and outputs that came early.
         self._next_index: dict[int, int] = {}
         self._early: dict[int, dict[int, EngineCoreOutput]] = {}
+        # The tokens delivered so far, per submission: what a request on an engine that
+        # died resumes after (``_resume``; engine actors).
+        self._tokens: dict[int, list[int]] = {}
         self._engines: dict[str, asyncio.Task[None]] = {}  # engine actors streamed from
         self._generation = 0  # how often the central actor came back from a restart
         # Submitted, not finished: what a restarted central actor may have to be sent again.
@@ -114,6 +120,7 @@ class Subscription:
             self.queues.pop(submission, None)
             self._next_index.pop(submission, None)
             self._early.pop(submission, None)
+            self._tokens.pop(submission, None)
             self._open.pop(submission, None)
             self.request_ids.pop(rid, None)
             if running:  # left before the end: nothing may keep running for nobody
@@ -314,8 +321,10 @@ class Subscription:
                             lost_at = None
                             self._generation += 1
                             self._spawn(self._resubmit_lost())
-                        if isinstance(batch, dict):  # a notice: the engine actors to stream from
-                            self._follow(batch.get("engines", {}))
+                        if isinstance(batch, dict):  # a notice: the engine actors to stream
+                            self._follow(batch.get("engines", {}))  # from, or an engine died
+                            for iid, submissions in batch.get("resume", []):
+                                self._spawn(self._resume(iid, submissions))
                             continue
                         self._deliver_batch(batch)
                     return  # the actor ended it (dropped this client)
@@ -376,11 +385,28 @@ class Subscription:
                 del out.new_logprobs[:skip]
             index = expected
         queue.put_nowait(out)
+        if out.new_token_ids:
+            self._tokens.setdefault(submission, []).extend(out.new_token_ids)
         expected = index + len(out.new_token_ids)
         self._next_index[submission] = expected
         early = self._early.get(submission)
         if early and expected in early:
             self._in_order(queue, submission, early.pop(expected), expected)
+
+    async def _resume(self, iid: str, submissions: list[int]) -> None:
+        """Instance ``iid``'s engine died: once this client's stream from it has ended (so
+        every output it sent is delivered), tell the central actor which tokens each of
+        ``submissions`` has; they move on after them (``control/migration.py``)."""
+        stream = self._engines.get(iid)
+        if stream is not None:
+            await asyncio.wait({stream}, timeout=RESUME_WAIT_S)
+        items = [(s, list(self._tokens.get(s, []))) for s in submissions if s in self._open]
+        if not items:
+            return
+        try:
+            await self.handle.resume.remote(self.client_id, iid, items)
+        except Exception as exc:  # the actor ends them when its wait runs out
+            logger.warning("client %s: could not resume on %s: %s", self.client_id, iid, exc)
 
     def _follow(self, engines: dict[str, Any]) -> None:
         """Stream from every engine actor in ``engines`` not streamed from yet."""

@@ -3,7 +3,8 @@ loop run in an ``EngineActor`` beside its workers, and stream tokens straight to
 the central SchedulerActor sees only per-step reports. On a real multi-node
 ``ray.cluster_utils.Cluster``: P/D output equal to the in-process engine's, aborts at every
 stage, metrics merged across processes, pools resized, a worker killed (its requests move), an
-engine process killed (its requests end with an error, never hang)."""
+engine process killed (its requests move on after the tokens their clients have; with nowhere
+to go, they end with an error, never hang)."""
 
 from __future__ import annotations
 
@@ -470,18 +471,65 @@ def test_a_killed_worker_moves_its_requests_to_another_engine(
     assert stats["num_moves"] >= 1 and not stats["instances"]["d-0"]["alive"]
 
 
-def test_a_killed_engine_process_ends_its_requests_with_an_error(
+def test_the_requests_of_a_killed_engine_process_move_on(
+    engines: Any, client: ClusterClient, tiny_model: Path
+) -> None:
+    """An engine process dies mid-stream, with tokens of its requests already at the
+    client: the client says which tokens each has, and they move to the other engine after
+    them -- output equal to the undisturbed one, nothing lost or repeated. A resize then
+    replaces the dead instance, and nothing is left anywhere."""
+    live = asyncio.run(client.scale_pool("d", 2))["instances"]
+    victim = live[-1]
+    prompts = _prompts(6, seed=15)
+    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    expected = generate_in_process(tiny_model, prompts, params)
+    for iid in live:
+        ray.get(engines.set_fault_injection.remote(iid, 0.0, 0.03))
+    moves = ray.get(engines.stats.remote())["num_moves"]
+    seen: dict[int, int] = {}
+
+    async def collect(i: int) -> Any:
+        final = None
+        async for out in client.generate_async(prompts[i], params):
+            seen[i] = len(out.outputs[0].token_ids)
+            final = out
+        return final
+
+    def streaming_on_victim() -> bool:
+        where = ray.get(engines.requests.remote())
+        on_victim = [r for r in where.values() if r["instance"] == victim]
+        return bool(on_victim) and max(seen.values(), default=0) >= 5
+
+    async def run() -> list[Any]:
+        tasks = [asyncio.ensure_future(collect(i)) for i in range(len(prompts))]
+        await _until(streaming_on_victim)
+        os.kill(_instances(engines)[victim]["engine_pid"], signal.SIGKILL)
+        return list(await asyncio.gather(*tasks))
+
+    outs = asyncio.run(asyncio.wait_for(run(), 120))
+    assert token_ids(outs) == expected  # resumed after the tokens the client had
+    assert all(o.outputs[0].finish_reason == "length" for o in outs)
+    stats = ray.get(engines.stats.remote())
+    assert stats["num_moves"] > moves and not stats["instances"][victim]["alive"]
+    assert "died" in stats["failures"][-1]["reason"]
+    resized = asyncio.run(client.scale_pool("d", 2))["instances"]
+    assert victim not in resized and len(resized) == 2
+    assert token_ids(client.generate(prompts[:2], params)) == expected[:2]
+
+
+def test_a_killed_engine_process_with_no_engine_left_ends_its_requests_with_an_error(
     engines: Any, client: ClusterClient
 ) -> None:
-    """The last decode instance's engine process dies mid-stream: its requests end with an
-    error naming it (no hang), the instance leaves routing, a new request is refused clearly,
-    and the prefill side is left clean."""
-    ray.get(engines.set_fault_injection.remote("d-1", 0.0, 0.03))
+    """The last decode instance's engine process dies mid-stream: with nowhere to move,
+    its requests end with an error naming it (no hang), the instance leaves routing, a new
+    request is refused clearly, and the prefill side is left clean."""
+    (last,) = asyncio.run(client.scale_pool("d", 1))["instances"]
+    ray.get(engines.set_fault_injection.remote(last, 0.0, 0.03))
 
     async def run() -> tuple[Any, Any]:
         task = asyncio.ensure_future(_collect(client, _prompts(1, 14)[0], LONG))
-        await _until(lambda: _instances(engines)["d-1"]["num_running"] > 0)
-        os.kill(_instances(engines)["d-1"]["engine_pid"], signal.SIGKILL)
+        await _until(lambda: _instances(engines)[last]["num_running"] > 0)
+        os.kill(_instances(engines)[last]["engine_pid"], signal.SIGKILL)
         out = await asyncio.wait_for(task, 30)
         try:
             after = await _collect(client, [5, 6, 7], GREEDY)
@@ -491,7 +539,7 @@ def test_a_killed_engine_process_ends_its_requests_with_an_error(
 
     out, after = asyncio.run(run())
     assert out.outputs[0].finish_reason == "error"
-    assert "engine process of instance d-1 died" in (out.outputs[0].error or "")
+    assert f"engine process of instance {last} died" in (out.outputs[0].error or "")
     assert isinstance(after, Exception) or after.outputs[0].finish_reason == "error"
     assert "no live decode" in str(
         after if isinstance(after, Exception) else after.outputs[0].error

@@ -1,0 +1,126 @@
+"""``Migration``: what the ``SchedulerActor`` does when an instance's engine process dies
+(engine actors). The engine took its requests' tokens with it -- the central actor learns a
+request's tokens only when it changes instance, never per token -- but each request's client
+has every token it was sent. So the actor asks the clients: each answers with the tokens of
+its requests that were on the dead engine (``Subscription`` keeps them), once its stream from
+that engine has ended (nothing more can arrive from it), and each request moves on after
+those tokens, as after a worker's failure (``SchedulerActor._move``): re-prefilled elsewhere
+from prompt + tokens, its stream going on where it stopped. A client that does not answer
+within ``RESUME_TIMEOUT_S`` (it died with the engine, say) has its requests ended with an
+error naming the engine. (NVIDIA Dynamo's frontend "migration" works the same way: the
+frontend holds the tokens and re-sends them to a live worker.)"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from cluster.control.clients import Clients
+from cluster.control.engine import Lost
+from cluster.control.flights import Flight, Submission
+from cluster.control.summaries import InstanceView
+
+# How long the actor waits for a client's tokens of its requests on a dead engine.
+RESUME_TIMEOUT_S = 10.0
+
+logger = logging.getLogger(__name__)
+
+
+class Migration:
+    """The ``SchedulerActor``'s handling of a dead engine process (a mixin)."""
+
+    # What of the actor this uses.
+    views: dict[str, InstanceView]
+    flights: dict[str, Flight]
+    _internal: dict[str, Flight]
+    failures: list[dict[str, Any]]
+    clients: Clients
+    # A dead engine's requests waiting for their clients' tokens: by (client, submission),
+    # the request's internal id, the engine's instance and why it died.
+    _orphans: dict[tuple[str, Submission], tuple[str, str, str]]
+
+    def _spawn(self, coro: Any) -> None:
+        raise NotImplementedError
+
+    async def _move(self, iid: str, lost: list[Lost], reason: str) -> None:
+        raise NotImplementedError
+
+    def _end_flight(self, flight: Flight, error: str) -> None:
+        raise NotImplementedError
+
+    def _engine_died(self, iid: str, reason: str) -> None:
+        """An engine actor's process died: its instance leaves routing, and each request it
+        held moves on once its client says which tokens it has (``resume``)."""
+        view = self.views.get(iid)
+        if view is None:
+            return
+        view.alive = False
+        self.failures.append(
+            {"instance_id": iid, "event": "failed", "reason": reason, "time": time.time()}
+        )
+        asked: dict[str, list[Submission]] = {}
+        waiting: list[tuple[str, Submission]] = []
+        for flight in [f for f in self.flights.values() if f.instance == iid]:
+            client = flight.client_id
+            if client is None or flight.submission is None:  # nobody holds its tokens
+                self._end_flight(flight, reason)
+                continue
+            self._orphans[(client, flight.submission)] = (flight.internal_id, iid, reason)
+            asked.setdefault(client, []).append(flight.submission)
+            waiting.append((client, flight.submission))
+        for client, submissions in asked.items():
+            if not self.clients.ask_resume(client, iid, submissions):  # gone meanwhile
+                for submission in submissions:
+                    self._orphan_ends((client, submission), "its client left")
+        if waiting:
+            logger.warning(
+                "instance %s: %d requests wait for their clients' tokens to move on",
+                iid,
+                len(waiting),
+            )
+            self._spawn(self._expire_orphans(waiting))
+
+    async def resume(
+        self, client_id: str, iid: str, items: list[tuple[Submission, list[int]]]
+    ) -> None:
+        """Client ``client_id``'s answer for its requests on instance ``iid``'s dead engine:
+        each submission with every token the client has of it. They move on after those."""
+        lost: list[Lost] = []
+        reason = f"the engine process of instance {iid} died"
+        now = time.monotonic()
+        for submission, tokens in items:
+            orphan = self._orphans.pop((client_id, submission), None)
+            if orphan is None:
+                continue  # ended meanwhile (aborted, or its client answered too late)
+            internal, _, reason = orphan
+            flight = self._internal.get(internal)
+            if flight is None:
+                continue
+            lost.append(
+                Lost(
+                    internal,
+                    list(tokens),
+                    flight.first_token_at or (now if tokens else None),
+                    now if tokens else None,
+                    flight.scheduled_at,
+                    flight.num_cached_tokens,
+                )
+            )
+        if lost:
+            await self._move(iid, lost, reason)
+
+    async def _expire_orphans(self, waiting: list[tuple[str, Submission]]) -> None:
+        await asyncio.sleep(RESUME_TIMEOUT_S)
+        for key in waiting:
+            self._orphan_ends(key, f"its client did not resume it within {RESUME_TIMEOUT_S:g} s")
+
+    def _orphan_ends(self, key: tuple[str, Submission], why: str) -> None:
+        orphan = self._orphans.pop(key, None)
+        if orphan is None:
+            return
+        internal, _, reason = orphan
+        flight = self._internal.get(internal)
+        if flight is not None:
+            self._end_flight(flight, f"{reason}; {why}")
