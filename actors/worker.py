@@ -267,6 +267,12 @@ class ModelWorker:
             with self._step_lock:  # the transport's agent is not thread-safe
                 self.connector.add_peers(peers)
 
+    def remove_kv_peers(self, names: list[str]) -> None:
+        """Forget the workers named ``names`` (``kv_peer`` names): they left the cluster."""
+        if self.connector is not None:
+            with self._step_lock:
+                self.connector.remove_peers(names)
+
     def kv_probe(self, peer: Any, timeout_s: float = 5.0) -> str | None:
         """Read a little of ``peer``'s cache (into scratch space, not this worker's cache:
         safe while serving): None when the transport reaches it, else why not."""
@@ -354,6 +360,7 @@ class ModelWorker:
             "device": str(self.device),
             "num_loading": 0 if self.connector is None else self.connector.num_loading(),
             "kv_transport": None if self.connector is None else self.connector.transport,
+            "kv_peers": 0 if self.connector is None else self.connector.num_peers(),
             "ucx_tls": os.environ.get("UCX_TLS"),  # nixl: UCX's transports, if restricted
             "node_id": _ray_node_id(),
             "pid": os.getpid(),

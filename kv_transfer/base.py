@@ -135,6 +135,14 @@ class WorkerConnector(ABC):
     def add_peers(self, peers: list[Any]) -> None:  # noqa: B027
         """Learn other workers' ``peer_info`` (a no-op for transports that need none)."""
 
+    def num_peers(self) -> int:
+        """How many other workers' ``peer_info`` this one holds."""
+        return 0
+
+    def remove_peers(self, names: list[str]) -> None:  # noqa: B027
+        """Forget the peers named ``names`` (``peer_name``): their workers left (a no-op for
+        transports that keep nothing per peer)."""
+
     # -- loading (decode side) -------------------------------------------------------------
     def start_load_kv(self, metadata: KVConnectorMetadata | None, idle: bool = False) -> None:
         """Start this step's fetches; write every fetched load into its blocks. ``idle``: the

@@ -188,6 +188,7 @@ class NixlWorkerConnector(WorkerConnector):
         self.scratch: Any = None  # a registered slab that probes read into
         self._registered: list[Any] = []
         self._peers: dict[str, PoolLayout] = {}  # agent name -> its pool
+        self._departed: set[str] = set()  # peers that left, forgotten once nothing reads them
         self._reads: dict[str, _Read] = {}
         # Loads not posted yet: (when to post, the load). Only ``load_delay_s`` (fault
         # injection in tests) keeps one here past the step that brought it.
@@ -256,6 +257,19 @@ class NixlWorkerConnector(WorkerConnector):
                     continue
                 self._peers[peer.agent] = peer.layout
 
+    def num_peers(self) -> int:
+        return len(self._peers)
+
+    def remove_peers(self, names: list[str]) -> None:
+        """Forget peers whose workers left (their endpoints and metadata go); one that a
+        read in progress still reads from goes once no read does (``_poll_reads``)."""
+        reading = {name for read in self._reads.values() for name in read.sources}
+        for name in names:
+            if name in reading:
+                self._departed.add(name)
+            elif name in self._peers:
+                self._forget_peer(name)
+
     def probe(self, peer: NixlPeer, timeout_s: float = 5.0) -> None:
         """Read one slab of ``peer``'s block 0 into this worker's scratch slab (the caches
         are not touched: safe while both serve); raise if NIXL cannot reach the peer."""
@@ -298,6 +312,7 @@ class NixlWorkerConnector(WorkerConnector):
             with contextlib.suppress(Exception):  # already gone: nothing to undo
                 agent.remove_remote_agent(name)
         self._peers.clear()
+        self._departed.clear()
         for reg in self._registered:
             try:
                 agent.deregister_memory(reg)
@@ -531,6 +546,14 @@ class NixlWorkerConnector(WorkerConnector):
                 del self._reads[req_id]
                 self._retired.append((running, self.kv_caches))
                 self._end_load(read.load, 0, read.error)
+        if self._departed:
+            self._forget_departed()
+
+    def _forget_departed(self) -> None:
+        reading = {name for read in self._reads.values() for name in read.sources}
+        for name in [n for n in self._departed if n not in reading]:
+            self._departed.discard(name)
+            self._forget_peer(name)
 
     def _forget_peer(self, name: str) -> None:
         """Disconnect a peer (reads from it end); it is unknown until published again."""

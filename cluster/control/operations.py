@@ -204,6 +204,10 @@ class ClusterOperations:
             import ray
 
             ray.kill(actor)
+        if self.config.disaggregated:  # the others' transports forget its workers
+            from cluster.control.placement import disconnect_kv_peers, kv_peer_names
+
+            self._spawn(disconnect_kv_peers(list(self.specs.values()), kv_peer_names(spec)))
         logger.info("instance %s left the cluster", iid)
 
     # -- LoRA adapters by name (the API's /v1/load_lora_adapter) ------------------------------

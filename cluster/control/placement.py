@@ -204,6 +204,27 @@ async def start_instances(
     ]
 
 
+def kv_peer_names(spec: InstanceSpec) -> list[str]:
+    """The names of ``spec``'s workers as KV peers (``nixl``: their agents)."""
+    names = [getattr(peer, "agent", None) for peer in spec.kv_peers]
+    return [name for name in names if isinstance(name, str)]
+
+
+async def disconnect_kv_peers(specs: list[InstanceSpec], names: list[str]) -> None:
+    """Tell every worker of ``specs`` to forget the KV peers ``names`` (workers that left:
+    an instance removed, or a restarted worker's previous agent). Workers that do not answer
+    are skipped: they are gone too."""
+    if not names:
+        return
+    answers = await asyncio.gather(
+        *(spec.call_stages("remove_kv_peers", names, return_exceptions=True) for spec in specs)
+    )
+    for spec, results in zip(specs, answers, strict=True):
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            logger.info("KV peers: %s did not forget: %s", spec.instance_id, failed[0])
+
+
 async def connect_kv_peers(
     specs: list[InstanceSpec], new: list[InstanceSpec], probe: bool = False
 ) -> list[str]:

@@ -657,9 +657,14 @@ class SchedulerActor(Restart, ClusterOperations, Migration):
         """A rejoined instance's workers: the cluster's KV transport (a restarted process
         starts with the one it was created with, which ``auto`` may have left), their new
         agents handed to every worker and the others' to them; then it serves again."""
-        from cluster.control.placement import connect_kv_peers
+        from cluster.control.placement import (
+            connect_kv_peers,
+            disconnect_kv_peers,
+            kv_peer_names,
+        )
 
         spec = self.specs[iid]
+        before = kv_peer_names(spec)  # its workers' previous agents: the others forget them
         transport = self.config.kv_transfer.transport
         problem = None
         try:
@@ -676,6 +681,8 @@ class SchedulerActor(Restart, ClusterOperations, Migration):
                 probe = self._kv_auto and transport == "nixl"
                 errors = await connect_kv_peers(live, [spec], probe)
                 problem = "; ".join(errors) or None
+                gone = [n for n in before if n not in kv_peer_names(spec)]
+                await disconnect_kv_peers([s for s in live if s is not spec], gone)
         except Exception as exc:
             problem = f"{type(exc).__name__}: {exc}"
         failed_again = any(

@@ -368,6 +368,35 @@ def test_a_source_that_is_gone_fails_the_load(make: Callable[..., NixlWorkerConn
     assert _unchanged(dst, before)
 
 
+def test_a_peer_that_left_is_forgotten_once_nothing_reads_from_it(
+    make: Callable[..., NixlWorkerConnector],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``remove_peers`` (its instance left the cluster): the peer's endpoint and metadata go,
+    and a load from it fails as from an unknown source; while a read from it runs, it stays
+    until that read ends."""
+    src, other, dst = make(), make(seed=2), make(num_blocks=12, seed=1)
+    assert dst.num_peers() == 2
+    handle = _save(src)
+    dst.remove_peers([src.agent.name])  # type: ignore[union-attr]
+    assert dst.num_peers() == 1
+    assert _load(dst, handle) == (None, {"r"})
+    assert not dst.history[-1].ok and "unknown KV source" in caplog.text
+
+    xfer = _RunningTransfer()
+    monkeypatch.setattr(dst, "_state", lambda x: x.state)
+    name = other.agent.name  # type: ignore[union-attr]
+    now = time.monotonic()
+    load = _Load(LoadSpec("q", [], DST_IDS, 0, 30.0), None, now, now + 30.0, time.time())
+    dst._reads["q"] = _Read(load, [xfer], 0, 0, now + 100.0, [name])
+    dst.remove_peers([name])
+    assert dst.num_peers() == 1  # still read from
+    xfer.state = "DONE"
+    dst._poll_reads()
+    assert dst.num_peers() == 0 and dst.num_loading() == 0
+
+
 def test_layouts_that_differ_are_refused(make: Callable[..., NixlWorkerConnector]) -> None:
     src, dst = make(dtype=torch.bfloat16), make(num_blocks=12, seed=1)
     before = _snapshot(dst)

@@ -327,6 +327,17 @@ def test_a_pool_grows_and_shrinks_under_load(
     assert token_ids(outs) == expected
     assert ray.get(engines.stats.remote())["num_moves"] > 0
     assert set(_instances(engines)) == {"p-0", "d-0", "d-1"}
+    from kv_transfer.nixl_transport import nixl_available
+
+    if nixl_available():  # (transport auto) the removed workers' agents are forgotten
+        assert ray.get(engines.worker_health.remote())["p-0"]["kv_transport"] == "nixl"
+        wait_until(
+            lambda: all(
+                h["kv_peers"] == 2 for h in ray.get(engines.worker_health.remote()).values()
+            ),
+            10,
+            "every worker to know only the other two",
+        )
 
 
 def test_the_central_scheduler_killed_mid_stream_comes_back(
