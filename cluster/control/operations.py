@@ -45,6 +45,7 @@ class ClusterOperations:
     observe: RequestObserver
     lora: LoRAAdapters
     _resizing: asyncio.Lock
+    _orphans: dict[tuple[str, Any], tuple[str, str, str]]
 
     # ... and what of the actor this uses.
     async def _add_instances(self, specs: list[InstanceSpec]) -> None:
@@ -188,7 +189,8 @@ class ClusterOperations:
         if leftovers:
             logger.warning("instance %s left with %d requests; they move", iid, len(leftovers))
             self._spawn(self._move(iid, leftovers, f"instance {iid} was removed from its pool"))
-        moving = {item.internal_id for item in leftovers}
+        # A dead (or hung) engine's requests wait for their clients' tokens (``Migration``).
+        moving = {item.internal_id for item in leftovers} | {o[0] for o in self._orphans.values()}
         for flight in [f for f in self.flights.values() if f.instance == iid]:
             if flight.internal_id not in moving:  # (cannot happen in one process)
                 self._end_flight(
@@ -228,7 +230,7 @@ class ClusterOperations:
         """Prometheus exposition text of the whole cluster (``/metrics``): the engine
         actors' request metrics merged with this process's."""
         remote = [e for e in self.engines.values() if e.remote]
-        others = [await e.metrics_text() for e in remote]
+        others = list(await asyncio.gather(*(e.metrics_text() for e in remote)))
         return self.observe.render(await self.stats(), others)
 
     # -- introspection -----------------------------------------------------------------------
@@ -293,7 +295,9 @@ class ClusterOperations:
     async def stats(self) -> dict[str, Any]:
         """Per-instance state: requests held, KV usage, counters (for tests and metrics)."""
         await self._ready()
-        instances = {iid: await _answer(e.stats()) for iid, e in list(self.engines.items())}
+        engines = list(self.engines.items())  # asked at once: one slow engine costs its wait
+        answers = await asyncio.gather(*(_answer(e.stats()) for _, e in engines))
+        instances = {iid: answer for (iid, _), answer in zip(engines, answers, strict=True)}
         return {
             "pid": os.getpid(),
             "num_flights": len(self.flights),

@@ -4,9 +4,12 @@ stands in ``SchedulerActor.engines``, with the same methods; what it sends goes 
 numbered op batch per turn of the event loop (the actor applies them in that order), and
 what asks for an answer is a coroutine.
 
-It also watches the actor: one that stops answering ``ping`` (its process died) is reported
-to ``on_dead``. The requests it held die with it -- their tokens were only there and in
-their clients -- and end with an error (recovering them from the clients is not built).
+It also watches the actor: one that stops answering ``ping`` (its process died, or it
+hangs) is killed and reported to ``on_dead``; so is one that does not stop or hand over
+what it holds when its instance leaves. Its requests move on with the tokens their clients
+have (``control/migration.py``). What the central scheduler asks of it for operators
+(stats, metrics, introspection) waits at most ``ASK_TIMEOUT_S``: a hung engine does not
+hang ``/metrics`` or a resize.
 """
 
 from __future__ import annotations
@@ -27,6 +30,11 @@ from scheduler.request import FinishReason
 logger = logging.getLogger(__name__)
 
 PING_TIMEOUT_S = 10.0
+# How long the central scheduler waits for an engine's answer to what it asks (stats,
+# metrics, a stop, what it holds) before it goes on without it.
+ASK_TIMEOUT_S = 5.0
+# ... and for a stop (the step that runs ends first) and the hand-over after it.
+STOP_TIMEOUT_S = 30.0
 
 
 def engine_actor_prefix(central_actor_id: str) -> str:
@@ -102,9 +110,10 @@ class RemoteEngine:
         self._flush()
         if self.dead is None:
             try:
-                await self.actor.stop.remote()
-            except Exception as exc:
+                await self._ask("stop", timeout_s=STOP_TIMEOUT_S)
+            except Exception as exc:  # hung, or dead: its requests move on without it
                 logger.warning("instance %s: its engine did not stop: %s", self.instance_id, exc)
+                self.declare_dead(f"the engine of instance {self.instance_id} did not stop")
 
     def close(self) -> None:
         """After ``stop``: the engine's process goes."""
@@ -117,8 +126,12 @@ class RemoteEngine:
         ``SchedulerActor.report``) and what it still holds, as lost."""
         if self.dead is not None:
             return [], []
-        self._flush()
-        reports, lost = await self.actor.take_all.remote()
+        try:
+            reports, lost = await self._ask("take_all", timeout_s=STOP_TIMEOUT_S)
+        except Exception as exc:
+            logger.warning("instance %s: its engine did not hand over: %s", self.instance_id, exc)
+            self.declare_dead(f"the engine of instance {self.instance_id} did not hand over")
+            return [], []
         delta = time.monotonic()
         for item in lost:
             item.first_token_at = shift(item.first_token_at, delta)
@@ -164,13 +177,22 @@ class RemoteEngine:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                self.dead = f"the engine process of instance {self.instance_id} died ({exc!r})"
-                logger.warning("%s", self.dead)
-                import ray
-
-                ray.kill(self.actor)  # one that only stopped answering must not run on
-                self._on_dead(self.instance_id, self.dead)
+                if self.dead is None:
+                    reason = f"the engine process of instance {self.instance_id} died ({exc!r})"
+                    self.declare_dead(reason)
                 return
+
+    def declare_dead(self, reason: str) -> None:
+        """Take the engine for dead: it is killed (one that only stopped answering must not
+        run on) and ``on_dead`` hears it, once."""
+        if self.dead is not None:
+            return
+        self.dead = reason
+        logger.warning("%s", reason)
+        import ray
+
+        ray.kill(self.actor)
+        self._on_dead(self.instance_id, reason)
 
     # -- requests ----------------------------------------------------------------------------
     def add(self, placements: list[Placement]) -> None:
@@ -234,29 +256,49 @@ class RemoteEngine:
         self._seq += 1
 
     # -- introspection -----------------------------------------------------------------------
-    async def _ask(self, method: str, *args: Any) -> Any:
+    async def _ask(self, method: str, *args: Any, timeout_s: float = ASK_TIMEOUT_S) -> Any:
+        """The engine's answer to ``method``; ``TimeoutError`` after ``timeout_s``."""
         self._flush()  # after what was sent before
-        return await getattr(self.actor, method).remote(*args)
+        try:
+            return await asyncio.wait_for(getattr(self.actor, method).remote(*args), timeout_s)
+        except TimeoutError:
+            raise TimeoutError(
+                f"the engine of instance {self.instance_id} did not answer {method} "
+                f"within {timeout_s:g} s"
+            ) from None
 
     async def holds_requests(self) -> bool:
         if self.dead is not None:
             return False
-        return bool(await self._ask("holds_requests"))
+        try:
+            return bool(await self._ask("holds_requests"))
+        except TimeoutError:
+            return True  # a drain waits for it until its timeout
+        except Exception:  # it died meanwhile: what it held moves on (``Migration``)
+            return False
 
     async def describe_requests(
         self, internal_ids: list[str]
     ) -> dict[str, tuple[str | None, int | None]]:
         if self.dead is not None:
             return {}
-        result: dict[str, tuple[str | None, int | None]] = await self._ask(
-            "describe_requests", internal_ids
-        )
+        try:
+            result: dict[str, tuple[str | None, int | None]] = await self._ask(
+                "describe_requests", internal_ids
+            )
+        except Exception:  # hung, or it died meanwhile
+            return {}
         return result
 
     async def stats(self) -> dict[str, Any]:
         if self.dead is not None:
             return {"role": self.role, "alive": False, "dead": self.dead}
-        result: dict[str, Any] = await self._ask("stats")
+        try:
+            result: dict[str, Any] = await self._ask("stats")
+        except TimeoutError as exc:
+            return {"role": self.role, "alive": self.alive, "unresponsive": str(exc)}
+        except Exception as exc:  # it died meanwhile (the watch reports it)
+            return {"role": self.role, "alive": False, "dead": self.dead or repr(exc)}
         return result
 
     async def check_integrity(self) -> None:
@@ -268,7 +310,11 @@ class RemoteEngine:
     async def metrics_text(self) -> str:
         if self.dead is not None:
             return ""
-        text: str = await self._ask("metrics_text")
+        try:
+            text: str = await self._ask("metrics_text")
+        except Exception as exc:  # hung, or it died meanwhile
+            logger.warning("/metrics without instance %s: %s", self.instance_id, exc)
+            return ""
         return text
 
     async def flush_traces(self) -> None:

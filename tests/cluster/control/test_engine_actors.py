@@ -9,6 +9,7 @@ to go, they end with an error, never hang)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import signal
@@ -526,6 +527,50 @@ def test_the_requests_of_a_killed_engine_process_move_on(
     resized = asyncio.run(client.scale_pool("d", 2))["instances"]
     assert victim not in resized and len(resized) == 2
     assert token_ids(client.generate(prompts[:2], params)) == expected[:2]
+
+
+def test_a_hung_engine_holds_up_neither_operators_nor_its_requests(
+    engines: Any, client: ClusterClient, tiny_model: Path
+) -> None:
+    """An engine process that stops without dying (SIGSTOP): stats and ``/metrics`` answer
+    without it within seconds; its ping goes unanswered, so it is killed and its requests
+    move on with the tokens their clients have -- output equal to the undisturbed one."""
+    from cluster.control.remote_engine import ASK_TIMEOUT_S
+
+    live = asyncio.run(client.scale_pool("d", 2))["instances"]
+    victim = live[-1]
+    prompts = _prompts(4, seed=17)
+    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    expected = generate_in_process(tiny_model, prompts, params)
+    for iid in live:
+        ray.get(engines.set_fault_injection.remote(iid, 0.0, 0.03))
+    pid = _instances(engines)[victim]["engine_pid"]
+
+    def on_victim() -> bool:
+        return any(r["instance"] == victim for r in ray.get(engines.requests.remote()).values())
+
+    async def run() -> tuple[list[Any], dict[str, Any], float, str]:
+        tasks = [asyncio.ensure_future(_collect(client, p, params)) for p in prompts]
+        await _until(on_victim)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            await asyncio.sleep(0.5)
+            start = time.monotonic()
+            stats = await asyncio.to_thread(client.stats)
+            text = await client.metrics_text()
+            asked_s = time.monotonic() - start
+            return list(await asyncio.gather(*tasks)), stats, asked_s, text
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+    outs, stats, asked_s, text = asyncio.run(asyncio.wait_for(run(), 120))
+    assert asked_s < 2 * ASK_TIMEOUT_S + 3  # stats, then /metrics: each without it
+    assert "unresponsive" in stats["instances"][victim] or "dead" in stats["instances"][victim]
+    assert "tandem:kv_cache_usage_perc" in text
+    assert token_ids(outs) == expected
+    assert "died" in ray.get(engines.stats.remote())["instances"][victim]["dead"]
+    assert victim not in asyncio.run(client.scale_pool("d", 2))["instances"]
 
 
 def test_a_killed_engine_process_with_no_engine_left_ends_its_requests_with_an_error(
