@@ -266,10 +266,11 @@ class EngineActor:
         return reports, leftovers.lost
 
     def drained(self) -> bool:
-        """No output waits for a client any more (after ``stop``), and no client stream is
-        still running (a stream's last batch is yielded, not yet delivered, until it ends:
-        Ray ends a generator's task once the caller has every item)."""
-        return not any(o.pending or o.streams for o in self._outboxes.values())
+        """No output waits for a client any more (after ``stop``), and no client stream's
+        generator still runs (its last batch may be yielded and not yet delivered; Ray ends
+        the task once the caller has every item, a moment after the generator returns, so
+        this is best effort: the central actor's replay at a move fills what was lost)."""
+        return not any(o.pending or o.apart or o.streams for o in self._outboxes.values())
 
     async def ping(self) -> str:
         return self.instance_id

@@ -54,7 +54,7 @@ class Outbox:
         if before is None:
             pending[submission] = out
             self.index[submission] = index
-        elif not self._continues(submission, before, index):
+        elif not self._continues(submission, before, out, index):
             # Not where the pending one ends (the central actor's replay of a moved request
             # from position 0, say): it goes as it is; the client orders them by position.
             self.apart.append((submission, out, index))
@@ -67,10 +67,17 @@ class Outbox:
             self.ready.set()
 
     def _continues(
-        self, submission: Submission, before: EngineCoreOutput, index: int | None
+        self,
+        submission: Submission,
+        before: EngineCoreOutput,
+        out: EngineCoreOutput,
+        index: int | None,
     ) -> bool:
-        """``index`` is where the pending output of ``submission`` ends (or a position is
-        unknown): the two merge into one."""
+        """``out`` (at ``index``) begins where the pending output of ``submission`` ends (or
+        a position is unknown), and both or neither carry logprobs: the two merge into one."""
+        mixed = (before.new_logprobs is None) != (out.new_logprobs is None)
+        if before.new_token_ids and out.new_token_ids and mixed:
+            return False  # a refill (no logprobs) and an engine's output: kept apart
         start = self.index.get(submission)
         return start is None or index is None or index == start + len(before.new_token_ids)
 

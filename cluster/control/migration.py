@@ -3,7 +3,8 @@
 request's tokens only when it changes instance, never per token -- but each request's client
 has every token it was sent. So the actor asks the clients: each answers with the tokens of
 its requests that were on the dead engine (``Subscription`` keeps them), once its stream from
-that engine has ended (nothing more can arrive from it), and each request moves on after
+that engine has ended (nothing more can arrive from it; after ``RESUME_WAIT_S`` it stops
+reading that stream and answers anyway), and each request moves on after
 those tokens, as after a worker's failure (``SchedulerActor._move``): re-prefilled elsewhere
 from prompt + tokens, its stream going on where it stopped. A client that does not answer
 within ``RESUME_TIMEOUT_S`` (it died with the engine, say) has its requests ended with an
@@ -21,6 +22,7 @@ from cluster.control.clients import Clients
 from cluster.control.engine import Lost
 from cluster.control.flights import Flight, Submission
 from cluster.control.summaries import InstanceView
+from scheduler.request import FinishReason
 
 # How long the actor waits for a client's tokens of its requests on a dead engine.
 RESUME_TIMEOUT_S = 10.0
@@ -50,6 +52,18 @@ class Migration:
     def _end_flight(self, flight: Flight, error: str) -> None:
         raise NotImplementedError
 
+    def _end(
+        self,
+        flight: Flight,
+        reason: FinishReason,
+        error: str | None = None,
+        tokens: list[int] | None = None,
+    ) -> None:
+        raise NotImplementedError
+
+    def _forget(self, flight: Flight) -> None:
+        raise NotImplementedError
+
     def _engine_died(self, iid: str, reason: str) -> None:
         """An engine actor's process died: its instance leaves routing, and each request it
         held moves on once its client says which tokens it has (``resume``)."""
@@ -61,19 +75,24 @@ class Migration:
             {"instance_id": iid, "event": "failed", "reason": reason, "time": time.time()}
         )
         asked: dict[str, list[Submission]] = {}
-        waiting: list[tuple[str, Submission]] = []
+        waiting: list[tuple[tuple[str, Submission], str]] = []
         for flight in [f for f in self.flights.values() if f.instance == iid]:
             client = flight.client_id
+            if flight.aborting:  # its abort went to the engine that died
+                self._end(flight, FinishReason.ABORT, tokens=flight.sent)
+                continue
             if client is None or flight.submission is None:  # nobody holds its tokens
                 self._end_flight(flight, reason)
                 continue
-            self._orphans[(client, flight.submission)] = (flight.internal_id, iid, reason)
+            key = (client, flight.submission)
+            self._orphans[key] = (flight.internal_id, iid, reason)
             asked.setdefault(client, []).append(flight.submission)
-            waiting.append((client, flight.submission))
+            waiting.append((key, flight.internal_id))
         for client, submissions in asked.items():
             if not self.clients.ask_resume(client, iid, submissions):  # gone meanwhile
-                for submission in submissions:
-                    self._orphan_ends((client, submission), "its client left")
+                for key, internal in waiting:
+                    if key[0] == client:
+                        self._orphan_ends(key, internal, "its client left")
         if waiting:
             logger.warning(
                 "instance %s: %d requests wait for their clients' tokens to move on",
@@ -83,25 +102,34 @@ class Migration:
             self._spawn(self._expire_orphans(waiting))
 
     async def resume(
-        self, client_id: str, iid: str, items: list[tuple[Submission, list[int]]]
+        self, client_id: str, iid: str, items: list[tuple[Submission, list[int] | None]]
     ) -> None:
         """Client ``client_id``'s answer for its requests on instance ``iid``'s dead engine:
-        each submission with every token the client has of it. They move on after those."""
+        each submission with every token the client has of it (None: the client has its
+        final output, so it is over). They move on after those."""
         lost: list[Lost] = []
         reason = f"the engine process of instance {iid} died"
         now = time.monotonic()
-        for submission, tokens in items:
-            orphan = self._orphans.pop((client_id, submission), None)
-            if orphan is None:
+        for submission, client_tokens in items:
+            orphan = self._orphans.get((client_id, submission))
+            if orphan is None or orphan[1] != iid:
                 continue  # ended meanwhile (aborted, or its client answered too late)
+            del self._orphans[(client_id, submission)]
             internal, _, reason = orphan
             flight = self._internal.get(internal)
-            if flight is None:
+            if flight is None or flight.instance != iid:
                 continue
+            if client_tokens is None:  # its final reached the client before the engine died
+                self._forget(flight)
+                continue
+            tokens = list(client_tokens)
+            sent = flight.sent  # what it had at its hand-off: the client may lack some of it
+            if len(sent) > len(tokens) and sent[: len(tokens)] == tokens:
+                tokens = list(sent)
             lost.append(
                 Lost(
                     internal,
-                    list(tokens),
+                    tokens,
                     flight.first_token_at or (now if tokens else None),
                     now if tokens else None,
                     flight.scheduled_at,
@@ -111,16 +139,20 @@ class Migration:
         if lost:
             await self._move(iid, lost, reason)
 
-    async def _expire_orphans(self, waiting: list[tuple[str, Submission]]) -> None:
+    async def _expire_orphans(self, waiting: list[tuple[tuple[str, Submission], str]]) -> None:
         await asyncio.sleep(RESUME_TIMEOUT_S)
-        for key in waiting:
-            self._orphan_ends(key, f"its client did not resume it within {RESUME_TIMEOUT_S:g} s")
+        why = f"its client did not resume it within {RESUME_TIMEOUT_S:g} s"
+        for key, internal in waiting:
+            self._orphan_ends(key, internal, why)
 
-    def _orphan_ends(self, key: tuple[str, Submission], why: str) -> None:
-        orphan = self._orphans.pop(key, None)
-        if orphan is None:
+    def _orphan_ends(self, key: tuple[str, Submission], internal: str, why: str) -> None:
+        """End the request still waiting under ``key`` as ``internal`` (not one that moved
+        on since and waits again, after another engine died)."""
+        orphan = self._orphans.get(key)
+        if orphan is None or orphan[0] != internal:
             return
-        internal, _, reason = orphan
+        del self._orphans[key]
+        _, iid, reason = orphan
         flight = self._internal.get(internal)
-        if flight is not None:
+        if flight is not None and flight.instance == iid:
             self._end_flight(flight, f"{reason}; {why}")

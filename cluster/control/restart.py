@@ -15,8 +15,9 @@ its state -- an engine's report, a client's keep-alive or submit -- starts the r
 
 Calls that arrive meanwhile wait for it (``submit`` at most ``RECOVERY_WAIT_S``, then a clear
 ``UnavailableError``: HTTP 503). What is not rebuilt: LoRA adapters loaded at run time (load
-them again), the failure history and move count, and requests an engine reported lost while the
-central actor was away (a worker failing during its restart: a double fault).
+them again), the failure history and move count, requests an engine reported lost while the
+central actor was away (a worker failing during its restart: a double fault), and requests of a
+dead engine that were waiting for their clients' tokens (``control/migration.py``).
 """
 
 from __future__ import annotations

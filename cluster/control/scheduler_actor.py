@@ -575,7 +575,7 @@ class SchedulerActor(Restart, ClusterOperations, Migration):
             return
         final = EngineCoreOutput(flight.request.request_id, [], reason, error=error)
         self._forget(flight)
-        _replay(flight, final, tokens)
+        _replay(flight, final, tokens, self.config.engine_actors)
         # Counted on its last instance (one that left: the first, as before it was placed).
         where = self.views.get(flight.instance) or next(iter(self.views.values()), None)
         self.observe.finished(flight, final, where)
@@ -751,7 +751,8 @@ class SchedulerActor(Restart, ClusterOperations, Migration):
             # What the engine it left sent last may never have reached the client (its
             # process stopped before Ray delivered it), and the next engine's tokens come
             # after these: the client gets them again, so its stream has no gap.
-            _replay(flight, EngineCoreOutput(flight.request.request_id, []), flight.sent)
+            refill = self.config.engine_actors
+            _replay(flight, EngineCoreOutput(flight.request.request_id, []), flight.sent, refill)
             flight.first_token_at = item.first_token_at
             flight.last_token_at = item.last_token_at
             if flight.num_cached_tokens is None:
@@ -783,16 +784,19 @@ class SchedulerActor(Restart, ClusterOperations, Migration):
         return [v for v in self.views.values() if (v.role == "prefill") == prefill and v.serves]
 
 
-def _replay(flight: Flight, out: EngineCoreOutput, tokens: list[int] | None) -> None:
+def _replay(
+    flight: Flight, out: EngineCoreOutput, tokens: list[int] | None, refill: bool = True
+) -> None:
     """Deliver ``out`` after ``tokens``, the output the actor knows its client should have.
     A client of engine actors orders a request's outputs by position and drops what it
     already has, so the tokens are sent from position 0 and fill any gap (the tokens of an
     engine that stopped before its last outputs reached the client); it is the request's
-    own queue (an engine in this process): ``out`` alone. Tokens already there cost nothing
-    but the message; the tokens refilled this way carry no logprobs (the engine that made
-    them is gone)."""
-    if flight.outbox is None or tokens is None:
-        flight.deliver(out, None if tokens is None else len(tokens))
+    own queue, or ``refill`` False (engines in this process, whose outputs cannot be lost):
+    ``out`` alone, after ``tokens``. Tokens already there cost nothing but the message; the
+    tokens refilled this way carry no logprobs (the engine that made them is gone)."""
+    if flight.outbox is None or tokens is None or not refill:
+        if out.new_token_ids or out.finish_reason is not None:
+            flight.deliver(out, None if tokens is None else len(tokens))
         return
     if not tokens and out.finish_reason is None:
         return

@@ -57,6 +57,7 @@ class Subscription:
         # The tokens delivered so far, per submission: what a request on an engine that
         # died resumes after (``_resume``; engine actors).
         self._tokens: dict[int, list[int]] = {}
+        self._ended: set[int] = set()  # submissions whose final output is delivered
         self._engines: dict[str, asyncio.Task[None]] = {}  # engine actors streamed from
         self._generation = 0  # how often the central actor came back from a restart
         # Submitted, not finished: what a restarted central actor may have to be sent again.
@@ -121,6 +122,7 @@ class Subscription:
             self._next_index.pop(submission, None)
             self._early.pop(submission, None)
             self._tokens.pop(submission, None)
+            self._ended.discard(submission)
             self._open.pop(submission, None)
             self.request_ids.pop(rid, None)
             if running:  # left before the end: nothing may keep running for nobody
@@ -360,6 +362,8 @@ class Subscription:
                 continue
             if index is None:  # no position (an end the central scheduler decided)
                 queue.put_nowait(out)
+                if out.finished:
+                    self._ended.add(submission)  # type: ignore[arg-type]
             else:
                 self._in_order(queue, submission, out, index)  # type: ignore[arg-type]
 
@@ -381,12 +385,15 @@ class Subscription:
             if skip >= len(out.new_token_ids) and not out.finished:
                 return
             del out.new_token_ids[:skip]
-            if out.new_logprobs is not None:
-                del out.new_logprobs[:skip]
+            if out.new_logprobs is not None:  # the last ones are the kept tokens' (a refill
+                keep = len(out.new_token_ids)  # has none for its own tokens)
+                del out.new_logprobs[: max(len(out.new_logprobs) - keep, 0)]
             index = expected
         queue.put_nowait(out)
         if out.new_token_ids:
             self._tokens.setdefault(submission, []).extend(out.new_token_ids)
+        if out.finished:
+            self._ended.add(submission)
         expected = index + len(out.new_token_ids)
         self._next_index[submission] = expected
         early = self._early.get(submission)
@@ -395,12 +402,22 @@ class Subscription:
 
     async def _resume(self, iid: str, submissions: list[int]) -> None:
         """Instance ``iid``'s engine died: once this client's stream from it has ended (so
-        every output it sent is delivered), tell the central actor which tokens each of
-        ``submissions`` has; they move on after them (``control/migration.py``)."""
+        every output it sent is delivered; at most ``RESUME_WAIT_S``, then the stream is
+        cancelled), tell the central actor which tokens each of ``submissions`` has; they
+        move on after them (``control/migration.py``)."""
         stream = self._engines.get(iid)
         if stream is not None:
             await asyncio.wait({stream}, timeout=RESUME_WAIT_S)
-        items = [(s, list(self._tokens.get(s, []))) for s in submissions if s in self._open]
+            stream.cancel()  # nothing of the dead engine may arrive after the answer
+        items: list[tuple[int, list[int] | None]] = []
+        for s in [s for s in submissions if s in self._open]:
+            if s in self._ended:  # its final is here, not read yet: it is over
+                items.append((s, None))
+                continue
+            # What came past a gap came from the dead engine (or before the hand-off): the
+            # request goes on from what was delivered (the central actor refills the rest).
+            self._early.pop(s, None)
+            items.append((s, list(self._tokens.get(s, []))))
         if not items:
             return
         try:
@@ -419,7 +436,7 @@ class Subscription:
         try:
             async for ref in actor.subscribe.remote(self.client_id):
                 self._deliver_batch(await ref)
-        except Exception as exc:  # the engine died: the central scheduler ends its requests
+        except Exception as exc:  # the engine died: its requests move on (``_resume``)
             logger.warning("client %s: instance %s's stream ended: %s", self.client_id, iid, exc)
         finally:
             if self._engines.get(iid) is asyncio.current_task():

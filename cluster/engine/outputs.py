@@ -4,6 +4,7 @@ detokenized), stop strings, finish reasons, and the fan-in of ``n`` samples per 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from actors.model.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -66,8 +67,12 @@ class _Sample:
         out = self.out
         out.new_token_ids = list(core.new_token_ids)
         out.token_ids.extend(core.new_token_ids)
-        if out.logprobs is not None and core.new_logprobs:
-            out.logprobs.extend(core.new_logprobs)
+        if out.logprobs is not None:
+            new = core.new_logprobs or []
+            missing = len(core.new_token_ids) - len(new)
+            if missing > 0:  # tokens refilled after their engine was lost: so were these
+                new = [{t: math.nan} for t in core.new_token_ids[:missing]] + list(new)
+            out.logprobs.extend(new)
         before = len(out.text)
         text_ids = core.new_token_ids
         # The token that stopped it (EOS, a stop_token_ids entry) is not part of the text

@@ -498,19 +498,18 @@ def test_the_requests_of_a_killed_engine_process_move_on(
     for iid in live:
         ray.get(engines.set_fault_injection.remote(iid, 0.0, 0.03))
     moves = ray.get(engines.stats.remote())["num_moves"]
-    seen: dict[int, int] = {}
+    seen: dict[str, int] = {}
 
     async def collect(i: int) -> Any:
         final = None
-        async for out in client.generate_async(prompts[i], params):
-            seen[i] = len(out.outputs[0].token_ids)
+        async for out in client.generate_async(prompts[i], params, request_id=f"mv{i}"):
+            seen[f"mv{i}"] = len(out.outputs[0].token_ids)
             final = out
         return final
 
-    def streaming_on_victim() -> bool:
+    def streaming_on_victim() -> bool:  # a request there whose client has tokens from it
         where = ray.get(engines.requests.remote())
-        on_victim = [r for r in where.values() if r["instance"] == victim]
-        return bool(on_victim) and max(seen.values(), default=0) >= 5
+        return any(r["instance"] == victim and seen.get(rid, 0) >= 5 for rid, r in where.items())
 
     async def run() -> list[Any]:
         tasks = [asyncio.ensure_future(collect(i)) for i in range(len(prompts))]

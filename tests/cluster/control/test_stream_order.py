@@ -7,6 +7,8 @@ removed instance hung when the removed engine's last batch never reached the cli
 from __future__ import annotations
 
 import asyncio
+import math
+from pathlib import Path
 from typing import Any
 
 from cluster.control.flights import Flight, Outbox, pack_batch
@@ -20,7 +22,7 @@ from scheduler.request import FinishReason
 def _subscription() -> tuple[Subscription, asyncio.Queue[Any]]:
     """The delivery half of a Subscription (no actor: outputs are fed in by hand)."""
     sub = Subscription.__new__(Subscription)
-    sub._next_index, sub._early, sub._tokens = {}, {}, {}
+    sub._next_index, sub._early, sub._tokens, sub._ended = {}, {}, {}, set()
     queue: asyncio.Queue[Any] = asyncio.Queue()
     sub.queues = {7: queue}
     return sub, queue
@@ -129,3 +131,52 @@ def test_a_replay_behind_a_pending_output_is_not_merged_into_it() -> None:
         _feed(sub, out, index)
     _feed(sub, _out([16], finished=True), 6)
     assert _drain(queue) == ([10, 11, 12, 13, 14, 15, 16], True)
+
+
+def test_refilled_tokens_keep_every_logprob_in_place() -> None:
+    """A request with logprobs: the refill (no logprobs) is not merged with an engine's
+    output (with logprobs); the client trims what it has from the left of the tokens and
+    keeps the logprobs of the tokens it keeps."""
+
+    def lp(tokens: list[int]) -> list[dict[int, float]]:
+        return [{t: -float(t)} for t in tokens]
+
+    sub, queue = _subscription()
+    first = _out([10, 11])
+    first.new_logprobs = lp([10, 11])
+    _feed(sub, first, 0)
+    flight = _flight([10, 11, 12, 13])  # 12 and 13 were lost with their engine
+    assert flight.outbox is not None
+    _replay(flight, EngineCoreOutput("r", []), flight.sent)
+    nxt = _out([14, 15])
+    nxt.new_logprobs = lp([14, 15])
+    flight.outbox.put(7, nxt, 4)  # the next engine's: not merged into the refill
+    batch = _taken(flight)
+    assert [index for _, _, index in batch] == [0, 4]
+    for _tag, out, index in batch:
+        _feed(sub, out, index)
+    outs = [queue.get_nowait() for _ in range(3)]
+    assert [o.new_token_ids for o in outs] == [[10, 11], [12, 13], [14, 15]]
+    assert outs[1].new_logprobs is None and outs[2].new_logprobs == lp([14, 15])
+
+
+def test_what_users_read_has_a_logprob_per_token_the_refilled_ones_unknown(
+    tiny_model: Path,
+) -> None:
+    from actors.model.tokenizer import Tokenizer
+    from cluster.engine.outputs import OutputProcessor
+
+    processor = OutputProcessor(Tokenizer.from_path(tiny_model))
+    processor.add("r", "", [1, 2, 3], SamplingParams(max_tokens=9, logprobs=1))
+    with_lp = _out([10, 11])
+    with_lp.new_logprobs = [{10: -1.0}, {11: -2.0}]
+    refill = _out([12, 13])  # no logprobs: they died with their engine
+    last = _out([14], finished=True)
+    last.new_logprobs = [{14: -3.0}]
+    for out in (with_lp, refill, last):
+        (output,), _ = processor.process([out])
+    sample = output.outputs[0]
+    assert sample.token_ids == [10, 11, 12, 13, 14]
+    assert sample.logprobs is not None and len(sample.logprobs) == 5
+    assert sample.logprobs[4] == {14: -3.0} and sample.logprobs[1] == {11: -2.0}
+    assert all(math.isnan(sample.logprobs[i][t]) for i, t in ((2, 12), (3, 13)))
