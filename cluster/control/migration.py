@@ -16,12 +16,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable, Coroutine
 from typing import Any
 
+from cluster.config import ClusterConfig
 from cluster.control.clients import Clients
 from cluster.control.engine import Lost
 from cluster.control.flights import Flight, Submission
+from cluster.control.observer import RequestObserver
 from cluster.control.summaries import InstanceView
+from scheduler.outputs import EngineCoreOutput
 from scheduler.request import FinishReason
 
 # How long the actor waits for a client's tokens of its requests on a dead engine.
@@ -42,14 +46,12 @@ class Migration:
     # A dead engine's requests waiting for their clients' tokens: by (client, submission),
     # the request's internal id, the engine's instance and why it died.
     _orphans: dict[tuple[str, Submission], tuple[str, str, str]]
+    config: ClusterConfig
+    num_moves: int
+    observe: RequestObserver
+    _place: Callable[[Flight], Coroutine[Any, Any, None]]
 
     def _spawn(self, coro: Any) -> None:
-        raise NotImplementedError
-
-    async def _move(self, iid: str, lost: list[Lost], reason: str) -> None:
-        raise NotImplementedError
-
-    def _end_flight(self, flight: Flight, error: str) -> None:
         raise NotImplementedError
 
     def _end(
@@ -156,3 +158,57 @@ class Migration:
         flight = self._internal.get(internal)
         if flight is not None and flight.instance == iid:
             self._end_flight(flight, f"{reason}; {why}")
+
+    async def _move(self, iid: str, lost: list[Lost], reason: str) -> None:
+        """Place requests an instance lost again: re-prefilled elsewhere from prompt + the
+        tokens their clients have."""
+        for item in lost:
+            flight = self._internal.get(item.internal_id)
+            if flight is None or flight.instance != iid:
+                continue  # aborted meanwhile
+            if flight.aborting:  # its abort reached the engine too late
+                self._end(flight, FinishReason.ABORT, tokens=item.tokens)
+                continue
+            flight.sent = list(item.tokens)
+            # What the engine it left sent last may never have reached the client (its
+            # process stopped before Ray delivered it), and the next engine's tokens come
+            # after these: the client gets them again, so its stream has no gap.
+            refill = self.config.engine_actors
+            _replay(flight, EngineCoreOutput(flight.request.request_id, []), flight.sent, refill)
+            flight.first_token_at = item.first_token_at
+            flight.last_token_at = item.last_token_at
+            if flight.num_cached_tokens is None:
+                flight.num_cached_tokens = item.num_cached_tokens
+            flight.scheduled_at = flight.scheduled_at or item.scheduled_at
+            flight.num_moves += 1
+            self.num_moves += 1
+            self.observe.moved(flight, reason)
+            try:
+                await self._place(flight)
+            except Exception as exc:
+                error = f"{reason}; the request could not move: {exc}"
+                self._end(flight, FinishReason.ERROR, error, tokens=flight.sent)
+
+    def _end_flight(self, flight: Flight, error: str) -> None:
+        """End a flight with an error from the actor (its engine is gone)."""
+        self._end(flight, FinishReason.ERROR, error)
+
+
+def _replay(
+    flight: Flight, out: EngineCoreOutput, tokens: list[int] | None, refill: bool = True
+) -> None:
+    """Deliver ``out`` after ``tokens``, the output the actor knows its client should have.
+    A client of engine actors orders a request's outputs by position and drops what it
+    already has, so the tokens are sent from position 0 and fill any gap (the tokens of an
+    engine that stopped before its last outputs reached the client); it is the request's
+    own queue, or ``refill`` False (engines in this process, whose outputs cannot be lost):
+    ``out`` alone, after ``tokens``. Tokens already there cost nothing but the message; the
+    tokens refilled this way carry no logprobs (the engine that made them is gone)."""
+    if flight.outbox is None or tokens is None or not refill:
+        if out.new_token_ids or out.finish_reason is not None:
+            flight.deliver(out, None if tokens is None else len(tokens))
+        return
+    if not tokens and out.finish_reason is None:
+        return
+    out.new_token_ids = list(tokens) + out.new_token_ids
+    flight.deliver(out, 0)

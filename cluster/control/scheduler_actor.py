@@ -25,35 +25,28 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator
-from contextlib import aclosing
 from typing import Any
 
 from cluster.config import ClusterConfig
 from cluster.control.adapters import LoRAAdapters
 from cluster.control.clients import Clients
-from cluster.control.engine import EngineReport, InstanceEngine, Lost, Placement, Prefilled
+from cluster.control.engine import EngineReport, InstanceEngine, Placement, Prefilled
 from cluster.control.flights import (
     EarlyAborts,
     Flight,
-    Outbox,
-    Submission,
-    WireOutput,
     clone_request,
-    later_sample,
-    merge_outputs,
-    pack_batch,
     prefill_request,
 )
 from cluster.control.heap import freeze_heap
-from cluster.control.migration import Migration
+from cluster.control.intake import Intake
+from cluster.control.kv_peers import KVPeers
+from cluster.control.migration import Migration, _replay
 from cluster.control.observer import RequestObserver
 from cluster.control.operations import ClusterOperations
 from cluster.control.placement import InstanceSpec
 from cluster.control.restart import Restart, was_restarted
 from cluster.control.router import Route, Router
 from cluster.control.summaries import InstanceView
-from cluster.errors import OverloadedError
 from scheduler import Request
 from scheduler.outputs import EngineCoreOutput
 from scheduler.request import FinishReason
@@ -61,13 +54,16 @@ from scheduler.request import FinishReason
 logger = logging.getLogger(__name__)
 
 
-class SchedulerActor(Restart, ClusterOperations, Migration):
+class SchedulerActor(Intake, KVPeers, Migration, Restart, ClusterOperations):
     """Admits and routes requests, hands them off between instances, moves them off failed
     ones; the instances' engines run them and stream their tokens. What operators call --
     pool resizing, adapters, metrics, introspection -- is ``ClusterOperations``
     (``control/operations.py``); the rebuild after a restart is ``Restart``
-    (``control/restart.py``); requests of an engine process that died move on with their
-    clients' tokens (``Migration``, ``control/migration.py``)."""
+    (``control/restart.py``); moves off failed instances, and the requests of an engine
+    process that died moving on with their clients' tokens, are ``Migration``
+    (``control/migration.py``); what clients call -- submit, subscribe, abort -- is
+    ``Intake`` (``control/intake.py``); the KV transport's connections between workers are
+    ``KVPeers`` (``control/kv_peers.py``)."""
 
     def __init__(self, config: ClusterConfig, instances: list[InstanceSpec] | None = None) -> None:
         # ``transport: auto``: nixl if it imports here, checked against the workers at start.
@@ -179,40 +175,6 @@ class SchedulerActor(Restart, ClusterOperations, Migration):
         if self.config.engine_actors:  # clients stream from the new engines too
             self.clients.notify_all(self.engine_handles())
 
-    @property
-    def kv_fallback(self) -> str | None:
-        """The KV transport a new worker falls back to if its own cannot be set up."""
-        return "ray" if self._kv_auto else None
-
-    async def _connect_kv_peers(self, specs: list[InstanceSpec]) -> None:
-        """Tell every worker how to reach the new instances' workers, and these the others
-        (the ``nixl`` transport). Under ``transport: auto`` a new instance first reads a
-        little from each other instance: if it cannot, the cluster's first instances fall
-        back to ``ray``; a later one is refused."""
-        from cluster.control.placement import connect_kv_peers
-
-        if not self.config.disaggregated:
-            return
-        probe = self._kv_auto and self.config.kv_transfer.transport == "nixl"
-        live = [s for i, s in self.specs.items() if self.views[i].alive]
-        errors = await connect_kv_peers([*live, *specs], specs, probe)
-        if not errors:
-            if specs and not self.specs:
-                how = " (auto)" if self._kv_auto else ""
-                logger.info("KV transport: %s%s", self.config.kv_transfer.transport, how)
-            return
-        if self.specs:
-            raise RuntimeError(f"the nixl KV transport cannot reach: {'; '.join(errors)}")
-        logger.warning(
-            "KV transport: nixl cannot reach every worker (%s); falling back to ray",
-            "; ".join(errors),
-        )
-        self.config = self.config.with_kv_transport("ray")
-        options = self.config.kv_transfer.connector_options()
-        for spec in specs:
-            await spec.call_stages("use_kv_transport", "ray", options)
-            spec.kv_peers = []
-
     def engine_handles(self) -> dict[str, Any]:
         """The engine actors clients stream from, by instance (``engine_actors``)."""
         return {iid: e.actor for iid, e in self.engines.items() if e.remote}
@@ -261,187 +223,6 @@ class SchedulerActor(Restart, ClusterOperations, Migration):
                 ray.kill(actor)
 
     # -- requests ----------------------------------------------------------------------------
-    async def generate(
-        self, request: Request, trace_context: dict[str, str] | None = None
-    ) -> AsyncIterator[EngineCoreOutput]:
-        """Stream ``request``'s progress: one ``EngineCoreOutput`` per step that produced
-        tokens for it (several steps' worth merged when the consumer lags), the last one with
-        ``finish_reason`` set. Raises ``ValueError`` before the first output for a request that
-        can never be served. A consumer that goes away aborts the request. ``trace_context``:
-        the caller's span (a W3C carrier) when tracing is on."""
-        if self.config.engine_actors:
-            raise ValueError(
-                "with engine_actors the engines stream to their clients: use a ClusterClient "
-                "(submit / subscribe), not generate()"
-            )
-        queue: asyncio.Queue[EngineCoreOutput] = asyncio.Queue()
-        flight = await self._submit(request, trace_context, queue=queue)
-        rid = request.request_id
-        try:
-            while True:
-                out = await queue.get()
-                while not out.finished and not queue.empty():
-                    out = merge_outputs(out, queue.get_nowait())
-                yield out
-                if out.finished:
-                    return
-        finally:
-            if self.flights.get(rid) is flight:  # the consumer left early
-                self.abort(rid)
-
-    async def submit(
-        self,
-        request: Request,
-        client_id: str,
-        trace_context: dict[str, str] | None = None,
-        submission: Submission | None = None,
-    ) -> None:
-        """Start ``request`` for client ``client_id``: its outputs go to the client's batched
-        stream (``subscribe``), tagged with ``submission`` (the client's own tag of this
-        submit; default the request id), not to a stream of its own. Raises ``ValueError``
-        (or ``OverloadedError``) for a request that is refused, ``RuntimeError`` for a client
-        that was dropped; otherwise returns once it is placed, and ``abort`` reaches it from
-        then on."""
-        outbox = self.clients.outbox(client_id)
-        await self._submit(
-            request, trace_context, outbox=outbox, submission=submission, client_id=client_id
-        )
-
-    async def submit_many(
-        self,
-        client_id: str,
-        items: list[tuple[Request, dict[str, str] | None, Submission | None] | str],
-    ) -> list[Exception | None]:
-        """``submit`` for several requests of client ``client_id`` in one call -- (request,
-        trace context, submission) each -- and ``abort`` for a bare request id, in order.
-        Each gets its own outcome: None (placed; aborts always) or the exception that refused
-        it, as a value: one refusal does not fail the others. A client sends what it has at
-        once this way, so a burst costs a few Ray calls instead of one each, and an abort
-        and a later submit of the same id cannot swap."""
-        outcomes: list[Exception | None] = []
-        for item in items:
-            if isinstance(item, str):
-                self.abort(item)
-                outcomes.append(None)
-                continue
-            request, trace_context, submission = item
-            try:
-                await self.submit(request, client_id, trace_context, submission)
-            except Exception as exc:
-                outcomes.append(exc)
-            else:
-                outcomes.append(None)
-        return outcomes
-
-    async def subscribe(self, client_id: str) -> AsyncIterator[list[WireOutput] | dict[str, Any]]:
-        """The outputs of every request ``client_id`` submitted, as they come: one batch per
-        wake-up (a step's outputs of every instance at once), one merged output per request
-        with its submission tag, each request's last with ``finish_reason`` set, packed as
-        plain tuples (``flights.unpack_batch`` restores them). Tokens cross to the client in
-        one Ray message per batch, not one per token or per request. When the
-        stream ends (the client left, ``unsubscribe``, or it fell silent) its unfinished
-        requests are aborted. With ``engine_actors`` the tokens come from the engines (the
-        client streams from each, ``EngineActor.subscribe``): this stream first says which
-        engines there are, again when that changes (a dict), and carries the ends the actor
-        decides. (A generator function itself: Ray streams only those.)"""
-        await self._ready()
-        async with aclosing(self.clients.stream(client_id)) as batches:
-            if self.config.engine_actors:  # where its tokens come from
-                yield {"engines": self.engine_handles()}
-            async for batch in batches:
-                yield batch if isinstance(batch, dict) else pack_batch(batch)
-
-    async def unknown_requests(
-        self, client_id: str, pairs: list[tuple[str, Submission]]
-    ) -> list[Submission]:
-        """Of client ``client_id``'s (request id, submission) pairs, the submissions this
-        actor has no request for: after a restart, what its previous process acknowledged
-        but never gave an engine (the client sends them again)."""
-        await self._ready()
-        unknown = []
-        for rid, submission in pairs:
-            flight = self.flights.get(rid)
-            if flight is None or flight.client_id != client_id or flight.tag != submission:
-                unknown.append(submission)
-        return unknown
-
-    def keepalive(self, client_id: str) -> None:
-        """Client ``client_id`` lives (its ``Subscription`` says so every second); one that
-        then stays silent for ``client_timeout_s`` is taken for dead (``control/clients.py``)."""
-        self.clients.keepalive(client_id)
-        self._kick_recovery()
-
-    def unsubscribe(self, client_id: str) -> None:
-        """Forget client ``client_id``: its stream ends and its unfinished requests are
-        aborted."""
-        self.clients.drop(client_id)
-
-    async def _submit(
-        self,
-        request: Request,
-        trace_context: dict[str, str] | None = None,
-        queue: asyncio.Queue[EngineCoreOutput] | None = None,
-        outbox: Outbox | None = None,
-        submission: Submission | None = None,
-        client_id: str | None = None,
-    ) -> Flight:
-        await self._ready()
-        if not self.started:
-            raise RuntimeError("the cluster is not started")
-        rid = request.request_id
-        previous = self.flights.get(rid)
-        if previous is not None and self._ended_for_its_client(previous, client_id, submission):
-            del self.flights[rid]  # (its engine's last report still finds it by internal id)
-        elif previous is not None:
-            raise ValueError(f"request_id {rid!r} is already in use")
-        if request.sampling_params.n != 1:
-            raise ValueError("sampling_params.n must be 1: clients fan out n > 1")
-        if request.num_tokens >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {request.num_tokens} tokens; max_model_len is {self.max_model_len}"
-            )
-        bound = self.config.serve.max_waiting_requests
-        # A user request is admitted or refused as a whole: its first sample is checked, the
-        # others of its ``n`` (sample_index > 0) follow it (otherwise n above the bound
-        # would be refused forever, on an idle cluster too).
-        if bound is not None and not later_sample(request):
-            waiting = sum(view.num_waiting for view in self.views.values() if view.alive)
-            if waiting >= bound:
-                raise OverloadedError(waiting, bound, self.config.serve.retry_after_s)
-        # Arrival is stamped here: clients' clocks are not comparable (priority tie-breaks).
-        request.arrival_time = time.monotonic()
-        flight = Flight(request, queue, outbox, "", "decode")
-        flight.submission = submission
-        flight.client_id = client_id
-        self.observe.arrived(flight, trace_context)
-        self.flights[rid] = flight
-        if self._early_aborts.take(rid):  # its abort came first: it ends at once
-            self._end(flight, FinishReason.ABORT)
-            return flight
-        try:
-            await self._place(flight)
-        except BaseException:
-            if self.flights.get(rid) is flight:
-                del self.flights[rid]
-                self._internal.pop(flight.internal_id, None)
-            raise
-        return flight
-
-    def _ended_for_its_client(
-        self, flight: Flight, client_id: str | None, submission: Submission | None
-    ) -> bool:
-        """A request its client no longer streams, whose id the client reuses: with engine
-        actors the client has its final (or sent an abort) before the engine's report that
-        ends it reaches this actor. A client never has two open requests under one id, so
-        another submission of the same client means the earlier one is over for it."""
-        return (
-            self.config.engine_actors
-            and client_id is not None
-            and flight.client_id == client_id
-            and submission is not None
-            and flight.submission != submission
-        )
-
     async def _place(self, flight: Flight) -> None:
         """Route the flight and give its request to the chosen instance(s), under a fresh
         internal id. Tokens already sent travel with it (a move after a failure): the new
@@ -529,31 +310,6 @@ class SchedulerActor(Restart, ClusterOperations, Migration):
             f"{len(ids)} configured, none alive{last}"
         )
 
-    def abort(self, request_id: str) -> bool:
-        """End a request at whatever stage it is (queued, prefilling, transferring, decoding):
-        its blocks are freed on every instance and its stream ends with ``abort``. False if
-        the request is unknown or already finished -- an unknown one may still be on its way
-        (Ray can run an abort before the submit sent just before it): it is then aborted as
-        soon as it arrives, within ``EarlyAborts.ttl_s``."""
-        flight = self.flights.get(request_id)
-        if flight is None:
-            self._early_aborts.remember(request_id)
-            return False
-        engine = self.engines.get(flight.instance)
-        if engine is not None and engine.remote:
-            if engine.dead is None:
-                # Its engine answers (a final to the client, then ``finished`` in a report),
-                # or, if it no longer holds the request, whoever takes it next sees the flag.
-                flight.aborting = True
-                engine.end(flight.internal_id, FinishReason.ABORT)
-                return True
-        elif engine is not None and engine.end(flight.internal_id, FinishReason.ABORT):
-            self._forget(flight)
-            return True
-        # Between instances, or on an engine that died: the actor answers for it.
-        self._end(flight, FinishReason.ABORT, tokens=flight.sent)
-        return True
-
     def _forget(self, flight: Flight) -> None:
         """The flight ended (its engine sent the last output): drop it."""
         rid = flight.request.request_id
@@ -634,72 +390,6 @@ class SchedulerActor(Restart, ClusterOperations, Migration):
             reason = report.failure or self.engines[iid].failed or f"instance {iid} failed"
             self._spawn(self._move(iid, report.lost, reason))
 
-    def _rejoined(self, iid: str) -> None:
-        """A failed instance is back with a fresh scheduler: a new view (empty cache)."""
-        spec = self.specs[iid]
-        draining = self.views[iid].draining
-        self.views[iid] = view = self._new_view(spec)
-        view.draining = draining
-        self.lora.reset(iid)
-        if self.config.disaggregated:  # its workers' KV transport is new: connect it first
-            view.alive = False
-            self._spawn(self._rejoin_kv(iid, view, len(self.failures)))
-        else:
-            self._serves_again(iid)
-
-    def _serves_again(self, iid: str) -> None:
-        logger.info("instance %s rejoined with an empty cache", iid)
-        self.failures.append(
-            {"instance_id": iid, "event": "rejoined", "reason": "", "time": time.time()}
-        )
-
-    async def _rejoin_kv(self, iid: str, view: InstanceView, mark: int) -> None:
-        """A rejoined instance's workers: the cluster's KV transport (a restarted process
-        starts with the one it was created with, which ``auto`` may have left), their new
-        agents handed to every worker and the others' to them; then it serves again."""
-        from cluster.control.placement import (
-            connect_kv_peers,
-            disconnect_kv_peers,
-            kv_peer_names,
-        )
-
-        spec = self.specs[iid]
-        before = kv_peer_names(spec)  # its workers' previous agents: the others forget them
-        transport = self.config.kv_transfer.transport
-        problem = None
-        try:
-            health = await spec.call_stages("health", monitor=True)
-            if any(h.get("kv_transport") != transport for h in health):
-                options = self.config.kv_transfer.connector_options()
-                await spec.call_stages("use_kv_transport", transport, options)
-                health = await spec.call_stages("health", monitor=True)
-            used = {h.get("kv_transport") for h in health}
-            if used != {transport}:  # e.g. NIXL cannot start there any more: it fell back
-                problem = f"its workers use {sorted(map(str, used))}, the cluster {transport}"
-            else:
-                live = [s for i, s in self.specs.items() if self.views[i].alive or i == iid]
-                probe = self._kv_auto and transport == "nixl"
-                errors = await connect_kv_peers(live, [spec], probe)
-                problem = "; ".join(errors) or None
-                gone = [n for n in before if n not in kv_peer_names(spec)]
-                await disconnect_kv_peers([s for s in live if s is not spec], gone)
-        except Exception as exc:
-            problem = f"{type(exc).__name__}: {exc}"
-        failed_again = any(
-            f["instance_id"] == iid and f["event"] == "failed" for f in self.failures[mark:]
-        )
-        if self.views.get(iid) is not view or failed_again:  # failed again, or left
-            return
-        if problem is not None:  # it would fail every hand-off: it stays out of routing
-            logger.error("instance %s cannot rejoin: KV transport: %s", iid, problem)
-            self.failures.append(
-                {"instance_id": iid, "event": "failed", "reason": f"KV transport: {problem}"}
-                | {"time": time.time()}
-            )
-            return
-        view.alive = True
-        self._serves_again(iid)
-
     def _hand_off(self, flight: Flight, prefilled: Prefilled) -> None:
         """The prefill instance sampled the first token (its engine sent it to the client):
         send the request on to its decode instance with that token and the KV handle."""
@@ -737,68 +427,8 @@ class SchedulerActor(Restart, ClusterOperations, Migration):
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _move(self, iid: str, lost: list[Lost], reason: str) -> None:
-        """Place requests an instance lost again: re-prefilled elsewhere from prompt + the
-        tokens their clients have."""
-        for item in lost:
-            flight = self._internal.get(item.internal_id)
-            if flight is None or flight.instance != iid:
-                continue  # aborted meanwhile
-            if flight.aborting:  # its abort reached the engine too late
-                self._end(flight, FinishReason.ABORT, tokens=item.tokens)
-                continue
-            flight.sent = list(item.tokens)
-            # What the engine it left sent last may never have reached the client (its
-            # process stopped before Ray delivered it), and the next engine's tokens come
-            # after these: the client gets them again, so its stream has no gap.
-            refill = self.config.engine_actors
-            _replay(flight, EngineCoreOutput(flight.request.request_id, []), flight.sent, refill)
-            flight.first_token_at = item.first_token_at
-            flight.last_token_at = item.last_token_at
-            if flight.num_cached_tokens is None:
-                flight.num_cached_tokens = item.num_cached_tokens
-            flight.scheduled_at = flight.scheduled_at or item.scheduled_at
-            flight.num_moves += 1
-            self.num_moves += 1
-            self.observe.moved(flight, reason)
-            try:
-                await self._place(flight)
-            except Exception as exc:
-                error = f"{reason}; the request could not move: {exc}"
-                self._end(flight, FinishReason.ERROR, error, tokens=flight.sent)
-
-    def _end_flight(self, flight: Flight, error: str) -> None:
-        """End a flight with an error from the actor (its engine is gone)."""
-        self._end(flight, FinishReason.ERROR, error)
-
-    def _client_dropped(self, client_id: str) -> None:
-        """Engine actors keep an outbox per client: the dropped one's goes."""
-        for engine in self.engines.values():
-            if engine.remote:
-                engine.drop_client(client_id)
-
     def _live(self, role: str) -> list[InstanceView]:
         """Live instances that can take ``role`` work (decode: roles decode and both); not
         the ones draining to leave."""
         prefill = role == "prefill"
         return [v for v in self.views.values() if (v.role == "prefill") == prefill and v.serves]
-
-
-def _replay(
-    flight: Flight, out: EngineCoreOutput, tokens: list[int] | None, refill: bool = True
-) -> None:
-    """Deliver ``out`` after ``tokens``, the output the actor knows its client should have.
-    A client of engine actors orders a request's outputs by position and drops what it
-    already has, so the tokens are sent from position 0 and fill any gap (the tokens of an
-    engine that stopped before its last outputs reached the client); it is the request's
-    own queue, or ``refill`` False (engines in this process, whose outputs cannot be lost):
-    ``out`` alone, after ``tokens``. Tokens already there cost nothing but the message; the
-    tokens refilled this way carry no logprobs (the engine that made them is gone)."""
-    if flight.outbox is None or tokens is None or not refill:
-        if out.new_token_ids or out.finish_reason is not None:
-            flight.deliver(out, None if tokens is None else len(tokens))
-        return
-    if not tokens and out.finish_reason is None:
-        return
-    out.new_token_ids = list(tokens) + out.new_token_ids
-    flight.deliver(out, 0)

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster.control.flights import Flight, Outbox, pack_batch
-from cluster.control.scheduler_actor import _replay
+from cluster.control.migration import _replay
 from cluster.control.subscription import Subscription
 from scheduler import Request, SamplingParams
 from scheduler.outputs import EngineCoreOutput

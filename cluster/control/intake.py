@@ -1,0 +1,264 @@
+"""``Intake``: the ``SchedulerActor``'s side of its clients -- what they call to submit,
+stream, abort and keep alive (a mixin). Admission (the waiting bound, 429), the request's
+``Flight`` and its placement start here; ``scheduler_actor.py`` routes and hands off."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable, Coroutine
+from contextlib import aclosing
+from typing import Any
+
+from cluster.config import ClusterConfig
+from cluster.control.clients import Clients
+from cluster.control.flights import (
+    EarlyAborts,
+    Flight,
+    Outbox,
+    Submission,
+    WireOutput,
+    later_sample,
+    merge_outputs,
+    pack_batch,
+)
+from cluster.control.observer import RequestObserver
+from cluster.control.summaries import InstanceView
+from cluster.errors import OverloadedError
+from scheduler import Request
+from scheduler.outputs import EngineCoreOutput
+from scheduler.request import FinishReason
+
+
+class Intake:
+    """Submits, streams, aborts and keep-alives of the ``SchedulerActor``'s clients."""
+
+    # What of the actor this uses (annotations only: the actor's own or its other mixins').
+    config: ClusterConfig
+    clients: Clients
+    engines: dict[str, Any]
+    views: dict[str, InstanceView]
+    flights: dict[str, Flight]
+    _internal: dict[str, Flight]
+    _early_aborts: EarlyAborts
+    observe: RequestObserver
+    max_model_len: int
+    started: bool
+    _ready: Callable[[], Coroutine[Any, Any, None]]
+    _kick_recovery: Callable[[], None]
+    engine_handles: Callable[[], dict[str, Any]]
+    _place: Callable[[Flight], Coroutine[Any, Any, None]]
+    _forget: Callable[[Flight], None]
+    _end: Callable[..., None]
+
+    async def generate(
+        self, request: Request, trace_context: dict[str, str] | None = None
+    ) -> AsyncIterator[EngineCoreOutput]:
+        """Stream ``request``'s progress: one ``EngineCoreOutput`` per step that produced
+        tokens for it (several steps' worth merged when the consumer lags), the last one with
+        ``finish_reason`` set. Raises ``ValueError`` before the first output for a request that
+        can never be served. A consumer that goes away aborts the request. ``trace_context``:
+        the caller's span (a W3C carrier) when tracing is on."""
+        if self.config.engine_actors:
+            raise ValueError(
+                "with engine_actors the engines stream to their clients: use a ClusterClient "
+                "(submit / subscribe), not generate()"
+            )
+        queue: asyncio.Queue[EngineCoreOutput] = asyncio.Queue()
+        flight = await self._submit(request, trace_context, queue=queue)
+        rid = request.request_id
+        try:
+            while True:
+                out = await queue.get()
+                while not out.finished and not queue.empty():
+                    out = merge_outputs(out, queue.get_nowait())
+                yield out
+                if out.finished:
+                    return
+        finally:
+            if self.flights.get(rid) is flight:  # the consumer left early
+                self.abort(rid)
+
+    async def submit(
+        self,
+        request: Request,
+        client_id: str,
+        trace_context: dict[str, str] | None = None,
+        submission: Submission | None = None,
+    ) -> None:
+        """Start ``request`` for client ``client_id``: its outputs go to the client's batched
+        stream (``subscribe``), tagged with ``submission`` (the client's own tag of this
+        submit; default the request id), not to a stream of its own. Raises ``ValueError``
+        (or ``OverloadedError``) for a request that is refused, ``RuntimeError`` for a client
+        that was dropped; otherwise returns once it is placed, and ``abort`` reaches it from
+        then on."""
+        outbox = self.clients.outbox(client_id)
+        await self._submit(
+            request, trace_context, outbox=outbox, submission=submission, client_id=client_id
+        )
+
+    async def submit_many(
+        self,
+        client_id: str,
+        items: list[tuple[Request, dict[str, str] | None, Submission | None] | str],
+    ) -> list[Exception | None]:
+        """``submit`` for several requests of client ``client_id`` in one call -- (request,
+        trace context, submission) each -- and ``abort`` for a bare request id, in order.
+        Each gets its own outcome: None (placed; aborts always) or the exception that refused
+        it, as a value: one refusal does not fail the others. A client sends what it has at
+        once this way, so a burst costs a few Ray calls instead of one each, and an abort
+        and a later submit of the same id cannot swap."""
+        outcomes: list[Exception | None] = []
+        for item in items:
+            if isinstance(item, str):
+                self.abort(item)
+                outcomes.append(None)
+                continue
+            request, trace_context, submission = item
+            try:
+                await self.submit(request, client_id, trace_context, submission)
+            except Exception as exc:
+                outcomes.append(exc)
+            else:
+                outcomes.append(None)
+        return outcomes
+
+    async def subscribe(self, client_id: str) -> AsyncIterator[list[WireOutput] | dict[str, Any]]:
+        """The outputs of every request ``client_id`` submitted, as they come: one batch per
+        wake-up (a step's outputs of every instance at once), one merged output per request
+        with its submission tag, each request's last with ``finish_reason`` set, packed as
+        plain tuples (``flights.unpack_batch`` restores them). Tokens cross to the client in
+        one Ray message per batch, not one per token or per request. When the
+        stream ends (the client left, ``unsubscribe``, or it fell silent) its unfinished
+        requests are aborted. With ``engine_actors`` the tokens come from the engines (the
+        client streams from each, ``EngineActor.subscribe``): this stream first says which
+        engines there are, again when that changes (a dict), and carries the ends the actor
+        decides. (A generator function itself: Ray streams only those.)"""
+        await self._ready()
+        async with aclosing(self.clients.stream(client_id)) as batches:
+            if self.config.engine_actors:  # where its tokens come from
+                yield {"engines": self.engine_handles()}
+            async for batch in batches:
+                yield batch if isinstance(batch, dict) else pack_batch(batch)
+
+    async def unknown_requests(
+        self, client_id: str, pairs: list[tuple[str, Submission]]
+    ) -> list[Submission]:
+        """Of client ``client_id``'s (request id, submission) pairs, the submissions this
+        actor has no request for: after a restart, what its previous process acknowledged
+        but never gave an engine (the client sends them again)."""
+        await self._ready()
+        unknown = []
+        for rid, submission in pairs:
+            flight = self.flights.get(rid)
+            if flight is None or flight.client_id != client_id or flight.tag != submission:
+                unknown.append(submission)
+        return unknown
+
+    def keepalive(self, client_id: str) -> None:
+        """Client ``client_id`` lives (its ``Subscription`` says so every second); one that
+        then stays silent for ``client_timeout_s`` is taken for dead (``control/clients.py``)."""
+        self.clients.keepalive(client_id)
+        self._kick_recovery()
+
+    def unsubscribe(self, client_id: str) -> None:
+        """Forget client ``client_id``: its stream ends and its unfinished requests are
+        aborted."""
+        self.clients.drop(client_id)
+
+    async def _submit(
+        self,
+        request: Request,
+        trace_context: dict[str, str] | None = None,
+        queue: asyncio.Queue[EngineCoreOutput] | None = None,
+        outbox: Outbox | None = None,
+        submission: Submission | None = None,
+        client_id: str | None = None,
+    ) -> Flight:
+        await self._ready()
+        if not self.started:
+            raise RuntimeError("the cluster is not started")
+        rid = request.request_id
+        previous = self.flights.get(rid)
+        if previous is not None and self._ended_for_its_client(previous, client_id, submission):
+            del self.flights[rid]  # (its engine's last report still finds it by internal id)
+        elif previous is not None:
+            raise ValueError(f"request_id {rid!r} is already in use")
+        if request.sampling_params.n != 1:
+            raise ValueError("sampling_params.n must be 1: clients fan out n > 1")
+        if request.num_tokens >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {request.num_tokens} tokens; max_model_len is {self.max_model_len}"
+            )
+        bound = self.config.serve.max_waiting_requests
+        # A user request is admitted or refused as a whole: its first sample is checked, the
+        # others of its ``n`` (sample_index > 0) follow it (otherwise n above the bound
+        # would be refused forever, on an idle cluster too).
+        if bound is not None and not later_sample(request):
+            waiting = sum(view.num_waiting for view in self.views.values() if view.alive)
+            if waiting >= bound:
+                raise OverloadedError(waiting, bound, self.config.serve.retry_after_s)
+        # Arrival is stamped here: clients' clocks are not comparable (priority tie-breaks).
+        request.arrival_time = time.monotonic()
+        flight = Flight(request, queue, outbox, "", "decode")
+        flight.submission = submission
+        flight.client_id = client_id
+        self.observe.arrived(flight, trace_context)
+        self.flights[rid] = flight
+        if self._early_aborts.take(rid):  # its abort came first: it ends at once
+            self._end(flight, FinishReason.ABORT)
+            return flight
+        try:
+            await self._place(flight)
+        except BaseException:
+            if self.flights.get(rid) is flight:
+                del self.flights[rid]
+                self._internal.pop(flight.internal_id, None)
+            raise
+        return flight
+
+    def _ended_for_its_client(
+        self, flight: Flight, client_id: str | None, submission: Submission | None
+    ) -> bool:
+        """A request its client no longer streams, whose id the client reuses: with engine
+        actors the client has its final (or sent an abort) before the engine's report that
+        ends it reaches this actor. A client never has two open requests under one id, so
+        another submission of the same client means the earlier one is over for it."""
+        return (
+            self.config.engine_actors
+            and client_id is not None
+            and flight.client_id == client_id
+            and submission is not None
+            and flight.submission != submission
+        )
+
+    def abort(self, request_id: str) -> bool:
+        """End a request at whatever stage it is (queued, prefilling, transferring, decoding):
+        its blocks are freed on every instance and its stream ends with ``abort``. False if
+        the request is unknown or already finished -- an unknown one may still be on its way
+        (Ray can run an abort before the submit sent just before it): it is then aborted as
+        soon as it arrives, within ``EarlyAborts.ttl_s``."""
+        flight = self.flights.get(request_id)
+        if flight is None:
+            self._early_aborts.remember(request_id)
+            return False
+        engine = self.engines.get(flight.instance)
+        if engine is not None and engine.remote:
+            if engine.dead is None:
+                # Its engine answers (a final to the client, then ``finished`` in a report),
+                # or, if it no longer holds the request, whoever takes it next sees the flag.
+                flight.aborting = True
+                engine.end(flight.internal_id, FinishReason.ABORT)
+                return True
+        elif engine is not None and engine.end(flight.internal_id, FinishReason.ABORT):
+            self._forget(flight)
+            return True
+        # Between instances, or on an engine that died: the actor answers for it.
+        self._end(flight, FinishReason.ABORT, tokens=flight.sent)
+        return True
+
+    def _client_dropped(self, client_id: str) -> None:
+        """Engine actors keep an outbox per client: the dropped one's goes."""
+        for engine in self.engines.values():
+            if engine.remote:
+                engine.drop_client(client_id)

@@ -1,0 +1,132 @@
+"""``KVPeers``: how the ``SchedulerActor`` connects its workers' KV transports (a mixin):
+each new instance's workers and the others learn how to reach one another (``nixl``: agents
+and pool layouts), ``transport: auto`` falls back to ``ray`` at start when they cannot, and a
+rejoined instance is connected before it serves again."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from cluster.config import ClusterConfig
+from cluster.control.adapters import LoRAAdapters
+from cluster.control.placement import InstanceSpec
+from cluster.control.summaries import InstanceView
+
+logger = logging.getLogger(__name__)
+
+
+class KVPeers:
+    """The KV transport's connections between the cluster's workers."""
+
+    # What of the actor this uses (annotations only: the actor's own or its other mixins').
+    config: ClusterConfig
+    specs: dict[str, InstanceSpec]
+    views: dict[str, InstanceView]
+    failures: list[dict[str, Any]]
+    lora: LoRAAdapters
+    _kv_auto: bool
+    _new_view: Callable[[InstanceSpec], InstanceView]
+    _spawn: Callable[[Coroutine[Any, Any, None]], None]
+
+    @property
+    def kv_fallback(self) -> str | None:
+        """The KV transport a new worker falls back to if its own cannot be set up."""
+        return "ray" if self._kv_auto else None
+
+    async def _connect_kv_peers(self, specs: list[InstanceSpec]) -> None:
+        """Tell every worker how to reach the new instances' workers, and these the others
+        (the ``nixl`` transport). Under ``transport: auto`` a new instance first reads a
+        little from each other instance: if it cannot, the cluster's first instances fall
+        back to ``ray``; a later one is refused."""
+        from cluster.control.placement import connect_kv_peers
+
+        if not self.config.disaggregated:
+            return
+        probe = self._kv_auto and self.config.kv_transfer.transport == "nixl"
+        live = [s for i, s in self.specs.items() if self.views[i].alive]
+        errors = await connect_kv_peers([*live, *specs], specs, probe)
+        if not errors:
+            if specs and not self.specs:
+                how = " (auto)" if self._kv_auto else ""
+                logger.info("KV transport: %s%s", self.config.kv_transfer.transport, how)
+            return
+        if self.specs:
+            raise RuntimeError(f"the nixl KV transport cannot reach: {'; '.join(errors)}")
+        logger.warning(
+            "KV transport: nixl cannot reach every worker (%s); falling back to ray",
+            "; ".join(errors),
+        )
+        self.config = self.config.with_kv_transport("ray")
+        options = self.config.kv_transfer.connector_options()
+        for spec in specs:
+            await spec.call_stages("use_kv_transport", "ray", options)
+            spec.kv_peers = []
+
+    def _rejoined(self, iid: str) -> None:
+        """A failed instance is back with a fresh scheduler: a new view (empty cache)."""
+        spec = self.specs[iid]
+        draining = self.views[iid].draining
+        self.views[iid] = view = self._new_view(spec)
+        view.draining = draining
+        self.lora.reset(iid)
+        if self.config.disaggregated:  # its workers' KV transport is new: connect it first
+            view.alive = False
+            self._spawn(self._rejoin_kv(iid, view, len(self.failures)))
+        else:
+            self._serves_again(iid)
+
+    def _serves_again(self, iid: str) -> None:
+        logger.info("instance %s rejoined with an empty cache", iid)
+        self.failures.append(
+            {"instance_id": iid, "event": "rejoined", "reason": "", "time": time.time()}
+        )
+
+    async def _rejoin_kv(self, iid: str, view: InstanceView, mark: int) -> None:
+        """A rejoined instance's workers: the cluster's KV transport (a restarted process
+        starts with the one it was created with, which ``auto`` may have left), their new
+        agents handed to every worker and the others' to them; then it serves again."""
+        from cluster.control.placement import (
+            connect_kv_peers,
+            disconnect_kv_peers,
+            kv_peer_names,
+        )
+
+        spec = self.specs[iid]
+        before = kv_peer_names(spec)  # its workers' previous agents: the others forget them
+        transport = self.config.kv_transfer.transport
+        problem = None
+        try:
+            health = await spec.call_stages("health", monitor=True)
+            if any(h.get("kv_transport") != transport for h in health):
+                options = self.config.kv_transfer.connector_options()
+                await spec.call_stages("use_kv_transport", transport, options)
+                health = await spec.call_stages("health", monitor=True)
+            used = {h.get("kv_transport") for h in health}
+            if used != {transport}:  # e.g. NIXL cannot start there any more: it fell back
+                problem = f"its workers use {sorted(map(str, used))}, the cluster {transport}"
+            else:
+                live = [s for i, s in self.specs.items() if self.views[i].alive or i == iid]
+                probe = self._kv_auto and transport == "nixl"
+                errors = await connect_kv_peers(live, [spec], probe)
+                problem = "; ".join(errors) or None
+                gone = [n for n in before if n not in kv_peer_names(spec)]
+                await disconnect_kv_peers([s for s in live if s is not spec], gone)
+        except Exception as exc:
+            problem = f"{type(exc).__name__}: {exc}"
+        failed_again = any(
+            f["instance_id"] == iid and f["event"] == "failed" for f in self.failures[mark:]
+        )
+        if self.views.get(iid) is not view or failed_again:  # failed again, or left
+            return
+        if problem is not None:  # it would fail every hand-off: it stays out of routing
+            logger.error("instance %s cannot rejoin: KV transport: %s", iid, problem)
+            self.failures.append(
+                {"instance_id": iid, "event": "failed", "reason": f"KV transport: {problem}"}
+                | {"time": time.time()}
+            )
+            return
+        view.alive = True
+        self._serves_again(iid)
