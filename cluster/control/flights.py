@@ -112,6 +112,7 @@ class Flight:
     internal_id: str = ""  # the id the schedulers know it by
     num_cached_tokens: int | None = None  # the prefix hit where the prompt was computed
     decode_target: InstanceView | None = None  # chosen by the Router at arrival
+    prefilled_on: str = ""  # the instance that sampled its first token (after a hand-off)
     # The tokens its client has, as of its last hand-off or move (the engines stream the
     # tokens; the actor learns them only when the request changes instance).
     sent: list[int] = field(default_factory=list)

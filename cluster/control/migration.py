@@ -5,7 +5,7 @@ has every token it was sent. So the actor asks the clients: each answers with th
 its requests that were on the dead engine (``Subscription`` keeps them), once its stream from
 that engine has ended (nothing more can arrive from it; after ``RESUME_WAIT_S`` it stops
 reading that stream and answers anyway), and each request moves on after
-those tokens, as after a worker's failure (``SchedulerActor._move``): re-prefilled elsewhere
+those tokens, as after a worker's failure (``Migration._move``): re-prefilled elsewhere
 from prompt + tokens, its stream going on where it stopped. A client that does not answer
 within ``RESUME_TIMEOUT_S`` (it died with the engine, say) has its requests ended with an
 error naming the engine. (NVIDIA Dynamo's frontend "migration" works the same way: the
@@ -46,6 +46,7 @@ class Migration:
     # A dead engine's requests waiting for their clients' tokens: by (client, submission),
     # the request's internal id, the engine's instance and why it died.
     _orphans: dict[tuple[str, Submission], tuple[str, str, str]]
+    started: bool
     config: ClusterConfig
     num_moves: int
     observe: RequestObserver
@@ -70,12 +71,17 @@ class Migration:
         """An engine actor's process died: its instance leaves routing, and each request it
         held moves on once its client says which tokens it has (``resume``)."""
         view = self.views.get(iid)
-        if view is None:
+        if view is None or not self.started:  # (shutting down: everything ends anyway)
             return
         view.alive = False
         self.failures.append(
             {"instance_id": iid, "event": "failed", "reason": reason, "time": time.time()}
         )
+        for flight in self.flights.values():
+            if flight.prefilled_on == iid and flight.instance != iid:
+                # Handed off: its first token may have died in this engine's stream while
+                # the decode engine's tokens, after it, wait at the client.
+                _replay(flight, EngineCoreOutput(flight.request.request_id, []), flight.sent)
         asked: dict[str, list[Submission]] = {}
         waiting: list[tuple[tuple[str, Submission], str]] = []
         for flight in [f for f in self.flights.values() if f.instance == iid]:

@@ -33,7 +33,8 @@ PING_TIMEOUT_S = 10.0
 # How long the central scheduler waits for an engine's answer to what it asks (stats,
 # metrics, a stop, what it holds) before it goes on without it.
 ASK_TIMEOUT_S = 5.0
-# ... and for a stop (the step that runs ends first) and the hand-over after it.
+# ... and for a stop (the step that runs ends first: at most ``step_timeout_s``, after which
+# its worker counts as hung anyway) and the hand-over after it, beyond that step.
 STOP_TIMEOUT_S = 30.0
 
 
@@ -110,7 +111,7 @@ class RemoteEngine:
         self._flush()
         if self.dead is None:
             try:
-                await self._ask("stop", timeout_s=STOP_TIMEOUT_S)
+                await self._ask("stop", timeout_s=self._stop_timeout_s)
             except Exception as exc:  # hung, or dead: its requests move on without it
                 logger.warning("instance %s: its engine did not stop: %s", self.instance_id, exc)
                 self.declare_dead(f"the engine of instance {self.instance_id} did not stop")
@@ -127,7 +128,7 @@ class RemoteEngine:
         if self.dead is not None:
             return [], []
         try:
-            reports, lost = await self._ask("take_all", timeout_s=STOP_TIMEOUT_S)
+            reports, lost = await self._ask("take_all", timeout_s=self._stop_timeout_s)
         except Exception as exc:
             logger.warning("instance %s: its engine did not hand over: %s", self.instance_id, exc)
             self.declare_dead(f"the engine of instance {self.instance_id} did not hand over")
@@ -181,6 +182,10 @@ class RemoteEngine:
                     reason = f"the engine process of instance {self.instance_id} died ({exc!r})"
                     self.declare_dead(reason)
                 return
+
+    @property
+    def _stop_timeout_s(self) -> float:
+        return STOP_TIMEOUT_S + (self.config.step_timeout_s or 0.0)
 
     def declare_dead(self, reason: str) -> None:
         """Take the engine for dead: it is killed (one that only stopped answering must not
@@ -261,8 +266,8 @@ class RemoteEngine:
         self._flush()  # after what was sent before
         try:
             return await asyncio.wait_for(getattr(self.actor, method).remote(*args), timeout_s)
-        except TimeoutError:
-            raise TimeoutError(
+        except asyncio.TimeoutError:
+            raise asyncio.TimeoutError(
                 f"the engine of instance {self.instance_id} did not answer {method} "
                 f"within {timeout_s:g} s"
             ) from None
@@ -272,7 +277,7 @@ class RemoteEngine:
             return False
         try:
             return bool(await self._ask("holds_requests"))
-        except TimeoutError:
+        except asyncio.TimeoutError:
             return True  # a drain waits for it until its timeout
         except Exception:  # it died meanwhile: what it held moves on (``Migration``)
             return False
@@ -295,7 +300,7 @@ class RemoteEngine:
             return {"role": self.role, "alive": False, "dead": self.dead}
         try:
             result: dict[str, Any] = await self._ask("stats")
-        except TimeoutError as exc:
+        except asyncio.TimeoutError as exc:
             return {"role": self.role, "alive": self.alive, "unresponsive": str(exc)}
         except Exception as exc:  # it died meanwhile (the watch reports it)
             return {"role": self.role, "alive": False, "dead": self.dead or repr(exc)}
@@ -319,4 +324,7 @@ class RemoteEngine:
 
     async def flush_traces(self) -> None:
         if self.dead is None:
-            await self._ask("flush_traces")
+            try:  # (its exporter waits up to 5 s itself)
+                await self._ask("flush_traces", timeout_s=ASK_TIMEOUT_S + 5.0)
+            except Exception as exc:  # shutting down: its spans are lost, nothing else
+                logger.warning("instance %s: traces not flushed: %s", self.instance_id, exc)

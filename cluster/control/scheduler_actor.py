@@ -177,7 +177,7 @@ class SchedulerActor(Intake, KVPeers, Migration, Restart, ClusterOperations):
 
     def engine_handles(self) -> dict[str, Any]:
         """The engine actors clients stream from, by instance (``engine_actors``)."""
-        return {iid: e.actor for iid, e in self.engines.items() if e.remote}
+        return {iid: e.actor for iid, e in self.engines.items() if e.remote and e.dead is None}
 
     @staticmethod
     def _new_view(spec: InstanceSpec) -> InstanceView:
@@ -206,16 +206,17 @@ class SchedulerActor(Intake, KVPeers, Migration, Restart, ClusterOperations):
             view.alive = False  # no hand-off or move either
         for task in list(self._tasks):
             task.cancel()
-        for engine in self.engines.values():
-            await engine.stop()
+        await asyncio.gather(*(engine.stop() for engine in self.engines.values()))
         for flight in list(self.flights.values()):
             self._end(flight, FinishReason.ABORT, "shutdown")
         self.clients.close_all()  # their last batches go out, then their streams end
         await self.observe.flush()
         for engine in self.engines.values():
             if engine.remote:
-                await engine.flush_traces()
-                engine.close()
+                try:
+                    await engine.flush_traces()
+                finally:
+                    engine.close()
         for spec in self.specs.values():
             for actor in spec.actors:
                 import ray
@@ -412,6 +413,7 @@ class SchedulerActor(Intake, KVPeers, Migration, Restart, ClusterOperations):
         params = prefilled.kv_transfer_params
         self.observe.handed_off(flight, decode, self.config.kv_transfer.transport)
         flight.stage = "decode"
+        flight.prefilled_on = flight.instance  # its first token came from there
         part = clone_request(
             request,
             request_id=flight.internal_id,

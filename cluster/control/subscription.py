@@ -410,8 +410,8 @@ class Subscription:
             await asyncio.wait({stream}, timeout=RESUME_WAIT_S)
             stream.cancel()  # nothing of the dead engine may arrive after the answer
         items: list[tuple[int, list[int] | None]] = []
-        for s in [s for s in submissions if s in self._open]:
-            if s in self._ended:  # its final is here, not read yet: it is over
+        for s in submissions:
+            if s not in self._open or s in self._ended:  # its final is here: it is over
                 items.append((s, None))
                 continue
             # What came past a gap came from the dead engine (or before the hand-off): the
