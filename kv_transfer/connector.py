@@ -254,6 +254,10 @@ class PDConnector(SchedulerConnector):
         unread, self._unread = self._unread, []
         return unread
 
+    def drop_releases(self) -> None:
+        """Forget the releases not sent yet (the worker they were for is gone)."""
+        self._releases = []
+
     def release(self, req_id: str) -> None:
         """The engine will not hand ``req_id`` off after all (its saved KV was returned in
         ``kv_transfer_params``): its lease ends at the next step."""

@@ -342,6 +342,8 @@ class InstanceEngine:
         """A prefilled request will not be handed off (it ended at its first token, was
         aborted, or has no decode instance): the prefill worker ends the lease on its KV
         at the next step instead of at expiry, and its blocks are freed."""
+        if self.failed is not None:  # its worker is gone, and its leases with it
+            return
         connector = self.loop.scheduler.connector
         if isinstance(connector, PDConnector):
             connector.release(internal_id)
@@ -421,6 +423,9 @@ class InstanceEngine:
         lost = self.take_all()
         first_failure = self.failed is None
         self.failed = reason
+        connector = loop.scheduler.connector
+        if isinstance(connector, PDConnector):  # no step will send them: the leases died
+            connector.drop_releases()  # with the worker
         summary = loop.summary()
         report = EngineReport(
             self.instance_id,

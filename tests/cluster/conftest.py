@@ -110,8 +110,16 @@ def assert_clean(handle: Any, timeout_s: float = 10.0, objects: bool = True) -> 
     no connector state, consistent schedulers, and (``objects``) no KV object in the object
     store."""
 
+    keys = ("num_requests", "num_pending", "kv_cache_usage", "num_free_blocks", "num_blocks")
+    last: dict[str, Any] = {}
+
     def idle() -> bool:
         stats = ray.get(handle.stats.remote())
+        last["flights"] = stats["num_flights"]
+        last["instances"] = {
+            iid: {k: i.get(k) for k in (*keys, "connector_pending", "alive")}
+            for iid, i in stats["instances"].items()
+        }
         if stats["num_flights"]:
             return False
         return all(
@@ -123,7 +131,10 @@ def assert_clean(handle: Any, timeout_s: float = 10.0, objects: bool = True) -> 
             for i in stats["instances"].values()
         )
 
-    wait_until(idle, timeout_s, "every instance to be idle with all blocks free")
+    try:
+        wait_until(idle, timeout_s, "every instance to be idle with all blocks free")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; last seen: {last}") from None
     ray.get(handle.check_integrity.remote())
     if objects:
         try:

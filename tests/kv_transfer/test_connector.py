@@ -251,6 +251,17 @@ def test_an_in_place_save_nobody_takes_is_released_at_the_next_step() -> None:
     _assert_idle(s, c)
 
 
+def test_releases_for_a_worker_that_died_are_dropped() -> None:
+    """A release waits for the next step to reach the worker; when the worker died (its
+    leases with it) the engine drops it, so the dead instance shows nothing pending
+    (regression: a dead prefill instance reported one pending release until it rejoined)."""
+    s, c, _ = _prefill_scheduled(9)
+    c.release("p")
+    assert c.num_pending() >= 1
+    c.drop_releases()
+    assert _meta(s.schedule()).releases == []
+
+
 def test_prefill_without_a_reported_handle_returns_no_params() -> None:
     s, c, out = _prefill_scheduled(6)
     assert _meta(out).saves == [SaveSpec("p", 6)]
