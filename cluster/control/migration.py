@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 class Migration:
     """The ``SchedulerActor``'s handling of a dead engine process (a mixin)."""
 
-    # What of the actor this uses.
+    # What of the actor this uses (annotations only: the actor's own or its other mixins').
     views: dict[str, InstanceView]
     flights: dict[str, Flight]
     _internal: dict[str, Flight]
@@ -51,21 +51,9 @@ class Migration:
     num_moves: int
     observe: RequestObserver
     _place: Callable[[Flight], Coroutine[Any, Any, None]]
-
-    def _spawn(self, coro: Any) -> None:
-        raise NotImplementedError
-
-    def _end(
-        self,
-        flight: Flight,
-        reason: FinishReason,
-        error: str | None = None,
-        tokens: list[int] | None = None,
-    ) -> None:
-        raise NotImplementedError
-
-    def _forget(self, flight: Flight) -> None:
-        raise NotImplementedError
+    _spawn: Callable[[Coroutine[Any, Any, None]], None]
+    _end: Callable[..., None]  # SchedulerActor._end(flight, reason, error=, tokens=)
+    _forget: Callable[[Flight], None]
 
     def _engine_died(self, iid: str, reason: str) -> None:
         """An engine actor's process died: its instance leaves routing, and each request it

@@ -483,6 +483,15 @@ def test_a_killed_worker_moves_its_requests_to_another_engine(
     assert stats["num_moves"] >= 1 and not stats["instances"]["d-0"]["alive"]
 
 
+def _two_slow_decode_engines(engines: Any, client: ClusterClient) -> str:
+    """Two live decode instances (a dead one replaced), each step slowed so streams last;
+    returns the newer one (the one a test takes down)."""
+    live = asyncio.run(client.scale_pool("d", 2))["instances"]
+    for iid in live:
+        ray.get(engines.set_fault_injection.remote(iid, 0.0, 0.03))
+    return str(live[-1])
+
+
 def test_the_requests_of_a_killed_engine_process_move_on(
     engines: Any, client: ClusterClient, tiny_model: Path
 ) -> None:
@@ -490,13 +499,10 @@ def test_the_requests_of_a_killed_engine_process_move_on(
     client: the client says which tokens each has, and they move to the other engine after
     them -- output equal to the undisturbed one, nothing lost or repeated. A resize then
     replaces the dead instance, and nothing is left anywhere."""
-    live = asyncio.run(client.scale_pool("d", 2))["instances"]
-    victim = live[-1]
+    victim = _two_slow_decode_engines(engines, client)
     prompts = _prompts(6, seed=15)
     params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
     expected = generate_in_process(tiny_model, prompts, params)
-    for iid in live:
-        ray.get(engines.set_fault_injection.remote(iid, 0.0, 0.03))
     moves = ray.get(engines.stats.remote())["num_moves"]
     seen: dict[str, int] = {}
 
@@ -536,13 +542,10 @@ def test_a_hung_engine_holds_up_neither_operators_nor_its_requests(
     move on with the tokens their clients have -- output equal to the undisturbed one."""
     from cluster.control.remote_engine import ASK_TIMEOUT_S
 
-    live = asyncio.run(client.scale_pool("d", 2))["instances"]
-    victim = live[-1]
+    victim = _two_slow_decode_engines(engines, client)
     prompts = _prompts(4, seed=17)
     params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
     expected = generate_in_process(tiny_model, prompts, params)
-    for iid in live:
-        ray.get(engines.set_fault_injection.remote(iid, 0.0, 0.03))
     pid = _instances(engines)[victim]["engine_pid"]
 
     def on_victim() -> bool:
