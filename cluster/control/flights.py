@@ -26,6 +26,8 @@ if TYPE_CHECKING:
 
 
 Submission = int | str  # a client's tag of one submit (the request id when it gives none)
+# How a request ended, as its client saw it: (finish reason, error, tokens delivered).
+Outcome = tuple[str, str | None, int]
 
 
 class Outbox:

@@ -22,7 +22,7 @@ from typing import Any
 from cluster.config import ClusterConfig
 from cluster.control.clients import Clients
 from cluster.control.engine import Lost
-from cluster.control.flights import Flight, Submission
+from cluster.control.flights import Flight, Outcome, Submission
 from cluster.control.observer import RequestObserver
 from cluster.control.summaries import InstanceView
 from scheduler.outputs import EngineCoreOutput
@@ -98,15 +98,19 @@ class Migration:
             self._spawn(self._expire_orphans(waiting))
 
     async def resume(
-        self, client_id: str, iid: str, items: list[tuple[Submission, list[int] | None]]
+        self,
+        client_id: str,
+        iid: str,
+        items: list[tuple[Submission, list[int] | None, Outcome | None]],
     ) -> None:
         """Client ``client_id``'s answer for its requests on instance ``iid``'s dead engine:
-        each submission with every token the client has of it (None: the client has its
-        final output, so it is over). They move on after those."""
+        each submission with every token the client has of it, and they move on after those;
+        or with None and how it ended (its final output reached the client before the engine
+        died, so it is over; None: its consumer left before the end)."""
         lost: list[Lost] = []
         reason = f"the engine process of instance {iid} died"
         now = time.monotonic()
-        for submission, client_tokens in items:
+        for submission, client_tokens, outcome in items:
             orphan = self._orphans.get((client_id, submission))
             if orphan is None or orphan[1] != iid:
                 continue  # ended meanwhile (aborted, or its client answered too late)
@@ -117,6 +121,9 @@ class Migration:
                 continue
             if client_tokens is None:  # its final reached the client before the engine died
                 self._forget(flight)
+                if flight.trace is not None:  # the root span; the engine ended its own
+                    left = ("abort", "its client left before the end", len(flight.sent))
+                    flight.trace.finish(*(outcome or left))
                 continue
             tokens = list(client_tokens)
             sent = flight.sent  # what it had at its hand-off: the client may lack some of it

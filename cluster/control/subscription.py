@@ -12,11 +12,11 @@ import itertools
 import logging
 import threading
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import AsyncGenerator
 from typing import Any
 
-from cluster.control.flights import unpack_indexed
+from cluster.control.flights import Outcome, unpack_indexed
 from scheduler import Request
 from scheduler.outputs import EngineCoreOutput
 
@@ -28,6 +28,9 @@ CENTRAL_RESTART_S = 60.0
 # How long a client waits for its stream from a dead engine to end before it tells the
 # central actor the tokens its requests there have (``Subscription._resume``).
 RESUME_WAIT_S = 5.0
+# How many ended requests' outcomes a client keeps after their consumers leave, for such a
+# resume: the central actor ends their traces with them.
+RECENT_FINALS = 4096
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +60,10 @@ class Subscription:
         # The tokens delivered so far, per submission: what a request on an engine that
         # died resumes after (``_resume``; engine actors).
         self._tokens: dict[int, list[int]] = {}
-        self._ended: set[int] = set()  # submissions whose final output is delivered
+        # Submissions whose final output is delivered: how they ended. Kept for the last
+        # ``RECENT_FINALS`` after their consumer leaves, for a resume that asks (``_resume``).
+        self._ended: dict[int, Outcome] = {}
+        self._finals: OrderedDict[int, Outcome] = OrderedDict()
         self._engines: dict[str, asyncio.Task[None]] = {}  # engine actors streamed from
         self._generation = 0  # how often the central actor came back from a restart
         # Submitted, not finished: what a restarted central actor may have to be sent again.
@@ -122,7 +128,11 @@ class Subscription:
             self._next_index.pop(submission, None)
             self._early.pop(submission, None)
             self._tokens.pop(submission, None)
-            self._ended.discard(submission)
+            outcome = self._ended.pop(submission, None)
+            if outcome is not None:
+                self._finals[submission] = outcome
+                if len(self._finals) > RECENT_FINALS:
+                    self._finals.popitem(last=False)
             self._open.pop(submission, None)
             self.request_ids.pop(rid, None)
             if running:  # left before the end: nothing may keep running for nobody
@@ -363,7 +373,7 @@ class Subscription:
             if index is None:  # no position (an end the central scheduler decided)
                 queue.put_nowait(out)
                 if out.finished:
-                    self._ended.add(submission)  # type: ignore[arg-type]
+                    self._end_of(submission, out)  # type: ignore[arg-type]
             else:
                 self._in_order(queue, submission, out, index)  # type: ignore[arg-type]
 
@@ -393,12 +403,18 @@ class Subscription:
         if out.new_token_ids:
             self._tokens.setdefault(submission, []).extend(out.new_token_ids)
         if out.finished:
-            self._ended.add(submission)
+            self._end_of(submission, out)
         expected = index + len(out.new_token_ids)
         self._next_index[submission] = expected
         early = self._early.get(submission)
         if early and expected in early:
             self._in_order(queue, submission, early.pop(expected), expected)
+
+    def _end_of(self, submission: int, out: EngineCoreOutput) -> None:
+        reason = out.finish_reason.value if out.finish_reason is not None else "stop"
+        tokens = self._tokens.get(submission)
+        count = len(tokens) if tokens else len(out.new_token_ids)
+        self._ended[submission] = (reason, out.error, count)
 
     async def _resume(self, iid: str, submissions: list[int]) -> None:
         """Instance ``iid``'s engine died: once this client's stream from it has ended (so
@@ -409,15 +425,15 @@ class Subscription:
         if stream is not None:
             await asyncio.wait({stream}, timeout=RESUME_WAIT_S)
             stream.cancel()  # nothing of the dead engine may arrive after the answer
-        items: list[tuple[int, list[int] | None]] = []
+        items: list[tuple[int, list[int] | None, Outcome | None]] = []
         for s in submissions:
-            if s not in self._open or s in self._ended:  # its final is here: it is over
-                items.append((s, None))
+            if s in self._ended or s not in self._open:  # its final is here: it is over
+                items.append((s, None, self._ended.get(s) or self._finals.get(s)))
                 continue
             # What came past a gap came from the dead engine (or before the hand-off): the
             # request goes on from what was delivered (the central actor refills the rest).
             self._early.pop(s, None)
-            items.append((s, list(self._tokens.get(s, []))))
+            items.append((s, list(self._tokens.get(s, [])), None))
         if not items:
             return
         try:

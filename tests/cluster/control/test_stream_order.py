@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ from scheduler.request import FinishReason
 def _subscription() -> tuple[Subscription, asyncio.Queue[Any]]:
     """The delivery half of a Subscription (no actor: outputs are fed in by hand)."""
     sub = Subscription.__new__(Subscription)
-    sub._next_index, sub._early, sub._tokens, sub._ended = {}, {}, {}, set()
+    sub._next_index, sub._early, sub._tokens, sub._ended = {}, {}, {}, {}
     queue: asyncio.Queue[Any] = asyncio.Queue()
     sub.queues = {7: queue}
     return sub, queue
@@ -180,3 +181,62 @@ def test_what_users_read_has_a_logprob_per_token_the_refilled_ones_unknown(
     assert sample.logprobs is not None and len(sample.logprobs) == 5
     assert sample.logprobs[4] == {14: -3.0} and sample.logprobs[1] == {11: -2.0}
     assert all(math.isnan(sample.logprobs[i][t]) for i, t in ((2, 12), (3, 13)))
+
+
+def test_a_request_whose_final_reached_its_client_before_its_engine_died_ends_its_trace(
+    tmp_path: Path,
+) -> None:
+    """Regression: a request forgotten at a resume (its client had its final output; the
+    engine's report of it died with the engine) left its root span open, so its trace was
+    never exported. The client answers with how it ended; the central actor ends the span."""
+    import pytest
+
+    pytest.importorskip("opentelemetry.sdk.trace")
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from cluster.control.flights import EarlyAborts
+    from cluster.control.scheduler_actor import SchedulerActor
+    from cluster.observability.request_trace import RequestTrace
+
+    # The client: submission 7 got its final (3 tokens), submission 8 is still going.
+    sub, _queue = _subscription()
+    sub.queues[8] = asyncio.Queue()
+    sub._open = {7: (None, None), 8: (None, None)}  # type: ignore[dict-item]
+    sub._finals, sub._engines = OrderedDict(), {}
+    _feed(sub, _out([10, 11]), 0)
+    _feed(sub, EngineCoreOutput("r", [12], FinishReason.STOP), 2)
+    sub._deliver_batch(pack_batch([(8, _out([20]), 0)]))
+    answers: list[Any] = []
+
+    class _Central:  # the actor handle's one method the resume calls
+        class resume:
+            @staticmethod
+            async def remote(*args: Any) -> None:
+                answers.append(args)
+
+    sub.handle, sub.client_id = _Central(), "c"
+    asyncio.run(sub._resume("d-2", [7, 8]))
+    (client_id, iid, items) = answers[0]
+    assert (client_id, iid) == ("c", "d-2")
+    assert items == [(7, None, ("stop", None, 3)), (8, [20], None)]
+
+    # The central actor: submission 7 is forgotten and its root span ends with that outcome.
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracer = provider.get_tracer("test")
+    actor = SchedulerActor.__new__(SchedulerActor)
+    actor.flights, actor._internal, actor._early_aborts = {}, {}, EarlyAborts()
+    flight = _flight([10, 11])
+    flight.internal_id = "r#0"
+    flight.trace = RequestTrace(tracer, None, "r", 3, 0.0, root_only=True)
+    actor.flights["r"], actor._internal["r#0"] = flight, flight
+    actor._orphans = {("c", 7): ("r#0", "d-2", "the engine died")}
+    asyncio.run(actor.resume("c", "d-2", [items[0]]))
+    assert "r" not in actor.flights and not actor._orphans
+    (root,) = exporter.get_finished_spans()
+    assert root.name == "tandem.request"
+    assert tuple(root.attributes["gen_ai.response.finish_reasons"]) == ("stop",)
+    assert root.attributes["gen_ai.usage.output_tokens"] == 3
