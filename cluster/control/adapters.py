@@ -5,28 +5,51 @@ layers)."""
 
 from __future__ import annotations
 
-import itertools
+from collections.abc import Callable
 
 from cluster.config import ClusterConfig
 from cluster.control.placement import InstanceSpec
 from scheduler import LoRARequest
 
+# The registry as the engine actors keep it for a restarted central actor: the adapters by
+# name, and the next id to give (ids are never given twice: a worker may still cache an
+# unloaded adapter under its id, and would apply it to a new adapter given the same id).
+Registry = tuple[dict[str, LoRARequest], int]
+
 
 class LoRAAdapters:
     """Adapters by name, and per instance the ids it has loaded. ``specs`` is the actor's own
-    dict (filled at start)."""
+    dict (filled at start). ``on_change`` is called after every load and unload (the actor
+    hands the registry to its engine actors)."""
 
     def __init__(self, config: ClusterConfig, specs: dict[str, InstanceSpec]) -> None:
         self.enabled = config.lora is not None
         self.by_name: dict[str, LoRARequest] = {}
-        self._ids = itertools.count(1)
+        self._next_id = 1
         self._loaded: dict[str, set[int]] = {}
         self._specs = specs
+        self.on_change: Callable[[], None] | None = None
         for name, path in config.serve.lora_modules.items():
             self.by_name[name] = self._new(name, path)
 
     def _new(self, name: str, path: str) -> LoRARequest:
-        return LoRARequest(lora_name=name, lora_int_id=next(self._ids), lora_path=path)
+        lora_id, self._next_id = self._next_id, self._next_id + 1
+        return LoRARequest(lora_name=name, lora_int_id=lora_id, lora_path=path)
+
+    def registry(self) -> Registry:
+        return dict(self.by_name), self._next_id
+
+    def restore(self, registries: list[Registry]) -> None:
+        """A restarted central actor takes the registry its engines kept (the newest: the
+        one with the highest next id)."""
+        if registries:
+            by_name, next_id = max(registries, key=lambda r: r[1])
+            self.by_name = dict(by_name)
+            self._next_id = max(self._next_id, next_id)
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
 
     def reset(self, instance_id: str) -> None:
         """The instance starts (or restarted) with no adapter loaded."""
@@ -57,11 +80,14 @@ class LoRAAdapters:
                 await self.ensure(try_on, lora)
             except Exception as exc:
                 cause = getattr(exc, "cause", None) or exc  # a worker's error, without Ray's
+                self._changed()  # its id is spent (a stage may hold it)
                 raise ValueError(f"lora_path {path!r} could not be loaded: {cause}") from None
         self.by_name[name] = lora
+        self._changed()
         return lora
 
     def unload(self, name: str) -> None:
         """Stop serving ``name`` (workers drop it from their cache as others come in)."""
         if self.by_name.pop(name, None) is None:
             raise KeyError(f"lora_name {name!r} is not loaded")
+        self._changed()

@@ -146,6 +146,7 @@ class EngineSnapshot:
     failed: str | None
     summary: Any  # an EngineSummary whose events rebuild the prefix index from nothing
     held: list[HeldSnapshot]
+    adapters: Any = None  # the LoRA registry the central actor gave it (``adapters.Registry``)
 
 
 class EngineActor:
@@ -178,6 +179,7 @@ class EngineActor:
         # are dropped (its numbers would collide with the new one's).
         self._epoch = 0
         self._next_op = 0
+        self._adapters: Any = None  # the central actor's LoRA registry, kept for its restart
         self._early_ops: dict[int, list[tuple[Any, ...]]] = {}
         self._outgoing: deque[EngineReport] = deque()
         self._wake = asyncio.Event()
@@ -315,6 +317,8 @@ class EngineActor:
             engine.draining = bool(item[1])
         elif kind == "fail":
             engine.fail(item[1])
+        elif kind == "adapters":
+            self._adapters = item[1]
         else:
             raise ValueError(f"unknown op {kind!r}")
 
@@ -567,4 +571,5 @@ class EngineActor:
             engine.failed,
             summary,
             held,
+            self._adapters,
         )

@@ -245,6 +245,10 @@ class RemoteEngine:
     def fail(self, reason: str) -> None:
         self._op(("fail", reason))
 
+    def keep_adapters(self, registry: Any) -> None:
+        """Keep the LoRA registry for a restarted central actor (``EngineSnapshot``)."""
+        self._op(("adapters", registry))
+
     def _op(self, item: tuple[Any, ...]) -> None:
         self._ops.append(item)
         if not self._flush_scheduled:

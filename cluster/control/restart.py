@@ -14,10 +14,11 @@ its state -- an engine's report, a client's keep-alive or submit -- starts the r
     apply the reports that came meanwhile; serve
 
 Calls that arrive meanwhile wait for it (``submit`` at most ``RECOVERY_WAIT_S``, then a clear
-``UnavailableError``: HTTP 503). What is not rebuilt: LoRA adapters loaded at run time (load
-them again), the failure history and move count, requests an engine reported lost while the
-central actor was away (a worker failing during its restart: a double fault), and requests of a
-dead engine that were waiting for their clients' tokens (``control/migration.py``).
+``UnavailableError``: HTTP 503). The LoRA registry, adapters loaded at run time included,
+comes from the engines, which keep the central actor's copy. What is not rebuilt: the failure
+history and move count, requests an engine reported lost while the central actor was away (a
+worker failing during its restart: a double fault), and requests of a dead engine that were
+waiting for their clients' tokens (``control/migration.py``).
 """
 
 from __future__ import annotations
@@ -194,6 +195,7 @@ async def rebuild(actor: Any) -> None:
             prefilled.first_token_at = shift(prefilled.first_token_at, now)
             prefilled.scheduled_at = shift(prefilled.scheduled_at, now)
             handoffs.append((iid, flight, prefilled))
+    actor.lora.restore([snap.adapters for _, snap in found if snap.adapters is not None])
     actor._seq = itertools.count(last + 1)
     actor.started = True
     actor._spawn(actor.clients.reap_silent())

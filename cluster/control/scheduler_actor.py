@@ -96,6 +96,7 @@ class SchedulerActor(Intake, KVPeers, Migration, Restart, ClusterOperations):
         self._resizing = asyncio.Lock()  # scale_pool: one resize at a time
         self.observe = RequestObserver(config, self.roles, self.specs)
         self.lora = LoRAAdapters(config, self.specs)  # served by name, loaded per instance
+        self.lora.on_change = self._share_adapters
         # Restarted by Ray (engine_actors): rebuilt from the engines before serving again.
         self.recovering = config.engine_actors and was_restarted()
         self._recovery: asyncio.Task[None] | None = None
@@ -172,8 +173,17 @@ class SchedulerActor(Intake, KVPeers, Migration, Restart, ClusterOperations):
             self.observe.add_instance(iid, spec.pool.role)
             self.engines[iid] = engine
             engine.start()
+            if engine.remote:
+                engine.keep_adapters(self.lora.registry())
         if self.config.engine_actors:  # clients stream from the new engines too
             self.clients.notify_all(self.engine_handles())
+
+    def _share_adapters(self) -> None:
+        """The engine actors keep the LoRA registry for a restarted central actor."""
+        registry = self.lora.registry()
+        for engine in self.engines.values():
+            if engine.remote:
+                engine.keep_adapters(registry)
 
     def engine_handles(self) -> dict[str, Any]:
         """The engine actors clients stream from, by instance (``engine_actors``)."""

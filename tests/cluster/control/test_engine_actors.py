@@ -384,6 +384,63 @@ def test_the_central_scheduler_killed_mid_stream_comes_back(
     assert set(stats["instances"]) == {"p-0", "d-0", "d-1"}
 
 
+def test_lora_adapters_loaded_at_run_time_survive_a_central_restart(
+    ray_cluster: RayCluster, tiny_model: Path, tmp_path: Path
+) -> None:
+    """The engines keep the central actor's LoRA registry: after a restart, an adapter loaded
+    at run time is still served by name, with its output unchanged, and the next one loaded
+    gets a new id (regression: the ids began again at 1, so a new adapter took the id of one
+    the workers still held, and its requests ran with the other adapter's weights)."""
+    from tests.cluster.conftest import make_adapter
+
+    first = make_adapter(tiny_model, tmp_path / "first", seed=3)
+    second = make_adapter(tiny_model, tmp_path / "second", seed=4)
+    config = cluster_config(
+        tiny_model,
+        [{"name": "c", "role": "both", "num_blocks": NUM_BLOCKS}],
+        engine_actors=True,
+        lora={"max_loras": 2, "max_lora_rank": 16},
+    )
+    handle = build_cluster(config, name="engine-actors-lora", namespace="tandem-tests")
+    try:
+        client = ClusterClient(handle)
+        prompt = [5, 9, 13, 17, 21, 25]
+
+        async def run(lora: Any) -> list[int]:
+            final = None
+            async for out in client.generate_async(prompt, GREEDY, lora_request=lora):
+                final = out
+            assert final is not None
+            tokens: list[int] = final.outputs[0].token_ids
+            return tokens
+
+        async def scenario() -> None:
+            loaded = await client.load_lora_adapter("first", first)
+            before = await run(loaded)
+            assert before != await run(None)  # the adapter changes the output
+            pid = (await handle.stats.remote())["pid"]
+            ray.kill(handle, no_restart=False)
+
+            def restarted() -> bool:
+                try:
+                    return bool(ray.get(handle.stats.remote())["pid"] != pid)
+                except ray.exceptions.ActorUnavailableError:
+                    return False  # restarting
+
+            await _until(restarted, 60)
+            adapters = await client.lora_adapters()
+            assert adapters["first"].lora_int_id == loaded.lora_int_id
+            assert await run(adapters["first"]) == before
+            new = await client.load_lora_adapter("second", second)
+            assert new.lora_int_id != loaded.lora_int_id
+            assert await run(new) != before  # its own weights, not the first adapter's
+
+        asyncio.run(asyncio.wait_for(scenario(), 180))
+        assert_clean(handle)
+    finally:
+        shutdown_cluster(handle)
+
+
 def test_one_trace_across_the_central_actor_and_both_engines(
     ray_cluster: RayCluster, tiny_model: Path
 ) -> None:
