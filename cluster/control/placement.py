@@ -14,9 +14,6 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-import ray
-
-from actors.worker import ModelWorker
 from cluster.config import ClusterConfig, InstancePool
 
 logger = logging.getLogger(__name__)
@@ -133,6 +130,9 @@ async def start_instances(
     workers could not be placed or loaded in time (usually: no node offers their resources);
     nothing is left running then. ``kv_fallback``: the KV transport a worker uses if the
     configured one cannot be set up on its node (``transport: auto``)."""
+    import ray  # here, not at the top: what only reads an InstanceSpec needs no Ray or torch
+
+    from actors.worker import ModelWorker
     from cluster.control.executors import PipelineExecutor, RayExecutor
     from kv_transfer.registry import available_transports
 
