@@ -3,8 +3,8 @@ files, lazy and ``TYPE_CHECKING`` ones included, must point down a layer, and no
 reach itself through its imports.
 
 Layers, top to bottom: ``cluster -> actors -> kv_transfer -> scheduler``. Inside ``cluster/``
-the subpackages are floors: ``tools -> serving -> control -> engine -> observability ->
-{config, errors}`` (a floor may use any floor below it, never one above or a sibling).
+the subpackages are floors: ``tools -> {serving, sim} -> control -> engine -> observability
+-> {config, errors}`` (a floor may use any floor below it, never one above or a sibling).
 ``scheduler/`` imports only the standard library and pydantic.
 """
 
@@ -32,6 +32,7 @@ CLUSTER_FLOORS = {
     "engine": 2,
     "control": 3,
     "serving": 4,
+    "sim": 4,
     "tools": 5,
 }
 SCHEDULER_THIRD_PARTY = {"pydantic", "pydantic_core", "typing_extensions"}

@@ -1,0 +1,163 @@
+"""The simulated worker: it takes the real ``SchedulerOutput`` of a step, prices it with a cost
+model, sleeps that long in virtual time, and answers as a worker would -- a token for each
+request that reached the end of what it knows, the KV hand-offs saved and loaded.
+
+It computes nothing: every request samples ``TOKEN`` (not an end-of-sequence id) and runs to
+its ``max_tokens``. A step runs alone on its instance (one device); KV loads proceed beside the
+steps and are reported, like a worker's, in the first step's output after they end (failed
+past their ``timeout_s``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+from cluster.sim.cost import CostModel, StepShape
+from kv_transfer.connector import KVConnectorReport, KVSegment
+from scheduler import ModelRunnerOutput, SchedulerOutput
+
+TOKEN = 7  # what every simulated request samples (not an EOS id)
+
+
+@dataclass(frozen=True)
+class SimHandle:
+    """Where a simulated hand-off's KV is: only its size matters."""
+
+    source: str
+    num_bytes: int
+
+
+def step_shape(
+    scheduled: dict[str, int], starts: dict[str, int], lora: set[str], num_sampled: int
+) -> StepShape:
+    """The shape of a step that computes ``scheduled[r]`` positions of each request ``r``
+    from position ``starts[r]`` (``lora``: the requests with an adapter). One position
+    after others is a decode; anything else is a (chunk of a) prefill."""
+    prefill_tokens = num_decodes = decode_context = lora_tokens = 0
+    prefill_pairs = 0.0
+    for req_id, n in scheduled.items():
+        start = starts[req_id]
+        if n == 1 and start > 0:
+            num_decodes += 1
+            decode_context += start + 1
+        else:
+            prefill_tokens += n
+            prefill_pairs += n * (start + (n + 1) / 2)
+        if req_id in lora:
+            lora_tokens += n
+    return StepShape(
+        prefill_tokens, prefill_pairs, num_decodes, decode_context, num_sampled, lora_tokens
+    )
+
+
+class SimWorker:
+    """What the control plane asks an in-process worker outside steps."""
+
+    def health(self) -> dict[str, Any]:
+        return {"ok": True, "node_id": None, "num_loading": 0, "kv_transport": "sim"}
+
+    def kv_peer(self) -> None:
+        return None  # nothing to connect: transfers are priced, not made
+
+    def add_lora(self, lora: Any) -> bool:
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return True
+
+
+@dataclass
+class _Load:
+    req_id: str
+    started: float
+    done_at: float
+    num_bytes: int
+    ok: bool
+
+
+class SimExecutor:
+    """One instance's simulated worker (an ``Executor``)."""
+
+    def __init__(self, instance_id: str, cost: CostModel, block_size: int) -> None:
+        self.instance_id = instance_id
+        self.cost = cost
+        self.block_size = block_size
+        self.worker = SimWorker()
+        self._device = asyncio.Lock()
+        self._lengths: dict[str, int] = {}  # request id -> tokens known (prompt + sampled)
+        self._lora: set[str] = set()  # requests with an adapter
+        self._loads: list[_Load] = []
+        self.busy_s = 0.0  # virtual seconds spent in steps
+        self.num_steps = 0
+
+    async def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        async with self._device:
+            return await self._execute(out)
+
+    async def _execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        loop = asyncio.get_running_loop()
+        meta = out.kv_connector_metadata
+        if meta is not None:
+            for load in meta.loads:
+                self._start_load(load, loop.time())
+        lengths = self._lengths
+        for req_id in out.finished_req_ids:
+            lengths.pop(req_id, None)
+            self._lora.discard(req_id)
+        starts: dict[str, int] = {}
+        for new in out.scheduled_new_reqs:
+            lengths[new.req_id] = len(new.prompt_token_ids) + len(new.output_token_ids)
+            starts[new.req_id] = new.num_computed_tokens
+            if new.lora_request is not None:
+                self._lora.add(new.req_id)
+        cached = out.scheduled_cached_reqs
+        starts.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+        for req_id, tokens in cached.resumed_token_ids.items():
+            lengths[req_id] = len(tokens)
+        req_ids, sampled = [], []
+        for req_id, n in out.num_scheduled_tokens.items():
+            req_ids.append(req_id)
+            if starts[req_id] + n >= lengths[req_id]:
+                lengths[req_id] += 1
+                sampled.append([TOKEN])
+            else:
+                sampled.append([])
+        shape = step_shape(out.num_scheduled_tokens, starts, self._lora, sum(map(bool, sampled)))
+        seconds = self.cost.step_time(shape)
+        await asyncio.sleep(seconds)
+        self.busy_s += seconds
+        self.num_steps += 1
+        output = ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
+        report = KVConnectorReport()
+        if meta is not None:
+            per_token = self.cost.kv_bytes_per_token()
+            for save in meta.saves:
+                num_bytes = save.num_tokens * per_token
+                handle = SimHandle(self.instance_id, num_bytes)
+                report.saved[save.req_id] = [KVSegment(0, 1, handle)]
+                report.bytes_saved += num_bytes
+        self._finish_loads(output, report, loop.time())
+        output.kv_connector_output = report
+        return output
+
+    def _start_load(self, load: Any, now: float) -> None:
+        num_bytes = len(load.block_ids) * self.block_size * self.cost.kv_bytes_per_token()
+        took = self.cost.transfer_time(num_bytes)
+        ok = took <= load.timeout_s
+        self._loads.append(_Load(load.req_id, now, now + min(took, load.timeout_s), num_bytes, ok))
+
+    def _finish_loads(
+        self, output: ModelRunnerOutput, report: KVConnectorReport, now: float
+    ) -> None:
+        ended = [load for load in self._loads if load.done_at <= now]
+        if not ended:
+            return
+        self._loads = [load for load in self._loads if load.done_at > now]
+        output.finished_recving = {load.req_id for load in ended if load.ok}
+        output.failed_recving = {load.req_id for load in ended if not load.ok}
+        for load in ended:
+            report.loads.append((load.req_id, load.done_at - load.started, load.num_bytes, load.ok))
+            if load.ok:
+                report.bytes_loaded += load.num_bytes

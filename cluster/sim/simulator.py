@@ -1,0 +1,272 @@
+"""The simulator: Tandem's own control plane -- the ``SchedulerActor`` with its ``Router``,
+admission and P/D hand-off, each instance's ``InstanceEngine``, ``EngineLoop`` and
+``Scheduler`` -- run in one process on a virtual clock (``cluster/sim/clock.py``), with each
+instance's worker replaced by a ``SimExecutor`` whose steps and KV transfers take the time a
+cost model says. No Ray, no model, no copy of the scheduling code: what the real cluster would
+decide, at the time it would decide it.
+
+    sim = Simulation(config, cost)            # the ClusterConfig you would serve with
+    result = sim.run(poisson(rate=4, num_requests=500, shape="chat"), SLO(0.5, 0.05))
+    result.summary()                          # TTFT / TPOT / e2e percentiles, throughput,
+                                              # SLO attainment and goodput
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from cluster.config import ClusterConfig
+from cluster.control.placement import InstanceSpec
+from cluster.sim.clock import run_virtual
+from cluster.sim.cost import CostModel
+from cluster.sim.executor import SimExecutor
+from cluster.sim.workload import WorkItem
+from scheduler import LoRARequest, Request, SamplingParams
+
+SIM_VOCAB = 32000
+CLIENT = "sim"  # the one client (an ingress replica) every simulated request comes from
+
+
+@dataclass(frozen=True)
+class SLO:
+    """Latency targets: a request meets them when its TTFT and its mean time per output token
+    (after the first) are both within (DistServe's definition of goodput)."""
+
+    ttft_s: float
+    tpot_s: float
+
+
+@dataclass
+class RequestRecord:
+    arrival_s: float
+    prompt_len: int
+    output_len: int
+    first_token_s: float | None = None  # virtual time of its first token
+    end_s: float | None = None
+    num_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_s is None else self.first_token_s - self.arrival_s
+
+    @property
+    def tpot(self) -> float | None:
+        if self.first_token_s is None or self.end_s is None or self.num_tokens < 2:
+            return None
+        return (self.end_s - self.first_token_s) / (self.num_tokens - 1)
+
+    @property
+    def e2e(self) -> float | None:
+        return None if self.end_s is None else self.end_s - self.arrival_s
+
+    def meets(self, slo: SLO) -> bool:
+        if self.error is not None or self.ttft is None or self.ttft > slo.ttft_s:
+            return False
+        tpot = self.tpot
+        return tpot is None or tpot <= slo.tpot_s
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The ``q``-quantile (0-1), linear between order statistics; NaN for no values."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q
+    low = math.floor(pos)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+
+@dataclass
+class SimResult:
+    records: list[RequestRecord]
+    duration_s: float  # virtual: the first arrival to the last end
+    wall_s: float  # real seconds the simulation took
+    slo: SLO | None
+    # Per instance: its role, virtual seconds in steps (busy_s), and the engine loop's
+    # counters at the end (steps, preemptions, prefix-cache hits, KV bytes moved).
+    instances: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def summary(self) -> dict[str, Any]:
+        done = [r for r in self.records if r.error is None and r.end_s is not None]
+        ttft = [r.ttft for r in done if r.ttft is not None]
+        tpot = [t for r in done if (t := r.tpot) is not None]
+        tokens = sum(r.num_tokens for r in done)
+        out: dict[str, Any] = {
+            "requests": len(self.records),
+            "finished": len(done),
+            "errors": sum(r.error is not None for r in self.records),
+            "duration_s": self.duration_s,
+            "wall_s": self.wall_s,
+            "speedup": self.duration_s / self.wall_s if self.wall_s else math.inf,
+            "throughput_tokens_s": tokens / self.duration_s if self.duration_s else 0.0,
+            "throughput_requests_s": len(done) / self.duration_s if self.duration_s else 0.0,
+        }
+        for name, values in (("ttft", ttft), ("tpot", tpot)):
+            for q in (50, 90, 99):
+                out[f"{name}_p{q}_s"] = percentile(values, q / 100)
+        out["e2e_p50_s"] = percentile([r.e2e for r in done if r.e2e is not None], 0.5)
+        if self.slo is not None:
+            met = sum(r.meets(self.slo) for r in self.records)
+            out["slo_attainment"] = met / len(self.records) if self.records else math.nan
+            out["goodput_requests_s"] = met / self.duration_s if self.duration_s else 0.0
+        return out
+
+
+class Simulation:
+    """``config``: the cluster as it would be served (pools, their schedulers, the router,
+    the KV hand-off's timeout); ``cost``: one cost model for every pool, or one per pool name.
+    Each instance's KV cache has its pool's ``num_blocks``, or what the cost model says fits."""
+
+    def __init__(self, config: ClusterConfig, cost: CostModel | dict[str, CostModel]) -> None:
+        self.config = config.model_copy(
+            update={
+                "kv_transfer": config.kv_transfer.model_copy(update={"transport": "ray"}),
+                "engine_actors": False,
+                "health_check_interval_s": 0,
+                "client_timeout_s": 1e9,  # the simulated client sends no keep-alives
+            }
+        )
+        self.costs = cost if isinstance(cost, dict) else {p.name: cost for p in config.pools}
+        missing = [p.name for p in config.pools if p.name not in self.costs]
+        if missing:
+            raise ValueError(f"no cost model for pool(s) {', '.join(missing)}")
+
+    def _specs(self) -> list[InstanceSpec]:
+        specs = []
+        block_size = self.config.block_size
+        for pool in self.config.pools:
+            cost = self.costs[pool.name]
+            num_blocks = pool.num_blocks
+            if num_blocks is None:
+                capacity = cost.kv_capacity_tokens()
+                if capacity is None:
+                    raise ValueError(
+                        f"pool {pool.name!r}: set num_blocks (the cost model {cost.name!r} "
+                        "does not size the KV cache)"
+                    )
+                num_blocks = capacity // block_size
+            info = {
+                "max_position_embeddings": 1 << 17,
+                "num_blocks": num_blocks,
+                "block_size": block_size,
+                "bytes_per_block": block_size * cost.kv_bytes_per_token(),
+                "model_path": "sim",
+                "vocab_size": SIM_VOCAB,
+                "eos_token_ids": [2],
+                "num_layers": 1,
+                "layers": [0, 1],
+                "pp_rank": 0,
+                "pp_size": 1,
+                "dtype": "bfloat16",
+                "node_id": None,
+            }
+            for i in range(pool.replicas):
+                iid = f"{pool.name}-{i}"
+                executor = SimExecutor(iid, cost, block_size)
+                specs.append(InstanceSpec(iid, pool, executor, None, info))
+        return specs
+
+    def run(self, workload: list[WorkItem], slo: SLO | None = None, seed: int = 0) -> SimResult:
+        """Serve ``workload`` (its prompts drawn from ``seed``); deterministic for a seed."""
+        from cluster.control.scheduler_actor import SchedulerActor
+
+        started = time.perf_counter()
+        records = [RequestRecord(w.arrival_s, w.prompt_len, w.output_len) for w in workload]
+        specs = self._specs()
+        loras = {
+            name: LoRARequest(lora_name=name, lora_int_id=i + 1, lora_path=name)
+            for i, name in enumerate(sorted({w.lora for w in workload if w.lora}))
+        }
+        logging.getLogger("cluster").setLevel(logging.WARNING)
+
+        def request(index: int, item: WorkItem, now: float) -> Request:
+            params = SamplingParams(max_tokens=item.output_len, ignore_eos=True, temperature=0.0)
+            return Request(
+                f"sim-{index}",
+                item.prompt(seed, index, SIM_VOCAB),
+                params,
+                eos_token_id=2,
+                arrival_time=now,
+                lora_request=loras.get(item.lora) if item.lora else None,
+            )
+
+        async def submit(actor: Any, index: int, item: WorkItem, now: float) -> None:
+            try:
+                await actor.submit(request(index, item, now), CLIENT, submission=index)
+            except Exception as exc:  # refused (the waiting bound), or no instance left
+                records[index].error = f"{type(exc).__name__}: {exc}"
+                records[index].end_s = now
+                open_requests.discard(index)
+
+        async def receive(actor: Any, done: asyncio.Event) -> None:
+            # One client, as an ingress replica: a batch of every request's new tokens per
+            # wake-up (the product's batched path), not a stream per request.
+            loop = asyncio.get_running_loop()
+            async for batch in actor.subscribe(CLIENT):
+                now = loop.time()
+                for wire in batch:
+                    index, tokens, reason, error = wire[0], wire[2], wire[3], wire[7]
+                    record = records[index]
+                    if tokens:
+                        if record.first_token_s is None:
+                            record.first_token_s = now
+                        record.num_tokens += len(tokens)
+                    if reason is not None:
+                        record.end_s, record.error = now, error
+                        open_requests.discard(index)
+                if arrived.is_set() and not open_requests:
+                    done.set()
+                    return
+
+        stats: dict[str, dict[str, Any]] = {}
+        open_requests = set(range(len(workload)))
+        arrived = asyncio.Event()
+
+        async def main() -> tuple[float, float]:
+            loop = asyncio.get_running_loop()
+            actor = SchedulerActor(self.config, specs)
+            await actor.start()
+            done = asyncio.Event()
+            receiver = asyncio.ensure_future(receive(actor, done))
+            origin = loop.time()
+            tasks = []
+            for index, item in enumerate(workload):
+                delay = origin + item.arrival_s - loop.time()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                tasks.append(asyncio.ensure_future(submit(actor, index, item, loop.time())))
+            await asyncio.gather(*tasks)
+            arrived.set()
+            if open_requests:
+                await done.wait()
+            end = loop.time()
+            receiver.cancel()
+            stats.update((await actor.stats())["instances"])
+            await actor.shutdown()
+            return origin, end
+
+        origin, end = run_virtual(main())
+        for record in records:  # times from the run's start, as the workload's
+            if record.first_token_s is not None:
+                record.first_token_s -= origin
+            if record.end_s is not None:
+                record.end_s -= origin
+        first = min((w.arrival_s for w in workload), default=0.0)
+        instances = {
+            spec.instance_id: {
+                **stats.get(spec.instance_id, {}),
+                "role": spec.pool.role,
+                "busy_s": spec.executor.busy_s,
+            }
+            for spec in specs
+        }
+        return SimResult(
+            records, end - origin - first, time.perf_counter() - started, slo, instances
+        )

@@ -1,0 +1,212 @@
+"""The simulator runs Tandem's own control plane in virtual time: deterministic for a seed,
+the real ``Scheduler`` (no copy), and the cluster's behaviours -- chunked prefill, preemption
+under KV pressure, prefix caching, the P/D hand-off priced by the cost model, the waiting
+bound -- show in its results."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from typing import Any
+
+import pytest
+
+from cluster.config import ClusterConfig
+from cluster.sim.clock import SimulationStalled, run_virtual
+from cluster.sim.cost import LinearCostModel, StepShape, gpu_model
+from cluster.sim.simulator import SLO, RequestRecord, Simulation, percentile
+from cluster.sim.workload import WorkItem, poisson
+from scheduler import Scheduler
+
+# 1 ms a step, 0.1 ms a prefill token, 0.01 ms a decode, 0.1 GB/s of KV hand-off.
+COST = LinearCostModel(
+    "test",
+    {"const": 1e-3, "prefill_tokens": 1e-4, "num_decodes": 1e-5},
+    kv_bytes_token=1000,
+    transfer_latency_s=1e-3,
+    transfer_bytes_per_s=1e8,
+)
+
+
+def _config(pools: list[dict[str, Any]], **extra: Any) -> ClusterConfig:
+    return ClusterConfig.model_validate(
+        {"block_size": 16, "pools": pools, "admission_window_s": 0.0, **extra}
+    )
+
+
+BOTH = {"name": "c", "role": "both", "num_blocks": 512}
+PD = [
+    {"name": "p", "role": "prefill", "num_blocks": 512},
+    {"name": "d", "role": "decode", "num_blocks": 512},
+]
+
+
+def test_the_clock_jumps_to_each_timer_and_a_wait_for_nothing_is_an_error() -> None:
+    async def main() -> float:
+        loop = asyncio.get_running_loop()
+        await asyncio.sleep(3600)
+        event = asyncio.Event()
+        loop.call_later(5, event.set)
+        await asyncio.wait_for(event.wait(), 10)
+        return loop.time()
+
+    assert run_virtual(main()) == 3605.0
+    with pytest.raises(SimulationStalled):
+        run_virtual(asyncio.Event().wait())
+
+
+def test_the_same_seed_gives_the_same_run_and_another_seed_another() -> None:
+    config = _config(PD, router={"disaggregation": "always"})
+    work = poisson(rate=50, num_requests=60, shape="chat", seed=1)
+
+    def run(seed: int) -> list[tuple[Any, ...]]:
+        result = Simulation(config, COST).run(work, seed=seed)
+        return [(r.first_token_s, r.end_s, r.num_tokens) for r in result.records]
+
+    first = run(0)
+    assert len(first) == 60 and all(end is not None for _, end, _ in first)
+    assert run(0) == first  # the same run, to the last virtual nanosecond
+    assert poisson(rate=50, num_requests=60, shape="chat", seed=1) == work
+    other = poisson(rate=50, num_requests=60, shape="chat", seed=2)
+    assert other != work
+    assert Simulation(config, COST).run(other).records != Simulation(config, COST).run(work).records
+
+
+def test_it_runs_the_real_scheduler(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = {"schedule": 0, "update": 0}
+    schedule, update = Scheduler.schedule, Scheduler.update_from_output
+
+    def counted_schedule(self: Scheduler, *args: Any) -> Any:
+        calls["schedule"] += 1
+        return schedule(self, *args)
+
+    def counted_update(self: Scheduler, *args: Any) -> Any:
+        calls["update"] += 1
+        return update(self, *args)
+
+    monkeypatch.setattr(Scheduler, "schedule", counted_schedule)
+    monkeypatch.setattr(Scheduler, "update_from_output", counted_update)
+    result = Simulation(_config([BOTH]), COST).run(poisson(20, 20, "fixed", seed=3))
+    steps = sum(i["num_steps"] for i in result.instances.values())
+    assert steps > 0 and calls == {"schedule": steps, "update": steps}
+
+
+def test_times_follow_the_cost_model_exactly() -> None:
+    """One request alone: a 32-token prompt in one step, then a step per token."""
+    config = _config([BOTH])
+    result = Simulation(config, COST).run([WorkItem(0.0, 32, 5)])
+    (record,) = result.records
+    prefill = COST.step_time(StepShape(prefill_tokens=32, num_sampled=1))
+    decode = COST.step_time(StepShape(num_decodes=1, num_sampled=1))
+    assert record.num_tokens == 5 and record.error is None
+    assert record.ttft == pytest.approx(prefill)
+    assert record.tpot == pytest.approx(decode)
+    assert record.end_s == pytest.approx(prefill + 4 * decode)
+
+
+def test_chunked_prefill_splits_a_long_prompt_by_the_token_budget() -> None:
+    pool = {**BOTH, "scheduler": {"max_num_batched_tokens": 64, "max_num_seqs": 8}}
+    result = Simulation(_config([pool]), COST).run([WorkItem(0.0, 256, 2)])
+    (record,) = result.records
+    chunk = COST.step_time(StepShape(prefill_tokens=64))
+    assert record.ttft == pytest.approx(4 * chunk, rel=1e-6)
+    assert result.instances["c-0"]["num_prompt_tokens_computed"] == 256
+
+
+def test_kv_pressure_preempts_and_everything_still_finishes() -> None:
+    pool = {**BOTH, "num_blocks": 24}  # 384 tokens of KV for 8 requests of up to 160
+    work = [WorkItem(0.001 * i, 64, 96) for i in range(8)]
+    result = Simulation(_config([pool]), COST).run(work)
+    assert result.instances["c-0"]["num_preemptions"] > 0
+    assert all(r.num_tokens == 96 and r.error is None for r in result.records)
+    assert result.instances["c-0"]["num_free_blocks"] == 24  # every block back
+
+
+def test_a_shared_prefix_is_computed_once() -> None:
+    work = [WorkItem(0.5 * i, 600, 4, prefix_group=0, prefix_len=512) for i in range(6)]
+    cached = Simulation(_config([BOTH]), COST).run(work)
+    pool = {**BOTH, "cache": {"enable_prefix_caching": False}}
+    uncached = Simulation(_config([pool]), COST).run(work)
+    computed = cached.instances["c-0"]["num_prompt_tokens_computed"]
+    assert computed == 600 + 5 * (600 - 512)
+    assert uncached.instances["c-0"]["num_prompt_tokens_computed"] == 6 * 600
+    ttft = [r.ttft or 0 for r in cached.records[1:]]
+    assert max(ttft) < min(r.ttft or 0 for r in uncached.records[1:])
+
+
+def test_the_hand_off_costs_its_transfer_time() -> None:
+    """Disaggregated: the first token comes from the prefill instance, the second after the
+    KV crossed at the cost model's bandwidth; a slower link delays only what follows."""
+    config = _config(PD, router={"disaggregation": "always"})
+    work = [WorkItem(0.0, 1024, 3)]
+    slow = LinearCostModel(**{**COST.__dict__, "transfer_bytes_per_s": 1e7})
+    fast_run, slow_run = (Simulation(config, c).run(work) for c in (COST, slow))
+    (fast,), (slower,) = fast_run.records, slow_run.records
+    assert fast.ttft == pytest.approx(slower.ttft or 0)
+    extra = slow.transfer_time(1024 * 1000) - COST.transfer_time(1024 * 1000)
+    assert (slower.e2e or 0) - (fast.e2e or 0) == pytest.approx(extra, abs=0.02)
+    assert fast_run.instances["d-0"]["kv_bytes_loaded"] == 1024 * 1000
+    assert fast_run.instances["p-0"]["num_kv_saves_started"] == 1
+
+
+def test_the_waiting_bound_refuses_a_burst_with_a_clear_error() -> None:
+    config = _config([BOTH], serve={"max_waiting_requests": 4})
+    work = [WorkItem(0.0, 512, 8) for _ in range(40)]
+    result = Simulation(config, COST).run(work, SLO(10.0, 1.0))
+    refused = [r for r in result.records if r.error is not None]
+    assert refused and all("waiting" in (r.error or "") for r in refused)
+    summary = result.summary()
+    assert summary["errors"] == len(refused)
+    assert summary["finished"] + summary["errors"] == 40
+    assert summary["slo_attainment"] == pytest.approx(summary["finished"] / 40)
+
+
+def test_slo_attainment_and_percentiles() -> None:
+    good = RequestRecord(0.0, 10, 3, first_token_s=0.1, end_s=0.3, num_tokens=3)
+    slow_first = RequestRecord(0.0, 10, 3, first_token_s=2.0, end_s=2.2, num_tokens=3)
+    slow_after = RequestRecord(0.0, 10, 3, first_token_s=0.1, end_s=5.1, num_tokens=3)
+    failed = RequestRecord(0.0, 10, 3, end_s=0.0, error="refused")
+    slo = SLO(ttft_s=1.0, tpot_s=0.5)
+    assert [r.meets(slo) for r in (good, slow_first, slow_after, failed)] == [
+        True,
+        False,
+        False,
+        False,
+    ]
+    assert good.tpot == pytest.approx(0.1)
+    assert percentile([1.0, 2.0, 3.0, 4.0], 0.5) == 2.5
+    assert math.isnan(percentile([], 0.9))
+
+
+def test_gpu_roofline_is_memory_bound_for_decode_and_compute_bound_for_prefill() -> None:
+    model = gpu_model("llama-3-8b@h100-sxm")
+    assert model.model.num_params == pytest.approx(8.03e9, rel=0.01)
+    assert model.kv_bytes_per_token() == 128 * 1024
+    one = model.step_time(StepShape(num_decodes=1, decode_context=512, num_sampled=1))
+    many = model.step_time(StepShape(num_decodes=32, decode_context=32 * 512, num_sampled=32))
+    assert many < 1.5 * one  # decode reads the weights once for the whole batch
+    short = model.step_time(StepShape(prefill_tokens=512, prefill_pairs=512 * 256))
+    long = model.step_time(StepShape(prefill_tokens=4096, prefill_pairs=4096 * 2048))
+    assert long > 6 * short  # prefill grows with its tokens
+    tp4 = gpu_model("llama-3-70b@h100-sxmx4")
+    assert tp4.tp == 4 and (tp4.kv_capacity_tokens() or 0) > 0
+    with pytest.raises(ValueError, match="MODEL@GPU"):
+        gpu_model("llama-3-8b@tpu")
+    with pytest.raises(ValueError, match="does not fit"):
+        gpu_model("llama-3-70b@a100-80gb").kv_capacity_tokens()
+
+
+def test_a_linear_model_fits_what_it_was_made_from(tmp_path: Any) -> None:
+    samples = [
+        (StepShape(prefill_tokens=n, num_sampled=1), COST.step_time(StepShape(prefill_tokens=n)))
+        for n in (16, 64, 256)
+    ]
+    samples += [
+        (StepShape(num_decodes=b, num_sampled=b), COST.step_time(StepShape(num_decodes=b)))
+        for b in (1, 8, 32)
+    ]
+    fitted = LinearCostModel.fit("fit", samples, kv_bytes_token=1000)
+    for shape, seconds in samples:
+        assert fitted.step_time(shape) == pytest.approx(seconds, rel=1e-6)
+    fitted.save(tmp_path / "m.json")
+    assert LinearCostModel.load(tmp_path / "m.json") == fitted
