@@ -32,6 +32,43 @@ class _Config(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class AutoscalingConfig(_Config):
+    """A pool that follows the load (``control/autoscaler.py``). Ray Serve's names where they
+    fit: the pool keeps between ``min_replicas`` and ``max_replicas`` instances, aiming at
+    ``target_ongoing_requests`` per instance; a need to grow must last ``upscale_delay_s``
+    and one to shrink ``downscale_delay_s``. With SLO targets set, the pool also grows when
+    they break -- a prefill (or colocated) pool on TTFT, a decode pool on TPOT or KV usage --
+    and shrinks only when they hold with room to spare (hysteresis)."""
+
+    min_replicas: int = Field(1, ge=1)
+    max_replicas: int = Field(1, ge=1, le=1024)
+    target_ongoing_requests: float = Field(
+        32.0, gt=0, description="Requests held per instance (queued and running) to aim at."
+    )
+    upscale_delay_s: float = Field(10.0, ge=0)
+    downscale_delay_s: float = Field(60.0, ge=0)
+    slo_ttft_ms: float | None = Field(
+        None, gt=0, description="TTFT target (p90): a prefill or colocated pool grows past it."
+    )
+    slo_tpot_ms: float | None = Field(
+        None, gt=0, description="TPOT target (p90): a decode or colocated pool grows past it."
+    )
+    max_kv_usage: float = Field(
+        0.9, gt=0, le=1, description="KV cache usage at which a decode-capable pool grows."
+    )
+    window_s: float = Field(15.0, gt=0, description="How far back latencies are counted.")
+    interval_s: float = Field(1.0, gt=0, description="How often the autoscaler decides.")
+
+    @model_validator(mode="after")
+    def _check(self) -> AutoscalingConfig:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(
+                f"autoscaling: min_replicas ({self.min_replicas}) > max_replicas "
+                f"({self.max_replicas})"
+            )
+        return self
+
+
 class InstancePool(_Config):
     """``replicas`` identical instances with one role, placed by node resources."""
 
@@ -74,6 +111,9 @@ class InstancePool(_Config):
     cache: dict[str, Any] = Field(
         default_factory=dict, description="CacheConfig fields (num_blocks comes from above)."
     )
+    autoscaling: AutoscalingConfig | None = Field(
+        None, description="Follow the load between min and max replicas (off by default)."
+    )
 
     @model_validator(mode="after")
     def _check(self) -> InstancePool:
@@ -105,6 +145,15 @@ class InstancePool(_Config):
             raise ValueError(
                 f"pool {self.name!r}: block_size is cluster-wide (KV moves between pools); "
                 "set it at the top level"
+            )
+        scaling = self.autoscaling
+        if (
+            scaling is not None
+            and not scaling.min_replicas <= self.replicas <= scaling.max_replicas
+        ):
+            raise ValueError(
+                f"pool {self.name!r}: replicas ({self.replicas}) must be within autoscaling's "
+                f"min_replicas ({scaling.min_replicas}) and max_replicas ({scaling.max_replicas})"
             )
         stages = self.stage_resources or []
         if any(v < 0 for r in [self.resources, *stages] for v in r.values()):

@@ -90,4 +90,5 @@ class LoRAAdapters:
         """Stop serving ``name`` (workers drop it from their cache as others come in)."""
         if self.by_name.pop(name, None) is None:
             raise KeyError(f"lora_name {name!r} is not loaded")
+        self._next_id += 1  # a change: the newest registry has the highest next id (restore)
         self._changed()

@@ -162,6 +162,9 @@ class EngineReport:
     # (internal id, source instance) of KV this decode instance will not read (its local
     # prefix cache had the prompt): the source's lease can end now.
     kv_unread: list[tuple[str, str]] = field(default_factory=list)
+    # ("ttft" or "tpot", seconds) of requests measured here since the last report (engine
+    # actors: the autoscaler's signals; an in-process engine's go to the actor directly).
+    latencies: list[tuple[str, float]] = field(default_factory=list)
 
 
 def _discard(loop: EngineLoop, outputs: list[EngineCoreOutput]) -> None:

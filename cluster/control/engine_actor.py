@@ -104,6 +104,7 @@ def coalesce(into: EngineReport, later: EngineReport) -> EngineReport:
     later.prefilled[:0] = into.prefilled
     later.outcomes = {**into.outcomes, **later.outcomes}
     later.kv_unread[:0] = into.kv_unread
+    later.latencies[:0] = into.latencies
     return later
 
 
@@ -167,6 +168,10 @@ class EngineActor:
         iid, role = spec.instance_id, spec.pool.role
         self.observe = RequestObserver(config, {iid: role}, {iid: spec})
         self.observe.add_instance(iid, role)
+        self._latencies: list[tuple[str, float]] = []  # for the next report
+        self.observe.latency_sink = lambda _iid, kind, seconds: self._latencies.append(
+            (kind, seconds)
+        )
         self.engine: InstanceEngine | None = None
         self._outboxes: dict[str, Outbox] = {}
         self._dropped: set[str] = set()
@@ -451,6 +456,8 @@ class EngineActor:
 
     # -- reports ------------------------------------------------------------------------------
     def _on_report(self, report: EngineReport) -> None:
+        if self._latencies:
+            report.latencies, self._latencies = self._latencies, []
         for prefilled in report.prefilled:  # (a copy: the report's is rebased when sent)
             self._awaiting[prefilled.internal_id] = replace(prefilled)
         for internal in report.finished:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from cluster.config import ClusterConfig, served_model_name
@@ -15,6 +16,7 @@ from cluster.control.placement import InstanceSpec
 from cluster.control.summaries import InstanceView
 from cluster.observability.metrics import ClusterMetrics, RequestTimes
 from scheduler.outputs import EngineCoreOutput
+from scheduler.request import FinishReason
 
 
 class Instance(Protocol):
@@ -47,6 +49,9 @@ class RequestObserver:
         self._recompute = config.kv_transfer.failure_policy == "recompute"
         # Engine actors make their own spans (children of the root, by context).
         self._engines_trace = config.engine_actors
+        # (instance, "ttft" or "tpot", seconds) of each request, where it was measured: the
+        # autoscaler's latency signals (``control/autoscaler.py``).
+        self.latency_sink: Callable[[str, str, float], None] | None = None
 
     def add_instance(self, instance_id: str, role: str) -> None:
         self.metrics.add_instance(instance_id, role)
@@ -113,7 +118,10 @@ class RequestObserver:
         histograms = self.metrics.per_step(iid, where.role)
         if held.first_token_at is None:
             held.first_token_at = now
-            histograms.ttft.observe(now - held.request.arrival_time)
+            ttft = now - held.request.arrival_time
+            histograms.ttft.observe(ttft)
+            if self.latency_sink is not None:
+                self.latency_sink(iid, "ttft", ttft)
         elif held.last_token_at is not None:
             histograms.itl.observe(now - held.last_token_at)
         held.last_token_at = now
@@ -176,6 +184,11 @@ class RequestObserver:
         arrival = request.arrival_time
         num = len(record.sent)
         scheduled = record.first_scheduled_at
+        # (errors and aborts say nothing of the pool's speed)
+        normal = final.finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
+        sink = self.latency_sink
+        if sink is not None and normal and where is not None and first is not None and num > 1:
+            sink(where.instance_id, "tpot", (now - first) / (num - 1))
         self.metrics.request_finished(
             "" if where is None else where.instance_id,
             "" if where is None else where.role,

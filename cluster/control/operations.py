@@ -45,6 +45,9 @@ class ClusterOperations:
     observe: RequestObserver
     lora: LoRAAdapters
     _resizing: asyncio.Lock
+    _start_instances: Any  # placement.StartInstances, or None: Ray's
+    _last_index: dict[str, int]  # per pool, the highest instance index it has used
+    autoscaler: Any  # control.autoscaler.Autoscaler
     _orphans: dict[tuple[str, Any], tuple[str, str, str]]
 
     # ... and what of the actor this uses.
@@ -93,15 +96,18 @@ class ClusterOperations:
                 f"pool {pool_name!r} must keep at least one instance (replicas {replicas}): "
                 "a pool with none could not serve its role"
             )
-        if not any(spec.actors for spec in self.specs.values()):
+        if self._start_instances is None and not any(s.actors for s in self.specs.values()):
             raise ValueError("this cluster's workers are in-process: it cannot start more")
         async with self._resizing:  # one resize at a time
             live = self._pool_instances(pool_name)
             # Dead instances (failed, not back) count for nothing: the resize retires them.
             dead = [i for i in self._pool_instances(pool_name, alive=False) if i not in live]
-            if replicas > len(live):
-                await self._grow(pool, replicas - len(live))
-            await self._shrink(dead + live[replicas:], drain_timeout_s)
+            try:
+                if replicas > len(live):
+                    await self._grow(pool, replicas - len(live))
+                await self._shrink(dead + live[replicas:], drain_timeout_s)
+            finally:
+                self.autoscaler.resized(pool_name)
             return {"pool": pool_name, "instances": self._pool_instances(pool_name)}
 
     def _pool_instances(self, pool_name: str, alive: bool = True) -> list[str]:
@@ -114,15 +120,17 @@ class ClusterOperations:
     async def _grow(self, pool: Any, count: int) -> None:
         from cluster.control.placement import start_instances
 
+        start = self._start_instances or start_instances
         # By name: after a restart the specs' pools are copies (from the engines' snapshots).
         taken = [
             int(i.rpartition("-")[2]) for i, s in self.specs.items() if s.pool.name == pool.name
         ]
-        first = max(taken, default=-1) + 1
+        # Never an index used before: a late report of a removed instance's engine must not
+        # pass for its successor's.
+        first = max([*taken, self._last_index.get(pool.name, -1)]) + 1
+        self._last_index[pool.name] = first + count - 1
         wanted = [(f"{pool.name}-{first + k}", pool) for k in range(count)]
-        specs = await start_instances(
-            self.config, wanted, self.config.startup_timeout_s, self.kv_fallback
-        )
+        specs = await start(self.config, wanted, self.config.startup_timeout_s, self.kv_fallback)
         for spec in specs:
             info = spec.info
             if min(info["max_position_embeddings"], info["num_blocks"] * info["block_size"]) < (
@@ -305,6 +313,7 @@ class ClusterOperations:
             "failures": list(self.failures),
             "kv_transport": self._kv_transport(),
             "instances": instances,
+            "autoscaling": self.autoscaler.stats() if self.autoscaler.enabled else {},
         }
 
     async def transfer_history(self) -> dict[str, list[Any]]:

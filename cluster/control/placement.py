@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -117,6 +118,13 @@ async def start_workers(
     """Every pool's ``replicas`` instances (``{pool}-{i}``), started by ``start_instances``."""
     wanted = [(f"{p.name}-{i}", p) for p in config.pools for i in range(p.replicas)]
     return await start_instances(config, wanted, timeout_s, kv_fallback)
+
+
+# (config, wanted (instance id, pool), timeout_s, kv_fallback) -> the started instances
+StartInstances = Callable[
+    [ClusterConfig, list[tuple[str, InstancePool]], float, str | None],
+    Awaitable[list["InstanceSpec"]],
+]
 
 
 async def start_instances(

@@ -199,6 +199,8 @@ async def rebuild(actor: Any) -> None:
     actor._seq = itertools.count(last + 1)
     actor.started = True
     actor._spawn(actor.clients.reap_silent())
+    if actor.autoscaler.enabled:
+        actor._spawn(actor.autoscaler.run())
     actor.clients.notify_all(actor.engine_handles())
     for iid, flight, prefilled in handoffs:
         actor._hand_off(flight, prefilled)

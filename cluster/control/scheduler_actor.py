@@ -29,6 +29,7 @@ from typing import Any
 
 from cluster.config import ClusterConfig
 from cluster.control.adapters import LoRAAdapters
+from cluster.control.autoscaler import Autoscaler
 from cluster.control.clients import Clients
 from cluster.control.engine import EngineReport, InstanceEngine, Placement, Prefilled
 from cluster.control.flights import (
@@ -43,7 +44,7 @@ from cluster.control.kv_peers import KVPeers
 from cluster.control.migration import Migration, _replay
 from cluster.control.observer import RequestObserver
 from cluster.control.operations import ClusterOperations
-from cluster.control.placement import InstanceSpec
+from cluster.control.placement import InstanceSpec, StartInstances
 from cluster.control.restart import Restart, was_restarted
 from cluster.control.router import Route, Router
 from cluster.control.summaries import InstanceView
@@ -65,7 +66,15 @@ class SchedulerActor(Intake, KVPeers, Migration, Restart, ClusterOperations):
     ``Intake`` (``control/intake.py``); the KV transport's connections between workers are
     ``KVPeers`` (``control/kv_peers.py``)."""
 
-    def __init__(self, config: ClusterConfig, instances: list[InstanceSpec] | None = None) -> None:
+    def __init__(
+        self,
+        config: ClusterConfig,
+        instances: list[InstanceSpec] | None = None,
+        start_instances: StartInstances | None = None,
+    ) -> None:
+        """``instances``: started already (in-process workers; else the actor starts them on
+        Ray); ``start_instances``: how a pool grows (default ``placement.start_instances``,
+        workers on Ray; the simulator gives its own)."""
         # ``transport: auto``: nixl if it imports here, checked against the workers at start.
         # ``declared``: the config as given (what a redeployment is compared with).
         self.declared = config
@@ -97,11 +106,15 @@ class SchedulerActor(Intake, KVPeers, Migration, Restart, ClusterOperations):
         self.observe = RequestObserver(config, self.roles, self.specs)
         self.lora = LoRAAdapters(config, self.specs)  # served by name, loaded per instance
         self.lora.on_change = self._share_adapters
+        self.observe.latency_sink = self._latency
         # Restarted by Ray (engine_actors): rebuilt from the engines before serving again.
         self.recovering = config.engine_actors and was_restarted()
         self._recovery: asyncio.Task[None] | None = None
         self._held_reports: list[EngineReport] = []  # reports that came during the rebuild
         self._orphans = {}  # a dead engine's requests, waiting for their clients' tokens
+        self._start_instances = start_instances
+        self._last_index: dict[str, int] = {}
+        self.autoscaler = Autoscaler(self)  # pools with an autoscaling section follow the load
 
     # -- life cycle --------------------------------------------------------------------------
     async def start(self) -> dict[str, Any]:
@@ -132,6 +145,8 @@ class SchedulerActor(Intake, KVPeers, Migration, Restart, ClusterOperations):
             raise
         self._spawn(self.clients.reap_silent())
         self.started = True
+        if self.autoscaler.enabled:
+            self._spawn(self.autoscaler.run())
         freeze_heap()  # the block pools and the rest of start-up: never garbage
         logger.info("cluster started: %s", ", ".join(f"{i} ({r})" for i, r in self.roles.items()))
         return self.describe()
@@ -177,6 +192,11 @@ class SchedulerActor(Intake, KVPeers, Migration, Restart, ClusterOperations):
                 engine.keep_adapters(self.lora.registry())
         if self.config.engine_actors:  # clients stream from the new engines too
             self.clients.notify_all(self.engine_handles())
+
+    def _latency(self, iid: str, kind: str, seconds: float) -> None:
+        view = self.views.get(iid)
+        if view is not None:
+            view.latency(time.monotonic(), kind, seconds)
 
     def _share_adapters(self) -> None:
         """The engine actors keep the LoRA registry for a restarted central actor."""
@@ -373,6 +393,10 @@ class SchedulerActor(Intake, KVPeers, Migration, Restart, ClusterOperations):
             self._rejoined(iid)
         view = self.views[iid]
         view.update(report.summary)
+        if report.latencies:
+            now = time.monotonic()
+            for kind, seconds in report.latencies:
+                view.latency(now, kind, seconds)
         for internal in report.finished:
             flight = self._internal.get(internal)
             if flight is not None and flight.instance == iid:

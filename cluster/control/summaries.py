@@ -32,6 +32,9 @@ class EngineSummary:
     kv_events: list[KVCacheEvent] = field(default_factory=list)  # since the last summary
 
 
+MAX_LATENCIES = 4096  # per instance: a window's worth at any rate the autoscaler acts on
+
+
 class InstanceView:
     """The central scheduler's picture of one instance, for routing and admission."""
 
@@ -52,6 +55,16 @@ class InstanceView:
         self._num_sent = 0
         self._unseen: deque[tuple[int, int]] = deque()  # (send number, tokens) not yet summarized
         self._unseen_tokens = 0
+        # (when, "ttft" or "tpot", seconds) of its latest requests, the newest last (the
+        # autoscaler's signals; ``forget_latencies`` drops the old ones).
+        self.latencies: deque[tuple[float, str, float]] = deque(maxlen=MAX_LATENCIES)
+
+    def latency(self, now: float, kind: str, seconds: float) -> None:
+        self.latencies.append((now, kind, seconds))
+
+    def forget_latencies(self, before: float) -> None:
+        while self.latencies and self.latencies[0][0] < before:
+            self.latencies.popleft()
 
     def received_so_far(self, num_received: int) -> None:
         """Count from an engine that has been given ``num_received`` requests already (a

@@ -245,6 +245,38 @@ class _StatsCollector:
         )
         moves.add_metric([self.model_name], float(self.stats.get("num_moves", 0)))
         yield moves
+        scaling = self.stats.get("autoscaling") or {}
+        if scaling:
+            yield from _autoscaling_families(scaling, self.model_name)
+
+
+def _autoscaling_families(scaling: dict[str, Any], model_name: str) -> Iterator[Metric]:
+    """The autoscaler's pools (``control/autoscaler.Autoscaler.stats``)."""
+    labels = ["model_name", "pool"]
+    replicas = GaugeMetricFamily(
+        "tandem:pool_replicas", "Instances serving in each autoscaled pool.", labels=labels
+    )
+    desired = GaugeMetricFamily(
+        "tandem:pool_desired_replicas",
+        "The size the autoscaler wants for each autoscaled pool (at its last reading).",
+        labels=labels,
+    )
+    decisions = CounterMetricFamily(
+        "tandem:autoscaler_decisions",
+        "Resizes the autoscaler made, by direction (up, down) and what drove them (ongoing "
+        "requests, ttft, tpot, kv_usage).",
+        labels=[*labels, "direction", "reason"],
+    )
+    for pool, state in sorted(scaling.items()):
+        replicas.add_metric([model_name, pool], float(state["replicas"]))
+        if state.get("desired") is not None:
+            desired.add_metric([model_name, pool], float(state["desired"]))
+        for key, count in sorted(state["decisions"].items()):
+            direction, _, reason = key.partition(":")
+            decisions.add_metric([model_name, pool, direction, reason], float(count))
+    yield replicas
+    yield desired
+    yield decisions
 
 
 class StepHistogram:

@@ -4,10 +4,11 @@ waiting for it, so the control plane's own coroutines -- the ``SchedulerActor``,
 
 asyncio's loop asks its selector to wait until the next timer is due (``select(timeout)``);
 this selector advances the loop's clock by that timeout and returns at once. Everything that
-``asyncio.sleep``s, ``call_later``s or waits with a timeout runs in virtual seconds; what reads
-``time.monotonic()`` itself (metrics, the step watchdog) still sees real time and takes no
-part in the simulated decisions. Nothing may wait on a thread or a socket: a loop with no
-timer and nothing ready would wait forever, and raises ``SimulationStalled`` instead.
+``asyncio.sleep``s, ``call_later``s or waits with a timeout runs in virtual seconds, and while
+``run_virtual`` runs, ``time.monotonic()`` reads the virtual clock too: the control plane's own
+timestamps (a request's first token, its latencies in the metrics and the autoscaler's
+signals, a drain's deadline) are simulated ones. Nothing may wait on a thread or a socket: a
+loop with no timer and nothing ready would wait forever, and raises ``SimulationStalled``.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import asyncio
 import selectors
 from collections.abc import Mapping
 from typing import Any
+from unittest import mock
 
 
 class SimulationStalled(RuntimeError):
@@ -92,7 +94,8 @@ def run_virtual(main: Any) -> Any:
     """Run coroutine ``main`` to completion on a fresh ``VirtualTimeLoop``."""
     loop = VirtualTimeLoop()
     try:
-        return loop.run_until_complete(main)
+        with mock.patch("time.monotonic", loop.time):
+            return loop.run_until_complete(main)
     finally:
         try:
             pending = [t for t in asyncio.all_tasks(loop) if not t.done()]

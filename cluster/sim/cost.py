@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -81,6 +81,13 @@ class LinearCostModel:
     transfer_latency_s: float = 0.001
     transfer_bytes_per_s: float = 1e9
     capacity_tokens: int | None = None
+    # Instances sharing a machine's cores (a CPU model): how many cores a machine has, how
+    # many instances run on one (as the model was measured: ``tandem serve``'s default puts
+    # both of its instances on one machine), and how many cores the serving processes keep
+    # busy there (``executor.Machine``). None: each instance has a device of its own.
+    machine_cores: float | None = None
+    instances_per_machine: int = 1
+    background_cores: float = 0.0
     notes: dict[str, Any] = field(default_factory=dict)  # how it was fitted, and how well
 
     def step_time(self, shape: StepShape) -> float:
@@ -100,15 +107,17 @@ class LinearCostModel:
     def fit(
         cls, name: str, samples: list[tuple[StepShape, float]], kv_bytes_token: int, **kw: Any
     ) -> LinearCostModel:
-        """Least squares over ``samples`` (shape, measured seconds), with no negative
-        coefficient: a term that would fit negative is dropped and the rest refitted."""
+        """Least squares of the relative error over ``samples`` (shape, measured seconds):
+        a 10 ms decode step weighs as much as a 1 s prefill. No coefficient is negative: a
+        term that would fit negative is dropped and the rest refitted."""
         import numpy as np
 
         x = np.array([_features(s) for s, _ in samples], dtype=np.float64)
         y = np.array([t for _, t in samples], dtype=np.float64)
+        weight = 1.0 / np.maximum(y, 1e-9)
         used = [i for i in range(len(TERMS)) if x[:, i].any()]
         while True:
-            coef, *_ = np.linalg.lstsq(x[:, used], y, rcond=None)
+            coef, *_ = np.linalg.lstsq(x[:, used] * weight[:, None], y * weight, rcond=None)
             negative = [i for i, c in zip(used, coef, strict=True) if c < 0 and i != 0]
             if not negative:
                 break
@@ -122,6 +131,35 @@ class LinearCostModel:
             "p90_relative_error": float(np.quantile(errors, 0.9)),
         }
         return cls(name, coefficients, kv_bytes_token, notes=notes, **kw)
+
+    def serving(
+        self,
+        factor: float,
+        overhead_s: float,
+        prefill_factor: float | None = None,
+        **notes: Any,
+    ) -> LinearCostModel:
+        """This model as a served instance's steps take: every term ``factor`` times slower
+        -- the prefill terms ``prefill_factor`` times (default ``factor``) -- plus
+        ``overhead_s`` per step (the hop to the worker and back, the loop's own work)."""
+        prefill = factor if prefill_factor is None else prefill_factor
+        coefficients = {
+            k: v * (prefill if k.startswith("prefill") else factor)
+            for k, v in self.coefficients.items()
+        }
+        coefficients["const"] = coefficients.get("const", 0.0) + overhead_s
+        fitted = {
+            "serving_factor": factor,
+            "serving_prefill_factor": prefill,
+            "serving_overhead_s": overhead_s,
+            **notes,
+        }
+        return replace(
+            self,
+            name=f"{self.name}:served",
+            coefficients=coefficients,
+            notes={**self.notes, **fitted},
+        )
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps({"kind": "linear", **asdict(self)}, indent=2) + "\n")
@@ -262,10 +300,13 @@ def gpu_model(spec: str) -> RooflineCostModel:
 
 
 def load_cost_model(spec: str) -> CostModel:
-    """A cost model by name: a GPU spec (``gpu_model``), ``cpu`` (the shipped CPU model of the
-    built-in model), or the path of a fitted model's JSON."""
-    if spec == "cpu":
-        return LinearCostModel.load(Path(__file__).parent / "models" / "cpu-smollm2.json")
+    """A cost model by name: a GPU spec (``gpu_model``); ``cpu``, the shipped model of the
+    built-in model served on this machine (``tandem serve``'s instances: one torch thread, the
+    serving path's cost included), or ``cpu-engine``, the engine's steps alone (``tandem sim
+    calibrate``); or the path of a fitted model's JSON."""
+    if spec in ("cpu", "cpu-engine"):
+        name = "cpu-smollm2.json" if spec == "cpu" else "cpu-smollm2-engine.json"
+        return LinearCostModel.load(Path(__file__).parent / "models" / name)
     if "@" in spec:
         return gpu_model(spec)
     return LinearCostModel.load(spec)

@@ -52,6 +52,81 @@ def step_shape(
     )
 
 
+class Machine:
+    """Cores that several instances' workers share (processor sharing): while ``n`` of them
+    step, each runs at ``min(1, cores / (n + background))`` of its own speed, ``background``
+    being the cores the serving processes keep busy. A step's remaining work is rescaled
+    whenever another starts or ends."""
+
+    def __init__(self, cores: float, background: float = 0.0) -> None:
+        self.cores = cores
+        self.background = background
+        self._busy = 0
+        self._changed = asyncio.Event()
+
+    def speed(self) -> float:
+        return min(1.0, self.cores / (self._busy + self.background))
+
+    def _change(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def run(self, work: float) -> float:
+        """Take ``work`` seconds of one core's time; returns the seconds it took."""
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        self._busy += 1
+        self._change()
+        try:
+            while work > 1e-12:
+                speed, changed, since = self.speed(), self._changed, loop.time()
+                waiter = asyncio.ensure_future(changed.wait())
+                done, _ = await asyncio.wait((waiter,), timeout=work / speed)
+                if not done:
+                    waiter.cancel()
+                    break
+                work -= (loop.time() - since) * speed
+        finally:
+            self._busy -= 1
+            self._change()
+        return loop.time() - started
+
+
+class ShapeTracker:
+    """Follows a worker's requests through its steps, as a worker does: which ones sample
+    (their positions reach what is known of them) and the shape of each step."""
+
+    def __init__(self) -> None:
+        self._lengths: dict[str, int] = {}  # request id -> tokens known (prompt + sampled)
+        self._lora: set[str] = set()  # requests with an adapter
+
+    def observe(self, out: SchedulerOutput) -> tuple[StepShape, list[bool]]:
+        """The step's shape, and per scheduled request (in ``num_scheduled_tokens`` order)
+        whether it samples a token."""
+        lengths = self._lengths
+        for req_id in out.finished_req_ids:
+            lengths.pop(req_id, None)
+            self._lora.discard(req_id)
+        starts: dict[str, int] = {}
+        for new in out.scheduled_new_reqs:
+            lengths[new.req_id] = len(new.prompt_token_ids) + len(new.output_token_ids)
+            starts[new.req_id] = new.num_computed_tokens
+            if new.lora_request is not None:
+                self._lora.add(new.req_id)
+        cached = out.scheduled_cached_reqs
+        starts.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+        for req_id, tokens in cached.resumed_token_ids.items():
+            lengths[req_id] = len(tokens)
+        samples = []
+        for req_id, n in out.num_scheduled_tokens.items():
+            sample = starts[req_id] + n >= lengths[req_id]
+            if sample:
+                lengths[req_id] += 1
+            samples.append(sample)
+        shape = step_shape(out.num_scheduled_tokens, starts, self._lora, sum(samples))
+        return shape, samples
+
+
 class SimWorker:
     """What the control plane asks an in-process worker outside steps."""
 
@@ -80,14 +155,17 @@ class _Load:
 class SimExecutor:
     """One instance's simulated worker (an ``Executor``)."""
 
-    def __init__(self, instance_id: str, cost: CostModel, block_size: int) -> None:
+    def __init__(
+        self, instance_id: str, cost: CostModel, block_size: int, machine: Machine | None = None
+    ) -> None:
+        """``machine``: the cores this instance shares with others (None: its own device)."""
         self.instance_id = instance_id
         self.cost = cost
         self.block_size = block_size
+        self.machine = machine
         self.worker = SimWorker()
         self._device = asyncio.Lock()
-        self._lengths: dict[str, int] = {}  # request id -> tokens known (prompt + sampled)
-        self._lora: set[str] = set()  # requests with an adapter
+        self.tracker = ShapeTracker()
         self._loads: list[_Load] = []
         self.busy_s = 0.0  # virtual seconds spent in steps
         self.num_steps = 0
@@ -102,31 +180,14 @@ class SimExecutor:
         if meta is not None:
             for load in meta.loads:
                 self._start_load(load, loop.time())
-        lengths = self._lengths
-        for req_id in out.finished_req_ids:
-            lengths.pop(req_id, None)
-            self._lora.discard(req_id)
-        starts: dict[str, int] = {}
-        for new in out.scheduled_new_reqs:
-            lengths[new.req_id] = len(new.prompt_token_ids) + len(new.output_token_ids)
-            starts[new.req_id] = new.num_computed_tokens
-            if new.lora_request is not None:
-                self._lora.add(new.req_id)
-        cached = out.scheduled_cached_reqs
-        starts.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
-        for req_id, tokens in cached.resumed_token_ids.items():
-            lengths[req_id] = len(tokens)
-        req_ids, sampled = [], []
-        for req_id, n in out.num_scheduled_tokens.items():
-            req_ids.append(req_id)
-            if starts[req_id] + n >= lengths[req_id]:
-                lengths[req_id] += 1
-                sampled.append([TOKEN])
-            else:
-                sampled.append([])
-        shape = step_shape(out.num_scheduled_tokens, starts, self._lora, sum(map(bool, sampled)))
+        shape, samples = self.tracker.observe(out)
+        req_ids = list(out.num_scheduled_tokens)
+        sampled = [[TOKEN] if sample else [] for sample in samples]
         seconds = self.cost.step_time(shape)
-        await asyncio.sleep(seconds)
+        if self.machine is None:
+            await asyncio.sleep(seconds)
+        else:
+            seconds = await self.machine.run(seconds)
         self.busy_s += seconds
         self.num_steps += 1
         output = ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)

@@ -17,14 +17,14 @@ import asyncio
 import logging
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from cluster.config import ClusterConfig
+from cluster.config import ClusterConfig, InstancePool
 from cluster.control.placement import InstanceSpec
-from cluster.sim.clock import run_virtual
+from cluster.sim.clock import SimulationStalled, run_virtual
 from cluster.sim.cost import CostModel
-from cluster.sim.executor import SimExecutor
+from cluster.sim.executor import Machine, SimExecutor
 from cluster.sim.workload import WorkItem
 from scheduler import LoRARequest, Request, SamplingParams
 
@@ -92,6 +92,9 @@ class SimResult:
     # Per instance: its role, virtual seconds in steps (busy_s), and the engine loop's
     # counters at the end (steps, preemptions, prefix-cache hits, KV bytes moved).
     instances: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # The autoscaler's decisions (``control/autoscaler.Decision``, time from the start).
+    decisions: list[dict[str, Any]] = field(default_factory=list)
+    autoscaling: dict[str, Any] = field(default_factory=dict)  # Autoscaler.stats() at the end
 
     def summary(self) -> dict[str, Any]:
         done = [r for r in self.records if r.error is None and r.end_s is not None]
@@ -134,44 +137,71 @@ class Simulation:
             }
         )
         self.costs = cost if isinstance(cost, dict) else {p.name: cost for p in config.pools}
+        # A request still open this long (simulated) after the last arrival is stuck.
+        self.stall_after_s = 86400.0
         missing = [p.name for p in config.pools if p.name not in self.costs]
         if missing:
             raise ValueError(f"no cost model for pool(s) {', '.join(missing)}")
 
-    def _specs(self) -> list[InstanceSpec]:
-        specs = []
+    def _instance(self, iid: str, pool: InstancePool) -> InstanceSpec:
         block_size = self.config.block_size
-        for pool in self.config.pools:
-            cost = self.costs[pool.name]
-            num_blocks = pool.num_blocks
-            if num_blocks is None:
-                capacity = cost.kv_capacity_tokens()
-                if capacity is None:
-                    raise ValueError(
-                        f"pool {pool.name!r}: set num_blocks (the cost model {cost.name!r} "
-                        "does not size the KV cache)"
-                    )
-                num_blocks = capacity // block_size
-            info = {
-                "max_position_embeddings": 1 << 17,
-                "num_blocks": num_blocks,
-                "block_size": block_size,
-                "bytes_per_block": block_size * cost.kv_bytes_per_token(),
-                "model_path": "sim",
-                "vocab_size": SIM_VOCAB,
-                "eos_token_ids": [2],
-                "num_layers": 1,
-                "layers": [0, 1],
-                "pp_rank": 0,
-                "pp_size": 1,
-                "dtype": "bfloat16",
-                "node_id": None,
-            }
-            for i in range(pool.replicas):
-                iid = f"{pool.name}-{i}"
-                executor = SimExecutor(iid, cost, block_size)
-                specs.append(InstanceSpec(iid, pool, executor, None, info))
-        return specs
+        cost = self.costs[pool.name]
+        num_blocks = pool.num_blocks
+        if num_blocks is None and pool.kv_cache_memory_bytes is not None:
+            num_blocks = pool.kv_cache_memory_bytes // (block_size * cost.kv_bytes_per_token())
+        if num_blocks is None:
+            capacity = cost.kv_capacity_tokens()
+            if capacity is None:
+                raise ValueError(
+                    f"pool {pool.name!r}: set num_blocks (the cost model {cost.name!r} "
+                    "does not size the KV cache)"
+                )
+            num_blocks = capacity // block_size
+        info = {
+            "max_position_embeddings": 1 << 17,
+            "num_blocks": num_blocks,
+            "block_size": block_size,
+            "bytes_per_block": block_size * cost.kv_bytes_per_token(),
+            "model_path": "sim",
+            "vocab_size": SIM_VOCAB,
+            "eos_token_ids": [2],
+            "num_layers": 1,
+            "layers": [0, 1],
+            "pp_rank": 0,
+            "pp_size": 1,
+            "dtype": "bfloat16",
+            "node_id": None,
+        }
+        machine = None
+        cores = getattr(cost, "machine_cores", None)
+        if cores is not None:  # instances fill machines of the cost model's size in turn
+            per_machine = max(1, int(getattr(cost, "instances_per_machine", 1)))
+            key = (cost.name, len(self._started) // per_machine)
+            machine = self._machines.setdefault(
+                key, Machine(cores, getattr(cost, "background_cores", 0.0))
+            )
+        spec = InstanceSpec(iid, pool, SimExecutor(iid, cost, block_size, machine), None, info)
+        self._started.append(spec)
+        return spec
+
+    def _specs(self) -> list[InstanceSpec]:
+        self._started: list[InstanceSpec] = []
+        self._machines: dict[tuple[str, int], Machine] = {}
+        return [
+            self._instance(f"{pool.name}-{i}", pool)
+            for pool in self.config.pools
+            for i in range(pool.replicas)
+        ]
+
+    async def _start_instances(
+        self,
+        _config: ClusterConfig,
+        wanted: list[tuple[str, InstancePool]],
+        _timeout_s: float,
+        _fallback: str | None,
+    ) -> list[InstanceSpec]:
+        """A pool grows (``scale_pool``, the autoscaler): simulated instances, at once."""
+        return [self._instance(iid, pool) for iid, pool in wanted]
 
     def run(self, workload: list[WorkItem], slo: SLO | None = None, seed: int = 0) -> SimResult:
         """Serve ``workload`` (its prompts drawn from ``seed``); deterministic for a seed."""
@@ -226,12 +256,14 @@ class Simulation:
                     return
 
         stats: dict[str, dict[str, Any]] = {}
+        decisions: list[dict[str, Any]] = []
+        autoscaling: dict[str, Any] = {}
         open_requests = set(range(len(workload)))
         arrived = asyncio.Event()
 
         async def main() -> tuple[float, float]:
             loop = asyncio.get_running_loop()
-            actor = SchedulerActor(self.config, specs)
+            actor = SchedulerActor(self.config, specs, self._start_instances)
             await actor.start()
             done = asyncio.Event()
             receiver = asyncio.ensure_future(receive(actor, done))
@@ -245,10 +277,20 @@ class Simulation:
             await asyncio.gather(*tasks)
             arrived.set()
             if open_requests:
-                await done.wait()
+                try:
+                    await asyncio.wait_for(done.wait(), self.stall_after_s)
+                except TimeoutError:
+                    raise SimulationStalled(
+                        f"{len(open_requests)} requests still open {self.stall_after_s:g} "
+                        "simulated seconds after the last arrival"
+                    ) from None
             end = loop.time()
             receiver.cancel()
-            stats.update((await actor.stats())["instances"])
+            everything = await actor.stats()
+            stats.update(everything["instances"])
+            autoscaling.update(everything.get("autoscaling") or {})
+            for d in actor.autoscaler.decisions:
+                decisions.append({**asdict(d), "time": d.time - origin})
             await actor.shutdown()
             return origin, end
 
@@ -265,8 +307,14 @@ class Simulation:
                 "role": spec.pool.role,
                 "busy_s": spec.executor.busy_s,
             }
-            for spec in specs
+            for spec in self._started
         }
         return SimResult(
-            records, end - origin - first, time.perf_counter() - started, slo, instances
+            records,
+            end - origin - first,
+            time.perf_counter() - started,
+            slo,
+            instances,
+            decisions,
+            autoscaling,
         )

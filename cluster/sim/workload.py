@@ -26,15 +26,13 @@ class WorkItem:
 
     def prompt(self, seed: int, index: int, vocab: int = 32000) -> list[int]:
         """The prompt's token ids: the group's prefix, then tokens of this request's own."""
-        own = random.Random(f"{seed}:{index}")
+        ids = range(3, vocab)
         tokens: list[int] = []
         if self.prefix_group is not None and self.prefix_len:
             shared = random.Random(f"{seed}:group:{self.prefix_group}")
-            tokens = [
-                shared.randrange(3, vocab) for _ in range(min(self.prefix_len, self.prompt_len))
-            ]
-        tokens += [own.randrange(3, vocab) for _ in range(self.prompt_len - len(tokens))]
-        return tokens
+            tokens = shared.choices(ids, k=min(self.prefix_len, self.prompt_len))
+        own = random.Random(f"{seed}:{index}")
+        return tokens + own.choices(ids, k=self.prompt_len - len(tokens))
 
 
 @dataclass(frozen=True)

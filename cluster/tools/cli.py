@@ -332,6 +332,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             help="load-test an OpenAI-compatible endpoint (TTFT, TPOT, throughput, goodput)",
         )
     )
+    from cluster.tools.sim_cli import add_plan_arguments, add_sim_arguments
+
+    add_sim_arguments(sub)
+    add_plan_arguments(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
@@ -347,6 +351,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         from cluster.tools.serve_cli import run_serve
 
         return run_serve(args)
+    if args.command == "sim":
+        from cluster.tools.sim_cli import run_sim
+
+        return run_sim(args)
+    if args.command == "plan":
+        from cluster.tools.sim_cli import run_plan
+
+        return run_plan(args)
     if args.command == "bench":
         from cluster.tools.loadgen import run_bench
 

@@ -315,12 +315,13 @@ def test_a_pool_grows_and_shrinks_under_load(
 
     # No time to drain: what the leaving engine holds moves (its last reports applied
     # first), and every request still ends with the undisturbed output.
-    assert asyncio.run(client.scale_pool("d", 3))["instances"] == ["d-0", "d-1", "d-2"]
-    ray.get(engines.set_fault_injection.remote("d-2", 0.0, 0.02))
+    # (A new instance never takes a removed one's name: d-3, not d-2 again.)
+    assert asyncio.run(client.scale_pool("d", 3))["instances"] == ["d-0", "d-1", "d-3"]
+    ray.get(engines.set_fault_injection.remote("d-3", 0.0, 0.02))
 
     async def shrink_at_once() -> list[Any]:
         tasks = [asyncio.ensure_future(_collect(client, p, params)) for p in prompts]
-        await _until(lambda: _instances(engines)["d-2"]["num_running"] > 0)
+        await _until(lambda: _instances(engines)["d-3"]["num_running"] > 0)
         await engines.scale_pool.remote("d", 2, 0.0)
         return list(await asyncio.gather(*tasks))
 

@@ -394,12 +394,16 @@ def test_every_metric_the_grafana_dashboard_queries_is_exported(serve_app: Serve
     dashboard = Path(__file__).resolve().parents[3] / "deploy" / "grafana" / "tandem.json"
     doc = json.loads(dashboard.read_text())
     rows = [p["title"] for p in doc["panels"] if p["type"] == "row"]
-    assert rows == ["Traffic", "Latency", "KV cache", "P/D transfer", "Goodput"]
+    assert rows == ["Traffic", "Latency", "KV cache", "P/D transfer", "Goodput", "Autoscaling"]
+    # The autoscaler's series exist where a pool autoscales (this app has none; they are
+    # checked in tests/cluster/control/test_autoscaler.py).
+    autoscaling = ("tandem:pool_", "tandem:autoscaler_")
     queried = {
         name
         for panel in doc["panels"]
         for target in panel.get("targets", [])
         for name in re.findall(r"tandem:[a-z0-9_:]+", target["expr"])
+        if not name.startswith(autoscaling)
     }
     assert len(queried) >= 20
     serve_app.openai().completions.create(model=serve_app.model, prompt=PROMPT, **GREEDY)

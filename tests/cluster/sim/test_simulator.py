@@ -210,3 +210,27 @@ def test_a_linear_model_fits_what_it_was_made_from(tmp_path: Any) -> None:
         assert fitted.step_time(shape) == pytest.approx(seconds, rel=1e-6)
     fitted.save(tmp_path / "m.json")
     assert LinearCostModel.load(tmp_path / "m.json") == fitted
+
+
+def test_the_plan_meets_the_slo_and_one_instance_fewer_does_not() -> None:
+    from cluster.sim.planner import Candidate, plan
+
+    base = _config([BOTH])
+    slo = SLO(ttft_s=0.25, tpot_s=0.05)
+
+    def work(rate: float) -> list[WorkItem]:
+        return poisson(rate, 120, "chat", seed=5)
+
+    result = plan(base, COST, work, 60.0, slo, target=0.9, max_instances=6)
+    assert result.chosen is not None and result.config is not None
+    chosen = result.chosen.candidate
+    assert chosen.instances > 1  # the rate needs more than one instance
+    again = Simulation(result.config, COST).run(work(60.0), slo).summary()
+    assert again["slo_attainment"] >= 0.9  # the printed config does what the plan says
+    # Every shape one instance smaller was tried, and none met the target.
+    smaller = [t for t in result.trials if t.candidate.instances == chosen.instances - 1]
+    assert smaller and all(t.summary["slo_attainment"] < 0.9 for t in smaller)
+    assert {t.candidate for t in smaller} >= {Candidate(both=chosen.instances - 1)}
+    # The curve: attainment falls as the rate grows past the plan's.
+    attainment = [point["attainment"] for point in result.curve]
+    assert attainment[0] >= attainment[-1] and attainment[-1] < 0.9

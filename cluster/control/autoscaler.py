@@ -1,0 +1,262 @@
+"""The autoscaler: pools that follow the load, driven by the central scheduler (a pool's
+``autoscaling`` section; off by default).
+
+Every ``interval_s`` the actor reads each autoscaled pool's signals from its instances' views
+-- the requests they hold, their KV usage, and the TTFT / TPOT of their recent requests (each
+measured where it happened: a request's TTFT on the instance that sampled its first token,
+its TPOT on the one that finished it) -- and its ``PoolPolicy`` names the size it wants:
+
+    ongoing     ceil(requests held / target_ongoing_requests)        (Ray Serve's rule)
+    TTFT        a prefill or colocated pool grows by one while its TTFT p90 breaks the SLO
+    TPOT, KV    a decode or colocated pool grows by one while its TPOT p90 breaks the SLO,
+                or its KV usage passes max_kv_usage
+    shrink      one instance at a time, and only with room to spare: the requests held at
+                the smaller size under half the target, TTFT p90 under half its target, TPOT
+                p90 under 70% of its target, KV usage at the smaller size under 70% of
+                max_kv_usage (hysteresis: a pool that just grew does not shrink back while
+                the load that grew it lasts, though each of its instances now holds fewer)
+
+clamped to ``[min_replicas, max_replicas]``. A wish must hold ``upscale_delay_s`` (to grow) or
+``downscale_delay_s`` (to shrink) before it is acted on, through ``scale_pool``: new instances
+ask Ray for their pool's resources (so the Ray autoscaler, or KubeRay, adds nodes when none
+are free), removed ones drain first. Latencies from before a pool's last resize do not count
+towards its next decision. Every decision is logged, kept (``decisions``), and counted in
+``/metrics`` (``tandem:autoscaler_decisions``, ``tandem:pool_replicas``,
+``tandem:pool_desired_replicas``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections import deque
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from cluster.config import AutoscalingConfig
+
+logger = logging.getLogger(__name__)
+
+SHRINK_TTFT = 0.5  # a pool shrinks only with its TTFT p90 under this share of the target,
+SHRINK_TPOT = 0.7  # its TPOT p90 under this share,
+SHRINK_KV = 0.7  # and its KV usage, at the smaller size, under this share of max_kv_usage;
+SHRINK_ONGOING = 0.5
+MIN_SAMPLES = 8  # latencies a window needs before they count, either way
+MAX_DECISIONS = 1000  # the requests held, at the smaller size, under this share of the target
+
+
+@dataclass(frozen=True)
+class PoolSignals:
+    replicas: int  # instances serving (alive, not draining)
+    ongoing: int  # requests they hold, queued or running
+    kv_usage: float  # their mean KV cache usage (0-1)
+    # p90s of the requests whose first token came from the pool, and of those that finished
+    # on it, over the window (None: fewer than MIN_SAMPLES)
+    ttft_p90_s: float | None = None
+    tpot_p90_s: float | None = None
+
+
+@dataclass(frozen=True)
+class Decision:
+    time: float  # time.monotonic()
+    pool: str
+    replicas: int
+    desired: int
+    reason: str
+
+    @property
+    def direction(self) -> str:
+        return "up" if self.desired > self.replicas else "down"
+
+
+class PoolPolicy:
+    """What one pool wants, and when to act on it."""
+
+    def __init__(self, pool: str, role: str, config: AutoscalingConfig) -> None:
+        self.pool, self.role, self.config = pool, role, config
+        self._direction = 0  # the wish being timed: +1 grow, -1 shrink, 0 none
+        self._since = 0.0
+
+    def desired(self, s: PoolSignals) -> tuple[int, str]:
+        """The size the pool wants now, and why."""
+        c, n = self.config, s.replicas
+        want = math.ceil(s.ongoing / c.target_ongoing_requests)
+        why = f"{s.ongoing} requests held (target {c.target_ongoing_requests:g} per instance)"
+        ttft = s.ttft_p90_s * 1000 if s.ttft_p90_s is not None else None
+        tpot = s.tpot_p90_s * 1000 if s.tpot_p90_s is not None else None
+        ttft_slo = c.slo_ttft_ms if self.role in ("prefill", "both") else None
+        tpot_slo = c.slo_tpot_ms if self.role in ("decode", "both") else None
+        kv_limit = c.max_kv_usage if self.role in ("decode", "both") else None
+        breaks = []
+        if ttft_slo is not None and ttft is not None and ttft > ttft_slo:
+            breaks.append(f"TTFT p90 {ttft:.0f} ms > {ttft_slo:g} ms")
+        if tpot_slo is not None and tpot is not None and tpot > tpot_slo:
+            breaks.append(f"TPOT p90 {tpot:.1f} ms > {tpot_slo:g} ms")
+        if kv_limit is not None and s.kv_usage > kv_limit:
+            breaks.append(f"KV usage {s.kv_usage:.0%} > {kv_limit:.0%}")
+        # An SLO breach grows only a loaded pool (a request per instance at least): a target
+        # an idle instance cannot meet (a long prompt's TTFT) needs no more instances.
+        if breaks and want <= n and s.ongoing >= n:
+            want, why = n + 1, "; ".join(breaks)
+        if want < n:  # shrink only with room to spare, one instance at a time
+            tight = []
+            if ttft_slo is not None and ttft is not None and ttft > SHRINK_TTFT * ttft_slo:
+                tight.append("TTFT")
+            if tpot_slo is not None and tpot is not None and tpot > SHRINK_TPOT * tpot_slo:
+                tight.append("TPOT")
+            if kv_limit is not None and n > 1 and s.kv_usage * n / (n - 1) > SHRINK_KV * kv_limit:
+                tight.append("KV usage")
+            if s.ongoing > SHRINK_ONGOING * c.target_ongoing_requests * (n - 1):
+                tight.append("the requests held")
+            if tight:
+                want, why = n, f"{why}, but {' and '.join(tight)} leave no room to shrink"
+            else:
+                want = n - 1
+        return max(c.min_replicas, min(c.max_replicas, want)), why
+
+    def reset(self) -> None:
+        self._direction = 0
+
+    def decide(self, now: float, s: PoolSignals) -> Decision | None:
+        """A resize once the pool has wanted it for its delay; None meanwhile."""
+        want, why = self.desired(s)
+        direction = (want > s.replicas) - (want < s.replicas)
+        if direction == 0:
+            self._direction = 0
+            return None
+        if direction != self._direction:
+            self._direction, self._since = direction, now
+        delay = self.config.upscale_delay_s if direction > 0 else self.config.downscale_delay_s
+        if now - self._since < delay:
+            return None
+        self._direction = 0
+        return Decision(now, self.pool, s.replicas, want, why)
+
+
+def _p90(values: list[float]) -> float | None:
+    if len(values) < MIN_SAMPLES:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, math.ceil(0.9 * len(ordered)) - 1)]
+
+
+class Autoscaler:
+    """Runs the pools' policies for ``actor`` (the ``SchedulerActor``: its views, its pools'
+    instances and ``scale_pool``)."""
+
+    def __init__(self, actor: Any) -> None:
+        self.actor = actor
+        self.policies = {
+            pool.name: PoolPolicy(pool.name, pool.role, pool.autoscaling)
+            for pool in actor.config.pools
+            if pool.autoscaling is not None
+        }
+        self.decisions: deque[Decision] = deque(maxlen=MAX_DECISIONS)  # the latest, in order
+        self.counts: dict[tuple[str, str], int] = {}  # (pool, "direction:reason") -> resizes
+        self.failed = 0  # resizes that raised (they are asked for again after their delay)
+        self.desired: dict[str, int] = {}
+        self._changed: dict[str, float] = {}  # pool -> when it was last resized
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.policies)
+
+    def signals(self, pool: str, now: float) -> PoolSignals:
+        actor = self.actor
+        config = self.policies[pool].config
+        ids = actor._pool_instances(pool)
+        views = [actor.views[i] for i in ids]
+        since = max(now - config.window_s, self._changed.get(pool, -math.inf))
+        ttft: list[float] = []
+        tpot: list[float] = []
+        for view in views:
+            view.forget_latencies(now - config.window_s)
+            for when, kind, seconds in view.latencies:
+                if when >= since:
+                    (ttft if kind == "ttft" else tpot).append(seconds)
+        return PoolSignals(
+            replicas=len(ids),
+            ongoing=sum(v.num_active for v in views),
+            kv_usage=sum(v.kv_usage for v in views) / len(views) if views else 0.0,
+            ttft_p90_s=_p90(ttft),
+            tpot_p90_s=_p90(tpot),
+        )
+
+    def resized(self, pool: str) -> None:
+        """Pool ``pool`` was resized (by anyone): its latencies so far are the old size's,
+        and a wish timed before is void."""
+        self._changed[pool] = time.monotonic()
+        policy = self.policies.get(pool)
+        if policy is not None:
+            policy.reset()
+
+    async def step(self) -> list[Decision]:
+        """Decide for every autoscaled pool once, and act on what was decided. A resize in
+        progress (an operator's, or another pool's) skips the round: a decision is made and
+        acted on with nothing awaited in between, so it never lands on a size it did not
+        see."""
+        taken = []
+        for pool, policy in self.policies.items():
+            if self.actor._resizing.locked():
+                break
+            now = time.monotonic()
+            signals = self.signals(pool, now)
+            if signals.replicas == 0:
+                # Every instance is dead or leaving: a worker restart (max_restarts) or an
+                # operator's resize brings the pool back; nothing to size meanwhile.
+                continue
+            self.desired[pool] = policy.desired(signals)[0]
+            decision = policy.decide(now, signals)
+            if decision is None:
+                continue
+            logger.info(
+                "autoscaler: pool %s %d -> %d (%s)",
+                pool,
+                decision.replicas,
+                decision.desired,
+                decision.reason,
+            )
+            try:
+                await self.actor.scale_pool(pool, decision.desired)
+            except Exception as exc:  # e.g. no resources: it asks again after its delay
+                logger.warning("autoscaler: pool %s could not be resized: %s", pool, exc)
+                self.failed += 1
+                continue
+            self.decisions.append(decision)
+            key = (pool, f"{decision.direction}:{_reason_kind(decision.reason)}")
+            self.counts[key] = self.counts.get(key, 0) + 1
+            taken.append(decision)
+        return taken
+
+    async def run(self) -> None:
+        """Step every ``interval_s`` (the smallest of the pools')."""
+        interval = min(p.config.interval_s for p in self.policies.values())
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self.step()
+            except Exception:
+                logger.exception("autoscaler step failed")
+
+    def stats(self) -> dict[str, Any]:
+        """Per pool: its size, what it wants, its resizes by direction and reason, and the
+        last few."""
+        result: dict[str, Any] = {}
+        for pool in self.policies:
+            result[pool] = {
+                "replicas": len(self.actor._pool_instances(pool)),
+                "desired": self.desired.get(pool),
+                "decisions": {k: n for (p, k), n in self.counts.items() if p == pool},
+                "last": [asdict(d) for d in self.decisions if d.pool == pool][-5:],
+            }
+        return result
+
+
+def _reason_kind(reason: str) -> str:
+    """A decision's reason as a label: what drove it."""
+    for kind in ("TTFT", "TPOT", "KV usage"):
+        if reason.startswith(kind):
+            return kind.lower().replace(" ", "_")
+    return "ongoing"

@@ -1,0 +1,165 @@
+"""``tandem plan``: the fewest instances that meet a workload's latency targets, found in
+simulation.
+
+For each cluster size from one instance up, every way to split it -- colocated instances
+(role ``both``), or P prefill + D decode instances -- and every per-pool token budget
+(``max_num_batched_tokens``) offered is served the workload in the simulator; the first size
+with a split that meets the SLO (``attainment`` of the requests within both the TTFT and the
+TPOT target) wins, the split with the highest attainment (then goodput) among them. Its
+ClusterConfig is printed as YAML, with its goodput curve: attainment and goodput at fractions
+and multiples of the rate, so the margin shows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from cluster.config import ClusterConfig, InstancePool
+from cluster.sim.cost import CostModel
+from cluster.sim.simulator import SLO, Simulation
+from cluster.sim.workload import WorkItem
+
+CURVE = (0.5, 0.75, 1.0, 1.25, 1.5, 2.0)  # rates of the goodput curve, as multiples
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A cluster shape: ``both`` colocated instances, or ``prefill`` + ``decode`` ones."""
+
+    prefill: int = 0
+    decode: int = 0
+    both: int = 0
+    max_num_batched_tokens: int = 2048
+
+    @property
+    def instances(self) -> int:
+        return self.prefill + self.decode + self.both
+
+    def label(self) -> str:
+        split = f"{self.both} colocated" if self.both else f"{self.prefill}P + {self.decode}D"
+        return f"{split}, max_num_batched_tokens {self.max_num_batched_tokens}"
+
+    def config(self, base: ClusterConfig) -> ClusterConfig:
+        """``base`` with this shape's pools, each copied from ``base``'s pool of that role
+        (a colocated one from its decode or colocated pool), with the token budget set and
+        no autoscaling (the shape is what is judged). A P/D shape of a base that never
+        disaggregates hands every request off (``disaggregation: always``); a colocated
+        one never does."""
+        by_role: dict[str, InstancePool] = {pool.role: pool for pool in base.pools}
+        fallback = by_role.get("decode") or by_role.get("both") or base.pools[0]
+        pools = []
+        for role, count in (
+            ("prefill", self.prefill),
+            ("decode", self.decode),
+            ("both", self.both),
+        ):
+            if not count:
+                continue
+            template = by_role.get(role) or fallback
+            scheduler = {
+                **template.scheduler,
+                "max_num_batched_tokens": self.max_num_batched_tokens,
+            }
+            seqs = scheduler.get("max_num_seqs", 256)
+            scheduler["max_num_seqs"] = min(seqs, self.max_num_batched_tokens)
+            update = {
+                "name": role,
+                "role": role,
+                "replicas": count,
+                "scheduler": scheduler,
+                "autoscaling": None,
+            }
+            pools.append(template.model_copy(update=update).model_dump())
+        data = base.model_dump()
+        data["pools"] = pools
+        if self.both:
+            data["router"]["disaggregation"] = "never"
+        elif data["router"].get("disaggregation") == "never":
+            data["router"]["disaggregation"] = "always"
+        return ClusterConfig.model_validate(data)
+
+
+@dataclass
+class Trial:
+    candidate: Candidate
+    summary: dict[str, Any]
+
+    def meets(self, target: float) -> bool:
+        return bool(self.summary.get("slo_attainment", 0.0) >= target)
+
+
+@dataclass
+class Plan:
+    chosen: Trial | None  # None: nothing up to the largest size met the SLO
+    trials: list[Trial]
+    curve: list[dict[str, float]] = field(default_factory=list)  # rate, attainment, goodput
+    config: ClusterConfig | None = None
+
+
+def candidates(
+    instances: int, batched_tokens: tuple[int, ...], colocated: bool, disaggregated: bool
+) -> Iterator[Candidate]:
+    for tokens in batched_tokens:
+        if colocated:
+            yield Candidate(both=instances, max_num_batched_tokens=tokens)
+        if disaggregated:
+            for prefill in range(1, instances):
+                yield Candidate(prefill, instances - prefill, max_num_batched_tokens=tokens)
+
+
+def plan(
+    base: ClusterConfig,
+    cost: CostModel,
+    workload: Callable[[float], list[WorkItem]],
+    rate: float,
+    slo: SLO,
+    target: float = 0.9,
+    max_instances: int = 16,
+    batched_tokens: tuple[int, ...] = (2048,),
+    colocated: bool = True,
+    disaggregated: bool = True,
+    seed: int = 0,
+    progress: Callable[[Trial], None] | None = None,
+) -> Plan:
+    """The smallest cluster meeting ``slo`` for ``target`` of the requests of
+    ``workload(rate)`` (``workload``: a rate -> its requests, the same seed each time)."""
+    work = workload(rate)
+    trials: list[Trial] = []
+    for size in range(1, max_instances + 1):
+        here = []
+        for candidate in candidates(size, batched_tokens, colocated, disaggregated):
+            result = Simulation(candidate.config(base), cost).run(work, slo, seed)
+            trial = Trial(candidate, result.summary())
+            trials.append(trial)
+            here.append(trial)
+            if progress is not None:
+                progress(trial)
+        met = [t for t in here if t.meets(target)]
+        if met:
+            chosen = max(
+                met,
+                key=lambda t: (t.summary["slo_attainment"], t.summary["goodput_requests_s"]),
+            )
+            config = chosen.candidate.config(base)
+            curve = []
+            for factor in CURVE:
+                summary = Simulation(config, cost).run(workload(rate * factor), slo, seed).summary()
+                curve.append(
+                    {
+                        "rate": rate * factor,
+                        "attainment": summary["slo_attainment"],
+                        "goodput": summary["goodput_requests_s"],
+                    }
+                )
+            return Plan(chosen, trials, curve, config)
+    return Plan(None, trials)
+
+
+def config_yaml(config: ClusterConfig) -> str:
+    """The parts of ``config`` that differ from the defaults, as YAML to serve it with."""
+    import yaml
+
+    data = config.model_dump(mode="json", exclude_defaults=True)
+    return str(yaml.safe_dump(data, sort_keys=False))

@@ -1,0 +1,154 @@
+"""The autoscaler: each pool's policy (Ray Serve's ongoing-requests rule, SLO breaches, KV
+pressure, hysteresis, delays, bounds), and the whole loop -- the central scheduler resizing a
+pool through ``scale_pool`` -- in the simulator, where a load step makes the decode pool grow
+and the end of it makes the pool shrink back, with every request served and every block
+returned."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+
+from cluster.config import AutoscalingConfig, ClusterConfig
+from cluster.control.autoscaler import PoolPolicy, PoolSignals
+from cluster.observability.metrics import render_stats
+from cluster.sim.cost import LinearCostModel
+from cluster.sim.simulator import Simulation
+from cluster.sim.workload import WorkItem, poisson
+
+
+def _policy(role: str = "decode", **kw: Any) -> PoolPolicy:
+    base = {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 10.0}
+    base |= {"upscale_delay_s": 5.0, "downscale_delay_s": 20.0}
+    return PoolPolicy("d", role, AutoscalingConfig(**{**base, **kw}))
+
+
+def test_the_ongoing_rule_is_ray_serves_and_stays_within_bounds() -> None:
+    policy = _policy()
+    assert policy.desired(PoolSignals(1, 25, 0.1))[0] == 3  # ceil(25 / 10)
+    assert policy.desired(PoolSignals(1, 100, 0.1))[0] == 4  # max_replicas
+    assert policy.desired(PoolSignals(2, 0, 0.0))[0] == 1  # min_replicas
+    assert policy.desired(PoolSignals(2, 15, 0.2))[0] == 2
+
+
+def test_an_slo_breach_grows_the_pool_on_its_side_only() -> None:
+    slos = {"slo_ttft_ms": 200.0, "slo_tpot_ms": 50.0}
+    slow_first = PoolSignals(1, 1, 0.1, ttft_p90_s=0.5, tpot_p90_s=0.01)
+    slow_after = PoolSignals(1, 1, 0.1, ttft_p90_s=0.05, tpot_p90_s=0.2)
+    assert _policy("prefill", **slos).desired(slow_first)[0] == 2
+    assert _policy("prefill", **slos).desired(slow_after)[0] == 1  # TPOT is not its doing
+    assert _policy("decode", **slos).desired(slow_after)[0] == 2
+    assert _policy("decode", **slos).desired(slow_first)[0] == 1
+    assert _policy("both", **slos).desired(slow_first)[0] == 2
+    want, why = _policy("decode").desired(PoolSignals(1, 1, 0.95))  # KV nearly full
+    assert want == 2 and why.startswith("KV usage")
+
+
+def test_shrinking_is_one_step_at_a_time_and_only_with_room_to_spare() -> None:
+    policy = _policy("decode", slo_tpot_ms=50.0)
+    assert policy.desired(PoolSignals(3, 0, 0.1, tpot_p90_s=0.01))[0] == 2  # not 1 at once
+    want, why = policy.desired(PoolSignals(3, 0, 0.1, tpot_p90_s=0.04))  # 80% of the target
+    assert want == 3 and "TPOT" in why
+    assert policy.desired(PoolSignals(2, 0, 0.5))[0] == 2  # 100% KV once on one instance
+    # 8 held on 2 instances would want 1 (target 10), but 8 on one is over half the target.
+    want, why = _policy().desired(PoolSignals(2, 8, 0.1))
+    assert want == 2 and "requests held" in why
+    assert _policy().desired(PoolSignals(2, 5, 0.1))[0] == 1
+
+
+def test_a_wish_must_last_its_delay_and_a_change_of_mind_restarts_the_clock() -> None:
+    policy = _policy()
+    busy, idle = PoolSignals(1, 30, 0.1), PoolSignals(3, 0, 0.0)
+    assert policy.decide(0.0, busy) is None
+    assert policy.decide(4.9, busy) is None
+    decision = policy.decide(5.0, busy)
+    assert decision is not None and (decision.replicas, decision.desired) == (1, 3)
+    assert decision.direction == "up" and "30 requests held" in decision.reason
+    assert policy.decide(6.0, idle) is None  # shrinking waits downscale_delay_s
+    assert policy.decide(20.0, PoolSignals(3, 30, 0.1)) is None  # busy again: no wish
+    assert policy.decide(21.0, idle) is None  # the clock starts again
+    assert policy.decide(40.9, idle) is None
+    late = policy.decide(41.0, idle)
+    assert late is not None and (late.desired, late.direction) == (2, "down")
+
+
+def test_min_above_max_and_replicas_outside_the_bounds_are_refused() -> None:
+    with pytest.raises(ValueError, match="min_replicas"):
+        AutoscalingConfig(min_replicas=3, max_replicas=2)
+    with pytest.raises(ValueError, match="within autoscaling"):
+        ClusterConfig.model_validate(
+            {"pools": [{"name": "d", "replicas": 5, "autoscaling": {"max_replicas": 4}}]}
+        )
+
+
+COST = LinearCostModel(
+    "test", {"const": 2e-3, "prefill_tokens": 5e-5, "num_decodes": 2e-4}, kv_bytes_token=1000
+)
+
+
+def _step_load(
+    base_rate: float, factor: float, seconds: tuple[float, float, float]
+) -> list[WorkItem]:
+    """Poisson arrivals at ``base_rate``, then ``factor`` times that, then ``base_rate``
+    again, for ``seconds`` each."""
+    items: list[WorkItem] = []
+    start = 0.0
+    for i, (rate, span) in enumerate(
+        zip((base_rate, base_rate * factor, base_rate), seconds, strict=True)
+    ):
+        phase = poisson(rate, int(rate * span), "fixed", seed=i)
+        items += [
+            dataclasses.replace(w, arrival_s=start + w.arrival_s, output_len=200) for w in phase
+        ]
+        start += span
+    return items
+
+
+def test_a_load_step_grows_the_decode_pool_and_its_end_shrinks_it_back() -> None:
+    autoscaling = {
+        "min_replicas": 1,
+        "max_replicas": 3,
+        "target_ongoing_requests": 12,
+        "upscale_delay_s": 2.0,
+        "downscale_delay_s": 8.0,
+        "interval_s": 0.5,
+    }
+    config = ClusterConfig.model_validate(
+        {
+            "block_size": 16,
+            "admission_window_s": 0.0,
+            "drain_timeout_s": 30.0,
+            "router": {"disaggregation": "always"},
+            "pools": [
+                {"name": "p", "role": "prefill", "num_blocks": 4096},
+                {"name": "d", "role": "decode", "num_blocks": 4096, "autoscaling": autoscaling},
+            ],
+        }
+    )
+    # One instance holds about 2.5 requests at the base rate, 15 at three times it.
+    work = _step_load(base_rate=5.0, factor=3.0, seconds=(20.0, 30.0, 40.0))
+    result = Simulation(config, COST).run(work)
+    assert all(r.error is None and r.num_tokens == 200 for r in result.records)  # nothing lost
+    ups = [d for d in result.decisions if d["desired"] > d["replicas"]]
+    downs = [d for d in result.decisions if d["desired"] < d["replicas"]]
+    assert ups and downs, result.decisions
+    assert 20.0 < ups[0]["time"] < 50.0  # during the step (after its delay)
+    assert downs[-1]["time"] > ups[-1]["time"]
+    assert all(d["pool"] == "d" for d in result.decisions)  # the prefill pool has no section
+    serving = [
+        i for i, s in result.instances.items() if s["role"] == "decode" and "num_blocks" in s
+    ]
+    assert serving == ["d-0"]  # back to one instance at the end (the first kept)
+    assert len([i for i in result.instances if i.startswith("d-")]) > 1  # others came and went
+    for iid in [*serving, "p-0"]:
+        stats = result.instances[iid]
+        assert stats["num_free_blocks"] == stats["num_blocks"], iid  # every block back
+    # /metrics: the pool's size, its wish and the decisions.
+    text, _ = render_stats({"autoscaling": result.autoscaling}, "m")
+    assert 'tandem:pool_replicas{model_name="m",pool="d"} 1.0' in text
+    assert (
+        'tandem:autoscaler_decisions_total{direction="up",model_name="m",pool="d",reason="ongoing"}'
+        in text
+    )
