@@ -118,7 +118,13 @@ class SimResult:
         if self.slo is not None:
             met = sum(r.meets(self.slo) for r in self.records)
             out["slo_attainment"] = met / len(self.records) if self.records else math.nan
-            out["goodput_requests_s"] = met / self.duration_s if self.duration_s else 0.0
+            # Per second of arrivals (the offered load's span, not the tail that drains
+            # after it): at full attainment, the offered rate.
+            arrivals = [r.arrival_s for r in self.records]
+            span = max(arrivals) - min(arrivals) if len(arrivals) > 1 else self.duration_s
+            out["goodput_requests_s"] = (
+                met * (len(arrivals) - 1) / len(arrivals) / span if span else 0.0
+            )
         return out
 
 
