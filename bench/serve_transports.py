@@ -45,6 +45,17 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> Non
     raise TimeoutError("tandem serve did not become healthy")
 
 
+def stop(serve: subprocess.Popen[bytes]) -> None:
+    """Stop a ``tandem serve`` started in a session of its own: Ctrl-C, then a kill after
+    60 s."""
+    os.killpg(serve.pid, signal.SIGINT)
+    try:
+        serve.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(serve.pid, signal.SIGKILL)
+        serve.wait()
+
+
 def one_run(args: argparse.Namespace, transport: str, workdir: Path, tag: str) -> dict[str, Any]:
     """Start ``tandem serve`` with ``transport``, run ``tandem bench`` once, stop it."""
     url = f"http://127.0.0.1:{args.port}"
@@ -88,12 +99,7 @@ def one_run(args: argparse.Namespace, transport: str, workdir: Path, tag: str) -
         summary: dict[str, Any] = json.loads(out.read_text())["runs"][0]["summary"]
         return summary
     finally:
-        os.killpg(serve.pid, signal.SIGINT)
-        try:
-            serve.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(serve.pid, signal.SIGKILL)
-            serve.wait()
+        stop(serve)
         log.close()
 
 

@@ -21,14 +21,13 @@ import json
 import math
 import os
 import platform
-import signal
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from bench.serve_transports import wait_ready
+from bench.serve_transports import stop, wait_ready
 
 BIN = Path(sys.executable).parent
 OUT = Path("bench/results/simulator_validation.json")
@@ -113,12 +112,7 @@ def real_runs(
                 flush=True,
             )
     finally:
-        os.killpg(serve.pid, signal.SIGINT)
-        try:
-            serve.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(serve.pid, signal.SIGKILL)
-            serve.wait()
+        stop(serve)
         log.close()
     return runs
 

@@ -82,6 +82,8 @@ class PoolPolicy:
     def desired(self, s: PoolSignals) -> tuple[int, str]:
         """The size the pool wants now, and why."""
         c, n = self.config, s.replicas
+        if n == 0:  # every instance dead for good (the caller checks): start afresh
+            return c.min_replicas, "no live instance"
         want = math.ceil(s.ongoing / c.target_ongoing_requests)
         why = f"{s.ongoing} requests held (target {c.target_ongoing_requests:g} per instance)"
         ttft = s.ttft_p90_s * 1000 if s.ttft_p90_s is not None else None
@@ -148,11 +150,13 @@ class Autoscaler:
 
     def __init__(self, actor: Any) -> None:
         self.actor = actor
+        pools = [pool for pool in actor.config.pools if pool.autoscaling is not None]
         self.policies = {
-            pool.name: PoolPolicy(pool.name, pool.role, pool.autoscaling)
-            for pool in actor.config.pools
-            if pool.autoscaling is not None
+            pool.name: PoolPolicy(pool.name, pool.role, pool.autoscaling) for pool in pools
         }
+        # A pool whose every instance died: brought back by its workers' restarts, or (none)
+        # by the autoscaler, at min_replicas (scale_pool retires the dead).
+        self._restarts = {pool.name: pool.max_restarts > 0 for pool in pools}
         self.decisions: deque[Decision] = deque(maxlen=MAX_DECISIONS)  # the latest, in order
         self.counts: dict[tuple[str, str], int] = {}  # (pool, "direction:reason") -> resizes
         self.failed = 0  # resizes that raised (they are asked for again after their delay)
@@ -203,10 +207,8 @@ class Autoscaler:
                 break
             now = time.monotonic()
             signals = self.signals(pool, now)
-            if signals.replicas == 0:
-                # Every instance is dead or leaving: a worker restart (max_restarts) or an
-                # operator's resize brings the pool back; nothing to size meanwhile.
-                continue
+            if signals.replicas == 0 and self._restarts[pool]:
+                continue  # its workers restart (max_restarts) and it rejoins: wait for that
             self.desired[pool] = policy.desired(signals)[0]
             decision = policy.decide(now, signals)
             if decision is None:

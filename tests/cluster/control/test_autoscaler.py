@@ -33,6 +33,14 @@ def test_the_ongoing_rule_is_ray_serves_and_stays_within_bounds() -> None:
     assert policy.desired(PoolSignals(2, 15, 0.2))[0] == 2
 
 
+def test_a_pool_with_no_live_instance_starts_afresh_at_its_minimum() -> None:
+    policy = _policy(min_replicas=2)
+    assert policy.desired(PoolSignals(0, 0, 0.0)) == (2, "no live instance")
+    assert policy.decide(0.0, PoolSignals(0, 0, 0.0)) is None  # after upscale_delay_s
+    decision = policy.decide(5.0, PoolSignals(0, 0, 0.0))
+    assert decision is not None and (decision.replicas, decision.desired) == (0, 2)
+
+
 def test_an_slo_breach_grows_the_pool_on_its_side_only() -> None:
     slos = {"slo_ttft_ms": 200.0, "slo_tpot_ms": 50.0}
     slow_first = PoolSignals(1, 1, 0.1, ttft_p90_s=0.5, tpot_p90_s=0.01)
