@@ -28,6 +28,21 @@ COST = LinearCostModel(
 )
 
 
+@pytest.fixture(autouse=True)
+def _every_block_returned(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every simulated run here (the planner's included) ends with each instance's KV
+    blocks all free."""
+    run = Simulation.run
+
+    def checked(self: Simulation, *args: Any, **kwargs: Any) -> Any:
+        result = run(self, *args, **kwargs)
+        for iid, stats in result.instances.items():
+            assert stats["num_free_blocks"] == stats["num_blocks"], (iid, stats)
+        return result
+
+    monkeypatch.setattr(Simulation, "run", checked)
+
+
 def _config(pools: list[dict[str, Any]], **extra: Any) -> ClusterConfig:
     return ClusterConfig.model_validate(
         {"block_size": 16, "pools": pools, "admission_window_s": 0.0, **extra}
