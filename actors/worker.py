@@ -22,7 +22,7 @@ import torch
 
 from actors.model.attention import AttentionMetadata, select_backend
 from actors.model.llama import LlamaForCausalLM
-from actors.model.loader import load_model, resolve_model_path
+from actors.model.loader import DEFAULT_DENSE_MIN_ROWS, load_model, resolve_model_path
 from actors.pipeline import IntermediateOutput, stage_report
 from actors.prompt_logprobs import prompt_logprobs
 from actors.sampler import Sampler, SamplingRow
@@ -97,6 +97,8 @@ class ModelWorker:
         pp_rank: int = 0,
         pp_size: int = 1,
         tracing: Any = None,
+        quantization: str = "auto",
+        quant_dense_min_rows: int = DEFAULT_DENSE_MIN_ROWS,
     ) -> None:
         """``kv_transfer`` names a KV transport (``nixl``, ``ray``, ``grpc``) for prefill/
         decode hand-off, built with ``kv_transfer_options``; if it cannot be built here (no
@@ -105,7 +107,9 @@ class ModelWorker:
         ``num_threads`` sets torch's intra-op
         threads (a Ray actor otherwise gets one). ``pp_rank`` of ``pp_size``: this worker is
         one pipeline stage and holds only its layers (``actors.pipeline``). ``tracing``: a
-        ``TracingConfig``; when enabled, KV loads are spans of their requests' traces."""
+        ``TracingConfig``; when enabled, KV loads are spans of their requests' traces.
+        ``quantization`` / ``quant_dense_min_rows``: weights held quantized (see
+        ``actors.model.loader.quantize_model``)."""
         self.tracing = tracing
         self.num_threads = num_threads
         self.pp_rank, self.pp_size = pp_rank, pp_size
@@ -114,6 +118,8 @@ class ModelWorker:
             torch.set_num_threads(num_threads)
         self.model_path: Path = resolve_model_path(model)
         self.dtype_arg = dtype
+        self.quantization = quantization
+        self.quant_dense_min_rows = quant_dense_min_rows
         self.device = torch.device(device)
         self.block_size = block_size
         self.lora_config = lora_config
@@ -149,6 +155,8 @@ class ModelWorker:
             progress=self.progress,
             pp_rank=self.pp_rank,
             pp_size=self.pp_size,
+            quantization=self.quantization,
+            quant_dense_min_rows=self.quant_dense_min_rows,
         )
         cfg = model.config
         self.model = model
@@ -187,9 +195,8 @@ class ModelWorker:
         return 2 * len(self.layers) * self.block_size * cfg.kv_size * elem
 
     def weight_bytes(self) -> int:
-        """Parameters, counted twice when the CPU GEMMs keep a pre-packed copy."""
-        params = sum(p.numel() * p.element_size() for p in self._model.parameters())
-        return 2 * params if self._model._packed_logits is not None else params
+        """Weights held: parameters, the CPU GEMMs' pre-packed copies, quantized forms."""
+        return self._model.weight_bytes()
 
     def activation_bytes(self) -> int:
         """Peak working memory of one step at ``max_num_batched_tokens`` (an estimate from the

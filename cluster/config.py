@@ -536,6 +536,19 @@ class ClusterConfig(_Config):
 
     model: str | None = Field(None, description="Path, or null for the built-in SmolLM2.")
     dtype: str = "auto"
+    quantization: Literal["auto", "none", "int8", "int4"] = Field(
+        "auto",
+        description="Weights held quantized and multiplied by weight-only kernels (CPU): auto "
+        "runs a GGUF file's Q4_0/Q4_1 weights as int4 and Q8_0 as int8, float checkpoints "
+        "dense; int8/int4 quantize every projection; none dequantizes.",
+    )
+    quantized_dense_min_rows: int = Field(
+        8,
+        ge=0,
+        description="Steps of this many tokens or more multiply a dense copy of quantized "
+        "weights (the weight-only kernels lose to the dense GEMM on large batches); 0 keeps "
+        "no dense copy (least memory).",
+    )
     max_model_len: int | None = Field(None, ge=2)
     block_size: int = Field(16, ge=1, le=1024, description="KV block size of every instance.")
     pools: list[InstancePool] = Field(

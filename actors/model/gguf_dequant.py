@@ -13,7 +13,9 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-__all__ = ["dequantize"]
+from actors.model.quant import GroupQuant
+
+__all__ = ["dequantize", "group_quant"]
 
 QT = GGMLQuantizationType
 
@@ -132,3 +134,41 @@ def dequantize(
     else:
         out = kernel(blocks)
     return torch.from_numpy(out).reshape(shape)
+
+
+def group_quant(
+    raw: np.ndarray, ggml_type: GGMLQuantizationType, shape: tuple[int, ...]
+) -> GroupQuant | None:
+    """The tensor's codes and per-block scales as stored (no float weights made), for the
+    types a weight-only kernel runs as they are: Q4_0 and Q4_1 (4-bit codes ``q - 8``), Q8_0
+    (8-bit codes); None for any other type. ``shape`` is ``(rows, inputs)`` in torch order."""
+    if ggml_type not in (QT.Q4_0, QT.Q4_1, QT.Q8_0) or len(shape) != 2:
+        return None
+    data = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
+    block_size, type_size = GGML_QUANT_SIZES[ggml_type]
+    rows, cols = shape
+    if cols % block_size or data.size != rows * cols // block_size * type_size:
+        raise ValueError(
+            f"{ggml_type.name}: {data.size} bytes do not hold a tensor of shape {shape}"
+        )
+    blocks = data.reshape(-1, type_size)
+    d = _f16_col(blocks, 0)
+    offset: F32Array | None = None
+    if ggml_type == QT.Q8_0:
+        codes = blocks[:, 2:].view(np.int8)
+        bits = 8
+    elif ggml_type == QT.Q4_0:
+        codes = (_nibbles(blocks, 2).astype(np.int16) - 8).astype(np.int8)
+        bits = 4
+    else:  # Q4_1: d * q + m = d * (q - 8) + (m + 8 d)
+        codes = (_nibbles(blocks, 4).astype(np.int16) - 8).astype(np.int8)
+        offset = _f16_col(blocks, 2) + np.float32(8.0) * d
+        bits = 4
+    groups = cols // block_size
+    return GroupQuant(
+        torch.from_numpy(np.ascontiguousarray(codes)).reshape(rows, cols),
+        torch.from_numpy(d).reshape(rows, groups),
+        None if offset is None else torch.from_numpy(offset).reshape(rows, groups),
+        block_size,
+        bits,
+    )

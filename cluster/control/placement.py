@@ -96,6 +96,8 @@ def worker_kwargs(
     return {
         "model": config.model,
         "dtype": config.dtype,
+        "quantization": config.quantization,
+        "quant_dense_min_rows": config.quantized_dense_min_rows,
         "device": pool.device,
         "block_size": config.block_size,
         "lora_config": config.lora,

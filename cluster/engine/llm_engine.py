@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from actors.model.loader import DEFAULT_DENSE_MIN_ROWS
 from actors.model.tokenizer import Tokenizer
 from actors.worker import ModelWorker
 from cluster.engine.frontend import RequestFactory
@@ -57,6 +58,8 @@ class LLMEngine:
         max_lora_rank: int = 16,
         max_cpu_loras: int | None = None,
         attention_backend: str | None = None,
+        quantization: str = "auto",
+        quant_dense_min_rows: int = DEFAULT_DENSE_MIN_ROWS,
         progress: bool = True,
         **scheduler_kwargs: Any,
     ) -> None:
@@ -78,6 +81,8 @@ class LLMEngine:
             block_size=block_size,
             lora_config=lora_config,
             attention_backend=attention_backend,
+            quantization=quantization,
+            quant_dense_min_rows=quant_dense_min_rows,
             max_num_batched_tokens=budget_tokens,
             max_num_seqs=max_num_seqs,
             progress=progress,

@@ -45,6 +45,13 @@ def _generate_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    p.add_argument(
+        "--quantization",
+        "-q",
+        choices=("auto", "none", "int8", "int4"),
+        default="auto",
+        help="weights held quantized (auto: as a GGUF file stores them)",
+    )
     p.add_argument("--device", default="cpu")
     p.add_argument("-v", "--verbose", action="store_true", help="log engine details")
     p.add_argument(
@@ -214,7 +221,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     from cluster.engine.llm import LLM  # torch import is slow: only when the command runs
 
     try:
-        llm = LLM(args.model, dtype=args.dtype, device=args.device)
+        llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization, device=args.device)
     except (FileNotFoundError, ValueError) as exc:
         print(f"tandem generate: {exc}", file=sys.stderr)
         return 1

@@ -31,6 +31,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
 
     engine = p.add_argument_group("engine (vLLM's flags; they override the config file)")
     engine.add_argument("--dtype", choices=DTYPES, default=None, help="weights' dtype")
+    engine.add_argument(
+        "--quantization",
+        "-q",
+        choices=("auto", "none", "int8", "int4"),
+        default=None,
+        help="weights held quantized (auto: as a GGUF file stores them)",
+    )
     engine.add_argument("--max-model-len", type=int, default=None, help="context length")
     engine.add_argument(
         "--max-num-seqs", type=int, default=None, help="running requests per instance"
@@ -219,7 +226,7 @@ def serve_config(args: argparse.Namespace) -> Any:
 def _engine_flags(args: argparse.Namespace, data: dict[str, Any]) -> None:
     """vLLM's engine flags and Tandem's pool sizes, onto a ClusterConfig dump: the top-level
     fields, and every pool's scheduler and cache sections."""
-    for key in ("dtype", "max_model_len", "block_size"):
+    for key in ("dtype", "quantization", "max_model_len", "block_size"):
         value = getattr(args, key)
         if value is not None:
             data[key] = value

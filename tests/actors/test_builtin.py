@@ -21,7 +21,10 @@ needs_builtin = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def smollm() -> LLM:
-    return LLM(dtype="float32", progress=False, kv_cache_memory_bytes=64 << 20)
+    # Dense: the logits test below holds transformers to the dequantized weights.
+    return LLM(
+        dtype="float32", quantization="none", progress=False, kv_cache_memory_bytes=64 << 20
+    )
 
 
 @needs_builtin

@@ -113,7 +113,17 @@ def _interleave_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return np.ascontiguousarray(w[order])
 
 
-def _write_tiny(path: Path, arch: str, model: Any, *, rope_scaling: bool = False) -> None:
+def _write_tiny(
+    path: Path,
+    arch: str,
+    model: Any,
+    *,
+    rope_scaling: bool = False,
+    weight_type: QT | None = None,
+    embed_type: QT | None = None,
+) -> None:
+    """``weight_type`` / ``embed_type``: store the projections / the token embeddings (and a
+    separate output head) quantized in that GGUF type; floats otherwise."""
     cfg = model.config
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(cfg.num_hidden_layers)
@@ -137,7 +147,11 @@ def _write_tiny(path: Path, arch: str, model: Any, *, rope_scaling: bool = False
             data = _interleave_rope_rows(data, cfg.num_attention_heads)
         elif arch == "llama" and ".k_proj." in name:
             data = _interleave_rope_rows(data, cfg.num_key_value_heads)
-        w.add_tensor(_gguf_name(name), data)
+        qtype = embed_type if "embed_tokens" in name or "lm_head" in name else weight_type
+        if qtype is not None and data.ndim == 2:
+            w.add_tensor(_gguf_name(name), gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(_gguf_name(name), data)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
