@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from actors.cores import CoreShare
 from actors.model.attention import AttentionMetadata, select_backend
 from actors.model.llama import LlamaForCausalLM
 from actors.model.loader import DEFAULT_DENSE_MIN_ROWS, load_model, resolve_model_path
@@ -93,7 +94,7 @@ class ModelWorker:
         kv_transfer: str | None = None,
         kv_transfer_options: dict[str, Any] | None = None,
         kv_transfer_fallback: str | None = None,
-        num_threads: int | None = None,
+        num_threads: int | str | None = None,
         pp_rank: int = 0,
         pp_size: int = 1,
         tracing: Any = None,
@@ -104,13 +105,20 @@ class ModelWorker:
         decode hand-off, built with ``kv_transfer_options``; if it cannot be built here (no
         NIXL on this node), ``kv_transfer_fallback`` (no options) is used instead, when given
         (``transport: auto``: the control plane sees it and moves every worker to it);
-        ``num_threads`` sets torch's intra-op
-        threads (a Ray actor otherwise gets one). ``pp_rank`` of ``pp_size``: this worker is
-        one pipeline stage and holds only its layers (``actors.pipeline``). ``tracing``: a
-        ``TracingConfig``; when enabled, KV loads are spans of their requests' traces.
+        ``num_threads`` sets torch's intra-op threads (a Ray actor otherwise gets one);
+        ``"auto"`` shares the machine's cores with the other workers on it, step by step
+        (``actors.cores``). ``pp_rank`` of ``pp_size``: this worker is one pipeline stage
+        and holds only its layers (``actors.pipeline``). ``tracing``: a ``TracingConfig``;
+        when enabled, KV loads are spans of their requests' traces.
         ``quantization`` / ``quant_dense_min_rows``: weights held quantized (see
         ``actors.model.loader.quantize_model``)."""
         self.tracing = tracing
+        self.core_share: CoreShare | None = None
+        if num_threads == "auto":
+            self.core_share = CoreShare()
+            num_threads = None
+        elif isinstance(num_threads, str):
+            raise ValueError(f"num_threads must be a count or 'auto', not {num_threads!r}")
         self.num_threads = num_threads
         self.pp_rank, self.pp_size = pp_rank, pp_size
         self.layers = range(0)  # the model layers this worker holds (set by load_model)
@@ -160,6 +168,8 @@ class ModelWorker:
         )
         cfg = model.config
         self.model = model
+        if self.core_share is not None:
+            model.between_layers = self.core_share.adjust
         self.layers = model.layer_range
         self.dtype = model.dtype
         if self.device.type == "cpu" and os.environ.get("TANDEM_CPU_KERNELS", "1") != "0":
@@ -416,7 +426,10 @@ class ModelWorker:
         with self._step_lock:
             start = time.perf_counter()
             try:
-                return self._execute_model(scheduler_output, intermediate)
+                if self.core_share is None or not scheduler_output.total_num_scheduled_tokens:
+                    return self._execute_model(scheduler_output, intermediate)
+                with self.core_share.busy(scheduler_output.total_num_scheduled_tokens):
+                    return self._execute_model(scheduler_output, intermediate)
             finally:
                 self.step_seconds += time.perf_counter() - start
 
@@ -517,6 +530,8 @@ class ModelWorker:
         return output
 
     def shutdown(self) -> None:
+        if self.core_share is not None:
+            self.core_share.close()
         if self.connector is not None:
             self.connector.close()
 

@@ -96,8 +96,11 @@ class InstancePool(_Config):
         "routing with an empty cache.",
     )
     num_gpus: float = Field(0.0, ge=0.0)
-    num_threads: int | None = Field(
-        None, ge=1, le=1024, description="torch threads per worker (Ray's default is 1)."
+    num_threads: int | Literal["auto"] | None = Field(
+        None,
+        description="torch threads per worker (Ray's default is 1); auto: the machine's cores, "
+        "shared step by step with the other auto workers on it (an even share among the busy "
+        "ones), so that no core idles while a worker has work.",
     )
     device: str = Field("cpu", description="torch device of the workers: cpu or cuda.")
     num_blocks: int | None = Field(None, ge=1, description="KV blocks; else sized by memory.")
@@ -671,11 +674,12 @@ def served_model_name(config: ClusterConfig) -> str:
 
 def default_cluster_config(model: str | None = None) -> ClusterConfig:
     """The laptop default: the built-in SmolLM2 (or ``model``), one prefill and one decode
-    instance, each worker with one torch thread, anywhere in the Ray cluster."""
+    instance, anywhere in the Ray cluster, sharing the machine's cores (``num_threads: auto``:
+    the decode instance takes every core while no prefill runs, and the other way round)."""
     return ClusterConfig(
         model=model,
         pools=[
-            InstancePool(name="prefill", role="prefill", num_threads=1),
-            InstancePool(name="decode", role="decode", num_threads=1),
+            InstancePool(name="prefill", role="prefill", num_threads="auto"),
+            InstancePool(name="decode", role="decode", num_threads="auto"),
         ],
     )

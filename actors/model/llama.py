@@ -229,6 +229,8 @@ class LlamaForCausalLM(nn.Module):
             else None
         )
         self._packed_logits: Callable[[torch.Tensor], torch.Tensor] | None = None
+        # Called between layers (the worker's core sharing follows other workers' steps).
+        self.between_layers: Callable[[], None] | None = None
         self._quant_logits: QuantizedWeight | None = None
         self._logits_dense_min_rows = 0
         self.quantization: dict[str, str] = {}  # projection name -> method (for logs, info)
@@ -268,7 +270,10 @@ class LlamaForCausalLM(nn.Module):
         else:
             x = hidden_states
         rope_cache = self.rope.lookup(positions)
+        hook = self.between_layers
         for layer, cache in zip(self.layers, kv_caches, strict=True):
+            if hook is not None:
+                hook()
             x = layer(x, rope_cache, self.rope, attn, cache, meta, lora)
         if self.norm is None:
             return x

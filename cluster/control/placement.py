@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -79,7 +80,13 @@ def worker_options(pool: InstancePool, pp_rank: int = 0) -> dict[str, Any]:
         "max_restarts": pool.max_restarts,
         "max_task_retries": 0,
     }
-    if pool.num_threads is not None:
+    if pool.num_threads == "auto":
+        # Shared cores (actors.cores): threads of a team that just lost its core to another
+        # worker's step spin at most ~20k iterations at a barrier before sleeping (libgomp's
+        # default, 300k, made two busy workers 10% slower than fixed single threads).
+        env = {"GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT", "20000")}
+        options["runtime_env"] = {"env_vars": env}
+    elif pool.num_threads is not None:
         # Ray sets OMP_NUM_THREADS=1 for actors; threads other than the one that ran __init__
         # start their OpenMP teams from it, not from torch.set_num_threads: without this the
         # steps ran single-threaded (96 ms instead of 45 ms per SmolLM2 token).

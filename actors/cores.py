@@ -1,0 +1,177 @@
+"""The cores of one machine shared by the workers on it: no core sits idle while another
+worker could use it.
+
+Each worker with ``num_threads: auto`` takes a slot in a small shared-memory table (one per
+user and machine, ``/dev/shm``) and flags itself busy while it runs a step. Before each step
+and between the model's layers it sets torch's threads to an even share of the machine's cores
+among the busy workers: a decode instance alone on a 2-core machine runs with 2 threads, and
+drops to 1 within a layer once the prefill instance starts a step (and back when it ends, plus
+a few milliseconds of grace: the gap between one worker's steps is not an idle machine).
+OpenMP teams that outnumber the cores spin against each other at every barrier (two 2-thread
+workers busy together on 2 cores ran 100x slower than two 1-thread ones), so the share is
+recomputed often and cheaply: one 256-byte read per layer.
+
+A slot is held with an advisory record lock for the process's life, so a worker
+that dies frees its slot; a busy flag it left behind is ignored once its pid is gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import mmap
+import os
+import struct
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+SLOTS = 256
+# A worker counts as busy this long after its step ends: the gap before its next step (the
+# scheduler's turn) must not hand its cores to another worker's step for a moment.
+GRACE_S = 0.005
+# Steps of fewer tokens run on one thread: served, a decode step overlaps the control plane's
+# work on the previous token (scheduler, ingress, HTTP), and a 2-thread team on a 2-core
+# machine then loses a thread at its barriers -- measured slower than one thread (ITL 18.7 vs
+# 13.5 ms at concurrency 1). Prefill-sized steps gain (a 128-token prefill: 58 vs 100 ms).
+MIN_STEP_TOKENS = 64
+_PIDS = SLOTS  # the pid table (int32) starts after the busy flags (uint8)
+_ENDS = _PIDS + 4 * SLOTS  # then when each slot's last step ended (float64, monotonic)
+_SIZE = _ENDS + 8 * SLOTS
+
+
+def machine_cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def _lock_byte(fd: int, offset: int) -> None:
+    """An exclusive write lock on one byte, held by this open file (Linux's open-file-
+    description locks: two tables opened in one process conflict too), else by the process."""
+    ofd = getattr(fcntl, "F_OFD_SETLK", None)
+    if ofd is None:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, offset)
+        return
+    # struct flock: l_type, l_whence (short), l_start, l_len (off_t), l_pid (0 for OFD locks)
+    fcntl.fcntl(fd, ofd, struct.pack("hhqqi4x", fcntl.F_WRLCK, os.SEEK_SET, offset, 1, 0))
+
+
+def _table_path() -> Path:
+    root = Path("/dev/shm")
+    if not root.is_dir() or not os.access(root, os.W_OK):
+        root = Path(tempfile.gettempdir())
+    return root / f"tandem-cores-{os.getuid()}"
+
+
+class CoreShare:
+    """This worker's view of the machine's cores (see the module's docstring)."""
+
+    def __init__(
+        self,
+        cores: int | None = None,
+        path: Path | None = None,
+        min_step_tokens: int = MIN_STEP_TOKENS,
+    ) -> None:
+        self.cores = cores or machine_cores()
+        self.min_step_tokens = min_step_tokens
+        self.path = path or _table_path()
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            if os.fstat(fd).st_size < _SIZE:
+                os.ftruncate(fd, _SIZE)
+            self._mm = mmap.mmap(fd, _SIZE)
+            self.slot = self._claim(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
+        self._pid = os.getpid()
+        struct.pack_into("<i", self._mm, _PIDS + 4 * self.slot, self._pid)
+        self._mm[self.slot] = 0
+        self._flags = np.frombuffer(self._mm, dtype=np.uint8, count=SLOTS)
+        self._ends = np.frombuffer(self._mm, dtype=np.float64, count=SLOTS, offset=_ENDS)
+        self._ends[self.slot] = 0.0
+        self._dead = 0  # busy flags left by dead workers (recounted at each step)
+        self.threads = 0  # what this step's thread runs with (0: not set yet)
+        self.shares = False  # this step takes a share (else one thread)
+
+    def _claim(self, fd: int) -> int:
+        for slot in range(SLOTS):
+            try:
+                _lock_byte(fd, slot)
+            except OSError:
+                continue  # another live worker's
+            return slot
+        raise RuntimeError(f"all {SLOTS} core-sharing slots of {self.path} are taken")
+
+    def close(self) -> None:
+        if self._fd < 0:
+            return
+        self._mm[self.slot] = 0
+        del self._flags, self._ends  # (views of the map: it cannot close under them)
+        self._mm.close()
+        os.close(self._fd)  # releases the slot's lock
+        self._fd = -1
+
+    # -- the share ------------------------------------------------------------------------
+    def _others_busy(self) -> int:
+        """Other workers in a step or just out of one (``GRACE_S``); called during a step."""
+        recent = self._ends > time.monotonic() - GRACE_S
+        busy = int(np.count_nonzero((self._flags == 1) | recent))
+        return busy - 1 - self._dead
+
+    def share(self) -> int:
+        """Threads for this worker now: the cores split evenly among the busy workers."""
+        return max(1, self.cores // (1 + self._others_busy()))
+
+    def set_threads(self, n: int) -> None:
+        if n != self.threads:
+            torch.set_num_threads(n)
+            self.threads = n
+
+    def adjust(self) -> None:
+        """Between layers: follow the other workers' steps starting and ending."""
+        if self.shares:
+            self.set_threads(self.share())
+
+    def _count_dead(self) -> int:
+        dead = 0
+        flags = self._mm[:SLOTS]
+        for slot in range(SLOTS):
+            if flags[slot] != 1 or slot == self.slot:
+                continue
+            (pid,) = struct.unpack_from("<i", self._mm, _PIDS + 4 * slot)
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                dead += 1
+            except PermissionError:
+                pass  # alive, another user's
+        return dead
+
+    @contextlib.contextmanager
+    def busy(self, num_tokens: int) -> Iterator[None]:
+        """Around a step of ``num_tokens``: flagged busy, threads set to the share at its
+        start (one thread for a step under ``min_step_tokens``)."""
+        self._dead = self._count_dead()
+        self._mm[self.slot] = 1
+        # OpenMP's thread count is per calling thread, and a Ray actor may run steps on
+        # another thread than the last one: set it afresh at every step.
+        self.threads = 0
+        self.shares = num_tokens >= self.min_step_tokens
+        self.set_threads(self.share() if self.shares else 1)
+        try:
+            yield
+        finally:
+            self._ends[self.slot] = time.monotonic()
+            self._mm[self.slot] = 0

@@ -1,0 +1,181 @@
+"""``tandem bench`` against ``tandem serve`` in several configurations, interleaved: round after
+round, each configuration's server is started, loaded with every workload and stopped in turn
+(the order alternates), so a slow phase of the host hits them alike. Reports the median over
+rounds of each workload's output tokens/s, TTFT p50 and ITL p50.
+
+Configurations (``--variants``), each a ``tandem serve`` of the built-in model:
+
+- ``pd``: the default (one prefill and one decode instance sharing the cores, quantization
+  auto: the GGUF file's Q4_1/Q8_0 weights run as int4/int8);
+- ``pd-threads1``: the same with one fixed thread per worker (the default until issue 19);
+- ``pd-dense``: the same with ``--quantization none`` (bf16, dequantized);
+- ``coloc``: one colocated instance (``--prefill-instances 0``) sharing the cores;
+- ``coloc-threads1``: the same with one fixed thread.
+
+Workloads (``--workloads``): ``cN`` (streaming chat at concurrency N, 128-token prompts, 128
+out, as the issue's llama-server comparison), ``prefill-heavy`` (1,024-token prompts, 8 out,
+c=4) and ``decode-heavy`` (64-token prompts, 256 out, c=8).
+
+    python -m bench.serve_configs --variants pd coloc pd-dense --workloads c1 c8 c32
+    python -m bench.serve_configs --variants pd pd-threads1 --workloads prefill-heavy decode-heavy
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from bench.serve_transports import BIN, stop, wait_ready
+
+WORKLOADS: dict[str, dict[str, int]] = {
+    "c1": {"concurrency": 1, "input": 128, "output": 128, "prompts": 8},
+    "c8": {"concurrency": 8, "input": 128, "output": 128, "prompts": 32},
+    "c32": {"concurrency": 32, "input": 128, "output": 128, "prompts": 64},
+    "prefill-heavy": {"concurrency": 4, "input": 1024, "output": 8, "prompts": 16},
+    "decode-heavy": {"concurrency": 8, "input": 64, "output": 256, "prompts": 16},
+}
+
+
+def variant_config(name: str) -> dict[str, Any]:
+    from cluster.config import default_cluster_config
+
+    config = default_cluster_config()
+    if name.startswith("coloc"):
+        decode = config.pools[1].model_copy(update={"name": "colocated", "role": "both"})
+        config = config.model_copy(update={"pools": [decode]})
+    if name.endswith("threads1"):
+        pools = [p.model_copy(update={"num_threads": 1}) for p in config.pools]
+        config = config.model_copy(update={"pools": pools})
+    if name.endswith("dense"):
+        config = config.model_copy(update={"quantization": "none"})
+    if name not in ("pd", "pd-threads1", "pd-dense", "coloc", "coloc-threads1"):
+        raise ValueError(f"unknown variant {name!r}")
+    data: dict[str, Any] = config.model_dump(mode="json", exclude_defaults=True)
+    return data
+
+
+def run_variant(
+    args: argparse.Namespace, variant: str, workdir: Path, tag: str
+) -> dict[str, dict[str, Any]]:
+    """Start ``tandem serve`` in ``variant``, run every workload once, stop it."""
+    url = f"http://127.0.0.1:{args.port}"
+    config = workdir / f"{variant}.yaml"
+    config.write_text(yaml.safe_dump(variant_config(variant)))
+    log = (workdir / f"serve-{tag}.log").open("wb")
+    serve = subprocess.Popen(
+        [str(BIN / "tandem"), "serve", "--config", str(config), "--port", str(args.port)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    results: dict[str, dict[str, Any]] = {}
+    try:
+        wait_ready(url, serve, args.startup_timeout_s)
+        for name in args.workloads:
+            w = WORKLOADS[name]
+            out = workdir / f"bench-{tag}-{name}.json"
+            subprocess.run(
+                [
+                    str(BIN / "tandem"),
+                    "bench",
+                    "--base-url",
+                    f"{url}/v1",
+                    "--endpoint",
+                    "chat",
+                    "--concurrency",
+                    str(w["concurrency"]),
+                    "--num-prompts",
+                    str(w["prompts"]),
+                    "--input-len",
+                    str(w["input"]),
+                    "--output-len",
+                    str(w["output"]),
+                    "--warmup",
+                    "2",
+                    "--no-progress",
+                    "--out",
+                    str(out),
+                ],
+                check=True,
+                stdout=subprocess.DEVNULL,
+            )
+            results[name] = json.loads(out.read_text())["runs"][0]["summary"]
+    finally:
+        stop(serve)
+        log.close()
+    return results
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--variants", nargs="+", default=["pd", "coloc", "pd-dense"])
+    ap.add_argument("--workloads", nargs="+", default=["c1", "c8", "c32"], choices=WORKLOADS)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--port", type=int, default=8014)
+    ap.add_argument("--startup-timeout-s", type=float, default=240.0)
+    ap.add_argument("--out", default="bench/results/serve_configs.json")
+    args = ap.parse_args()
+
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {
+        v: {w: [] for w in args.workloads} for v in args.variants
+    }
+    with tempfile.TemporaryDirectory(prefix="tandem-serve-configs-") as tmp:
+        for r in range(args.rounds):
+            order = args.variants if r % 2 == 0 else args.variants[::-1]
+            for variant in order:
+                results = run_variant(args, variant, Path(tmp), f"{variant}-{r}")
+                for name, summary in results.items():
+                    runs[variant][name].append(summary)
+                    print(
+                        f"round {r} {variant:14s} {name:13s}: "
+                        f"{summary['output_token_throughput']:7.1f} tok/s, "
+                        f"TTFT p50 {summary['ttft']['p50_ms']:7.1f} ms, "
+                        f"ITL p50 {summary['itl']['p50_ms']:6.1f} ms, "
+                        f"{summary['failed']} failed",
+                        flush=True,
+                    )
+    rows = []
+    for variant, by_workload in runs.items():
+        for name, summaries in by_workload.items():
+
+            def median(metric: str, q: str, group: list[dict[str, Any]] = summaries) -> float:
+                return float(statistics.median(s[metric][q] for s in group))
+
+            rows.append(
+                {
+                    "variant": variant,
+                    "workload": name,
+                    **WORKLOADS[name],
+                    "runs": len(summaries),
+                    "output_tok_s": statistics.median(
+                        s["output_token_throughput"] for s in summaries
+                    ),
+                    "ttft_p50_ms": median("ttft", "p50_ms"),
+                    "itl_p50_ms": median("itl", "p50_ms"),
+                    "tpot_p50_ms": median("tpot", "p50_ms"),
+                    "failed": sum(s["failed"] for s in summaries),
+                }
+            )
+    print(f"\n{'variant':14s} {'workload':13s} {'tok/s':>7s} {'TTFT p50':>9s} {'ITL p50':>8s}")
+    for row in rows:
+        print(
+            f"{row['variant']:14s} {row['workload']:13s} {row['output_tok_s']:7.1f} "
+            f"{row['ttft_p50_ms']:9.1f} {row['itl_p50_ms']:8.1f}"
+        )
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"machine": platform.platform(), "cpu_count": os.cpu_count(), "args": vars(args)}
+    out.write_text(json.dumps({"meta": meta, "rows": rows, "runs": runs}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
