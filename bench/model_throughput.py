@@ -4,7 +4,10 @@ Same weights (the built-in SmolLM2-135M-Instruct, dequantized once and handed to
 machine, one run. For each dtype and batch size: B prompts of 128 tokens, 128 new tokens,
 greedy, EOS ignored. Three contenders:
 
-- ``tandem``: ``LLMEngine`` (scheduler + paged KV cache + sampler), all requests added at once;
+- ``tandem``: ``LLMEngine`` (scheduler + paged KV cache + sampler), all requests added at once,
+  weights dense (``quantization="none"``);
+- ``tandem-<q>``: the same engine holding its projections quantized (``--quantizations``, e.g.
+  ``auto``: the GGUF file's Q4_1 as int4, its Q8_0 head as int8);
 - ``hf-generate``: ``model.generate(..., do_sample=False)``;
 - ``hf-loop``: a hand-written greedy loop over ``model(...)`` with its ``DynamicCache``.
 
@@ -12,6 +15,8 @@ Decode tokens/s = B × (new − 1) / (total − prefill): the prefill (first tok
 separately for each contender and left out. Prints a table, writes JSON.
 
     python -m bench.model_throughput --batches 1 16 64 --dtypes float32 bfloat16
+
+Per projection shape and per operator class, see ``bench/model_kernels.py``.
 """
 
 from __future__ import annotations
@@ -144,6 +149,12 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeat", type=int, default=3, help="runs per cell; the median is kept")
     ap.add_argument("--model", default=None, help="default: the built-in SmolLM2")
+    ap.add_argument(
+        "--quantizations",
+        nargs="*",
+        default=["auto"],
+        help="quantized tandem rows besides the dense one (auto, int8, int4)",
+    )
     ap.add_argument("--out", default="bench/results/model_throughput.json")
     args = ap.parse_args()
 
@@ -154,14 +165,19 @@ def main() -> None:
     new = args.new_tokens
     for dtype_name in args.dtypes:
         dtype = getattr(torch, dtype_name)
-        engine = LLMEngine(
-            args.model,
-            dtype=dtype,
-            max_num_seqs=max(args.batches),
-            max_num_batched_tokens=max(2048, PROMPT_LEN * max(args.batches)),
-            enable_prefix_caching=False,  # distinct random prompts anyway; keep it equal
-            progress=False,
-        )
+
+        def engine_for(quantization: str, dtype: torch.dtype = dtype) -> Any:
+            return LLMEngine(
+                args.model,
+                dtype=dtype,
+                quantization=quantization,
+                max_num_seqs=max(args.batches),
+                max_num_batched_tokens=max(2048, PROMPT_LEN * max(args.batches)),
+                enable_prefix_caching=False,  # distinct random prompts anyway; keep it equal
+                progress=False,
+            )
+
+        engine = engine_for("none")
         hf = hf_model_from(engine.worker.model, dtype)
         vocab = engine.worker.config.vocab_size
         contenders: dict[str, Callable[[list[list[int]]], dict[str, float]]] = {
@@ -169,6 +185,8 @@ def main() -> None:
             "hf-generate": partial(run_hf_generate, hf, new=new),
             "hf-loop": partial(run_hf_loop, hf, new=new),
         }
+        for q in args.quantizations:
+            contenders[f"tandem-{q}"] = partial(run_tandem, engine_for(q), new=new)
         # Warm-up (first-call allocations, kernel selection).
         warm = prompts(2, vocab, 99)
         for fn in contenders.values():
@@ -180,7 +198,8 @@ def main() -> None:
             names = list(contenders)
             for rep in range(args.repeat):
                 batch_prompts = prompts(batch, vocab, rep)
-                for name in names[rep % 3 :] + names[: rep % 3]:
+                shift = rep % len(names)
+                for name in names[shift:] + names[:shift]:
                     runs[name].append(contenders[name](batch_prompts))
             for name, rs in runs.items():
                 decode = [batch * (new - 1) / max(r["total_s"] - r["prefill_s"], 1e-9) for r in rs]
@@ -196,12 +215,18 @@ def main() -> None:
             print(_fmt(row), flush=True)
 
     print()
-    print(f"{'dtype':9} {'batch':>5} {'tandem':>9} {'hf-gen':>9} {'hf-loop':>9} {'speedup':>8}")
+    quant_names = [f"tandem-{q}" for q in args.quantizations]
+    print(
+        f"{'dtype':9} {'batch':>5} {'tandem':>9} "
+        + "".join(f"{n:>13}" for n in quant_names)
+        + f" {'hf-gen':>9} {'hf-loop':>9} {'speedup':>8}"
+    )
     for row in results:
         print(
             f"{row['dtype']:9} {row['batch']:>5} {row['tandem']['decode_tok_s']:>9.1f} "
-            f"{row['hf-generate']['decode_tok_s']:>9.1f} {row['hf-loop']['decode_tok_s']:>9.1f} "
-            f"{row['speedup_vs_best_hf']:>7.2f}x"
+            + "".join(f"{row[n]['decode_tok_s']:>13.1f}" for n in quant_names)
+            + f" {row['hf-generate']['decode_tok_s']:>9.1f} {row['hf-loop']['decode_tok_s']:>9.1f}"
+            f" {row['speedup_vs_best_hf']:>7.2f}x"
         )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -220,7 +245,7 @@ def main() -> None:
 
 def _fmt(row: dict[str, Any]) -> str:
     parts = [f"{row['dtype']} B={row['batch']}:"]
-    for name in ("tandem", "hf-generate", "hf-loop"):
+    for name in [n for n in row if n == "tandem" or n.startswith(("tandem-", "hf-"))]:
         r = row[name]
         parts.append(f"{name} {r['decode_tok_s']:.1f} tok/s (prefill {r['prefill_s']:.2f}s)")
     parts.append(f"speedup {row['speedup_vs_best_hf']:.2f}x")
