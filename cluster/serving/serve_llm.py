@@ -14,7 +14,8 @@ anything else is refused with a ``ValueError`` naming it, never silently dropped
 
 - ``model_loading_config``: ``model_source`` (a local path or a built-in name; without it,
   ``model_id``, as in Ray Serve LLM) is the model, ``model_id`` the served name;
-- ``engine_kwargs``: vLLM's engine arguments Tandem has (``dtype``, ``max_model_len``,
+- ``engine_kwargs``: vLLM's engine arguments Tandem has (``dtype``, ``quantization`` --
+  Tandem's values: auto, none, int8, int4 --, ``max_model_len``,
   ``max_num_seqs``, ``max_num_batched_tokens``, ``block_size``, ``enable_prefix_caching``,
   ``pipeline_parallel_size``, ``tensor_parallel_size: 1``, ``enable_lora``, ``max_loras``,
   ``max_lora_rank``); ``kv_transfer_config`` (vLLM's connector for P/D) is accepted -- Tandem
@@ -39,7 +40,7 @@ from cluster.config import ClusterConfig
 
 logger = logging.getLogger(__name__)
 
-_ENGINE_TOP = ("dtype", "max_model_len", "block_size")  # ClusterConfig fields
+_ENGINE_TOP = ("dtype", "quantization", "max_model_len", "block_size")  # ClusterConfig fields
 _ENGINE_SCHEDULER = ("max_num_seqs", "max_num_batched_tokens")  # every pool's scheduler
 _ENGINE_LORA = ("max_loras", "max_lora_rank")
 _ENGINE_ACCEPTED = (

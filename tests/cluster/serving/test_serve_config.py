@@ -90,9 +90,12 @@ def test_vllm_flags_and_pool_sizes(tmp_path: Path) -> None:
             "grpc",
             "--decode-instances",
             "3",
+            "-q",
+            "int8",
         )
     )
     assert config.model == "/models/m" and config.dtype == "float32"
+    assert config.quantization == "int8"
     assert config.max_model_len == 4096 and config.block_size == 32
     assert config.kv_transfer.transport == "grpc"
     assert [(p.name, p.role, p.replicas) for p in config.pools] == [
@@ -102,7 +105,7 @@ def test_vllm_flags_and_pool_sizes(tmp_path: Path) -> None:
     for pool in config.pools:
         assert pool.scheduler == {"max_num_seqs": 32, "max_num_batched_tokens": 1024}
         assert pool.cache == {"enable_prefix_caching": False} and pool.pp_size == 2
-        assert pool.num_threads == 1  # the default pools' other settings stay
+        assert pool.num_threads == "auto"  # the default pools' other settings stay
     colocated = serve_config(_args("--prefill-instances", "0", "--decode-instances", "2"))
     assert [(p.name, p.role, p.replicas) for p in colocated.pools] == [("colocated", "both", 2)]
     file = tmp_path / "c.yaml"
