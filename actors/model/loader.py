@@ -18,7 +18,14 @@ from tqdm import tqdm
 
 from actors.model.config import ModelConfig
 from actors.model.llama import LlamaForCausalLM, pp_layer_range
-from actors.model.quant import METHODS, GroupQuant, Method, concat_rows, quantized_matmul_supported
+from actors.model.quant import (
+    METHODS,
+    GroupQuant,
+    Method,
+    concat_rows,
+    quantized_matmul_fast,
+    quantized_matmul_supported,
+)
 from actors.model.rope import RotaryEmbedding
 
 logger = logging.getLogger(__name__)
@@ -281,7 +288,8 @@ def quantize_model(
 
     - ``none``: nothing;
     - ``auto``: what a GGUF file stores, executed as stored: Q4_0/Q4_1 projections as int4,
-      Q8_0 ones as int8 (re-scaled per row); float weights stay float. Float checkpoints: none;
+      Q8_0 ones as int8 (re-scaled per row); float weights stay float. Float checkpoints, and
+      float32 activations (the kernels are slow there): none;
     - ``int8`` / ``int4``: every projection in that form (int4 in groups of 32), quantized from
       the file's own codes where it holds a matching form, else rounded to nearest from the
       weights; the output head int8 (a 4-bit head costs the most accuracy for the least time).
@@ -296,6 +304,12 @@ def quantize_model(
             logger.info("quantization auto: running dense (%s)", why_not)
             return
         raise ValueError(f"quantization {quantization!r}: {why_not}")
+    slow = quantized_matmul_fast(model.dtype)
+    if slow is not None:
+        if quantization == "auto":
+            logger.info("quantization auto: running dense (%s)", slow)
+            return
+        logger.warning("quantization %s: %s", quantization, slow)
     sources = _gguf_sources(model, path) if is_gguf(path) else {}
 
     def method_for(source: GroupQuant | None, head: bool) -> Method | None:

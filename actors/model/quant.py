@@ -194,3 +194,12 @@ def quantized_matmul_supported(device: torch.device, dtype: torch.dtype) -> str 
     if missing:
         return f"this torch build lacks {', '.join(missing)}"
     return None
+
+
+def quantized_matmul_fast(dtype: torch.dtype) -> str | None:
+    """None when the weight-only kernels beat the dense GEMM at small batches, else why not:
+    with float32 activations torch's kernels have no vector path and ran 20-40x slower than
+    the dense GEMM here (they are for correctness checks then, not speed)."""
+    if dtype != torch.bfloat16:
+        return f"torch's weight-only kernels are slow with {dtype} activations (no vector path)"
+    return None
