@@ -22,7 +22,7 @@ import math
 import mmap
 import os
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
@@ -326,9 +326,7 @@ def iter_gguf_tensors(src: Source) -> Iterator[tuple[str, torch.Tensor]]:
     ``rope_freqs.weight`` is skipped; any other unknown tensor raises ValueError.
     """
     f = _as_file(src)
-    _, _, permuted = _arch_info(f)
-    heads = int(_meta(f, "attention.head_count", required=True))
-    kv_heads = int(_meta(f, "attention.head_count_kv", heads))
+    permuted_heads = _permuted_heads(f)
     for gguf_name, info in f.tensors.items():
         hf_name = _hf_name(gguf_name)
         if hf_name is None:
@@ -336,11 +334,27 @@ def iter_gguf_tensors(src: Source) -> Iterator[tuple[str, torch.Tensor]]:
                 continue
             raise ValueError(f"{f.path}: unexpected tensor {gguf_name!r} for arch {f.arch!r}")
         tensor = dequantize(f.raw(gguf_name), info.ggml_type, info.shape)
-        if permuted and ".self_attn.q_proj." in hf_name:
+        heads = permuted_heads(hf_name)
+        if heads:
             tensor = _unpermute_rows(tensor, heads)
-        elif permuted and ".self_attn.k_proj." in hf_name:
-            tensor = _unpermute_rows(tensor, kv_heads)
         yield hf_name, tensor
+
+
+def _permuted_heads(f: GGUFFile) -> Callable[[str], int]:
+    """For a tensor's HF name: the head count its rows are permuted by (llama-arch Q and K
+    projections), else 0."""
+    _, _, permuted = _arch_info(f)
+    heads = int(_meta(f, "attention.head_count", required=True))
+    kv_heads = int(_meta(f, "attention.head_count_kv", heads))
+
+    def of(hf_name: str) -> int:
+        if permuted and ".self_attn.q_proj." in hf_name:
+            return heads
+        if permuted and ".self_attn.k_proj." in hf_name:
+            return kv_heads
+        return 0
+
+    return of
 
 
 def iter_gguf_group_quants(src: Source) -> Iterator[tuple[str, GroupQuant]]:
@@ -348,9 +362,7 @@ def iter_gguf_group_quants(src: Source) -> Iterator[tuple[str, GroupQuant]]:
     codes and block scales as the file holds them, Q/K rows un-permuted as in
     :func:`iter_gguf_tensors` (rows move with their scales)."""
     f = _as_file(src)
-    _, _, permuted = _arch_info(f)
-    heads = int(_meta(f, "attention.head_count", required=True))
-    kv_heads = int(_meta(f, "attention.head_count_kv", heads))
+    permuted_heads = _permuted_heads(f)
     for gguf_name, info in f.tensors.items():
         hf_name = _hf_name(gguf_name)
         if hf_name is None:
@@ -358,11 +370,7 @@ def iter_gguf_group_quants(src: Source) -> Iterator[tuple[str, GroupQuant]]:
         gq = group_quant(f.raw(gguf_name), info.ggml_type, info.shape)
         if gq is None:
             continue
-        n = 0
-        if permuted and ".self_attn.q_proj." in hf_name:
-            n = heads
-        elif permuted and ".self_attn.k_proj." in hf_name:
-            n = kv_heads
+        n = permuted_heads(hf_name)
         if n:
             gq = GroupQuant(
                 _unpermute_rows(gq.codes, n),
