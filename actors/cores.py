@@ -101,7 +101,7 @@ class CoreShare:
         self._flags = np.frombuffer(self._mm, dtype=np.uint8, count=SLOTS)
         self._ends = np.frombuffer(self._mm, dtype=np.float64, count=SLOTS, offset=_ENDS)
         self._ends[self.slot] = 0.0
-        self._dead = 0  # busy flags left by dead workers (recounted at each step)
+        self._dead: list[int] = []  # slots whose busy flag a dead worker left (each step)
         self.threads = 0  # what this step's thread runs with (0: not set yet)
         self.shares = False  # this step takes a share (else one thread)
 
@@ -128,7 +128,9 @@ class CoreShare:
         """Other workers in a step or just out of one (``GRACE_S``); called during a step."""
         recent = self._ends > time.monotonic() - GRACE_S
         busy = int(np.count_nonzero((self._flags == 1) | recent))
-        return busy - 1 - self._dead
+        # A dead worker's slot may have been taken (and its flag cleared) since the step began.
+        dead = sum(1 for slot in self._dead if self._flags[slot] == 1)
+        return max(0, busy - 1 - dead)
 
     def share(self) -> int:
         """Threads for this worker now: the cores split evenly among the busy workers."""
@@ -144,8 +146,8 @@ class CoreShare:
         if self.shares:
             self.set_threads(self.share())
 
-    def _count_dead(self) -> int:
-        dead = 0
+    def _dead_slots(self) -> list[int]:
+        dead = []
         flags = self._mm[:SLOTS]
         for slot in range(SLOTS):
             if flags[slot] != 1 or slot == self.slot:
@@ -154,7 +156,7 @@ class CoreShare:
             try:
                 os.kill(pid, 0)
             except ProcessLookupError:
-                dead += 1
+                dead.append(slot)
             except PermissionError:
                 pass  # alive, another user's
         return dead
@@ -163,7 +165,7 @@ class CoreShare:
     def busy(self, num_tokens: int) -> Iterator[None]:
         """Around a step of ``num_tokens``: flagged busy, threads set to the share at its
         start (one thread for a step under ``min_step_tokens``)."""
-        self._dead = self._count_dead()
+        self._dead = self._dead_slots()
         self._mm[self.slot] = 1
         # OpenMP's thread count is per calling thread, and a Ray actor may run steps on
         # another thread than the last one: set it afresh at every step.

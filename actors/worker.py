@@ -531,7 +531,8 @@ class ModelWorker:
 
     def shutdown(self) -> None:
         if self.core_share is not None:
-            self.core_share.close()
+            with self._step_lock:  # not under a running step's feet
+                self.core_share.close()
         if self.connector is not None:
             self.connector.close()
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import secrets
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
@@ -96,11 +96,11 @@ class InstancePool(_Config):
         "routing with an empty cache.",
     )
     num_gpus: float = Field(0.0, ge=0.0)
-    num_threads: int | Literal["auto"] | None = Field(
+    num_threads: Annotated[int, Field(ge=1, le=1024)] | Literal["auto"] | None = Field(
         None,
         description="torch threads per worker (Ray's default is 1); auto: the machine's cores, "
         "shared step by step with the other auto workers on it (an even share among the busy "
-        "ones), so that no core idles while a worker has work.",
+        "ones; steps under 64 tokens run on one thread).",
     )
     device: str = Field("cpu", description="torch device of the workers: cpu or cuda.")
     num_blocks: int | None = Field(None, ge=1, description="KV blocks; else sized by memory.")
@@ -675,7 +675,7 @@ def served_model_name(config: ClusterConfig) -> str:
 def default_cluster_config(model: str | None = None) -> ClusterConfig:
     """The laptop default: the built-in SmolLM2 (or ``model``), one prefill and one decode
     instance, anywhere in the Ray cluster, sharing the machine's cores (``num_threads: auto``:
-    the decode instance takes every core while no prefill runs, and the other way round)."""
+    a step of 64 tokens or more takes an even share of the cores among the busy workers)."""
     return ClusterConfig(
         model=model,
         pools=[

@@ -69,9 +69,14 @@ class Linear(nn.Linear):
         else:
             self.quant = QuantizedWeight.from_float(self.weight, method, dtype)
         self.dense_min_rows = dense_min_rows
+        self._packed = None
+        dense = self.quant.take_dense()  # (taken in any case: not kept past construction)
         if dense_min_rows <= 0:
-            self._packed = None
             self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
+        else:
+            # The dense copy holds the quantized weights, so that a request's result does not
+            # depend on how many rows its step has (up to rounding the weights to ``dtype``).
+            self.weight.copy_(dense.to(dtype))
 
     def weight_bytes(self) -> int:
         """Dense, packed and quantized bytes held."""
@@ -232,6 +237,7 @@ class LlamaForCausalLM(nn.Module):
         # Called between layers (the worker's core sharing follows other workers' steps).
         self.between_layers: Callable[[], None] | None = None
         self._quant_logits: QuantizedWeight | None = None
+        self._dense_head: torch.Tensor | None = None  # a quantized head's dense copy
         self._logits_dense_min_rows = 0
         self.quantization: dict[str, str] = {}  # projection name -> method (for logs, info)
         self.rope = RotaryEmbedding(
@@ -246,6 +252,11 @@ class LlamaForCausalLM(nn.Module):
         if self.embed_tokens is None or not self.is_last:
             raise RuntimeError(f"stage {self.layer_range} has no output head")
         return self.embed_tokens.weight
+
+    @property
+    def dense_head(self) -> torch.Tensor:
+        """The output head's dense weight: the quantized head's own copy, else the head."""
+        return self._dense_head if self._dense_head is not None else self.output_embedding
 
     @property
     def dtype(self) -> torch.dtype:
@@ -303,7 +314,13 @@ class LlamaForCausalLM(nn.Module):
             self._quant_logits = QuantizedWeight.from_float(weight, method, dtype)
         self._logits_dense_min_rows = dense_min_rows
         self.quantization["lm_head"] = method
-        if dense_min_rows <= 0 and self.lm_head is not None:
+        self._packed_logits = None
+        dense = self._quant_logits.take_dense()
+        if dense_min_rows > 0:
+            # As for the projections: large batches multiply the quantized head's weights (a
+            # copy of its own when the head is tied: the embedding lookup keeps the file's).
+            self._dense_head = dense.to(dtype)
+        elif self.lm_head is not None:
             self.lm_head.weight = nn.Parameter(weight.new_empty(0), requires_grad=False)
 
     def weight_bytes(self) -> int:
@@ -314,8 +331,10 @@ class LlamaForCausalLM(nn.Module):
                 total += module.weight_bytes()
             elif module is not self:
                 total += sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
+        if self._dense_head is not None:
+            total += self._dense_head.numel() * self._dense_head.element_size()
         if self._packed_logits is not None:
-            total += self.output_embedding.numel() * self.output_embedding.element_size()
+            total += self.dense_head.numel() * self.dense_head.element_size()
         if self._quant_logits is not None:
             total += self._quant_logits.nbytes
         return total
@@ -333,7 +352,7 @@ class LlamaForCausalLM(nn.Module):
             return ok
         if self._quant_logits is not None and self._logits_dense_min_rows <= 0:
             return ok  # the head runs quantized at every batch size
-        self._packed_logits = pack_linear(self.output_embedding, None, batch_hint, min_rows=1)
+        self._packed_logits = pack_linear(self.dense_head, None, batch_hint, min_rows=1)
         return ok and self._packed_logits is not None
 
     @torch.inference_mode()
@@ -346,5 +365,5 @@ class LlamaForCausalLM(nn.Module):
             return q.matmul(hidden.contiguous())
         if self._packed_logits is not None:
             return self._packed_logits(hidden.contiguous())
-        logits: torch.Tensor = F.linear(hidden, self.output_embedding)
+        logits: torch.Tensor = F.linear(hidden, self.dense_head)
         return logits

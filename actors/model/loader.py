@@ -273,6 +273,9 @@ def _gguf_sources(model: LlamaForCausalLM, path: Path) -> dict[int, GroupQuant]:
     sources: dict[int, GroupQuant] = {}
     for key, blocks in parts.items():
         blocks.sort(key=lambda b: b[0])
+        forms = {(gq.bits, gq.group_size) for _, gq in blocks}
+        if len(forms) > 1:
+            continue  # e.g. q/k Q4_0 and v Q8_0: quantized from the dense weight (or dense)
         stacked = concat_rows([gq for _, gq in blocks]) if len(blocks) > 1 else blocks[0][1]
         if stacked.codes.shape[0] != params[key].shape[0]:
             continue  # some row blocks are stored as floats: quantize from the dense weight

@@ -97,6 +97,14 @@ class QuantizedWeight:
     ) -> None:
         self.method, self.q, self.scales = method, q, scales
         self.group_size, self.shape, self.dtype = group_size, shape, dtype
+        # The float32 weight, kept from construction until ``take_dense`` (int4: reading it
+        # back from torch's packed layout is slow).
+        self._dense: torch.Tensor | None = None
+
+    def take_dense(self) -> torch.Tensor:
+        """The float32 weight these bytes stand for, once, cheaply after construction."""
+        dense, self._dense = self._dense, None
+        return dense if dense is not None else self.dequantize()
 
     @property
     def nbytes(self) -> int:
@@ -176,7 +184,12 @@ class QuantizedWeight:
         # The kernel wants [K // g, N, 2] (scale, zero) in the activations' dtype.
         scales_and_zeros = torch.stack([scale.float(), zero.float()], dim=-1)
         scales_and_zeros = scales_and_zeros.transpose(0, 1).contiguous().to(dtype)
-        return cls("int4", packed, scales_and_zeros, group_size, (n, k), dtype)
+        weight = cls("int4", packed, scales_and_zeros, group_size, (n, k), dtype)
+        # What the kernel computes with: scale and zero as rounded to ``dtype``.
+        sz = scales_and_zeros.float().transpose(0, 1)  # [N, K // g, 2]
+        codes = (q - 8).float().view(n, k // group_size, group_size)
+        weight._dense = (codes * sz[..., :1] + sz[..., 1:]).view(n, k)
+        return weight
 
 
 def quantized_matmul_supported(device: torch.device, dtype: torch.dtype) -> str | None:

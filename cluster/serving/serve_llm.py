@@ -152,6 +152,8 @@ def _translate(by_role: dict[str, Any]) -> dict[str, Any]:
 
 def _engine(engine: dict[str, Any], data: dict[str, Any], pool: dict[str, Any], where: str) -> None:
     _refuse_keys(engine, _ENGINE_KWARGS, f"{where}.engine_kwargs")
+    if "quantization" in engine and engine["quantization"] in (None, "gguf"):
+        engine["quantization"] = "auto"  # vLLM's default, and its name for a GGUF's own form
     for key in _ENGINE_TOP:
         if key in engine:
             if key in data and data[key] != engine[key]:

@@ -142,7 +142,7 @@ def test_a_quantized_gguf_runs_its_own_codes(tiny_q4: Path) -> None:
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean().item() >= 0.9
     # Without the head re-scaled (int4 projections only), the logits match to float rounding.
     quant_proj = load_model(tiny_q4, "float32", progress=False, quantization="int4")
-    quant_proj._quant_logits = None
+    quant_proj._quant_logits = quant_proj._dense_head = None  # the file's head, dense
     torch.testing.assert_close(_logits(quant_proj, tokens[:5]), ref[:5], rtol=1e-4, atol=1e-4)
 
 
@@ -159,10 +159,17 @@ def test_small_batches_run_quantized_large_ones_dense(tiny_q4: Path) -> None:
         return original(x)
 
     linear.quant.matmul = counting  # type: ignore[method-assign]
-    x = torch.randn(7, linear.in_features)
-    torch.testing.assert_close(linear(x), original(x))
-    linear(torch.randn(8, linear.in_features))
-    assert calls == [7]  # the 8-row batch took the dense copy
+    linear(torch.randn(7, linear.in_features))
+    x = torch.randn(8, linear.in_features)
+    dense = linear(x)
+    assert calls == [7]  # the 8-row batch took the dense copy...
+    # ...which holds the quantized weights: a row's result does not depend on its batch.
+    torch.testing.assert_close(dense, original(x), rtol=1e-4, atol=1e-4)
+    h = torch.randn(8, model.config.hidden_size)
+    assert model._quant_logits is not None
+    torch.testing.assert_close(
+        model.compute_logits(h), model._quant_logits.matmul(h), rtol=1e-4, atol=1e-4
+    )
 
 
 def test_float_checkpoints_quantize_only_when_asked(tiny_llama: Path) -> None:
