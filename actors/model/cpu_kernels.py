@@ -25,7 +25,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).parent / "csrc" / "paged_attention.c"
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = (_CSRC / "paged_attention.c", _CSRC / "fused_ops.c")
+_HEADERS = (_CSRC / "common.h",)
 # The parts of -ffast-math the reductions need to vectorize, not -ffast-math itself: with it,
 # gcc links crtfastmath.o into the library, whose constructor turns on flush-to-zero for the
 # whole process when the kernel loads (subnormals vanish everywhere: numpy, torch, hypothesis).
@@ -54,27 +56,27 @@ def _build() -> Path:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise RuntimeError("no C compiler (cc/gcc) on PATH")
-    source = _SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in (*_SOURCES, *_HEADERS))
     key = hashlib.sha256(
         source
         + " ".join([compiler, *_FLAGS]).encode()
         + platform.machine().encode()
         + torch.backends.cpu.get_cpu_capability().encode()
     ).hexdigest()[:16]
-    target = _cache_dir() / f"paged_attention-{key}.so"
+    target = _cache_dir() / f"tandem_cpu-{key}.so"
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
         proc = subprocess.run(
-            [compiler, *_FLAGS, str(_SOURCE), "-o", str(out), "-lm"],
+            [compiler, *_FLAGS, *map(str, _SOURCES), "-o", str(out), "-lm"],
             capture_output=True,
             text=True,
             timeout=120,
         )
         if proc.returncode != 0:
-            raise RuntimeError(f"compiling {_SOURCE.name} failed: {proc.stderr.strip()[:500]}")
+            raise RuntimeError(f"compiling the CPU kernels failed: {proc.stderr.strip()[:500]}")
         os.replace(out, target)  # atomic: concurrent builders each publish a whole file
     logger.info("built %s", target)
     return target
@@ -155,12 +157,131 @@ class PagedDecodeKernel:
 
 
 @cache
-def paged_decode_kernel() -> PagedDecodeKernel | None:
-    """The compiled kernel, or None (logged once) when it cannot be built here."""
+def _library() -> ctypes.CDLL | None:
+    """The compiled kernels, or None (logged once) when they cannot be built here."""
     if os.environ.get("TANDEM_CPU_KERNELS", "1") == "0":
         return None
     try:
-        return PagedDecodeKernel(ctypes.CDLL(str(_build())))
+        return ctypes.CDLL(str(_build()))
     except Exception as exc:  # no compiler, read-only home, unsupported platform...
-        logger.warning("CPU paged-attention kernel unavailable (%s); using torch SDPA", exc)
+        logger.warning("CPU kernels unavailable (%s); using the torch ops", exc)
         return None
+
+
+@cache
+def paged_decode_kernel() -> PagedDecodeKernel | None:
+    """The paged decode attention kernel, or None when the kernels cannot be built here."""
+    lib = _library()
+    return None if lib is None else PagedDecodeKernel(lib)
+
+
+_P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+
+
+class FusedOps:
+    """The decoder layer's element-wise steps as single C calls (``csrc/fused_ops.c``), for
+    contiguous float32 / bfloat16 CPU tensors. Each equals the torch expression it replaces
+    (``actors.model.llama``), with the same roundings."""
+
+    dtypes = (torch.float32, torch.bfloat16)
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        def bind(name: str, argtypes: list[Any]) -> Any:
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, ctypes.c_int
+            return fn
+
+        norm_args = [_P, _P, _P, _P, _P, _I64, _I64, _I64, _F, _I]
+        rotary_args = [_P, _P, _P, _P, _I64, _I64, _I, _I, _I]
+        silu_args = [_P, _P, _I64, _I64, _I]
+        self._norm = {
+            torch.float32: bind("add_rms_norm_f32", norm_args),
+            torch.bfloat16: bind("add_rms_norm_bf16", norm_args),
+        }
+        self._rotary = {
+            torch.float32: bind("rotary_f32", rotary_args),
+            torch.bfloat16: bind("rotary_bf16", rotary_args),
+        }
+        self._silu_mul = {
+            torch.float32: bind("silu_mul_f32", silu_args),
+            torch.bfloat16: bind("silu_mul_bf16", silu_args),
+        }
+        self._kv_write = bind("kv_write", [_P, _P, _I64, _I64, _P, _P, _P, _P, _I64, _I64, _I64])
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``residual = x + residual`` (when given), then ``rms_norm(residual) * weight``;
+        returns (normed, residual). ``x`` [T, H] may have a row stride (a slice of rows)."""
+        rows, hidden = x.shape
+        if x.stride(1) != 1:
+            raise ValueError(f"add_rms_norm needs unit-stride rows, not strides {x.stride()}")
+        out = torch.empty((rows, hidden), dtype=x.dtype)
+        if residual is None:
+            self._norm[x.dtype](
+                x.data_ptr(), None, weight.data_ptr(), out.data_ptr(), None, rows, hidden,
+                x.stride(0), eps, torch.get_num_threads(),
+            )  # fmt: skip
+            return out, x
+        summed = torch.empty((rows, hidden), dtype=x.dtype)
+        self._norm[x.dtype](
+            x.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
+            summed.data_ptr(), rows, hidden, x.stride(0), eps, torch.get_num_threads(),
+        )  # fmt: skip
+        return out, summed
+
+    def rotary_(
+        self,
+        qk: torch.Tensor,  # [T, >= num_heads * head_dim], unit stride within a row
+        positions: torch.Tensor,  # [T] int64
+        cos_table: torch.Tensor,  # [max_position, head_dim]
+        signed_sin_table: torch.Tensor,
+        num_heads: int,
+    ) -> None:
+        """Rotates the first ``num_heads`` heads of every row in place."""
+        head_dim = cos_table.shape[1]
+        rc = self._rotary[qk.dtype](
+            qk.data_ptr(), positions.data_ptr(), cos_table.data_ptr(),
+            signed_sin_table.data_ptr(), qk.shape[0], qk.stride(0), num_heads, head_dim,
+            torch.get_num_threads(),
+        )  # fmt: skip
+        if rc != 0:
+            raise ValueError(f"rotary: unsupported head_dim {head_dim}")
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` for ``gate_up`` = [T, 2 * inter] (contiguous)."""
+        rows, width = gate_up.shape
+        out = torch.empty((rows, width // 2), dtype=gate_up.dtype)
+        self._silu_mul[gate_up.dtype](
+            gate_up.data_ptr(), out.data_ptr(), rows, width // 2, torch.get_num_threads()
+        )
+        return out
+
+    def kv_write(
+        self,
+        k: torch.Tensor,  # [T, KV * D]: rows with unit stride inside
+        v: torch.Tensor,
+        k_cache: torch.Tensor,  # [num_blocks, block_size, KV, D], each block contiguous
+        v_cache: torch.Tensor,
+        slot_blocks: torch.Tensor,  # [T] int64
+        slot_offsets: torch.Tensor,  # [T] int64
+    ) -> None:
+        """Copies each token's K and V row into its cache slot."""
+        elem = k.element_size()
+        row = k_cache.shape[2] * k_cache.shape[3]
+        if k.shape[1] != row or k_cache.stride()[1:] != (row, k_cache.shape[3], 1):
+            raise ValueError(f"kv_write: rows of {k.shape[1]} into a cache of {k_cache.shape}")
+        if v_cache.stride() != k_cache.stride() or k.dtype != k_cache.dtype:
+            raise ValueError("kv_write: the K and V caches differ in layout or dtype")
+        self._kv_write(
+            k.data_ptr(), v.data_ptr(), k.stride(0) * elem, v.stride(0) * elem,
+            k_cache.data_ptr(), v_cache.data_ptr(), slot_blocks.data_ptr(),
+            slot_offsets.data_ptr(), k.shape[0], row * elem, k_cache.stride(0) * elem,
+        )  # fmt: skip
+
+
+@cache
+def fused_ops() -> FusedOps | None:
+    """The fused element-wise kernels, or None when the kernels cannot be built here."""
+    lib = _library()
+    return None if lib is None else FusedOps(lib)

@@ -18,6 +18,7 @@ from torch import nn
 
 from actors.model.attention import AttentionBackend, AttentionMetadata
 from actors.model.config import ModelConfig
+from actors.model.cpu_kernels import FusedOps, fused_ops
 from actors.model.quant import GroupQuant, Method, QuantizedWeight
 from actors.model.rope import RotaryEmbedding
 
@@ -39,13 +40,16 @@ class Linear(nn.Linear):
     dense_min_rows = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Parameters read from ``_parameters``: ``nn.Module.__getattr__`` is slow on a hot path.
         q = self.quant
         if q is not None and (self.dense_min_rows <= 0 or x.shape[0] < self.dense_min_rows):
             out = q.matmul(x)
-            return out if self.bias is None else out + self.bias
-        if self._packed is not None:
-            return self._packed(x)
-        return F.linear(x, self.weight, self.bias)
+            bias = self._parameters["bias"]
+            return out if bias is None else out + bias
+        packed = self._packed
+        if packed is not None:
+            return packed(x)
+        return F.linear(x, self._parameters["weight"], self._parameters["bias"])  # type: ignore[arg-type]
 
     @property
     def has_dense(self) -> bool:
@@ -131,12 +135,23 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Hugging Face normalises in float32, casts back, then scales by the weight; the fused
-        # op gives the same bits (checked against transformers in the tests).
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None, ops: FusedOps | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Adds ``residual`` into ``x`` (when given), normalises the sum; returns (normed, sum).
+
+        Hugging Face normalises in float32, casts back, then scales by the weight; the fused
+        op, or our C kernel (``ops``), gives the same bits (checked against transformers)."""
+        weight = self._parameters["weight"]  # (not via nn.Module.__getattr__: a hot path)
+        assert weight is not None
+        if ops is not None:
+            return ops.add_rms_norm(x, residual, weight, self.eps)
+        if residual is not None:
+            x = x + residual
         if x.dtype == torch.float32:
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
+            return F.rms_norm(x, weight.shape, weight, self.eps), x
+        normed = F.rms_norm(x.float(), weight.shape, None, self.eps).to(x.dtype)
+        return weight * normed, x
 
 
 class DecoderLayer(nn.Module):
@@ -153,40 +168,78 @@ class DecoderLayer(nn.Module):
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
         self.intermediate_size = cfg.intermediate_size
+        # The submodules' forwards, bound once: the decode step runs about 250 of these
+        # calls, and ``nn.Module.__call__`` plus ``__getattr__`` cost more than the fused ops.
+        self._calls = (
+            self.input_layernorm.forward,
+            self.qkv_proj.forward,
+            self.o_proj.forward,
+            self.post_attention_layernorm.forward,
+            self.gate_up_proj.forward,
+            self.down_proj.forward,
+        )
 
     def forward(
         self,
         x: torch.Tensor,
-        rope_cache: tuple[torch.Tensor, torch.Tensor],
-        rope: RotaryEmbedding,
+        residual: torch.Tensor | None,
+        rope_cache: RopeCache,
         attn: AttentionBackend,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         lora: LoRAHook | None,
-    ) -> torch.Tensor:
-        h = self.input_layernorm(x)
-        qkv = self.qkv_proj(h)
+        ops: FusedOps | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (the MLP's output, the residual stream before it): the caller, or the next
+        layer's input norm, adds the two (one fused kernel with ``ops``)."""
+        input_norm, qkv_proj, o_proj, post_norm, gate_up_proj, down_proj = self._calls
+        h, residual = input_norm(x, residual, ops)
+        qkv = qkv_proj(h)
         if lora is not None:
             lora.apply(self.index, "qkv_proj", h, qkv)
         # q and k are rotated in one pass: they sit side by side in the fused output.
-        qk: torch.Tensor = rope.rotate(qkv[:, : self.q_size + self.kv_size], *rope_cache)
-        q, k = qk[:, : self.q_size], qk[:, self.q_size :]
-        v = qkv[:, self.q_size + self.kv_size :]
-        a = attn.forward(q, k, v.contiguous(), kv_cache, meta)
-        o = self.o_proj(a)
+        rotated = self.q_size + self.kv_size
+        if ops is not None:
+            ops.rotary_(qkv, rope_cache.positions, *rope_cache.tables, rotated // rope_cache.dim)
+            q, k = qkv[:, : self.q_size], qkv[:, self.q_size : rotated]
+            v = qkv[:, rotated:]  # the attention reads the cache writes' sources strided
+        else:
+            qk: torch.Tensor = rope_cache.rotate(qkv[:, :rotated])
+            q, k = qk[:, : self.q_size], qk[:, self.q_size :]
+            v = qkv[:, rotated:].contiguous()
+        a = attn.forward(q, k, v, kv_cache, meta)
+        o = o_proj(a)
         if lora is not None:
             lora.apply(self.index, "o_proj", a, o)
-        x = x + o
-        h = self.post_attention_layernorm(x)
-        gate_up = self.gate_up_proj(h)
+        h, residual = post_norm(o, residual, ops)
+        gate_up = gate_up_proj(h)
         if lora is not None:
             lora.apply(self.index, "gate_up_proj", h, gate_up)
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        m = F.silu(gate) * up
-        d = self.down_proj(m)
+        if ops is not None:
+            m = ops.silu_mul(gate_up)
+        else:
+            n = self.intermediate_size
+            m = F.silu(gate_up[:, :n]) * gate_up[:, n:]
+        d = down_proj(m)
         if lora is not None:
             lora.apply(self.index, "down_proj", m, d)
-        return x + d
+        return d, residual
+
+
+class RopeCache:
+    """A step's rotary state, shared by every layer: the positions and the tables (for the
+    fused kernel) or the cos / sign-folded sin rows looked up once (for the torch ops)."""
+
+    def __init__(self, rope: RotaryEmbedding, positions: torch.Tensor, fused: bool) -> None:
+        self.rope = rope
+        self.dim = rope.head_dim
+        self.positions = positions
+        self.tables = (rope.cos_table, rope.signed_sin_table)
+        self.rows = None if fused else rope.lookup(positions)
+
+    def rotate(self, qk: torch.Tensor) -> torch.Tensor:
+        assert self.rows is not None
+        return self.rope.rotate(qk, *self.rows)
 
 
 def pp_layer_range(num_layers: int, pp_rank: int, pp_size: int) -> range:
@@ -243,6 +296,8 @@ class LlamaForCausalLM(nn.Module):
         self.rope = RotaryEmbedding(
             cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, dtype
         )
+        # Our C kernels for the element-wise steps (CPU float32/bfloat16; None: torch ops).
+        self.fused_ops: FusedOps | None = fused_ops()
 
     @property
     def output_embedding(self) -> torch.Tensor:
@@ -280,15 +335,21 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"stage {self.layer_range} needs the previous stage's hidden states")
         else:
             x = hidden_states
-        rope_cache = self.rope.lookup(positions)
+        ops = self.fused_ops if x.is_cpu and x.dtype in FusedOps.dtypes else None
+        if ops is not None and positions.dtype != torch.int64:
+            positions = positions.long()
+        rope_cache = RopeCache(self.rope, positions, fused=ops is not None)
         hook = self.between_layers
+        residual: torch.Tensor | None = None
         for layer, cache in zip(self.layers, kv_caches, strict=True):
             if hook is not None:
                 hook()
-            x = layer(x, rope_cache, self.rope, attn, cache, meta, lora)
+            # ``forward`` itself, not ``__call__``: no hooks are used here, and the dispatch
+            # costs about 3 us a layer.
+            x, residual = layer.forward(x, residual, rope_cache, attn, cache, meta, lora, ops)
         if self.norm is None:
-            return x
-        out: torch.Tensor = self.norm(x)
+            return x if residual is None else x + residual
+        out, _ = self.norm(x, residual, ops)
         return out
 
     def projections(self) -> Iterator[tuple[str, Linear]]:

@@ -21,8 +21,10 @@ class PagedRunner:
         block_size: int = 4,
         num_blocks: int = 256,
         dtype: torch.dtype = torch.float32,
+        cpu_kernels: bool = True,
     ) -> None:
-        """``model``: a checkpoint directory, or an already loaded model (``dtype`` unused)."""
+        """``model``: a checkpoint directory, or an already loaded model (``dtype`` unused).
+        ``cpu_kernels=False`` runs the torch ops only (the path CUDA and kernel-less hosts take)."""
         if isinstance(model, LlamaForCausalLM):
             self.model, dtype = model, model.embed_tokens.weight.dtype
         else:
@@ -31,8 +33,10 @@ class PagedRunner:
         cfg = self.model.config
         self.block_size = block_size
         self.attn = TorchAttention(
-            cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, block_size
+            cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, block_size, cpu_kernels
         )
+        if not cpu_kernels:
+            self.model.fused_ops = None
         self.kv = allocate_kv_caches(
             cfg.num_hidden_layers,
             num_blocks,

@@ -1,5 +1,6 @@
 """The CPU fast paths against the plain torch ones: our paged decode kernel (C, built on first
-use) against batched SDPA over gathered blocks, and oneDNN-packed GEMMs against F.linear."""
+use) against batched SDPA over gathered blocks, our fused element-wise kernels against the torch
+ops they replace, and oneDNN-packed GEMMs against F.linear."""
 
 from __future__ import annotations
 
@@ -7,9 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from actors.model.attention import AttentionMetadata, TorchAttention
-from actors.model.cpu_kernels import paged_decode_kernel
-from actors.model.llama import pack_linear
+from actors.model.attention import PAGED_PREFILL_MAX_QUERY, AttentionMetadata, TorchAttention
+from actors.model.cpu_kernels import fused_ops, paged_decode_kernel
+from actors.model.llama import RMSNorm, pack_linear
+from actors.model.rope import RotaryEmbedding
 from kv_transfer.blocks import allocate_kv_caches
 
 needs_kernel = pytest.mark.skipif(paged_decode_kernel() is None, reason="no C compiler here")
@@ -91,3 +93,95 @@ def test_packed_linear_matches_f_linear(dtype: torch.dtype, rows: int) -> None:
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     assert got.shape == ref.shape
     assert (got - ref).abs().max().item() <= tol
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_short_chunks_continuing_a_prefix_read_the_paged_cache(dtype: torch.dtype) -> None:
+    """Chunks of up to PAGED_PREFILL_MAX_QUERY tokens after a cached prefix run on the paged
+    kernel, one decode row per query (causal within the chunk); longer ones and chunks from
+    position 0 on SDPA. Every row equals the gather + SDPA path's."""
+    gen = torch.Generator().manual_seed(11)
+    heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
+    query = [1, 1, 3, PAGED_PREFILL_MAX_QUERY, PAGED_PREFILL_MAX_QUERY + 1, 20, 12]
+    lens = [9, 70, 50, 100, 90, 20, 200]  # the 20-token chunk starts at 0
+    num_blocks = sum(-(-n // block_size) for n in lens) + 3
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = [[perm.pop() for _ in range(-(-n // block_size))] for n in lens]
+    meta = AttentionMetadata.build(query, lens, tables, block_size, torch.device("cpu"))
+    paged = [span.paged is not None for span in meta.prefills]
+    assert paged == [True, True, False, False, True]
+    first, last = meta.prefills[0].paged, meta.prefills[-1].paged
+    assert first is not None and first[1].tolist() == [48, 49, 50]  # causal: keys per query
+    assert last is not None and last[0].shape == (12, -(-200 // block_size))
+    t = sum(query)
+    kv = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    q = torch.randn(t, heads * head_dim, generator=gen).to(dtype)
+    k = torch.randn(t, kv_heads * head_dim, generator=gen).to(dtype)
+    v = torch.randn(t, kv_heads * head_dim, generator=gen).to(dtype)
+    fast = TorchAttention(heads, kv_heads, head_dim, block_size, use_cpu_kernel=True)
+    slow = TorchAttention(heads, kv_heads, head_dim, block_size, use_cpu_kernel=False)
+    got = fast.forward(q, k, v, kv.clone(), meta).float()
+    ref = slow.forward(q, k, v, kv.clone(), meta).float()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert (got - ref).abs().max().item() <= tol
+
+
+def _ulps_bf16(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Distance in bfloat16 steps between two bf16 tensors of the same sign pattern."""
+    ia = a.view(torch.int16).to(torch.int32)
+    ib = b.view(torch.int16).to(torch.int32)
+    return (ia - ib).abs()
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 7, 200])  # 200 x 576 takes the threaded path
+def test_fused_ops_equal_the_torch_ops(dtype: torch.dtype, rows: int) -> None:
+    """Each fused kernel against the torch expression it replaces in the layer: bf16 results
+    equal bit for bit but for rare steps (the norm's float32 sum order, our exp), and float32
+    to rounding."""
+    ops = fused_ops()
+    assert ops is not None
+    gen = torch.Generator().manual_seed(rows)
+    hidden, inter, head_dim, heads = 576, 1536, 64, 12  # 9 q + 3 k heads rotate
+    x = (torch.randn(rows, hidden, generator=gen) * 3).to(dtype)
+    r = torch.randn(rows, hidden, generator=gen).to(dtype)
+    norm = RMSNorm(hidden, 1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(hidden, generator=gen) + 0.5)
+    got, got_sum = norm(x, r, ops)
+    ref, ref_sum = norm(x, r, None)
+    assert torch.equal(got_sum, ref_sum)  # the residual add rounds as torch's
+    alone, _ = norm(x, None, ops)
+    alone_ref, _ = norm(x, None, None)
+    for a, b in ((got, ref), (alone, alone_ref)):
+        if dtype == torch.bfloat16:  # a step in the normalised value can double on scaling
+            ulps = _ulps_bf16(a, b)
+            assert ulps.max().item() <= 2 and (ulps > 0).float().mean().item() < 0.01
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+    rope = RotaryEmbedding(head_dim, 4096, 10000.0, None, dtype)
+    qkv = torch.randn(rows, heads * head_dim + 3 * head_dim, generator=gen).to(dtype)
+    positions = torch.randint(0, 4096, (rows,), generator=gen)
+    rotated = heads * head_dim
+    expected = rope.rotate(qkv[:, :rotated], *rope.lookup(positions))
+    tail = qkv[:, rotated:].clone()
+    ops.rotary_(qkv, positions, rope.cos_table, rope.signed_sin_table, heads)
+    assert torch.equal(qkv[:, :rotated], expected)  # the same roundings, in place
+    assert torch.equal(qkv[:, rotated:], tail)  # v untouched
+
+    gate_up = (torch.randn(rows, 2 * inter, generator=gen) * 4).to(dtype)
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # exp's clamped range
+    gate, up = gate_up.split(inter, dim=-1)
+    m, m_ref = ops.silu_mul(gate_up), F.silu(gate) * up
+    # silu(-100) is about 4e-42: both sides are (next to) zero, not close in steps.
+    tiny = m_ref.abs() < 1e-30
+    assert m[tiny].abs().max().item() < 1e-30
+    m, m_ref = m[~tiny], m_ref[~tiny]
+    if dtype == torch.bfloat16:  # our exp is within 2 ulp of float32: rarely a bf16 step
+        ulps = _ulps_bf16(m, m_ref)
+        assert ulps.max().item() <= 1 and (ulps > 0).float().mean().item() < 0.01
+    else:
+        torch.testing.assert_close(m, m_ref, rtol=1e-5, atol=1e-6)

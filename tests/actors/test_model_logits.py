@@ -76,10 +76,12 @@ def test_decode_matches_hf(checkpoint: Path) -> None:
         assert (got - ref).abs().max().item() <= TOL
 
 
-def test_chunked_prefill_matches_hf(checkpoint: Path) -> None:
-    """A 30-token prompt in chunks of 7 next to a decoding sequence."""
+@pytest.mark.parametrize("cpu_kernels", [True, False], ids=["kernels", "torch-ops"])
+def test_chunked_prefill_matches_hf(checkpoint: Path, cpu_kernels: bool) -> None:
+    """A 30-token prompt in chunks of 7 next to a decoding sequence: our C kernels (the chunks
+    continuing a prefix on the paged kernel) and the torch ops alike."""
     long, short = prompts(4, seed=9)[3], prompts(2, seed=9)[0]
-    runner = PagedRunner(checkpoint)
+    runner = PagedRunner(checkpoint, cpu_kernels=cpu_kernels)
     runner.step([("short", short, 0)])
     pieces: list[torch.Tensor] = []
     short_full = list(short)

@@ -22,118 +22,104 @@
 #include <string.h>
 #include <omp.h>
 
+#include "common.h"
+
 #define MAX_GROUP 16
 #define MAX_HEAD_DIM 256
-
-static inline float bf16_to_f32(uint16_t h) {
-    union { uint32_t u; float f; } v;
-    v.u = ((uint32_t)h) << 16;
-    return v.f;
-}
-
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch does */
-    union { uint32_t u; float f; } v;
-    v.f = f;
-    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40); /* NaN */
-    uint32_t rounding = 0x7fffu + ((v.u >> 16) & 1u);
-    return (uint16_t)((v.u + rounding) >> 16);
-}
-
-static inline float f32_id(float x) { return x; }
 
 /* One (sequence, kv head) pair. HD is a literal at the call sites below, so the d-loops have
  * a constant trip count once this is inlined. */
 #define DEFINE_PAIR(NAME, T, LOAD, STORE)                                                      \
-static inline __attribute__((always_inline)) void NAME(                                       \
-    const int HD, const T *q, const T *k_cache, const T *v_cache, const int64_t *table,       \
-    int64_t len, T *out, int group, int block_size, int64_t kv_stride, int64_t block_stride, \
-    float scale,                                                                              \
-    float *scores) {                                                                          \
-    float qf[MAX_GROUP][MAX_HEAD_DIM];                                                        \
-    float row[MAX_HEAD_DIM];                                                                  \
-    float accum[MAX_GROUP][MAX_HEAD_DIM];                                                     \
-    float maxs[MAX_GROUP], sums[MAX_GROUP];                                                   \
-    for (int g = 0; g < group; ++g) {                                                         \
-        for (int d = 0; d < HD; ++d) qf[g][d] = LOAD(q[g * HD + d]) * scale;                  \
-        maxs[g] = -FLT_MAX; /* not -INFINITY: built with -ffast-math (finite math only) */    \
-    }                                                                                         \
-    int64_t l = 0;                                                                            \
-    for (int64_t b = 0; l < len; ++b) {                                                       \
-        const T *kb = k_cache + table[b] * block_stride;                                      \
-        const int64_t n = len - l < block_size ? len - l : block_size;                        \
-        for (int64_t i = 0; i < n; ++i, ++l) {                                                \
-            const T *kp = kb + i * kv_stride;                                                 \
-            for (int d = 0; d < HD; ++d) row[d] = LOAD(kp[d]);                                \
-            for (int g = 0; g < group; ++g) {                                                 \
-                float acc = 0.f;                                                              \
-                for (int d = 0; d < HD; ++d) acc += qf[g][d] * row[d];                        \
-                scores[g * len + l] = acc;                                                    \
-                maxs[g] = acc > maxs[g] ? acc : maxs[g];                                      \
-            }                                                                                 \
-        }                                                                                     \
-    }                                                                                         \
-    for (int g = 0; g < group; ++g) {                                                         \
-        float sum = 0.f, *sc = scores + g * len;                                              \
-        for (int64_t j = 0; j < len; ++j) { sc[j] = expf(sc[j] - maxs[g]); sum += sc[j]; }    \
-        sums[g] = sum;                                                                        \
-        for (int d = 0; d < HD; ++d) accum[g][d] = 0.f;                                       \
-    }                                                                                         \
-    l = 0;                                                                                    \
-    for (int64_t b = 0; l < len; ++b) {                                                       \
-        const T *vb = v_cache + table[b] * block_stride;                                      \
-        const int64_t n = len - l < block_size ? len - l : block_size;                        \
-        for (int64_t i = 0; i < n; ++i, ++l) {                                                \
-            const T *vp = vb + i * kv_stride;                                                 \
-            for (int d = 0; d < HD; ++d) row[d] = LOAD(vp[d]);                                \
-            for (int g = 0; g < group; ++g) {                                                 \
-                const float w = scores[g * len + l];                                          \
-                for (int d = 0; d < HD; ++d) accum[g][d] += w * row[d];                       \
-            }                                                                                 \
-        }                                                                                     \
-    }                                                                                         \
-    for (int g = 0; g < group; ++g) {                                                         \
-        const float inv = 1.f / sums[g];                                                      \
-        for (int d = 0; d < HD; ++d) out[g * HD + d] = STORE(accum[g][d] * inv);              \
-    }                                                                                         \
+static inline __attribute__((always_inline)) void NAME(                                        \
+    const int HD, const T *q, const T *k_cache, const T *v_cache, const int64_t *table,        \
+    int64_t len, T *out, int group, int block_size, int64_t kv_stride, int64_t block_stride,   \
+    float scale,                                                                               \
+    float *scores) {                                                                           \
+    float qf[MAX_GROUP][MAX_HEAD_DIM];                                                         \
+    float row[MAX_HEAD_DIM];                                                                   \
+    float accum[MAX_GROUP][MAX_HEAD_DIM];                                                      \
+    float maxs[MAX_GROUP], sums[MAX_GROUP];                                                    \
+    for (int g = 0; g < group; ++g) {                                                          \
+        for (int d = 0; d < HD; ++d) qf[g][d] = LOAD(q[g * HD + d]) * scale;                   \
+        maxs[g] = -FLT_MAX; /* not -INFINITY: built with -ffast-math (finite math only) */     \
+    }                                                                                          \
+    int64_t l = 0;                                                                             \
+    for (int64_t b = 0; l < len; ++b) {                                                        \
+        const T *kb = k_cache + table[b] * block_stride;                                       \
+        const int64_t n = len - l < block_size ? len - l : block_size;                         \
+        for (int64_t i = 0; i < n; ++i, ++l) {                                                 \
+            const T *kp = kb + i * kv_stride;                                                  \
+            for (int d = 0; d < HD; ++d) row[d] = LOAD(kp[d]);                                 \
+            for (int g = 0; g < group; ++g) {                                                  \
+                float acc = 0.f;                                                               \
+                for (int d = 0; d < HD; ++d) acc += qf[g][d] * row[d];                         \
+                scores[g * len + l] = acc;                                                     \
+                maxs[g] = acc > maxs[g] ? acc : maxs[g];                                       \
+            }                                                                                  \
+        }                                                                                      \
+    }                                                                                          \
+    for (int g = 0; g < group; ++g) {                                                          \
+        float sum = 0.f, *sc = scores + g * len;                                               \
+        for (int64_t j = 0; j < len; ++j) { sc[j] = fast_expf(sc[j] - maxs[g]); sum += sc[j]; } \
+        sums[g] = sum;                                                                         \
+        for (int d = 0; d < HD; ++d) accum[g][d] = 0.f;                                        \
+    }                                                                                          \
+    l = 0;                                                                                     \
+    for (int64_t b = 0; l < len; ++b) {                                                        \
+        const T *vb = v_cache + table[b] * block_stride;                                       \
+        const int64_t n = len - l < block_size ? len - l : block_size;                         \
+        for (int64_t i = 0; i < n; ++i, ++l) {                                                 \
+            const T *vp = vb + i * kv_stride;                                                  \
+            for (int d = 0; d < HD; ++d) row[d] = LOAD(vp[d]);                                 \
+            for (int g = 0; g < group; ++g) {                                                  \
+                const float w = scores[g * len + l];                                           \
+                for (int d = 0; d < HD; ++d) accum[g][d] += w * row[d];                        \
+            }                                                                                  \
+        }                                                                                      \
+    }                                                                                          \
+    for (int g = 0; g < group; ++g) {                                                          \
+        const float inv = 1.f / sums[g];                                                       \
+        for (int d = 0; d < HD; ++d) out[g * HD + d] = STORE(accum[g][d] * inv);               \
+    }                                                                                          \
 }
 
 #define DEFINE_KERNEL(NAME, PAIR, T)                                                           \
-int NAME(const T *q, const T *k_cache, const T *v_cache, const int64_t *tables,              \
-         const int64_t *seq_lens, T *out, int num_seqs, int num_heads, int num_kv_heads,      \
-         int head_dim, int block_size, int max_blocks, int64_t block_stride, float scale,     \
-         int num_threads) {                                                                   \
-    const int group = num_heads / num_kv_heads;                                               \
-    if (group > MAX_GROUP || head_dim > MAX_HEAD_DIM) return 1;                               \
-    int64_t max_len = 0;                                                                      \
-    for (int s = 0; s < num_seqs; ++s) if (seq_lens[s] > max_len) max_len = seq_lens[s];      \
-    const int64_t kv_stride = (int64_t)num_kv_heads * head_dim;                               \
-    int failed = 0;                                                                           \
-    _Pragma("omp parallel num_threads(num_threads)")                                          \
-    {                                                                                         \
-        float *scores = (float *)malloc(sizeof(float) * (size_t)(max_len * group + 1));      \
-        if (scores == NULL) { _Pragma("omp atomic write") failed = 1; }                      \
-        _Pragma("omp for schedule(dynamic, 4)")                                               \
-        for (int64_t pair = 0; pair < (int64_t)num_seqs * num_kv_heads; ++pair) {           \
-            if (scores == NULL) continue;                                                     \
-            const int s = (int)(pair / num_kv_heads), kvh = (int)(pair % num_kv_heads);      \
-            const int64_t off = ((int64_t)s * num_heads + (int64_t)kvh * group) * head_dim;  \
-            const T *qp = q + off;                                                            \
-            const T *kc = k_cache + (int64_t)kvh * head_dim;                                  \
-            const T *vc = v_cache + (int64_t)kvh * head_dim;                                  \
-            const int64_t *table = tables + (int64_t)s * max_blocks;                          \
-            if (head_dim == 64)                                                               \
-                PAIR(64, qp, kc, vc, table, seq_lens[s], out + off, group, block_size,        \
+int NAME(const T *q, const T *k_cache, const T *v_cache, const int64_t *tables,                \
+         const int64_t *seq_lens, T *out, int num_seqs, int num_heads, int num_kv_heads,       \
+         int head_dim, int block_size, int max_blocks, int64_t block_stride, float scale,      \
+         int num_threads) {                                                                    \
+    const int group = num_heads / num_kv_heads;                                                \
+    if (group > MAX_GROUP || head_dim > MAX_HEAD_DIM) return 1;                                \
+    int64_t max_len = 0;                                                                       \
+    for (int s = 0; s < num_seqs; ++s) if (seq_lens[s] > max_len) max_len = seq_lens[s];       \
+    const int64_t kv_stride = (int64_t)num_kv_heads * head_dim;                                \
+    int failed = 0;                                                                            \
+    _Pragma("omp parallel num_threads(num_threads)")                                           \
+    {                                                                                          \
+        float *scores = (float *)malloc(sizeof(float) * (size_t)(max_len * group + 1));        \
+        if (scores == NULL) { _Pragma("omp atomic write") failed = 1; }                        \
+        _Pragma("omp for schedule(dynamic, 4)")                                                \
+        for (int64_t pair = 0; pair < (int64_t)num_seqs * num_kv_heads; ++pair) {              \
+            if (scores == NULL) continue;                                                      \
+            const int s = (int)(pair / num_kv_heads), kvh = (int)(pair % num_kv_heads);        \
+            const int64_t off = ((int64_t)s * num_heads + (int64_t)kvh * group) * head_dim;    \
+            const T *qp = q + off;                                                             \
+            const T *kc = k_cache + (int64_t)kvh * head_dim;                                   \
+            const T *vc = v_cache + (int64_t)kvh * head_dim;                                   \
+            const int64_t *table = tables + (int64_t)s * max_blocks;                           \
+            if (head_dim == 64)                                                                \
+                PAIR(64, qp, kc, vc, table, seq_lens[s], out + off, group, block_size,         \
                      kv_stride, block_stride, scale, scores);                                  \
-            else if (head_dim == 128)                                                         \
-                PAIR(128, qp, kc, vc, table, seq_lens[s], out + off, group, block_size,       \
+            else if (head_dim == 128)                                                          \
+                PAIR(128, qp, kc, vc, table, seq_lens[s], out + off, group, block_size,        \
                      kv_stride, block_stride, scale, scores);                                  \
-            else                                                                              \
-                PAIR(head_dim, qp, kc, vc, table, seq_lens[s], out + off, group, block_size,  \
+            else                                                                               \
+                PAIR(head_dim, qp, kc, vc, table, seq_lens[s], out + off, group, block_size,   \
                      kv_stride, block_stride, scale, scores);                                  \
-        }                                                                                     \
-        free(scores);                                                                         \
-    }                                                                                         \
-    return failed;                                                                            \
+        }                                                                                      \
+        free(scores);                                                                          \
+    }                                                                                          \
+    return failed;                                                                             \
 }
 
 DEFINE_PAIR(pair_f32, float, f32_id, f32_id)
