@@ -1,7 +1,9 @@
 """``tandem bench`` against ``tandem serve`` in several configurations, interleaved: round after
 round, each configuration's server is started, loaded with every workload and stopped in turn
 (the order alternates), so a slow phase of the host hits them alike. Reports the median over
-rounds of each workload's output tokens/s, TTFT p50 and ITL p50.
+rounds of each workload's output tokens/s, TTFT p50 and ITL p50, and the CPU time per output token
+of each hop a token crosses (model worker, scheduler actor, Serve ingress and proxy, Ray's
+daemons, the load client: ``bench/proc_cpu.py``).
 
 Configurations (``--variants``), each a ``tandem serve`` of the built-in model:
 
@@ -10,7 +12,9 @@ Configurations (``--variants``), each a ``tandem serve`` of the built-in model:
 - ``pd-threads1``: the same with one fixed thread per worker (the default until issue 19);
 - ``pd-dense``: the same with ``--quantization none`` (bf16, dequantized);
 - ``coloc``: one colocated instance (``--prefill-instances 0``) sharing the cores;
-- ``coloc-threads1``: the same with one fixed thread.
+- ``coloc-threads1``: the same with one fixed thread;
+- ``-async``: with async scheduling (the next step scheduled while one runs), ``-engines``: with
+  engine actors (``engine_actors: true``); modifiers combine (``coloc-async-dense``).
 
 Workloads (``--workloads``): ``cN`` (streaming chat at concurrency N, 128-token prompts, 128
 out, as the issue's llama-server comparison), ``prefill-heavy`` (1,024-token prompts, 8 out,
@@ -34,7 +38,10 @@ from typing import Any
 
 import yaml
 
+from bench import proc_cpu
 from bench.serve_transports import BIN, stop, wait_ready
+
+WARMUP = 2  # uncounted requests before each workload
 
 WORKLOADS: dict[str, dict[str, int]] = {
     "c1": {"concurrency": 1, "input": 128, "output": 128, "prompts": 8},
@@ -45,20 +52,33 @@ WORKLOADS: dict[str, dict[str, int]] = {
 }
 
 
+MODIFIERS = ("threads1", "dense", "async", "engines")
+
+
 def variant_config(name: str) -> dict[str, Any]:
+    """``pd`` or ``coloc``, then any of ``MODIFIERS`` joined by dashes (``coloc-async``)."""
     from cluster.config import default_cluster_config
 
+    base, *modifiers = name.split("-")
+    if base not in ("pd", "coloc") or not set(modifiers) <= set(MODIFIERS):
+        raise ValueError(f"unknown variant {name!r}: pd|coloc, then any of {MODIFIERS}")
     config = default_cluster_config()
-    if name.startswith("coloc"):
+    if base == "coloc":
         decode = config.pools[1].model_copy(update={"name": "colocated", "role": "both"})
         config = config.model_copy(update={"pools": [decode]})
-    if name.endswith("threads1"):
+    if "threads1" in modifiers:
         pools = [p.model_copy(update={"num_threads": 1}) for p in config.pools]
         config = config.model_copy(update={"pools": pools})
-    if name.endswith("dense"):
+    if "dense" in modifiers:
         config = config.model_copy(update={"quantization": "none"})
-    if name not in ("pd", "pd-threads1", "pd-dense", "coloc", "coloc-threads1"):
-        raise ValueError(f"unknown variant {name!r}")
+    if "async" in modifiers:
+        pools = [
+            p.model_copy(update={"scheduler": {**p.scheduler, "async_scheduling": True}})
+            for p in config.pools
+        ]
+        config = config.model_copy(update={"pools": pools})
+    if "engines" in modifiers:
+        config = config.model_copy(update={"engine_actors": True})
     data: dict[str, Any] = config.model_dump(mode="json", exclude_defaults=True)
     return data
 
@@ -83,6 +103,7 @@ def run_variant(
         for name in args.workloads:
             w = WORKLOADS[name]
             out = workdir / f"bench-{tag}-{name}.json"
+            before = proc_cpu.snapshot()
             subprocess.run(
                 [
                     str(BIN / "tandem"),
@@ -100,7 +121,7 @@ def run_variant(
                     "--output-len",
                     str(w["output"]),
                     "--warmup",
-                    "2",
+                    str(WARMUP),
                     "--no-progress",
                     "--out",
                     str(out),
@@ -108,11 +129,27 @@ def run_variant(
                 check=True,
                 stdout=subprocess.DEVNULL,
             )
-            results[name] = json.loads(out.read_text())["runs"][0]["summary"]
+            spent = proc_cpu.per_hop(before, proc_cpu.snapshot())
+            summary = json.loads(out.read_text())["runs"][0]["summary"]
+            # The two warm-up requests have the workload's shape and are in the CPU window.
+            tokens = summary["total_output_tokens"] * (w["prompts"] + WARMUP) / w["prompts"]
+            summary["cpu_ms_per_token"] = {
+                hop: seconds * 1e3 / max(tokens, 1) for hop, seconds in spent.items()
+            }
+            results[name] = summary
     finally:
         stop(serve)
         log.close()
     return results
+
+
+def hop_medians(summaries: list[dict[str, Any]]) -> dict[str, float]:
+    """Each hop's median CPU ms per token over the rounds."""
+    hops = {hop for s in summaries for hop in s["cpu_ms_per_token"]}
+    return {
+        hop: statistics.median(s["cpu_ms_per_token"].get(hop, 0.0) for s in summaries)
+        for hop in sorted(hops)
+    }
 
 
 def main() -> None:
@@ -163,6 +200,7 @@ def main() -> None:
                     "itl_p50_ms": median("itl", "p50_ms"),
                     "tpot_p50_ms": median("tpot", "p50_ms"),
                     "failed": sum(s["failed"] for s in summaries),
+                    "cpu_ms_per_token": hop_medians(summaries),
                 }
             )
     print(f"\n{'variant':14s} {'workload':13s} {'tok/s':>7s} {'TTFT p50':>9s} {'ITL p50':>8s}")
@@ -170,6 +208,14 @@ def main() -> None:
         print(
             f"{row['variant']:14s} {row['workload']:13s} {row['output_tok_s']:7.1f} "
             f"{row['ttft_p50_ms']:9.1f} {row['itl_p50_ms']:8.1f}"
+        )
+    print("\nCPU ms per output token, by hop (all processes of each, /proc):")
+    for row in rows:
+        hops = sorted(row["cpu_ms_per_token"].items(), key=lambda kv: -kv[1])
+        total = sum(v for _, v in hops)
+        print(
+            f"{row['variant']:14s} {row['workload']:13s} total {total:6.2f}: "
+            + ", ".join(f"{hop} {v:.2f}" for hop, v in hops if v >= 0.01)
         )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
