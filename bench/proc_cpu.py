@@ -12,6 +12,7 @@ cores the model wants, so the CPU each spends per output token is what a hop cos
 from __future__ import annotations
 
 import os
+import resource
 from pathlib import Path
 
 _TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
@@ -26,7 +27,6 @@ HOPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("serve replica (other)", ("ray::ServeReplica",)),
     ("serve proxy", ("ray::ProxyActor",)),
     ("serve controller", ("ray::ServeController",)),
-    ("load client", ("tandem bench", "cluster.tools.cli bench")),
     (
         "ray daemons",
         (
@@ -75,3 +75,10 @@ def per_hop(
         start = before.get(pid, (hop, 0.0))[1]
         spent[hop] = spent.get(hop, 0.0) + max(cpu - start, 0.0)
     return spent
+
+
+def children_cpu_s() -> float:
+    """CPU seconds of this process's children that have exited (a load client run to the end
+    is gone before the second snapshot)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime

@@ -103,7 +103,7 @@ def run_variant(
         for name in args.workloads:
             w = WORKLOADS[name]
             out = workdir / f"bench-{tag}-{name}.json"
-            before = proc_cpu.snapshot()
+            before, client_before = proc_cpu.snapshot(), proc_cpu.children_cpu_s()
             subprocess.run(
                 [
                     str(BIN / "tandem"),
@@ -130,6 +130,7 @@ def run_variant(
                 stdout=subprocess.DEVNULL,
             )
             spent = proc_cpu.per_hop(before, proc_cpu.snapshot())
+            spent["load client"] = proc_cpu.children_cpu_s() - client_before  # (it has exited)
             summary = json.loads(out.read_text())["runs"][0]["summary"]
             # The two warm-up requests have the workload's shape and are in the CPU window.
             tokens = summary["total_output_tokens"] * (w["prompts"] + WARMUP) / w["prompts"]
