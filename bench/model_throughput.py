@@ -110,16 +110,23 @@ def run_tandem(engine: Any, batch_prompts: list[list[int]], *, new: int) -> dict
     return {"total_s": total, "prefill_s": first or 0.0}
 
 
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def run_hf_generate(hf: Any, batch_prompts: list[list[int]], *, new: int) -> dict[str, float]:
-    ids = torch.tensor(batch_prompts)
+    ids = torch.tensor(batch_prompts, device=hf.device)
     mask = torch.ones_like(ids)
     kw = dict(attention_mask=mask, do_sample=False, pad_token_id=0)
     with torch.inference_mode():
         start = time.perf_counter()
         hf.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
+        _sync(hf.device)
         prefill = time.perf_counter() - start
         start = time.perf_counter()
         out = hf.generate(ids, max_new_tokens=new, min_new_tokens=new, **kw)
+        _sync(hf.device)
         total = time.perf_counter() - start
     assert out.shape[1] == PROMPT_LEN + new
     return {"total_s": total, "prefill_s": prefill}
@@ -128,16 +135,18 @@ def run_hf_generate(hf: Any, batch_prompts: list[list[int]], *, new: int) -> dic
 def run_hf_loop(hf: Any, batch_prompts: list[list[int]], *, new: int) -> dict[str, float]:
     from transformers import DynamicCache
 
-    ids = torch.tensor(batch_prompts)
+    ids = torch.tensor(batch_prompts, device=hf.device)
     with torch.inference_mode():
         start = time.perf_counter()
         cache = DynamicCache()
         out = hf(input_ids=ids, past_key_values=cache, use_cache=True)
         token = out.logits[:, -1].argmax(-1, keepdim=True)
+        _sync(hf.device)
         prefill = time.perf_counter() - start
         for _ in range(new - 1):
             out = hf(input_ids=token, past_key_values=out.past_key_values, use_cache=True)
             token = out.logits[:, -1].argmax(-1, keepdim=True)
+        _sync(hf.device)
         total = time.perf_counter() - start
     return {"total_s": total, "prefill_s": prefill}
 
@@ -155,6 +164,7 @@ def main() -> None:
         default=["auto"],
         help="quantized tandem rows besides the dense one (auto, int8, int4)",
     )
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (tests/gpu runs it there)")
     ap.add_argument("--out", default="bench/results/model_throughput.json")
     args = ap.parse_args()
 
@@ -175,10 +185,11 @@ def main() -> None:
                 max_num_batched_tokens=max(2048, PROMPT_LEN * max(args.batches)),
                 enable_prefix_caching=False,  # distinct random prompts anyway; keep it equal
                 progress=False,
+                device=args.device,
             )
 
         engine = engine_for("none")
-        hf = hf_model_from(engine.worker.model, dtype)
+        hf = hf_model_from(engine.worker.model, dtype).to(args.device)
         vocab = engine.worker.config.vocab_size
         contenders: dict[str, Callable[[list[list[int]]], dict[str, float]]] = {
             "tandem": partial(run_tandem, engine, new=new),
@@ -233,6 +244,8 @@ def main() -> None:
     meta = {
         "machine": platform.machine(),
         "threads": torch.get_num_threads(),
+        "device": args.device,
+        "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None,
         "torch": torch.__version__,
         "prompt_len": PROMPT_LEN,
         "new_tokens": new,

@@ -6,7 +6,12 @@ from pathlib import Path
 
 import torch
 
-from actors.model.attention import AttentionMetadata, TorchAttention
+from actors.model.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    TorchAttention,
+    select_backend,
+)
 from actors.model.llama import LlamaForCausalLM, LoRAHook
 from actors.model.loader import load_model
 from kv_transfer.blocks import allocate_kv_caches
@@ -22,21 +27,41 @@ class PagedRunner:
         num_blocks: int = 256,
         dtype: torch.dtype = torch.float32,
         cpu_kernels: bool = True,
+        device: str = "cpu",
     ) -> None:
         """``model``: a checkpoint directory, or an already loaded model (``dtype`` unused).
-        ``cpu_kernels=False`` runs the torch ops only (the path CUDA and kernel-less hosts take)."""
+        ``cpu_kernels=False`` runs the torch ops only (the path CUDA and kernel-less hosts take).
+        ``device="cuda"``: the model and cache on the GPU, with the worker's attention backend
+        choice there (vllm-flash-attn for fp16/bf16 when installed, else torch)."""
         if isinstance(model, LlamaForCausalLM):
             self.model, dtype = model, model.embed_tokens.weight.dtype
         else:
             self.model = load_model(model, dtype, progress=False)
-        self.model.pack_for_cpu()  # the worker's CPU path
+        self.device = torch.device(device)
         cfg = self.model.config
         self.block_size = block_size
-        self.attn = TorchAttention(
-            cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, block_size, cpu_kernels
-        )
-        if not cpu_kernels:
-            self.model.fused_ops = None
+        self.attn: AttentionBackend
+        if self.device.type == "cpu":
+            self.model.pack_for_cpu()  # the worker's CPU path
+            self.attn = TorchAttention(
+                cfg.num_attention_heads,
+                cfg.num_key_value_heads,
+                cfg.head_dim,
+                block_size,
+                cpu_kernels,
+            )
+            if not cpu_kernels:
+                self.model.fused_ops = None
+        else:
+            self.model.to(self.device)
+            self.attn = select_backend(
+                self.device,
+                dtype,
+                cfg.num_attention_heads,
+                cfg.num_key_value_heads,
+                cfg.head_dim,
+                block_size,
+            )
         self.kv = allocate_kv_caches(
             cfg.num_hidden_layers,
             num_blocks,
@@ -44,6 +69,7 @@ class PagedRunner:
             cfg.num_key_value_heads,
             cfg.head_dim,
             dtype,
+            self.device,
         )
         # Hand out blocks in a scrambled order so tables are not contiguous.
         gen = torch.Generator().manual_seed(0)
@@ -74,8 +100,11 @@ class PagedRunner:
             [s + len(t) for _, t, s in batch],
             [self.tables[seq] for seq, _, _ in batch],
             self.block_size,
-            torch.device("cpu"),
+            self.device,
+            with_flash=self.attn.needs_flash_metadata,
         )
-        hidden = self.model(torch.tensor(ids), torch.tensor(pos), self.kv, meta, self.attn, lora)
-        logits = self.model.compute_logits(hidden).float()
+        dev = self.device
+        ids_t, pos_t = torch.tensor(ids, device=dev), torch.tensor(pos, device=dev)
+        hidden = self.model(ids_t, pos_t, self.kv, meta, self.attn, lora)
+        logits = self.model.compute_logits(hidden).float().cpu()
         return list(logits.split([len(t) for _, t, _ in batch]))
