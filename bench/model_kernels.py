@@ -23,7 +23,8 @@ import json
 import platform
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -128,9 +129,40 @@ def _decode_step(worker: Any, batch: int = 1, ctx: int = 130) -> Callable[[], An
 
 _CLASSES = {
     "projections": ("linear", "int4pack", "int8pack", "mm"),
-    "attention": ("index_put", "paged", "scaled_dot"),
+    "attention": ("index_put", "paged", "scaled_dot", "kv_write"),
     "norms": ("rms_norm", "pow", "mean", "rsqrt"),
+    "rotary": ("rotary", "roll"),
+    "silu-mul": ("silu",),
 }
+
+
+@contextmanager
+def _profiled_kernels() -> Iterator[None]:
+    """Our C kernels (ctypes calls, invisible to torch's profiler) recorded as functions named
+    after them while profiling: ``add_rms_norm``, ``rotary_``, ``silu_mul``, ``kv_write``,
+    ``paged_decode``."""
+    from torch.profiler import record_function
+
+    from actors.model.cpu_kernels import FusedOps, PagedDecodeKernel
+
+    targets = [(FusedOps, n) for n in ("add_rms_norm", "rotary_", "silu_mul", "kv_write")]
+    targets.append((PagedDecodeKernel, "__call__"))
+    saved = [(cls, name, getattr(cls, name)) for cls, name in targets]
+
+    def wrap(fn: Callable[..., Any], label: str) -> Callable[..., Any]:
+        def recorded(*args: Any, **kwargs: Any) -> Any:
+            with record_function(label):
+                return fn(*args, **kwargs)
+
+        return recorded
+
+    try:
+        for cls, name, fn in saved:
+            setattr(cls, name, wrap(fn, "paged_decode" if name == "__call__" else name))
+        yield
+    finally:
+        for cls, name, fn in saved:
+            setattr(cls, name, fn)
 
 
 def breakdown(model: str | None) -> list[dict[str, Any]]:
@@ -143,7 +175,7 @@ def breakdown(model: str | None) -> list[dict[str, Any]]:
         wall = _time(step, min_time_s=1.0)
         for _ in range(5):
             step()
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with _profiled_kernels(), profile(activities=[ProfilerActivity.CPU]) as prof:
             for _ in range(20):
                 step()
         by_class: dict[str, float] = {}
