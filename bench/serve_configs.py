@@ -7,14 +7,14 @@ daemons, the load client: ``bench/proc_cpu.py``).
 
 Configurations (``--variants``), each a ``tandem serve`` of the built-in model:
 
-- ``pd``: the default (one prefill and one decode instance sharing the cores, quantization
-  auto: the GGUF file's Q4_1/Q8_0 weights run as int4/int8);
+- ``pd``: the default (one prefill and one decode instance sharing the cores, async
+  scheduling, quantization auto: the GGUF file's Q4_1/Q8_0 weights run as int4/int8);
 - ``pd-threads1``: the same with one fixed thread per worker (the default until issue 19);
 - ``pd-dense``: the same with ``--quantization none`` (bf16, dequantized);
 - ``coloc``: one colocated instance (``--prefill-instances 0``) sharing the cores;
 - ``coloc-threads1``: the same with one fixed thread;
-- ``-async``: with async scheduling (the next step scheduled while one runs), ``-engines``: with
-  engine actors (``engine_actors: true``); modifiers combine (``coloc-async-dense``).
+- ``-sync``: without async scheduling (the default before issue 19's second part), ``-engines``:
+  with engine actors (``engine_actors: true``); modifiers combine (``coloc-sync-dense``).
 
 Workloads (``--workloads``): ``cN`` (streaming chat at concurrency N, 128-token prompts, 128
 out, as the issue's llama-server comparison), ``prefill-heavy`` (1,024-token prompts, 8 out,
@@ -52,11 +52,11 @@ WORKLOADS: dict[str, dict[str, int]] = {
 }
 
 
-MODIFIERS = ("threads1", "dense", "async", "engines")
+MODIFIERS = ("threads1", "dense", "sync", "engines")
 
 
 def variant_config(name: str) -> dict[str, Any]:
-    """``pd`` or ``coloc``, then any of ``MODIFIERS`` joined by dashes (``coloc-async``)."""
+    """``pd`` or ``coloc``, then any of ``MODIFIERS`` joined by dashes (``coloc-sync``)."""
     from cluster.config import default_cluster_config
 
     base, *modifiers = name.split("-")
@@ -71,9 +71,9 @@ def variant_config(name: str) -> dict[str, Any]:
         config = config.model_copy(update={"pools": pools})
     if "dense" in modifiers:
         config = config.model_copy(update={"quantization": "none"})
-    if "async" in modifiers:
+    if "sync" in modifiers:
         pools = [
-            p.model_copy(update={"scheduler": {**p.scheduler, "async_scheduling": True}})
+            p.model_copy(update={"scheduler": {**p.scheduler, "async_scheduling": False}})
             for p in config.pools
         ]
         config = config.model_copy(update={"pools": pools})

@@ -675,11 +675,15 @@ def served_model_name(config: ClusterConfig) -> str:
 def default_cluster_config(model: str | None = None) -> ClusterConfig:
     """The laptop default: the built-in SmolLM2 (or ``model``), one prefill and one decode
     instance, anywhere in the Ray cluster, sharing the machine's cores (``num_threads: auto``:
-    a step of 64 tokens or more takes an even share of the cores among the busy workers)."""
+    a step of 64 tokens or more takes an even share of the cores among the busy workers), with
+    async scheduling (the next step is scheduled while one runs, as vLLM does by default: the
+    worker round trip leaves the inter-token latency; docs/serve.md has the measurements)."""
     return ClusterConfig(
         model=model,
         pools=[
-            InstancePool(name="prefill", role="prefill", num_threads="auto"),
-            InstancePool(name="decode", role="decode", num_threads="auto"),
+            InstancePool(
+                name=name, role=name, num_threads="auto", scheduler={"async_scheduling": True}
+            )
+            for name in ("prefill", "decode")
         ],
     )
