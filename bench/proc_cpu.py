@@ -4,7 +4,8 @@ Every token a served request streams crosses several processes: the model worker
 central scheduler actor, the Serve replica holding the client (detokenization, SSE), Serve's HTTP
 proxy, Ray's own daemons, and the load client. On a machine with few cores they all share the
 cores the model wants, so the CPU each spends per output token is what a hop costs. This reads
-``/proc`` (utime + stime of every thread of every process) before and after a run.
+``/proc`` (utime + stime of every thread of every process) before and after a run. Every
+matching process on the host counts: run it with nothing else of Ray or Tandem alive.
 
     before = snapshot(); ...run...; table = per_hop(before, snapshot())
 """
@@ -19,7 +20,7 @@ _TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
 
 # (hop, words in the process title or command line), first match wins.
 HOPS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("model worker", ("ray::ModelWorker", "ray::PrefillWorker", "ray::DecodeWorker")),
+    ("model worker", ("ray::ModelWorker",)),
     ("engine actor", ("ray::EngineActor",)),
     ("scheduler actor", ("ray::SchedulerActor",)),
     ("serve ingress", ("ray::ServeReplica:tandem:OpenAIIngress",)),

@@ -114,7 +114,7 @@ class AttentionMetadata:
             if ctx != q_len:  # a prefix is already cached: causal with an offset
                 q_pos = torch.arange(ctx - q_len, ctx, device=device)
                 mask = torch.arange(ctx, device=device)[None, :] <= q_pos[:, None]
-                if q_len <= PAGED_PREFILL_MAX_QUERY:
+                if q_len <= PAGED_PREFILL_MAX_QUERY and device.type == "cpu":
                     paged = (ctx_table.expand(q_len, -1).contiguous(), q_pos + 1)
             prefills.append(PrefillSpan(start, q_len, ctx, ctx_table, mask, paged))
             start += q_len
@@ -332,8 +332,8 @@ def select_backend(
             if requested == "flash":
                 raise RuntimeError(f"vllm-flash-attn requested but unusable: {exc}") from exc
             logger.warning("vllm-flash-attn unusable (%s); falling back to torch SDPA", exc)
-            backend = TorchAttention(*args)
+            backend = TorchAttention(*args, use_cpu_kernel=device.type == "cpu")
     else:
-        backend = TorchAttention(*args)
+        backend = TorchAttention(*args, use_cpu_kernel=device.type == "cpu")
     logger.info("attention backend: %s on %s (%s)", backend.name, device, dtype)
     return backend

@@ -17,9 +17,10 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -104,6 +105,10 @@ _ARGTYPES: list[Any] = [
 class PagedDecodeKernel:
     """``paged_decode_attention`` for float32 and bfloat16 caches."""
 
+    def __reduce__(self) -> tuple[Any, tuple[()]]:
+        # ctypes handles do not pickle: a copy (deepcopy, pickle) is this process's kernel.
+        return (paged_decode_kernel, ())
+
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._fns = {
             torch.float32: lib.paged_decode_attention_f32,
@@ -168,11 +173,24 @@ def _library() -> ctypes.CDLL | None:
         return None
 
 
+_Kernels = TypeVar("_Kernels")
+
+
+def _bind(kind: Callable[[ctypes.CDLL], _Kernels]) -> _Kernels | None:
+    lib = _library()
+    if lib is None:
+        return None
+    try:
+        return kind(lib)
+    except AttributeError as exc:  # a library without the symbol (a stale or foreign build)
+        logger.warning("CPU kernels unusable (%s); using the torch ops", exc)
+        return None
+
+
 @cache
 def paged_decode_kernel() -> PagedDecodeKernel | None:
     """The paged decode attention kernel, or None when the kernels cannot be built here."""
-    lib = _library()
-    return None if lib is None else PagedDecodeKernel(lib)
+    return _bind(PagedDecodeKernel)
 
 
 _P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
@@ -184,6 +202,10 @@ class FusedOps:
     (``actors.model.llama``), with the same roundings."""
 
     dtypes = (torch.float32, torch.bfloat16)
+
+    def __reduce__(self) -> tuple[Any, tuple[()]]:
+        # ctypes handles do not pickle: a copy (deepcopy, pickle) is this process's kernels.
+        return (fused_ops, ())
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         def bind(name: str, argtypes: list[Any]) -> Any:
@@ -216,13 +238,19 @@ class FusedOps:
         rows, hidden = x.shape
         if x.stride(1) != 1:
             raise ValueError(f"add_rms_norm needs unit-stride rows, not strides {x.stride()}")
+        if weight.dtype != x.dtype:
+            raise TypeError(f"add_rms_norm: weight {weight.dtype} for activations {x.dtype}")
         out = torch.empty((rows, hidden), dtype=x.dtype)
         if residual is None:
+            # The returned residual is read packed by the next call: no row stride.
+            x = x if x.is_contiguous() else x.contiguous()
             self._norm[x.dtype](
                 x.data_ptr(), None, weight.data_ptr(), out.data_ptr(), None, rows, hidden,
-                x.stride(0), eps, torch.get_num_threads(),
+                hidden, eps, torch.get_num_threads(),
             )  # fmt: skip
             return out, x
+        if not residual.is_contiguous() or residual.dtype != x.dtype:
+            raise ValueError("add_rms_norm: the residual must be contiguous, in x's dtype")
         summed = torch.empty((rows, hidden), dtype=x.dtype)
         self._norm[x.dtype](
             x.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
@@ -240,6 +268,8 @@ class FusedOps:
     ) -> None:
         """Rotates the first ``num_heads`` heads of every row in place."""
         head_dim = cos_table.shape[1]
+        if qk.stride(1) != 1 or cos_table.dtype != qk.dtype or positions.dtype != torch.int64:
+            raise ValueError("rotary_: unit-stride rows, tables in their dtype, int64 positions")
         rc = self._rotary[qk.dtype](
             qk.data_ptr(), positions.data_ptr(), cos_table.data_ptr(),
             signed_sin_table.data_ptr(), qk.shape[0], qk.stride(0), num_heads, head_dim,
@@ -251,6 +281,8 @@ class FusedOps:
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``silu(gate) * up`` for ``gate_up`` = [T, 2 * inter] (contiguous)."""
         rows, width = gate_up.shape
+        if not gate_up.is_contiguous():
+            raise ValueError("silu_mul: gate_up must be contiguous")
         out = torch.empty((rows, width // 2), dtype=gate_up.dtype)
         self._silu_mul[gate_up.dtype](
             gate_up.data_ptr(), out.data_ptr(), rows, width // 2, torch.get_num_threads()
@@ -271,8 +303,14 @@ class FusedOps:
         row = k_cache.shape[2] * k_cache.shape[3]
         if k.shape[1] != row or k_cache.stride()[1:] != (row, k_cache.shape[3], 1):
             raise ValueError(f"kv_write: rows of {k.shape[1]} into a cache of {k_cache.shape}")
-        if v_cache.stride() != k_cache.stride() or k.dtype != k_cache.dtype:
+        if v_cache.stride() != k_cache.stride() or not k.dtype == v.dtype == k_cache.dtype:
             raise ValueError("kv_write: the K and V caches differ in layout or dtype")
+        if v.shape != k.shape or k.stride(1) != 1 or v.stride(1) != 1:
+            raise ValueError(f"kv_write: K {tuple(k.shape)} and V {tuple(v.shape)} rows differ")
+        if slot_blocks.dtype != torch.int64 or slot_offsets.dtype != torch.int64:
+            raise ValueError("kv_write: slots must be int64")
+        if slot_blocks.numel() != k.shape[0] or slot_offsets.numel() != k.shape[0]:
+            raise ValueError("kv_write: one slot per row")
         self._kv_write(
             k.data_ptr(), v.data_ptr(), k.stride(0) * elem, v.stride(0) * elem,
             k_cache.data_ptr(), v_cache.data_ptr(), slot_blocks.data_ptr(),
@@ -283,5 +321,4 @@ class FusedOps:
 @cache
 def fused_ops() -> FusedOps | None:
     """The fused element-wise kernels, or None when the kernels cannot be built here."""
-    lib = _library()
-    return None if lib is None else FusedOps(lib)
+    return _bind(FusedOps)

@@ -30,7 +30,9 @@ class PagedRunner:
         device: str = "cpu",
     ) -> None:
         """``model``: a checkpoint directory, or an already loaded model (``dtype`` unused).
-        ``cpu_kernels=False`` runs the torch ops only (the path CUDA and kernel-less hosts take).
+        ``cpu_kernels=False`` runs the torch ops only (the element-wise and attention path CUDA
+        takes; a host without the kernels, ``TANDEM_CPU_KERNELS=0``, also skips the oneDNN
+        packing, which this keeps).
         ``device="cuda"``: the model and cache on the GPU, with the worker's attention backend
         choice there (vllm-flash-attn for fp16/bf16 when installed, else torch)."""
         if isinstance(model, LlamaForCausalLM):

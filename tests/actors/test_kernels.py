@@ -185,3 +185,59 @@ def test_fused_ops_equal_the_torch_ops(dtype: torch.dtype, rows: int) -> None:
         assert ulps.max().item() <= 1 and (ulps > 0).float().mean().item() < 0.01
     else:
         torch.testing.assert_close(m, m_ref, rtol=1e-5, atol=1e-6)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kv_write_of_strided_rows_equals_index_put(dtype: torch.dtype) -> None:
+    """K and V as slices of the fused qkv rows (a row stride) land in the same cache slots as
+    through index_put_, in a layer's view of the block-first pool; nothing else changes."""
+    ops = fused_ops()
+    assert ops is not None
+    gen = torch.Generator().manual_seed(3)
+    kv_heads, head_dim, block_size, num_blocks, t = 3, 64, 16, 12, 21
+    views = allocate_kv_caches(2, num_blocks, block_size, kv_heads, head_dim, dtype)
+    qkv = torch.randn(t, (9 + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
+    q_size, kv_size = 9 * head_dim, kv_heads * head_dim
+    k, v = qkv[:, q_size : q_size + kv_size], qkv[:, q_size + kv_size :]
+    assert k.stride(0) == qkv.shape[1]  # strided rows, as the layer hands them over
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:t]
+    blocks, offsets = slots // block_size, slots % block_size
+    ref = views[1].clone()
+    ref[0].index_put_((blocks, offsets), k.reshape(t, kv_heads, head_dim))
+    ref[1].index_put_((blocks, offsets), v.reshape(t, kv_heads, head_dim))
+    ops.kv_write(k, v, views[1][0], views[1][1], blocks, offsets)
+    assert torch.equal(views[1], ref)
+    assert torch.equal(views[0], torch.zeros_like(views[0]))  # the other layer untouched
+    with pytest.raises(ValueError, match="int64"):
+        ops.kv_write(k, v, views[1][0], views[1][1], blocks.int(), offsets.int())
+
+
+@needs_kernel
+def test_a_strided_input_hands_back_a_packed_residual() -> None:
+    """A pipeline stage's first norm may get rows with a stride: the residual it returns is
+    read packed by the next norm, so it is a contiguous copy (the bug: the next layer read the
+    wrong rows)."""
+    ops = fused_ops()
+    assert ops is not None
+    gen = torch.Generator().manual_seed(5)
+    big = torch.randn(6, 128, generator=gen)
+    x, w = big[:, :64], torch.rand(64, generator=gen) + 0.5
+    normed, residual = ops.add_rms_norm(x, None, w, 1e-5)
+    assert residual.is_contiguous() and torch.equal(residual, x)
+    torch.testing.assert_close(normed, F.rms_norm(x, (64,), w, 1e-5))
+    o = torch.randn(6, 64, generator=gen)
+    normed2, summed = ops.add_rms_norm(o, residual, w, 1e-5)
+    torch.testing.assert_close(summed, o + x.contiguous())
+    torch.testing.assert_close(normed2, F.rms_norm(o + x, (64,), w, 1e-5))
+
+
+def test_the_kernels_copy_as_this_process_s_own() -> None:
+    """A model holding the ctypes kernels deep-copies and pickles (as the kernels themselves)."""
+    import copy
+    import pickle
+
+    ops = fused_ops()
+    kernel = paged_decode_kernel()
+    assert copy.deepcopy(ops) is ops and pickle.loads(pickle.dumps(ops)) is ops
+    assert copy.deepcopy(kernel) is kernel

@@ -34,15 +34,32 @@ def prompts(n: int, seed: int = 1) -> list[list[int]]:
     return [torch.randint(0, 256, (length,), generator=gen).tolist() for length in lengths]
 
 
-@pytest.mark.parametrize(
-    ("dtype", "tol"), [(torch.float32, 1e-3), (torch.bfloat16, 0.15)], ids=["fp32", "bf16"]
-)
-def test_prefill_and_decode_logits_match_transformers(
-    checkpoint: Path, dtype: torch.dtype, tol: float
-) -> None:
-    seqs = prompts(4)
+# This checkpoint's logits have a spread (std) of about 0.16; transformers' bf16 logits are
+# within 0.004 of its float32 ones.
+TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 0.03}
+
+
+def flash_installed() -> bool:
+    try:
+        import vllm_flash_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def gpu_runner(checkpoint: Path, dtype: torch.dtype) -> PagedRunner:
     # block 16: flash-attn's paged kernel needs block_size % 16 == 0.
     runner = PagedRunner(checkpoint, block_size=16, dtype=dtype, device="cuda")
+    if dtype == torch.bfloat16 and flash_installed():
+        assert runner.attn.name == "vllm-flash-attn", runner.attn.name  # not a silent fallback
+    return runner
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_prefill_and_decode_logits_match_transformers(checkpoint: Path, dtype: torch.dtype) -> None:
+    tol = TOLERANCE[dtype]
+    seqs = prompts(4)
+    runner = gpu_runner(checkpoint, dtype)
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]) != 1)
     out = runner.step([(f"s{i}", seqs[i], 0) for i in order])
     for got, i in zip(out, order, strict=True):
@@ -62,12 +79,14 @@ def test_prefill_and_decode_logits_match_transformers(
         assert (torch.stack(rows[i]) - ref).abs().max().item() <= tol, f"decode {i}"
 
 
-def test_chunked_prefill_matches_transformers(checkpoint: Path) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_chunked_prefill_matches_transformers(checkpoint: Path, dtype: torch.dtype) -> None:
+    """Chunks of 7 continuing a cached prefix (bf16: flash-attn's paged path with an offset)."""
     long = prompts(4, seed=9)[3]
-    runner = PagedRunner(checkpoint, block_size=16, device="cuda")
+    runner = gpu_runner(checkpoint, dtype)
     pieces = [runner.step([("x", long[s : s + 7], s)])[0] for s in range(0, len(long), 7)]
-    ref = hf_logits(checkpoint, long, torch.float32)
-    assert (torch.cat(pieces) - ref).abs().max().item() <= 1e-3
+    ref = hf_logits(checkpoint, long, dtype)
+    assert (torch.cat(pieces) - ref).abs().max().item() <= TOLERANCE[dtype]
 
 
 def test_greedy_text_equal_on_gpu_and_cpu(checkpoint: Path) -> None:
