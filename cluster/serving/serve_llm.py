@@ -17,6 +17,7 @@ anything else is refused with a ``ValueError`` naming it, never silently dropped
 - ``engine_kwargs``: vLLM's engine arguments Tandem has (``dtype``, ``quantization`` --
   Tandem's values: auto, none, int8, int4 --, ``max_model_len``,
   ``max_num_seqs``, ``max_num_batched_tokens``, ``block_size``, ``enable_prefix_caching``,
+  ``async_scheduling`` -- on by default with one pipeline stage, as in vLLM --,
   ``pipeline_parallel_size``, ``tensor_parallel_size: 1``, ``enable_lora``, ``max_loras``,
   ``max_lora_rank``); ``kv_transfer_config`` (vLLM's connector for P/D) is accepted -- Tandem
   moves KV with its own transport (``kv_transfer.transport``);
@@ -41,7 +42,7 @@ from cluster.config import ClusterConfig
 logger = logging.getLogger(__name__)
 
 _ENGINE_TOP = ("dtype", "quantization", "max_model_len", "block_size")  # ClusterConfig fields
-_ENGINE_SCHEDULER = ("max_num_seqs", "max_num_batched_tokens")  # every pool's scheduler
+_ENGINE_SCHEDULER = ("max_num_seqs", "max_num_batched_tokens", "async_scheduling")
 _ENGINE_LORA = ("max_loras", "max_lora_rank")
 _ENGINE_ACCEPTED = (
     "kv_transfer_config",
@@ -164,6 +165,9 @@ def _engine(engine: dict[str, Any], data: dict[str, Any], pool: dict[str, Any], 
         pool["cache"] = {"enable_prefix_caching": bool(engine["enable_prefix_caching"])}
     if "pipeline_parallel_size" in engine:
         pool["pp_size"] = engine["pipeline_parallel_size"]
+    if pool.get("pp_size", 1) == 1:
+        # vLLM schedules asynchronously by default; Tandem's stages pipeline instead.
+        pool["scheduler"].setdefault("async_scheduling", True)
     tp = engine.get("tensor_parallel_size", 1)
     if tp != 1:
         raise ValueError(

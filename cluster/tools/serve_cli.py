@@ -60,6 +60,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="pipeline stages per instance",
     )
     engine.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="schedule a step while the previous one runs (default config: on; pp_size 1 only)",
+    )
+    engine.add_argument(
         "--served-model-name",
         nargs="+",
         default=None,
@@ -243,6 +249,12 @@ def _engine_flags(args: argparse.Namespace, data: dict[str, Any]) -> None:
             pool["cache"]["enable_prefix_caching"] = args.enable_prefix_caching
         if args.pipeline_parallel_size is not None:
             pool["pp_size"] = args.pipeline_parallel_size
+            if args.pipeline_parallel_size > 1 and args.async_scheduling is None:
+                # The stages keep pp_size batches in flight already; async scheduling (on in
+                # the default config) does not combine with them, so it goes, as in vLLM.
+                pool["scheduler"].pop("async_scheduling", None)
+        if args.async_scheduling is not None:
+            pool["scheduler"]["async_scheduling"] = args.async_scheduling
 
 
 def _pools(

@@ -108,6 +108,13 @@ def test_vllm_flags_and_pool_sizes(tmp_path: Path) -> None:
         assert pool.num_threads == "auto"  # the default pools' other settings stay
     colocated = serve_config(_args("--prefill-instances", "0", "--decode-instances", "2"))
     assert [(p.name, p.role, p.replicas) for p in colocated.pools] == [("colocated", "both", 2)]
+    # The default config schedules asynchronously; -pp 2 drops that (the stages pipeline
+    # already), --no-async-scheduling turns it off, and asking for both is refused.
+    assert all(p.scheduler == {"async_scheduling": True} for p in colocated.pools)
+    sync = serve_config(_args("--no-async-scheduling"))
+    assert all(p.scheduler == {"async_scheduling": False} for p in sync.pools)
+    with pytest.raises(ValueError, match="async_scheduling needs pp_size 1"):
+        serve_config(_args("-pp", "2", "--async-scheduling"))
     file = tmp_path / "c.yaml"
     file.write_text("block_size: 8\npools: [{name: c, role: both, replicas: 1}]\n")
     from_file = serve_config(_args(str(file), "--prefill-instances", "2"))

@@ -41,7 +41,8 @@ def test_a_pd_config_becomes_a_prefill_and_a_decode_pool() -> None:
     assert config.max_model_len == 4096
     p, d = config.pools
     assert (p.role, p.replicas, d.role, d.replicas) == ("prefill", 2, "decode", 3)
-    assert p.scheduler == {"max_num_batched_tokens": 8192}
+    # vLLM's default async scheduling where a pool has one stage; pipelined pools none.
+    assert p.scheduler == {"max_num_batched_tokens": 8192, "async_scheduling": True}
     assert p.cache == {"enable_prefix_caching": False}
     assert d.scheduler == {"max_num_seqs": 64} and d.pp_size == 2
 
