@@ -171,6 +171,41 @@ class TorchAttention:
             if self.kernel is not None:
                 self.name = "torch-sdpa+cpu-paged-decode"
 
+    def decode_fused(
+        self,
+        qkv: torch.Tensor,  # [T, (H + 2 KV) * D], not yet rotated
+        positions: torch.Tensor,  # [T] int64
+        rotary_tables: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor | None:
+        """A step of decodes only, on CPU with our kernels: rotary, the cache write and the
+        attention in one C call (``FusedOps.decode_attention``). None when it does not apply
+        (prefill rows, no kernels, an unsupported head shape): the caller takes the separate
+        steps (``rotary_`` and ``forward``)."""
+        ops, kernel = self.ops, self.kernel
+        if (
+            ops is None
+            or kernel is None
+            or meta.num_decodes != qkv.shape[0]
+            or not qkv.is_cpu
+            or qkv.dtype not in FusedOps.dtypes
+            or not kernel.supports(qkv.dtype, self.num_heads, self.num_kv_heads, self.head_dim)
+        ):
+            return None
+        return ops.decode_attention(
+            qkv,
+            positions,
+            rotary_tables,
+            kv_cache[0],
+            kv_cache[1],
+            (meta.slot_blocks, meta.slot_offsets),
+            meta.decode_block_table,
+            meta.decode_seq_lens,
+            self.num_heads,
+            self.scale,
+        )
+
     def forward(
         self,
         q: torch.Tensor,  # [T, H * D]
@@ -206,7 +241,7 @@ class TorchAttention:
         if n and use_kernel:
             assert kernel is not None
             kernel(
-                q3[:n].contiguous(),
+                q3[:n],  # (rows of the fused qkv: the kernel takes their stride)
                 k_cache,
                 v_cache,
                 meta.decode_block_table,
@@ -237,7 +272,7 @@ class TorchAttention:
                 # A short continuation of a cached prefix: each query is a decode row reading
                 # the paged cache in place (no gather copy of the prefix).
                 assert kernel is not None
-                kernel(q3[s:e].contiguous(), k_cache, v_cache, *span.paged, out[s:e], self.scale)
+                kernel(q3[s:e], k_cache, v_cache, *span.paged, out[s:e], self.scale)
                 continue
             qs = q3[s:e].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
             if span.mask is None:  # the chunk is the whole context: use this step's K/V

@@ -85,6 +85,7 @@ def _build() -> Path:
 
 _ARGTYPES: list[Any] = [
     ctypes.c_void_p,  # q
+    ctypes.c_int64,  # q_stride (elements from one sequence's q to the next)
     ctypes.c_void_p,  # k_cache
     ctypes.c_void_p,  # v_cache
     ctypes.c_void_p,  # tables (int64)
@@ -125,7 +126,7 @@ class PagedDecodeKernel:
 
     def __call__(
         self,
-        q: torch.Tensor,  # [S, H, D] contiguous
+        q: torch.Tensor,  # [S, H, D]: heads packed, sequences any stride apart
         k_cache: torch.Tensor,  # [num_blocks, block_size, KV, D], each block contiguous
         v_cache: torch.Tensor,  # the same shape and strides
         tables: torch.Tensor,  # [S, max_blocks] int64 contiguous
@@ -135,6 +136,10 @@ class PagedDecodeKernel:
     ) -> None:
         s, h, d = q.shape
         kvh = k_cache.shape[2]
+        if q.stride()[1:] != (d, 1) or not q.dtype == k_cache.dtype == out.dtype:
+            raise ValueError(f"paged_decode_attention: q strides {q.stride()}, dtypes differ?")
+        if not out.is_contiguous() or tables.dtype != torch.int64:
+            raise ValueError("paged_decode_attention: out contiguous, int64 tables")
         if k_cache.stride()[1:] != (kvh * d, d, 1) or v_cache.stride() != k_cache.stride():
             raise ValueError(
                 f"paged_decode_attention needs contiguous blocks, not strides {k_cache.stride()} "
@@ -142,6 +147,7 @@ class PagedDecodeKernel:
             )
         rc = self._fns[q.dtype](
             q.data_ptr(),
+            q.stride(0),
             k_cache.data_ptr(),
             v_cache.data_ptr(),
             tables.data_ptr(),
@@ -229,6 +235,12 @@ class FusedOps:
             torch.bfloat16: bind("silu_mul_bf16", silu_args),
         }
         self._kv_write = bind("kv_write", [_P, _P, _I64, _I64, _P, _P, _P, _P, _I64, _I64, _I64])
+        decode_args = [_P, _I64, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P]
+        decode_args += [_I, _I, _I, _I, _I, _I, _I64, _F, _I]
+        self._decode = {
+            torch.float32: bind("decode_attention_f32", decode_args),
+            torch.bfloat16: bind("decode_attention_bf16", decode_args),
+        }
 
     def add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
@@ -316,6 +328,44 @@ class FusedOps:
             k_cache.data_ptr(), v_cache.data_ptr(), slot_blocks.data_ptr(),
             slot_offsets.data_ptr(), k.shape[0], row * elem, k_cache.stride(0) * elem,
         )  # fmt: skip
+
+    def decode_attention(
+        self,
+        qkv: torch.Tensor,  # [S, (H + 2 KV) * D]: one decode per row, unit stride inside
+        positions: torch.Tensor,  # [S] int64
+        tables: tuple[torch.Tensor, torch.Tensor],  # rotary cos, sign-folded sin [P, D]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, KV, D], each block contiguous
+        v_cache: torch.Tensor,
+        slots: tuple[torch.Tensor, torch.Tensor],  # [S] int64 blocks, offsets
+        block_table: torch.Tensor,  # [S, max_blocks] int64
+        seq_lens: torch.Tensor,  # [S] int64
+        num_heads: int,
+        scale: float,
+    ) -> torch.Tensor:
+        """A batch of decodes' attention in one call: ``rotary_`` of q and k in place,
+        ``kv_write`` of k and v, the paged decode kernel reading q from the rows. The same
+        kernels in the same order as the three calls: the same bits. Returns [S, H * D]."""
+        s, width = qkv.shape
+        _, block_size, kvh, d = k_cache.shape
+        if qkv.stride(1) != 1 or width != (num_heads + 2 * kvh) * d:
+            raise ValueError(f"decode_attention: rows of {width} for {num_heads}+2x{kvh} heads")
+        if k_cache.stride()[1:] != (kvh * d, d, 1) or v_cache.stride() != k_cache.stride():
+            raise ValueError(f"decode_attention: the cache's blocks are strided {k_cache.stride()}")
+        if not qkv.dtype == k_cache.dtype == tables[0].dtype:
+            raise ValueError("decode_attention: rows, cache and rotary tables differ in dtype")
+        if not (positions.numel() == seq_lens.numel() == block_table.shape[0] == s):
+            raise ValueError("decode_attention: one position, length and table per row")
+        out = torch.empty((s, num_heads * d), dtype=qkv.dtype)
+        rc = self._decode[qkv.dtype](
+            qkv.data_ptr(), qkv.stride(0), positions.data_ptr(), tables[0].data_ptr(),
+            tables[1].data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+            slots[0].data_ptr(), slots[1].data_ptr(), block_table.data_ptr(),
+            seq_lens.data_ptr(), out.data_ptr(), s, num_heads, kvh, d, block_size,
+            block_table.shape[1], k_cache.stride(0), scale, torch.get_num_threads(),
+        )  # fmt: skip
+        if rc != 0:
+            raise RuntimeError(f"decode_attention failed (code {rc})")
+        return out
 
 
 @cache

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from actors.model.attention import AttentionBackend, AttentionMetadata
+from actors.model.attention import AttentionBackend, AttentionMetadata, TorchAttention
 from actors.model.config import ModelConfig
 from actors.model.cpu_kernels import FusedOps, fused_ops
 from actors.model.quant import GroupQuant, Method, QuantizedWeight
@@ -199,15 +199,21 @@ class DecoderLayer(nn.Module):
             lora.apply(self.index, "qkv_proj", h, qkv)
         # q and k are rotated in one pass: they sit side by side in the fused output.
         rotated = self.q_size + self.kv_size
-        if ops is not None:
-            ops.rotary_(qkv, rope_cache.positions, *rope_cache.tables, rotated // rope_cache.dim)
-            q, k = qkv[:, : self.q_size], qkv[:, self.q_size : rotated]
-            v = qkv[:, rotated:]  # the attention reads the cache writes' sources strided
-        else:
-            qk: torch.Tensor = rope_cache.rotate(qkv[:, :rotated])
-            q, k = qk[:, : self.q_size], qk[:, self.q_size :]
-            v = qkv[:, rotated:].contiguous()
-        a = attn.forward(q, k, v, kv_cache, meta)
+        a = None
+        if ops is not None and isinstance(attn, TorchAttention):
+            # A step of decodes: rotary, cache write and attention in one C call.
+            a = attn.decode_fused(qkv, rope_cache.positions, rope_cache.tables, kv_cache, meta)
+        if a is None:
+            if ops is not None:
+                heads = rotated // rope_cache.dim
+                ops.rotary_(qkv, rope_cache.positions, *rope_cache.tables, heads)
+                q, k = qkv[:, : self.q_size], qkv[:, self.q_size : rotated]
+                v = qkv[:, rotated:]  # the attention reads the cache writes' sources strided
+            else:
+                qk: torch.Tensor = rope_cache.rotate(qkv[:, :rotated])
+                q, k = qk[:, : self.q_size], qk[:, self.q_size :]
+                v = qkv[:, rotated:].contiguous()
+            a = attn.forward(q, k, v, kv_cache, meta)
         o = o_proj(a)
         if lora is not None:
             lora.apply(self.index, "o_proj", a, o)

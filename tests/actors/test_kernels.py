@@ -241,3 +241,44 @@ def test_the_kernels_copy_as_this_process_s_own() -> None:
     kernel = paged_decode_kernel()
     assert copy.deepcopy(ops) is ops and pickle.loads(pickle.dumps(ops)) is ops
     assert copy.deepcopy(kernel) is kernel
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_decode_step_in_one_call_equals_the_separate_kernels(dtype: torch.dtype) -> None:
+    """``decode_fused`` (rotary + cache write + paged attention in one C call) gives the same
+    bits as ``rotary_`` then ``forward``: the attention output, the rotated rows, the cache. It
+    declines a step with a prefill row."""
+    ops = fused_ops()
+    assert ops is not None
+    gen = torch.Generator().manual_seed(13)
+    heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
+    lens = [1, 5, 16, 17, 40, 130, 250]
+    num_blocks = sum(-(-n // block_size) for n in lens) + 4
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = [[perm.pop() for _ in range(-(-n // block_size))] for n in lens]
+    meta = AttentionMetadata.build([1] * len(lens), lens, tables, block_size, torch.device("cpu"))
+    kv = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    qkv = torch.randn(len(lens), (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
+    positions = torch.tensor([n - 1 for n in lens])
+    rope = RotaryEmbedding(head_dim, 4096, 10000.0, None, dtype)
+    attn = TorchAttention(heads, kv_heads, head_dim, block_size, use_cpu_kernel=True)
+    tables_ = (rope.cos_table, rope.signed_sin_table)
+
+    rows_a, kv_a = qkv.clone(), kv.clone()
+    got = attn.decode_fused(rows_a, positions, tables_, kv_a, meta)
+    assert got is not None
+    rows_b, kv_b = qkv.clone(), kv.clone()
+    ops.rotary_(rows_b, positions, *tables_, heads + kv_heads)
+    q_size, kv_size = heads * head_dim, kv_heads * head_dim
+    ref = attn.forward(
+        rows_b[:, :q_size],
+        rows_b[:, q_size : q_size + kv_size],
+        rows_b[:, q_size + kv_size :],
+        kv_b,
+        meta,
+    )
+    assert torch.equal(got, ref) and torch.equal(rows_a, rows_b) and torch.equal(kv_a, kv_b)
+
+    mixed = AttentionMetadata.build([1, 3], lens[:2], tables[:2], block_size, torch.device("cpu"))
+    assert attn.decode_fused(qkv[:4].clone(), positions[:4], tables_, kv.clone(), mixed) is None

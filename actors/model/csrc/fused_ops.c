@@ -116,3 +116,34 @@ int kv_write(const char *k, const char *v, int64_t k_stride, int64_t v_stride, c
     }
     return 0;
 }
+
+/* A decode step's attention in one call, for batches of decodes only: rotate q and k of each
+ * fused qkv row in place, write k and v to their cache slots, attend over the paged cache
+ * (paged_attention.c) straight from the rows. The same three kernels the separate calls run,
+ * in the same order, so the results are the same bits. */
+#define DEFINE_DECODE_ATTENTION(NAME, T, ROTARY, ATTEND)                                        \
+int ATTEND(const T *q, int64_t q_stride, const T *k_cache, const T *v_cache,                   \
+           const int64_t *tables, const int64_t *seq_lens, T *out, int num_seqs, int num_heads, \
+           int num_kv_heads, int head_dim, int block_size, int max_blocks,                      \
+           int64_t block_stride, float scale, int num_threads);                                 \
+int NAME(T *qkv, int64_t row_stride, const int64_t *positions, const T *cos_table,             \
+         const T *sin_table, T *k_cache, T *v_cache, const int64_t *blocks,                     \
+         const int64_t *offsets, const int64_t *tables, const int64_t *seq_lens, T *out,        \
+         int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size,           \
+         int max_blocks, int64_t block_stride, float scale, int num_threads) {                  \
+    const int rc = ROTARY(qkv, positions, cos_table, sin_table, num_seqs, row_stride,          \
+                          num_heads + num_kv_heads, head_dim, num_threads);                     \
+    if (rc != 0) return rc;                                                                     \
+    const int64_t q_size = (int64_t)num_heads * head_dim;                                       \
+    const int64_t kv_size = (int64_t)num_kv_heads * head_dim;                                   \
+    kv_write((const char *)(qkv + q_size), (const char *)(qkv + q_size + kv_size),              \
+             row_stride * (int64_t)sizeof(T), row_stride * (int64_t)sizeof(T),                  \
+             (char *)k_cache, (char *)v_cache, blocks, offsets, num_seqs,                       \
+             kv_size * (int64_t)sizeof(T), block_stride * (int64_t)sizeof(T));                  \
+    return ATTEND(qkv, row_stride, k_cache, v_cache, tables, seq_lens, out, num_seqs,          \
+                  num_heads, num_kv_heads, head_dim, block_size, max_blocks, block_stride,      \
+                  scale, num_threads);                                                          \
+}
+
+DEFINE_DECODE_ATTENTION(decode_attention_f32, float, rotary_f32, paged_decode_attention_f32)
+DEFINE_DECODE_ATTENTION(decode_attention_bf16, uint16_t, rotary_bf16, paged_decode_attention_bf16)
