@@ -66,7 +66,7 @@ def _load(model: str | None, quantization: str, dense_min_rows: int = 8) -> Any:
 
 
 def shapes(model: str | None) -> list[dict[str, Any]]:
-    from actors.model.llama import pack_linear
+    from actors.model.linear import pack_linear
     from actors.model.quant import QuantizedWeight
 
     worker = _load(model, "none")

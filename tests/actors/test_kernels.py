@@ -10,7 +10,8 @@ import torch.nn.functional as F
 
 from actors.model.attention import PAGED_PREFILL_MAX_QUERY, AttentionMetadata, TorchAttention
 from actors.model.cpu_kernels import fused_ops, paged_decode_kernel
-from actors.model.llama import RMSNorm, pack_linear
+from actors.model.linear import pack_linear
+from actors.model.llama import RMSNorm
 from actors.model.rope import RotaryEmbedding
 from kv_transfer.blocks import allocate_kv_caches
 

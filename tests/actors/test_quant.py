@@ -14,7 +14,8 @@ import torch
 from pydantic import ValidationError
 
 from actors.model.gguf_dequant import dequantize, group_quant
-from actors.model.llama import Linear, LlamaForCausalLM
+from actors.model.linear import Linear
+from actors.model.llama import LlamaForCausalLM
 from actors.model.loader import load_model
 from actors.model.quant import GroupQuant, QuantizedWeight, concat_rows
 from cluster import LLM, SamplingParams
