@@ -218,13 +218,13 @@ class TorchAttention:
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         # 1. Write every new token's K/V first (same-step prefix sharing reads them).
-        if self.ops is not None and q.device.type == "cpu" and k.dtype in FusedOps.dtypes:
+        written = self.ops is not None and q.device.type == "cpu" and k.dtype in FusedOps.dtypes
+        if written:
+            assert self.ops is not None
             self.ops.kv_write(k, v, k_cache, v_cache, meta.slot_blocks, meta.slot_offsets)
-            k = k.view(t, kvh, d)
-            v = v.view(t, kvh, d)
-        else:
-            k = k.view(t, kvh, d)
-            v = v.view(t, kvh, d)
+        k = k.view(t, kvh, d)
+        v = v.view(t, kvh, d)
+        if not written:
             slots = (meta.slot_blocks, meta.slot_offsets)
             k_cache.index_put_(slots, k)
             v_cache.index_put_(slots, v)
