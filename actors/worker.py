@@ -376,6 +376,7 @@ class ModelWorker:
             "step_seconds": self.step_seconds,
             "device": str(self.device),
             "num_loading": 0 if self.connector is None else self.connector.num_loading(),
+            "kv_reads_started": 0 if self.connector is None else self.connector.num_reads_started,
             "kv_transport": None if self.connector is None else self.connector.transport,
             "kv_peers": 0 if self.connector is None else self.connector.num_peers(),
             "ucx_tls": os.environ.get("UCX_TLS"),  # nixl: UCX's transports, if restricted

@@ -3,9 +3,9 @@ off to a decode instance with one (each decode read takes the layers of both pre
 leases), prefill and decode workers on different Ray nodes; tokens equal to a colocated run
 with no prompt token recomputed; the readers' notifications free the prefill blocks at once;
 a lease nobody reads in time expires (the decode side recomputes); a prefill worker killed
-before the read (recompute, nothing leaked); UCX forced onto TCP (no kernel copy) still
-correct. A real ``ray.cluster_utils.Cluster`` (tests/cluster/conftest). Skipped without the
-``nixl`` extra."""
+before the read, and one killed mid-read (recompute, nothing leaked); UCX forced onto TCP
+(no kernel copy) still correct. A real ``ray.cluster_utils.Cluster`` (tests/cluster/conftest).
+Skipped without the ``nixl`` extra."""
 
 from __future__ import annotations
 
@@ -236,6 +236,67 @@ def test_a_prefill_worker_killed_before_the_read_then_restarted(
         assert _instances(handle)["d-0"]["num_prompt_tokens_computed"] == before  # all read
         history = ray.get(handle.transfer_history.remote())["d-0"]
         assert all(r.ok and r.num_bytes > 0 for r in history[-len(prompts) :])
+        assert_clean(handle)
+    finally:
+        shutdown_cluster(handle)
+
+
+def test_a_prefill_worker_killed_mid_read(ray_cluster: RayCluster, tiny_model: Path) -> None:
+    """The source dies while the decode worker's READ runs. Over UCX's TCP transport a READ
+    needs the source to answer, so the source is stopped (SIGSTOP) once its blocks are
+    leased, the READ is posted to it and cannot finish, and then the source is killed: the
+    read fails (the connection breaks, or the deadline passes), the decode side recomputes
+    the prompt, the client's tokens are the undisturbed ones, and nothing is leaked."""
+    config = cluster_config(
+        tiny_model,
+        [PREFILL, DECODE],
+        router={"disaggregation": "always"},
+        kv_transfer={
+            "transport": "nixl",
+            "timeout_s": 3.0,
+            "lease_s": LEASE_S,
+            "ucx_tls": "tcp",
+        },
+    )
+    handle = build_cluster(config, name="nixl-kill-mid-read", namespace="tandem-tests")
+    try:
+        client = ClusterClient(handle)
+        warm = _prompts(1, seed=21)[0]  # one hand-off first: the endpoint is connected
+        assert token_ids(client.generate([warm], GREEDY)) == generate_in_process(
+            tiny_model, [warm], GREEDY
+        )
+        prompt = _prompts(1, seed=22)[0] + [6] * 16
+        (expected,) = generate_in_process(tiny_model, [prompt], GREEDY)
+        health = ray.get(handle.worker_health.remote())
+        pid, reads_before = health["p-0"]["pid"], health["d-0"]["kv_reads_started"]
+        loads_before = _instances(handle)["d-0"]["num_kv_loads_started"]
+        ray.get(handle.set_fault_injection.remote("d-0", 0.3, 0.0))  # reads start late
+
+        async def run() -> list[int]:
+            tokens: list[int] = []
+            async for out in client.generate_async(prompt, GREEDY):
+                if not tokens:  # the prefill instance's token: its blocks are leased now
+                    os.kill(pid, signal.SIGSTOP)
+                    # The decode side starts the load, and posts the READ 0.3 s later.
+                    while _instances(handle)["d-0"]["num_kv_loads_started"] == loads_before:
+                        await asyncio.sleep(0.02)
+                    await asyncio.sleep(0.8)
+                    os.kill(pid, signal.SIGKILL)
+                tokens += out.outputs[0].new_token_ids
+            return tokens
+
+        assert asyncio.run(run()) == expected
+        health = ray.get(handle.worker_health.remote())
+        # The READ was posted (to the stopped source) before it failed: a read, not a
+        # refusal to start one.
+        assert health["d-0"]["kv_reads_started"] == reads_before + 1
+        history = ray.get(handle.transfer_history.remote())["d-0"]
+        assert not history[-1].ok and history[-1].num_bytes == 0
+        # Found by the broken connection (0.05 s after the kill here), before the deadline.
+        assert history[-1].seconds < 3.0
+        stats = _instances(handle)
+        assert stats["d-0"]["num_prompt_tokens_computed"] >= len(prompt)  # recomputed
+        ray.get(handle.set_fault_injection.remote("d-0", 0.0, 0.0))
         assert_clean(handle)
     finally:
         shutdown_cluster(handle)
