@@ -65,17 +65,26 @@ def measure_steps(
     block_size: int = 16,
     repeats: int = 2,
     max_num_batched_tokens: int = 2048,
+    quantization: str = "auto",
 ) -> tuple[list[tuple[StepShape, float]], dict[str, Any]]:
     """Time the engine's steps over the calibration scenarios (after a warm-up); returns
-    (shape, seconds) per step and what the model is (its KV bytes per token)."""
+    (shape, seconds) per step and what the model is (its KV bytes per token, the weights'
+    form: ``quantization`` as a pool would run it)."""
     from actors.worker import ModelWorker
     from scheduler import Request, SamplingParams
 
-    worker = ModelWorker(model, block_size=block_size, num_threads=num_threads, progress=False)
+    worker = ModelWorker(
+        model,
+        block_size=block_size,
+        num_threads=num_threads,
+        progress=False,
+        quantization=quantization,
+    )
     worker.load_model()
     num_blocks = 2048
     worker.init_kv_cache(num_blocks)
     info = worker.info()
+    vocab = min(1000, int(info["vocab_size"]))  # prompt token ids below this
     rng = random.Random(0)
     ids = itertools.count()
     samples: list[tuple[StepShape, float]] = []
@@ -85,7 +94,7 @@ def measure_steps(
         tracker = ShapeTracker()
         for prompt_len, out_len in zip(prompts, outputs, strict=True):
             params = SamplingParams(max_tokens=out_len, ignore_eos=True, temperature=0.0)
-            prompt = [rng.randrange(3, 1000) for _ in range(prompt_len)]
+            prompt = [rng.randrange(3, vocab) for _ in range(prompt_len)]
             scheduler.add_request(Request(f"cal-{next(ids)}", prompt, params))
         while scheduler.has_requests():
             out = scheduler.schedule()
@@ -98,23 +107,36 @@ def measure_steps(
                 samples.append((shape, seconds))
 
     run([64] * 4, [8] * 4, record=False)  # warm-up
+    fits = int(info["max_position_embeddings"])  # scenarios past it are left out
     for _ in range(repeats):
         for n in PREFILLS:
-            run([n], [1])
+            if n + 1 <= fits:
+                run([n], [1])
         for batch, context in DECODES:
-            run([context] * batch, [12] * batch)
+            if context + 12 <= fits:
+                run([context] * batch, [12] * batch)
         for decodes, context, prefill in MIXED:
             # A batch of short prompts and a longer one, then their decodes.
-            run([context] * decodes + [prefill], [16] * decodes + [4])
+            if max(context + 16, prefill + 4) <= fits:
+                run([context] * decodes + [prefill], [16] * decodes + [4])
     kv_bytes_token = int(info["bytes_per_block"]) // block_size
     return samples, {
         # What an instance of a pool with no KV size set gets (the worker's default).
         "capacity_tokens": worker.size_kv_cache() * block_size,
         "model": Path(info["model_path"]).name,
         "num_threads": num_threads,
+        "quantization": quantization,
+        "weights": weights_held(worker),
         "kv_bytes_per_token": kv_bytes_token,
         "num_layers": info["num_layers"],
     }
+
+
+def weights_held(worker: Any) -> str:
+    """The form the worker's projections are held in: ``dense``, or the methods used
+    (``int4+int8``: a GGUF's Q4 projections and Q8 ones)."""
+    methods = sorted(set(worker.model.quantization.values()))
+    return "+".join(methods) or "dense"
 
 
 def measure_overhead(calls: int = 200) -> float:
@@ -155,10 +177,16 @@ def calibrate(
     block_size: int = 16,
     step_overhead_s: float = 0.0,
     repeats: int = 2,
+    quantization: str = "auto",
 ) -> LinearCostModel:
-    samples, about = measure_steps(model, num_threads, block_size, repeats)
+    """Fit a ``LinearCostModel`` of this machine's engine steps; named after the model, the
+    threads and the form the weights were held in (a step on int4 weights costs about half
+    of a dense one here, so a fit holds for one form only)."""
+    samples, about = measure_steps(
+        model, num_threads, block_size, repeats, quantization=quantization
+    )
     fitted = LinearCostModel.fit(
-        f"cpu:{about['model']}:threads={num_threads}",
+        f"cpu:{about['model']}:threads={num_threads}:{about['weights']}",
         samples,
         kv_bytes_token=about["kv_bytes_per_token"],
         capacity_tokens=about.pop("capacity_tokens"),

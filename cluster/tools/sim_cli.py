@@ -36,6 +36,13 @@ def add_sim_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     cal.add_argument("--model", default=None, help="the model (default: the built-in SmolLM2)")
     cal.add_argument("--threads", type=int, default=1, help="torch threads per instance")
     cal.add_argument("--block-size", type=int, default=16)
+    cal.add_argument(
+        "--quantization",
+        choices=["auto", "none", "int8", "int4"],
+        default="auto",
+        help="the weights' form, as the pools to simulate run them (ClusterConfig "
+        "quantization; default auto)",
+    )
     cal.add_argument("--repeats", type=int, default=2, help="passes over the scenarios")
     overhead = cal.add_mutually_exclusive_group()
     overhead.add_argument(
@@ -218,7 +225,9 @@ def _calibrate(args: argparse.Namespace) -> int:
     if args.measure_overhead:
         overhead = measure_overhead()
         print(f"worker hop: {overhead * 1000:.2f} ms", file=sys.stderr)
-    model = calibrate(args.model, args.threads, args.block_size, overhead, args.repeats)
+    model = calibrate(
+        args.model, args.threads, args.block_size, overhead, args.repeats, args.quantization
+    )
     text = json.dumps(model.coefficients, indent=2)
     print(f"fitted {model.name}: {text}")
     print(
