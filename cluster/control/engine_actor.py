@@ -23,8 +23,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import deque
-from dataclasses import dataclass, replace
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from cluster.config import ClusterConfig
@@ -45,6 +45,9 @@ from scheduler.request import FinishReason
 logger = logging.getLogger(__name__)
 
 CENTRAL_WATCH_S = 5.0  # how often an engine asks whether its central actor still exists
+# How many ended requests an engine remembers (tokens and how they ended) for a client whose
+# stream from it broke, so that their finals can be sent again (``refill``).
+RECENT_FINALS = 4096
 
 
 @dataclass(slots=True)
@@ -118,6 +121,23 @@ class _Route:
     client_request_id: str
     request: Request  # this engine's part (the scheduler's copy)
     client_params: SamplingParams | None  # a prefill part's: its client's
+    # Every output token its client has been sent, from position 0: the engine's own list
+    # (``Held.tokens``), for a refill after a broken stream.
+    tokens: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Final:
+    """How a request placed here ended, with its tokens from position ``offset`` on (0:
+    all of them; ``refill``)."""
+
+    client_request_id: str
+    offset: int
+    tokens: list[int]
+    finish_reason: FinishReason
+    stop_reason: int | str | None
+    num_cached_tokens: int
+    error: str | None
 
 
 @dataclass(slots=True)
@@ -175,6 +195,12 @@ class EngineActor:
         self.engine: InstanceEngine | None = None
         self._outboxes: dict[str, Outbox] = {}
         self._dropped: set[str] = set()
+        # Per client: the number of its latest stream from here (a client whose stream broke
+        # subscribes again; the stream it left stops taking its outputs).
+        self._streams: dict[str, int] = {}
+        self._finals: OrderedDict[tuple[str, Submission], _Final] = OrderedDict()
+        self._break: dict[str | None, bool] = {}  # fault injection: streams to break
+        self.num_refilled = 0  # requests whose outputs were sent again (``refill``)
         self._routes: dict[str, _Route] = {}  # by internal id: the requests placed here
         # Prefilled requests whose hand-off the central scheduler has not confirmed yet: an
         # abort that reaches them here still ends them (their client gets the final).
@@ -302,7 +328,13 @@ class EngineActor:
         kind = item[0]
         engine = self._engine()
         if kind == "add":
-            engine.add([self._placement(p) for p in item[1]])
+            placements = [self._placement(p) for p in item[1]]
+            engine.add(placements)
+            for placement in placements:  # each route shares its request's token list
+                internal = placement.request.request_id
+                held, route = engine.held.get(internal), self._routes.get(internal)
+                if held is not None and route is not None:
+                    route.tokens = held.tokens
         elif kind == "end":
             self._end(item[1], FinishReason(item[2]), item[3])
         elif kind == "abort":
@@ -389,8 +421,28 @@ class EngineActor:
             outbox = self._outbox(route.client_id)
             if outbox is not None:
                 outbox.put(route.submission, out, index)
+                if out.finish_reason is not None:
+                    self._remember(route, out, index)
 
         return sink
+
+    def _remember(self, route: _Route, out: EngineCoreOutput, index: int) -> None:
+        """Keep how a request ended, for a refill (the last ``RECENT_FINALS``)."""
+        assert out.finish_reason is not None
+        offset, tokens = 0, route.tokens
+        if len(tokens) != index + len(out.new_token_ids):  # no token list shared with it
+            offset, tokens = index, list(out.new_token_ids)
+        self._finals[(route.client_id, route.submission)] = _Final(
+            route.client_request_id,
+            offset,
+            tokens,
+            out.finish_reason,
+            out.stop_reason,
+            out.num_cached_tokens,
+            out.error,
+        )
+        if len(self._finals) > RECENT_FINALS:
+            self._finals.popitem(last=False)
 
     def _end(self, internal: str, reason: FinishReason, error: str | None) -> None:
         """End a request with a final output to its client: held here (the engine ends
@@ -430,17 +482,36 @@ class EngineActor:
             outbox = self._outboxes[client_id] = Outbox()
         return outbox
 
-    async def subscribe(self, client_id: str) -> Any:
+    async def subscribe(
+        self, client_id: str, positions: list[tuple[Submission, int]] | None = None
+    ) -> Any:
         """Client ``client_id``'s outputs from this instance, one batch per wake-up (a step's
         outputs of all its requests), packed as ``flights.pack_batch``; ends when the central
-        scheduler drops the client or the engine stops. (A generator: Ray streams those.)"""
+        scheduler drops the client or the engine stops. (A generator: Ray streams those.)
+
+        A client whose stream from here broke while this engine lives subscribes again with
+        ``positions`` (each open request's next output position at the client): what the
+        broken stream may have lost is sent again first (``refill``), and the earlier stream,
+        if it still runs here, stops taking the client's outputs."""
         outbox = self._outbox(client_id)
         if outbox is None:
             return
+        number = self._streams[client_id] = self._streams.get(client_id, 0) + 1
+        if positions:
+            self.refill(client_id, positions)
         outbox.streams += 1
         try:
             while True:
                 batch = await outbox.take()
+                if self._streams.get(client_id) != number:  # a later stream took over
+                    for submission, out, index in batch:
+                        outbox.put(submission, out, index)
+                    return
+                if self._break and (
+                    self._break.pop(client_id, None) is not None
+                    or self._break.pop(None, None) is not None
+                ):
+                    raise ConnectionError("the stream broke (fault injection)")
                 if batch:
                     yield pack_batch(batch)
                 if outbox.closed and not outbox.pending:
@@ -448,8 +519,55 @@ class EngineActor:
         finally:
             outbox.streams -= 1
 
+    def refill(self, client_id: str, positions: list[tuple[Submission, int]]) -> int:
+        """Send client ``client_id`` again, from the position it has (``positions``), the
+        tokens of each of its requests placed here and of those that ended here lately
+        (with their end); returns how many requests were refilled. Tokens sent this way
+        carry no logprobs; the client drops what it already has."""
+        wanted = dict(positions)
+        outbox = self._outbox(client_id)
+        if outbox is None or not wanted:
+            return 0
+        count = 0
+        for route in self._routes.values():
+            start = wanted.get(route.submission)
+            if route.client_id != client_id or start is None or start >= len(route.tokens):
+                continue
+            out = EngineCoreOutput(route.client_request_id, route.tokens[start:])
+            outbox.put(route.submission, out, start)
+            count += 1
+        for submission, start in wanted.items():
+            final = self._finals.get((client_id, submission))
+            if final is None:
+                continue
+            start = min(max(start, final.offset), final.offset + len(final.tokens))
+            out = EngineCoreOutput(
+                final.client_request_id,
+                final.tokens[start - final.offset :],
+                final.finish_reason,
+                final.stop_reason,
+                final.num_cached_tokens,
+                error=final.error,
+            )
+            outbox.put(submission, out, start)
+            count += 1
+        self.num_refilled += count
+        if count:
+            logger.info(
+                "instance %s: refilled %d requests of %s", self.instance_id, count, client_id
+            )
+        return count
+
+    def break_streams(self, client_id: str | None = None) -> None:
+        """Testing: the next batch for ``client_id`` (any client: None) is lost and its
+        stream ends with an error, as if the connection broke; the engine lives on."""
+        self._break[client_id] = True
+
     def _drop_client(self, client_id: str) -> None:
         self._dropped.add(client_id)
+        self._streams.pop(client_id, None)
+        for key in [k for k in self._finals if k[0] == client_id]:
+            del self._finals[key]
         outbox = self._outboxes.pop(client_id, None)
         if outbox is not None:
             outbox.close()
@@ -489,7 +607,7 @@ class EngineActor:
 
     # -- introspection ------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        return self._engine().stats()
+        return {**self._engine().stats(), "num_refilled": self.num_refilled}
 
     def describe_requests(self, internal_ids: list[str]) -> dict[str, RequestPlace]:
         return self._engine().describe_requests(internal_ids)

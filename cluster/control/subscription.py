@@ -31,6 +31,9 @@ RESUME_WAIT_S = 5.0
 # How many ended requests' outcomes a client keeps after their consumers leave, for such a
 # resume: the central actor ends their traces with them.
 RECENT_FINALS = 4096
+# How often a client whose stream from an engine broke asks every engine again for outputs
+# still missing (``Subscription._refill_elsewhere``): after 0.25, 0.5, ... seconds.
+REFILL_TRIES = 5
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +68,7 @@ class Subscription:
         self._ended: dict[int, Outcome] = {}
         self._finals: OrderedDict[int, Outcome] = OrderedDict()
         self._engines: dict[str, asyncio.Task[None]] = {}  # engine actors streamed from
+        self._actors: dict[str, Any] = {}  # their handles
         self._generation = 0  # how often the central actor came back from a restart
         # Submitted, not finished: what a restarted central actor may have to be sent again.
         self._open: dict[int, tuple[Request, dict[str, str] | None]] = {}
@@ -447,16 +451,75 @@ class Subscription:
             if iid not in self._engines:
                 task = self.loop.create_task(self._stream_engine(iid, actor))
                 self._engines[iid] = task
+                self._actors[iid] = actor
 
     async def _stream_engine(self, iid: str, actor: Any) -> None:
+        """Deliver instance ``iid``'s stream. A stream that breaks while the engine lives
+        (it answers a ping) is opened again, carrying each open request's next position:
+        the engine sends again what the broken stream may have lost, and every other engine
+        is asked to as well (a request's first token comes from its prefill engine, the
+        rest from its decode engine). One whose engine died ends: the central actor has
+        its requests move on (``_resume``)."""
+        positions: list[tuple[int, int]] | None = None
         try:
-            async for ref in actor.subscribe.remote(self.client_id):
-                self._deliver_batch(await ref)
-        except Exception as exc:  # the engine died: its requests move on (``_resume``)
-            logger.warning("client %s: instance %s's stream ended: %s", self.client_id, iid, exc)
+            while True:
+                try:
+                    async for ref in actor.subscribe.remote(self.client_id, positions):
+                        self._deliver_batch(await ref)
+                    return
+                except Exception as exc:
+                    if not await _answers(actor):
+                        logger.warning(
+                            "client %s: instance %s's stream ended: %s", self.client_id, iid, exc
+                        )
+                        return
+                    logger.warning(
+                        "client %s: instance %s's stream broke (%s); it lives: streaming "
+                        "again from the positions delivered",
+                        self.client_id,
+                        iid,
+                        exc,
+                    )
+                    positions = self._positions()
+                    self._spawn(self._refill_elsewhere(iid, positions))
+                    await asyncio.sleep(0.05)
         finally:
             if self._engines.get(iid) is asyncio.current_task():
                 del self._engines[iid]
+                self._actors.pop(iid, None)
+
+    def _positions(self) -> list[tuple[int, int]]:
+        """Each open request's next output position here (for a refill)."""
+        return [(s, self._next_index.get(s, 0)) for s in self._open if s not in self._ended]
+
+    async def _refill_elsewhere(self, broken: str, positions: list[tuple[int, int]]) -> None:
+        """After the stream from ``broken`` broke: ask every other engine to send again
+        what it holds of the open requests from ``positions``; then, a few times over
+        about ``REFILL_TRIES`` seconds, ask every engine again for the requests still
+        missing an output before one that came (a first token lost while its request moved
+        from its prefill engine to its decode engine is then held by the latter)."""
+        await self._refill([i for i in self._actors if i != broken], positions)
+        for attempt in range(REFILL_TRIES):
+            await asyncio.sleep(0.25 * (attempt + 1))
+            gaps = [
+                (s, self._next_index.get(s, 0))
+                for s, early in self._early.items()
+                if early and s in self._open
+            ]
+            if not gaps:
+                return
+            await self._refill(list(self._actors), gaps)
+        logger.warning("client %s: outputs still missing after refills", self.client_id)
+
+    async def _refill(self, iids: list[str], positions: list[tuple[int, int]]) -> None:
+        for iid in iids:
+            actor = self._actors.get(iid)
+            if actor is None:
+                continue
+            try:
+                await actor.refill.remote(self.client_id, positions)
+            except Exception as exc:  # gone: its requests move on (``_resume``)
+                logger.warning("client %s: no refill from %s: %s", self.client_id, iid, exc)
 
     def _keep_alive(self) -> None:
         """(A thread.) Tell the actor every second that this client lives: if the process
@@ -464,6 +527,19 @@ class Subscription:
         while not self._stop.is_set():
             self.handle.keepalive.remote(self.client_id)
             self._stop.wait(KEEPALIVE_S)
+
+
+async def _answers(actor: Any) -> bool:
+    """Whether engine actor ``actor`` answers a ping within ``RESUME_WAIT_S``."""
+    try:
+        await asyncio.wait_for(_awaited(actor.ping.remote()), RESUME_WAIT_S)
+    except Exception:
+        return False
+    return True
+
+
+async def _awaited(ref: Any) -> Any:
+    return await ref
 
 
 def _central_gone(exc: BaseException) -> bool:

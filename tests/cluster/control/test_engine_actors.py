@@ -541,6 +541,68 @@ def test_a_killed_worker_moves_its_requests_to_another_engine(
     assert stats["num_moves"] >= 1 and not stats["instances"]["d-0"]["alive"]
 
 
+def _refilled(handle: Any) -> int:
+    return sum(i.get("num_refilled", 0) for i in _instances(handle).values())
+
+
+def test_a_stream_that_breaks_while_its_engine_lives_goes_on_without_a_move(
+    engines: Any, client: ClusterClient, tiny_model: Path
+) -> None:
+    """Each decode engine's stream to the client breaks mid-stream, losing a batch of
+    tokens, while the engines live: the client streams from them again, carrying the
+    positions it has, and they send the lost tokens again -- output equal to the
+    undisturbed one, no request moved or recomputed."""
+    decodes = [i for i, s in _instances(engines).items() if s["alive"] and i.startswith("d")]
+    for iid in decodes:
+        ray.get(engines.set_fault_injection.remote(iid, 0.0, 0.03))
+    prompts = _prompts(6, seed=17)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    expected = generate_in_process(tiny_model, prompts, params)
+    moves = ray.get(engines.stats.remote())["num_moves"]
+    refilled = _refilled(engines)
+    handles = ray.get(engines.engine_handles.remote())
+    seen: dict[int, int] = {}
+
+    async def collect(i: int) -> Any:
+        final = None
+        async for out in client.generate_async(prompts[i], params, request_id=f"br{i}"):
+            seen[i] = len(out.outputs[0].token_ids)
+            final = out
+        return final
+
+    async def run() -> list[Any]:
+        tasks = [asyncio.ensure_future(collect(i)) for i in range(len(prompts))]
+        await _until(lambda: len(seen) == len(prompts) and min(seen.values()) >= 3)
+        for iid in decodes:  # the next batch each sends this client is lost
+            await handles[iid].break_streams.remote()
+        return list(await asyncio.gather(*tasks))
+
+    outs = asyncio.run(asyncio.wait_for(run(), 120))
+    assert token_ids(outs) == expected
+    assert all(o.outputs[0].finish_reason == "length" for o in outs)
+    stats = ray.get(engines.stats.remote())
+    assert stats["num_moves"] == moves  # nothing moved: the engines went on
+    assert all(stats["instances"][iid]["alive"] for iid in decodes)
+    assert _refilled(engines) > refilled  # the lost tokens came again
+
+
+def test_a_first_token_lost_with_the_prefill_engines_stream_comes_again(
+    engines: Any, client: ClusterClient, tiny_model: Path
+) -> None:
+    """The prefill engine's stream breaks with the request's first token in the lost
+    batch, while the request moves on to a decode engine: the client asks the engines
+    again for what comes before the outputs it holds back, and the stream is whole."""
+    prompts = _prompts(3, seed=18)
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    expected = generate_in_process(tiny_model, prompts, params)
+    refilled = _refilled(engines)
+    handles = ray.get(engines.engine_handles.remote())
+    for prompt, want in zip(prompts, expected, strict=True):
+        ray.get(handles["p-0"].break_streams.remote())  # its next batch: the first token
+        assert token_ids(client.generate([prompt], params)) == [want]
+    assert _refilled(engines) >= refilled + len(prompts)
+
+
 def _two_slow_decode_engines(engines: Any, client: ClusterClient) -> str:
     """Two live decode instances (a dead one replaced), each step slowed so streams last;
     returns the newer one (the one a test takes down)."""
