@@ -18,8 +18,11 @@ Attribute names follow the OpenTelemetry GenAI conventions (``gen_ai.*``); ours 
 from __future__ import annotations
 
 import atexit
+import contextlib
+import contextvars
 import logging
 import os
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -75,7 +78,7 @@ def init_tracing(config: TracingConfig, component: str) -> Tracer | None:
             attributes["tandem.node_id"] = node
         resource = Resource.create(attributes)
         sampler = ParentBased(TraceIdRatioBased(config.sampling_ratio))
-        _provider = TracerProvider(resource=resource, sampler=sampler)
+        _provider = TracerProvider(resource=resource, sampler=sampler, id_generator=_id_generator())
         _provider.add_span_processor(
             BatchSpanProcessor(_exporter(config), schedule_delay_millis=config.export_delay_ms)
         )
@@ -140,3 +143,62 @@ def extract(carrier: dict[str, str] | None) -> Any:
     from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
     return TraceContextTextMapPropagator().extract(carrier)
+
+
+# Ids the next span started in this context takes (``given_ids``), instead of random ones.
+_given: contextvars.ContextVar[tuple[int, int] | None] = contextvars.ContextVar(
+    "tandem_given_span_ids", default=None
+)
+PARENT_KEY = "tandem-parent"  # a root carrier's entry: the root's own parent (traceparent)
+
+
+def _id_generator() -> Any:
+    from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
+
+    class Ids(RandomIdGenerator):
+        """Random ids, but for a span started under ``given_ids``."""
+
+        def generate_span_id(self) -> int:
+            given = _given.get()
+            return super().generate_span_id() if given is None else given[1]
+
+        def generate_trace_id(self) -> int:
+            given = _given.get()
+            return super().generate_trace_id() if given is None else given[0]
+
+    return Ids()
+
+
+@contextlib.contextmanager
+def given_ids(trace_id: int, span_id: int) -> Iterator[None]:
+    """Spans started inside take these ids (at most one should): a span made again in
+    another process -- a restarted central scheduler's root of a request in flight, whose
+    children elsewhere name it as their parent."""
+    token = _given.set((trace_id, span_id))
+    try:
+        yield
+    finally:
+        _given.reset(token)
+
+
+def root_carrier(span: Span) -> dict[str, str]:
+    """``inject(span)``, plus the span's own parent (``PARENT_KEY``), so that a process
+    holding the carrier can have the span made again, in place (``remade_root``)."""
+    carrier = inject(span)
+    parent = getattr(span, "parent", None)  # an SDK span's parent SpanContext
+    if parent is not None and parent.is_valid:
+        flags = int(parent.trace_flags)
+        carrier[PARENT_KEY] = f"00-{parent.trace_id:032x}-{parent.span_id:016x}-{flags:02x}"
+    return carrier
+
+
+def remade_root(carrier: dict[str, str]) -> tuple[int, int, Any] | None:
+    """From a ``root_carrier``: (trace id, span id) of the root it names and the context of
+    the root's parent (None: it had none); None if the carrier names no span."""
+    from opentelemetry.trace import get_current_span
+
+    root = get_current_span(extract(carrier)).get_span_context()
+    if not root.is_valid:
+        return None
+    parent = extract({"traceparent": carrier[PARENT_KEY]}) if PARENT_KEY in carrier else None
+    return root.trace_id, root.span_id, parent

@@ -165,6 +165,25 @@ class EngineReport:
     # ("ttft" or "tpot", seconds) of requests measured here since the last report (engine
     # actors: the autoscaler's signals; an in-process engine's go to the actor directly).
     latencies: list[tuple[str, float]] = field(default_factory=list)
+    # Engine actors: what the root span of each traced request that finished needs, should
+    # the central actor not know the request (it restarted and lost it: ``EndedTrace``).
+    ended_traces: dict[str, EndedTrace] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class EndedTrace:
+    """A traced request that finished on an engine actor: its root span's carrier
+    (``root_carrier``) and what the span says, for a central actor that has to make the
+    root again (``restart.end_remade_root``)."""
+
+    carrier: dict[str, str]
+    request_id: str
+    prompt_tokens: int
+    # Wall-clock ns, as the engine's own spans (a report may wait for a restarting central
+    # actor: an age would grow by the wait).
+    arrival_ns: int
+    ended_ns: int
+    outcome: tuple[str, str | None, int] | None  # as ``EngineReport.outcomes``
 
 
 def _discard(loop: EngineLoop, outputs: list[EngineCoreOutput]) -> None:

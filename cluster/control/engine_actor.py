@@ -29,6 +29,7 @@ from typing import Any
 
 from cluster.config import ClusterConfig
 from cluster.control.engine import (
+    EndedTrace,
     EngineReport,
     InstanceEngine,
     Lost,
@@ -38,6 +39,7 @@ from cluster.control.engine import (
 )
 from cluster.control.flights import Outbox, Submission, pack_batch
 from cluster.control.placement import InstanceSpec
+from cluster.observability.request_trace import wall_ns
 from scheduler import Request, SamplingParams
 from scheduler.outputs import EngineCoreOutput
 from scheduler.request import FinishReason
@@ -94,6 +96,12 @@ def rebase_report(report: EngineReport, delta: float) -> None:
         lost.scheduled_at = shift(lost.scheduled_at, delta)
 
 
+def sequence_of(internal_id: str) -> int:
+    """The central actor's sequence number in an internal id (``{request id}@{n}``)."""
+    tail = internal_id.rpartition("@")[2]
+    return int(tail) if tail.isdigit() else 0
+
+
 def _plain(report: EngineReport) -> bool:
     """A step's report that may be merged with the next one."""
     return not (report.lost or report.failure or report.rejoined)
@@ -108,6 +116,7 @@ def coalesce(into: EngineReport, later: EngineReport) -> EngineReport:
     later.outcomes = {**into.outcomes, **later.outcomes}
     later.kv_unread[:0] = into.kv_unread
     later.latencies[:0] = into.latencies
+    later.ended_traces = {**into.ended_traces, **later.ended_traces}
     return later
 
 
@@ -121,6 +130,8 @@ class _Route:
     client_request_id: str
     request: Request  # this engine's part (the scheduler's copy)
     client_params: SamplingParams | None  # a prefill part's: its client's
+    trace_context: dict[str, str] | None = None  # its root span (``root_carrier``), if traced
+    arrival_time: float = 0.0  # when its client sent it (this process's clock)
     # Every output token its client has been sent, from position 0: the engine's own list
     # (``Held.tokens``), for a refill after a broken stream.
     tokens: list[int] = field(default_factory=list)
@@ -168,6 +179,7 @@ class EngineSnapshot:
     summary: Any  # an EngineSummary whose events rebuild the prefix index from nothing
     held: list[HeldSnapshot]
     adapters: Any = None  # the LoRA registry the central actor gave it (``adapters.Registry``)
+    max_seq: int = 0  # the highest sequence number of the internal ids placed here
 
 
 class EngineActor:
@@ -201,6 +213,10 @@ class EngineActor:
         self._finals: OrderedDict[tuple[str, Submission], _Final] = OrderedDict()
         self._break: dict[str | None, bool] = {}  # fault injection: streams to break
         self.num_refilled = 0  # requests whose outputs were sent again (``refill``)
+        # Ended traces of reports the central actor did not get (it was away): sent with the
+        # next report, so that a restarted one can end their roots.
+        self._unsent_traces: dict[str, EndedTrace] = {}
+        self._max_seq = 0  # of the internal ids placed here (for a restarted central actor)
         self._routes: dict[str, _Route] = {}  # by internal id: the requests placed here
         # Prefilled requests whose hand-off the central scheduler has not confirmed yet: an
         # abort that reaches them here still ends them (their client gets the final).
@@ -362,6 +378,7 @@ class EngineActor:
     def _placement(self, wire: WirePlacement) -> Placement:
         rebase_placement(wire, time.monotonic())
         internal = wire.request.request_id
+        self._max_seq = max(self._max_seq, sequence_of(internal))
         trace = None
         if self.observe.tracer is not None and wire.trace_context:
             trace = self._part_trace(wire)
@@ -371,6 +388,8 @@ class EngineActor:
             wire.client_request_id,
             wire.request,
             wire.client_params,
+            wire.trace_context,
+            wire.arrival_time,
         )
         return Placement(
             wire.request,
@@ -579,7 +598,16 @@ class EngineActor:
         for prefilled in report.prefilled:  # (a copy: the report's is rebased when sent)
             self._awaiting[prefilled.internal_id] = replace(prefilled)
         for internal in report.finished:
-            self._routes.pop(internal, None)
+            route = self._routes.pop(internal, None)
+            if route is not None and route.trace_context:
+                report.ended_traces[internal] = EndedTrace(
+                    route.trace_context,
+                    route.client_request_id,
+                    route.request.num_prompt_tokens,
+                    wall_ns(route.arrival_time),
+                    time.time_ns(),
+                    report.outcomes.get(internal),
+                )
         for lost in report.lost:
             self._routes.pop(lost.internal_id, None)
         queue = self._outgoing
@@ -597,11 +625,17 @@ class EngineActor:
             self._wake.clear()
             while self._outgoing:
                 report = self._outgoing.popleft()
+                if self._unsent_traces:
+                    report.ended_traces = {**self._unsent_traces, **report.ended_traces}
+                    self._unsent_traces = {}
                 rebase_report(report, -time.monotonic())  # ages as of now: it leaves now
                 try:
                     await self.central.report.remote(report)
                 except Exception as exc:
                     logger.warning("instance %s: a report was lost: %s", self.instance_id, exc)
+                    self._unsent_traces.update(report.ended_traces)  # sent again later
+                    while len(self._unsent_traces) > RECENT_FINALS:
+                        del self._unsent_traces[next(iter(self._unsent_traces))]
                 # Not kept while idle: its KV handles (object references) pin their objects.
                 del report
 
@@ -697,4 +731,5 @@ class EngineActor:
             summary,
             held,
             self._adapters,
+            self._max_seq,
         )

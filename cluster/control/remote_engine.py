@@ -24,7 +24,7 @@ from cluster.config import ClusterConfig
 from cluster.control.engine import EngineReport, Lost, Placement
 from cluster.control.engine_actor import EngineActor, WirePlacement, rebase_placement, shift
 from cluster.control.placement import InstanceSpec
-from kv_transfer.tracing import inject
+from kv_transfer.tracing import root_carrier
 from scheduler.request import FinishReason
 
 logger = logging.getLogger(__name__)
@@ -217,7 +217,7 @@ class RemoteEngine:
                 p.first_token_at,
                 p.last_token_at,
                 p.client_params,
-                None if p.trace is None or p.trace.root is None else inject(p.trace.root),
+                None if p.trace is None or p.trace.root is None else root_carrier(p.trace.root),
             )
             rebase_placement(wire, delta)
             wires.append(wire)

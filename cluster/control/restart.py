@@ -15,7 +15,9 @@ its state -- an engine's report, a client's keep-alive or submit -- starts the r
 
 Calls that arrive meanwhile wait for it (``submit`` at most ``RECOVERY_WAIT_S``, then a clear
 ``UnavailableError``: HTTP 503). The LoRA registry, adapters loaded at run time included,
-comes from the engines, which keep the central actor's copy. What is not rebuilt: the failure
+comes from the engines, which keep the central actor's copy. So do the root spans of traced
+requests in flight (made again with the same ids: the engines' spans name them as their
+parent; ``tandem.remade`` marks them). What is not rebuilt: the failure
 history and move count, requests an engine reported lost while the central actor was away (a
 worker failing during its restart: a double fault), and requests of a dead engine that were
 waiting for their clients' tokens (``control/migration.py``).
@@ -29,7 +31,8 @@ import logging
 import time
 from typing import Any
 
-from cluster.control.engine_actor import EngineSnapshot, shift
+from cluster.control.engine import EndedTrace
+from cluster.control.engine_actor import EngineSnapshot, sequence_of, shift
 from cluster.control.flights import Flight, clone_request
 from cluster.errors import UnavailableError
 
@@ -54,6 +57,9 @@ class Restart:
     recovering: bool
     _recovery: asyncio.Task[None] | None
     _held_reports: list[Any]
+    _first_own_seq: int
+    _taken_on: set[str]
+    observe: Any
 
     def _on_report(self, report: Any) -> None:  # the actor's
         raise NotImplementedError
@@ -75,6 +81,15 @@ class Restart:
             raise UnavailableError(
                 "the central scheduler is restarting and has not recovered yet; retry"
             ) from None
+
+    def _lost_root(self, internal_id: str) -> bool:
+        """A traced request of the previous process that this one did not take on: it
+        finished while the central actor was away, and its root span died unexported."""
+        return (
+            self.observe.tracer is not None
+            and sequence_of(internal_id) < self._first_own_seq
+            and internal_id not in self._taken_on
+        )
 
     async def _recover(self) -> None:
         try:
@@ -154,14 +169,16 @@ async def rebuild(actor: Any) -> None:
         actor.engines[iid] = engine
         engine.start()
     now = time.monotonic()
-    last = 0
+    # Every id the previous process gave, held here or not: this one's come after them.
+    last = max(snap.max_seq for _, snap in found)
     handoffs = []
     # Held requests first: a request both decoding on one engine and awaiting its hand-off
     # on another (the restart fell between the two) is the decoding one.
     held = [(snap.spec.instance_id, h) for _, snap in found for h in snap.held]
     held.sort(key=lambda pair: pair[1].prefilled is not None)
     for iid, h in held:
-        last = max(last, _sequence(h.internal_id))
+        last = max(last, sequence_of(h.internal_id))
+        actor._taken_on.add(h.internal_id)
         route = h.route
         taken = actor.flights.get(route.client_request_id)
         mine = (route.client_id, route.submission)
@@ -188,6 +205,7 @@ async def rebuild(actor: Any) -> None:
         flight.scheduled_at = shift(h.scheduled_at, now)
         flight.first_token_at = shift(h.first_token_at, now)
         flight.last_token_at = shift(h.last_token_at, now)
+        flight.trace = _remade_trace(actor, h.route.trace_context, request)
         actor.flights[h.route.client_request_id] = flight
         actor._internal[h.internal_id] = flight
         if h.prefilled is not None:
@@ -197,6 +215,7 @@ async def rebuild(actor: Any) -> None:
             handoffs.append((iid, flight, prefilled))
     actor.lora.restore([snap.adapters for _, snap in found if snap.adapters is not None])
     actor._seq = itertools.count(last + 1)
+    actor._first_own_seq = last + 1
     actor.started = True
     actor._spawn(actor.clients.reap_silent())
     if actor.autoscaler.enabled:
@@ -215,9 +234,61 @@ async def rebuild(actor: Any) -> None:
     )
 
 
-def _sequence(internal_id: str) -> int:
-    tail = internal_id.rpartition("@")[2]
-    return int(tail) if tail.isdigit() else 0
+def _remade_trace(actor: Any, carrier: dict[str, str] | None, request: Any) -> Any:
+    """The root span of a traced request in flight, made again with the ids its engines'
+    spans name as their parent (it died unexported with the previous process), from its
+    arrival; it ends when an engine reports the request finished, as the first would have."""
+    tracer = actor.observe.tracer
+    if tracer is None or not carrier:
+        return None
+    from cluster.observability.request_trace import RequestTrace
+    from kv_transfer.tracing import given_ids, remade_root
+
+    ids = remade_root(carrier)
+    if ids is None:
+        return None
+    trace_id, span_id, parent = ids
+    with given_ids(trace_id, span_id):
+        trace = RequestTrace(
+            tracer,
+            parent,
+            request.request_id,
+            request.num_prompt_tokens,
+            request.arrival_time,
+            root_only=True,
+        )
+    if trace.root is not None:
+        trace.root.set_attribute("tandem.remade", True)  # after the central actor's restart
+        trace.root.add_event("central_restart")
+    return trace
+
+
+def end_remade_root(actor: Any, ended: EndedTrace) -> None:
+    """Make again, and end as it ended, the root span of a traced request that finished on
+    an engine while the central actor was away (``_lost_root``)."""
+    from cluster.observability.request_trace import RequestTrace
+    from kv_transfer.tracing import given_ids, remade_root
+
+    ids = remade_root(ended.carrier)
+    if ids is None:
+        return
+    trace_id, span_id, parent = ids
+    arrival = time.monotonic() - (time.time_ns() - ended.arrival_ns) / 1e9
+    with given_ids(trace_id, span_id):
+        trace = RequestTrace(
+            actor.observe.tracer,
+            parent,
+            ended.request_id,
+            ended.prompt_tokens,
+            arrival,
+            root_only=True,
+        )
+    if trace.root is None:
+        return
+    trace.root.set_attribute("tandem.remade", True)
+    trace.root.add_event("central_restart")
+    reason, error, num_tokens = ended.outcome or ("stop", None, 0)
+    trace.finish(reason, error, num_tokens, end_time=ended.ended_ns)
 
 
 async def _kv_transport_in_use(actor: Any, specs: list[Any]) -> None:

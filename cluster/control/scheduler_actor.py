@@ -45,7 +45,7 @@ from cluster.control.migration import Migration, _replay
 from cluster.control.observer import RequestObserver
 from cluster.control.operations import ClusterOperations
 from cluster.control.placement import InstanceSpec, StartInstances
-from cluster.control.restart import Restart, was_restarted
+from cluster.control.restart import Restart, end_remade_root, was_restarted
 from cluster.control.router import Route, Router
 from cluster.control.summaries import InstanceView
 from scheduler import Request
@@ -111,6 +111,10 @@ class SchedulerActor(Intake, KVPeers, Migration, Restart, ClusterOperations):
         self.recovering = config.engine_actors and was_restarted()
         self._recovery: asyncio.Task[None] | None = None
         self._held_reports: list[EngineReport] = []  # reports that came during the rebuild
+        # After a restart: internal ids below this sequence number were given by the previous
+        # process; of those, the ones this process took on (``restart.rebuild``).
+        self._first_own_seq = 0
+        self._taken_on: set[str] = set()
         self._orphans = {}  # a dead engine's requests, waiting for their clients' tokens
         self._start_instances = start_instances
         self._last_index: dict[str, int] = {}
@@ -404,6 +408,10 @@ class SchedulerActor(Intake, KVPeers, Migration, Restart, ClusterOperations):
                 outcome = report.outcomes.get(internal)
                 if flight.trace is not None and outcome is not None and self.engines[iid].remote:
                     flight.trace.finish(*outcome)  # the root span; the engine ended its own
+        for internal, ended in report.ended_traces.items():  # (with those of lost reports)
+            if internal not in self._internal and self._lost_root(internal):
+                self._taken_on.add(internal)  # (once)
+                end_remade_root(self, ended)
         for prefilled in report.prefilled:
             flight = self._internal.get(prefilled.internal_id)
             if flight is not None and flight.instance == iid and not flight.aborting:

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from opentelemetry.trace import Span, Tracer
 
 
-def _ns(monotonic: float) -> int:
+def wall_ns(monotonic: float) -> int:
     """A ``time.monotonic()`` instant as the wall-clock nanoseconds spans use."""
     return time.time_ns() - int((time.monotonic() - monotonic) * 1e9)
 
@@ -61,7 +61,7 @@ class RequestTrace:
                 "tandem.request",
                 context=parent,
                 kind=SpanKind.INTERNAL,
-                start_time=_ns(arrival),
+                start_time=wall_ns(arrival),
                 attributes={
                     "tandem.request_id": request_id,
                     "gen_ai.usage.input_tokens": prompt_tokens,
@@ -86,7 +86,7 @@ class RequestTrace:
         return self.tracer.start_span(
             name,
             context=context,
-            start_time=None if start is None else _ns(start),
+            start_time=None if start is None else wall_ns(start),
             attributes={k.replace("__", "."): v for k, v in attributes.items() if v is not None},
         )
 
@@ -102,9 +102,9 @@ class RequestTrace:
             span.add_event(name, attributes)
 
     @staticmethod
-    def _end(span: Span | None) -> None:
+    def _end(span: Span | None, end_time: int | None = None) -> None:
         if span is not None and span.is_recording():
-            span.end()
+            span.end(end_time)
 
     def scheduled(self, instance: str, role: str, node: str | None) -> None:
         """The request's first step on ``instance`` (ends the queue, starts prefill)."""
@@ -176,9 +176,15 @@ class RequestTrace:
     def moved(self, reason: str) -> None:
         self._event("moved", {"tandem.reason": reason})
 
-    def finish(self, reason: str, error: str | None, output_tokens: int | None = None) -> None:
+    def finish(
+        self,
+        reason: str,
+        error: str | None,
+        output_tokens: int | None = None,
+        end_time: int | None = None,
+    ) -> None:
         """The request ended (``output_tokens``: its count when another process streamed
-        them: a root-only trace)."""
+        them: a root-only trace; ``end_time``: when, in wall-clock ns, if not now)."""
         from opentelemetry.trace import Status, StatusCode
 
         if output_tokens is not None:
@@ -194,4 +200,4 @@ class RequestTrace:
             if error:
                 self.root.set_status(Status(StatusCode.ERROR, error))
         for span in (self.queue, self.prefill, self.transfer, self.decode, self.root):
-            self._end(span)
+            self._end(span, end_time)

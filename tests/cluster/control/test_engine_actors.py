@@ -510,6 +510,102 @@ def test_one_trace_across_the_central_actor_and_both_engines(
         receiver.stop()
 
 
+def test_a_restarted_central_scheduler_makes_the_root_spans_again(
+    ray_cluster: RayCluster, tiny_model: Path
+) -> None:
+    """The central actor is killed while two traced requests decode: their root spans die
+    unexported with it. One request ends while the actor is away, the other is still
+    running when the restarted actor rebuilds its state. Both roots are made again with
+    their first ids, so the engines' spans keep their parent, under the caller's span,
+    from the request's arrival to its end, with its usage."""
+    from kv_transfer.tracing import inject
+    from tests.cluster.conftest import OTLPReceiver, span_attributes
+
+    receiver = OTLPReceiver()
+    config = cluster_config(
+        tiny_model,
+        [PREFILL, DECODE],
+        router={"disaggregation": "always"},
+        engine_actors=True,
+        tracing={"enabled": True, "otlp_endpoint": receiver.endpoint, "export_delay_ms": 100},
+    )
+    handle = build_cluster(config, name="engine-actors-traced-restart", namespace="tandem-tests")
+    try:
+        from opentelemetry.sdk.trace import TracerProvider
+
+        tracer = TracerProvider().get_tracer("test")
+        callers = []
+        for name in ("short", "long"):
+            with tracer.start_as_current_span(name) as caller:
+                callers.append((caller, inject(caller)))
+        ray.get(handle.set_fault_injection.remote("d-0", 0.0, 0.1))
+        client = ClusterClient(handle)
+        short = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+        long = SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True)
+        prompts = _prompts(2, 19)
+        expected = [
+            generate_in_process(tiny_model, [prompts[0]], short)[0],
+            generate_in_process(tiny_model, [prompts[1]], long)[0],
+        ]
+        first_pid = ray.get(handle.stats.remote())["pid"]
+        seen = [0, 0]
+
+        async def collect(i: int, params: SamplingParams) -> list[int]:
+            tokens: list[int] = []
+            async for out in client.generate_async(prompts[i], params, trace_context=callers[i][1]):
+                tokens = list(out.outputs[0].token_ids)
+                seen[i] = len(tokens)
+            return tokens
+
+        async def run() -> list[list[int]]:
+            tasks = [
+                asyncio.ensure_future(collect(0, short)),
+                asyncio.ensure_future(collect(1, long)),
+            ]
+            await _until(lambda: seen[0] >= 9 and seen[1] >= 5)  # both decoding on d-0
+            ray.kill(handle, no_restart=False)  # the short one ends before it is back
+            return list(await asyncio.gather(*tasks))
+
+        assert asyncio.run(asyncio.wait_for(run(), 120)) == expected
+
+        def restarted() -> bool:  # a new process, rebuilt
+            with contextlib.suppress(ray.exceptions.RayError):
+                return bool(ray.get(handle.stats.remote())["pid"] != first_pid)
+            return False
+
+        wait_until(restarted, 60, "the central scheduler to come back")
+        wanted = {"tandem.request", "tandem.queue", "tandem.prefill", "tandem.decode"}
+        wanted.add("tandem.kv_transfer")
+        for (caller, _), want in zip(callers, expected, strict=True):
+            trace_id = caller.get_span_context().trace_id.to_bytes(16, "big")
+            wait_until(
+                lambda trace_id=trace_id: wanted <= {s.name for _, s in receiver.trace(trace_id)},
+                30,
+                "the request's spans, its remade root included, at the OTLP receiver",
+            )
+            names = [s.name for _, s in receiver.trace(trace_id)]
+            assert names.count("tandem.request") == 1, names
+            spans = {s.name: s for _, s in receiver.trace(trace_id)}
+            root = spans["tandem.request"]
+            assert root.parent_span_id == caller.get_span_context().span_id.to_bytes(8, "big")
+            for name in ("tandem.prefill", "tandem.kv_transfer", "tandem.decode"):
+                assert spans[name].parent_span_id == root.span_id, name
+            attributes = span_attributes(root)
+            assert attributes["tandem.remade"] is True
+            assert attributes["gen_ai.usage.output_tokens"] == len(want)
+            assert attributes["gen_ai.response.finish_reasons"] == ["length"]
+            assert "central_restart" in [e.name for e in root.events]
+            # From the request's arrival (as its queue span, within the instants' trips
+            # between processes; not the restart, seconds later) to its end on the engine.
+            queue, decode = spans["tandem.queue"], spans["tandem.decode"]
+            assert abs(root.start_time_unix_nano - queue.start_time_unix_nano) < 0.25e9
+            assert abs(root.end_time_unix_nano - decode.end_time_unix_nano) < 0.25e9
+        assert_clean(handle)
+    finally:
+        shutdown_cluster(handle)
+        receiver.stop()
+
+
 async def _collect_traced(
     client: ClusterClient, prompt: list[int], params: SamplingParams, carrier: dict[str, str]
 ) -> Any:
