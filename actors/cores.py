@@ -27,6 +27,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -48,11 +49,83 @@ _SIZE = _ENDS + 8 * SLOTS
 
 
 def machine_cores() -> int:
-    """The cores this process may run on."""
+    """The cores this process may run on: its CPU affinity, capped by its cgroup's CPU quota
+    (a Kubernetes pod's CPU limit, Docker's ``--cpus``: with more threads than the quota
+    allows, the kernel stalls them every period), rounded down, at least one."""
     try:
-        return len(os.sched_getaffinity(0))
+        cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+        cores = os.cpu_count() or 1
+    quota = cgroup_cpu_quota()
+    if quota is not None:
+        cores = min(cores, max(1, int(quota)))
+    return cores
+
+
+def cgroup_cpu_quota(root: Path = Path("/sys/fs/cgroup"), own: str | None = None) -> float | None:
+    """The CPUs this process's cgroup may use (quota / period: 1.5 for a 1500m limit), or
+    None if it has no limit. cgroup v2 (``cpu.max``) or v1 (``cpu.cfs_quota_us`` and
+    ``cpu.cfs_period_us``), in the cgroup that ``own`` (``/proc/self/cgroup``'s text)
+    names under ``root``, or else in ``root`` itself (a container sees its own cgroup
+    there)."""
+    if own is None:
+        try:
+            own = Path("/proc/self/cgroup").read_text()
+        except OSError:
+            return None
+    v2_path: str | None = None
+    v1_path: str | None = None
+    for line in own.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        if parts[1] == "":
+            v2_path = parts[2]
+        elif "cpu" in parts[1].split(","):
+            v1_path = parts[2]
+    limits = []
+    if v2_path is not None:  # (a hybrid v1/v2 host mounts v2 under "unified")
+        limits.append(_first(_v2_limit, [root, root / "unified"], v2_path))
+    if v1_path is not None:
+        mounts = [root / "cpu", root / "cpu,cpuacct", root / "cpuacct,cpu"]
+        limits.append(_first(_v1_limit, mounts, v1_path))
+    found = [limit for limit in limits if limit is not None]
+    return min(found) if found else None
+
+
+def _first(read: Any, bases: list[Path], path: str) -> float | None:
+    """``read``'s answer for the first cgroup directory that has the files: ``path`` under
+    each base, else the base itself."""
+    for base in bases:
+        for directory in (base / path.lstrip("/"), base):
+            answer = read(directory)
+            if answer is not _MISSING:
+                return answer
+    return None
+
+
+_MISSING = object()
+
+
+def _v2_limit(directory: Path) -> Any:
+    try:
+        quota, period = (directory / "cpu.max").read_text().split()[:2]
+    except (OSError, ValueError):
+        return _MISSING
+    if quota == "max" or float(period) <= 0:
+        return None
+    return float(quota) / float(period)
+
+
+def _v1_limit(directory: Path) -> Any:
+    try:
+        quota = float((directory / "cpu.cfs_quota_us").read_text())
+        period = float((directory / "cpu.cfs_period_us").read_text())
+    except (OSError, ValueError):
+        return _MISSING
+    if quota <= 0 or period <= 0:  # -1: no limit
+        return None
+    return quota / period
 
 
 def _lock_byte(fd: int, offset: int) -> None:

@@ -93,3 +93,44 @@ def test_a_dead_workers_flag_and_slot_are_let_go(tmp_path: Path, restore_threads
         assert live.threads == 2
     again.close()
     live.close()
+
+
+def _write(path: Path, text: str) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    for line in text.split(";"):
+        name, value = line.split("=")
+        (path / name).write_text(value)
+
+
+def test_the_cgroup_cpu_quota_v2_v1_and_a_containers_own_view(tmp_path: Path) -> None:
+    """A pod's CPU limit caps the cores: cgroup v2's cpu.max in the process's cgroup (or at
+    the root, as a container sees its own), v1's quota and period; no limit, no cap."""
+    v2 = tmp_path / "v2"
+    _write(v2 / "kubepods" / "pod1", "cpu.max=150000 100000\n")
+    assert cores.cgroup_cpu_quota(v2, "0::/kubepods/pod1\n") == 1.5
+    _write(v2 / "kubepods" / "pod2", "cpu.max=max 100000\n")
+    assert cores.cgroup_cpu_quota(v2, "0::/kubepods/pod2\n") is None
+    container = tmp_path / "container"
+    _write(container, "cpu.max=200000 100000\n")
+    assert cores.cgroup_cpu_quota(container, "0::/\n") == 2.0
+    v1 = tmp_path / "v1"
+    quota = "cpu.cfs_quota_us=300000\n;cpu.cfs_period_us=100000\n"
+    _write(v1 / "cpu,cpuacct" / "docker" / "abc", quota)
+    own = "5:memory:/docker/abc\n4:cpu,cpuacct:/docker/abc\n0::/\n"
+    assert cores.cgroup_cpu_quota(v1, own) == 3.0
+    _write(v1 / "cpu,cpuacct" / "free", "cpu.cfs_quota_us=-1\n;cpu.cfs_period_us=100000\n")
+    assert cores.cgroup_cpu_quota(v1, "4:cpu,cpuacct:/free\n0::/\n") is None
+    assert cores.cgroup_cpu_quota(tmp_path / "nothing", "0::/\n") is None
+
+
+def test_machine_cores_are_capped_by_the_quota(monkeypatch: pytest.MonkeyPatch) -> None:
+    affinity = len(os.sched_getaffinity(0))
+    monkeypatch.setattr(cores, "cgroup_cpu_quota", lambda: None)
+    assert cores.machine_cores() == affinity
+    monkeypatch.setattr(cores, "cgroup_cpu_quota", lambda: 0.5)
+    assert cores.machine_cores() == 1  # at least one
+    monkeypatch.setattr(cores, "cgroup_cpu_quota", lambda: affinity + 0.9)
+    assert cores.machine_cores() == affinity  # the affinity still caps
+    if affinity >= 2:
+        monkeypatch.setattr(cores, "cgroup_cpu_quota", lambda: 1.5)
+        assert cores.machine_cores() == 1  # rounded down: a thread past it would stall
