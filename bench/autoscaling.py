@@ -142,6 +142,7 @@ def plot(
     path: Path,
     step_at: float,
     spans: tuple[float, ...],
+    title: str = "Autoscaling through a x3 load step (simulated, Llama-3-8B on H100)",
 ) -> None:
     import matplotlib
 
@@ -162,7 +163,7 @@ def plot(
     for ax in (top, bottom):
         ax.axvspan(step_at, step_at + spans[1], color="orange", alpha=0.1)
         ax.grid(alpha=0.3)
-    top.set_title("Autoscaling through a x3 load step (simulated, Llama-3-8B on H100)")
+    top.set_title(title)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

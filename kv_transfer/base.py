@@ -117,7 +117,7 @@ class WorkerConnector(ABC):
         self._recving_failed: set[str] = set()
         self._report = KVConnectorReport()
         self.history: deque[TransferRecord] = deque(maxlen=4096)
-        self.num_reads_started = 0  # loads whose data started to move (fetched, or READ posted)
+        self.num_reads_started = 0  # loads whose data started to move (fetch begun, READ posted)
         self.load_delay_s = 0.0  # fault injection for tests: every fetch starts this late
 
     # -- set-up ----------------------------------------------------------------------------
@@ -151,7 +151,6 @@ class WorkerConnector(ABC):
         now, wall = time.monotonic(), time.time()
         for spec in metadata.loads if metadata else ():
             future = self._pool.submit(self._delayed_fetch, spec.handle, spec.timeout_s)
-            self.num_reads_started += 1
             self._loads[spec.req_id] = _Load(spec, future, now, now + spec.timeout_s, wall)
         if idle and self._loads:
             soonest = min(load.deadline for load in self._loads.values())
@@ -174,6 +173,7 @@ class WorkerConnector(ABC):
     def _fetch_segments(self, segments: list[KVSegment], timeout_s: float) -> list[KVPayload]:
         if self.load_delay_s:
             time.sleep(self.load_delay_s)
+        self.num_reads_started += 1  # (a background thread: one writer per fetch, the GIL)
         start = time.perf_counter()
         deadline = start + timeout_s
         mine = self.layers

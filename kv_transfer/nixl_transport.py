@@ -462,7 +462,8 @@ class NixlWorkerConnector(WorkerConnector):
             if self._post(xfer) == "ERR":
                 read.error = f"the READ from {handle.agent} failed to start (is it gone?)"
         self.num_descriptors += num_descriptors
-        self.num_reads_started += 1
+        if read.error is None:  # every READ posted
+            self.num_reads_started += 1
         return read
 
     def _check_handle(self, segment: KVSegment, spec: LoadSpec, wall: float) -> NixlHandle:

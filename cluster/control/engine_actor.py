@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from array import array
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -47,9 +48,12 @@ from scheduler.request import FinishReason
 logger = logging.getLogger(__name__)
 
 CENTRAL_WATCH_S = 5.0  # how often an engine asks whether its central actor still exists
-# How many ended requests an engine remembers (tokens and how they ended) for a client whose
-# stream from it broke, so that their finals can be sent again (``refill``).
-RECENT_FINALS = 4096
+# For a client whose stream from an engine broke: how long (and for how many requests at
+# most) the engine remembers the tokens of requests that ended there, or were handed off to
+# a decode engine, and how they ended, so that what the stream lost can be sent again
+# (``refill``; the client asks again within seconds).
+PAST_KEEP_S = 60.0
+RECENT_FINALS = 16384
 
 
 @dataclass(slots=True)
@@ -138,17 +142,18 @@ class _Route:
 
 
 @dataclass(slots=True)
-class _Final:
-    """How a request placed here ended, with its tokens from position ``offset`` on (0:
-    all of them; ``refill``)."""
+class _Past:
+    """A request that left this engine -- ended (``finish_reason``) or handed off to a
+    decode engine (None) -- with its tokens from position ``offset`` on (``refill``)."""
 
     client_request_id: str
     offset: int
-    tokens: list[int]
-    finish_reason: FinishReason
+    tokens: array[int]
+    finish_reason: FinishReason | None
     stop_reason: int | str | None
     num_cached_tokens: int
     error: str | None
+    at: float  # when (monotonic)
 
 
 @dataclass(slots=True)
@@ -210,7 +215,7 @@ class EngineActor:
         # Per client: the number of its latest stream from here (a client whose stream broke
         # subscribes again; the stream it left stops taking its outputs).
         self._streams: dict[str, int] = {}
-        self._finals: OrderedDict[tuple[str, Submission], _Final] = OrderedDict()
+        self._past: OrderedDict[tuple[str, Submission], _Past] = OrderedDict()
         self._break: dict[str | None, bool] = {}  # fault injection: streams to break
         self.num_refilled = 0  # requests whose outputs were sent again (``refill``)
         # Ended traces of reports the central actor did not get (it was away): sent with the
@@ -363,7 +368,9 @@ class EngineActor:
         elif kind == "handed_off":
             for internal in item[1]:
                 self._awaiting.pop(internal, None)
-                self._routes.pop(internal, None)
+                route = self._routes.pop(internal, None)
+                if route is not None:  # its first token, should the client have lost it
+                    self._remember(route, None, len(route.tokens))
         elif kind == "drop_client":
             self._drop_client(item[1])
         elif kind == "draining":
@@ -445,23 +452,30 @@ class EngineActor:
 
         return sink
 
-    def _remember(self, route: _Route, out: EngineCoreOutput, index: int) -> None:
-        """Keep how a request ended, for a refill (the last ``RECENT_FINALS``)."""
-        assert out.finish_reason is not None
+    def _remember(self, route: _Route, out: EngineCoreOutput | None, index: int) -> None:
+        """Keep what a request that leaves this engine sent its client, and how it ended
+        (``out``: its final; None: handed off), for a refill: for ``PAST_KEEP_S``, the last
+        ``RECENT_FINALS`` at most, as a compact array."""
+        new = [] if out is None else out.new_token_ids
         offset, tokens = 0, route.tokens
-        if len(tokens) != index + len(out.new_token_ids):  # no token list shared with it
-            offset, tokens = index, list(out.new_token_ids)
-        self._finals[(route.client_id, route.submission)] = _Final(
+        if len(tokens) != index + len(new):  # no token list shared with it
+            offset, tokens = index, list(new)
+        now = time.monotonic()
+        self._past[(route.client_id, route.submission)] = _Past(
             route.client_request_id,
             offset,
-            tokens,
-            out.finish_reason,
-            out.stop_reason,
-            out.num_cached_tokens,
-            out.error,
+            array("q", tokens),
+            None if out is None else out.finish_reason,
+            None if out is None else out.stop_reason,
+            0 if out is None else out.num_cached_tokens,
+            None if out is None else out.error,
+            now,
         )
-        if len(self._finals) > RECENT_FINALS:
-            self._finals.popitem(last=False)
+        past = self._past
+        while past and (
+            len(past) > RECENT_FINALS or next(iter(past.values())).at < now - PAST_KEEP_S
+        ):
+            past.popitem(last=False)
 
     def _end(self, internal: str, reason: FinishReason, error: str | None) -> None:
         """End a request with a final output to its client: held here (the engine ends
@@ -556,17 +570,20 @@ class EngineActor:
             outbox.put(route.submission, out, start)
             count += 1
         for submission, start in wanted.items():
-            final = self._finals.get((client_id, submission))
-            if final is None:
+            past = self._past.get((client_id, submission))
+            if past is None:
                 continue
-            start = min(max(start, final.offset), final.offset + len(final.tokens))
+            end = past.offset + len(past.tokens)
+            if past.finish_reason is None and start >= end:
+                continue  # handed off: the client has all it sent
+            start = min(max(start, past.offset), end)
             out = EngineCoreOutput(
-                final.client_request_id,
-                final.tokens[start - final.offset :],
-                final.finish_reason,
-                final.stop_reason,
-                final.num_cached_tokens,
-                error=final.error,
+                past.client_request_id,
+                past.tokens[start - past.offset :].tolist(),
+                past.finish_reason,
+                past.stop_reason,
+                past.num_cached_tokens,
+                error=past.error,
             )
             outbox.put(submission, out, start)
             count += 1
@@ -585,8 +602,8 @@ class EngineActor:
     def _drop_client(self, client_id: str) -> None:
         self._dropped.add(client_id)
         self._streams.pop(client_id, None)
-        for key in [k for k in self._finals if k[0] == client_id]:
-            del self._finals[key]
+        for key in [k for k in self._past if k[0] == client_id]:
+            del self._past[key]
         outbox = self._outboxes.pop(client_id, None)
         if outbox is not None:
             outbox.close()

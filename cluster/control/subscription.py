@@ -7,6 +7,7 @@ what it does while a restartable central actor comes back."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import itertools
 import logging
@@ -31,9 +32,9 @@ RESUME_WAIT_S = 5.0
 # How many ended requests' outcomes a client keeps after their consumers leave, for such a
 # resume: the central actor ends their traces with them.
 RECENT_FINALS = 4096
-# How often a client whose stream from an engine broke asks every engine again for outputs
-# still missing (``Subscription._refill_elsewhere``): after 0.25, 0.5, ... seconds.
-REFILL_TRIES = 5
+# How long a request may hold back outputs for a missing one (after a broken stream, the
+# engines being asked again meanwhile: ``Subscription._fill_gaps``) before it fails.
+GAP_GIVE_UP_S = 60.0
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +70,7 @@ class Subscription:
         self._finals: OrderedDict[int, Outcome] = OrderedDict()
         self._engines: dict[str, asyncio.Task[None]] = {}  # engine actors streamed from
         self._actors: dict[str, Any] = {}  # their handles
+        self._gap_watch: asyncio.Task[None] | None = None  # after a broken stream
         self._generation = 0  # how often the central actor came back from a restart
         # Submitted, not finished: what a restarted central actor may have to be sent again.
         self._open: dict[int, tuple[Request, dict[str, str] | None]] = {}
@@ -403,16 +405,32 @@ class Subscription:
                 keep = len(out.new_token_ids)  # has none for its own tokens)
                 del out.new_logprobs[: max(len(out.new_logprobs) - keep, 0)]
             index = expected
+        early = self._early.get(submission)
+        rest: EngineCoreOutput | None = None
+        if early and out.new_logprobs is None and not out.finished:
+            # A refill (no logprobs) that overlaps outputs held back: those give their own
+            # positions (with their logprobs, if asked for); its rest comes after them.
+            cut = max(min(early) - index, 1)
+            if cut < len(out.new_token_ids):
+                rest = dataclasses.replace(out, new_token_ids=out.new_token_ids[cut:])
+                del out.new_token_ids[cut:]
         queue.put_nowait(out)
         if out.new_token_ids:
             self._tokens.setdefault(submission, []).extend(out.new_token_ids)
         if out.finished:
             self._end_of(submission, out)
+            return
         expected = index + len(out.new_token_ids)
         self._next_index[submission] = expected
-        early = self._early.get(submission)
-        if early and expected in early:
-            self._in_order(queue, submission, early.pop(expected), expected)
+        # Held-back outputs that now start at or before the end (one that overlaps what was
+        # delivered is cut, one that adds nothing dropped), in order.
+        while early and submission not in self._ended:
+            first = min(early)
+            if first > self._next_index.get(submission, expected):
+                break
+            self._in_order(queue, submission, early.pop(first), first)
+        if rest is not None and submission not in self._ended:
+            self._in_order(queue, submission, rest, index + len(out.new_token_ids))
 
     def _end_of(self, submission: int, out: EngineCoreOutput) -> None:
         reason = out.finish_reason.value if out.finish_reason is not None else "stop"
@@ -461,11 +479,13 @@ class Subscription:
         rest from its decode engine). One whose engine died ends: the central actor has
         its requests move on (``_resume``)."""
         positions: list[tuple[int, int]] | None = None
+        backoff = 0.05
         try:
             while True:
                 try:
                     async for ref in actor.subscribe.remote(self.client_id, positions):
                         self._deliver_batch(await ref)
+                        backoff = 0.05
                     return
                 except Exception as exc:
                     if not await _answers(actor):
@@ -481,8 +501,11 @@ class Subscription:
                         exc,
                     )
                     positions = self._positions()
-                    self._spawn(self._refill_elsewhere(iid, positions))
-                    await asyncio.sleep(0.05)
+                    await self._refill([i for i in self._actors if i != iid], positions)
+                    if self._gap_watch is None or self._gap_watch.done():
+                        self._gap_watch = self.loop.create_task(self._fill_gaps())
+                    await asyncio.sleep(backoff)  # (a stream that keeps breaking: less often)
+                    backoff = min(2 * backoff, 2.0)
         finally:
             if self._engines.get(iid) is asyncio.current_task():
                 del self._engines[iid]
@@ -492,34 +515,60 @@ class Subscription:
         """Each open request's next output position here (for a refill)."""
         return [(s, self._next_index.get(s, 0)) for s in self._open if s not in self._ended]
 
-    async def _refill_elsewhere(self, broken: str, positions: list[tuple[int, int]]) -> None:
-        """After the stream from ``broken`` broke: ask every other engine to send again
-        what it holds of the open requests from ``positions``; then, a few times over
-        about ``REFILL_TRIES`` seconds, ask every engine again for the requests still
-        missing an output before one that came (a first token lost while its request moved
-        from its prefill engine to its decode engine is then held by the latter)."""
-        await self._refill([i for i in self._actors if i != broken], positions)
-        for attempt in range(REFILL_TRIES):
-            await asyncio.sleep(0.25 * (attempt + 1))
-            gaps = [
-                (s, self._next_index.get(s, 0))
-                for s, early in self._early.items()
-                if early and s in self._open
-            ]
+    def _gaps(self) -> dict[int, int]:
+        """Open requests holding back an output because one before it is missing: their
+        next position."""
+        return {
+            s: self._next_index.get(s, 0)
+            for s, early in self._early.items()
+            if early and s in self._open and s not in self._ended
+        }
+
+    async def _fill_gaps(self) -> None:
+        """After a broken stream: while requests hold back outputs for one before them
+        that is missing, ask every engine again (after 0.25 s, then less and less often):
+        a first token lost with the prefill engine's stream is sent again by the prefill
+        engine, which remembers what it handed off, or by the decode engine once the
+        request is there. A gap that lasts ``GAP_GIVE_UP_S`` ends its request with an
+        error (never a hang)."""
+        since: dict[int, float] = {}
+        wait = 0.25
+        while True:
+            await asyncio.sleep(wait)
+            wait = min(2 * wait, 2.0)
+            gaps = self._gaps()
             if not gaps:
                 return
-            await self._refill(list(self._actors), gaps)
-        logger.warning("client %s: outputs still missing after refills", self.client_id)
+            now = time.monotonic()
+            for s in list(since):
+                if s not in gaps:
+                    del since[s]
+            for s in gaps:
+                since.setdefault(s, now)
+                if now - since[s] > GAP_GIVE_UP_S:
+                    queue = self.queues.get(s)
+                    if queue is not None:
+                        queue.put_nowait(
+                            RuntimeError("an output of the request was lost with a broken stream")
+                        )
+                    self._early.pop(s, None)
+            await self._refill(list(self._actors), list(gaps.items()))
 
     async def _refill(self, iids: list[str], positions: list[tuple[int, int]]) -> None:
-        for iid in iids:
+        """Ask engines ``iids`` at once to send again what they hold from ``positions``."""
+
+        async def one(iid: str) -> None:
             actor = self._actors.get(iid)
             if actor is None:
-                continue
+                return
             try:
-                await actor.refill.remote(self.client_id, positions)
-            except Exception as exc:  # gone: its requests move on (``_resume``)
+                await asyncio.wait_for(
+                    _awaited(actor.refill.remote(self.client_id, positions)), RESUME_WAIT_S
+                )
+            except Exception as exc:  # gone (its requests move on: ``_resume``), or hung
                 logger.warning("client %s: no refill from %s: %s", self.client_id, iid, exc)
+
+        await asyncio.gather(*(one(iid) for iid in iids))
 
     def _keep_alive(self) -> None:
         """(A thread.) Tell the actor every second that this client lives: if the process

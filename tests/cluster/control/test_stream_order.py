@@ -240,3 +240,33 @@ def test_a_request_whose_final_reached_its_client_before_its_engine_died_ends_it
     assert root.name == "tandem.request"
     assert tuple(root.attributes["gen_ai.response.finish_reasons"]) == ("stop",)
     assert root.attributes["gen_ai.usage.output_tokens"] == 3
+
+
+def test_a_refill_gives_way_to_held_back_outputs_and_stale_ones_are_dropped() -> None:
+    """After a broken stream an engine sends again what the client may have lost (no
+    logprobs). Where outputs with logprobs are held back for a missing one, the refill
+    covers only the gap: the held-back outputs keep their positions and their logprobs; and
+    a held-back output that the refill overtook entirely is dropped, not kept forever."""
+    def with_logprobs(tokens: list[int], finished: bool = False) -> EngineCoreOutput:
+        out = _out(tokens, finished)
+        out.new_logprobs = [{t: -0.5} for t in tokens]
+        return out
+
+    sub, queue = _subscription()
+    _feed(sub, with_logprobs([11, 12]), 1)  # the decode engine's; its first token was lost
+    _feed(sub, with_logprobs([13]), 3)
+    _feed(sub, _out([10, 11, 12, 13]), 0)  # the refill, from position 0
+    delivered = []
+    while not queue.empty():
+        delivered.append(queue.get_nowait())
+    assert [o.new_token_ids for o in delivered] == [[10], [11, 12], [13]]
+    assert delivered[0].new_logprobs is None  # the refilled token: none
+    assert all(o.new_logprobs is not None for o in delivered[1:])  # kept
+    assert sub._early[7] == {}  # nothing left behind
+
+    sub, queue = _subscription()
+    _feed(sub, _out([12]), 2)  # held back
+    _feed(sub, _out([10, 11, 12, 13]), 0)  # a refill with logprobs off: all of it
+    _feed(sub, _out([14], finished=True), 4)
+    assert _drain(queue) == ([10, 11, 12, 13, 14], True)
+    assert not sub._early.get(7)
