@@ -198,19 +198,30 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--png", default="docs/images/autoscaling_live.png")
     ap.add_argument("--out", default="bench/results/autoscaling_live.json")
+    ap.add_argument(
+        "--from-json", default=None, metavar="FILE", help="report a saved run (its --out) again"
+    )
     args = ap.parse_args()
 
-    from cluster.control.launch import build_cluster, init_ray, shutdown_cluster
+    if args.from_json:
+        saved = json.loads(Path(args.from_json).read_text())
+        for key in ("spans", "slo_ttft_ms", "slo_tpot_ms"):
+            setattr(args, key, saved["args"][key])
+        records, sizes, autoscaling = saved["records"], saved["pool_sizes"], saved["autoscaling"]
+    else:
+        from cluster.control.launch import build_cluster, init_ray, shutdown_cluster
 
-    init_ray()
-    handle = build_cluster(config(args), name="autoscaling-live")
-    try:
-        records, (sizes, autoscaling) = asyncio.run(drive(handle, args))
-    finally:
-        shutdown_cluster(handle)
+        init_ray()
+        handle = build_cluster(config(args), name="autoscaling-live")
+        try:
+            records, (sizes, autoscaling) = asyncio.run(drive(handle, args))
+        finally:
+            shutdown_cluster(handle)
     spans = args.spans
     rows = timeline(records, sizes, spans, args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000)
-    before = [r["attainment"] for r in rows if r["t"] + WINDOW_S <= spans[0]]
+    before = [  # (a window with no arrival has no attainment)
+        r["attainment"] for r in rows if r["t"] + WINDOW_S <= spans[0] and r["rate"] > 0
+    ]
     baseline = sum(before) / len(before)
     step_at = spans[0]
     during = [r for r in rows if step_at <= r["t"] and r["t"] + WINDOW_S <= step_at + spans[1]]
@@ -218,7 +229,7 @@ def main() -> None:
         (
             r["t"] + WINDOW_S - step_at
             for i, r in enumerate(during)
-            if all(q["attainment"] >= 0.8 * baseline for q in during[i:])
+            if all(q["attainment"] >= 0.8 * baseline for q in during[i:] if q["rate"] > 0)
         ),
         None,
     )
