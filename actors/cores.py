@@ -66,8 +66,8 @@ def cgroup_cpu_quota(root: Path = Path("/sys/fs/cgroup"), own: str | None = None
     """The CPUs this process's cgroup may use (quota / period: 1.5 for a 1500m limit), or
     None if it has no limit. cgroup v2 (``cpu.max``) or v1 (``cpu.cfs_quota_us`` and
     ``cpu.cfs_period_us``), in the cgroup that ``own`` (``/proc/self/cgroup``'s text)
-    names under ``root``, or else in ``root`` itself (a container sees its own cgroup
-    there)."""
+    names under ``root`` and its ancestors, the smallest (or ``root`` itself: a container
+    sees its own cgroup there)."""
     if own is None:
         try:
             own = Path("/proc/self/cgroup").read_text()
@@ -94,13 +94,17 @@ def cgroup_cpu_quota(root: Path = Path("/sys/fs/cgroup"), own: str | None = None
 
 
 def _first(read: Any, bases: list[Path], path: str) -> float | None:
-    """``read``'s answer for the first cgroup directory that has the files: ``path`` under
-    each base, else the base itself."""
+    """The smallest limit ``read`` finds in the cgroup ``path`` and its ancestors (a limit on
+    a parent binds its children too), under the first of ``bases`` that has any; each base
+    itself counts (a container sees its own cgroup at the mount's root)."""
+    parts = [p for p in path.split("/") if p]
     for base in bases:
-        for directory in (base / path.lstrip("/"), base):
-            answer = read(directory)
-            if answer is not _MISSING:
-                return answer
+        directories = [base.joinpath(*parts[:n]) for n in range(len(parts), 0, -1)] + [base]
+        answers = [read(d) for d in directories]
+        found = [a for a in answers if a is not _MISSING]
+        if found:
+            limits = [a for a in found if a is not None]
+            return min(limits) if limits else None
     return None
 
 

@@ -205,8 +205,9 @@ def main() -> None:
 
     if args.from_json:
         saved = json.loads(Path(args.from_json).read_text())
-        for key in ("spans", "slo_ttft_ms", "slo_tpot_ms"):
-            setattr(args, key, saved["args"][key])
+        for key, value in saved["args"].items():  # the run's own, but where to write
+            if key not in ("out", "png", "from_json"):
+                setattr(args, key, value)
         records, sizes, autoscaling = saved["records"], saved["pool_sizes"], saved["autoscaling"]
     else:
         from cluster.control.launch import build_cluster, init_ray, shutdown_cluster
@@ -222,7 +223,7 @@ def main() -> None:
     before = [  # (a window with no arrival has no attainment)
         r["attainment"] for r in rows if r["t"] + WINDOW_S <= spans[0] and r["rate"] > 0
     ]
-    baseline = sum(before) / len(before)
+    baseline = sum(before) / len(before) if before else float("nan")
     step_at = spans[0]
     during = [r for r in rows if step_at <= r["t"] and r["t"] + WINDOW_S <= step_at + spans[1]]
     recovered = next(

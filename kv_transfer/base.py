@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
+import threading
 import time
 from abc import ABC, abstractmethod
 from collections import deque
@@ -118,6 +119,7 @@ class WorkerConnector(ABC):
         self._report = KVConnectorReport()
         self.history: deque[TransferRecord] = deque(maxlen=4096)
         self.num_reads_started = 0  # loads whose data started to move (fetch begun, READ posted)
+        self._count_lock = threading.Lock()
         self.load_delay_s = 0.0  # fault injection for tests: every fetch starts this late
 
     # -- set-up ----------------------------------------------------------------------------
@@ -173,7 +175,8 @@ class WorkerConnector(ABC):
     def _fetch_segments(self, segments: list[KVSegment], timeout_s: float) -> list[KVPayload]:
         if self.load_delay_s:
             time.sleep(self.load_delay_s)
-        self.num_reads_started += 1  # (a background thread: one writer per fetch, the GIL)
+        with self._count_lock:  # (the loads' threads)
+            self.num_reads_started += 1
         start = time.perf_counter()
         deadline = start + timeout_s
         mine = self.layers

@@ -192,13 +192,22 @@ def root_carrier(span: Span) -> dict[str, str]:
     return carrier
 
 
+def sampled(carrier: dict[str, str] | None) -> bool:
+    """Whether a W3C carrier names a sampled span (its ``traceparent``'s flags)."""
+    parent = (carrier or {}).get("traceparent", "")
+    try:
+        return bool(int(parent.rsplit("-", 1)[1], 16) & 1)
+    except (IndexError, ValueError):
+        return False
+
+
 def remade_root(carrier: dict[str, str]) -> tuple[int, int, Any] | None:
     """From a ``root_carrier``: (trace id, span id) of the root it names and the context of
     the root's parent (None: it had none); None if the carrier names no span."""
     from opentelemetry.trace import get_current_span
 
     root = get_current_span(extract(carrier)).get_span_context()
-    if not root.is_valid:
+    if not root.is_valid or not root.trace_flags.sampled:  # (an unsampled root: none made)
         return None
     parent = extract({"traceparent": carrier[PARENT_KEY]}) if PARENT_KEY in carrier else None
     return root.trace_id, root.span_id, parent

@@ -41,6 +41,7 @@ from cluster.control.engine import (
 from cluster.control.flights import Outbox, Submission, pack_batch
 from cluster.control.placement import InstanceSpec
 from cluster.observability.request_trace import wall_ns
+from kv_transfer.tracing import sampled
 from scheduler import Request, SamplingParams
 from scheduler.outputs import EngineCoreOutput
 from scheduler.request import FinishReason
@@ -185,6 +186,8 @@ class EngineSnapshot:
     held: list[HeldSnapshot]
     adapters: Any = None  # the LoRA registry the central actor gave it (``adapters.Registry``)
     max_seq: int = 0  # the highest sequence number of the internal ids placed here
+    # Traced requests that ended here while no central actor got the reports saying so.
+    ended_traces: dict[str, EndedTrace] = field(default_factory=dict)
 
 
 class EngineActor:
@@ -616,7 +619,7 @@ class EngineActor:
             self._awaiting[prefilled.internal_id] = replace(prefilled)
         for internal in report.finished:
             route = self._routes.pop(internal, None)
-            if route is not None and route.trace_context:
+            if route is not None and route.trace_context and sampled(route.trace_context):
                 report.ended_traces[internal] = EndedTrace(
                     route.trace_context,
                     route.client_request_id,
@@ -749,4 +752,9 @@ class EngineActor:
             held,
             self._adapters,
             self._max_seq,
+            self._take_unsent_traces(),
         )
+
+    def _take_unsent_traces(self) -> dict[str, EndedTrace]:
+        taken, self._unsent_traces = self._unsent_traces, {}
+        return taken

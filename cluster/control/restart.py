@@ -121,6 +121,7 @@ async def rebuild(actor: Any) -> None:
     ]
     handles = [ray.get_actor(name, namespace=namespace) for name in names]
     answers = await asyncio.gather(*(h.snapshot.remote() for h in handles), return_exceptions=True)
+    now = time.monotonic()  # the snapshots' ages are as of (about) now
     found: list[tuple[Any, EngineSnapshot]] = []
     for name, handle, answer in zip(names, handles, answers, strict=True):
         if isinstance(answer, BaseException):
@@ -168,7 +169,6 @@ async def rebuild(actor: Any) -> None:
         actor.observe.add_instance(iid, spec.pool.role)
         actor.engines[iid] = engine
         engine.start()
-    now = time.monotonic()
     # Every id the previous process gave, held here or not: this one's come after them.
     last = max(snap.max_seq for _, snap in found)
     handoffs = []
@@ -216,6 +216,11 @@ async def rebuild(actor: Any) -> None:
     actor.lora.restore([snap.adapters for _, snap in found if snap.adapters is not None])
     actor._seq = itertools.count(last + 1)
     actor._first_own_seq = last + 1
+    for _, snap in found:  # traced requests that ended while no central actor heard it
+        for internal, ended in snap.ended_traces.items():
+            if actor._lost_root(internal):
+                actor._taken_on.add(internal)
+                end_remade_root(actor, ended)
     actor.started = True
     actor._spawn(actor.clients.reap_silent())
     if actor.autoscaler.enabled:
@@ -287,7 +292,7 @@ def end_remade_root(actor: Any, ended: EndedTrace) -> None:
         return
     trace.root.set_attribute("tandem.remade", True)
     trace.root.add_event("central_restart")
-    reason, error, num_tokens = ended.outcome or ("stop", None, 0)
+    reason, error, num_tokens = ended.outcome or ("unknown", None, 0)
     trace.finish(reason, error, num_tokens, end_time=ended.ended_ns)
 
 

@@ -391,46 +391,56 @@ class Subscription:
         index: int,
     ) -> None:
         """Deliver ``out`` (its first token at output position ``index``) once everything
-        before it is delivered; what overlaps what was delivered is dropped."""
-        expected = self._next_index.get(submission, 0)
-        if index > expected:
-            self._early.setdefault(submission, {})[index] = out
-            return
-        if index < expected:  # already delivered in part
-            skip = expected - index
-            if skip >= len(out.new_token_ids) and not out.finished:
+        before it is delivered, then the outputs held back that it lets through; what
+        overlaps what was delivered is dropped. (A loop, not recursion: after a long gap
+        thousands of outputs may be held back.)"""
+        todo: list[tuple[int, EngineCoreOutput]] = [(index, out)]  # a stack: the next on top
+        while todo:
+            index, out = todo.pop()
+            expected = self._next_index.get(submission, 0)
+            if index > expected:
+                self._early.setdefault(submission, {})[index] = out
+                continue
+            if index < expected:  # already delivered in part
+                skip = expected - index
+                if skip >= len(out.new_token_ids) and not out.finished:
+                    continue
+                del out.new_token_ids[:skip]
+                if out.new_logprobs is not None:  # the last ones are the kept tokens' (a
+                    keep = len(out.new_token_ids)  # refill has none for its own tokens)
+                    del out.new_logprobs[: max(len(out.new_logprobs) - keep, 0)]
+                index = expected
+            early = self._early.get(submission)
+            if early and out.new_logprobs is None:
+                # A refill (no logprobs) that overlaps outputs held back: those give their
+                # own positions (with their logprobs, if asked for); its rest, and its end if
+                # it has one, come after them.
+                cut = max(min(early) - index, 1)
+                if cut < len(out.new_token_ids):
+                    tokens = out.new_token_ids
+                    rest = dataclasses.replace(
+                        out, new_token_ids=tokens[cut:], prompt_logprobs=None
+                    )
+                    todo.append((index + cut, rest))
+                    out = dataclasses.replace(
+                        out,
+                        new_token_ids=tokens[:cut],
+                        finish_reason=None,
+                        stop_reason=None,
+                        error=None,
+                    )
+            queue.put_nowait(out)
+            if out.new_token_ids:
+                self._tokens.setdefault(submission, []).extend(out.new_token_ids)
+            if out.finished:
+                self._end_of(submission, out)
                 return
-            del out.new_token_ids[:skip]
-            if out.new_logprobs is not None:  # the last ones are the kept tokens' (a refill
-                keep = len(out.new_token_ids)  # has none for its own tokens)
-                del out.new_logprobs[: max(len(out.new_logprobs) - keep, 0)]
-            index = expected
-        early = self._early.get(submission)
-        rest: EngineCoreOutput | None = None
-        if early and out.new_logprobs is None and not out.finished:
-            # A refill (no logprobs) that overlaps outputs held back: those give their own
-            # positions (with their logprobs, if asked for); its rest comes after them.
-            cut = max(min(early) - index, 1)
-            if cut < len(out.new_token_ids):
-                rest = dataclasses.replace(out, new_token_ids=out.new_token_ids[cut:])
-                del out.new_token_ids[cut:]
-        queue.put_nowait(out)
-        if out.new_token_ids:
-            self._tokens.setdefault(submission, []).extend(out.new_token_ids)
-        if out.finished:
-            self._end_of(submission, out)
-            return
-        expected = index + len(out.new_token_ids)
-        self._next_index[submission] = expected
-        # Held-back outputs that now start at or before the end (one that overlaps what was
-        # delivered is cut, one that adds nothing dropped), in order.
-        while early and submission not in self._ended:
-            first = min(early)
-            if first > self._next_index.get(submission, expected):
-                break
-            self._in_order(queue, submission, early.pop(first), first)
-        if rest is not None and submission not in self._ended:
-            self._in_order(queue, submission, rest, index + len(out.new_token_ids))
+            expected = index + len(out.new_token_ids)
+            self._next_index[submission] = expected
+            if early:  # the first held-back output, if it now starts at or before the end
+                first = min(early)
+                if first <= expected:
+                    todo.append((first, early.pop(first)))
 
     def _end_of(self, submission: int, out: EngineCoreOutput) -> None:
         reason = out.finish_reason.value if out.finish_reason is not None else "stop"
@@ -482,12 +492,14 @@ class Subscription:
         backoff = 0.05
         try:
             while True:
+                opened = time.monotonic()
                 try:
                     async for ref in actor.subscribe.remote(self.client_id, positions):
                         self._deliver_batch(await ref)
-                        backoff = 0.05
                     return
                 except Exception as exc:
+                    if time.monotonic() - opened > 5.0:  # it had held: not breaking again
+                        backoff = 0.05
                     if not await _answers(actor):
                         logger.warning(
                             "client %s: instance %s's stream ended: %s", self.client_id, iid, exc
@@ -552,6 +564,9 @@ class Subscription:
                             RuntimeError("an output of the request was lost with a broken stream")
                         )
                     self._early.pop(s, None)
+                    opened = self._open.get(s)
+                    if opened is not None:  # nothing may keep running for nobody
+                        self.abort(opened[0].request_id)
             await self._refill(list(self._actors), list(gaps.items()))
 
     async def _refill(self, iids: list[str], positions: list[tuple[int, int]]) -> None:

@@ -134,3 +134,18 @@ def test_machine_cores_are_capped_by_the_quota(monkeypatch: pytest.MonkeyPatch) 
     if affinity >= 2:
         monkeypatch.setattr(cores, "cgroup_cpu_quota", lambda: 1.5)
         assert cores.machine_cores() == 1  # rounded down: a thread past it would stall
+
+
+def test_a_limit_on_a_parent_cgroup_binds_its_children(tmp_path: Path) -> None:
+    """The process sits in a child cgroup with no limit of its own (``max``), under a
+    container or slice limited to 2 CPUs: the parent's limit counts, and the smallest wins."""
+    v2 = tmp_path / "v2"
+    _write(v2 / "pod", "cpu.max=200000 100000\n")
+    _write(v2 / "pod" / "ray.service", "cpu.max=max 100000\n")
+    assert cores.cgroup_cpu_quota(v2, "0::/pod/ray.service\n") == 2.0
+    _write(v2 / "pod" / "ray.service" / "worker", "cpu.max=350000 100000\n")
+    assert cores.cgroup_cpu_quota(v2, "0::/pod/ray.service/worker\n") == 2.0
+    v1 = tmp_path / "v1"
+    _write(v1 / "cpu" / "user.slice", "cpu.cfs_quota_us=150000\n;cpu.cfs_period_us=100000\n")
+    _write(v1 / "cpu" / "user.slice" / "s1", "cpu.cfs_quota_us=-1\n;cpu.cfs_period_us=100000\n")
+    assert cores.cgroup_cpu_quota(v1, "3:cpu:/user.slice/s1\n0::/\n") == 1.5

@@ -270,3 +270,15 @@ def test_a_refill_gives_way_to_held_back_outputs_and_stale_ones_are_dropped() ->
     _feed(sub, _out([14], finished=True), 4)
     assert _drain(queue) == ([10, 11, 12, 13, 14], True)
     assert not sub._early.get(7)
+
+
+def test_thousands_of_held_back_outputs_are_delivered_in_a_loop() -> None:
+    """A long gap (a lost batch, asked for again) holds back an output per step: when the
+    gap fills they all go out, in order -- without one nested call each (which overflowed
+    Python's stack past about a thousand)."""
+    sub, queue = _subscription()
+    for i in range(1, 5000):
+        _feed(sub, _out([1000 + i]), i)
+    _feed(sub, _out([1000]), 0)  # the missing one
+    assert _drain(queue) == ([1000 + i for i in range(5000)], False)
+    assert not sub._early.get(7)
