@@ -23,9 +23,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from array import array
-from collections import OrderedDict, deque
-from dataclasses import dataclass, field, replace
+from collections import deque
+from dataclasses import replace
 from typing import Any
 
 from cluster.config import ClusterConfig
@@ -38,156 +37,30 @@ from cluster.control.engine import (
     Prefilled,
     RequestPlace,
 )
+from cluster.control.engine_wire import (
+    EngineSnapshot,
+    HeldSnapshot,
+    Route,
+    WirePlacement,
+    coalesce,
+    plain,
+    rebase_placement,
+    rebase_report,
+    sequence_of,
+    shift,
+)
 from cluster.control.flights import Outbox, Submission, pack_batch
 from cluster.control.placement import InstanceSpec
+from cluster.control.refill import PastRequests
 from cluster.observability.request_trace import wall_ns
 from kv_transfer.tracing import sampled
-from scheduler import Request, SamplingParams
 from scheduler.outputs import EngineCoreOutput
 from scheduler.request import FinishReason
 
 logger = logging.getLogger(__name__)
 
 CENTRAL_WATCH_S = 5.0  # how often an engine asks whether its central actor still exists
-# For a client whose stream from an engine broke: how long (and for how many requests at
-# most) the engine remembers the tokens of requests that ended there, or were handed off to
-# a decode engine, and how they ended, so that what the stream lost can be sent again
-# (``refill``; the client asks again within seconds).
-PAST_KEEP_S = 60.0
-RECENT_FINALS = 16384
-
-
-@dataclass(slots=True)
-class WirePlacement:
-    """A ``Placement`` on its way to an engine actor: its client by id instead of a sink,
-    its instants as (negative) offsets from the moment it was sent."""
-
-    request: Request
-    client_request_id: str
-    client_id: str
-    submission: Submission
-    hand_off: bool
-    num_cached_tokens: int | None
-    arrival_time: float
-    scheduled_at: float | None
-    first_token_at: float | None
-    last_token_at: float | None
-    client_params: SamplingParams | None = None  # a prefill part's: what its client asked
-    trace_context: dict[str, str] | None = None  # the request's root span, when traced
-
-
-def shift(value: float | None, delta: float) -> float | None:
-    return None if value is None else value + delta
-
-
-def rebase_placement(p: WirePlacement, delta: float) -> None:
-    """Move ``p``'s instants by ``delta``: ``-time.monotonic()`` before sending (ages),
-    ``+time.monotonic()`` on receipt (the receiver's clock)."""
-    p.arrival_time += delta
-    p.request.arrival_time += delta
-    p.scheduled_at = shift(p.scheduled_at, delta)
-    p.first_token_at = shift(p.first_token_at, delta)
-    p.last_token_at = shift(p.last_token_at, delta)
-
-
-def rebase_report(report: EngineReport, delta: float) -> None:
-    """``rebase_placement`` for the instants an ``EngineReport`` carries."""
-    for p in report.prefilled:
-        p.first_token_at = shift(p.first_token_at, delta)
-        p.scheduled_at = shift(p.scheduled_at, delta)
-    for lost in report.lost:
-        lost.first_token_at = shift(lost.first_token_at, delta)
-        lost.last_token_at = shift(lost.last_token_at, delta)
-        lost.scheduled_at = shift(lost.scheduled_at, delta)
-
-
-def sequence_of(internal_id: str) -> int:
-    """The central actor's sequence number in an internal id (``{request id}@{n}``)."""
-    tail = internal_id.rpartition("@")[2]
-    return int(tail) if tail.isdigit() else 0
-
-
-def _plain(report: EngineReport) -> bool:
-    """A step's report that may be merged with the next one."""
-    return not (report.lost or report.failure or report.rejoined)
-
-
-def coalesce(into: EngineReport, later: EngineReport) -> EngineReport:
-    """One report saying what two consecutive plain ones say: the later summary, every
-    prefix-cache event and milestone of both, in order."""
-    later.summary.kv_events[:0] = into.summary.kv_events
-    later.finished[:0] = into.finished
-    later.prefilled[:0] = into.prefilled
-    later.outcomes = {**into.outcomes, **later.outcomes}
-    later.kv_unread[:0] = into.kv_unread
-    later.latencies[:0] = into.latencies
-    later.ended_traces = {**into.ended_traces, **later.ended_traces}
-    return later
-
-
-@dataclass(slots=True)
-class _Route:
-    """Where a request placed here sends its outputs, and what a restarted central
-    scheduler needs to take it on again (``snapshot``)."""
-
-    client_id: str
-    submission: Submission
-    client_request_id: str
-    request: Request  # this engine's part (the scheduler's copy)
-    client_params: SamplingParams | None  # a prefill part's: its client's
-    trace_context: dict[str, str] | None = None  # its root span (``root_carrier``), if traced
-    arrival_time: float = 0.0  # when its client sent it (this process's clock)
-    # Every output token its client has been sent, from position 0: the engine's own list
-    # (``Held.tokens``), for a refill after a broken stream.
-    tokens: list[int] = field(default_factory=list)
-
-
-@dataclass(slots=True)
-class _Past:
-    """A request that left this engine -- ended (``finish_reason``) or handed off to a
-    decode engine (None) -- with its tokens from position ``offset`` on (``refill``)."""
-
-    client_request_id: str
-    offset: int
-    tokens: array[int]
-    finish_reason: FinishReason | None
-    stop_reason: int | str | None
-    num_cached_tokens: int
-    error: str | None
-    at: float  # when (monotonic)
-
-
-@dataclass(slots=True)
-class HeldSnapshot:
-    """A request an engine holds, for a restarted central scheduler (instants as ages)."""
-
-    internal_id: str
-    route: _Route  # its client, and the engine's part
-    hand_off: bool
-    tokens: list[int]  # what its client has
-    num_cached_tokens: int | None
-    arrival_time: float
-    scheduled_at: float | None
-    first_token_at: float | None
-    last_token_at: float | None
-    prefilled: Prefilled | None = None  # prefilled, its hand-off not confirmed
-
-
-@dataclass(slots=True)
-class EngineSnapshot:
-    """What an engine actor tells a restarted central scheduler (``EngineActor.snapshot``)."""
-
-    spec: InstanceSpec
-    max_model_len: int
-    epoch: int  # the new central scheduler's op epoch (its batches start at 0)
-    draining: bool
-    failed: str | None
-    summary: Any  # an EngineSummary whose events rebuild the prefix index from nothing
-    held: list[HeldSnapshot]
-    adapters: Any = None  # the LoRA registry the central actor gave it (``adapters.Registry``)
-    max_seq: int = 0  # the highest sequence number of the internal ids placed here
-    # Traced requests that ended here while no central actor got the reports saying so.
-    ended_traces: dict[str, EndedTrace] = field(default_factory=dict)
+MAX_UNSENT_TRACES = 16384  # ended traces kept while no central actor hears the reports
 
 
 class EngineActor:
@@ -218,14 +91,14 @@ class EngineActor:
         # Per client: the number of its latest stream from here (a client whose stream broke
         # subscribes again; the stream it left stops taking its outputs).
         self._streams: dict[str, int] = {}
-        self._past: OrderedDict[tuple[str, Submission], _Past] = OrderedDict()
+        self._past = PastRequests()  # requests that left, for a refill
         self._break: dict[str | None, bool] = {}  # fault injection: streams to break
         self.num_refilled = 0  # requests whose outputs were sent again (``refill``)
         # Ended traces of reports the central actor did not get (it was away): sent with the
         # next report, so that a restarted one can end their roots.
         self._unsent_traces: dict[str, EndedTrace] = {}
         self._max_seq = 0  # of the internal ids placed here (for a restarted central actor)
-        self._routes: dict[str, _Route] = {}  # by internal id: the requests placed here
+        self._routes: dict[str, Route] = {}  # by internal id: the requests placed here
         # Prefilled requests whose hand-off the central scheduler has not confirmed yet: an
         # abort that reaches them here still ends them (their client gets the final).
         self._awaiting: dict[str, Prefilled] = {}
@@ -373,7 +246,7 @@ class EngineActor:
                 self._awaiting.pop(internal, None)
                 route = self._routes.pop(internal, None)
                 if route is not None:  # its first token, should the client have lost it
-                    self._remember(route, None, len(route.tokens))
+                    self._past.remember(route, None, len(route.tokens))
         elif kind == "drop_client":
             self._drop_client(item[1])
         elif kind == "draining":
@@ -392,7 +265,7 @@ class EngineActor:
         trace = None
         if self.observe.tracer is not None and wire.trace_context:
             trace = self._part_trace(wire)
-        route = self._routes[internal] = _Route(
+        route = self._routes[internal] = Route(
             wire.client_id,
             wire.submission,
             wire.client_request_id,
@@ -445,40 +318,15 @@ class EngineActor:
             request.kv_transfer_params = {**params, "trace_context": inject(trace.transfer)}
         return trace
 
-    def _sink(self, route: _Route) -> Any:
+    def _sink(self, route: Route) -> Any:
         def sink(out: EngineCoreOutput, index: int) -> None:
             outbox = self._outbox(route.client_id)
             if outbox is not None:
                 outbox.put(route.submission, out, index)
                 if out.finish_reason is not None:
-                    self._remember(route, out, index)
+                    self._past.remember(route, out, index)
 
         return sink
-
-    def _remember(self, route: _Route, out: EngineCoreOutput | None, index: int) -> None:
-        """Keep what a request that leaves this engine sent its client, and how it ended
-        (``out``: its final; None: handed off), for a refill: for ``PAST_KEEP_S``, the last
-        ``RECENT_FINALS`` at most, as a compact array."""
-        new = [] if out is None else out.new_token_ids
-        offset, tokens = 0, route.tokens
-        if len(tokens) != index + len(new):  # no token list shared with it
-            offset, tokens = index, list(new)
-        now = time.monotonic()
-        self._past[(route.client_id, route.submission)] = _Past(
-            route.client_request_id,
-            offset,
-            array("q", tokens),
-            None if out is None else out.finish_reason,
-            None if out is None else out.stop_reason,
-            0 if out is None else out.num_cached_tokens,
-            None if out is None else out.error,
-            now,
-        )
-        past = self._past
-        while past and (
-            len(past) > RECENT_FINALS or next(iter(past.values())).at < now - PAST_KEEP_S
-        ):
-            past.popitem(last=False)
 
     def _end(self, internal: str, reason: FinishReason, error: str | None) -> None:
         """End a request with a final output to its client: held here (the engine ends
@@ -572,24 +420,7 @@ class EngineActor:
             out = EngineCoreOutput(route.client_request_id, route.tokens[start:])
             outbox.put(route.submission, out, start)
             count += 1
-        for submission, start in wanted.items():
-            past = self._past.get((client_id, submission))
-            if past is None:
-                continue
-            end = past.offset + len(past.tokens)
-            if past.finish_reason is None and start >= end:
-                continue  # handed off: the client has all it sent
-            start = min(max(start, past.offset), end)
-            out = EngineCoreOutput(
-                past.client_request_id,
-                past.tokens[start - past.offset :].tolist(),
-                past.finish_reason,
-                past.stop_reason,
-                past.num_cached_tokens,
-                error=past.error,
-            )
-            outbox.put(submission, out, start)
-            count += 1
+        count += self._past.refill(outbox, client_id, wanted)
         self.num_refilled += count
         if count:
             logger.info(
@@ -605,8 +436,7 @@ class EngineActor:
     def _drop_client(self, client_id: str) -> None:
         self._dropped.add(client_id)
         self._streams.pop(client_id, None)
-        for key in [k for k in self._past if k[0] == client_id]:
-            del self._past[key]
+        self._past.drop_client(client_id)
         outbox = self._outboxes.pop(client_id, None)
         if outbox is not None:
             outbox.close()
@@ -631,7 +461,7 @@ class EngineActor:
         for lost in report.lost:
             self._routes.pop(lost.internal_id, None)
         queue = self._outgoing
-        if queue and _plain(queue[-1]) and _plain(report):
+        if queue and plain(queue[-1]) and plain(report):
             queue[-1] = coalesce(queue[-1], report)
         else:
             queue.append(report)
@@ -654,7 +484,7 @@ class EngineActor:
                 except Exception as exc:
                     logger.warning("instance %s: a report was lost: %s", self.instance_id, exc)
                     self._unsent_traces.update(report.ended_traces)  # sent again later
-                    while len(self._unsent_traces) > RECENT_FINALS:
+                    while len(self._unsent_traces) > MAX_UNSENT_TRACES:
                         del self._unsent_traces[next(iter(self._unsent_traces))]
                 # Not kept while idle: its KV handles (object references) pin their objects.
                 del report

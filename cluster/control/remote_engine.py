@@ -22,7 +22,8 @@ from typing import Any
 
 from cluster.config import ClusterConfig
 from cluster.control.engine import EngineReport, Lost, Placement
-from cluster.control.engine_actor import EngineActor, WirePlacement, rebase_placement, shift
+from cluster.control.engine_actor import EngineActor
+from cluster.control.engine_wire import WirePlacement, rebase_placement, shift
 from cluster.control.placement import InstanceSpec
 from kv_transfer.tracing import root_carrier
 from scheduler.request import FinishReason

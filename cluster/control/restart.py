@@ -32,7 +32,7 @@ import time
 from typing import Any
 
 from cluster.control.engine import EndedTrace
-from cluster.control.engine_actor import EngineSnapshot, sequence_of, shift
+from cluster.control.engine_wire import EngineSnapshot, sequence_of, shift
 from cluster.control.flights import Flight, clone_request
 from cluster.errors import UnavailableError
 

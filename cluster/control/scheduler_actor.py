@@ -374,7 +374,7 @@ class SchedulerActor(Intake, KVPeers, Migration, Restart, ClusterOperations):
     # -- what the engines report -------------------------------------------------------------
     def report(self, report: EngineReport) -> None:
         """An ``EngineActor``'s report (its instants as ages: ``engine_actor.rebase_report``)."""
-        from cluster.control.engine_actor import rebase_report
+        from cluster.control.engine_wire import rebase_report
 
         rebase_report(report, time.monotonic())
         if self.recovering:  # applied once the state is rebuilt
