@@ -513,7 +513,7 @@ class Subscription:
                         exc,
                     )
                     positions = self._positions()
-                    await self._refill([i for i in self._actors if i != iid], positions)
+                    self._spawn(self._refill([i for i in self._actors if i != iid], positions))
                     if self._gap_watch is None or self._gap_watch.done():
                         self._gap_watch = self.loop.create_task(self._fill_gaps())
                     await asyncio.sleep(backoff)  # (a stream that keeps breaking: less often)
