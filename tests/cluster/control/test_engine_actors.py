@@ -442,14 +442,9 @@ def test_lora_adapters_loaded_at_run_time_survive_a_central_restart(
         shutdown_cluster(handle)
 
 
-def test_one_trace_across_the_central_actor_and_both_engines(
-    ray_cluster: RayCluster, tiny_model: Path
-) -> None:
-    """Tracing with engine actors: the central actor's root span, and each engine's spans
-    made in its own process as the root's children (queue and prefill on the prefill engine,
-    KV transfer and decode on the decode engine), the workers' save and load under them."""
-    from kv_transfer.tracing import inject
-    from tests.cluster.conftest import OTLPReceiver, span_attributes
+def _traced_engines(tiny_model: Path, name: str) -> tuple[Any, Any]:
+    """An OTLP receiver and a traced P/D cluster with engine actors exporting to it."""
+    from tests.cluster.conftest import OTLPReceiver
 
     receiver = OTLPReceiver()
     config = cluster_config(
@@ -459,13 +454,34 @@ def test_one_trace_across_the_central_actor_and_both_engines(
         engine_actors=True,
         tracing={"enabled": True, "otlp_endpoint": receiver.endpoint, "export_delay_ms": 100},
     )
-    handle = build_cluster(config, name="engine-actors-traced", namespace="tandem-tests")
-    try:
-        from opentelemetry.sdk.trace import TracerProvider
+    return receiver, build_cluster(config, name=name, namespace="tandem-tests")
 
-        tracer = TracerProvider().get_tracer("test")
-        with tracer.start_as_current_span("caller") as caller:
-            carrier = inject(caller)
+
+def _caller_spans(*names: str) -> list[tuple[Any, dict[str, str]]]:
+    """A caller's span per name (each its own trace), with the carrier naming it."""
+    from opentelemetry.sdk.trace import TracerProvider
+
+    from kv_transfer.tracing import inject
+
+    tracer = TracerProvider().get_tracer("test")
+    spans = []
+    for name in names:
+        with tracer.start_as_current_span(name) as span:
+            spans.append((span, inject(span)))
+    return spans
+
+
+def test_one_trace_across_the_central_actor_and_both_engines(
+    ray_cluster: RayCluster, tiny_model: Path
+) -> None:
+    """Tracing with engine actors: the central actor's root span, and each engine's spans
+    made in its own process as the root's children (queue and prefill on the prefill engine,
+    KV transfer and decode on the decode engine), the workers' save and load under them."""
+    from tests.cluster.conftest import span_attributes
+
+    receiver, handle = _traced_engines(tiny_model, "engine-actors-traced")
+    try:
+        ((caller, carrier),) = _caller_spans("caller")
         trace_id = caller.get_span_context().trace_id.to_bytes(16, "big")
         client = ClusterClient(handle)
         params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -518,26 +534,11 @@ def test_a_restarted_central_scheduler_makes_the_root_spans_again(
     running when the restarted actor rebuilds its state. Both roots are made again with
     their first ids, so the engines' spans keep their parent, under the caller's span,
     from the request's arrival to its end, with its usage."""
-    from kv_transfer.tracing import inject
-    from tests.cluster.conftest import OTLPReceiver, span_attributes
+    from tests.cluster.conftest import span_attributes
 
-    receiver = OTLPReceiver()
-    config = cluster_config(
-        tiny_model,
-        [PREFILL, DECODE],
-        router={"disaggregation": "always"},
-        engine_actors=True,
-        tracing={"enabled": True, "otlp_endpoint": receiver.endpoint, "export_delay_ms": 100},
-    )
-    handle = build_cluster(config, name="engine-actors-traced-restart", namespace="tandem-tests")
+    receiver, handle = _traced_engines(tiny_model, "engine-actors-traced-restart")
     try:
-        from opentelemetry.sdk.trace import TracerProvider
-
-        tracer = TracerProvider().get_tracer("test")
-        callers = []
-        for name in ("short", "long"):
-            with tracer.start_as_current_span(name) as caller:
-                callers.append((caller, inject(caller)))
+        callers = _caller_spans("short", "long")
         ray.get(handle.set_fault_injection.remote("d-0", 0.0, 0.1))
         client = ClusterClient(handle)
         short = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
