@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from actors.cores import CoreShare
-from actors.model.attention import AttentionMetadata, select_backend
+from actors.model.attention import AttentionMetadata, TorchAttention, select_backend
 from actors.model.llama import LlamaForCausalLM
 from actors.model.loader import DEFAULT_DENSE_MIN_ROWS, load_model, resolve_model_path
 from actors.pipeline import IntermediateOutput, stage_report
@@ -37,6 +37,7 @@ from scheduler.request import (
 
 if TYPE_CHECKING:
     from actors.lora import LoRAManager
+    from actors.model.cuda_graphs import DecodeGraphs
     from kv_transfer.base import WorkerConnector
 
 logger = logging.getLogger(__name__)
@@ -100,6 +101,7 @@ class ModelWorker:
         tracing: Any = None,
         quantization: str = "auto",
         quant_dense_min_rows: int = DEFAULT_DENSE_MIN_ROWS,
+        enforce_eager: bool = False,
     ) -> None:
         """``kv_transfer`` names a KV transport (``nixl``, ``ray``, ``grpc``) for prefill/
         decode hand-off, built with ``kv_transfer_options``; if it cannot be built here (no
@@ -111,7 +113,8 @@ class ModelWorker:
         and holds only its layers (``actors.pipeline``). ``tracing``: a ``TracingConfig``;
         when enabled, KV loads are spans of their requests' traces.
         ``quantization`` / ``quant_dense_min_rows``: weights held quantized (see
-        ``actors.model.loader.quantize_model``)."""
+        ``actors.model.loader.quantize_model``). On CUDA, decode steps replay captured CUDA
+        graphs (``actors.model.cuda_graphs``) unless ``enforce_eager``."""
         self.tracing = tracing
         self.core_share: CoreShare | None = None
         if num_threads == "auto":
@@ -132,6 +135,8 @@ class ModelWorker:
         self.block_size = block_size
         self.lora_config = lora_config
         self.attention_backend_arg = attention_backend
+        self.enforce_eager = enforce_eager
+        self.decode_graphs: DecodeGraphs | None = None
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.progress = progress
@@ -255,11 +260,19 @@ class ModelWorker:
         """Allocate ``num_blocks`` blocks per layer (zeroed). Drops all request state."""
         from kv_transfer.blocks import allocate_kv_caches
 
-        cfg = self._model.config
+        model = self._model
+        cfg = model.config
         self.kv_caches = []  # the old cache goes before the new one is allocated
+        self.decode_graphs = None
+        graphs = (
+            self.device.type == "cuda"
+            and not self.enforce_eager
+            and model.is_first
+            and isinstance(self.attn, TorchAttention)
+        )
         self.kv_caches = allocate_kv_caches(
             len(self.layers),
-            num_blocks,
+            num_blocks + graphs,  # the graphs' padding rows write to one scratch block
             self.block_size,
             cfg.num_key_value_heads,
             cfg.head_dim,
@@ -267,6 +280,19 @@ class ModelWorker:
             self.device,
         )
         self.num_blocks = num_blocks
+        if graphs:
+            from actors.model.cuda_graphs import DecodeGraphs
+
+            assert isinstance(self.attn, TorchAttention)
+            self.decode_graphs = DecodeGraphs(
+                model,
+                self.kv_caches,
+                self.attn,
+                self.block_size,
+                scratch_block=num_blocks,
+                max_batch=min(self.max_num_seqs, 512),
+                max_width=min(num_blocks, -(-cfg.max_position_embeddings // self.block_size)),
+            )
         self.requests.clear()
         if self.kv_transfer is not None:
             self._attach_connector()
@@ -619,6 +645,15 @@ class ModelWorker:
         max_pos = model.config.max_position_embeddings
         if positions and max(positions) >= max_pos:
             raise ValueError(f"position {max(positions)} exceeds max_position_embeddings {max_pos}")
+        lora = None
+        if self.lora_manager is not None:
+            lora = self.lora_manager.prepare([(s.state.lora, s.num_tokens) for s in batch])
+        graphs = self.decode_graphs
+        if graphs is not None and lora is None and len(input_ids) == len(batch):
+            # Single-token decodes only: a captured step, when a bucket fits.
+            captured = graphs.run(input_ids, positions, [s.state.block_ids for s in batch])
+            if captured is not None:
+                return captured
         meta = AttentionMetadata.build(
             [s.num_tokens for s in batch],
             [s.start + s.num_tokens for s in batch],
@@ -627,9 +662,6 @@ class ModelWorker:
             self.device,
             with_flash=self.attn.needs_flash_metadata,
         )
-        lora = None
-        if self.lora_manager is not None:
-            lora = self.lora_manager.prepare([(s.state.lora, s.num_tokens) for s in batch])
         dev = self.device
         if hidden_in is not None:
             hidden_in = hidden_in.to(dev)

@@ -8,6 +8,8 @@ greedy, EOS ignored. Three contenders:
   weights dense (``quantization="none"``);
 - ``tandem-<q>``: the same engine holding its projections quantized (``--quantizations``, e.g.
   ``auto``: the GGUF file's Q4_1 as int4, its Q8_0 head as int8);
+- ``tandem-eager`` (CUDA only): the dense engine with ``enforce_eager``, i.e. without its
+  captured decode steps (``actors.model.cuda_graphs``);
 - ``hf-generate``: ``model.generate(..., do_sample=False)``;
 - ``hf-loop``: a hand-written greedy loop over ``model(...)`` with its ``DynamicCache``.
 
@@ -176,11 +178,12 @@ def main() -> None:
     for dtype_name in args.dtypes:
         dtype = getattr(torch, dtype_name)
 
-        def engine_for(quantization: str, dtype: torch.dtype = dtype) -> Any:
+        def engine_for(quantization: str, dtype: torch.dtype = dtype, eager: bool = False) -> Any:
             return LLMEngine(
                 args.model,
                 dtype=dtype,
                 quantization=quantization,
+                enforce_eager=eager,
                 max_num_seqs=max(args.batches),
                 max_num_batched_tokens=max(2048, PROMPT_LEN * max(args.batches)),
                 enable_prefix_caching=False,  # distinct random prompts anyway; keep it equal
@@ -196,6 +199,10 @@ def main() -> None:
             "hf-generate": partial(run_hf_generate, hf, new=new),
             "hf-loop": partial(run_hf_loop, hf, new=new),
         }
+        if args.device.startswith("cuda"):  # the same engine without its CUDA graphs
+            contenders["tandem-eager"] = partial(
+                run_tandem, engine_for("none", eager=True), new=new
+            )
         for q in args.quantizations:
             contenders[f"tandem-{q}"] = partial(run_tandem, engine_for(q), new=new)
         # Warm-up (first-call allocations, kernel selection).
@@ -226,7 +233,7 @@ def main() -> None:
             print(_fmt(row), flush=True)
 
     print()
-    quant_names = [f"tandem-{q}" for q in args.quantizations]
+    quant_names = [n for n in results[0] if n.startswith("tandem-")] if results else []
     print(
         f"{'dtype':9} {'batch':>5} {'tandem':>9} "
         + "".join(f"{n:>13}" for n in quant_names)

@@ -552,6 +552,11 @@ class ClusterConfig(_Config):
         "weights (the weight-only kernels lose to the dense GEMM on large batches); 0 keeps "
         "no dense copy (least memory).",
     )
+    enforce_eager: bool = Field(
+        False,
+        description="CUDA: run every step eagerly (vLLM's name); by default decode steps "
+        "replay captured CUDA graphs. No effect on CPU.",
+    )
     max_model_len: int | None = Field(None, ge=2)
     block_size: int = Field(16, ge=1, le=1024, description="KV block size of every instance.")
     pools: list[InstancePool] = Field(

@@ -105,6 +105,7 @@ def worker_kwargs(
         "dtype": config.dtype,
         "quantization": config.quantization,
         "quant_dense_min_rows": config.quantized_dense_min_rows,
+        "enforce_eager": config.enforce_eager,
         "device": pool.device,
         "block_size": config.block_size,
         "lora_config": config.lora,

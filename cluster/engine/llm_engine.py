@@ -60,6 +60,7 @@ class LLMEngine:
         attention_backend: str | None = None,
         quantization: str = "auto",
         quant_dense_min_rows: int = DEFAULT_DENSE_MIN_ROWS,
+        enforce_eager: bool = False,
         progress: bool = True,
         **scheduler_kwargs: Any,
     ) -> None:
@@ -83,6 +84,7 @@ class LLMEngine:
             attention_backend=attention_backend,
             quantization=quantization,
             quant_dense_min_rows=quant_dense_min_rows,
+            enforce_eager=enforce_eager,
             max_num_batched_tokens=budget_tokens,
             max_num_seqs=max_num_seqs,
             progress=progress,

@@ -62,3 +62,25 @@ def test_step_beyond_known_tokens_is_refused(tiny_llama: Path) -> None:
     with pytest.raises(RuntimeError, match="never sent to this worker"):
         worker.execute_model(out)
     assert worker.health()["ok"]
+
+
+def test_decode_graph_buckets() -> None:
+    """The CUDA graphs' buckets (``actors.model.cuda_graphs``; the graphs themselves run in
+    tests/gpu): vLLM's batch sizes, widths in powers of two capped at the context."""
+    from actors.model.cuda_graphs import batch_buckets, width_bucket
+
+    assert batch_buckets(1) == [1]
+    assert batch_buckets(3) == [1, 2, 4]  # the last holds max_batch (padded)
+    assert batch_buckets(4) == [1, 2, 4]
+    assert batch_buckets(20) == [1, 2, 4, 8, 16, 24]
+    assert batch_buckets(256)[-3:] == [240, 248, 256]
+    assert [width_bucket(b, 32) for b in (1, 4, 5, 9, 17, 33)] == [4, 4, 8, 16, 32, 32]
+    assert width_bucket(6, 6) == 6  # the cap need not be a power of two
+
+
+def test_no_graphs_or_scratch_block_off_cuda(tiny_llama: Path) -> None:
+    worker = ModelWorker(str(tiny_llama), dtype="float32", block_size=4, progress=False)
+    worker.load_model()
+    worker.init_kv_cache(16)
+    assert worker.decode_graphs is None
+    assert worker.kv_caches[0].shape[1] == 16
