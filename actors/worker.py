@@ -223,7 +223,23 @@ class ModelWorker:
             4 * cfg.hidden_size + cfg.q_size + 2 * cfg.kv_size + 3 * cfg.intermediate_size
         ) * elem
         logits = min(self.max_num_seqs, tokens) * cfg.vocab_size * 4 * 4  # fp32, ~4 copies
-        return tokens * per_token + logits
+        return tokens * per_token + logits + self._graph_bytes()
+
+    def _graph_bytes(self) -> int:
+        """What the CUDA graphs' memory pool may keep: the largest decode step's K/V gather
+        (``actors.model.cuda_graphs``), at most ``MAX_GATHER_BYTES``."""
+        if self.device.type != "cuda" or self.enforce_eager:
+            return 0
+        from actors.model.cuda_graphs import MAX_GATHER_BYTES, batch_buckets, gather_bytes
+
+        cfg = self._model.config
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        width = -(-cfg.max_position_embeddings // self.block_size)
+        batch = batch_buckets(min(self.max_num_seqs, 512))[-1]
+        full = gather_bytes(
+            batch, width, self.block_size, cfg.num_attention_heads, cfg.head_dim, elem
+        )
+        return min(full, MAX_GATHER_BYTES)
 
     def profile_num_blocks(self, memory_budget_bytes: int) -> int:
         """How many KV blocks fit once weights and the peak activations are paid for. On CUDA
@@ -649,7 +665,7 @@ class ModelWorker:
         if self.lora_manager is not None:
             lora = self.lora_manager.prepare([(s.state.lora, s.num_tokens) for s in batch])
         graphs = self.decode_graphs
-        if graphs is not None and lora is None and len(input_ids) == len(batch):
+        if graphs is not None and lora is None and all(s.num_tokens == 1 for s in batch):
             # Single-token decodes only: a captured step, when a bucket fits.
             captured = graphs.run(input_ids, positions, [s.state.block_ids for s in batch])
             if captured is not None:

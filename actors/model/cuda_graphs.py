@@ -12,9 +12,12 @@ step runs in static input buffers padded to a bucket:
   context for every short request.
 
 Graphs are captured on first use of a bucket (a capture costs a warm-up forward plus the
-capture itself, a few ms for a small model; every graph shares one memory pool). Padding rows
-write their K/V to a scratch block that no request owns (the worker allocates one block more
-than the scheduler knows of), read only that block, and their outputs are dropped.
+capture itself, a few ms for a small model; every graph shares one memory pool). A capture that
+fails (e.g. out of memory) leaves that bucket eager. Padding rows write their K/V to a scratch
+block that no request owns (the worker allocates one block more than the scheduler knows of),
+read only that block, and their outputs are dropped. A graph's attention gathers its rows'
+blocks: buckets that would gather more than ``max_gather_bytes`` run eagerly (the graphs' pool
+keeps its peak for good; the worker counts it when it sizes the cache).
 
 Only whole-decode steps of a first pipeline stage (token ids in, no hidden states) without
 LoRA are captured, with the torch attention backend; every other step runs eagerly, as does
@@ -34,6 +37,15 @@ from actors.model.llama import LlamaForCausalLM
 logger = logging.getLogger(__name__)
 
 MIN_WIDTH = 4  # blocks: the smallest width bucket
+MAX_GATHER_BYTES = 1 << 30  # the K/V a graph's attention may gather per layer
+
+
+def gather_bytes(
+    batch: int, width: int, block_size: int, heads: int, head_dim: int, elem: int
+) -> int:
+    """What the torch attention path gathers for a decode step of ``batch`` rows of ``width``
+    blocks: K and V, counted with every query head (an upper bound: GQA may not expand)."""
+    return 2 * batch * width * block_size * heads * head_dim * elem
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -65,12 +77,17 @@ class DecodeGraphs:
         scratch_block: int,
         max_batch: int,
         max_width: int,
+        max_gather_bytes: int = MAX_GATHER_BYTES,
+        capture: bool = True,
     ) -> None:
+        """``capture=False`` runs the same padded steps eagerly, without graphs (any device:
+        the CPU tests check the buffers' filling that way)."""
         if not model.is_first:
             raise ValueError("decode graphs take token ids: a first pipeline stage only")
         device = kv_caches[0].device
-        if device.type != "cuda":
+        if capture and device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA cache, not {device}")
+        self.capture = capture
         self.model, self.kv_caches, self.attn = model, kv_caches, attn
         self.block_size, self.scratch = block_size, scratch_block
         self.buckets = batch_buckets(max_batch)
@@ -87,8 +104,16 @@ class DecodeGraphs:
         # table is contiguous whatever the bucket.
         self.tables = torch.full((n * w,), scratch_block, dtype=torch.long, device=device)
         self.key_pos = torch.arange(w * block_size, device=device)
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.pool = torch.cuda.graph_pool_handle()
+        cache = kv_caches[0]
+        self.row_bytes = gather_bytes(
+            1, 1, block_size, attn.num_heads, attn.head_dim, cache.element_size()
+        )
+        self.max_gather_bytes = max_gather_bytes
+        # A bucket whose capture failed maps to None (it runs eagerly).
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor] | None] = {}
+        if capture:
+            self.pool = torch.cuda.graph_pool_handle()
+            self.stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
         self.replays = 0
 
     def bucket_for(self, num_rows: int, max_blocks: int) -> tuple[int, int] | None:
@@ -96,7 +121,10 @@ class DecodeGraphs:
         if num_rows > self.max_batch or max_blocks > self.max_width:
             return None
         batch = next(b for b in self.buckets if b >= num_rows)
-        return batch, width_bucket(max_blocks, self.max_width)
+        width = width_bucket(max_blocks, self.max_width)
+        if batch * width * self.row_bytes > self.max_gather_bytes:
+            return None
+        return batch, width
 
     def run(
         self,
@@ -114,9 +142,14 @@ class DecodeGraphs:
         if key is None or n == 0:
             return None
         batch, width = key
-        graph_out = self.graphs.get(key)
+        if not self.capture:
+            self._fill(input_ids, positions, block_tables, needed, batch, width)
+            return self._forward(batch, width)[:n]
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(batch, width)
+        graph_out = self.graphs[key]
         if graph_out is None:
-            graph_out = self._capture(batch, width)
+            return None  # its capture failed
         graph, out = graph_out
         self._fill(input_ids, positions, block_tables, needed, batch, width)
         graph.replay()
@@ -186,22 +219,34 @@ class DecodeGraphs:
         )
         return out
 
-    def _capture(self, batch: int, width: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture(self, batch: int, width: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor] | None:
         """Capture the (batch, width) step, after a warm-up run on a side stream (lazy
         initialisations, e.g. cuBLAS's workspace, must not happen inside a capture). The
-        buffers point at the scratch block meanwhile: the runs write only there."""
-        self._reset()
-        stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            self._forward(batch, width)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: a KV transport's thread using CUDA meanwhile neither breaks the capture
-        # nor ends up in it (its copies run on streams of its own).
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            out = self._forward(batch, width)
-        self.graphs[(batch, width)] = (graph, out)
+        buffers point at the scratch block meanwhile: the runs write only there. None when the
+        capture fails (the bucket then runs eagerly)."""
+        with torch.cuda.device(self.device):
+            self._reset()
+            stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            try:
+                with torch.cuda.stream(stream):
+                    self._forward(batch, width)
+                torch.cuda.current_stream(self.device).wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                # thread_local: a KV transport's thread calling CUDA meanwhile (a copy to or
+                # from the host) neither breaks the capture nor is captured: the capture
+                # stream is its own, and the check covers this thread only.
+                with torch.cuda.graph(
+                    graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"
+                ):
+                    out = self._forward(batch, width)
+            except Exception:
+                logger.exception(
+                    "capturing the decode step for batch %d, width %d failed; it runs eagerly",
+                    batch,
+                    width,
+                )
+                return None
         logger.info("captured the decode step for batch %d, width %d blocks", batch, width)
         return graph, out
 

@@ -41,7 +41,8 @@ from cluster.config import ClusterConfig
 
 logger = logging.getLogger(__name__)
 
-_ENGINE_TOP = ("dtype", "quantization", "max_model_len", "block_size")  # ClusterConfig fields
+# ClusterConfig fields
+_ENGINE_TOP = ("dtype", "quantization", "max_model_len", "block_size", "enforce_eager")
 _ENGINE_SCHEDULER = ("max_num_seqs", "max_num_batched_tokens", "async_scheduling")
 _ENGINE_LORA = ("max_loras", "max_lora_rank")
 _ENGINE_ACCEPTED = (

@@ -47,6 +47,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     )
     engine.add_argument("--block-size", type=int, default=None, help="tokens per KV block")
     engine.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        default=None,
+        help="CUDA: run decode steps eagerly instead of replaying CUDA graphs",
+    )
+    engine.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -232,7 +238,7 @@ def serve_config(args: argparse.Namespace) -> Any:
 def _engine_flags(args: argparse.Namespace, data: dict[str, Any]) -> None:
     """vLLM's engine flags and Tandem's pool sizes, onto a ClusterConfig dump: the top-level
     fields, and every pool's scheduler and cache sections."""
-    for key in ("dtype", "quantization", "max_model_len", "block_size"):
+    for key in ("dtype", "quantization", "max_model_len", "block_size", "enforce_eager"):
         value = getattr(args, key)
         if value is not None:
             data[key] = value

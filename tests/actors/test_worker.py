@@ -84,3 +84,49 @@ def test_no_graphs_or_scratch_block_off_cuda(tiny_llama: Path) -> None:
     worker.init_kv_cache(16)
     assert worker.decode_graphs is None
     assert worker.kv_caches[0].shape[1] == 16
+
+
+def test_padded_decode_steps_equal_the_eager_step(tiny_llama: Path) -> None:
+    """``DecodeGraphs``' padded step, run without capture (``capture=False``: the buffers and
+    the forward a graph holds, eagerly, on CPU), against the worker's eager step: the same
+    hidden states and the same cache writes; the padding row writes only the scratch block.
+    Tables longer than a row needs are cut, shorter widths padded with the scratch block."""
+    from actors.model.attention import AttentionMetadata
+    from actors.model.cuda_graphs import DecodeGraphs
+
+    worker = ModelWorker(str(tiny_llama), dtype="float32", block_size=4, progress=False)
+    worker.load_model()
+    worker.init_kv_cache(17)
+    model, caches, scratch = worker.model, worker.kv_caches, 16  # block 16 plays the scratch
+    assert model is not None
+    torch.manual_seed(0)
+    for cache in caches:
+        cache.normal_()
+        cache[:, scratch].zero_()
+    ids, positions = [5, 17, 9], [5, 17, 2]
+    tables = [[3, 7, 11], [1, 2, 9, 4, 12], [8]]  # needs 2, 5 and 1 blocks
+    before = [c.clone() for c in caches]
+    meta = AttentionMetadata.build([1, 1, 1], [p + 1 for p in positions], tables, 4, worker.device)
+    eager = model(torch.tensor(ids), torch.tensor(positions), caches, meta, worker.attn)
+    after_eager = [c.clone() for c in caches]
+    for cache, old in zip(caches, before, strict=True):
+        cache.copy_(old)
+    graphs = DecodeGraphs(
+        model, caches, worker.attn, 4, scratch, max_batch=8, max_width=8, capture=False
+    )
+    assert graphs.bucket_for(3, 5) == (4, 8)  # a padding row, widths padded to 8 blocks
+    got = graphs.run(ids, positions, tables)
+    assert got is not None
+    torch.testing.assert_close(got, eager, rtol=0, atol=1e-5)
+    for cache, ref, old in zip(caches, after_eager, before, strict=True):
+        torch.testing.assert_close(cache[:, :scratch], ref[:, :scratch], rtol=0, atol=1e-5)
+        assert not torch.equal(ref[:, :scratch], old[:, :scratch])  # the step wrote K/V
+        assert ref[:, scratch].abs().sum() == 0  # eager: nothing in the scratch block
+        assert cache[:, scratch].abs().sum() > 0  # padded: the padding row's K/V, there
+    # Steps that would gather more than the cap run eagerly (no bucket).
+    capped = DecodeGraphs(
+        model, caches, worker.attn, 4, scratch, 8, 8, max_gather_bytes=16 * graphs.row_bytes,
+        capture=False,
+    )
+    assert capped.bucket_for(3, 4) == (4, 4) and capped.bucket_for(3, 5) is None
+    assert capped.run(ids, positions, tables) is None

@@ -92,10 +92,11 @@ def test_vllm_flags_and_pool_sizes(tmp_path: Path) -> None:
             "3",
             "-q",
             "int8",
+            "--enforce-eager",
         )
     )
     assert config.model == "/models/m" and config.dtype == "float32"
-    assert config.quantization == "int8"
+    assert config.quantization == "int8" and config.enforce_eager
     assert config.max_model_len == 4096 and config.block_size == 32
     assert config.kv_transfer.transport == "grpc"
     assert [(p.name, p.role, p.replicas) for p in config.pools] == [
@@ -107,6 +108,7 @@ def test_vllm_flags_and_pool_sizes(tmp_path: Path) -> None:
         assert pool.cache == {"enable_prefix_caching": False} and pool.pp_size == 2
         assert pool.num_threads == "auto"  # the default pools' other settings stay
     colocated = serve_config(_args("--prefill-instances", "0", "--decode-instances", "2"))
+    assert not colocated.enforce_eager  # CUDA graphs by default, as vLLM
     assert [(p.name, p.role, p.replicas) for p in colocated.pools] == [("colocated", "both", 2)]
     # The default config schedules asynchronously; -pp 2 drops that (the stages pipeline
     # already), --no-async-scheduling turns it off, and asking for both is refused.

@@ -51,6 +51,7 @@ def test_one_model_colocated_with_lora_and_an_accelerator() -> None:
     llm = _llm(
         engine_kwargs={
             "dtype": "bfloat16",
+            "enforce_eager": True,
             "enable_lora": True,
             "max_loras": 2,
             "enable_auto_tool_choice": True,
@@ -65,7 +66,12 @@ def test_one_model_colocated_with_lora_and_an_accelerator() -> None:
     assert pool.role == "both" and pool.replicas == 1
     assert pool.device == "cuda" and pool.num_gpus == 1.0
     assert pool.resources == {"accelerator_type:A10G": 0.001}
-    assert config.dtype == "bfloat16"
+    assert config.dtype == "bfloat16" and config.enforce_eager
+    # ... and every worker of the pool is told (vLLM's name; CUDA graphs off).
+    from cluster.control.placement import worker_kwargs
+
+    assert worker_kwargs(config, pool)["enforce_eager"] is True
+    assert worker_kwargs(cluster_config({"both": _llm()}), pool)["enforce_eager"] is False
     assert config.lora is not None and config.lora.max_loras == 2
 
 
