@@ -3,7 +3,7 @@ every few minutes, then a full account of what happened (issue 17).
 
     python -m bench.soak                           # built-in model, 20 minutes, a kill every 3
     python -m bench.soak --duration-s 120 --kill-every-s 40
-    python -m bench.soak --quick --model DIR       # what the CI test runs: ~1 minute
+    python -m bench.soak --quick --model DIR       # what the CI test runs: 40 s of load
     make soak                                      # the default, JSON in bench/results/
 
 It starts Tandem as ``tandem serve`` does (a local Ray on 127.0.0.1, the Serve app, one
@@ -638,12 +638,12 @@ def main() -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--drain-timeout-s", type=float, default=60.0)
-    p.add_argument("--quick", action="store_true", help="60 s, a kill every 20 s (the CI test)")
+    p.add_argument("--quick", action="store_true", help="40 s, a kill every 13 s (the CI test)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     if args.quick:
-        args.duration_s, args.kill_every_s, args.burst_every_s = 60.0, 20.0, 25.0
-        args.warmup_s, args.rss_every_s = 10.0, 10.0
+        args.duration_s, args.kill_every_s, args.burst_every_s = 40.0, 13.0, 15.0
+        args.warmup_s, args.rss_every_s = 8.0, 8.0
         args.long_words = min(args.long_words, 60)
     report = asyncio.run(run(args))
     if args.out:

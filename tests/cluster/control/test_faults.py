@@ -167,8 +167,10 @@ def test_prefill_worker_killed_with_queued_and_transferring_requests(
         prompts = _prompts(8, seed=8)
         undisturbed = [tokens for tokens, _ in _run_all(handle, prompts)]
         # Slow prefill steps keep requests queued; delayed loads keep transfers in flight.
+        # The window in which p-0 has queued work while d-0 waits for the first hand-offs
+        # lasts a prefill step (0.15 s steps were missed once on a busy machine).
         for iid in ("p-0", "p-1"):
-            ray.get(handle.set_fault_injection.remote(iid, 0.0, 0.15))
+            ray.get(handle.set_fault_injection.remote(iid, 0.0, 0.4))
         ray.get(handle.set_fault_injection.remote("d-0", 1.0, 0.0))
         history_before = len(ray.get(handle.transfer_history.remote())["d-0"])
         killed_at: list[float] = []
