@@ -38,8 +38,10 @@ import torch
 PROMPT_LEN = 128
 
 
-def hf_model_from(model: Any, dtype: torch.dtype) -> Any:
-    """A transformers LlamaForCausalLM holding exactly our model's weights (unfused)."""
+def hf_model_from(model: Any, dtype: torch.dtype, device: str = "cpu") -> Any:
+    """A transformers LlamaForCausalLM holding exactly our model's weights (unfused), made on
+    ``device`` in ``dtype`` (a large model's float32 initialisation on the host would take
+    minutes)."""
     import transformers
 
     cfg = model.config
@@ -56,7 +58,13 @@ def hf_model_from(model: Any, dtype: torch.dtype) -> Any:
         max_position_embeddings=cfg.max_position_embeddings,
         tie_word_embeddings=cfg.tie_word_embeddings,
     )
-    hf = transformers.LlamaForCausalLM(hf_cfg).to(dtype)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            hf = transformers.LlamaForCausalLM(hf_cfg)
+    finally:
+        torch.set_default_dtype(default)
     q, kv, inter = cfg.q_size, cfg.kv_size, cfg.intermediate_size
     sd: dict[str, torch.Tensor] = {"model.embed_tokens.weight": model.embed_tokens.weight}
     sd["model.norm.weight"] = model.norm.weight
@@ -192,7 +200,7 @@ def main() -> None:
             )
 
         engine = engine_for("none")
-        hf = hf_model_from(engine.worker.model, dtype).to(args.device)
+        hf = hf_model_from(engine.worker.model, dtype, args.device)
         vocab = engine.worker.config.vocab_size
         contenders: dict[str, Callable[[list[list[int]]], dict[str, float]]] = {
             "tandem": partial(run_tandem, engine, new=new),
