@@ -194,6 +194,9 @@ def main() -> None:
                 enforce_eager=eager,
                 max_num_seqs=max(args.batches),
                 max_num_batched_tokens=max(2048, PROMPT_LEN * max(args.batches)),
+                # Room for every request's whole context (the default 1 GiB holds only 8k
+                # tokens of Llama-3-8B: its large batches were preempted).
+                num_blocks=max(args.batches) * -(-(PROMPT_LEN + new) // 16) + 16,
                 enable_prefix_caching=False,  # distinct random prompts anyway; keep it equal
                 progress=False,
                 device=args.device,
