@@ -175,21 +175,34 @@ def fit_serving(runs: list[dict[str, Any]], engine: Any) -> Any:
 
 
 def fit_background(run: dict[str, Any], served: Any) -> Any:
-    """The cores the serving processes keep busy, from one disaggregated run (two workers
-    sharing the machine): the value, in steps of 0.05 core, whose simulation matches the
-    run's TTFT and TPOT p50 best (in log ratio)."""
+    """From one disaggregated run (``tandem serve``'s default: two workers of ``num_threads:
+    auto`` sharing the machine): the cores the serving processes keep busy (steps of 0.05
+    core) and how much faster a worker steps with a second core to itself (steps of 0.05) --
+    the pair whose simulation matches the run's TTFT and TPOT p50 best (in log ratio)."""
     best = None
-    for step in range(0, 61):
+    for step in range(0, 21):
         background = step * 0.05
-        error = _log_error(run, dataclasses.replace(served, background_cores=background))
-        if best is None or error < best[0]:
-            best = (error, background)
+        for tenth in range(0, 21):
+            speedup = 1.0 + tenth * 0.05
+            model = dataclasses.replace(
+                served, background_cores=background, spare_core_speedup=speedup
+            )
+            error = _log_error(run, model)
+            if best is None or error < best[0]:
+                best = (error, background, speedup)
     assert best is not None
     notes = {
         **served.notes,
-        "background_fit": {"mode": run["mode"], "rate": run["rate"], "cores": best[1]},
+        "background_fit": {
+            "mode": run["mode"],
+            "rate": run["rate"],
+            "cores": best[1],
+            "spare_core_speedup": best[2],
+        },
     }
-    return dataclasses.replace(served, background_cores=best[1], notes=notes)
+    return dataclasses.replace(
+        served, background_cores=best[1], spare_core_speedup=best[2], notes=notes
+    )
 
 
 def compare(real: dict[str, Any], sim: dict[str, Any]) -> dict[str, Any]:
@@ -264,7 +277,8 @@ def main() -> None:
             f"served steps: decode x {cost.notes['serving_factor']:.3f}, prefill x "
             f"{cost.notes['serving_prefill_factor']:.3f} the engine's, + "
             f"{cost.notes['serving_overhead_s'] * 1000:.2f} ms; serving processes "
-            f"{cost.background_cores:.2f} cores (written to {SERVED_MODEL})"
+            f"{cost.background_cores:.2f} cores; a worker with a spare core x "
+            f"{cost.spare_core_speedup:.2f} (written to {SERVED_MODEL})"
         )
     else:
         cost = load_cost_model(args.cost or "cpu")

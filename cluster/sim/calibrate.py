@@ -127,6 +127,8 @@ def measure_steps(
         "num_threads": num_threads,
         "quantization": quantization,
         "weights": weights_held(worker),
+        # Steps under this many tokens multiply the quantized weights (none: dense only).
+        "small_rows": 0 if weights_held(worker) == "dense" else worker.quant_dense_min_rows,
         "kv_bytes_per_token": kv_bytes_token,
         "num_layers": info["num_layers"],
     }
@@ -190,6 +192,7 @@ def calibrate(
         samples,
         kv_bytes_token=about["kv_bytes_per_token"],
         capacity_tokens=about.pop("capacity_tokens"),
+        small_rows=about.pop("small_rows"),
         # A hand-off on one node with nixl (docs/kv_transport.md: 1.5 ms for 512 tokens of
         # the built-in model, 11.8 MB).
         transfer_latency_s=HANDOFF_LATENCY_S,

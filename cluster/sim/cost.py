@@ -56,10 +56,25 @@ class CostModel(Protocol):
         ...
 
 
-TERMS = ("const", "prefill_tokens", "prefill_pairs", "num_decodes", "decode_context", "lora_tokens")
+TERMS = (
+    "const",
+    "prefill_tokens",
+    "prefill_pairs",
+    "num_decodes",
+    "decode_context",
+    "lora_tokens",
+    "small_step_tokens",
+    "large_step",
+)
 
 
-def _features(shape: StepShape) -> list[float]:
+def _features(shape: StepShape, small_rows: int = 0) -> list[float]:
+    """The terms' values for a step. ``small_rows`` (quantized weights): steps of fewer
+    tokens multiply the quantized weights, whose cost grows steeply per row
+    (``small_step_tokens``); larger ones a dense copy, whose weights cost more to read once
+    (``large_step``) and little per row -- the engine's ``quant_dense_min_rows``."""
+    tokens = shape.tokens
+    small = 0 < tokens < small_rows
     return [
         1.0,
         float(shape.prefill_tokens),
@@ -67,6 +82,8 @@ def _features(shape: StepShape) -> list[float]:
         float(shape.num_decodes),
         float(shape.decode_context),
         float(shape.lora_tokens),
+        float(tokens) if small else 0.0,
+        1.0 if small_rows and tokens >= small_rows else 0.0,
     ]
 
 
@@ -88,11 +105,18 @@ class LinearCostModel:
     machine_cores: float | None = None
     instances_per_machine: int = 1
     background_cores: float = 0.0
+    # A worker of ``num_threads: auto`` with a second core to itself steps this much faster
+    # than the one-thread steps fitted (``executor.Machine.speed``).
+    spare_core_speedup: float = 1.0
+    # Quantized weights: steps under this many tokens run the weight-only kernels, the
+    # others a dense copy (``_features``); 0 for dense weights.
+    small_rows: int = 0
     notes: dict[str, Any] = field(default_factory=dict)  # how it was fitted, and how well
 
     def step_time(self, shape: StepShape) -> float:
         c = self.coefficients
-        return sum(c.get(t, 0.0) * x for t, x in zip(TERMS, _features(shape), strict=True))
+        features = _features(shape, self.small_rows)
+        return sum(c.get(t, 0.0) * x for t, x in zip(TERMS, features, strict=True))
 
     def transfer_time(self, num_bytes: int) -> float:
         return self.transfer_latency_s + num_bytes / self.transfer_bytes_per_s
@@ -112,7 +136,8 @@ class LinearCostModel:
         term that would fit negative is dropped and the rest refitted."""
         import numpy as np
 
-        x = np.array([_features(s) for s, _ in samples], dtype=np.float64)
+        small_rows = int(kw.get("small_rows", 0))
+        x = np.array([_features(s, small_rows) for s, _ in samples], dtype=np.float64)
         y = np.array([t for _, t in samples], dtype=np.float64)
         weight = 1.0 / np.maximum(y, 1e-9)
         used = [i for i in range(len(TERMS)) if x[:, i].any()]

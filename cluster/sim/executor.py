@@ -54,9 +54,11 @@ def step_shape(
 
 class Machine:
     """Cores that several instances' workers share (processor sharing): while ``n`` of them
-    step, each runs at ``min(1, cores / (n + background))`` of its own speed, ``background``
-    being the cores the serving processes keep busy. A step's remaining work is rescaled
-    whenever another starts or ends."""
+    step, each has ``share = cores / (n + background)`` cores, ``background`` being the cores
+    the serving processes keep busy, and runs at ``min(1, share)`` of its one-thread speed.
+    A worker that spreads over the cores it finds free (``num_threads: auto``) runs faster
+    when its share is above one core: up to ``speedup`` times, with two cores to itself
+    (``speed``). A step's remaining work is rescaled whenever another starts or ends."""
 
     def __init__(self, cores: float, background: float = 0.0) -> None:
         self.cores = cores
@@ -64,22 +66,28 @@ class Machine:
         self._busy = 0
         self._changed = asyncio.Event()
 
-    def speed(self) -> float:
-        return min(1.0, self.cores / (self._busy + self.background))
+    def speed(self, speedup: float = 1.0) -> float:
+        """A busy worker's speed, relative to its one-thread step; ``speedup``: what a second
+        core to itself gives it (1: it runs one thread)."""
+        share = self.cores / (self._busy + self.background)
+        if share <= 1.0:
+            return share
+        return 1.0 + (speedup - 1.0) * min(1.0, share - 1.0)
 
     def _change(self) -> None:
         self._changed.set()
         self._changed = asyncio.Event()
 
-    async def run(self, work: float) -> float:
-        """Take ``work`` seconds of one core's time; returns the seconds it took."""
+    async def run(self, work: float, speedup: float = 1.0) -> float:
+        """Take ``work`` seconds of one core's time (``speedup``: see ``speed``); returns the
+        seconds it took."""
         loop = asyncio.get_running_loop()
         started = loop.time()
         self._busy += 1
         self._change()
         try:
             while work > 1e-12:
-                speed, changed, since = self.speed(), self._changed, loop.time()
+                speed, changed, since = self.speed(speedup), self._changed, loop.time()
                 waiter = asyncio.ensure_future(changed.wait())
                 done, _ = await asyncio.wait((waiter,), timeout=work / speed)
                 if not done:
@@ -156,13 +164,21 @@ class SimExecutor:
     """One instance's simulated worker (an ``Executor``)."""
 
     def __init__(
-        self, instance_id: str, cost: CostModel, block_size: int, machine: Machine | None = None
+        self,
+        instance_id: str,
+        cost: CostModel,
+        block_size: int,
+        machine: Machine | None = None,
+        speedup: float = 1.0,
     ) -> None:
-        """``machine``: the cores this instance shares with others (None: its own device)."""
+        """``machine``: the cores this instance shares with others (None: its own device);
+        ``speedup``: how much faster its worker steps with a second core to itself (a pool of
+        ``num_threads: auto``; ``Machine.speed``)."""
         self.instance_id = instance_id
         self.cost = cost
         self.block_size = block_size
         self.machine = machine
+        self.speedup = speedup
         self.worker = SimWorker()
         self._device = asyncio.Lock()
         self.tracker = ShapeTracker()
@@ -187,7 +203,7 @@ class SimExecutor:
         if self.machine is None:
             await asyncio.sleep(seconds)
         else:
-            seconds = await self.machine.run(seconds)
+            seconds = await self.machine.run(seconds, self.speedup)
         self.busy_s += seconds
         self.num_steps += 1
         output = ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)

@@ -186,7 +186,11 @@ class Simulation:
             machine = self._machines.setdefault(
                 key, Machine(cores, getattr(cost, "background_cores", 0.0))
             )
-        spec = InstanceSpec(iid, pool, SimExecutor(iid, cost, block_size, machine), None, info)
+        speedup = 1.0
+        if pool.num_threads == "auto":  # the worker spreads over the cores it finds free
+            speedup = float(getattr(cost, "spare_core_speedup", 1.0))
+        executor = SimExecutor(iid, cost, block_size, machine, speedup)
+        spec = InstanceSpec(iid, pool, executor, None, info)
         self._started.append(spec)
         return spec
 

@@ -25,6 +25,28 @@ def test_a_fit_names_the_weights_form_it_was_measured_on(
     assert fitted.notes["samples"] >= 30
     decode = StepShape(num_decodes=8, decode_context=8 * 100, num_sampled=8)
     assert fitted.step_time(decode) > 0.0
+    # Quantized weights: steps under the engine's dense_min_rows run the weight-only kernels,
+    # the others a dense copy; the fit keeps that threshold (dense weights: none).
+    assert fitted.small_rows == (0 if weights == "dense" else 8)
     path = tmp_path / "fit.json"
     fitted.save(path)
-    assert LinearCostModel.load(path).name == fitted.name
+    loaded = LinearCostModel.load(path)
+    assert loaded.name == fitted.name and loaded.small_rows == fitted.small_rows
+    assert loaded.step_time(decode) == fitted.step_time(decode)
+
+
+def test_quantized_steps_are_fitted_piecewise_at_the_dense_switch() -> None:
+    """Steps under ``small_rows`` tokens cost the quantized kernels' steep per-row price, the
+    larger ones a dense copy's fixed read and a shallow slope: a fit with the threshold
+    recovers such costs, where one straight line over the batch sizes could not."""
+
+    def seconds(rows: int) -> float:
+        return 0.008 + (0.0008 * rows if rows < 8 else 0.004 + 0.0002 * rows)
+
+    shapes = [StepShape(num_decodes=n, decode_context=100 * n) for n in range(1, 33)]
+    samples = [(shape, seconds(shape.num_decodes)) for shape in shapes]
+    piecewise = LinearCostModel.fit("pw", samples, 1, small_rows=8)
+    straight = LinearCostModel.fit("line", samples, 1)
+    for shape, want in samples:
+        assert piecewise.step_time(shape) == pytest.approx(want, rel=1e-6)
+    assert max(abs(straight.step_time(s) / t - 1) for s, t in samples) > 0.05

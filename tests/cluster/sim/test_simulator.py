@@ -119,6 +119,32 @@ def test_times_follow_the_cost_model_exactly() -> None:
     assert record.end_s == pytest.approx(prefill + 4 * decode)
 
 
+def test_a_worker_that_shares_the_cores_steps_faster_with_a_core_to_spare() -> None:
+    """Two instances on a 2-core machine (a CPU cost model): a lone worker of ``num_threads:
+    auto`` has both cores and steps ``spare_core_speedup`` times faster than the one-thread
+    fit; a one-thread worker does not; two busy workers have a core each."""
+    from cluster.sim.executor import Machine
+
+    shared = LinearCostModel(
+        **{
+            **COST.__dict__,
+            "machine_cores": 2.0,
+            "instances_per_machine": 2,
+            "spare_core_speedup": 1.5,
+        }
+    )
+    prefill = COST.step_time(StepShape(prefill_tokens=32, num_sampled=1))
+    for threads, speed in (("auto", 1.5), (1, 1.0)):
+        config = _config([{**BOTH, "num_threads": threads}])
+        (record,) = Simulation(config, shared).run([WorkItem(0.0, 32, 2)]).records
+        assert record.ttft == pytest.approx(prefill / speed), threads
+    machine = Machine(2.0, background=0.5)
+    machine._busy = 1  # one busy worker: 2 / 1.5 cores, a third of a core to spare
+    assert machine.speed(1.5) == pytest.approx(1.0 + 0.5 / 3) and machine.speed() == 1.0
+    machine._busy = 2  # two: 0.8 of a core each, whatever their threads
+    assert machine.speed(1.5) == machine.speed() == pytest.approx(0.8)
+
+
 def test_chunked_prefill_splits_a_long_prompt_by_the_token_budget() -> None:
     pool = {**BOTH, "scheduler": {"max_num_batched_tokens": 64, "max_num_seqs": 8}}
     result = Simulation(_config([pool]), COST).run([WorkItem(0.0, 256, 2)])
