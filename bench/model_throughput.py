@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 PROMPT_LEN = 128
+BLOCK_SIZE = 16
 
 
 def hf_model_from(model: Any, dtype: torch.dtype, device: str = "cpu") -> Any:
@@ -196,7 +197,8 @@ def main() -> None:
                 max_num_batched_tokens=max(2048, PROMPT_LEN * max(args.batches)),
                 # Room for every request's whole context (the default 1 GiB holds only 8k
                 # tokens of Llama-3-8B: its large batches were preempted).
-                num_blocks=max(args.batches) * -(-(PROMPT_LEN + new) // 16) + 16,
+                block_size=BLOCK_SIZE,
+                num_blocks=max(args.batches) * -(-(PROMPT_LEN + new) // BLOCK_SIZE) + 16,
                 enable_prefix_caching=False,  # distinct random prompts anyway; keep it equal
                 progress=False,
                 device=args.device,

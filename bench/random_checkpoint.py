@@ -38,7 +38,7 @@ SHAPES: dict[str, dict[str, Any]] = {
         "num_attention_heads": 9,
         "num_key_value_heads": 3,
         "vocab_size": 49152,
-        "max_position_embeddings": 2048,
+        "max_position_embeddings": 8192,
         "rope_theta": 100000.0,
         "tie_word_embeddings": True,
     },
@@ -73,15 +73,23 @@ def write(
     h, inter = cfg["hidden_size"], cfg["intermediate_size"]
     head_dim = h // cfg["num_attention_heads"]
     kv = cfg["num_key_value_heads"] * head_dim
+    layers = cfg["num_hidden_layers"]
+    num_shards = 1 + -(-layers // 4)
     index: dict[str, str] = {}
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    shards[0]["model.embed_tokens.weight"] = rand(cfg["vocab_size"], h)
-    shards[0]["model.norm.weight"] = rand(h, scale=0.1, mean=1.0)
+
+    def save(n: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Shard ``n`` (from 0), written as soon as it is complete: one in host memory."""
+        name = f"model-{n + 1:05d}-of-{num_shards:05d}.safetensors"
+        save_file(tensors, out / name, metadata={"format": "pt"})
+        index.update(dict.fromkeys(tensors, name))
+
+    first = {"model.embed_tokens.weight": rand(cfg["vocab_size"], h)}
+    first["model.norm.weight"] = rand(h, scale=0.1, mean=1.0)
     if not cfg["tie_word_embeddings"]:
-        shards[0]["lm_head.weight"] = rand(cfg["vocab_size"], h)
-    for i in range(cfg["num_hidden_layers"]):
-        if i % 4 == 0:
-            shards.append({})
+        first["lm_head.weight"] = rand(cfg["vocab_size"], h)
+    save(0, first)
+    shard: dict[str, torch.Tensor] = {}
+    for i in range(layers):
         p = f"model.layers.{i}."
         layer = {
             "self_attn.q_proj.weight": rand(h, h),
@@ -94,11 +102,10 @@ def write(
             "input_layernorm.weight": rand(h, scale=0.1, mean=1.0),
             "post_attention_layernorm.weight": rand(h, scale=0.1, mean=1.0),
         }
-        shards[-1].update({p + k: v for k, v in layer.items()})
-    for n, tensors in enumerate(shards):
-        name = f"model-{n + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(tensors, out / name, metadata={"format": "pt"})
-        index.update(dict.fromkeys(tensors, name))
+        shard.update({p + k: v for k, v in layer.items()})
+        if i % 4 == 3 or i == layers - 1:
+            save(1 + i // 4, shard)
+            shard = {}
     (out / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {}, "weight_map": index}, indent=2)
     )

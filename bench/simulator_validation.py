@@ -180,7 +180,7 @@ def fit_background(run: dict[str, Any], served: Any) -> Any:
     core) and how much faster a worker steps with a second core to itself (steps of 0.05) --
     the pair whose simulation matches the run's TTFT and TPOT p50 best (in log ratio)."""
     best = None
-    for step in range(0, 21):
+    for step in range(0, 41):
         background = step * 0.05
         for tenth in range(0, 21):
             speedup = 1.0 + tenth * 0.05

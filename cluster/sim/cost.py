@@ -72,7 +72,9 @@ def _features(shape: StepShape, small_rows: int = 0) -> list[float]:
     """The terms' values for a step. ``small_rows`` (quantized weights): steps of fewer
     tokens multiply the quantized weights, whose cost grows steeply per row
     (``small_step_tokens``); larger ones a dense copy, whose weights cost more to read once
-    (``large_step``) and little per row -- the engine's ``quant_dense_min_rows``."""
+    (``large_step``) and little per row -- the engine's ``quant_dense_min_rows``, which the
+    projections apply to the step's rows. (The output head switches on the rows it samples
+    instead, so a long prefill runs its head quantized; that part is not told apart.)"""
     tokens = shape.tokens
     small = 0 < tokens < small_rows
     return [
@@ -166,7 +168,9 @@ class LinearCostModel:
     ) -> LinearCostModel:
         """This model as a served instance's steps take: every term ``factor`` times slower
         -- the prefill terms ``prefill_factor`` times (default ``factor``) -- plus
-        ``overhead_s`` per step (the hop to the worker and back, the loop's own work)."""
+        ``overhead_s`` per step (the hop to the worker and back, the loop's own work). The
+        quantized weights' step terms (``small_step_tokens``, ``large_step``) count as decode
+        terms, though prefills take ``large_step`` too."""
         prefill = factor if prefill_factor is None else prefill_factor
         coefficients = {
             k: v * (prefill if k.startswith("prefill") else factor)

@@ -52,13 +52,21 @@ def step_shape(
     )
 
 
+# Steps of fewer tokens run on one thread even in a pool of ``num_threads: auto``: waking a
+# thread team costs more than it gains there (``actors.cores.MIN_STEP_TOKENS``; a test holds
+# the two equal -- the simulator imports no torch).
+MIN_SHARED_STEP_TOKENS = 64
+
+
 class Machine:
     """Cores that several instances' workers share (processor sharing): while ``n`` of them
     step, each has ``share = cores / (n + background)`` cores, ``background`` being the cores
     the serving processes keep busy, and runs at ``min(1, share)`` of its one-thread speed.
-    A worker that spreads over the cores it finds free (``num_threads: auto``) runs faster
-    when its share is above one core: up to ``speedup`` times, with two cores to itself
-    (``speed``). A step's remaining work is rescaled whenever another starts or ends."""
+    A worker that spreads over the cores it finds free (``num_threads: auto``) runs a large
+    step faster when its share is above one core: up to ``speedup`` times, with two cores to
+    itself (``speed``). A step's remaining work is rescaled whenever another starts or ends.
+    (The real core sharing hands out whole threads and ignores the serving processes; this is
+    the continuous version of it.)"""
 
     def __init__(self, cores: float, background: float = 0.0) -> None:
         self.cores = cores
@@ -173,7 +181,8 @@ class SimExecutor:
     ) -> None:
         """``machine``: the cores this instance shares with others (None: its own device);
         ``speedup``: how much faster its worker steps with a second core to itself (a pool of
-        ``num_threads: auto``; ``Machine.speed``)."""
+        ``num_threads: auto``; ``Machine.speed``), for steps of ``MIN_SHARED_STEP_TOKENS`` or
+        more (smaller ones run on one thread)."""
         self.instance_id = instance_id
         self.cost = cost
         self.block_size = block_size
@@ -203,7 +212,8 @@ class SimExecutor:
         if self.machine is None:
             await asyncio.sleep(seconds)
         else:
-            seconds = await self.machine.run(seconds, self.speedup)
+            shared = shape.tokens >= MIN_SHARED_STEP_TOKENS
+            seconds = await self.machine.run(seconds, self.speedup if shared else 1.0)
         self.busy_s += seconds
         self.num_steps += 1
         output = ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)

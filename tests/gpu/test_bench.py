@@ -26,7 +26,7 @@ SMOLLM2_SHAPE = {
     "num_attention_heads": 9,
     "num_key_value_heads": 3,
     "vocab_size": 49152,
-    "max_position_embeddings": 2048,
+    "max_position_embeddings": 8192,
     "tie_word_embeddings": True,
 }
 

@@ -244,7 +244,7 @@ def test_an_instance_killed_again_and_again_rejoins_every_time(
     """Each failure of the same instance is handled, however many there were before: the
     failure mark is on the loop itself (a mark by ``id(loop)`` was reused by a later loop once
     an old one was collected, and that failure was then ignored: the instance stayed out)."""
-    kills = 5
+    kills = 3
     decode = {**DECODE, "max_restarts": kills}
     handle = _build(tiny_model, "fault-again", [PREFILL, decode])
     try:

@@ -122,8 +122,12 @@ def test_times_follow_the_cost_model_exactly() -> None:
 def test_a_worker_that_shares_the_cores_steps_faster_with_a_core_to_spare() -> None:
     """Two instances on a 2-core machine (a CPU cost model): a lone worker of ``num_threads:
     auto`` has both cores and steps ``spare_core_speedup`` times faster than the one-thread
-    fit; a one-thread worker does not; two busy workers have a core each."""
-    from cluster.sim.executor import Machine
+    fit, for steps of 64 tokens or more (smaller ones run one thread, as the real core
+    sharing does); a one-thread worker does not; two busy workers have a core each."""
+    from actors.cores import MIN_STEP_TOKENS
+    from cluster.sim.executor import MIN_SHARED_STEP_TOKENS, Machine
+
+    assert MIN_SHARED_STEP_TOKENS == MIN_STEP_TOKENS
 
     shared = LinearCostModel(
         **{
@@ -133,11 +137,13 @@ def test_a_worker_that_shares_the_cores_steps_faster_with_a_core_to_spare() -> N
             "spare_core_speedup": 1.5,
         }
     )
-    prefill = COST.step_time(StepShape(prefill_tokens=32, num_sampled=1))
+    prefill = COST.step_time(StepShape(prefill_tokens=96, num_sampled=1))
+    decode = COST.step_time(StepShape(num_decodes=1, num_sampled=1))
     for threads, speed in (("auto", 1.5), (1, 1.0)):
         config = _config([{**BOTH, "num_threads": threads}])
-        (record,) = Simulation(config, shared).run([WorkItem(0.0, 32, 2)]).records
+        (record,) = Simulation(config, shared).run([WorkItem(0.0, 96, 3)]).records
         assert record.ttft == pytest.approx(prefill / speed), threads
+        assert record.tpot == pytest.approx(decode), threads  # a 1-token step: one thread
     machine = Machine(2.0, background=0.5)
     machine._busy = 1  # one busy worker: 2 / 1.5 cores, a third of a core to spare
     assert machine.speed(1.5) == pytest.approx(1.0 + 0.5 / 3) and machine.speed() == 1.0
