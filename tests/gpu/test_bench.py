@@ -13,28 +13,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.actors.conftest import make_checkpoint
+from bench.random_checkpoint import write
 from tests.gpu.conftest import needs_cuda
 
 pytestmark = needs_cuda
-
-# SmolLM2-135M's layout (Llama; 30 layers, GQA 9/3, tied head).
-SMOLLM2_SHAPE = {
-    "hidden_size": 576,
-    "intermediate_size": 1536,
-    "num_hidden_layers": 30,
-    "num_attention_heads": 9,
-    "num_key_value_heads": 3,
-    "vocab_size": 49152,
-    "max_position_embeddings": 8192,
-    "tie_word_embeddings": True,
-}
 
 
 @pytest.mark.timeout(900)
 def test_model_throughput_runs_on_the_gpu(tmp_path: Path) -> None:
     out = tmp_path / "model_throughput.json"
-    model = make_checkpoint(tmp_path / "model", "llama", seed=1, **SMOLLM2_SHAPE)
+    model = write("smollm2-135m", tmp_path / "model", device="cuda")
     cmd = [
         sys.executable,
         "-m",
