@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import platform
@@ -44,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster.config import ClusterConfig
+from cluster.control.heap import relax_collector
 from cluster.control.placement import InstanceSpec
 from cluster.control.scheduler_actor import SchedulerActor
 from scheduler import ModelRunnerOutput, Request, SamplingParams, SchedulerOutput
@@ -243,6 +245,12 @@ async def measure(
 ) -> Cell:
     """``driver``: the load (default a ``Driver`` of ``mode``); ``path_pids``: the processes
     whose CPU counts (default this one and the actor's)."""
+    if driver is None:
+        # This process stands for the ingress replica (and, in-process, for the central actor
+        # too): its collector is set as theirs is, heap frozen after start-up.
+        gc.collect()
+        gc.freeze()
+        relax_collector()
     driver = driver or Driver(mode, actor, args.prompt_len, args.output_len)
     stop = asyncio.Event()
     loop_task = asyncio.ensure_future(driver.closed_loop(instances * concurrency, stop))

@@ -7,11 +7,24 @@ with the size of the pool and land on whichever step allocates next: measured on
 control-plane benchmark (16 null instances x 256 running), the SchedulerActor's CPU per
 streamed token fell from 11.2 to 7.7 us once the start-up heap was frozen. vLLM's engine does
 the same after start-up. Objects frozen are still freed by reference counting; a cycle among
-them stays until ``refreeze_heap``, which the cluster calls whenever its shape changes."""
+them stays until ``refreeze_heap``, which the cluster calls whenever its shape changes.
+
+Freezing is not enough on its own: the per-request churn (outputs in flight, futures, a step's
+lists) still triggers a young collection every 700 net allocations, promotes whatever is alive
+at that moment, and every promotion brings the next full collection nearer. The same
+processes therefore start a collection every ``THRESHOLDS[0]`` allocations instead, as
+long-running Python servers commonly do, so most of that churn dies young by reference
+counting."""
 
 from __future__ import annotations
 
 import gc
+
+# (young, middle, old): the collector's thresholds in the cluster's own processes. Python's
+# default is (700, 10, 10). Measured on the control-plane benchmark (16 null instances x 256
+# running, in one process, heap frozen): collection took 7.4 us of 18.5 per streamed token
+# with the default; with these, no collection ran in the 5 s window and the total was 12.4.
+THRESHOLDS = (50_000, 20, 20)
 
 
 def freeze_heap() -> None:
@@ -21,6 +34,14 @@ def freeze_heap() -> None:
     if _in_actor():
         gc.collect()
         gc.freeze()
+        relax_collector()
+
+
+def relax_collector() -> None:
+    """Collect young objects every ``THRESHOLDS[0]`` net allocations instead of 700 (never
+    lowers thresholds someone else raised)."""
+    if gc.get_threshold()[0] < THRESHOLDS[0]:
+        gc.set_threshold(*THRESHOLDS)
 
 
 def refreeze_heap() -> None:

@@ -1,6 +1,7 @@
 """The start-up heap is frozen out of the cyclic collector in an actor's process, and a
 change of the cluster's shape (an instance left, one was rebuilt) lets the collector reclaim
-the cycles that died since -- a dropped block pool is one (its free list is doubly linked)."""
+the cycles that died since -- a dropped block pool is one (its free list is doubly linked).
+The same processes collect young objects every ``THRESHOLDS[0]`` allocations, not 700."""
 
 from __future__ import annotations
 
@@ -15,33 +16,35 @@ class _Node:
     other: _Node | None = None
 
 
-def _probe() -> tuple[bool, bool, bool]:
+def _probe() -> tuple[bool, bool, bool, bool]:
     import gc
     import weakref
 
-    from cluster.control.heap import freeze_heap, refreeze_heap
+    from cluster.control.heap import THRESHOLDS, freeze_heap, refreeze_heap
 
+    default = gc.get_threshold()
     a, b = _Node(), _Node()
     a.other, b.other = b, a  # a cycle, alive at start-up
     ref = weakref.ref(a)
     freeze_heap()
     frozen = gc.get_freeze_count() > 0
+    relaxed = default[0] < THRESHOLDS[0] and gc.get_threshold() == THRESHOLDS
     del a, b
     gc.collect()
     kept_while_frozen = ref() is not None  # frozen: the collector does not see it
     refreeze_heap()
-    return frozen, kept_while_frozen, ref() is None
+    return frozen, relaxed, kept_while_frozen, ref() is None
 
 
 def test_refreeze_reclaims_cycles_that_died_while_frozen(ray_cluster: RayCluster) -> None:
     @ray.remote(num_cpus=0)
     class Probe:
-        def run(self) -> tuple[bool, bool, bool]:
+        def run(self) -> tuple[bool, bool, bool, bool]:
             return _probe()
 
     probe = Probe.remote()  # type: ignore[attr-defined]
     try:
-        assert ray.get(probe.run.remote()) == (True, True, True)
+        assert ray.get(probe.run.remote()) == (True, True, True, True)
     finally:
         ray.kill(probe)
 
@@ -51,6 +54,7 @@ def test_outside_an_actor_the_heap_is_left_alone() -> None:
 
     from cluster.control.heap import freeze_heap
 
-    before = gc.get_freeze_count()
+    before, thresholds = gc.get_freeze_count(), gc.get_threshold()
     freeze_heap()  # a test process, a program embedding the SchedulerActor
     assert gc.get_freeze_count() == before
+    assert gc.get_threshold() == thresholds
