@@ -128,8 +128,8 @@ def _decode_step(worker: Any, batch: int = 1, ctx: int = 130) -> Callable[[], An
 
 
 _CLASSES = {
-    "projections": ("linear", "int4pack", "int8pack", "mm"),
-    "attention": ("index_put", "paged", "scaled_dot", "kv_write"),
+    "projections": ("linear", "int4pack", "int8pack", "mm", "quant_gemm"),
+    "attention": ("index_put", "paged", "scaled_dot", "kv_write", "decode_attention"),
     "norms": ("rms_norm", "pow", "mean", "rsqrt"),
     "rotary": ("rotary", "roll"),
     "silu-mul": ("silu",),
@@ -140,14 +140,16 @@ _CLASSES = {
 def _profiled_kernels() -> Iterator[None]:
     """Our C kernels (ctypes calls, invisible to torch's profiler) recorded as functions named
     after them while profiling: ``add_rms_norm``, ``rotary_``, ``silu_mul``, ``kv_write``,
-    ``paged_decode``."""
+    ``paged_decode``, ``quant_gemm``."""
     from torch.profiler import record_function
 
-    from actors.model.cpu_kernels import FusedOps, PagedDecodeKernel
+    from actors.model.cpu_kernels import FusedOps, PagedDecodeKernel, QuantGemm
 
-    targets = [(FusedOps, n) for n in ("add_rms_norm", "rotary_", "silu_mul", "kv_write")]
-    targets.append((PagedDecodeKernel, "__call__"))
+    names = ("add_rms_norm", "rotary_", "silu_mul", "kv_write", "decode_attention")
+    targets: list[tuple[type, str]] = [(FusedOps, n) for n in names]
+    targets += [(PagedDecodeKernel, "__call__"), (QuantGemm, "__call__")]
     saved = [(cls, name, getattr(cls, name)) for cls, name in targets]
+    labels = {PagedDecodeKernel: "paged_decode", QuantGemm: "quant_gemm"}
 
     def wrap(fn: Callable[..., Any], label: str) -> Callable[..., Any]:
         def recorded(*args: Any, **kwargs: Any) -> Any:
@@ -158,7 +160,7 @@ def _profiled_kernels() -> Iterator[None]:
 
     try:
         for cls, name, fn in saved:
-            setattr(cls, name, wrap(fn, "paged_decode" if name == "__call__" else name))
+            setattr(cls, name, wrap(fn, labels.get(cls, name) if name == "__call__" else name))
         yield
     finally:
         for cls, name, fn in saved:

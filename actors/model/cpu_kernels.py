@@ -27,7 +27,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = (_CSRC / "paged_attention.c", _CSRC / "fused_ops.c")
+_SOURCES = (_CSRC / "paged_attention.c", _CSRC / "fused_ops.c", _CSRC / "quant_gemm.c")
 _HEADERS = (_CSRC / "common.h",)
 # The parts of -ffast-math the reductions need to vectorize, not -ffast-math itself: with it,
 # gcc links crtfastmath.o into the library, whose constructor turns on flush-to-zero for the
@@ -372,3 +372,46 @@ class FusedOps:
 def fused_ops() -> FusedOps | None:
     """The fused element-wise kernels, or None when the kernels cannot be built here."""
     return _bind(FusedOps)
+
+
+class QuantGemm:
+    """Weight-only quantized projections for bfloat16 activations (``csrc/quant_gemm.c``):
+    4-bit codes in groups of 32 and 8-bit codes per row, in the blocked layout that
+    ``actors.model.quant`` packs. Needs AVX-512 BF16 (``quant_gemm`` is None without it)."""
+
+    def __reduce__(self) -> tuple[Any, tuple[()]]:
+        # ctypes handles do not pickle: a copy (deepcopy, pickle) is this process's kernels.
+        return (quant_gemm, ())
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        args: list[Any] = [_P, _I64, _I64, _I64, _P, _P, _I64, _P, _I64, _I]
+        self._fns = {4: lib.int4_gemm_bf16, 8: lib.int8_gemm_bf16}
+        for fn in self._fns.values():
+            fn.argtypes, fn.restype = args, ctypes.c_int
+        available = lib.quant_gemm_available
+        available.restype = ctypes.c_int
+        self.available = bool(available())
+
+    def __call__(
+        self, bits: int, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int
+    ) -> torch.Tensor:
+        """``x`` [M, K] bfloat16 (unit stride inside a row) times the packed [n, K] weight."""
+        m, k = x.shape
+        if x.dtype != torch.bfloat16 or x.stride(1) != 1:
+            raise ValueError(f"quantized gemm: bfloat16 rows of unit stride, not {x.dtype}")
+        out = torch.empty((m, n), dtype=torch.bfloat16)
+        rc = self._fns[bits](
+            x.data_ptr(), x.stride(0), m, k, codes.data_ptr(), scales.data_ptr(), n,
+            out.data_ptr(), n, torch.get_num_threads(),
+        )  # fmt: skip
+        if rc != 0:
+            raise RuntimeError(f"int{bits} gemm failed (code {rc})")
+        return out
+
+
+@cache
+def quant_gemm() -> QuantGemm | None:
+    """The quantized projections' kernels, or None when the kernels cannot be built here or
+    this CPU lacks AVX-512 BF16."""
+    kernels = _bind(QuantGemm)
+    return kernels if kernels is not None and kernels.available else None
