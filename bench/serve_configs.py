@@ -14,7 +14,9 @@ Configurations (``--variants``), each a ``tandem serve`` of the built-in model:
 - ``coloc``: one colocated instance (``--prefill-instances 0``) sharing the cores;
 - ``coloc-threads1``: the same with one fixed thread;
 - ``-sync``: without async scheduling (the default before issue 19's second part), ``-engines``:
-  with engine actors (``engine_actors: true``); modifiers combine (``coloc-sync-dense``).
+  with engine actors (``engine_actors: true``), ``-torchq``: the quantized projections on
+  torch's weight-only kernels instead of ours (``TANDEM_QUANT_GEMM=0``); modifiers combine
+  (``coloc-sync-dense``).
 
 Workloads (``--workloads``): ``cN`` (streaming chat at concurrency N, 128-token prompts, 128
 out, as the issue's llama-server comparison), ``prefill-heavy`` (1,024-token prompts, 8 out,
@@ -52,7 +54,7 @@ WORKLOADS: dict[str, dict[str, int]] = {
 }
 
 
-MODIFIERS = ("threads1", "dense", "sync", "engines")
+MODIFIERS = ("threads1", "dense", "sync", "engines", "torchq")
 
 
 def variant_config(name: str) -> dict[str, Any]:
@@ -91,8 +93,12 @@ def run_variant(
     config = workdir / f"{variant}.yaml"
     config.write_text(yaml.safe_dump(variant_config(variant)))
     log = (workdir / f"serve-{tag}.log").open("wb")
+    env = dict(os.environ)
+    if "torchq" in variant.split("-"):
+        env["TANDEM_QUANT_GEMM"] = "0"  # the server's Ray workers inherit it
     serve = subprocess.Popen(
         [str(BIN / "tandem"), "serve", "--config", str(config), "--port", str(args.port)],
+        env=env,
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,

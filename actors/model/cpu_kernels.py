@@ -4,7 +4,8 @@ with ctypes (no torch headers, so building takes about a second, not a minute).
 The shared object is cached under ``$TANDEM_CACHE_DIR`` (default ``~/.cache/tandem``), keyed by
 the source, the flags and the CPU, because it is built with ``-march=native``. Anything going
 wrong (no compiler, a sandbox without a writable cache) disables the kernels with one warning;
-callers then use the torch path. ``TANDEM_CPU_KERNELS=0`` turns them off.
+callers then use the torch path. ``TANDEM_CPU_KERNELS=0`` turns them off (``TANDEM_QUANT_GEMM=0``
+only the quantized projections').
 """
 
 from __future__ import annotations
@@ -412,6 +413,8 @@ class QuantGemm:
 @cache
 def quant_gemm() -> QuantGemm | None:
     """The quantized projections' kernels, or None when the kernels cannot be built here or
-    this CPU lacks AVX-512 BF16."""
+    this CPU lacks AVX-512 BF16 (or ``TANDEM_QUANT_GEMM=0``: torch's kernels, for comparing)."""
+    if os.environ.get("TANDEM_QUANT_GEMM", "1") == "0":
+        return None
     kernels = _bind(QuantGemm)
     return kernels if kernels is not None and kernels.available else None
