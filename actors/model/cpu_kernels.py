@@ -378,7 +378,8 @@ def fused_ops() -> FusedOps | None:
 class QuantGemm:
     """Weight-only quantized projections for bfloat16 activations (``csrc/quant_gemm.c``):
     4-bit codes in groups of 32 and 8-bit codes per row, in the blocked layout that
-    ``actors.model.quant`` packs. Needs AVX-512 BF16 (``quant_gemm`` is None without it)."""
+    ``actors.model.quant`` packs. Needs AVX-512 BF16 (``quant_gemm`` is None without it). The
+    callers check dtypes and strides (``QuantizedWeight.matmul``)."""
 
     def __reduce__(self) -> tuple[Any, tuple[()]]:
         # ctypes handles do not pickle: a copy (deepcopy, pickle) is this process's kernels.
@@ -393,21 +394,28 @@ class QuantGemm:
         available.restype = ctypes.c_int
         self.available = bool(available())
 
-    def __call__(
-        self, bits: int, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int
-    ) -> torch.Tensor:
-        """``x`` [M, K] bfloat16 (unit stride inside a row) times the packed [n, K] weight."""
-        m, k = x.shape
-        if x.dtype != torch.bfloat16 or x.stride(1) != 1:
-            raise ValueError(f"quantized gemm: bfloat16 rows of unit stride, not {x.dtype}")
-        out = torch.empty((m, n), dtype=torch.bfloat16)
-        rc = self._fns[bits](
-            x.data_ptr(), x.stride(0), m, k, codes.data_ptr(), scales.data_ptr(), n,
-            out.data_ptr(), n, torch.get_num_threads(),
-        )  # fmt: skip
-        if rc != 0:
-            raise RuntimeError(f"int{bits} gemm failed (code {rc})")
-        return out
+    def bind(
+        self, bits: int, codes: torch.Tensor, scales: torch.Tensor, n: int
+    ) -> Callable[[torch.Tensor], torch.Tensor]:
+        """``x @ w.T`` for the packed [n, K] weight (``codes``, ``scales``: kept alive by the
+        caller), ``x`` [M, K] bfloat16 with unit stride inside a row. What does not change
+        between calls is read once here: a decode step makes about 120 of these calls, and
+        their Python side cost as much as a small projection's arithmetic."""
+        fn, codes_ptr, scales_ptr = self._fns[bits], codes.data_ptr(), scales.data_ptr()
+        empty, bf16, threads = torch.empty, torch.bfloat16, torch.get_num_threads
+
+        def gemm(x: torch.Tensor) -> torch.Tensor:
+            m, k = x.shape
+            out = empty((m, n), dtype=bf16)
+            rc = fn(
+                x.data_ptr(), x.stride(0), m, k, codes_ptr, scales_ptr, n, out.data_ptr(), n,
+                threads(),
+            )  # fmt: skip
+            if rc != 0:
+                raise RuntimeError(f"int{bits} gemm failed (code {rc})")
+            return out
+
+        return gemm
 
 
 @cache

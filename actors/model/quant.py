@@ -31,6 +31,7 @@ over rows). A ``QuantizedLinear`` can therefore keep a dense packed copy for the
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
@@ -114,6 +115,12 @@ class QuantizedWeight:
         # The float32 weight, kept from construction until ``take_dense`` (int4: reading it
         # back from torch's packed layout is slow).
         self._dense: torch.Tensor | None = None
+        self._gemm: Callable[[torch.Tensor], torch.Tensor] | None = None  # ``kernel`` bound
+
+    def __getstate__(self) -> dict[str, object]:
+        state = dict(self.__dict__)
+        state["_gemm"] = None  # a closure over this copy's pointers: bound again on first use
+        return state
 
     def take_dense(self) -> torch.Tensor:
         """The float32 weight these bytes stand for, once, cheaply after construction."""
@@ -129,10 +136,14 @@ class QuantizedWeight:
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != self.dtype:
             raise TypeError(f"activations are {x.dtype}, the weight was packed for {self.dtype}")
-        if self.kernel is not None:
-            x = x if x.stride(1) == 1 else x.contiguous()
-            bits = 8 if self.method == "int8" else 4
-            return self.kernel(bits, x, self.q, self.scales, self.shape[0])
+        gemm = self._gemm
+        if gemm is not None:
+            return gemm(x if x.stride(1) == 1 else x.contiguous())
+        if self.kernel is not None:  # unpickled: bind again (a copy's tensors are its own)
+            self._gemm = self.kernel.bind(
+                8 if self.method == "int8" else 4, self.q, self.scales, self.shape[0]
+            )
+            return self.matmul(x)
         if self.method == "int8":
             return torch._weight_int8pack_mm(x, self.q, self.scales)
         out: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(
