@@ -140,16 +140,20 @@ _CLASSES = {
 def _profiled_kernels() -> Iterator[None]:
     """Our C kernels (ctypes calls, invisible to torch's profiler) recorded as functions named
     after them while profiling: ``add_rms_norm``, ``rotary_``, ``silu_mul``, ``kv_write``,
-    ``paged_decode``, ``quant_gemm``."""
+    ``paged_decode``, ``quant_gemm`` (a quantized projection, ours or torch's)."""
     from torch.profiler import record_function
 
-    from actors.model.cpu_kernels import FusedOps, PagedDecodeKernel, QuantGemm
+    from actors.model.cpu_kernels import FusedOps, PagedDecodeKernel
+    from actors.model.quant import QuantizedWeight
 
     names = ("add_rms_norm", "rotary_", "silu_mul", "kv_write", "decode_attention")
     targets: list[tuple[type, str]] = [(FusedOps, n) for n in names]
-    targets += [(PagedDecodeKernel, "__call__"), (QuantGemm, "__call__")]
+    targets += [(PagedDecodeKernel, "__call__"), (QuantizedWeight, "matmul")]
     saved = [(cls, name, getattr(cls, name)) for cls, name in targets]
-    labels = {PagedDecodeKernel: "paged_decode", QuantGemm: "quant_gemm"}
+    labels = {
+        (PagedDecodeKernel, "__call__"): "paged_decode",
+        (QuantizedWeight, "matmul"): "quant_gemm",
+    }
 
     def wrap(fn: Callable[..., Any], label: str) -> Callable[..., Any]:
         def recorded(*args: Any, **kwargs: Any) -> Any:
@@ -160,7 +164,7 @@ def _profiled_kernels() -> Iterator[None]:
 
     try:
         for cls, name, fn in saved:
-            setattr(cls, name, wrap(fn, labels.get(cls, name) if name == "__call__" else name))
+            setattr(cls, name, wrap(fn, labels.get((cls, name), name)))
         yield
     finally:
         for cls, name, fn in saved:
