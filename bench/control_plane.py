@@ -248,6 +248,7 @@ async def measure(
     if driver is None:
         # This process stands for the ingress replica (and, in-process, for the central actor
         # too): its collector is set as theirs is, heap frozen after start-up.
+        gc.unfreeze()  # (an earlier cell's actor is garbage now: its pools are cycles)
         gc.collect()
         gc.freeze()
         relax_collector()

@@ -2,10 +2,11 @@
 with ctypes (no torch headers, so building takes about a second, not a minute).
 
 The shared object is cached under ``$TANDEM_CACHE_DIR`` (default ``~/.cache/tandem``), keyed by
-the source, the flags and the CPU, because it is built with ``-march=native``. Anything going
-wrong (no compiler, a sandbox without a writable cache) disables the kernels with one warning;
-callers then use the torch path. ``TANDEM_CPU_KERNELS=0`` turns them off (``TANDEM_QUANT_GEMM=0``
-only the quantized projections').
+the source, the flags and the CPU (its feature flags), because it is built with
+``-march=native``. Anything going wrong (no compiler, a sandbox without a writable cache)
+disables the kernels with one warning; callers then use the torch path.
+``TANDEM_CPU_KERNELS=0`` turns them off (``TANDEM_QUANT_GEMM=0`` only the quantized
+projections').
 """
 
 from __future__ import annotations
@@ -54,6 +55,20 @@ def _cache_dir() -> Path:
     return Path(root) / "kernels"
 
 
+def _cpu_flags() -> str:
+    """The CPU's feature flags (Linux), part of the cache key: ``-march=native`` builds for
+    them, and torch's capability names ("AVX512") do not tell a CPU with AVX-512 BF16 from one
+    without (the kernels check at run time as well)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return line
+    except OSError:
+        pass
+    return ""
+
+
 def _build() -> Path:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
@@ -64,6 +79,7 @@ def _build() -> Path:
         + " ".join([compiler, *_FLAGS]).encode()
         + platform.machine().encode()
         + torch.backends.cpu.get_cpu_capability().encode()
+        + _cpu_flags().encode()
     ).hexdigest()[:16]
     target = _cache_dir() / f"tandem_cpu-{key}.so"
     if target.is_file():
@@ -395,17 +411,23 @@ class QuantGemm:
         self.available = bool(available())
 
     def bind(
-        self, bits: int, codes: torch.Tensor, scales: torch.Tensor, n: int
+        self, bits: int, codes: torch.Tensor, scales: torch.Tensor, shape: tuple[int, int]
     ) -> Callable[[torch.Tensor], torch.Tensor]:
-        """``x @ w.T`` for the packed [n, K] weight (``codes``, ``scales``: kept alive by the
-        caller), ``x`` [M, K] bfloat16 with unit stride inside a row. What does not change
-        between calls is read once here: a decode step makes about 120 of these calls, and
-        their Python side cost as much as a small projection's arithmetic."""
+        """``x @ w.T`` for the packed weight of ``shape`` [N, K] (the closure holds ``codes``
+        and ``scales``), ``x`` [M, K] bfloat16 on the CPU with unit stride inside a row. What
+        does not change between calls is read once here: a decode step makes about 120 of
+        these calls, and their Python side cost as much as a small projection's arithmetic."""
         fn, codes_ptr, scales_ptr = self._fns[bits], codes.data_ptr(), scales.data_ptr()
         empty, bf16, threads = torch.empty, torch.bfloat16, torch.get_num_threads
+        n, width = shape
 
-        def gemm(x: torch.Tensor) -> torch.Tensor:
-            m, k = x.shape
+        # (``_owners``: the pointers' tensors live as long as the closure)
+        def gemm(
+            x: torch.Tensor, _owners: tuple[torch.Tensor, ...] = (codes, scales)
+        ) -> torch.Tensor:
+            m, k = x.shape  # (a ValueError for anything but a matrix)
+            if k != width or x.device.type != "cpu":
+                raise ValueError(f"int{bits} gemm: rows of {k} on {x.device} for {shape}")
             out = empty((m, n), dtype=bf16)
             rc = fn(
                 x.data_ptr(), x.stride(0), m, k, codes_ptr, scales_ptr, n, out.data_ptr(), n,

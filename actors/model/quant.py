@@ -21,12 +21,14 @@ per group of 32).
 With bfloat16 activations on a CPU with AVX-512 BF16, both forms are held instead in the blocked
 layout of our own kernels (``csrc/quant_gemm.c``: the same codes, scales and zeros, rows in
 blocks of 16), which read them 1.3-2x faster than torch's at one to eight rows; torch's kernels
-and layout serve float32 activations and other CPUs.
+and layout serve float32 activations, other CPUs, int4 groups other than 32 and inputs that
+are not a multiple of 32.
 
 These kernels are vector-matrix kernels: they beat oneDNN's packed bf16 GEMM at a few rows (a
-decode of a few requests: fewer bytes to read) and lose from about 8 rows on (they do not block
-over rows). A ``QuantizedLinear`` can therefore keep a dense packed copy for the larger batches
-(``dense_min_rows``); with ``dense_min_rows=0`` only the quantized bytes are kept.
+decode of a few requests: fewer bytes to read) and lose from about 8 rows on with torch's
+kernels, 16 with ours (int4; our int8 from about 8). A ``QuantizedLinear`` can therefore keep a
+dense packed copy for the larger batches (``dense_min_rows``); with ``dense_min_rows=0`` only
+the quantized bytes are kept.
 """
 
 from __future__ import annotations
@@ -95,11 +97,14 @@ def concat_rows(parts: list[GroupQuant]) -> GroupQuant:
 class QuantizedWeight:
     """A ``[N, K]`` weight quantized for ``x @ w.T`` (``x``: float32 or bfloat16 rows).
 
-    ``kernel`` set: ``q`` and ``scales`` are in the blocked layout of ``csrc/quant_gemm.c``
-    (``pack_blocked_int4`` / ``pack_blocked_int8``), else in torch's."""
+    ``blocked``: ``q`` and ``scales`` are in the blocked layout of ``csrc/quant_gemm.c``
+    (``pack_blocked_int4`` / ``pack_blocked_int8``) and ``kernel`` multiplies them; else they
+    are in torch's layout for torch's kernels. A blocked weight copied into a process without
+    the kernel (``TANDEM_QUANT_GEMM=0``, another CPU) is re-laid for torch's kernels there."""
 
     method: Method
     kernel: QuantGemm | None = None
+    blocked = False
 
     def __init__(
         self,
@@ -122,6 +127,33 @@ class QuantizedWeight:
         state["_gemm"] = None  # a closure over this copy's pointers: bound again on first use
         return state
 
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self.__dict__.update(state)
+        if self.blocked and self.kernel is None:  # no kernel here: torch's layout instead
+            self._relay_for_torch()
+
+    def _relay_for_torch(self) -> None:
+        n, k = self.shape
+        blocks = -(-n // BLOCK_ROWS)
+        if self.method == "int8":
+            u = self.q.view(blocks, k // 2, BLOCK_ROWS, 2).permute(0, 2, 1, 3).reshape(-1, k)
+            self.q = (u[:n].to(torch.int16) - 128).to(torch.int8).contiguous()
+            self.scales = self.scales[:n].contiguous()
+        else:
+            if n % 16:  # torch's int4 layout packs rows in sixteens
+                raise RuntimeError(
+                    f"an int4 weight of {n} rows needs the quantized kernel "
+                    "(csrc/quant_gemm.c), which this process does not have"
+                )
+            groups = k // INT4_GROUP
+            c = self.q.view(blocks, groups, 8, BLOCK_ROWS, 2).permute(0, 3, 1, 2, 4)
+            codes = torch.cat([c & 15, c >> 4], dim=-1).reshape(blocks * BLOCK_ROWS, k)[:n]
+            sz = self.scales.view(blocks, groups, 2, BLOCK_ROWS).permute(0, 3, 1, 2)
+            sz = sz.reshape(blocks * BLOCK_ROWS, groups, 2)[:n].transpose(0, 1).contiguous()
+            self.q = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
+            self.scales = sz  # [K // g, N, 2] (scale, zero), as torch's kernel wants them
+        self.blocked = False
+
     def take_dense(self) -> torch.Tensor:
         """The float32 weight these bytes stand for, once, cheaply after construction."""
         dense, self._dense = self._dense, None
@@ -139,10 +171,10 @@ class QuantizedWeight:
         gemm = self._gemm
         if gemm is not None:
             return gemm(x if x.stride(1) == 1 else x.contiguous())
-        if self.kernel is not None:  # unpickled: bind again (a copy's tensors are its own)
-            self._gemm = self.kernel.bind(
-                8 if self.method == "int8" else 4, self.q, self.scales, self.shape[0]
-            )
+        if self.blocked:  # first use, or a copy: bind this copy's bytes
+            assert self.kernel is not None
+            bits = 8 if self.method == "int8" else 4
+            self._gemm = self.kernel.bind(bits, self.q, self.scales, self.shape)
             return self.matmul(x)
         if self.method == "int8":
             return torch._weight_int8pack_mm(x, self.q, self.scales)
@@ -154,7 +186,7 @@ class QuantizedWeight:
     def dequantize(self) -> torch.Tensor:
         """The float32 weight these bytes stand for (tests, the dense copy)."""
         k = self.shape[1]
-        if self.kernel is not None:
+        if self.blocked:
             return unpack_blocked(self)
         if self.method == "int8":
             return self.q.float() * self.scales.float()[:, None]
@@ -191,7 +223,7 @@ class QuantizedWeight:
             kernel = _blocked_kernel(dtype, k)
             if kernel is not None:
                 weight = cls("int8", *pack_blocked_int8(q, scale, dtype), 0, (n, k), dtype)
-                weight.kernel = kernel
+                weight.kernel, weight.blocked = kernel, True
                 return weight
             return cls("int8", q.contiguous(), scale.to(dtype), 0, (n, k), dtype)
         if method != "int4":
@@ -220,7 +252,7 @@ class QuantizedWeight:
         if kernel is not None:
             codes, blocked_sz = pack_blocked_int4(q, scale, zero, dtype)
             weight = cls("int4", codes, blocked_sz, group_size, (n, k), dtype)
-            weight.kernel = kernel
+            weight.kernel, weight.blocked = kernel, True
         else:
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
             # The kernel wants [K // g, N, 2] (scale, zero) in the activations' dtype.

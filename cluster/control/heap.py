@@ -38,10 +38,13 @@ def freeze_heap() -> None:
 
 
 def relax_collector() -> None:
-    """Collect young objects every ``THRESHOLDS[0]`` net allocations instead of 700 (never
-    lowers thresholds someone else raised)."""
-    if gc.get_threshold()[0] < THRESHOLDS[0]:
-        gc.set_threshold(*THRESHOLDS)
+    """Collect young objects every ``THRESHOLDS[0]`` net allocations instead of 700. Raises
+    each threshold to ``THRESHOLDS`` at least, never lowers one, and leaves a collector that
+    was turned off (a young threshold of 0) off."""
+    young, middle, old = gc.get_threshold()
+    if young == 0:
+        return
+    gc.set_threshold(max(young, THRESHOLDS[0]), max(middle, THRESHOLDS[1]), max(old, THRESHOLDS[2]))
 
 
 def refreeze_heap() -> None:

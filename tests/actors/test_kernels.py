@@ -23,11 +23,12 @@ needs_kernel = pytest.mark.skipif(paged_decode_kernel() is None, reason="no C co
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 128), (8, 2, 32), (16, 1, 64)]
 )
+@pytest.mark.parametrize("block_size", [16, 5, 32])  # bf16: 16-key chunks cross blocks
 def test_paged_decode_kernel_matches_sdpa(
-    dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int
+    dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, block_size: int
 ) -> None:
     gen = torch.Generator().manual_seed(heads * 100 + head_dim)
-    block_size, num_seqs = 16, 11
+    num_seqs = 11
     lens = [1, 2, 15, 16, 17, 33, 64, 100, 129, 250, 7]
     num_blocks = sum(-(-n // block_size) for n in lens) + 5
     kv = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)

@@ -16,7 +16,7 @@ from actors.model.quant import (
     unpack_blocked,
 )
 
-pytestmark = pytest.mark.skipif(
+needs_kernel = pytest.mark.skipif(
     quant_gemm() is None, reason="no C compiler, kernels off, or no AVX-512 BF16 on this CPU"
 )
 
@@ -61,6 +61,7 @@ def _check(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, biased: torch.Te
     assert (got == rounded).double().mean() >= 0.98
 
 
+@needs_kernel
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_int4_equals_the_dequantized_product(rows: int, threads: int) -> None:
@@ -79,6 +80,7 @@ def test_int4_equals_the_dequantized_product(rows: int, threads: int) -> None:
     _check(got, x, w, _biased4(scale, w))
 
 
+@needs_kernel
 @pytest.mark.parametrize("rows", [1, 4, 6])
 def test_int8_equals_the_dequantized_product(rows: int) -> None:
     torch.manual_seed(rows)
@@ -95,6 +97,7 @@ def test_int8_equals_the_dequantized_product(rows: int) -> None:
     _check(weight.matmul(x), x, w, biased)
 
 
+@needs_kernel
 def test_rows_of_a_strided_view_and_a_wide_output() -> None:
     q, scale, zero = _int4(4096, 64, seed=7)
     weight = QuantizedWeight._pack_int4(q.to(torch.int32), scale, zero, 32, torch.bfloat16)
@@ -103,6 +106,7 @@ def test_rows_of_a_strided_view_and_a_wide_output() -> None:
     _check(weight.matmul(x), x.contiguous(), w, _biased4(scale, w))
 
 
+@needs_kernel
 def test_the_blocked_layout_holds_the_same_weights() -> None:
     q, scale, zero = _int4(37, 64, seed=3)
     codes, sz = pack_blocked_int4(q, scale, zero, torch.bfloat16)
@@ -118,6 +122,7 @@ def test_the_blocked_layout_holds_the_same_weights() -> None:
 
 
 def test_float32_and_odd_widths_keep_torchs_kernels() -> None:
+    """(Runs on any CPU.)"""
     q, scale, zero = _int4(32, 64, seed=4)
     w32 = QuantizedWeight._pack_int4(q.to(torch.int32), scale, zero, 32, torch.float32)
     assert w32.kernel is None  # no float32 path of ours: torch's layout and kernel
@@ -128,3 +133,57 @@ def test_float32_and_odd_widths_keep_torchs_kernels() -> None:
     x = torch.randn(2, 64)
     ref = x.double() @ _dequantized4(q, scale, zero, torch.float32).T
     assert (w32.matmul(x).double() - ref).abs().max() <= 1e-4 * ref.abs().max()
+
+
+def test_without_the_kernel_bf16_weights_keep_torchs_layout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """(Runs on any CPU.)"""
+    import actors.model.quant as quant
+
+    monkeypatch.setattr(quant, "_blocked_kernel", lambda dtype, k: None)
+    q, scale, zero = _int4(48, 64, seed=8)
+    weight = QuantizedWeight._pack_int4(q.to(torch.int32), scale, zero, 32, torch.bfloat16)
+    assert not weight.blocked and weight.kernel is None
+    x = _x(3, 64, seed=8)
+    w = _dequantized4(q, scale, zero)
+    exact = x.double() @ w.T
+    assert (weight.matmul(x).double() - exact).abs().max() <= 2e-2 * exact.abs().max()
+
+
+@needs_kernel
+@pytest.mark.parametrize("method", ["int4", "int8"])
+def test_a_copy_binds_its_own_bytes_and_one_without_the_kernel_is_relaid(
+    method: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import copy
+    import gc
+    import pickle
+
+    import actors.model.cpu_kernels as cpu_kernels
+
+    torch.manual_seed(9)
+    weight = QuantizedWeight.from_float(torch.randn(48, 64), method, torch.bfloat16)  # type: ignore[arg-type]
+    x = _x(2, 64, seed=9)
+    expected = weight.matmul(x)  # bound to the original's bytes
+    dense = weight.dequantize()
+    twin = copy.deepcopy(weight)
+    del weight
+    gc.collect()
+    assert torch.equal(twin.matmul(x), expected)  # its own bytes, not the freed ones
+    with pytest.raises(ValueError, match="rows of 32"):
+        twin.matmul(_x(2, 32, seed=9))  # the wrong width: refused, not read past the end
+    # Unpickled where the kernel is off: torch's layout and kernels, the same weights.
+    monkeypatch.setenv("TANDEM_QUANT_GEMM", "0")
+    cpu_kernels.quant_gemm.cache_clear()
+    try:
+        moved = pickle.loads(pickle.dumps(twin))
+        assert not moved.blocked and moved.kernel is None
+        # (torch's layout reads back through its kernel: rounded to bf16 once)
+        torch.testing.assert_close(moved.dequantize(), dense, rtol=2**-8, atol=1e-6)
+        got = moved.matmul(x).double()
+        exact = x.double() @ dense.double().T
+        assert (got - exact).abs().max() <= 2e-2 * exact.abs().max()
+    finally:
+        monkeypatch.delenv("TANDEM_QUANT_GEMM")
+        cpu_kernels.quant_gemm.cache_clear()

@@ -38,7 +38,8 @@
 
 #include "common.h"
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512F__)
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512F__)
 #include <immintrin.h>
 #define HAVE_BF16_DOT 1
 #else
@@ -50,7 +51,17 @@
 #define MAX_M 4
 #define PARALLEL_MIN_CODES (1 << 15)
 
-int quant_gemm_available(void) { return HAVE_BF16_DOT; }
+/* Built with the instructions and running on a CPU that has them (a library cached by one
+ * machine can be loaded by another). */
+int quant_gemm_available(void) {
+#if HAVE_BF16_DOT
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl");
+#else
+    return 0;
+#endif
+}
 
 #if HAVE_BF16_DOT
 
@@ -191,6 +202,7 @@ int int4_gemm_bf16(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k,
                    int64_t out_stride, int num_threads) {
 #if HAVE_BF16_DOT
     if (k % GROUP) return -2;
+    if (m <= 0) return 0;
     const int64_t groups = k / GROUP, blocks = (n + ROWS_PER_BLOCK - 1) / ROWS_PER_BLOCK;
     float *sums = group_sums(x, x_stride, m, k);
     if (sums == NULL) return -3;
@@ -230,6 +242,7 @@ int int8_gemm_bf16(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k,
                    int64_t out_stride, int num_threads) {
 #if HAVE_BF16_DOT
     if (k % GROUP) return -2;
+    if (m <= 0) return 0;
     const int64_t groups = k / GROUP, blocks = (n + ROWS_PER_BLOCK - 1) / ROWS_PER_BLOCK;
     float *sums = group_sums(x, x_stride, m, k);
     uint16_t *x16 = malloc(sizeof(uint16_t) * (size_t)(m * k));

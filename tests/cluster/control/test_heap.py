@@ -58,3 +58,20 @@ def test_outside_an_actor_the_heap_is_left_alone() -> None:
     freeze_heap()  # a test process, a program embedding the SchedulerActor
     assert gc.get_freeze_count() == before
     assert gc.get_threshold() == thresholds
+
+
+def test_relaxing_never_lowers_a_threshold_nor_wakes_a_disabled_collector() -> None:
+    import gc
+
+    from cluster.control.heap import THRESHOLDS, relax_collector
+
+    before = gc.get_threshold()
+    try:
+        gc.set_threshold(700, 100, 5)
+        relax_collector()
+        assert gc.get_threshold() == (THRESHOLDS[0], 100, THRESHOLDS[2])
+        gc.set_threshold(0, 10, 10)
+        relax_collector()
+        assert gc.get_threshold()[0] == 0
+    finally:
+        gc.set_threshold(*before)
