@@ -100,7 +100,7 @@ class ModelWorker:
         pp_size: int = 1,
         tracing: Any = None,
         quantization: str = "auto",
-        quant_dense_min_rows: int = DEFAULT_DENSE_MIN_ROWS,
+        quant_dense_min_rows: int | None = DEFAULT_DENSE_MIN_ROWS,
         enforce_eager: bool = False,
     ) -> None:
         """``kv_transfer`` names a KV transport (``nixl``, ``ray``, ``grpc``) for prefill/

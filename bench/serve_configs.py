@@ -15,8 +15,9 @@ Configurations (``--variants``), each a ``tandem serve`` of the built-in model:
 - ``coloc-threads1``: the same with one fixed thread;
 - ``-sync``: without async scheduling (the default before issue 19's second part), ``-engines``:
   with engine actors (``engine_actors: true``), ``-torchq``: the quantized projections on
-  torch's weight-only kernels instead of ours (``TANDEM_QUANT_GEMM=0``); modifiers combine
-  (``coloc-sync-dense``).
+  torch's weight-only kernels instead of ours (``TANDEM_QUANT_GEMM=0``), ``-switch8``: every
+  quantized weight switches to its dense copy at 8 rows (``quantized_dense_min_rows: 8``, the
+  default before int4 switched at 16); modifiers combine (``coloc-sync-dense``).
 
 Workloads (``--workloads``): ``cN`` (streaming chat at concurrency N, 128-token prompts, 128
 out, as the issue's llama-server comparison), ``prefill-heavy`` (1,024-token prompts, 8 out,
@@ -54,7 +55,7 @@ WORKLOADS: dict[str, dict[str, int]] = {
 }
 
 
-MODIFIERS = ("threads1", "dense", "sync", "engines", "torchq")
+MODIFIERS = ("threads1", "dense", "sync", "engines", "torchq", "switch8")
 
 
 def variant_config(name: str) -> dict[str, Any]:
@@ -73,6 +74,8 @@ def variant_config(name: str) -> dict[str, Any]:
         config = config.model_copy(update={"pools": pools})
     if "dense" in modifiers:
         config = config.model_copy(update={"quantization": "none"})
+    if "switch8" in modifiers:
+        config = config.model_copy(update={"quantized_dense_min_rows": 8})
     if "sync" in modifiers:
         pools = [
             p.model_copy(update={"scheduler": {**p.scheduler, "async_scheduling": False}})

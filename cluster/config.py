@@ -545,12 +545,13 @@ class ClusterConfig(_Config):
         "runs a GGUF file's Q4_0/Q4_1 weights as int4 and Q8_0 as int8, float checkpoints "
         "dense; int8/int4 quantize every projection; none dequantizes.",
     )
-    quantized_dense_min_rows: int = Field(
-        8,
+    quantized_dense_min_rows: int | None = Field(
+        None,
         ge=0,
         description="Steps of this many tokens or more multiply a dense copy of quantized "
         "weights (the weight-only kernels lose to the dense GEMM on large batches); 0 keeps "
-        "no dense copy (least memory).",
+        "no dense copy (least memory); null: each weight where its kernel stops winning "
+        "(16 rows for int4 on Tandem's kernel, 8 otherwise).",
     )
     enforce_eager: bool = Field(
         False,

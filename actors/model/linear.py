@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from actors.model.quant import GroupQuant, Method, QuantizedWeight
+from actors.model.quant import GroupQuant, Method, QuantizedWeight, dense_crossover
 
 
 class Linear(nn.Linear):
@@ -53,14 +53,19 @@ class Linear(nn.Linear):
         return packed is not None
 
     @torch.no_grad()
-    def quantize(self, method: Method, source: GroupQuant | None, dense_min_rows: int) -> None:
+    def quantize(
+        self, method: Method, source: GroupQuant | None, dense_min_rows: int | None
+    ) -> None:
         """Hold the weight quantized: from the checkpoint's own codes when given (``source``),
-        else rounded from the dense weight."""
+        else rounded from the dense weight. ``dense_min_rows`` None: where the kernel stops
+        winning (``dense_crossover``)."""
         dtype = self.weight.dtype
         if source is not None:
             self.quant = QuantizedWeight.from_group_quant(source, method, dtype)
         else:
             self.quant = QuantizedWeight.from_float(self.weight, method, dtype)
+        if dense_min_rows is None:
+            dense_min_rows = dense_crossover(self.quant)
         self.dense_min_rows = dense_min_rows
         self._packed = None
         dense = self.quant.take_dense()  # (taken in any case: not kept past construction)

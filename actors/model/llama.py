@@ -20,7 +20,7 @@ from actors.model.attention import AttentionBackend, AttentionMetadata, TorchAtt
 from actors.model.config import ModelConfig
 from actors.model.cpu_kernels import FusedOps, fused_ops
 from actors.model.linear import Linear, pack_linear
-from actors.model.quant import GroupQuant, Method, QuantizedWeight
+from actors.model.quant import GroupQuant, Method, QuantizedWeight, dense_crossover
 from actors.model.rope import RotaryEmbedding
 
 
@@ -270,16 +270,19 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def quantize_output_head(
-        self, method: Method, source: GroupQuant | None, dense_min_rows: int
+        self, method: Method, source: GroupQuant | None, dense_min_rows: int | None
     ) -> None:
         """Hold the output head quantized as well (the last stage). A tied head's embedding
-        stays dense: the first stage looks rows up in it."""
+        stays dense: the first stage looks rows up in it. ``dense_min_rows`` None: where the
+        kernel stops winning (``dense_crossover``)."""
         weight = self.output_embedding
         dtype = weight.dtype
         if source is not None:
             self._quant_logits = QuantizedWeight.from_group_quant(source, method, dtype)
         else:
             self._quant_logits = QuantizedWeight.from_float(weight, method, dtype)
+        if dense_min_rows is None:
+            dense_min_rows = dense_crossover(self._quant_logits)
         self._logits_dense_min_rows = dense_min_rows
         self.quantization["lm_head"] = method
         self._packed_logits = None

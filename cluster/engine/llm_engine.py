@@ -59,7 +59,7 @@ class LLMEngine:
         max_cpu_loras: int | None = None,
         attention_backend: str | None = None,
         quantization: str = "auto",
-        quant_dense_min_rows: int = DEFAULT_DENSE_MIN_ROWS,
+        quant_dense_min_rows: int | None = DEFAULT_DENSE_MIN_ROWS,
         enforce_eager: bool = False,
         progress: bool = True,
         **scheduler_kwargs: Any,

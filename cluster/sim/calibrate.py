@@ -128,10 +128,17 @@ def measure_steps(
         "quantization": quantization,
         "weights": weights_held(worker),
         # Steps under this many tokens multiply the quantized weights (none: dense only).
-        "small_rows": 0 if weights_held(worker) == "dense" else worker.quant_dense_min_rows,
+        "small_rows": 0 if weights_held(worker) == "dense" else projections_dense_min_rows(worker),
         "kv_bytes_per_token": kv_bytes_token,
         "num_layers": info["num_layers"],
     }
+
+
+def projections_dense_min_rows(worker: Any) -> int:
+    """The step size from which the quantized projections run on their dense copy (the
+    largest of them: each weight's own when the engine's setting is per kernel)."""
+    rows = [lin.dense_min_rows for _, lin in worker.model.projections() if lin.quant is not None]
+    return max(rows, default=0)
 
 
 def weights_held(worker: Any) -> str:

@@ -187,3 +187,22 @@ def test_a_copy_binds_its_own_bytes_and_one_without_the_kernel_is_relaid(
     finally:
         monkeypatch.delenv("TANDEM_QUANT_GEMM")
         cpu_kernels.quant_gemm.cache_clear()
+
+
+def test_each_weight_runs_dense_from_where_its_kernel_stops_winning() -> None:
+    """(Runs on any CPU.) The default (None): int4 on our kernel up to 16 rows, int8 and
+    torch's kernels up to 8; a number given applies to every weight."""
+    from actors.model.linear import Linear
+
+    def quantized(method: str, dtype: torch.dtype, rows: int | None) -> Linear:
+        torch.manual_seed(0)
+        linear = Linear(64, 48, bias=False).to(dtype)
+        linear.quantize(method, None, rows)  # type: ignore[arg-type]
+        return linear
+
+    ours = quant_gemm() is not None
+    assert quantized("int4", torch.bfloat16, None).dense_min_rows == (16 if ours else 8)
+    assert quantized("int8", torch.bfloat16, None).dense_min_rows == 8
+    assert quantized("int4", torch.float32, None).dense_min_rows == 8  # torch's kernel
+    assert quantized("int4", torch.bfloat16, 12).dense_min_rows == 12
+    assert not quantized("int4", torch.bfloat16, 0).has_dense
