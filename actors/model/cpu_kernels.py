@@ -62,7 +62,7 @@ def _cpu_flags() -> str:
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("flags"):
+                if line.startswith(("flags", "Features")):  # x86, arm
                     return line
     except OSError:
         pass

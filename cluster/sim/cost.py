@@ -72,9 +72,11 @@ def _features(shape: StepShape, small_rows: int = 0) -> list[float]:
     """The terms' values for a step. ``small_rows`` (quantized weights): steps of fewer
     tokens multiply the quantized weights, whose cost grows steeply per row
     (``small_step_tokens``); larger ones a dense copy, whose weights cost more to read once
-    (``large_step``) and little per row -- the engine's ``quant_dense_min_rows``, which the
-    projections apply to the step's rows. (The output head switches on the rows it samples
-    instead, so a long prefill runs its head quantized; that part is not told apart.)"""
+    (``large_step``) and little per row -- the rows from which the engine's projections run
+    dense (``calibrate.projections_dense_min_rows``: 16 for int4 on Tandem's kernel, 8
+    otherwise, unless ``quantized_dense_min_rows`` says), applied to the step's rows. (The
+    output head switches on the rows it samples instead, so a long prefill runs its head
+    quantized; that part is not told apart.)"""
     tokens = shape.tokens
     small = 0 < tokens < small_rows
     return [

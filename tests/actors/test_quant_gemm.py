@@ -153,40 +153,60 @@ def test_without_the_kernel_bf16_weights_keep_torchs_layout(
 
 @needs_kernel
 @pytest.mark.parametrize("method", ["int4", "int8"])
-def test_a_copy_binds_its_own_bytes_and_one_without_the_kernel_is_relaid(
-    method: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_copy_binds_its_own_bytes(method: str) -> None:
     import copy
-    import gc
-    import pickle
-
-    import actors.model.cpu_kernels as cpu_kernels
 
     torch.manual_seed(9)
     weight = QuantizedWeight.from_float(torch.randn(48, 64), method, torch.bfloat16)  # type: ignore[arg-type]
     x = _x(2, 64, seed=9)
     expected = weight.matmul(x)  # bound to the original's bytes
-    dense = weight.dequantize()
     twin = copy.deepcopy(weight)
-    del weight
-    gc.collect()
-    assert torch.equal(twin.matmul(x), expected)  # its own bytes, not the freed ones
+    assert twin._gemm is None  # not the original's closure
+    weight.q.zero_()
+    weight.scales.zero_()  # the original's bytes are gone: the twin must read its own
+    assert torch.equal(twin.matmul(x), expected)
     with pytest.raises(ValueError, match="rows of 32"):
         twin.matmul(_x(2, 32, seed=9))  # the wrong width: refused, not read past the end
-    # Unpickled where the kernel is off: torch's layout and kernels, the same weights.
-    monkeypatch.setenv("TANDEM_QUANT_GEMM", "0")
-    cpu_kernels.quant_gemm.cache_clear()
-    try:
-        moved = pickle.loads(pickle.dumps(twin))
-        assert not moved.blocked and moved.kernel is None
-        # (torch's layout reads back through its kernel: rounded to bf16 once)
-        torch.testing.assert_close(moved.dequantize(), dense, rtol=2**-8, atol=1e-6)
-        got = moved.matmul(x).double()
-        exact = x.double() @ dense.double().T
-        assert (got - exact).abs().max() <= 2e-2 * exact.abs().max()
-    finally:
-        monkeypatch.delenv("TANDEM_QUANT_GEMM")
-        cpu_kernels.quant_gemm.cache_clear()
+
+
+@pytest.mark.parametrize(("method", "rows"), [("int4", 48), ("int8", 48), ("int8", 40)])
+def test_a_blocked_weight_copied_where_the_kernel_is_missing_is_relaid(
+    method: str, rows: int
+) -> None:
+    """(Runs on any CPU: the blocked layout is made by hand.) A weight unpickled in a
+    process without our kernel runs on torch's layout and kernels, the same weights."""
+    import pickle
+
+    torch.manual_seed(rows)
+    if method == "int4":
+        q, scale, zero = _int4(rows, 64, seed=rows)
+        codes, scales = pack_blocked_int4(q, scale, zero, torch.bfloat16)
+        exact_w = _dequantized4(q, scale, zero)
+    else:
+        v = torch.randint(-127, 128, (rows, 64), dtype=torch.int8)
+        s8 = torch.rand(rows) * 0.01
+        codes, scales = pack_blocked_int8(v, s8, torch.bfloat16)
+        exact_w = v.double() * s8.to(torch.bfloat16).double()[:, None]
+    weight = QuantizedWeight(method, codes, scales, 32, (rows, 64), torch.bfloat16)  # type: ignore[arg-type]
+    weight.blocked = True  # as packed for our kernel; no kernel attached: as if it were missing
+    moved = pickle.loads(pickle.dumps(weight))
+    assert not moved.blocked and moved.kernel is None
+    # (torch's layout reads back through its kernel: rounded to bf16 once)
+    torch.testing.assert_close(moved.dequantize().double(), exact_w, rtol=2**-8, atol=1e-6)
+    x = _x(3, 64, seed=rows)
+    exact = x.double() @ exact_w.T
+    assert (moved.matmul(x).double() - exact).abs().max() <= 2e-2 * exact.abs().max()
+
+
+def test_an_int4_weight_of_odd_rows_cannot_be_relaid() -> None:
+    import pickle
+
+    q, scale, zero = _int4(40, 64, seed=1)
+    codes, scales = pack_blocked_int4(q, scale, zero, torch.bfloat16)
+    weight = QuantizedWeight("int4", codes, scales, 32, (40, 64), torch.bfloat16)
+    weight.blocked = True
+    with pytest.raises(RuntimeError, match="40 rows needs the quantized kernel"):
+        pickle.loads(pickle.dumps(weight))
 
 
 def test_each_weight_runs_dense_from_where_its_kernel_stops_winning() -> None:

@@ -228,15 +228,11 @@ static inline __attribute__((always_inline)) void pair_bf16_dot(
         }
     }
 }
-/* Checked at run time too: a library cached by one machine can be loaded by another. */
+/* Checked at run time too: a library cached by one machine can be loaded by another (libgcc
+ * fills in the CPU's features when the library loads; reading them is a few loads). */
 static int bf16_dot_runs(void) {
-    static int cached = -1;
-    if (cached < 0) {
-        __builtin_cpu_init();
-        cached = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
-                 __builtin_cpu_supports("avx512vl");
-    }
-    return cached;
+    return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl");
 }
 #define BF16_DOT_OK(T, head_dim) (sizeof(T) == 2 && (head_dim) % 32 == 0 && bf16_dot_runs())
 static void pair_bf16_dot_64(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,

@@ -55,7 +55,6 @@
  * machine can be loaded by another). */
 int quant_gemm_available(void) {
 #if HAVE_BF16_DOT
-    __builtin_cpu_init();
     return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vl");
 #else
@@ -201,6 +200,7 @@ int int4_gemm_bf16(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k,
                    const uint8_t *codes, const uint16_t *sz, int64_t n, uint16_t *out,
                    int64_t out_stride, int num_threads) {
 #if HAVE_BF16_DOT
+    if (!quant_gemm_available()) return -1;
     if (k % GROUP) return -2;
     if (m <= 0) return 0;
     const int64_t groups = k / GROUP, blocks = (n + ROWS_PER_BLOCK - 1) / ROWS_PER_BLOCK;
@@ -241,6 +241,7 @@ int int8_gemm_bf16(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k,
                    const uint8_t *codes, const uint16_t *scales, int64_t n, uint16_t *out,
                    int64_t out_stride, int num_threads) {
 #if HAVE_BF16_DOT
+    if (!quant_gemm_available()) return -1;
     if (k % GROUP) return -2;
     if (m <= 0) return 0;
     const int64_t groups = k / GROUP, blocks = (n + ROWS_PER_BLOCK - 1) / ROWS_PER_BLOCK;
