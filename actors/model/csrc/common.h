@@ -50,4 +50,22 @@ static inline float fast_expf(float x) {
     return p * scale.f;
 }
 
+/* AVX-512 BF16's dot instruction (vdpbf16ps): compiled in where the build targets it
+ * (-march=native), and checked at run time as well -- a library cached by one machine can be
+ * loaded by another (libgcc fills in the CPU's features when the library loads; reading them
+ * is a few loads). */
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512F__)
+#include <immintrin.h>
+#define HAVE_BF16_DOT 1
+static inline int bf16_dot_runs(void) {
+    return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl");
+}
+static inline __m512bh as_bh(__m512i v) { return (__m512bh)v; }
+#else
+#define HAVE_BF16_DOT 0
+static inline int bf16_dot_runs(void) { return 0; }
+#endif
+
 #endif

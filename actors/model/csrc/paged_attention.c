@@ -35,13 +35,6 @@
 
 #include "common.h"
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
-    defined(__AVX512F__)
-#include <immintrin.h>
-#define HAVE_BF16_DOT 1
-#else
-#define HAVE_BF16_DOT 0
-#endif
 
 #define MAX_GROUP 16
 #define PARALLEL_MIN_KEYS 1024 /* (key, kv head) rows in a call: about 5 us of work */
@@ -123,8 +116,6 @@ static inline __m512 sum16(const __m512 *v) {
     const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
     return _mm512_permutexvar_ps(order, y);
 }
-
-static inline __m512bh as_bh(__m512i v) { return (__m512bh)v; }
 
 /* The cache offset of one key after another (no division per key). */
 struct walk {
@@ -227,12 +218,6 @@ static inline __attribute__((always_inline)) void pair_bf16_dot(
                 }
         }
     }
-}
-/* Checked at run time too: a library cached by one machine can be loaded by another (libgcc
- * fills in the CPU's features when the library loads; reading them is a few loads). */
-static int bf16_dot_runs(void) {
-    return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl");
 }
 #define BF16_DOT_OK(T, head_dim) (sizeof(T) == 2 && (head_dim) % 32 == 0 && bf16_dot_runs())
 static void pair_bf16_dot_64(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,

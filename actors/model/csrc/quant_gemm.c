@@ -38,29 +38,14 @@
 
 #include "common.h"
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
-    defined(__AVX512F__)
-#include <immintrin.h>
-#define HAVE_BF16_DOT 1
-#else
-#define HAVE_BF16_DOT 0
-#endif
 
 #define ROWS_PER_BLOCK 16
 #define GROUP 32
 #define MAX_M 4
 #define PARALLEL_MIN_CODES (1 << 15)
 
-/* Built with the instructions and running on a CPU that has them (a library cached by one
- * machine can be loaded by another). */
-int quant_gemm_available(void) {
-#if HAVE_BF16_DOT
-    return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl");
-#else
-    return 0;
-#endif
-}
+/* Built with the instructions and running on a CPU that has them. */
+int quant_gemm_available(void) { return bf16_dot_runs(); }
 
 #if HAVE_BF16_DOT
 
@@ -69,11 +54,13 @@ static inline __m512 bf16x16_to_f32(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 
-static inline __m512bh as_bh(__m512i v) { return (__m512bh)v; }
-
-/* 32 bytes of codes, one per 16-bit lane. */
-static inline __m512i load_codes(const uint8_t *p) {
-    return _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)p));
+/* 32 bytes of codes as two vectors of bf16 pairs, 128 + each byte's low nibble and 128 + its
+ * high nibble (one byte per 16-bit lane, OR-ed into 0x4300: 128.0). */
+static inline void nibbles(const uint8_t *p, __m512bh *lo, __m512bh *hi) {
+    const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)p));
+    const __m512i mask = _mm512_set1_epi16(0x000F), bias = _mm512_set1_epi16(0x4300);
+    *lo = as_bh(_mm512_ternarylogic_epi32(v, mask, bias, 0xEA)); /* (v & mask) | bias */
+    *hi = as_bh(_mm512_or_si512(_mm512_srli_epi16(v, 4), bias));
 }
 
 /* Inputs 2p and 2p + 1 of a row, broadcast to every lane (rows need not be 4-byte aligned). */
@@ -88,8 +75,6 @@ static inline __m512bh pair_of(const uint16_t *row, int64_t p) {
 static inline __attribute__((always_inline)) void int4_block(
     const uint16_t *const *xs, const float *sums, int64_t groups, const uint8_t *codes,
     const uint16_t *sz, float *res, const int MB) {
-    const __m512i lo_mask = _mm512_set1_epi16(0x000F);
-    const __m512i bias = _mm512_set1_epi16(0x4300);
     __m512 out[MAX_M];
     for (int m = 0; m < MB; ++m) out[m] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
@@ -103,15 +88,14 @@ static inline __attribute__((always_inline)) void int4_block(
         for (int chunk = 0; chunk < GROUP / 4; chunk += 2) {
 #pragma GCC unroll 2
             for (int half = 0; half < 2; ++half) {
-                const __m512i v = load_codes(c + (chunk + half) * 32);
-                const __m512i lo = _mm512_ternarylogic_epi32(v, lo_mask, bias, 0xEA); /* v&m|b */
-                const __m512i hi = _mm512_or_si512(_mm512_srli_epi16(v, 4), bias);
+                __m512bh lo, hi;
+                nibbles(c + (chunk + half) * 32, &lo, &hi);
                 const int64_t pair = g * (GROUP / 2) + (chunk + half) * 2; /* inputs k, k+1 */
 #pragma GCC unroll 4
                 for (int m = 0; m < MB; ++m) {
                     __m512 *lo_sum = &a[m][2 * half], *hi_sum = &a[m][2 * half + 1];
-                    *lo_sum = _mm512_dpbf16_ps(*lo_sum, as_bh(lo), pair_of(xs[m], pair));
-                    *hi_sum = _mm512_dpbf16_ps(*hi_sum, as_bh(hi), pair_of(xs[m], pair + 1));
+                    *lo_sum = _mm512_dpbf16_ps(*lo_sum, lo, pair_of(xs[m], pair));
+                    *hi_sum = _mm512_dpbf16_ps(*hi_sum, hi, pair_of(xs[m], pair + 1));
                 }
             }
         }
@@ -133,8 +117,6 @@ static inline __attribute__((always_inline)) void int4_block(
 static inline __attribute__((always_inline)) void int8_block(
     const uint16_t *const *xs, const uint16_t *const *x16s, const float *sums, int64_t groups,
     const uint8_t *codes, const uint16_t *scales, float *res, const int MB) {
-    const __m512i lo_mask = _mm512_set1_epi16(0x000F);
-    const __m512i bias = _mm512_set1_epi16(0x4300);
     __m512 out[MAX_M];
     for (int m = 0; m < MB; ++m) out[m] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
@@ -145,15 +127,14 @@ static inline __attribute__((always_inline)) void int8_block(
         for (int chunk = 0; chunk < GROUP / 2; chunk += 2) {
 #pragma GCC unroll 2
             for (int half = 0; half < 2; ++half) {
-                const __m512i v = load_codes(c + (chunk + half) * 32);
-                const __m512i lo = _mm512_ternarylogic_epi32(v, lo_mask, bias, 0xEA);
-                const __m512i hi = _mm512_or_si512(_mm512_srli_epi16(v, 4), bias);
+                __m512bh lo, hi;
+                nibbles(c + (chunk + half) * 32, &lo, &hi);
                 const int64_t pair = g * (GROUP / 2) + chunk + half;
 #pragma GCC unroll 4
                 for (int m = 0; m < MB; ++m) {
                     __m512 *sum = &a[m][half];
-                    *sum = _mm512_dpbf16_ps(*sum, as_bh(hi), pair_of(x16s[m], pair));
-                    *sum = _mm512_dpbf16_ps(*sum, as_bh(lo), pair_of(xs[m], pair));
+                    *sum = _mm512_dpbf16_ps(*sum, hi, pair_of(x16s[m], pair));
+                    *sum = _mm512_dpbf16_ps(*sum, lo, pair_of(xs[m], pair));
                 }
             }
         }
