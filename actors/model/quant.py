@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 if TYPE_CHECKING:
-    from actors.model.cpu_kernels import QuantGemm
+    from actors.model.quant_gemm import QuantGemm
 
 Method = Literal["int8", "int4"]
 METHODS: tuple[str, ...] = ("auto", "none", "int8", "int4")
@@ -279,7 +279,7 @@ def _blocked_kernel(dtype: torch.dtype, k: int) -> QuantGemm | None:
     BF16 (``TANDEM_CPU_KERNELS=0`` turns them off with the others)."""
     if dtype != torch.bfloat16 or k % INT4_GROUP:
         return None
-    from actors.model.cpu_kernels import quant_gemm
+    from actors.model.quant_gemm import quant_gemm
 
     return quant_gemm()
 

@@ -8,13 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actors.model.cpu_kernels import quant_gemm
 from actors.model.quant import (
     QuantizedWeight,
     pack_blocked_int4,
     pack_blocked_int8,
     unpack_blocked,
 )
+from actors.model.quant_gemm import quant_gemm
 
 needs_kernel = pytest.mark.skipif(
     quant_gemm() is None, reason="no C compiler, kernels off, or no AVX-512 BF16 on this CPU"
