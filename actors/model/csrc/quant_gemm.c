@@ -157,7 +157,7 @@ static void store_rows(const float *res, int mb, int64_t n0, int64_t n, uint16_t
             out[(m0 + m) * out_stride + n0 + r] = f32_to_bf16(res[m * ROWS_PER_BLOCK + r]);
 }
 
-/* Group sums of each row of x (float32), and for 8-bit codes 16 x in bfloat16 (exact). */
+/* Group sums of each row of x (float32). */
 static float *group_sums(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k) {
     const int64_t groups = k / GROUP;
     float *sums = malloc(sizeof(float) * (size_t)(m * groups));
@@ -172,6 +172,66 @@ static float *group_sums(const uint16_t *x, int64_t x_stride, int64_t m, int64_t
     return sums;
 }
 
+/* Both entry points: bits 4 (scales: scale and zero per block and group) or 8 (one scale per
+ * row; x is also needed as 16 x, exact in bfloat16: a power of two). */
+static int quant_gemm(int bits, const uint16_t *x, int64_t x_stride, int64_t m, int64_t k,
+                      const uint8_t *codes, const uint16_t *scales, int64_t n, uint16_t *out,
+                      int64_t out_stride, int num_threads) {
+    if (!quant_gemm_available()) return -1;
+    if (k % GROUP) return -2;
+    if (m <= 0) return 0;
+    const int64_t groups = k / GROUP, blocks = (n + ROWS_PER_BLOCK - 1) / ROWS_PER_BLOCK;
+    float *sums = group_sums(x, x_stride, m, k);
+    uint16_t *x16 = bits == 8 ? malloc(sizeof(uint16_t) * (size_t)(m * k)) : NULL;
+    if (sums == NULL || (bits == 8 && x16 == NULL)) {
+        free(sums);
+        free(x16);
+        return -3;
+    }
+    if (bits == 8)
+        for (int64_t i = 0; i < m; ++i)
+            for (int64_t j = 0; j < k; ++j)
+                x16[i * k + j] = f32_to_bf16(16.0f * bf16_to_f32(x[i * x_stride + j]));
+    /* Per block of 16 rows: its codes (half a byte or a byte a weight) and its scales. */
+    const int64_t block_codes = groups * GROUP * ROWS_PER_BLOCK * bits / 8;
+    const int64_t block_scales = bits == 4 ? groups * 2 * ROWS_PER_BLOCK : ROWS_PER_BLOCK;
+    const int parallel = blocks * block_codes * (m < MAX_M ? m : MAX_M) >= PARALLEL_MIN_CODES;
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (parallel)
+    for (int64_t b = 0; b < blocks; ++b) {
+        float res[MAX_M * ROWS_PER_BLOCK];
+        for (int64_t m0 = 0; m0 < m; m0 += MAX_M) {
+            const int mb = (int)(m - m0 < MAX_M ? m - m0 : MAX_M);
+            const uint16_t *xs[MAX_M], *x16s[MAX_M];
+            for (int i = 0; i < mb; ++i) {
+                xs[i] = x + (m0 + i) * x_stride;
+                x16s[i] = x16 == NULL ? NULL : x16 + (m0 + i) * k;
+            }
+            const float *s = sums + m0 * groups;
+            const uint8_t *c = codes + b * block_codes;
+            const uint16_t *sc = scales + b * block_scales;
+            if (bits == 4) {
+                switch (mb) {
+                case 1: int4_block(xs, s, groups, c, sc, res, 1); break;
+                case 2: int4_block(xs, s, groups, c, sc, res, 2); break;
+                case 3: int4_block(xs, s, groups, c, sc, res, 3); break;
+                default: int4_block(xs, s, groups, c, sc, res, 4); break;
+                }
+            } else {
+                switch (mb) {
+                case 1: int8_block(xs, x16s, s, groups, c, sc, res, 1); break;
+                case 2: int8_block(xs, x16s, s, groups, c, sc, res, 2); break;
+                case 3: int8_block(xs, x16s, s, groups, c, sc, res, 3); break;
+                default: int8_block(xs, x16s, s, groups, c, sc, res, 4); break;
+                }
+            }
+            store_rows(res, mb, b * ROWS_PER_BLOCK, n, out, out_stride, m0);
+        }
+    }
+    free(sums);
+    free(x16);
+    return 0;
+}
+
 #endif /* HAVE_BF16_DOT */
 
 /* x: [m, k] bfloat16 rows x_stride apart; codes, sz: the packed weight of [n, k]; out: [m, n]
@@ -181,35 +241,7 @@ int int4_gemm_bf16(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k,
                    const uint8_t *codes, const uint16_t *sz, int64_t n, uint16_t *out,
                    int64_t out_stride, int num_threads) {
 #if HAVE_BF16_DOT
-    if (!quant_gemm_available()) return -1;
-    if (k % GROUP) return -2;
-    if (m <= 0) return 0;
-    const int64_t groups = k / GROUP, blocks = (n + ROWS_PER_BLOCK - 1) / ROWS_PER_BLOCK;
-    float *sums = group_sums(x, x_stride, m, k);
-    if (sums == NULL) return -3;
-    const int64_t block_codes = groups * (GROUP / 4) * 32, block_sz = groups * 2 * ROWS_PER_BLOCK;
-    const int parallel = blocks * block_codes * (m < MAX_M ? m : MAX_M) >= PARALLEL_MIN_CODES;
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (parallel)
-    for (int64_t b = 0; b < blocks; ++b) {
-        float res[MAX_M * ROWS_PER_BLOCK];
-        for (int64_t m0 = 0; m0 < m; m0 += MAX_M) {
-            const int mb = (int)(m - m0 < MAX_M ? m - m0 : MAX_M);
-            const uint16_t *xs[MAX_M];
-            for (int i = 0; i < mb; ++i) xs[i] = x + (m0 + i) * x_stride;
-            const float *s = sums + m0 * groups;
-            const uint8_t *c = codes + b * block_codes;
-            const uint16_t *z = sz + b * block_sz;
-            switch (mb) {
-            case 1: int4_block(xs, s, groups, c, z, res, 1); break;
-            case 2: int4_block(xs, s, groups, c, z, res, 2); break;
-            case 3: int4_block(xs, s, groups, c, z, res, 3); break;
-            default: int4_block(xs, s, groups, c, z, res, 4); break;
-            }
-            store_rows(res, mb, b * ROWS_PER_BLOCK, n, out, out_stride, m0);
-        }
-    }
-    free(sums);
-    return 0;
+    return quant_gemm(4, x, x_stride, m, k, codes, sz, n, out, out_stride, num_threads);
 #else
     (void)x; (void)x_stride; (void)m; (void)k; (void)codes; (void)sz; (void)n; (void)out;
     (void)out_stride; (void)num_threads;
@@ -222,47 +254,7 @@ int int8_gemm_bf16(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k,
                    const uint8_t *codes, const uint16_t *scales, int64_t n, uint16_t *out,
                    int64_t out_stride, int num_threads) {
 #if HAVE_BF16_DOT
-    if (!quant_gemm_available()) return -1;
-    if (k % GROUP) return -2;
-    if (m <= 0) return 0;
-    const int64_t groups = k / GROUP, blocks = (n + ROWS_PER_BLOCK - 1) / ROWS_PER_BLOCK;
-    float *sums = group_sums(x, x_stride, m, k);
-    uint16_t *x16 = malloc(sizeof(uint16_t) * (size_t)(m * k));
-    if (sums == NULL || x16 == NULL) {
-        free(sums);
-        free(x16);
-        return -3;
-    }
-    for (int64_t i = 0; i < m; ++i) /* 16 x: exact (a power of two) */
-        for (int64_t j = 0; j < k; ++j)
-            x16[i * k + j] = f32_to_bf16(16.0f * bf16_to_f32(x[i * x_stride + j]));
-    const int64_t block_codes = groups * (GROUP / 2) * 32;
-    const int parallel = blocks * block_codes * (m < MAX_M ? m : MAX_M) >= PARALLEL_MIN_CODES;
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (parallel)
-    for (int64_t b = 0; b < blocks; ++b) {
-        float res[MAX_M * ROWS_PER_BLOCK];
-        for (int64_t m0 = 0; m0 < m; m0 += MAX_M) {
-            const int mb = (int)(m - m0 < MAX_M ? m - m0 : MAX_M);
-            const uint16_t *xs[MAX_M], *x16s[MAX_M];
-            for (int i = 0; i < mb; ++i) {
-                xs[i] = x + (m0 + i) * x_stride;
-                x16s[i] = x16 + (m0 + i) * k;
-            }
-            const float *s = sums + m0 * groups;
-            const uint8_t *c = codes + b * block_codes;
-            const uint16_t *sc = scales + b * ROWS_PER_BLOCK;
-            switch (mb) {
-            case 1: int8_block(xs, x16s, s, groups, c, sc, res, 1); break;
-            case 2: int8_block(xs, x16s, s, groups, c, sc, res, 2); break;
-            case 3: int8_block(xs, x16s, s, groups, c, sc, res, 3); break;
-            default: int8_block(xs, x16s, s, groups, c, sc, res, 4); break;
-            }
-            store_rows(res, mb, b * ROWS_PER_BLOCK, n, out, out_stride, m0);
-        }
-    }
-    free(sums);
-    free(x16);
-    return 0;
+    return quant_gemm(8, x, x_stride, m, k, codes, scales, n, out, out_stride, num_threads);
 #else
     (void)x; (void)x_stride; (void)m; (void)k; (void)codes; (void)scales; (void)n; (void)out;
     (void)out_stride; (void)num_threads;
