@@ -5,7 +5,9 @@ Plain data and numpy: no NIXL import."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -67,6 +69,21 @@ class PoolLayout:
         addresses: np.ndarray = (bases + offsets.reshape(1, -1)).reshape(-1)
         return addresses
 
+    def span(self, layers: range) -> int | None:
+        """The bytes of one block's K and V of every layer in ``layers`` when they lie end to end
+        (the block-first cache): a block's read is then one span, at ``block_addresses``.
+        None when they do not (a cache of a tensor per layer)."""
+        lo = layers.start - self.first_layer
+        flat = [address for pair in self.bases[lo : lo + len(layers)] for address in pair]
+        if any(b - a != self.slab for a, b in pairwise(flat)):
+            return None
+        return self.slab * len(flat)
+
+    def block_addresses(self, block_ids: Sequence[int], layers: range) -> list[int]:
+        """Where each block's span for ``layers`` starts (see ``span``)."""
+        base, stride = self.bases[layers.start - self.first_layer][0], self.block_stride
+        return [base + int(block) * stride for block in block_ids]
+
     def check_compatible(self, other: PoolLayout) -> None:
         if (self.dtype, self.block_shape) != (other.dtype, other.block_shape):
             raise ValueError(
@@ -112,3 +129,21 @@ def merge_descriptors(
     local = np.stack([d[starts], sizes, np.full(len(starts), dst_dev, np.uint64)], axis=1)
     remote = np.stack([s[starts], sizes, np.full(len(starts), src_dev, np.uint64)], axis=1)
     return local, remote
+
+
+def merge_spans(
+    src: Sequence[int], dst: Sequence[int], length: int, src_dev: int = 0, dst_dev: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
+    """``merge_descriptors`` for a few spans (a read's blocks, one span each), in plain
+    Python: numpy's per-call cost is most of the time at a few dozen entries."""
+    pairs = sorted(zip(src, dst, strict=True))
+    local: list[tuple[int, int, int]] = []
+    remote: list[tuple[int, int, int]] = []
+    for s, d in pairs:
+        if local and remote[-1][0] + remote[-1][1] == s and local[-1][0] + local[-1][1] == d:
+            remote[-1] = (remote[-1][0], remote[-1][1] + length, src_dev)
+            local[-1] = (local[-1][0], local[-1][1] + length, dst_dev)
+        else:
+            remote.append((s, length, src_dev))
+            local.append((d, length, dst_dev))
+    return np.array(local, dtype=np.uint64), np.array(remote, dtype=np.uint64)

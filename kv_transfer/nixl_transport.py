@@ -60,7 +60,13 @@ import numpy as np
 from kv_transfer.base import WorkerConnector, _Load
 from kv_transfer.blocks import KVPayload
 from kv_transfer.leases import LeaseTable
-from kv_transfer.nixl_layout import NixlHandle, NixlPeer, PoolLayout, merge_descriptors
+from kv_transfer.nixl_layout import (
+    NixlHandle,
+    NixlPeer,
+    PoolLayout,
+    merge_descriptors,
+    merge_spans,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -76,6 +82,7 @@ __all__ = [
     "NixlWorkerConnector",
     "PoolLayout",
     "merge_descriptors",
+    "merge_spans",
     "nixl_available",
 ]
 
@@ -415,16 +422,27 @@ class NixlWorkerConnector(WorkerConnector):
             )
             source = self._peers[handle.agent]
             first = spec.first_block
-            src_ids = np.array(handle.block_ids[first : first + len(spec.block_ids)])
-            dst_ids = np.array(spec.block_ids)
+            src_ids = handle.block_ids[first : first + len(spec.block_ids)]
+            dst_ids = spec.block_ids
             layers = range(lo, hi)
-            local, remote = merge_descriptors(
-                source.addresses(src_ids, layers),
-                mine.addresses(dst_ids, layers),
-                mine.slab,
-                source.device_id,
-                mine.device_id,
-            )
+            span = mine.span(layers)
+            if span is not None and span == source.span(layers):
+                # Block-first caches: one span per block, adjacent blocks merged.
+                local, remote = merge_spans(
+                    source.block_addresses(src_ids, layers),
+                    mine.block_addresses(dst_ids, layers),
+                    span,
+                    source.device_id,
+                    mine.device_id,
+                )
+            else:
+                local, remote = merge_descriptors(
+                    source.addresses(np.array(src_ids), layers),
+                    mine.addresses(np.array(dst_ids), layers),
+                    mine.slab,
+                    source.device_id,
+                    mine.device_id,
+                )
             descs = (
                 self.agent.get_xfer_descs(local, mine.mem_type),
                 self.agent.get_xfer_descs(remote, source.mem_type),
