@@ -29,7 +29,9 @@ import torch
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = (_CSRC / "paged_attention.c", _CSRC / "fused_ops.c", _CSRC / "quant_gemm.c")
+_SOURCES = tuple(
+    _CSRC / name for name in ("paged_attention.c", "fused_ops.c", "quant_gemm.c", "decode_layers.c")
+)
 _HEADERS = (_CSRC / "common.h",)
 # The parts of -ffast-math the reductions need to vectorize, not -ffast-math itself: with it,
 # gcc links crtfastmath.o into the library, whose constructor turns on flush-to-zero for the

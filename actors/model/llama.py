@@ -10,7 +10,7 @@ checkpoint's separate matrices into them.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Protocol
+from typing import Literal, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +19,7 @@ from torch import nn
 from actors.model.attention import AttentionBackend, AttentionMetadata, TorchAttention
 from actors.model.config import ModelConfig
 from actors.model.cpu_kernels import FusedOps, fused_ops
+from actors.model.fused_decode import DecodeLayers
 from actors.model.linear import Linear, pack_linear
 from actors.model.quant import GroupQuant, Method, QuantizedWeight, dense_crossover
 from actors.model.rope import RotaryEmbedding
@@ -205,6 +206,9 @@ class LlamaForCausalLM(nn.Module):
         )
         # Our C kernels for the element-wise steps (CPU float32/bfloat16; None: torch ops).
         self.fused_ops: FusedOps | None = fused_ops()
+        # Every layer in one C call for decode steps (``fused_decode``): built on first use,
+        # False where the layers do not qualify; ``None`` again after the weights change.
+        self.decode_layers: DecodeLayers | Literal[False] | None = None
 
     @property
     def output_embedding(self) -> torch.Tensor:
@@ -248,12 +252,25 @@ class LlamaForCausalLM(nn.Module):
         rope_cache = RopeCache(self.rope, positions, fused=ops is not None)
         hook = self.between_layers
         residual: torch.Tensor | None = None
-        for layer, cache in zip(self.layers, kv_caches, strict=True):
-            if hook is not None:
-                hook()
-            # ``forward`` itself, not ``__call__``: no hooks are used here, and the dispatch
-            # costs about 3 us a layer.
-            x, residual = layer.forward(x, residual, rope_cache, attn, cache, meta, lora, ops)
+        done = None
+        if ops is not None and lora is None and isinstance(attn, TorchAttention):
+            if self.decode_layers is None:
+                self.decode_layers = DecodeLayers.build(self) or False
+            if isinstance(self.decode_layers, DecodeLayers):
+                if hook is not None:
+                    hook()  # (once: the layers are one call)
+                done = self.decode_layers.run(
+                    x, kv_caches, positions, rope_cache.tables, attn, meta
+                )
+        if done is not None:
+            x, residual = done
+        else:
+            for layer, cache in zip(self.layers, kv_caches, strict=True):
+                if hook is not None:
+                    hook()
+                # ``forward`` itself, not ``__call__``: no hooks are used here, and the
+                # dispatch costs about 3 us a layer.
+                x, residual = layer.forward(x, residual, rope_cache, attn, cache, meta, lora, ops)
         if self.norm is None:
             return x if residual is None else x + residual
         out, _ = self.norm(x, residual, ops)
