@@ -32,7 +32,7 @@ _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = tuple(
     _CSRC / name for name in ("paged_attention.c", "fused_ops.c", "quant_gemm.c", "decode_layers.c")
 )
-_HEADERS = (_CSRC / "common.h",)
+_HEADERS = (_CSRC / "common.h", _CSRC / "kernels.h")
 # The parts of -ffast-math the reductions need to vectorize, not -ffast-math itself: with it,
 # gcc links crtfastmath.o into the library, whose constructor turns on flush-to-zero for the
 # whole process when the kernel loads (subnormals vanish everywhere: numpy, torch, hypothesis).

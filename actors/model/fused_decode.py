@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import ctypes
 import os
+from collections.abc import Callable
 from functools import cache
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from actors.model.cpu_kernels import bind_library
+from actors.model.linear import Linear
 
 if TYPE_CHECKING:
     from actors.model.attention import AttentionMetadata, TorchAttention
@@ -69,6 +71,7 @@ class DecodeLayers:
     def __init__(self, model: LlamaForCausalLM, kernel: DecodeKernel) -> None:
         cfg = model.config
         self.fn = kernel.fn
+        self.generation = Linear.weights_generation  # stale once any weight is re-quantized
         self.table = (_Layer * len(model.layers))()
         self.owners: list[torch.Tensor] = []  # what the table points into
         self.max_rows: float = float("inf")  # steps of this many rows take the dense copies
@@ -87,8 +90,12 @@ class DecodeLayers:
                     self.max_rows = min(self.max_rows, linear.dense_min_rows)
         self.num_layers = len(model.layers)
         self.hidden, self.inter = cfg.hidden_size, cfg.intermediate_size
+        self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
         self.eps = float(cfg.rms_norm_eps)
-        self._kv: tuple[Any, ...] | None = None  # the caches' layout, checked once per cache
+        # The caches' layout, checked once per set of caches: (every layer's address, shape,
+        # strides) -> (layer stride, V offset, block stride) in elements, or None. Plain ints:
+        # holding a cache tensor here would keep a replaced pool alive.
+        self._kv: tuple[tuple[Any, ...], tuple[int, int, int] | None] | None = None
 
     @classmethod
     def build(cls, model: LlamaForCausalLM) -> DecodeLayers | None:
@@ -98,6 +105,14 @@ class DecodeLayers:
         kernel = decode_kernel()
         if kernel is None or model.dtype != torch.bfloat16 or not model.layers:
             return None
+        cfg = model.config
+        hidden, inter = cfg.hidden_size, cfg.intermediate_size
+        shapes = {  # what the C side multiplies: [N, K] per projection
+            "qkv_proj": (cfg.q_size + 2 * cfg.kv_size, hidden),
+            "o_proj": (hidden, cfg.q_size),
+            "gate_up_proj": (2 * inter, hidden),
+            "down_proj": (hidden, inter),
+        }
         for layer in _layers(model):
             for name in _PROJECTIONS:
                 linear = getattr(layer, name)
@@ -106,27 +121,21 @@ class DecodeLayers:
                     return None  # torch's kernels, or a dense weight
                 if linear.bias is not None or quant.dtype != torch.bfloat16:
                     return None
-            for norm in (layer.input_layernorm, layer.post_attention_layernorm):
-                if norm.weight.dtype != torch.bfloat16 or not norm.weight.is_contiguous():
+                if tuple(quant.shape) != shapes[name]:
                     return None
-            if (
-                len(
-                    {
-                        layer.input_layernorm.eps,
-                        layer.post_attention_layernorm.eps,
-                        model.config.rms_norm_eps,
-                    }
-                )
-                != 1
-            ):
-                return None
+            for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+                weight = norm.weight
+                if weight.dtype != torch.bfloat16 or not weight.is_contiguous():
+                    return None
+                if weight.numel() != hidden or norm.eps != cfg.rms_norm_eps:
+                    return None
         return cls(model, kernel)
 
-    def _cache_layout(self, kv_caches: list[torch.Tensor]) -> tuple[Any, ...] | None:
-        """(base, layer stride, V offset, block stride), in elements, when every layer's K and
-        V caches sit at one stride from the last (the block-first pool), else None."""
-        first, last = kv_caches[0], kv_caches[-1]
-        key = (first.data_ptr(), last.data_ptr(), len(kv_caches), first.shape, first.stride())
+    def _cache_layout(self, kv_caches: list[torch.Tensor]) -> tuple[int, int, int] | None:
+        """(layer stride, V offset, block stride), in elements, when every layer's K and V
+        caches sit at one stride from the last (the block-first pool), else None."""
+        first = kv_caches[0]
+        key = (tuple(c.data_ptr() for c in kv_caches), first.shape, first.stride())
         if self._kv is not None and self._kv[0] == key:
             return self._kv[1]
         self._kv = (key, None)
@@ -144,9 +153,9 @@ class DecodeLayers:
             if (layer.data_ptr() - first.data_ptr()) != i * step * elem:
                 return None
         kvh, d = k0.shape[2], k0.shape[3]
-        if k0.stride()[1:] != (kvh * d, d, 1):
+        if k0.stride()[1:] != (kvh * d, d, 1) or kvh * d != self.kv_size:
             return None
-        layout = (first, step, v_offset, k0.stride(0))
+        layout = (step, v_offset, k0.stride(0))
         self._kv = (key, layout)
         return layout
 
@@ -158,9 +167,11 @@ class DecodeLayers:
         rotary_tables: tuple[torch.Tensor, torch.Tensor],
         attn: TorchAttention,
         meta: AttentionMetadata,
+        hook: Callable[[], None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(the last layer's MLP output, the residual stream before it), as the layer loop
-        returns them; None when this step must take that loop."""
+        returns them; None when this step must take that loop. ``hook``: the model's
+        ``between_layers``, called once, just before the call (the layers are one call)."""
         rows = x.shape[0]
         kernel = attn.kernel
         if rows >= self.max_rows or meta.num_decodes != rows or kernel is None:
@@ -168,12 +179,16 @@ class DecodeLayers:
         if x.dtype != torch.bfloat16 or not x.is_contiguous() or x.shape[1] != self.hidden:
             return None
         h, kvh, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
-        if not kernel.supports(x.dtype, h, kvh, d) or rotary_tables[0].dtype != x.dtype:
+        if not kernel.supports(x.dtype, h, kvh, d) or h * d != self.q_size:
             return None
+        cos, sin = rotary_tables
+        for t in (cos, sin):
+            if t.dtype != x.dtype or not t.is_contiguous() or t.shape[1] != d:
+                return None
         layout = self._cache_layout(kv_caches)
-        if layout is None:
+        if layout is None or tuple(kv_caches[0].shape[3:]) != (kvh, d):
             return None
-        base, layer_stride, v_offset, block_stride = layout
+        layer_stride, v_offset, block_stride = layout
         table, lens = meta.decode_block_table, meta.decode_seq_lens
         blocks, offsets = meta.slot_blocks, meta.slot_offsets
         for t in (positions, table, lens, blocks, offsets):
@@ -181,15 +196,17 @@ class DecodeLayers:
                 return None
         if not (positions.numel() == lens.numel() == table.shape[0] == blocks.numel() == rows):
             raise ValueError("decode layers: one position, length, slot and table per row")
+        if hook is not None:
+            hook()
         out = torch.empty_like(x)
         residual = torch.empty_like(x)
+        base = kv_caches[0]
         rc = self.fn(
             self.table, self.num_layers, x.data_ptr(), None, out.data_ptr(),
             residual.data_ptr(), rows, self.hidden, self.inter, self.eps, positions.data_ptr(),
-            rotary_tables[0].data_ptr(), rotary_tables[1].data_ptr(), base.data_ptr(),
-            layer_stride, v_offset, blocks.data_ptr(), offsets.data_ptr(), table.data_ptr(),
-            lens.data_ptr(), h, kvh, d, base.shape[2], table.shape[1], block_stride,
-            attn.scale, torch.get_num_threads(),
+            cos.data_ptr(), sin.data_ptr(), base.data_ptr(), layer_stride, v_offset,
+            blocks.data_ptr(), offsets.data_ptr(), table.data_ptr(), lens.data_ptr(), h, kvh, d,
+            base.shape[2], table.shape[1], block_stride, attn.scale, torch.get_num_threads(),
         )  # fmt: skip
         if rc != 0:
             raise RuntimeError(f"decode_layers failed (code {rc})")

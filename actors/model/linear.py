@@ -27,6 +27,9 @@ class Linear(nn.Linear):
     _packed: Callable[[torch.Tensor], torch.Tensor] | None = None
     quant: QuantizedWeight | None = None
     dense_min_rows = 0
+    # Counts ``quantize`` calls in this process: tables of the quantized weights' addresses
+    # (``fused_decode``) built before a change are rebuilt.
+    weights_generation = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Parameters read from ``_parameters``: ``nn.Module.__getattr__`` is slow on a hot path.
@@ -60,6 +63,7 @@ class Linear(nn.Linear):
         else rounded from the dense weight. ``dense_min_rows`` None: where the kernel stops
         winning (``dense_crossover``)."""
         dtype = self.weight.dtype
+        Linear.weights_generation += 1
         if source is not None:
             self.quant = QuantizedWeight.from_group_quant(source, method, dtype)
         else:

@@ -206,8 +206,9 @@ class LlamaForCausalLM(nn.Module):
         )
         # Our C kernels for the element-wise steps (CPU float32/bfloat16; None: torch ops).
         self.fused_ops: FusedOps | None = fused_ops()
-        # Every layer in one C call for decode steps (``fused_decode``): built on first use,
-        # False where the layers do not qualify; ``None`` again after the weights change.
+        # Every layer in one C call for decode steps (``fused_decode``): built on first use
+        # (again after any projection is re-quantized), False where the layers do not qualify
+        # (or, set by hand, to run layer by layer).
         self.decode_layers: DecodeLayers | Literal[False] | None = None
 
     @property
@@ -254,14 +255,14 @@ class LlamaForCausalLM(nn.Module):
         residual: torch.Tensor | None = None
         done = None
         if ops is not None and lora is None and isinstance(attn, TorchAttention):
-            if self.decode_layers is None:
-                self.decode_layers = DecodeLayers.build(self) or False
-            if isinstance(self.decode_layers, DecodeLayers):
-                if hook is not None:
-                    hook()  # (once: the layers are one call)
-                done = self.decode_layers.run(
-                    x, kv_caches, positions, rope_cache.tables, attn, meta
-                )
+            fused = self.decode_layers
+            if fused is None or (
+                isinstance(fused, DecodeLayers) and fused.generation != Linear.weights_generation
+            ):
+                fused = self.decode_layers = DecodeLayers.build(self) or False
+            if isinstance(fused, DecodeLayers):
+                tables = rope_cache.tables
+                done = fused.run(x, kv_caches, positions, tables, attn, meta, hook)
         if done is not None:
             x, residual = done
         else:

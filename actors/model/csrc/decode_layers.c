@@ -10,26 +10,7 @@
 #include <string.h>
 
 #include "common.h"
-
-/* The kernels of the other sources of this library. */
-int add_rms_norm_bf16(const uint16_t *x, const uint16_t *r, const uint16_t *w, uint16_t *out,
-                      uint16_t *res_out, int64_t rows, int64_t hidden, int64_t x_stride,
-                      float eps, int num_threads);
-int silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t inter,
-                  int num_threads);
-int decode_attention_bf16(uint16_t *qkv, int64_t row_stride, const int64_t *positions,
-                          const uint16_t *cos_table, const uint16_t *sin_table,
-                          uint16_t *k_cache, uint16_t *v_cache, const int64_t *blocks,
-                          const int64_t *offsets, const int64_t *tables, const int64_t *seq_lens,
-                          uint16_t *out, int num_seqs, int num_heads, int num_kv_heads,
-                          int head_dim, int block_size, int max_blocks, int64_t block_stride,
-                          float scale, int num_threads);
-int int4_gemm_bf16(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k,
-                   const uint8_t *codes, const uint16_t *sz, int64_t n, uint16_t *out,
-                   int64_t out_stride, int num_threads);
-int int8_gemm_bf16(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k,
-                   const uint8_t *codes, const uint16_t *scales, int64_t n, uint16_t *out,
-                   int64_t out_stride, int num_threads);
+#include "kernels.h"
 
 enum { QKV, O, GATE_UP, DOWN };
 
@@ -59,7 +40,7 @@ static int project(const decode_layer *layer, int which, const uint16_t *x, int6
  * last layer's MLP output; res_out: [m, hidden] the residual stream before it (the caller
  * adds the two, in its final norm). Layer l's K cache starts kv_cache + l * layer_stride
  * elements, its V cache v_offset elements after its K. Rows are packed (stride = width).
- * Returns 0, a kernel's error code, or -3 when out of memory. */
+ * Returns 0, a kernel's error code, -5 for no layers, or -6 when out of memory. */
 int decode_layers_bf16(const decode_layer *layers, int num_layers, const uint16_t *x,
                        const uint16_t *residual, uint16_t *out, uint16_t *res_out, int64_t m,
                        int64_t hidden, int64_t inter, float eps, const int64_t *positions,
@@ -68,11 +49,12 @@ int decode_layers_bf16(const decode_layer *layers, int num_layers, const uint16_
                        const int64_t *offsets, const int64_t *tables, const int64_t *seq_lens,
                        int num_heads, int num_kv_heads, int head_dim, int block_size,
                        int max_blocks, int64_t block_stride, float scale, int num_threads) {
+    if (num_layers <= 0 || m <= 0) return -5;
     const int64_t q_size = (int64_t)num_heads * head_dim;
     const int64_t qkv_size = q_size + 2 * (int64_t)num_kv_heads * head_dim;
     const int64_t elems = m * (hidden + qkv_size + q_size + 3 * inter);
     uint16_t *scratch = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)elems);
-    if (scratch == NULL) return -3;
+    if (scratch == NULL) return -6;
     uint16_t *h = scratch, *qkv = h + m * hidden, *attn = qkv + m * qkv_size;
     uint16_t *gate_up = attn + m * q_size, *act = gate_up + m * 2 * inter;
     int rc = 0;

@@ -23,6 +23,7 @@
 #include <omp.h>
 
 #include "common.h"
+#include "kernels.h"
 
 #define PARALLEL_MIN_ELEMS (1 << 16)
 

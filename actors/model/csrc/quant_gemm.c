@@ -37,6 +37,7 @@
 #include <omp.h>
 
 #include "common.h"
+#include "kernels.h"
 
 
 #define ROWS_PER_BLOCK 16
