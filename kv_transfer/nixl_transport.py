@@ -421,6 +421,10 @@ class NixlWorkerConnector(WorkerConnector):
                 lease_deadline, now + handle.expires_at - self.safety_margin_s - wall
             )
             source = self._peers[handle.agent]
+            if lo < source.layers.start or hi > source.layers.stop:
+                raise ValueError(
+                    f"layers [{lo}, {hi}) were asked of a source holding {source.layers}"
+                )
             first = spec.first_block
             src_ids = handle.block_ids[first : first + len(spec.block_ids)]
             dst_ids = spec.block_ids
