@@ -17,7 +17,9 @@ Configurations (``--variants``), each a ``tandem serve`` of the built-in model:
   with engine actors (``engine_actors: true``), ``-torchq``: the quantized projections on
   torch's weight-only kernels instead of ours (``TANDEM_QUANT_GEMM=0``), ``-switch8``: every
   quantized weight switches to its dense copy at 8 rows (``quantized_dense_min_rows: 8``, the
-  default before int4 switched at 16); modifiers combine (``coloc-sync-dense``).
+  default before int4 switched at 16), ``-layerwise``: decode steps layer by layer instead of
+  one C call for all layers (``TANDEM_FUSED_DECODE=0``, the default before issue 19's fused
+  decode step); modifiers combine (``coloc-sync-dense``).
 
 Workloads (``--workloads``): ``cN`` (streaming chat at concurrency N, 128-token prompts, 128
 out, as the issue's llama-server comparison), ``prefill-heavy`` (1,024-token prompts, 8 out,
@@ -55,7 +57,7 @@ WORKLOADS: dict[str, dict[str, int]] = {
 }
 
 
-MODIFIERS = ("threads1", "dense", "sync", "engines", "torchq", "switch8")
+MODIFIERS = ("threads1", "dense", "sync", "engines", "torchq", "switch8", "layerwise")
 
 
 def variant_config(name: str) -> dict[str, Any]:
@@ -99,6 +101,8 @@ def run_variant(
     env = dict(os.environ)
     if "torchq" in variant.split("-"):
         env["TANDEM_QUANT_GEMM"] = "0"  # the server's Ray workers inherit it
+    if "layerwise" in variant.split("-"):
+        env["TANDEM_FUSED_DECODE"] = "0"
     serve = subprocess.Popen(
         [str(BIN / "tandem"), "serve", "--config", str(config), "--port", str(args.port)],
         env=env,
