@@ -274,7 +274,7 @@ def allowed_tokens(mask: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 
 class GrammarRequest(Protocol):
-    """What a worker keeps of a request that the grammars read (``_RequestState``)."""
+    """What a worker keeps of a request that the grammars read (``actors.batch.RequestState``)."""
 
     req_id: str
     params: SamplingParams

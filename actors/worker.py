@@ -2,10 +2,7 @@
 time, and answers with a ``ModelRunnerOutput`` (DESIGN.md §3.3).
 
 A plain class (the cluster wraps it in a Ray actor). It mirrors each request from the
-scheduler's diffs: a new request arrives in full once; afterwards only new block ids, the
-computed-token count and the step's input tokens. Tokens it samples itself are appended at
-once, so a later step whose input tokens the scheduler does not know yet (async scheduling)
-still finds them.
+scheduler's diffs (``actors.batch``).
 """
 
 from __future__ import annotations
@@ -14,12 +11,12 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from actors.batch import RequestState, Scheduled, collect_batch, update_requests
 from actors.cores import CoreShare
 from actors.model.attention import AttentionMetadata, TorchAttention, select_backend
 from actors.model.llama import LlamaForCausalLM
@@ -27,13 +24,10 @@ from actors.model.loader import DEFAULT_DENSE_MIN_ROWS, load_model, resolve_mode
 from actors.pipeline import IntermediateOutput, stage_report
 from actors.prompt_logprobs import prompt_logprobs
 from actors.sampler import Sampler, SamplingRow
-from actors.structured_output import GrammarState, WorkerGrammars
+from actors.structured_output import WorkerGrammars
 from scheduler import LoRAConfig, ModelRunnerOutput, SchedulerOutput
 from scheduler.outputs import TokenLogprobs
-from scheduler.request import (
-    LoRARequest,
-    SamplingParams,
-)
+from scheduler.request import LoRARequest
 
 if TYPE_CHECKING:
     from actors.lora import LoRAManager
@@ -43,38 +37,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30  # CPU default (vLLM's CPU backend uses a fixed space too)
-
-
-@dataclass
-class _RequestState:
-    """What the worker keeps per request between steps."""
-
-    req_id: str
-    token_ids: list[int]  # prompt + outputs known so far (including this worker's samples)
-    num_prompt_tokens: int
-    params: SamplingParams
-    block_ids: list[int]
-    lora: LoRARequest | None
-    eos_token_id: int | None
-    # Structured outputs: the matcher, fed the outputs so far (built at the first sample;
-    # rebuilt from the tokens after a resume, a hand-off, a move).
-    grammar: GrammarState | None = None
-    # prompt_logprobs asked for and not sent yet elsewhere: false for a request that arrives
-    # with outputs (a P/D decode part, a move: its first output carried them).
-    wants_prompt_logprobs: bool = False
-
-
-@dataclass
-class _Scheduled:
-    state: _RequestState
-    start: int  # num_computed_tokens at this step
-    num_tokens: int  # scheduled this step
-
-    @property
-    def samples(self) -> bool:
-        # Only a request that reaches the end of its known tokens samples; a partial prefill
-        # chunk does not.
-        return self.start + self.num_tokens >= len(self.state.token_ids)
 
 
 class ModelWorker:
@@ -143,7 +105,7 @@ class ModelWorker:
         self.model: LlamaForCausalLM | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
-        self.requests: dict[str, _RequestState] = {}
+        self.requests: dict[str, RequestState] = {}
         self.sampler = Sampler()
         self.grammars = WorkerGrammars(self.model_path)  # structured outputs' matchers
         self.lora_manager: LoRAManager | None = None
@@ -491,8 +453,8 @@ class ModelWorker:
         meta = so.kv_connector_metadata
         if self.connector is not None:
             self.connector.start_load_kv(meta, idle=so.total_num_scheduled_tokens == 0)
-        self._update_states(so)
-        batch = self._collect(so)
+        update_requests(self.requests, so)
+        batch = collect_batch(self.requests, so, self.block_size)
         self.num_steps += 1
         if not batch:
             return self._with_connector_reports(ModelRunnerOutput.empty(), None, meta, intermediate)
@@ -579,75 +541,7 @@ class ModelWorker:
         if self.connector is not None:
             self.connector.close()
 
-    def _update_states(self, so: SchedulerOutput) -> None:
-        for req_id in so.finished_req_ids:
-            self.requests.pop(req_id, None)
-        for req_id in so.preempted_req_ids:
-            state = self.requests.get(req_id)
-            if state is not None:  # its blocks are gone; the rest is kept for the resume
-                state.block_ids = []
-        for new in so.scheduled_new_reqs:
-            self.requests[new.req_id] = _RequestState(
-                req_id=new.req_id,
-                token_ids=list(new.prompt_token_ids) + list(new.output_token_ids),
-                num_prompt_tokens=len(new.prompt_token_ids),
-                params=new.sampling_params,
-                block_ids=list(new.block_ids),
-                lora=new.lora_request,
-                eos_token_id=new.eos_token_id,
-                wants_prompt_logprobs=(
-                    new.sampling_params.prompt_logprobs is not None and not new.output_token_ids
-                ),
-            )
-        cached = so.scheduled_cached_reqs
-        for i, req_id in enumerate(cached.req_ids):
-            state = self.requests.get(req_id)
-            if state is None:
-                raise RuntimeError(f"scheduler sent a diff for unknown request {req_id!r}")
-            new_blocks = cached.new_block_ids[i]
-            if cached.resumed_from_preemption[i]:
-                state.block_ids = list(new_blocks or [])
-                state.token_ids = list(cached.resumed_token_ids[req_id])
-                grammar = state.grammar
-                if grammar is not None and not grammar.extends(
-                    state.token_ids[state.num_prompt_tokens :]
-                ):
-                    state.grammar = None  # rebuilt from the resumed outputs
-            elif new_blocks:
-                state.block_ids.extend(new_blocks)
-            start = cached.num_computed_tokens[i]
-            for offset, token in enumerate(cached.new_token_ids[i]):
-                pos = start + offset
-                if pos < len(state.token_ids):
-                    state.token_ids[pos] = token
-                else:
-                    state.token_ids.append(token)
-
-    def _collect(self, so: SchedulerOutput) -> list[_Scheduled]:
-        batch = []
-        starts = {new.req_id: new.num_computed_tokens for new in so.scheduled_new_reqs}
-        cached = so.scheduled_cached_reqs
-        starts.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
-        for req_id, num_tokens in so.num_scheduled_tokens.items():
-            state = self.requests.get(req_id)
-            if state is None:
-                raise RuntimeError(f"request {req_id!r} scheduled but never sent to this worker")
-            start = starts[req_id]
-            end = start + num_tokens
-            if end > len(state.token_ids):
-                raise RuntimeError(
-                    f"request {req_id!r}: tokens [{start}, {end}) scheduled but only "
-                    f"{len(state.token_ids)} are known"
-                )
-            if -(-end // self.block_size) > len(state.block_ids):
-                raise RuntimeError(
-                    f"request {req_id!r}: {end} tokens need more than its "
-                    f"{len(state.block_ids)} blocks"
-                )
-            batch.append(_Scheduled(state, start, num_tokens))
-        return batch
-
-    def _forward(self, batch: list[_Scheduled], hidden_in: torch.Tensor | None) -> torch.Tensor:
+    def _forward(self, batch: list[Scheduled], hidden_in: torch.Tensor | None) -> torch.Tensor:
         """One forward over the flattened batch (this stage's layers); hidden states of every
         token."""
         model = self._model
@@ -692,7 +586,7 @@ class ModelWorker:
         )
         return hidden
 
-    def _logits(self, batch: list[_Scheduled], hidden: torch.Tensor) -> torch.Tensor:
+    def _logits(self, batch: list[Scheduled], hidden: torch.Tensor) -> torch.Tensor:
         """Logits of the last token of each sampling request."""
         model = self._model
         logit_rows: list[int] = []
