@@ -6,9 +6,9 @@ order (the same bits); what goes is the Python between them. At batch 1 that Pyt
 eight calls a layer of a few microseconds each, was a sixth of a decode step on one core.
 
 ``DecodeLayers.build`` checks what does not change (dtype, every projection packed for our
-kernel, no biases, the head shape); ``run`` checks the step (decodes only, fewer rows than
-any projection's switch to its dense copy, the caches' layout) and returns None when the step
-must take the layer-by-layer path."""
+kernel with the config's shapes, no biases, the norms); ``run`` checks the step (decodes only,
+fewer rows than the smallest switch to a dense copy among the stage's projections, the head
+shape, the caches' layout) and returns None when the step must take the layer-by-layer path."""
 
 from __future__ import annotations
 
@@ -61,8 +61,8 @@ def decode_kernel() -> DecodeKernel | None:
 
 
 class DecodeLayers:
-    """One model stage's layers as a table for ``decode_layers_bf16`` (built once: the
-    weights do not move), and the call."""
+    """One model stage's layers as a table for ``decode_layers_bf16`` (the weights' addresses:
+    built on first use, again after a projection is re-quantized), and the call."""
 
     def __reduce__(self) -> tuple[Any, tuple[()]]:
         # ctypes tables of this process's pointers: a copy builds its own on first use.
@@ -135,7 +135,7 @@ class DecodeLayers:
         """(layer stride, V offset, block stride), in elements, when every layer's K and V
         caches sit at one stride from the last (the block-first pool), else None."""
         first = kv_caches[0]
-        key = (tuple(c.data_ptr() for c in kv_caches), first.shape, first.stride())
+        key = (tuple(c.data_ptr() for c in kv_caches), first.shape, first.stride(), first.dtype)
         if self._kv is not None and self._kv[0] == key:
             return self._kv[1]
         self._kv = (key, None)
@@ -174,7 +174,7 @@ class DecodeLayers:
         ``between_layers``, called once, just before the call (the layers are one call)."""
         rows = x.shape[0]
         kernel = attn.kernel
-        if rows >= self.max_rows or meta.num_decodes != rows or kernel is None:
+        if rows == 0 or rows >= self.max_rows or meta.num_decodes != rows or kernel is None:
             return None
         if x.dtype != torch.bfloat16 or not x.is_contiguous() or x.shape[1] != self.hidden:
             return None

@@ -63,7 +63,6 @@ class Linear(nn.Linear):
         else rounded from the dense weight. ``dense_min_rows`` None: where the kernel stops
         winning (``dense_crossover``)."""
         dtype = self.weight.dtype
-        Linear.weights_generation += 1
         if source is not None:
             self.quant = QuantizedWeight.from_group_quant(source, method, dtype)
         else:
@@ -79,6 +78,7 @@ class Linear(nn.Linear):
             # The dense copy holds the quantized weights, so that a request's result does not
             # depend on how many rows its step has (up to rounding the weights to ``dtype``).
             self.weight.copy_(dense.to(dtype))
+        Linear.weights_generation += 1  # (last: a table built before this is stale)
 
     def weight_bytes(self) -> int:
         """Dense, packed and quantized bytes held."""

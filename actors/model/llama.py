@@ -206,9 +206,10 @@ class LlamaForCausalLM(nn.Module):
         )
         # Our C kernels for the element-wise steps (CPU float32/bfloat16; None: torch ops).
         self.fused_ops: FusedOps | None = fused_ops()
-        # Every layer in one C call for decode steps (``fused_decode``): built on first use
-        # (again after any projection is re-quantized), False where the layers do not qualify
-        # (or, set by hand, to run layer by layer).
+        # Every layer in one C call for decode steps (``fused_decode``): built on first use,
+        # built again when a projection was re-quantized since (``Linear.quantize``; other
+        # changes to the layers' weights must set None). False where the layers do not
+        # qualify, or set by hand to run layer by layer: not looked at again.
         self.decode_layers: DecodeLayers | Literal[False] | None = None
 
     @property

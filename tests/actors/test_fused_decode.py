@@ -268,3 +268,13 @@ def test_copies_and_requantized_weights_get_tables_of_their_own(
     assert model.decode_layers is not table and isinstance(model.decode_layers, DecodeLayers)
     assert model.decode_layers.table[1].bits[3] == 8
     assert _same(got, want)
+
+
+def test_an_empty_step_takes_no_call(tiny_q4: Path, calls: list[int]) -> None:
+    model = _model(tiny_q4, True)
+    runner = PagedRunner(model, block_size=4, num_blocks=32)
+    runner.step([("a", [5, 6, 7], 0)])
+    meta = AttentionMetadata.build([], [], [], 4, torch.device("cpu"))
+    empty = torch.zeros(0, dtype=torch.long)
+    hidden = model(empty, empty, runner.kv, meta, runner.attn)
+    assert hidden.shape == (0, model.config.hidden_size) and calls == []
