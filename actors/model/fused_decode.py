@@ -25,7 +25,6 @@ from actors.model.linear import Linear
 
 if TYPE_CHECKING:
     from actors.model.attention import AttentionMetadata, TorchAttention
-    from actors.model.llama import LlamaForCausalLM
 
 _P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 _PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # csrc's order
@@ -68,7 +67,8 @@ class DecodeLayers:
         # ctypes tables of this process's pointers: a copy builds its own on first use.
         return (_unbuilt, ())
 
-    def __init__(self, model: LlamaForCausalLM, kernel: DecodeKernel) -> None:
+    def __init__(self, model: Any, kernel: DecodeKernel) -> None:
+        # ``model``: a ``LlamaForCausalLM`` (stage); untyped here, as llama.py imports this.
         cfg = model.config
         self.fn = kernel.fn
         self.generation = Linear.weights_generation  # stale once any weight is re-quantized
@@ -98,7 +98,7 @@ class DecodeLayers:
         self._kv: tuple[tuple[Any, ...], tuple[int, int, int] | None] | None = None
 
     @classmethod
-    def build(cls, model: LlamaForCausalLM) -> DecodeLayers | None:
+    def build(cls, model: Any) -> DecodeLayers | None:
         """The table, or None when this model's layers cannot run as one call."""
         if os.environ.get("TANDEM_FUSED_DECODE", "1") == "0":  # layer by layer, for comparing
             return None
@@ -213,7 +213,7 @@ class DecodeLayers:
         return out, residual
 
 
-def _layers(model: LlamaForCausalLM) -> list[Any]:
+def _layers(model: Any) -> list[Any]:
     """The stage's ``DecoderLayer``s (untyped: ``nn.Module.__getattr__`` hides their parts)."""
     return list(model.layers)
 
