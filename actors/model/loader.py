@@ -330,7 +330,6 @@ def quantize_model(
         if method is not None:
             linear.quantize(method, source, dense_min_rows)
             model.quantization[name] = method
-    model.decode_layers = None  # the layers' one-call table is built anew from these weights
     if model.is_last:
         head_weight = model.output_embedding
         source = sources.get(id(head_weight))
