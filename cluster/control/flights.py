@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from cluster.engine.streams import Mailbox
 from scheduler import Request
 from scheduler.outputs import EngineCoreOutput
 from scheduler.request import FinishReason
@@ -107,7 +108,7 @@ class Flight:
     """A request between ``generate`` / ``submit`` and its final output."""
 
     request: Request  # as the client sent it
-    queue: asyncio.Queue[EngineCoreOutput] | None  # its own stream (``generate``), or
+    queue: Mailbox[EngineCoreOutput] | None  # its own stream (``generate``), or
     outbox: Outbox | None  # its client's batched stream (``submit``)
     instance: str  # the instance it was last given to ("" before it is placed)
     stage: str  # "prefill" (on P, to be handed off) or "decode" (running to the end)

@@ -4,7 +4,6 @@ stream, abort and keep alive (a mixin). Admission (the waiting bound, 429), the 
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import aclosing
@@ -24,6 +23,7 @@ from cluster.control.flights import (
 )
 from cluster.control.observer import RequestObserver
 from cluster.control.summaries import InstanceView
+from cluster.engine.streams import Mailbox
 from cluster.errors import OverloadedError
 from scheduler import Request
 from scheduler.outputs import EngineCoreOutput
@@ -64,7 +64,7 @@ class Intake:
                 "with engine_actors the engines stream to their clients: use a ClusterClient "
                 "(submit / subscribe), not generate()"
             )
-        queue: asyncio.Queue[EngineCoreOutput] = asyncio.Queue()
+        queue: Mailbox[EngineCoreOutput] = Mailbox()
         flight = await self._submit(request, trace_context, queue=queue)
         rid = request.request_id
         try:
@@ -170,7 +170,7 @@ class Intake:
         self,
         request: Request,
         trace_context: dict[str, str] | None = None,
-        queue: asyncio.Queue[EngineCoreOutput] | None = None,
+        queue: Mailbox[EngineCoreOutput] | None = None,
         outbox: Outbox | None = None,
         submission: Submission | None = None,
         client_id: str | None = None,

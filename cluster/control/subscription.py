@@ -18,6 +18,7 @@ from collections.abc import AsyncGenerator
 from typing import Any
 
 from cluster.control.flights import Outcome, unpack_indexed
+from cluster.engine.streams import Mailbox
 from scheduler import Request
 from scheduler.outputs import EngineCoreOutput
 
@@ -54,7 +55,7 @@ class Subscription:
         self.handle = handle
         self.client_id = client_id
         self.loop = asyncio.get_running_loop()
-        self.queues: dict[int, asyncio.Queue[EngineCoreOutput | BaseException]] = {}
+        self.queues: dict[int, Mailbox[EngineCoreOutput | BaseException]] = {}
         self.request_ids: dict[str, int] = {}  # open requests: id -> submission
         # A request's outputs may come from several processes (its prefill engine, then its
         # decode engine): each is delivered in the order of its position in the request's
@@ -104,7 +105,7 @@ class Subscription:
         if self.task.done():
             raise RuntimeError(f"the subscription of client {self.client_id} has ended")
         submission = next(self._submissions)
-        queue: asyncio.Queue[EngineCoreOutput | BaseException] = asyncio.Queue()
+        queue: Mailbox[EngineCoreOutput | BaseException] = Mailbox()
         # Registered before submitting: outputs may come before submit returns.
         self.queues[submission] = queue
         self.request_ids[rid] = submission
@@ -371,12 +372,23 @@ class Subscription:
             self.handle.unsubscribe.remote(self.client_id)
 
     def _deliver_batch(self, wire: list[Any]) -> None:
-        queues = self.queues
+        queues, next_index, early, tokens = self.queues, self._next_index, self._early, self._tokens
         for submission, out, index in unpack_indexed(wire):
             queue = queues.get(submission)  # type: ignore[arg-type]
             if queue is None:
                 continue
-            if index is None:  # no position (an end the central scheduler decided)
+            if (
+                index is not None
+                and not out.finished
+                and index == next_index.get(submission, 0)  # type: ignore[arg-type]
+                and submission not in early
+            ):  # the common case (once per request per step): next in order, none held back
+                queue.put_nowait(out)
+                new = out.new_token_ids
+                if new:
+                    tokens.setdefault(submission, []).extend(new)  # type: ignore[arg-type]
+                    next_index[submission] = index + len(new)  # type: ignore[index]
+            elif index is None:  # no position (an end the central scheduler decided)
                 queue.put_nowait(out)
                 if out.finished:
                     self._end_of(submission, out)  # type: ignore[arg-type]
@@ -385,7 +397,7 @@ class Subscription:
 
     def _in_order(
         self,
-        queue: asyncio.Queue[EngineCoreOutput | BaseException],
+        queue: Mailbox[EngineCoreOutput | BaseException],
         submission: int,
         out: EngineCoreOutput,
         index: int,

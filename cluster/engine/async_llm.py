@@ -23,6 +23,7 @@ from actors.model.tokenizer import Tokenizer
 from cluster.engine.llm_engine import LLMEngine
 from cluster.engine.outputs import RequestOutput
 from cluster.engine.protocol import EngineClient
+from cluster.engine.streams import Mailbox
 from cluster.observability.metrics import render_stats
 from scheduler import LoRARequest, RequestStatus, SamplingParams
 
@@ -36,7 +37,7 @@ class AsyncLLM(EngineClient):
         self.engine = engine
         self.model_name = model_name  # the ``model_name`` label of its metrics
         self._lock = asyncio.Lock()  # one call into the engine at a time
-        self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._queues: dict[str, Mailbox[RequestOutput | BaseException]] = {}
         self._aborts: set[str] = set()  # applied before the next step
         self._task: asyncio.Task[None] | None = None
         self._ids = itertools.count()
@@ -74,7 +75,7 @@ class AsyncLLM(EngineClient):
         """The request's outputs, one per step that moved it (``trace_context`` is accepted
         and unused: the in-process engine emits no spans)."""
         rid = request_id or f"local-{next(self._ids)}"
-        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        queue: Mailbox[RequestOutput | BaseException] = Mailbox()
         async with self._lock:
             # Raises ValueError (bad prompt, id in use, LoRA not enabled) before any output.
             self.engine.add_request(

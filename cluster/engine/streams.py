@@ -1,12 +1,13 @@
-"""Merging async streams: the one place the front end fans several streams into one (the
+"""Async streams: merging several into one (the one place the front end fans streams in: the
 ``n`` samples of a request in ``ClusterClient``, the prompts of a request in
-``OpenAIServing``)."""
+``OpenAIServing``), and ``Mailbox``, the queue between a stream's producer and its consumer."""
 
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 
@@ -62,3 +63,49 @@ async def _close(stream: AsyncIterator[Any]) -> None:
     aclose = getattr(stream, "aclose", None)
     if aclose is not None:
         await aclose()
+
+
+class Mailbox(Generic[T]):
+    """One consumer's queue of a request's outputs: ``asyncio.Queue``'s ``put_nowait`` /
+    ``get`` / ``get_nowait`` / ``empty`` without its general machinery (getter and putter
+    deques, bounds, task counting). A stream hands over an item per request per step, so this
+    is on every token's path: an item that is already there is taken without suspending, and
+    a put wakes the consumer only while it waits. One consumer only."""
+
+    __slots__ = ("_items", "_waiter")
+
+    def __init__(self) -> None:
+        self._items: deque[T] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+
+    def put_nowait(self, item: T) -> None:
+        self._items.append(item)
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():  # (cancelled with its consumer)
+                waiter.set_result(None)
+
+    async def get(self) -> T:
+        items = self._items
+        while not items:
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiter = waiter
+            try:
+                await waiter
+            finally:
+                if self._waiter is waiter:  # cancelled: no put owes it a wake-up
+                    self._waiter = None
+        return items.popleft()
+
+    def get_nowait(self) -> T:
+        """The first item; ``asyncio.QueueEmpty`` if there is none."""
+        if not self._items:
+            raise asyncio.QueueEmpty
+        return self._items.popleft()
+
+    def empty(self) -> bool:
+        return not self._items
+
+    def qsize(self) -> int:
+        return len(self._items)

@@ -1,5 +1,6 @@
 """``merge_streams``: every item of every stream, tagged, with at most one item read ahead per
-stream; errors surface; leaving early cancels and closes every stream."""
+stream; errors surface; leaving early cancels and closes every stream. ``Mailbox``: items in
+order, a waiting consumer woken by a put, a cancelled one leaving nothing behind."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from contextlib import aclosing
 
 import pytest
 
-from cluster.engine.streams import merge_streams
+from cluster.engine.streams import Mailbox, merge_streams
 
 
 class Source:
@@ -96,3 +97,55 @@ def test_no_streams_is_an_empty_merge() -> None:
         return [x async for x in merge_streams([])]
 
     assert asyncio.run(run()) == []
+
+
+def test_mailbox_keeps_order_and_takes_what_is_there_without_waiting() -> None:
+    async def main() -> None:
+        box: Mailbox[int] = Mailbox()
+        assert box.empty() and box.qsize() == 0
+        for i in range(3):
+            box.put_nowait(i)
+        assert box.qsize() == 3
+        assert [await box.get(), box.get_nowait(), await box.get()] == [0, 1, 2]
+        assert box.empty()
+        with pytest.raises(asyncio.QueueEmpty):
+            box.get_nowait()
+
+    asyncio.run(main())
+
+
+def test_mailbox_wakes_a_waiting_consumer_once_per_put() -> None:
+    async def main() -> None:
+        box: Mailbox[str] = Mailbox()
+        got: list[str] = []
+
+        async def consume(n: int) -> None:
+            for _ in range(n):
+                got.append(await box.get())
+
+        task = asyncio.ensure_future(consume(3))
+        await asyncio.sleep(0)  # the consumer waits on an empty box
+        box.put_nowait("a")
+        await asyncio.sleep(0)
+        assert got == ["a"]
+        box.put_nowait("b")
+        box.put_nowait("c")  # two puts before the consumer runs: both arrive, in order
+        await asyncio.wait_for(task, 1.0)
+        assert got == ["a", "b", "c"]
+
+    asyncio.run(main())
+
+
+def test_mailbox_consumer_cancelled_while_waiting_leaves_no_waiter() -> None:
+    async def main() -> None:
+        box: Mailbox[int] = Mailbox()
+        task = asyncio.ensure_future(box.get())
+        await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        box.put_nowait(1)  # no wake-up owed to the cancelled consumer; the item stays
+        assert box.qsize() == 1
+        assert await asyncio.wait_for(box.get(), 1.0) == 1
+
+    asyncio.run(main())
