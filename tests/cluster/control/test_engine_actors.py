@@ -135,6 +135,41 @@ def test_disaggregated_output_equals_the_in_process_engine(
     assert sampled == expected
 
 
+def test_the_openai_api_streams_from_the_engines(client: ClusterClient, tiny_model: Path) -> None:
+    """What the ingress replica runs (``OpenAIServing`` over a ``ClusterClient``; the Kubernetes
+    manifests turn engine actors on): a streamed completion's text, sample by sample, equals
+    the whole response's and the in-process engine's greedy text."""
+    import json
+
+    from cluster.engine.llm import LLM
+    from cluster.serving.openai_protocol import CompletionRequest
+    from cluster.serving.openai_serving import OpenAIServing
+
+    prompt = _prompts(3, seed=5)[2]
+    base = {"model": "tiny", "prompt": prompt, "max_tokens": 9, "temperature": 0, "n": 2}
+    serving = OpenAIServing(client, "tiny")
+
+    async def run() -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        whole = await serving.completion(CompletionRequest.model_validate(base))
+        chunks = await serving.completion(
+            CompletionRequest.model_validate({**base, "stream": True})
+        )
+        lines = [line async for line in chunks]
+        assert lines[-1] == "data: [DONE]\n\n"
+        return whole, [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+
+    whole, chunks = asyncio.run(asyncio.wait_for(run(), 120))
+    streamed = ["", ""]
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            streamed[choice["index"]] += choice["text"]
+    llm = LLM(str(tiny_model), block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, progress=False)
+    expected = llm.generate([prompt], SamplingParams(max_tokens=9, temperature=0))[0]
+    assert [c["text"] for c in whole["choices"]] == [expected.outputs[0].text] * 2
+    assert streamed == [expected.outputs[0].text] * 2
+    assert whole["usage"]["completion_tokens"] == 2 * len(expected.outputs[0].token_ids)
+
+
 def test_first_token_from_the_prefill_engine_then_the_decode_engines(
     client: ClusterClient,
 ) -> None:
@@ -824,38 +859,3 @@ def test_a_killed_engine_process_with_no_engine_left_ends_its_requests_with_an_e
     prefill = _instances(engines)["p-0"]
     wait_until(lambda: _instances(engines)["p-0"]["kv_cache_usage"] == 0.0, 10, "p-0's blocks free")
     assert prefill["num_requests"] == 0
-
-
-def test_the_openai_api_streams_from_the_engines(client: ClusterClient, tiny_model: Path) -> None:
-    """What the ingress replica runs (``OpenAIServing`` over a ``ClusterClient``; the Kubernetes
-    manifests turn engine actors on): a streamed completion's text, sample by sample, equals
-    the whole response's and the in-process engine's greedy text."""
-    import json
-
-    from cluster.engine.llm import LLM
-    from cluster.serving.openai_protocol import CompletionRequest
-    from cluster.serving.openai_serving import OpenAIServing
-
-    prompt = _prompts(3, seed=5)[2]
-    base = {"model": "tiny", "prompt": prompt, "max_tokens": 9, "temperature": 0, "n": 2}
-    serving = OpenAIServing(client, "tiny")
-
-    async def run() -> tuple[dict[str, Any], list[dict[str, Any]]]:
-        whole = await serving.completion(CompletionRequest.model_validate(base))
-        chunks = await serving.completion(
-            CompletionRequest.model_validate({**base, "stream": True})
-        )
-        lines = [line async for line in chunks]
-        assert lines[-1] == "data: [DONE]\n\n"
-        return whole, [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
-
-    whole, chunks = asyncio.run(asyncio.wait_for(run(), 120))
-    streamed = ["", ""]
-    for chunk in chunks:
-        for choice in chunk["choices"]:
-            streamed[choice["index"]] += choice["text"]
-    llm = LLM(str(tiny_model), block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, progress=False)
-    expected = llm.generate([prompt], SamplingParams(max_tokens=9, temperature=0))[0]
-    assert [c["text"] for c in whole["choices"]] == [expected.outputs[0].text] * 2
-    assert streamed == [expected.outputs[0].text] * 2
-    assert whole["usage"]["completion_tokens"] == 2 * len(expected.outputs[0].token_ids)
