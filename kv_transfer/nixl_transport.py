@@ -18,14 +18,15 @@ the lease ends::
     save ─▶ lease ─┬─ a READ's notification for each of its layers ─▶ ended ─▶ blocks freed
                    └─ expired (lease_s)                              ─▶ ended ─▶ blocks freed
 
-Decode side: ``start_load_kv`` builds, per segment of the handle that overlaps the worker's
-layers, one transfer: a descriptor per (layer, K or V, block) pair on both sides, merged where
-both are contiguous. With the block-first cache (``kv_transfer.blocks.allocate_kv_caches``) a
-block's layers are one span, so a run of adjacent blocks on both sides is one descriptor; a
-pipeline stage reads its own layer range. The READ is posted at once (no thread); each step
-polls it. When it is done, its notification tells the source which layers were read, and
-the request's blocks are reported received; an error, or the deadline, reports it failed and
-the scheduler's ``failure_policy`` applies (recompute or fail).
+Decode side (``nixl_reads.py``): ``start_load_kv`` builds, per segment of the handle that
+overlaps the worker's layers, one transfer: a descriptor per (layer, K or V, block) pair on
+both sides, merged where both are contiguous. With the block-first cache
+(``kv_transfer.blocks.allocate_kv_caches``) a block's layers are one span, so a run of adjacent
+blocks on both sides is one descriptor; a pipeline stage reads its own layer range. The READ
+is posted at once (no thread); each step polls it. When it is done, its notification tells
+the source which layers were read, and the request's blocks are reported received; an
+error, or the deadline, reports it failed and the scheduler's ``failure_policy`` applies
+(recompute or fail).
 
 One-sided reads need one rule the pull transports do not: the source cannot see a read in
 progress, so it frees on its own clock. A read therefore starts only while the lease has
@@ -52,12 +53,11 @@ import os
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from kv_transfer.base import WorkerConnector, _Load
+from kv_transfer.base import _Load
 from kv_transfer.blocks import KVPayload
 from kv_transfer.leases import LeaseTable
 from kv_transfer.nixl_layout import (
@@ -67,11 +67,11 @@ from kv_transfer.nixl_layout import (
     merge_descriptors,
     merge_spans,
 )
+from kv_transfer.nixl_reads import NixlReads, _Read
 
 if TYPE_CHECKING:
     import torch
 
-    from kv_transfer.connector import KVConnectorMetadata, KVSegment, LoadSpec
 
 logger = logging.getLogger(__name__)
 
@@ -143,19 +143,7 @@ def _make_agent(api: Any, name: str, backends: list[str], progress_wait_us: int)
             api.nixlBind.nixlAgentConfig = base
 
 
-@dataclass
-class _Read:
-    load: _Load
-    xfers: list[Any]  # NIXL transfer handles, posted
-    num_bytes: int
-    num_descriptors: int
-    lease_deadline: float  # time.monotonic(): the data is trusted only if read before this
-    sources: list[str] = field(default_factory=list)  # the agents it reads from
-    error: str | None = None  # failed: reported once no transfer of it runs any more
-    disconnected: bool = False  # its sources were disconnected (it ran far past its deadline)
-
-
-class NixlWorkerConnector(WorkerConnector):
+class NixlWorkerConnector(NixlReads):
     """Serves this worker's blocks to one-sided READs and reads other workers' into its own.
 
     ``lease_s``: how long saved blocks wait for their read. ``safety_margin_s``: a read must
@@ -365,263 +353,12 @@ class NixlWorkerConnector(WorkerConnector):
             return  # an expired lease, or not one of ours
         self.leases.unpin(lease_id, layers, complete=True)
 
-    # -- decode side -----------------------------------------------------------------------
-    def start_load_kv(self, metadata: KVConnectorMetadata | None, idle: bool = False) -> None:
-        """Post this step's READs; end the ones that finished (or ran out of time). ``idle``:
-        nothing is computed this step, so wait a little (polling, with sleeps) for a read."""
-        now, wall = time.monotonic(), time.time()
-        for spec in metadata.loads if metadata else ():
-            load = _Load(spec, None, now, now + spec.timeout_s, wall)
-            self._delayed[spec.req_id] = (now + self.load_delay_s, load)
-        for req_id, (post_at, load) in list(self._delayed.items()):
-            if now >= load.deadline:
-                del self._delayed[req_id]
-                self._end_load(load, 0, f"timed out after {now - load.started:.1f}s")
-            elif now >= post_at:
-                del self._delayed[req_id]
-                try:
-                    self._reads[req_id] = self._start_read(load)
-                except Exception as exc:
-                    self._end_load(load, 0, f"{type(exc).__name__}: {exc}")
-        self._poll_reads()
-        if idle and self._reads and not self._delayed:
-            # Nothing to compute: wait for a read, polling (the progress threads move the
-            # data). Most reads take well under a millisecond: poll at once for the first
-            # one, then every half millisecond, for at most 50 ms per idle step.
-            start = time.monotonic()
-            until = min(start + 0.05, min(r.load.deadline for r in self._reads.values()))
-            before = len(self._reads)
-            while self._reads and len(self._reads) == before:
-                now = time.monotonic()
-                if now >= until:
-                    break
-                time.sleep(0 if now - start < 0.001 else 0.0005)
-                self._poll_reads()
-        elif idle and self._delayed:
-            time.sleep(0.005)
-
-    def _start_read(self, load: _Load) -> _Read:
-        """Check every segment and build its descriptors, then post the READs. Nothing is
-        posted unless all of them can be: a failure before that writes nothing."""
-        if self.agent is None or self.layout is None:
-            raise RuntimeError("register_kv_caches first: no NIXL agent")
-        spec, mine = load.spec, self.layout
-        now, wall = time.monotonic(), time.time()
-        lease_deadline = load.deadline
-        planned: list[tuple[NixlHandle, Any, Any, bytes]] = []
-        num_bytes = num_descriptors = covered = 0
-        for segment in spec.handle:
-            lo = max(segment.first_layer, self.layers.start)
-            hi = min(segment.last_layer, self.layers.stop)
-            if lo >= hi:
-                continue  # another stage's layers
-            handle = self._check_handle(segment, spec, wall)
-            # The read must end before the lease does, less the margin (the source's clock).
-            lease_deadline = min(
-                lease_deadline, now + handle.expires_at - self.safety_margin_s - wall
-            )
-            source = self._peers[handle.agent]
-            if lo < source.layers.start or hi > source.layers.stop:
-                raise ValueError(
-                    f"layers [{lo}, {hi}) were asked of a source holding {source.layers}"
-                )
-            first = spec.first_block
-            src_ids = handle.block_ids[first : first + len(spec.block_ids)]
-            dst_ids = spec.block_ids
-            layers = range(lo, hi)
-            span = mine.span(layers)
-            if span is not None and span == source.span(layers):
-                # Block-first caches: one span per block, adjacent blocks merged.
-                local, remote = merge_spans(
-                    source.block_addresses(src_ids, layers),
-                    mine.block_addresses(dst_ids, layers),
-                    span,
-                    source.device_id,
-                    mine.device_id,
-                )
-            else:
-                local, remote = merge_descriptors(
-                    source.addresses(np.array(src_ids), layers),
-                    mine.addresses(np.array(dst_ids), layers),
-                    mine.slab,
-                    source.device_id,
-                    mine.device_id,
-                )
-            descs = (
-                self.agent.get_xfer_descs(local, mine.mem_type),
-                self.agent.get_xfer_descs(remote, source.mem_type),
-            )
-            planned.append((handle, *descs, f"{handle.lease_id}:{lo}:{hi}".encode()))
-            num_bytes += 2 * mine.slab * len(layers) * len(dst_ids)
-            num_descriptors += len(local)
-            covered += hi - lo
-        if covered != len(self.layers):
-            raise ValueError(
-                f"the saved KV covers {covered} of this worker's {len(self.layers)} layers "
-                f"({[s.layers for s in spec.handle]} vs {self.layers})"
-            )
-        # Every transfer is made (NIXL checks the descriptors, connects) before any is posted.
-        made = []
-        try:
-            for handle, local_descs, remote_descs, notif in planned:
-                made.append(
-                    self.agent.initialize_xfer(
-                        "READ", local_descs, remote_descs, handle.agent, notif
-                    )
-                )
-        except Exception:
-            for xfer in made:
-                self._release(xfer)  # made, never posted
-            raise
-        sources = [handle.agent for handle, *_ in planned]
-        read = _Read(load, [], num_bytes, num_descriptors, lease_deadline, sources)
-        load.deadline = min(load.deadline, lease_deadline)
-        for (handle, *_), xfer in zip(planned, made, strict=True):
-            if read.error is not None:
-                self._release(xfer)  # not posted: a failed read posts nothing more
-                continue
-            read.xfers.append(xfer)
-            if self._post(xfer) == "ERR":
-                read.error = f"the READ from {handle.agent} failed to start (is it gone?)"
-        self.num_descriptors += num_descriptors
-        if read.error is None:  # every READ posted
-            self.num_reads_started += 1
-        return read
-
-    def _check_handle(self, segment: KVSegment, spec: LoadSpec, wall: float) -> NixlHandle:
-        handle = segment.handle
-        if not isinstance(handle, NixlHandle):
-            raise TypeError(f"the nixl transport cannot read a {type(handle).__name__}")
-        source = self._peers.get(handle.agent)
-        if source is None:
-            raise ConnectionError(f"unknown KV source {handle.agent} (not registered, or gone)")
-        assert self.layout is not None
-        self.layout.check_compatible(source)
-        if len(handle.block_ids) < spec.first_block + len(spec.block_ids):
-            raise ValueError(
-                f"the source holds {len(handle.block_ids)} blocks, blocks "
-                f"[{spec.first_block}, {spec.first_block + len(spec.block_ids)}) were asked for"
-            )
-        if wall >= handle.expires_at - self.safety_margin_s:
-            raise TimeoutError("the source's lease has expired (or is about to)")
-        return handle
-
-    def _poll_reads(self) -> None:
-        if self.agent is None:
-            return
-        if self._retired:  # transfers given up on: released once they end
-            retired, self._retired = self._retired, []
-            for xfers, caches in retired:
-                still = [x for x in xfers if self._state(x) == "PROC"]
-                for xfer in xfers:
-                    if xfer not in still:
-                        self._release(xfer)
-                if still:
-                    self._retired.append((still, caches))
-        for req_id, read in list(self._reads.items()):
-            states = [self._state(x) for x in read.xfers]
-            now = time.monotonic()  # after the states: a check may have run the copy
-            if read.error is None:
-                if all(state == "DONE" for state in states):
-                    if now > read.lease_deadline:
-                        # Seen done only after the source may have freed the blocks: the
-                        # data cannot be trusted (a step ran long; recompute instead).
-                        read.error = "the read ended after the source's lease"
-                    else:
-                        del self._reads[req_id]
-                        for xfer in read.xfers:
-                            self._release(xfer)
-                        seconds = now - read.load.started
-                        self._end_load(read.load, read.num_bytes, None, seconds)
-                        continue
-                elif "ERR" in states:
-                    read.error = "the READ failed (is the source gone?)"
-                elif now >= read.load.deadline:
-                    read.error = f"timed out after {now - read.load.started:.1f}s"
-                else:
-                    continue
-            # Failed: reported only once nothing of it writes into the blocks any more (the
-            # scheduler hands them to another request then). NIXL's release of a running UCX
-            # transfer frees the request without stopping the copy, so a running one is never
-            # released: it is waited for. One that still runs ``abort_grace_s`` past the
-            # deadline has an unresponsive source: its endpoint is closed (which ends its
-            # operations), and after as long again the load is given up on, with an error.
-            running = []
-            for xfer, state in zip(read.xfers, states, strict=True):
-                if state == "PROC":
-                    running.append(xfer)
-                else:
-                    self._release(xfer)
-            read.xfers = running
-            if not running:
-                del self._reads[req_id]
-                self._end_load(read.load, 0, read.error)
-                continue
-            overdue = now - read.load.deadline
-            if overdue >= self.abort_grace_s and not read.disconnected:
-                logger.warning(
-                    "KV read of %s still running: disconnecting %s", req_id, read.sources
-                )
-                for name in read.sources:
-                    self._forget_peer(name)
-                read.disconnected = True
-            elif overdue >= 2 * self.abort_grace_s:
-                logger.error("KV read of %s never ended; giving up on it", req_id)
-                del self._reads[req_id]
-                self._retired.append((running, self.kv_caches))
-                self._end_load(read.load, 0, read.error)
-        if self._departed:
-            self._forget_departed()
-
-    def _forget_departed(self) -> None:
-        reading = {name for read in self._reads.values() for name in read.sources}
-        for name in [n for n in self._departed if n not in reading]:
-            self._departed.discard(name)
-            self._forget_peer(name)
-
     def _forget_peer(self, name: str) -> None:
         """Disconnect a peer (reads from it end); it is unknown until published again."""
         self._peers.pop(name, None)
         if self.agent is not None:
             with contextlib.suppress(Exception):
                 self.agent.remove_remote_agent(name)
-
-    def _post(self, xfer: Any) -> str:
-        """Post a transfer: "DONE", "PROC" or "ERR" (NIXL raises for a peer it knows is
-        gone, e.g. ``nixlRemoteDisconnectError``: that is an "ERR" too)."""
-        try:
-            return str(self.agent.transfer(xfer))
-        except Exception as exc:
-            logger.warning("NIXL transfer failed: %s: %s", type(exc).__name__, exc)
-            return "ERR"
-
-    def _state(self, xfer: Any) -> str:
-        try:
-            return str(self.agent.check_xfer_state(xfer))
-        except Exception as exc:
-            logger.warning("NIXL transfer failed: %s: %s", type(exc).__name__, exc)
-            return "ERR"
-
-    def _release(self, xfer: Any) -> None:
-        """Release an ended transfer (never a running one: see ``_poll_reads``)."""
-        with contextlib.suppress(Exception):
-            xfer.release()
-
-    def _drop_reads(self) -> None:
-        """Forget every read (the cache goes: nobody waits for these requests any more). Its
-        transfers still running keep the old cache alive until they end."""
-        reads, self._reads = self._reads, {}
-        self._delayed.clear()
-        for read in reads.values():
-            running = [x for x in read.xfers if self._state(x) == "PROC"]
-            for xfer in read.xfers:
-                if xfer not in running:
-                    self._release(xfer)
-            if running:
-                self._retired.append((running, self.kv_caches))
-
-    def num_loading(self) -> int:
-        return len(self._reads) + len(self._delayed)
 
     def _fetch(self, handle: Any, layers: range, timeout_s: float) -> KVPayload:
         raise NotImplementedError("the nixl transport reads into the blocks in place")

@@ -23,11 +23,8 @@ from kv_transfer.nixl_transport import MISSING, nixl_available
 pytestmark = pytest.mark.skipif(not nixl_available(), reason=MISSING)
 
 if nixl_available():
-    from kv_transfer.nixl_transport import (
-        NixlHandle,
-        NixlWorkerConnector,
-        _Read,
-    )
+    from kv_transfer.nixl_reads import _Read
+    from kv_transfer.nixl_transport import NixlHandle, NixlWorkerConnector
 
 NUM_LAYERS, BLOCK, KV_HEADS, HEAD_DIM = 4, 4, 2, 8
 SRC_TABLE = [5, 6, 7, 2]  # the saved request's block table; 10 tokens fill its first three
