@@ -381,6 +381,8 @@ class ModelWorker:
             "device": str(self.device),
             "num_loading": 0 if self.connector is None else self.connector.num_loading(),
             "kv_reads_started": 0 if self.connector is None else self.connector.num_reads_started,
+            # nixl: reads copied straight from a worker of this machine (kv_transfer/cma.py)
+            "kv_direct_reads": getattr(self.connector, "num_direct_reads", 0),
             "kv_transport": None if self.connector is None else self.connector.transport,
             "kv_peers": 0 if self.connector is None else self.connector.num_peers(),
             "ucx_tls": os.environ.get("UCX_TLS"),  # nixl: UCX's transports, if restricted

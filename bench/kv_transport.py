@@ -1,6 +1,6 @@
-"""KV transport bandwidth: ``nixl`` (and ``nixl`` with UCX forced onto TCP) vs ``grpc``
-(plaintext and mutual TLS) vs ``ray`` vs memcpy and a plain TCP socket copy, for the built-in
-model's KV layout.
+"""KV transport bandwidth: ``nixl`` (as configured by default; with NIXL READs only; with UCX
+forced onto TCP) vs ``grpc`` (plaintext and mutual TLS) vs ``ray`` vs memcpy and a plain TCP
+socket copy, for the built-in model's KV layout.
 
 SmolLM2's cache (30 layers, 3 KV heads, head_dim 64, bfloat16, blocks of 16 tokens: 360 KiB per
 block, 22.5 KiB per token), random, in two ``KVEndpoint`` actors (a worker's connector and cache,
@@ -53,8 +53,10 @@ import numpy as np
 from bench.pd_common import memcpy_bandwidth, ray_cluster
 
 NUM_LAYERS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 30, 3, 64, 16  # SmolLM2-135M
-# grpc-tls: grpc with kv_transfer.tls (mutual TLS); nixl-tcp: nixl with kv_transfer.ucx_tls=tcp
-TRANSPORTS = ("nixl", "nixl-tcp", "grpc", "grpc-tls", "ray", "memcpy")
+# nixl: the default (a same-node source is copied by one kernel call, kv_transfer/cma.py);
+# nixl-read: NIXL READs only (same_node_copy off); nixl-tcp: nixl with kv_transfer.ucx_tls=tcp;
+# grpc-tls: grpc with kv_transfer.tls (mutual TLS)
+TRANSPORTS = ("nixl", "nixl-read", "nixl-tcp", "grpc", "grpc-tls", "ray", "memcpy")
 PLACEMENTS = {"same-node": "prefill", "cross-node": "decode"}  # -> the destination's resource
 
 
@@ -115,6 +117,7 @@ class KVEndpoint:
             nbytes = self.pool[: len(dst)].nbytes
             return {"ok": True, "bytes": nbytes, "copy_s": seconds, "e2e_s": seconds}
         spec = LoadSpec(req_id, handle, block_ids, 0, timeout_s=30.0)
+        self._direct = getattr(self.connector, "num_direct_reads", 0)
         self.connector.start_load_kv(KVConnectorMetadata(loads=[spec]))
         while self.connector.num_loading():
             self.connector.start_load_kv(None, idle=True)
@@ -125,6 +128,8 @@ class KVEndpoint:
             "bytes": record.num_bytes,
             "copy_s": record.copy_seconds,
             "e2e_s": record.seconds,
+            # nixl: whether it was the same-node copy (kv_transfer/cma.py), not a NIXL READ
+            "direct": getattr(self.connector, "num_direct_reads", 0) > self._direct,
         }
 
     def finished_sending(self, wait_s: float = 0.0) -> set[str]:
@@ -201,6 +206,7 @@ def run_pair(
                     "load_e2e_s": load["e2e_s"],
                     "transfer_s": transfer_s,
                     "bw": load["bytes"] / transfer_s,
+                    "direct": load.get("direct", False),
                 }
             )
     return rows
@@ -219,6 +225,9 @@ def run_all(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, s
     options = {"grpc": kv.connector_options(), "grpc-tls": tls.connector_options(), "ray": {}}
     options["memcpy"] = {}
     options["nixl"] = KVTransferConfig(transport="nixl").connector_options()
+    options["nixl-read"] = KVTransferConfig(
+        transport="nixl", same_node_copy=False
+    ).connector_options()
     options["nixl-tcp"] = KVTransferConfig(transport="nixl", ucx_tls="tcp").connector_options()
     transports = [t for t in TRANSPORTS if t in args.transports]
     per_block = NUM_LAYERS * 2 * BLOCK_SIZE * KV_HEADS * HEAD_DIM * 2
@@ -227,7 +236,7 @@ def run_all(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, s
     for placement, dst_resource in PLACEMENTS.items():
         results.extend(tcp_rows(args, placement, dst_resource))
         for transport in transports:
-            kind = transport.removesuffix("-tls").removesuffix("-tcp")
+            kind = transport.removesuffix("-tls").removesuffix("-tcp").removesuffix("-read")
             src = endpoint.options(resources={"prefill": 0.01}).remote(
                 kind, options[transport], num_blocks, 0
             )
@@ -356,6 +365,7 @@ def _summary(samples: list[dict[str, Any]]) -> dict[str, Any]:
         "transfer_s_p50": p50("transfer_s"),
         "bw_p50": p50("bw"),
         "bw_max": max(s["bw"] for s in samples),
+        "direct_share": sum(bool(s.get("direct")) for s in samples) / len(samples),
     }
 
 
@@ -397,6 +407,8 @@ def report(results: list[dict[str, Any]], where: dict[str, str]) -> list[dict[st
             f"{row['ratio_to_memcpy']:8.3f} "
             + ("     - " if in_seq is None else f"{row['ratio_to_memcpy_in_sequence']:6.3f} ")
             + ("     -" if bar is None else f"{row['ratio_to_tcp']:6.2f}")
+            + ("  (same-node copy)" if r["direct_share"] == 1.0 else "")
+            + (f"  ({r['direct_share']:.0%} same-node copies)" if 0 < r["direct_share"] < 1 else "")
         )
     print(
         "memcpy: "

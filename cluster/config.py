@@ -242,6 +242,13 @@ class KVTransferConfig(_Config):
         description="nixl: the UCX transports the workers' KV reads may use (UCX_TLS), e.g. "
         "'tcp' where a same-node kernel copy (CMA) is not permitted; default: UCX's choice.",
     )
+    same_node_copy: bool = Field(
+        True,
+        description="nixl: between two workers of one machine, copy the blocks with one "
+        "kernel copy (process_vm_readv, what UCX's CMA transport does underneath) instead of a "
+        "NIXL READ: the same rights, a fraction of the per-transfer cost. Used where the "
+        "reader can attach to the source; never with ucx_tls set.",
+    )
     bind_host: str = Field(
         "127.0.0.1",
         min_length=1,
@@ -361,6 +368,8 @@ class KVTransferConfig(_Config):
             }
             if self.ucx_tls is not None:
                 options["ucx_tls"] = self.ucx_tls
+            if not self.same_node_copy:
+                options["same_node_copy"] = False
             return options
         if self.transport != "grpc":
             return {}

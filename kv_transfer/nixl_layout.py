@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from kv_transfer.cma import Token
+
 if TYPE_CHECKING:
     import torch
 
@@ -99,6 +101,7 @@ class NixlPeer:
     agent: str
     metadata: bytes
     layout: PoolLayout
+    same_host: Token | None = None  # where a reader of this machine may copy from directly
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kv_transfer.base import WorkerConnector, _Load
+from kv_transfer.cma import SourceProcess
 from kv_transfer.nixl_layout import NixlHandle, PoolLayout, merge_descriptors, merge_spans
 
 if TYPE_CHECKING:
@@ -56,6 +57,9 @@ class NixlReads(WorkerConnector):
     _reads: dict[str, _Read]
     _delayed: dict[str, tuple[float, _Load]]
     _retired: list[tuple[list[Any], list[Any]]]
+    same_node_copy: bool  # copy from sources of this machine by CMA (``_copy``)
+    _direct: dict[str, SourceProcess]  # agent name -> its process, where it can be read so
+    num_direct_reads: int
 
     def _forget_peer(self, name: str) -> None:  # the connector's
         raise NotImplementedError
@@ -74,9 +78,12 @@ class NixlReads(WorkerConnector):
             elif now >= post_at:
                 del self._delayed[req_id]
                 try:
-                    self._reads[req_id] = self._start_read(load)
+                    read = self._start_read(load)
                 except Exception as exc:
                     self._end_load(load, 0, f"{type(exc).__name__}: {exc}")
+                else:
+                    if read is not None:  # posted (None: copied already, ended)
+                        self._reads[req_id] = read
         self._poll_reads()
         if idle and self._reads and not self._delayed:
             # Nothing to compute: wait for a read, polling (the progress threads move the
@@ -94,15 +101,16 @@ class NixlReads(WorkerConnector):
         elif idle and self._delayed:
             time.sleep(0.005)
 
-    def _start_read(self, load: _Load) -> _Read:
-        """Check every segment and build its descriptors, then post the READs. Nothing is
-        posted unless all of them can be: a failure before that writes nothing."""
+    def _start_read(self, load: _Load) -> _Read | None:
+        """Check every segment and build its descriptors, then post the READs (None: the
+        blocks were copied at once, ``_copy``, and the load has ended). Nothing is posted
+        unless all of them can be: a failure before that writes nothing."""
         if self.agent is None or self.layout is None:
             raise RuntimeError("register_kv_caches first: no NIXL agent")
         spec, mine = load.spec, self.layout
         now, wall = time.monotonic(), time.time()
         lease_deadline = load.deadline
-        planned: list[tuple[NixlHandle, Any, Any, bytes]] = []
+        planned: list[tuple[NixlHandle, np.ndarray, np.ndarray, bytes]] = []
         num_bytes = num_descriptors = covered = 0
         for segment in spec.handle:
             lo = max(segment.first_layer, self.layers.start)
@@ -141,11 +149,7 @@ class NixlReads(WorkerConnector):
                     source.device_id,
                     mine.device_id,
                 )
-            descs = (
-                self.agent.get_xfer_descs(local, mine.mem_type),
-                self.agent.get_xfer_descs(remote, source.mem_type),
-            )
-            planned.append((handle, *descs, f"{handle.lease_id}:{lo}:{hi}".encode()))
+            planned.append((handle, local, remote, f"{handle.lease_id}:{lo}:{hi}".encode()))
             num_bytes += 2 * mine.slab * len(layers) * len(dst_ids)
             num_descriptors += len(local)
             covered += hi - lo
@@ -154,13 +158,21 @@ class NixlReads(WorkerConnector):
                 f"the saved KV covers {covered} of this worker's {len(self.layers)} layers "
                 f"({[s.layers for s in spec.handle]} vs {self.layers})"
             )
+        load.deadline = min(load.deadline, lease_deadline)
+        if self.same_node_copy and all(h.agent in self._direct for h, *_ in planned):
+            self._copy(load, planned, num_bytes)
+            return None
         # Every transfer is made (NIXL checks the descriptors, connects) before any is posted.
         made = []
         try:
-            for handle, local_descs, remote_descs, notif in planned:
+            for handle, local, remote, notif in planned:
                 made.append(
                     self.agent.initialize_xfer(
-                        "READ", local_descs, remote_descs, handle.agent, notif
+                        "READ",
+                        self.agent.get_xfer_descs(local, mine.mem_type),
+                        self.agent.get_xfer_descs(remote, self._peers[handle.agent].mem_type),
+                        handle.agent,
+                        notif,
                     )
                 )
         except Exception:
@@ -169,7 +181,6 @@ class NixlReads(WorkerConnector):
             raise
         sources = [handle.agent for handle, *_ in planned]
         read = _Read(load, [], num_bytes, num_descriptors, lease_deadline, sources)
-        load.deadline = min(load.deadline, lease_deadline)
         for (handle, *_), xfer in zip(planned, made, strict=True):
             if read.error is not None:
                 self._release(xfer)  # not posted: a failed read posts nothing more
@@ -181,6 +192,38 @@ class NixlReads(WorkerConnector):
         if read.error is None:  # every READ posted
             self.num_reads_started += 1
         return read
+
+    def _copy(
+        self,
+        load: _Load,
+        planned: list[tuple[NixlHandle, np.ndarray, np.ndarray, bytes]],
+        num_bytes: int,
+    ) -> None:
+        """The same-node path (``kv_transfer/cma.py``): every source is a process of this
+        machine that this one may read, so the spans are copied now, one system call per
+        source, and each source is told, as a READ's notification would, which layers were
+        read. A copy that ends after the source's lease (less the margin) is not trusted."""
+        self.num_reads_started += 1
+        for handle, local, remote, _ in planned:
+            source = self._direct[handle.agent]
+            try:
+                source.read(local, remote)
+            except OSError:
+                if not source.alive:  # gone: never again (NIXL fails it too, or times out)
+                    self._direct.pop(handle.agent, None)
+                    source.close()
+                raise
+        now = time.monotonic()
+        if now > load.deadline:
+            raise TimeoutError("the copy ended after the source's lease")
+        for handle, _, _, notif in planned:
+            try:
+                self.agent.send_notif(handle.agent, notif)
+            except Exception as exc:  # the source's lease then ends by expiry
+                logger.warning("KV read notification to %s: %s", handle.agent, exc)
+        self.num_direct_reads += 1
+        self.num_descriptors += sum(len(local) for _, local, _, _ in planned)
+        self._end_load(load, num_bytes, None, now - load.started)
 
     def _check_handle(self, segment: KVSegment, spec: LoadSpec, wall: float) -> NixlHandle:
         handle = segment.handle

@@ -59,6 +59,7 @@ import numpy as np
 
 from kv_transfer.base import _Load
 from kv_transfer.blocks import KVPayload
+from kv_transfer.cma import SourceProcess, TokenHolder
 from kv_transfer.leases import LeaseTable
 from kv_transfer.nixl_layout import (
     NixlHandle,
@@ -167,6 +168,7 @@ class NixlWorkerConnector(NixlReads):
         progress_wait_us: int = 100_000,
         ucx_tls: str | None = None,
         max_parallel_loads: int = 4,
+        same_node_copy: bool = True,
     ) -> None:
         super().__init__(max_parallel_loads)
         if lease_s <= safety_margin_s or safety_margin_s < 0:
@@ -193,6 +195,13 @@ class NixlWorkerConnector(NixlReads):
         self._retired: list[tuple[list[Any], list[Any]]] = []
         self.abort_grace_s = 10.0  # a failed read still running this long: disconnect
         self.num_descriptors = 0  # descriptors of the reads so far (merging at work)
+        # Reads from a worker of this machine by one kernel copy, not a NIXL READ
+        # (``kv_transfer/cma.py``); not where UCX's transports are restricted (``ucx_tls``):
+        # the copy is the one UCX's CMA transport makes.
+        self.same_node_copy = same_node_copy and ucx_tls is None
+        self._token = TokenHolder()  # how a reader of this machine finds this process
+        self._direct: dict[str, SourceProcess] = {}
+        self.num_direct_reads = 0
 
     # -- set-up ----------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: list[torch.Tensor], layers: range) -> None:
@@ -233,7 +242,9 @@ class NixlWorkerConnector(NixlReads):
     def peer_info(self) -> NixlPeer:
         if self.agent is None or self.layout is None:
             raise RuntimeError("register_kv_caches first")
-        return NixlPeer(self.agent.name, bytes(self.agent.get_agent_metadata()), self.layout)
+        return NixlPeer(
+            self.agent.name, bytes(self.agent.get_agent_metadata()), self.layout, self._token.token
+        )
 
     def add_peers(self, peers: list[Any]) -> None:
         """Learn other workers' agents (idempotent; this worker's own is skipped)."""
@@ -251,6 +262,13 @@ class NixlWorkerConnector(NixlReads):
                     )
                     continue
                 self._peers[peer.agent] = peer.layout
+                # Host memory only (the kernel copy cannot read VRAM): both pools in DRAM.
+                assert self.layout is not None
+                dram = peer.layout.mem_type == self.layout.mem_type == "DRAM"
+                if self.same_node_copy and dram and peer.same_host is not None:
+                    source = SourceProcess.attach(peer.same_host)
+                    if source is not None:
+                        self._direct[peer.agent] = source
 
     def num_peers(self) -> int:
         return len(self._peers)
@@ -308,6 +326,9 @@ class NixlWorkerConnector(NixlReads):
                 agent.remove_remote_agent(name)
         self._peers.clear()
         self._departed.clear()
+        for source in self._direct.values():
+            source.close()
+        self._direct.clear()
         for reg in self._registered:
             try:
                 agent.deregister_memory(reg)
@@ -356,6 +377,9 @@ class NixlWorkerConnector(NixlReads):
     def _forget_peer(self, name: str) -> None:
         """Disconnect a peer (reads from it end); it is unknown until published again."""
         self._peers.pop(name, None)
+        source = self._direct.pop(name, None)
+        if source is not None:
+            source.close()
         if self.agent is not None:
             with contextlib.suppress(Exception):
                 self.agent.remove_remote_agent(name)

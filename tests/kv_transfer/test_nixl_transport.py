@@ -6,6 +6,8 @@ idle agents use no CPU. Skipped without the ``nixl`` extra."""
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import pickle
 import resource
 import time
@@ -53,6 +55,9 @@ def make() -> Iterator[Callable[..., NixlWorkerConnector]]:
         dtype: torch.dtype = torch.float32,
         **options: Any,
     ) -> NixlWorkerConnector:
+        # NIXL's READs unless a test asks for the same-node copy (one process: it would
+        # take every read here).
+        options.setdefault("same_node_copy", False)
         connector = NixlWorkerConnector(**options)
         connector.register_kv_caches(_caches(num_blocks, dtype, seed, layers), layers)
         for other in made:
@@ -116,11 +121,13 @@ def _sending(c: WorkerConnector, wait_s: float = 0.0) -> set[str] | None:
 
 
 # -- the round trip --------------------------------------------------------------------------
+@pytest.mark.parametrize("copy", [False, True], ids=["nixl-read", "same-node-copy"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_read_blocks_land_bit_for_bit_and_end_the_lease(
-    make: Callable[..., NixlWorkerConnector], dtype: torch.dtype
+    make: Callable[..., NixlWorkerConnector], dtype: torch.dtype, copy: bool
 ) -> None:
-    src, dst = make(dtype=dtype), make(num_blocks=12, seed=1, dtype=dtype)
+    """Both ways of reading: a NIXL READ, or (a source of this machine) one kernel copy."""
+    src, dst = make(dtype=dtype), make(num_blocks=12, seed=1, dtype=dtype, same_node_copy=copy)
     handle = _save(src)
     (segment,) = handle
     assert segment.in_place and segment.layers == range(NUM_LAYERS)
@@ -139,16 +146,35 @@ def test_read_blocks_land_bit_for_bit_and_end_the_lease(
     assert dst.report().bytes_loaded == 3 * per_block
     # Block-first caches: every layer of 5,6 -> 10,11 is one span, 7 -> 0 another.
     assert dst.num_descriptors == 2
+    assert dst.num_direct_reads == int(copy) and dst.num_reads_started == 1
     # The reader's notification ends the lease: reported once, and gone.
     assert _sending(src, wait_s=5.0) == {"r"}
     assert _sending(src) is None and len(src.leases) == 0
+
+
+def test_the_same_node_copy_is_only_for_host_memory_and_can_be_turned_off(
+    make: Callable[..., NixlWorkerConnector],
+) -> None:
+    src = make()
+    on, off = make(seed=1, same_node_copy=True), make(seed=2, same_node_copy=False)
+    assert src.agent.name in on._direct and not off._direct
+    # UCX's transports restricted (ucx_tls; registering would set UCX_TLS for the process):
+    # NIXL only, whatever the option says.
+    assert not NixlWorkerConnector(same_node_copy=True, ucx_tls="tcp").same_node_copy
+    peer = src.peer_info()
+    assert peer.same_host is not None and peer.same_host.pid == os.getpid()
+    on._forget_peer(src.agent.name)
+    on.add_peers(
+        [dataclasses.replace(peer, layout=dataclasses.replace(peer.layout, mem_type="VRAM"))]
+    )
+    assert src.agent.name in on._peers and src.agent.name not in on._direct
 
 
 def test_layer_first_caches_work_with_more_descriptors(
     make: Callable[..., NixlWorkerConnector],
 ) -> None:
     """Separate tensors per layer (not the workers' layout) still transfer correctly."""
-    src, dst = NixlWorkerConnector(), NixlWorkerConnector()
+    src, dst = NixlWorkerConnector(same_node_copy=False), NixlWorkerConnector(same_node_copy=False)
     try:
         gen = torch.Generator().manual_seed(3)
         for c, n in ((src, 8), (dst, 12)):
@@ -471,6 +497,9 @@ def test_the_config_builds_it_and_a_missing_extra_names_it() -> None:
     try:
         assert isinstance(connector, NixlWorkerConnector)
         assert connector.lease_s == 3.0 and connector.serves_in_place
+        assert connector.same_node_copy  # the default
     finally:
         connector.close()
+    off = KVTransferConfig(transport="nixl", same_node_copy=False).connector_options()
+    assert not create_worker_connector("nixl", **off).same_node_copy
     assert "tandem-serve[nixl]" in MISSING

@@ -89,6 +89,7 @@ def test_pipeline_prefill_to_plain_decode_equals_colocated(
     before = _instances(nixl_pp)
     disaggregated = token_ids(ClusterClient(nixl_pp).generate(prompts, GREEDY))
     after = _instances(nixl_pp)
+    direct = ray.get(nixl_pp.worker_health.remote())["d-0"]["kv_direct_reads"]
     # Each lease ended with the read's notification: the prefill blocks are free well before
     # a lease made during the run could have expired.
     wait_until(
@@ -111,6 +112,9 @@ def test_pipeline_prefill_to_plain_decode_equals_colocated(
     history = ray.get(nixl_pp.transfer_history.remote())["d-0"]
     assert len(history) == len(handed_off)  # one read of both prefill stages' layers each
     assert all(r.ok and r.num_bytes > 0 for r in history)
+    # The "nodes" are processes of this machine: each read was the same-node kernel copy,
+    # from both prefill stages' processes at once (kv_transfer/cma.py).
+    assert direct - health["d-0"]["kv_direct_reads"] == len(handed_off)
 
 
 def test_a_request_that_ends_at_its_first_token_frees_the_prefill_blocks_at_once(
@@ -325,6 +329,9 @@ def test_ucx_over_tcp_only_is_still_correct(ray_cluster: RayCluster, tiny_model:
         assert got == expected
         stats = _instances(handle)
         assert stats["d-0"]["num_prompt_tokens_computed"] == 0  # every prompt was read
+        health = ray.get(handle.worker_health.remote())
+        assert health["d-0"]["kv_reads_started"] >= 3  # NIXL READs, no same-node copy
+        assert health["d-0"]["kv_direct_reads"] == 0
         assert_clean(handle)
     finally:
         shutdown_cluster(handle)
