@@ -13,8 +13,12 @@ that fails or reads something else.
 A process id names whatever process holds it now: in another PID namespace on the same kernel
 (another pod) the same number is another process, and a source that died could in principle
 have its id taken. Hence the token (a match is the source, nothing else), and the pidfd the
-reader holds of the process it attached to, checked before every read: a source that has
-exited is never read again.
+reader holds of the process it attached to: a source that has exited is never read again.
+
+The token also vouches for the source's cache: the source renews it before it replaces its
+cache and clears it before it closes (``TokenHolder``), and a read checks it before and after
+the copy. Found after the copy, the copy read the cache it was meant to; gone, the copy is
+thrown away (the source may have handed those blocks on meanwhile).
 """
 
 from __future__ import annotations
@@ -80,24 +84,47 @@ class Token:
 
 class TokenHolder:
     """A random value in this process's memory, and its ``Token`` (None where CMA cannot
-    work: not Linux, no boot id)."""
+    work: not Linux, no boot id). The value stands for the memory it vouches for as it is
+    now: ``renew`` (a new cache) and ``clear`` (none) must come before that memory changes
+    hands, so that a reader that checks the value after its copy knows the copy was good."""
 
     def __init__(self) -> None:
-        self._value = np.frombuffer(os.urandom(16), dtype=np.uint8).copy()
-        host = host_id()
+        self._value = np.zeros(16, dtype=np.uint8)
         self.token: Token | None = None
+        self.renew()
+
+    def renew(self) -> None:
+        """A new value, in place: readers attached to the old one stop reading."""
+        self._value[:] = np.frombuffer(os.urandom(16), dtype=np.uint8)
+        host = host_id()
         if host is not None and _libc() is not None:
             self.token = Token(host, os.getpid(), self._value.ctypes.data, self._value.tobytes())
+
+    def clear(self) -> None:
+        """No value (the memory it vouched for is going): every reader stops."""
+        self._value[:] = 0
+        self.token = None
+
+
+class StaleSource(OSError):
+    """The source no longer holds the token a reader attached with: its cache was replaced
+    or closed (or the process is not the one attached)."""
 
 
 class SourceProcess:
     """A process this one reads from (``read``), attached by ``attach``."""
 
-    def __init__(self, pid: int, pidfd: int) -> None:
-        self.pid = pid
+    def __init__(self, token: Token, pidfd: int) -> None:
+        self.pid = token.pid
+        self.token = token
         self._pidfd: int | None = pidfd
         self._poll = select.poll()
         self._poll.register(pidfd, select.POLLIN)  # readable once the process has exited
+        self._found = np.zeros(len(token.value), dtype=np.uint8)
+        self._token_spans = (
+            np.array([[self._found.ctypes.data, self._found.nbytes]], dtype=np.uint64),
+            np.array([[token.address, self._found.nbytes]], dtype=np.uint64),
+        )
 
     @classmethod
     def attach(cls, token: Token) -> SourceProcess | None:
@@ -111,22 +138,20 @@ class SourceProcess:
         except OSError as exc:
             logger.info("no same-node copy from process %d: %s", token.pid, exc)
             return None
-        source = cls(token.pid, pidfd)
-        found = np.zeros(len(token.value), dtype=np.uint8)
+        source = cls(token, pidfd)
         try:
-            source.read(
-                np.array([[found.ctypes.data, found.nbytes]], dtype=np.uint64),
-                np.array([[token.address, found.nbytes]], dtype=np.uint64),
-            )
+            source.check()
         except OSError as exc:
             logger.info("no same-node copy from process %d: %s", token.pid, exc)
             source.close()
             return None
-        if found.tobytes() != token.value:  # another process under that number
-            logger.info("no same-node copy from process %d: not the publisher", token.pid)
-            source.close()
-            return None
         return source
+
+    def check(self) -> None:
+        """Raise unless the source still holds the token (``StaleSource``) and lives."""
+        self._copy(*self._token_spans)
+        if self._found.tobytes() != self.token.value:
+            raise StaleSource(f"process {self.pid} no longer holds the KV cache attached to")
 
     @property
     def alive(self) -> bool:
@@ -135,8 +160,16 @@ class SourceProcess:
     def read(self, local: np.ndarray, remote: np.ndarray) -> int:
         """Copy each span ``remote[i]`` (address in the source, length) to ``local[i]``
         (address here, length): rows ``[address, length, ...]``, equal lengths row by row.
-        Returns the bytes copied; raises ``OSError`` if the source has exited or any span
-        could not be copied whole (what was copied then is not to be trusted)."""
+        Returns the bytes copied. Raises ``OSError`` -- nothing written if the source had
+        already exited or changed its cache (``StaleSource``) -- if any span could not be
+        copied whole, or if the token is gone after the copy: what was copied then is not to
+        be trusted (the source may have reused that memory meanwhile)."""
+        self.check()
+        done = self._copy(local, remote)
+        self.check()
+        return done
+
+    def _copy(self, local: np.ndarray, remote: np.ndarray) -> int:
         libc = _libc()
         if libc is None or not self.alive:
             raise ProcessLookupError(f"KV source process {self.pid} has exited")
@@ -168,3 +201,6 @@ class SourceProcess:
         if fd is not None:
             with contextlib.suppress(OSError):
                 os.close(fd)
+
+    def __del__(self) -> None:
+        self.close()

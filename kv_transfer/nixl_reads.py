@@ -130,6 +130,15 @@ class NixlReads(WorkerConnector):
             first = spec.first_block
             src_ids = handle.block_ids[first : first + len(spec.block_ids)]
             dst_ids = spec.block_ids
+            # (NIXL refuses descriptors outside registered memory; a copy would not.)
+            if min(min(src_ids, default=0), min(dst_ids, default=0)) < 0 or (
+                max(src_ids, default=0) >= source.num_blocks
+                or max(dst_ids, default=0) >= mine.num_blocks
+            ):
+                raise ValueError(
+                    f"block ids out of range: {src_ids} of {source.num_blocks} at the source, "
+                    f"{dst_ids} of {mine.num_blocks} here"
+                )
             layers = range(lo, hi)
             span = mine.span(layers)
             if span is not None and span == source.span(layers):
@@ -204,26 +213,26 @@ class NixlReads(WorkerConnector):
         source, and each source is told, as a READ's notification would, which layers were
         read. A copy that ends after the source's lease (less the margin) is not trusted."""
         self.num_reads_started += 1
-        for handle, local, remote, _ in planned:
+        for handle, local, remote, notif in planned:
             source = self._direct[handle.agent]
             try:
                 source.read(local, remote)
-            except OSError:
-                if not source.alive:  # gone: never again (NIXL fails it too, or times out)
-                    self._direct.pop(handle.agent, None)
-                    source.close()
+            except OSError as exc:
+                # Gone, its cache replaced, or refused: this source is read by NIXL from now
+                # on (which fails too if it is gone, or times out).
+                logger.warning("same-node copy from %s failed: %s", handle.agent, exc)
+                self._direct.pop(handle.agent, None)
+                source.close()
                 raise
-        now = time.monotonic()
-        if now > load.deadline:
-            raise TimeoutError("the copy ended after the source's lease")
-        for handle, _, _, notif in planned:
-            try:
+            if time.monotonic() > load.deadline:  # the lease's margin, or the load's own
+                raise TimeoutError("the copy ended past its deadline (the source's lease)")
+            try:  # at once: if another source fails, this one need not wait for expiry
                 self.agent.send_notif(handle.agent, notif)
             except Exception as exc:  # the source's lease then ends by expiry
                 logger.warning("KV read notification to %s: %s", handle.agent, exc)
         self.num_direct_reads += 1
         self.num_descriptors += sum(len(local) for _, local, _, _ in planned)
-        self._end_load(load, num_bytes, None, now - load.started)
+        self._end_load(load, num_bytes, None, time.monotonic() - load.started)
 
     def _check_handle(self, segment: KVSegment, spec: LoadSpec, wall: float) -> NixlHandle:
         handle = segment.handle

@@ -207,6 +207,7 @@ class NixlWorkerConnector(NixlReads):
     def register_kv_caches(self, kv_caches: list[torch.Tensor], layers: range) -> None:
         """Register the pool with a new agent (its old name, and every lease, end: the blocks
         they named are gone). Peers learn the new name through ``peer_info``."""
+        self._token.renew()  # first: a same-node copy of the old cache fails from now on
         self.leases.end_all()
         self._drop_reads()
         super().register_kv_caches(kv_caches, layers)
@@ -312,6 +313,7 @@ class NixlWorkerConnector(NixlReads):
             raise ConnectionError(f"NIXL could not read from {peer.agent} ({why})")
 
     def close(self) -> None:
+        self._token.clear()  # first: no same-node copy of this cache succeeds from now on
         self._drop_reads()
         self.leases.end_all()
         self._close_agent()

@@ -15,7 +15,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from kv_transfer.cma import SourceProcess, Token, TokenHolder, host_id
+from kv_transfer.cma import IOV_MAX, SourceProcess, StaleSource, Token, TokenHolder, host_id
 
 pytestmark = pytest.mark.skipif(
     TokenHolder().token is None, reason="no process_vm_readv / pidfd / boot id here"
@@ -31,7 +31,9 @@ SOURCE = textwrap.dedent(
     token = holder.token
     print(json.dumps({"pid": token.pid, "host": token.host, "address": token.address,
                       "value": token.value.hex(), "data": data.ctypes.data}), flush=True)
-    sys.stdin.read()  # until the test closes it
+    for line in sys.stdin:  # "renew" or "clear", answered "ok", until the test closes it
+        getattr(holder, line.strip())()
+        print("ok", flush=True)
     """
 )
 
@@ -116,3 +118,37 @@ def test_a_span_the_source_does_not_have_fails_the_read(
             np.array([[dst.ctypes.data, 64]], dtype=np.uint64),
             np.array([[token.address, 16]], dtype=np.uint64),
         )
+
+
+def test_more_spans_than_one_call_takes(source: tuple[subprocess.Popen[str], Token, int]) -> None:
+    _, token, base = source
+    reader = SourceProcess.attach(token)
+    assert reader is not None
+    want = np.arange(1 << 16, dtype=np.uint32).view(np.uint8)
+    dst = np.zeros(1 << 16, dtype=np.uint8)
+    count = 2 * IOV_MAX + 452  # three calls
+    pairs = [(7 * i, 8 * i, 5) for i in range(count)]  # overlapping reads, spread writes
+    assert reader.read(*_spans(dst, base, pairs)) == 5 * count
+    for s, d, n in pairs:
+        assert np.array_equal(dst[d : d + n], want[s : s + n])
+
+
+@pytest.mark.parametrize("command", ["renew", "clear"])
+def test_a_source_that_replaced_or_closed_its_cache_is_not_read(
+    source: tuple[subprocess.Popen[str], Token, int], command: str
+) -> None:
+    """The source renews its token before a new cache and clears it before closing: a reader
+    attached to the old one copies nothing (and would throw a copy away if it changed during
+    the copy: the token is checked again after it)."""
+    proc, token, base = source
+    reader = SourceProcess.attach(token)
+    assert reader is not None
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write(command + "\n")
+    proc.stdin.flush()
+    assert proc.stdout.readline().strip() == "ok"
+    dst = np.zeros(64, dtype=np.uint8)
+    with pytest.raises(StaleSource):
+        reader.read(*_spans(dst, base, [(0, 0, 64)]))
+    assert not dst.any()
+    assert reader.alive  # alive, but not the cache it was attached to

@@ -160,7 +160,9 @@ def test_the_same_node_copy_is_only_for_host_memory_and_can_be_turned_off(
     assert src.agent.name in on._direct and not off._direct
     # UCX's transports restricted (ucx_tls; registering would set UCX_TLS for the process):
     # NIXL only, whatever the option says.
-    assert not NixlWorkerConnector(same_node_copy=True, ucx_tls="tcp").same_node_copy
+    restricted = NixlWorkerConnector(same_node_copy=True, ucx_tls="tcp")
+    assert not restricted.same_node_copy
+    restricted.close()
     peer = src.peer_info()
     assert peer.same_host is not None and peer.same_host.pid == os.getpid()
     on._forget_peer(src.agent.name)
@@ -391,16 +393,55 @@ def test_a_read_that_never_ends_is_given_up_and_keeps_its_cache_alive(
     assert xfer.released and not dst._retired
 
 
-def test_a_source_that_is_gone_fails_the_load(make: Callable[..., NixlWorkerConnector]) -> None:
-    src, dst = make(), make(num_blocks=12, seed=1)
+@pytest.mark.parametrize("copy", [False, True], ids=["nixl-read", "same-node-copy"])
+def test_a_source_that_is_gone_fails_the_load(
+    make: Callable[..., NixlWorkerConnector], copy: bool
+) -> None:
+    src, dst = make(), make(num_blocks=12, seed=1, same_node_copy=copy)
     assert _load(dst, _save(src, req_id="warm"), req_id="warm") == ({"warm"}, None)
+    assert dst.num_direct_reads == int(copy)
     handle = _save(src)
-    src.close()  # its memory deregistered, its agent gone
+    src.close()  # its memory deregistered, its agent gone (its process and tensors live on)
     before = _snapshot(dst)
     start = time.monotonic()
     assert _load(dst, handle, timeout_s=3.0) == (None, {"r"})
     assert time.monotonic() - start < 4.0
     assert _unchanged(dst, before)
+    assert not dst._direct  # the copy path gave up on it
+
+
+def test_a_copy_from_a_source_with_a_new_cache_fails_and_falls_back_to_reads(
+    make: Callable[..., NixlWorkerConnector],
+) -> None:
+    """Peers may hold a worker's old agent for a while after it replaced its cache (the
+    control plane tells them when its instance rejoins): a same-node copy with a handle of
+    the old cache must not read the new one's blocks."""
+    src, dst = make(), make(num_blocks=12, seed=1, same_node_copy=True)
+    handle = _save(src)
+    src.register_kv_caches(_caches(8, torch.float32, 3), range(NUM_LAYERS))
+    before = _snapshot(dst)
+    done, failed = _load(dst, handle, timeout_s=2.0)
+    assert (done, failed) == (None, {"r"}) and _unchanged(dst, before)
+    assert dst.num_direct_reads == 0 and not dst._direct
+
+
+@pytest.mark.parametrize("copy", [False, True], ids=["nixl-read", "same-node-copy"])
+def test_block_ids_outside_either_pool_fail_before_anything_moves(
+    make: Callable[..., NixlWorkerConnector], copy: bool
+) -> None:
+    src, dst = make(), make(num_blocks=12, seed=1, same_node_copy=copy)
+    handle = _save(src)
+    before = _snapshot(dst)
+    spec = LoadSpec("r", handle, [10, 11, 12], 0, 2.0)  # block 12 of 12
+    dst.start_load_kv(KVConnectorMetadata(loads=[spec]))
+    assert dst.get_finished()[2] == {"r"} and _unchanged(dst, before)
+    bad = [
+        dataclasses.replace(
+            handle[0], handle=dataclasses.replace(handle[0].handle, block_ids=(5, 6, -1))
+        )
+    ]
+    dst.start_load_kv(KVConnectorMetadata(loads=[LoadSpec("q", bad, DST_IDS, 0, 2.0)]))
+    assert dst.get_finished()[2] == {"q"} and _unchanged(dst, before)
 
 
 def test_a_peer_that_left_is_forgotten_once_nothing_reads_from_it(

@@ -191,18 +191,25 @@ def test_an_unread_lease_expires_and_frees_the_prefill_blocks(
     assert not history[-1].ok and history[-1].num_bytes == 0
 
 
+@pytest.mark.parametrize("copy", [True, False], ids=["same-node-copy", "nixl-read"])
 def test_a_prefill_worker_killed_before_the_read_then_restarted(
-    ray_cluster: RayCluster, tiny_model: Path
+    ray_cluster: RayCluster, tiny_model: Path, copy: bool
 ) -> None:
     """The source dies with the request's blocks leased: the decode side's read fails (or
     runs into its deadline), it recomputes, and nothing is left behind. Ray restarts the
     worker: its new NIXL agent reaches the decode worker before the instance serves again,
-    so later hand-offs read (no recompute)."""
+    so later hand-offs read (no recompute). Both ways of reading on one machine: the
+    same-node copy (the restarted worker's process is attached anew) and NIXL READs."""
     config = cluster_config(
         tiny_model,
         [{**PREFILL, "max_restarts": 1}, DECODE],
         router={"disaggregation": "always"},
-        kv_transfer={"transport": "nixl", "timeout_s": 2.0, "lease_s": LEASE_S},
+        kv_transfer={
+            "transport": "nixl",
+            "timeout_s": 2.0,
+            "lease_s": LEASE_S,
+            "same_node_copy": copy,
+        },
     )
     handle = build_cluster(config, name="nixl-kill", namespace="tandem-tests")
     try:
@@ -236,10 +243,14 @@ def test_a_prefill_worker_killed_before_the_read_then_restarted(
         prompts = _prompts(3, seed=5)
         expected_after = generate_in_process(tiny_model, prompts, GREEDY)
         before = _instances(handle)["d-0"]["num_prompt_tokens_computed"]
+        copies = ray.get(handle.worker_health.remote())["d-0"]["kv_direct_reads"]
         assert token_ids(client.generate(prompts, GREEDY)) == expected_after
         assert _instances(handle)["d-0"]["num_prompt_tokens_computed"] == before  # all read
         history = ray.get(handle.transfer_history.remote())["d-0"]
         assert all(r.ok and r.num_bytes > 0 for r in history[-len(prompts) :])
+        handed_off = sum(r.ok for r in history[-len(prompts) :])
+        after = ray.get(handle.worker_health.remote())["d-0"]["kv_direct_reads"]
+        assert after - copies == (handed_off if copy else 0)
         assert_clean(handle)
     finally:
         shutdown_cluster(handle)

@@ -144,6 +144,7 @@ def test_mailbox_consumer_cancelled_while_waiting_leaves_no_waiter() -> None:
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
+        assert box._waiter is None  # the cancelled consumer's waiter went with it
         box.put_nowait(1)  # no wake-up owed to the cancelled consumer; the item stays
         assert box.qsize() == 1
         assert await asyncio.wait_for(box.get(), 1.0) == 1
