@@ -240,6 +240,8 @@ class ModelWorker:
 
         model = self._model
         cfg = model.config
+        if self.connector is not None:  # before the old cache can go: no peer copies it now
+            self.connector.retire_caches()
         self.kv_caches = []  # the old cache goes before the new one is allocated
         self.decode_graphs = None
         graphs = (

@@ -130,6 +130,11 @@ class WorkerConnector(ABC):
         self.layers = layers
         self._loads.clear()
 
+    def retire_caches(self) -> None:
+        """The worker is about to let its caches go (a new cache follows): nothing may read
+        them from another process any more. A no-op but where a peer reads in place."""
+        return None
+
     def peer_info(self) -> Any:
         """What peers must know before they can read from this worker (published once per
         cache through the control plane), or None for a transport that needs nothing."""

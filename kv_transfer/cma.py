@@ -1,8 +1,9 @@
 """Same-node reads without a transfer library: ``process_vm_readv``, the kernel's copy between
 two processes' memory (cross-memory attach, CMA), which is also what UCX uses under NIXL
-between two workers of one machine. Called directly it costs one system call per read instead
-of NIXL's transfer set-up, post, completion and notification: for a 128-token request of the
-built-in model (2.8 MiB) about 0.16 ms of copying against about 0.5 ms through NIXL here.
+between two workers of one machine. Called directly it costs one system call per read (and
+two 16-byte reads that check the source, below) instead of NIXL's transfer set-up, post,
+completion and notification: for a 128-token request of the built-in model (2.8 MiB) about
+0.16 ms of copying against about 0.5 ms through NIXL here.
 
 It needs what CMA under UCX needs: both processes on one machine, in one PID namespace, and
 the reader allowed to trace the source (the same user, and ``kernel.yama.ptrace_scope`` at 0
@@ -15,10 +16,14 @@ A process id names whatever process holds it now: in another PID namespace on th
 have its id taken. Hence the token (a match is the source, nothing else), and the pidfd the
 reader holds of the process it attached to: a source that has exited is never read again.
 
-The token also vouches for the source's cache: the source renews it before it replaces its
-cache and clears it before it closes (``TokenHolder``), and a read checks it before and after
-the copy. Found after the copy, the copy read the cache it was meant to; gone, the copy is
-thrown away (the source may have handed those blocks on meanwhile).
+The token also vouches for the source's cache: the source renews it before it lets its cache
+go and clears it before it closes (``TokenHolder``), and a read checks it before and after the
+copy, like a sequence lock. Found after the copy, the copy read the cache it was meant to (the
+renewal comes before any store into reused memory: x86 makes stores visible in program order,
+and on other machines the locks taken between the two on the source side order them; the
+reader's three system calls are ordered by the kernel's own locks); changed -- even half
+written -- the copy is thrown away. What the token does not cover, leases ending within one
+cache, the read's deadline does (``nixl_reads.py``).
 """
 
 from __future__ import annotations
@@ -131,7 +136,7 @@ class SourceProcess:
         """The process that published ``token``, if this one can read it there (the same
         machine and PID namespace, the right to trace it) and finds the token's bytes; else
         None, with the reason logged."""
-        if _libc() is None or token.host != host_id():
+        if _libc() is None or token.host != host_id() or len(token.value) < 16:
             return None
         try:
             pidfd = os.pidfd_open(token.pid)
@@ -141,11 +146,14 @@ class SourceProcess:
         source = cls(token, pidfd)
         try:
             source.check()
+        except StaleSource:  # another process under that number (or a cache since replaced)
+            logger.info("no same-node copy from process %d: not the publisher", token.pid)
         except OSError as exc:
             logger.info("no same-node copy from process %d: %s", token.pid, exc)
-            source.close()
-            return None
-        return source
+        else:
+            return source
+        source.close()
+        return None
 
     def check(self) -> None:
         """Raise unless the source still holds the token (``StaleSource``) and lives."""
@@ -203,4 +211,5 @@ class SourceProcess:
                 os.close(fd)
 
     def __del__(self) -> None:
-        self.close()
+        with contextlib.suppress(Exception):  # (at interpreter exit, modules may be gone)
+            self.close()

@@ -130,6 +130,8 @@ class NixlReads(WorkerConnector):
             first = spec.first_block
             src_ids = handle.block_ids[first : first + len(spec.block_ids)]
             dst_ids = spec.block_ids
+            if first < 0 or len(src_ids) != len(dst_ids):
+                raise ValueError(f"blocks [{first}, +{len(dst_ids)}) of {len(handle.block_ids)}")
             # (NIXL refuses descriptors outside registered memory; a copy would not.)
             if min(min(src_ids, default=0), min(dst_ids, default=0)) < 0 or (
                 max(src_ids, default=0) >= source.num_blocks
@@ -209,9 +211,10 @@ class NixlReads(WorkerConnector):
         num_bytes: int,
     ) -> None:
         """The same-node path (``kv_transfer/cma.py``): every source is a process of this
-        machine that this one may read, so the spans are copied now, one system call per
-        source, and each source is told, as a READ's notification would, which layers were
-        read. A copy that ends after the source's lease (less the margin) is not trusted."""
+        machine that this one may read, so the spans are copied now, one copy call per
+        source (between two checks of its token), and each source is told, as a READ's
+        notification would, which layers were read. A copy that ends after the source's
+        lease (less the margin) is not trusted."""
         self.num_reads_started += 1
         for handle, local, remote, notif in planned:
             source = self._direct[handle.agent]

@@ -59,7 +59,7 @@ import numpy as np
 
 from kv_transfer.base import _Load
 from kv_transfer.blocks import KVPayload
-from kv_transfer.cma import SourceProcess, TokenHolder
+from kv_transfer.cma import SourceProcess, Token, TokenHolder
 from kv_transfer.leases import LeaseTable
 from kv_transfer.nixl_layout import (
     NixlHandle,
@@ -200,6 +200,7 @@ class NixlWorkerConnector(NixlReads):
         # the copy is the one UCX's CMA transport makes.
         self.same_node_copy = same_node_copy and ucx_tls is None
         self._token = TokenHolder()  # how a reader of this machine finds this process
+        self._published: Token | None = None  # the token peer_info gives with this agent
         self._direct: dict[str, SourceProcess] = {}
         self.num_direct_reads = 0
 
@@ -207,7 +208,7 @@ class NixlWorkerConnector(NixlReads):
     def register_kv_caches(self, kv_caches: list[torch.Tensor], layers: range) -> None:
         """Register the pool with a new agent (its old name, and every lease, end: the blocks
         they named are gone). Peers learn the new name through ``peer_info``."""
-        self._token.renew()  # first: a same-node copy of the old cache fails from now on
+        self.retire_caches()  # first: a same-node copy of the old cache fails from now on
         self.leases.end_all()
         self._drop_reads()
         super().register_kv_caches(kv_caches, layers)
@@ -232,6 +233,7 @@ class NixlWorkerConnector(NixlReads):
         descs = [(addr, size, layout.device_id, "") for addr, size in regions.items()]
         self._registered = [agent.register_memory(descs, layout.mem_type)]
         self.agent, self.layout = agent, layout
+        self._published = self._token.token  # published with this agent, as one pair
         logger.info(
             "NIXL agent %s: %d MiB of %s registered (%d region(s))",
             agent.name,
@@ -244,8 +246,16 @@ class NixlWorkerConnector(NixlReads):
         if self.agent is None or self.layout is None:
             raise RuntimeError("register_kv_caches first")
         return NixlPeer(
-            self.agent.name, bytes(self.agent.get_agent_metadata()), self.layout, self._token.token
+            self.agent.name, bytes(self.agent.get_agent_metadata()), self.layout, self._published
         )
+
+    def retire_caches(self) -> None:
+        """A new token: copies of the current cache by same-node readers fail from now on
+        (they check it after copying); the token published with the next agent is the new
+        one. Called before the cache can change hands (``register_kv_caches``, the worker's
+        ``init_kv_cache``)."""
+        self._token.renew()
+        self._published = None
 
     def add_peers(self, peers: list[Any]) -> None:
         """Learn other workers' agents (idempotent; this worker's own is skipped)."""

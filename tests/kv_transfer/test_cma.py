@@ -152,3 +152,27 @@ def test_a_source_that_replaced_or_closed_its_cache_is_not_read(
         reader.read(*_spans(dst, base, [(0, 0, 64)]))
     assert not dst.any()
     assert reader.alive  # alive, but not the cache it was attached to
+
+
+def test_a_change_during_the_copy_throws_the_copy_away(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check after the copy: the source renews its token (a new cache) while the data is
+    being copied -- here between the data's copy and the second check, in this process -- and
+    the read fails although every byte arrived."""
+    holder = TokenHolder()
+    assert holder.token is not None
+    reader = SourceProcess.attach(holder.token)
+    assert reader is not None
+    data = np.arange(4096, dtype=np.uint32).view(np.uint8)
+    dst = np.zeros(64, dtype=np.uint8)
+    copy = SourceProcess._copy
+
+    def copy_then_renew(self: SourceProcess, local: np.ndarray, remote: np.ndarray) -> int:
+        done = copy(self, local, remote)
+        if int(remote[0, 0]) != self.token.address:  # the data, not a check of the token
+            holder.renew()
+        return done
+
+    monkeypatch.setattr(SourceProcess, "_copy", copy_then_renew)
+    with pytest.raises(StaleSource):
+        reader.read(*_spans(dst, data.ctypes.data, [(0, 0, 64)]))
+    assert np.array_equal(dst, data[:64])  # it did arrive: only the check refused it

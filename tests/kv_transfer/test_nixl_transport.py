@@ -407,22 +407,50 @@ def test_a_source_that_is_gone_fails_the_load(
     assert _load(dst, handle, timeout_s=3.0) == (None, {"r"})
     assert time.monotonic() - start < 4.0
     assert _unchanged(dst, before)
-    assert not dst._direct  # the copy path gave up on it
+    if copy:
+        assert src.agent is None and not dst._direct  # the copy path gave up on it
 
 
-def test_a_copy_from_a_source_with_a_new_cache_fails_and_falls_back_to_reads(
-    make: Callable[..., NixlWorkerConnector],
+@pytest.mark.parametrize("copy", [False, True], ids=["nixl-read", "same-node-copy"])
+def test_a_handle_of_a_replaced_cache_is_not_read(
+    make: Callable[..., NixlWorkerConnector], copy: bool
 ) -> None:
     """Peers may hold a worker's old agent for a while after it replaced its cache (the
-    control plane tells them when its instance rejoins): a same-node copy with a handle of
-    the old cache must not read the new one's blocks."""
-    src, dst = make(), make(num_blocks=12, seed=1, same_node_copy=True)
+    control plane tells them when its instance rejoins): a handle of the old cache must not
+    read the new one's blocks, by a READ or by a same-node copy (which then stops)."""
+    src, dst = make(), make(num_blocks=12, seed=1, same_node_copy=copy)
     handle = _save(src)
     src.register_kv_caches(_caches(8, torch.float32, 3), range(NUM_LAYERS))
     before = _snapshot(dst)
     done, failed = _load(dst, handle, timeout_s=2.0)
     assert (done, failed) == (None, {"r"}) and _unchanged(dst, before)
+    assert dst.num_direct_reads == 0
+    if copy:
+        assert not dst._direct
+
+
+def test_a_copy_whose_source_changes_its_cache_meanwhile_is_thrown_away(
+    make: Callable[..., NixlWorkerConnector], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The token checked after the copy: the source retires its cache while the data moves
+    (here: right after it moved). The load fails, the source is not told it was read (its
+    lease is not ended by this reader), and it is read with NIXL from then on."""
+    from kv_transfer.cma import SourceProcess
+
+    src, dst = make(), make(num_blocks=12, seed=1, same_node_copy=True)
+    handle = _save(src)
+    copy = SourceProcess._copy
+
+    def copy_then_retire(self: SourceProcess, local: Any, remote: Any) -> int:
+        done = copy(self, local, remote)
+        if len(local) > 1 or int(remote[0, 0]) != self.token.address:  # the data
+            src.retire_caches()
+        return done
+
+    monkeypatch.setattr(SourceProcess, "_copy", copy_then_retire)
+    assert _load(dst, handle, timeout_s=2.0) == (None, {"r"})
     assert dst.num_direct_reads == 0 and not dst._direct
+    assert _sending(src, wait_s=0.2) is None and len(src.leases) == 1
 
 
 @pytest.mark.parametrize("copy", [False, True], ids=["nixl-read", "same-node-copy"])
