@@ -18,11 +18,18 @@ Conditional disaggregation: the best decode-capable instance is found as if it r
 request; if the part of the prompt it does not cache is shorter than the threshold (or
 ``disaggregation: never``, or there is no prefill instance) it does, else the request is
 prefilled on the best prefill instance and handed to the best decode instance.
+
+The samples of one ``n > 1`` request (``{id}#{i}``, sample ``i`` of ``num_samples``) follow
+their first sample's choice while its instance serves: the prompt is computed once there and
+the others hit its blocks (the first sample's queued tokens would otherwise send them to an
+idle instance that computes the prompt again). Each sample of a split request still goes to
+the least-loaded decode instance.
 """
 
 from __future__ import annotations
 
 import itertools
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -41,12 +48,28 @@ class Route:
     decode: InstanceView
 
 
+MAX_FAMILIES = 4096  # n > 1 requests whose other samples are still to come
+
+
+def family_of(request: Request) -> str | None:
+    """The id of the ``n > 1`` request that ``request`` is a sample of (its id without the
+    ``#{sample_index}`` the front end adds), or None for a request of its own."""
+    if request.num_samples <= 1:
+        return None
+    suffix = f"#{request.sample_index}"
+    rid = request.request_id
+    return rid[: -len(suffix)] if rid.endswith(suffix) else None
+
+
 class Router:
-    """Stateless apart from the round-robin counter; reads the instances' views."""
+    """Stateless apart from the round-robin counter and the routes of the samples still to
+    come of ``n > 1`` requests; reads the instances' views."""
 
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
         self._turn = itertools.count()
+        # family -> (instance that computes the prompt, whether split, samples still to come)
+        self._families: OrderedDict[str, tuple[str, bool, int]] = OrderedDict()
 
     def route(
         self, request: Request, prefill: list[InstanceView], decode: list[InstanceView]
@@ -55,6 +78,37 @@ class Router:
         decode or both. Raises ``RuntimeError`` when no decode-capable instance is left."""
         if not decode:
             raise RuntimeError("no live decode-capable instance (role decode or both)")
+        family = family_of(request)
+        if family is None:
+            return self._route(request, prefill, decode)
+        known = self._families.pop(family, None)
+        route = self._sibling_route(known, prefill, decode) if known is not None else None
+        if route is None:  # the first sample, or its instance left: choose afresh
+            route = self._route(request, prefill, decode)
+        left = (known[2] if known is not None else request.num_samples) - 1
+        if left > 0:
+            target = route.prefill or route.decode
+            self._families[family] = (target.instance_id, route.prefill is not None, left)
+            while len(self._families) > MAX_FAMILIES:
+                self._families.popitem(last=False)
+        return route
+
+    def _sibling_route(
+        self,
+        known: tuple[str, bool, int],
+        prefill: list[InstanceView],
+        decode: list[InstanceView],
+    ) -> Route | None:
+        """The route of a later sample: its first sample's instance, if it still serves."""
+        instance_id, split, _ = known
+        for view in prefill if split else decode:
+            if view.instance_id == instance_id:
+                return Route(view, self.best_decode(decode)) if split else Route(None, view)
+        return None
+
+    def _route(
+        self, request: Request, prefill: list[InstanceView], decode: list[InstanceView]
+    ) -> Route:
         turn = next(self._turn)
         full = self._best(decode, turn, lambda v: self._prefill_cost(request, v))
         threshold = self.config.disaggregation

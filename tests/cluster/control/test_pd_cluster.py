@@ -194,6 +194,7 @@ def test_n_samples_share_their_prompts_blocks(disagg: Any, tiny_model: Path) -> 
             params.model_copy(update={"n": 1, "seed": 21 + i}),
             eos_token_id=2,
             num_samples=n,
+            sample_index=i,
         )
         for i in range(n)
     ]

@@ -12,7 +12,7 @@ import pytest
 
 from cluster.config import RouterConfig
 from cluster.control.engine_loop import EngineLoop
-from cluster.control.router import Route, Router
+from cluster.control.router import Route, Router, family_of
 from cluster.control.summaries import InstanceView
 from scheduler import (
     EngineCoreOutput,
@@ -187,6 +187,88 @@ def test_split_requests_spread_over_idle_prefill_and_decode_instances() -> None:
     assert Counter(p for p, _ in routes) == {"p0": 2, "p1": 2}
     assert Counter(d for _, d in routes) == {"d0": 2, "d1": 2}
     _assert_free(*ps, *ds)
+
+
+# -- the samples of an n > 1 request ---------------------------------------------------------
+
+
+def _samples(name: str, n: int, prompt_len: int = 20) -> list[Request]:
+    """The front end's children of request ``name``: ``{name}#{i}``, sample i of n."""
+    out = []
+    for i in range(n):
+        r = make_request(prompt_len, req_id=f"{name}#{i}")
+        r.num_samples, r.sample_index = n, i
+        out.append(r)
+    return out
+
+
+def _route_sent(
+    router: Router, r: Request, prefill: list[InstanceView], decode: list[InstanceView]
+) -> Route:
+    """Route as the central scheduler does: the chosen instance counts the request at once."""
+    route = router.route(r, prefill, decode)
+    (route.prefill or route.decode).sent(r.num_tokens)
+    return route
+
+
+def test_the_samples_of_a_split_request_are_prefilled_on_one_instance() -> None:
+    """The first sample's queued prompt makes its prefill instance the dearer one; the others
+    follow it anyway (they hit its blocks there) and spread over the decode instances."""
+    ps, ds = [_loop("p0"), _loop("p1")], [_loop("d0"), _loop("d1")]
+    router = _router(disaggregation="always")
+    prefill, decode = _v(*ps), _v(*ds)
+    for name in ("a", "b"):
+        routes = []
+        for r in _samples(name, 4):
+            route = router.route(r, prefill, decode)
+            assert route.prefill is not None
+            route.prefill.sent(r.num_tokens)
+            route.decode.sent(1)
+            routes.append(_names(route))
+        assert len({p for p, _ in routes}) == 1, routes
+        assert Counter(d for _, d in routes) == {"d0": 2, "d1": 2}
+    # The two requests still spread: b's samples went to the other prefill instance.
+    assert {v.instance_id for v in prefill if v.queued_tokens == 80} == {"p0", "p1"}
+    assert not router._families  # every sample came: nothing is remembered
+    _assert_free(*ps, *ds)
+
+
+def test_the_samples_of_a_colocated_request_stay_on_one_instance() -> None:
+    loops = [_loop("a"), _loop("b"), _loop("c")]
+    router = _router(disaggregation="never")
+    views = _v(*loops)
+    picks = {_names(_route_sent(router, r, [], views))[1] for r in _samples("x", 3)}
+    assert len(picks) == 1
+    other = _names(_route_sent(router, make_request(20), [], views))[1]
+    assert other not in picks  # a request of its own goes by load
+    _assert_free(*loops)
+
+
+def test_a_later_sample_chooses_afresh_when_the_first_ones_instance_left() -> None:
+    a, b = _loop("a"), _loop("b")
+    router = _router(disaggregation="never")
+    first, second, third = _samples("y", 3)
+    chosen = _names(_route_sent(router, first, [], _v(a, b)))[1]
+    left = b if chosen == "a" else a  # the instance still serving
+    assert _names(router.route(second, [], _v(left)))[1] == left.instance_id
+    # The third follows the second's choice now.
+    assert _names(router.route(third, [], _v(a, b)))[1] == left.instance_id
+    assert not router._families
+    _assert_free(a, b)
+
+
+def test_only_the_front_ends_sample_ids_make_a_family() -> None:
+    """``num_samples`` with an id that is not ``{id}#{sample_index}``: routed on its own."""
+    a, b = _loop("a"), _loop("b")
+    router = _router(disaggregation="never")
+    odd = make_request(20, req_id="plain")
+    odd.num_samples, odd.sample_index = 2, 1
+    assert family_of(odd) is None
+    assert family_of(_samples("z#1", 2)[1]) == "z#1"  # a '#' in the user's own id is kept
+    picks = {_names(_route_sent(router, r, [], _v(a, b)))[1] for r in (odd, make_request(20))}
+    assert picks == {"a", "b"}
+    assert not router._families
+    _assert_free(a, b)
 
 
 # -- prefix affinity ---------------------------------------------------------------------------
