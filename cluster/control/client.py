@@ -40,7 +40,7 @@ logger = logging.getLogger(__name__)
 
 class ClusterClient(EngineClient):
     """Streams requests through a SchedulerActor handle. Safe to use from one event loop (or
-    one thread for the blocking ``generate``)."""
+    one thread for the blocking ``generate``); ``abort`` from any thread."""
 
     def __init__(
         self,
@@ -62,6 +62,9 @@ class ClusterClient(EngineClient):
         self._ids = itertools.count()
         self._prefix = f"c{uuid.uuid4().hex[:12]}-"  # unique across processes
         self._sub: Subscription | None = None
+        # The scheduler ids of each request streaming here: its ``n`` samples. Read by
+        # ``abort`` from any thread (a dict lookup, no iteration).
+        self._children: dict[str, list[str]] = {}
 
     @classmethod
     def connect(cls, name: str | None = None, namespace: str | None = None) -> ClusterClient:
@@ -135,24 +138,29 @@ class ClusterClient(EngineClient):
         processor.add(rid, prepared.prompt, prepared.prompt_token_ids, params)
         subscription = self._subscription()
         taken = [c for c in child_ids if c in subscription.request_ids]
-        if taken:  # refused before anything runs: the request streaming under it goes on
-            raise ValueError(f"request_id {taken[0]!r} is already in use")
-        # Each sample's stream aborts its request if it is closed before the end (the
-        # consumer left, another sample failed): closing the merge closes them all.
-        samples = [subscription.stream(r, trace_context) for r in prepared.requests]
-        open_children = set(child_ids)
-        async with aclosing(merge_streams(samples)) as merged:
-            async for _, item in merged:
-                if item.finished:
-                    open_children.discard(item.request_id)
-                outputs, stopped = processor.process([item])
-                for child in stopped:  # a stop string: end it on the cluster too
-                    open_children.discard(child)
-                    self.abort(child)
-                for out in outputs:
-                    yield out
-                if not open_children:
-                    break
+        if taken or rid in self._children:  # refused before anything runs: the request
+            # streaming under it goes on
+            raise ValueError(f"request_id {(taken or [rid])[0]!r} is already in use")
+        self._children[rid] = child_ids
+        try:
+            # Each sample's stream aborts its request if it is closed before the end (the
+            # consumer left, another sample failed): closing the merge closes them all.
+            samples = [subscription.stream(r, trace_context) for r in prepared.requests]
+            open_children = set(child_ids)
+            async with aclosing(merge_streams(samples)) as merged:
+                async for _, item in merged:
+                    if item.finished:
+                        open_children.discard(item.request_id)
+                    outputs, stopped = processor.process([item])
+                    for child in stopped:  # a stop string: end it on the cluster too
+                        open_children.discard(child)
+                        self._abort_ids([child])
+                    for out in outputs:
+                        yield out
+                    if not open_children:
+                        break
+        finally:
+            del self._children[rid]
 
     def _subscription(self) -> Subscription:
         """This event loop's subscription (a new one after the loop changed or the old one
@@ -164,12 +172,14 @@ class ClusterClient(EngineClient):
         return current
 
     def abort(self, request_id: str) -> None:
-        """End a request wherever it is, with each of its ``n`` samples this client streams
-        (``{id}#{i}``). Reaches it as soon as ``generate_async`` has submitted it."""
-        ids = [request_id]
+        """End a request wherever it is, with each of its ``n`` samples (``{id}#{i}``), from
+        any thread. From the moment ``generate_async`` is called: a request whose generator
+        has not submitted it yet is aborted by its id, which the central scheduler keeps for
+        it and for its samples (``EarlyAborts``)."""
+        self._abort_ids(self._children.get(request_id) or [request_id])
+
+    def _abort_ids(self, ids: list[str]) -> None:
         sub = self._sub
-        if sub is not None:
-            ids += [c for c in sub.request_ids if c.startswith(f"{request_id}#")]
         try:
             here = sub is not None and sub.loop is asyncio.get_running_loop()
         except RuntimeError:  # no event loop in this thread

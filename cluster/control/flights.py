@@ -303,6 +303,12 @@ class EarlyAborts:
         self._finished.pop(request_id, None)  # a new request under an old id
         return when is not None and time.monotonic() - when <= self.ttl_s
 
+    def take_sample(self, family: str, last: bool) -> bool:
+        """Whether an abort of the ``n > 1`` request ``family`` waits for this sample of it
+        (an abort by the user's id before its samples came); forgotten with the ``last``."""
+        when = self._pending.pop(family, None) if last else self._pending.get(family)
+        return when is not None and time.monotonic() - when <= self.ttl_s
+
     def _prune(self, now: float) -> None:
         for table in (self._pending, self._finished):
             while table and (

@@ -22,6 +22,7 @@ from cluster.control.flights import (
     pack_batch,
 )
 from cluster.control.observer import RequestObserver
+from cluster.control.router import family_of
 from cluster.control.summaries import InstanceView
 from cluster.engine.streams import Mailbox
 from cluster.errors import OverloadedError
@@ -205,7 +206,8 @@ class Intake:
         flight.client_id = client_id
         self.observe.arrived(flight, trace_context)
         self.flights[rid] = flight
-        if self._early_aborts.take(rid):  # its abort came first: it ends at once
+        if self._early_aborts.take(rid) or self._aborted_family(request):  # its abort came
+            # first (by its own id, or its n > 1 request's): it ends at once
             self._end(flight, FinishReason.ABORT)
             return flight
         try:
@@ -216,6 +218,13 @@ class Intake:
                 self._internal.pop(flight.internal_id, None)
             raise
         return flight
+
+    def _aborted_family(self, request: Request) -> bool:
+        family = family_of(request)
+        if family is None:
+            return False
+        last = request.sample_index == request.num_samples - 1
+        return self._early_aborts.take_sample(family, last)
 
     def _ended_for_its_client(
         self, flight: Flight, client_id: str | None, submission: Submission | None

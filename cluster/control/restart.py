@@ -229,8 +229,8 @@ async def rebuild(actor: Any) -> None:
     for iid, flight, prefilled in handoffs:
         actor._hand_off(flight, prefilled)
         actor.engines[iid].handed_off([prefilled.internal_id])
-    for rid in list(actor.flights):  # aborts that came during the rebuild
-        if actor._early_aborts.take(rid):
+    for rid, flight in list(actor.flights.items()):  # aborts that came during the rebuild
+        if actor._early_aborts.take(rid) or actor._aborted_family(flight.request):
             actor.abort(rid)
     logger.warning(
         "central scheduler restarted: %d instances, %d requests in flight taken on",

@@ -35,3 +35,15 @@ def test_old_and_surplus_aborts_are_forgotten() -> None:
         aborts.remember(f"r{i}")
     assert len(aborts._pending) <= 4
     assert aborts.take("r9") is True and aborts.take("r0") is False
+
+
+def test_an_abort_by_the_users_id_waits_for_every_sample_of_it() -> None:
+    """``abort("r")`` before the samples ``r#0`` .. ``r#2`` of an ``n = 3`` request came:
+    each ends on arrival; the last one clears it."""
+    aborts = EarlyAborts(ttl_s=60.0)
+    aborts.remember("r")
+    assert aborts.take_sample("r", last=False) is True
+    assert aborts.take_sample("r", last=False) is True
+    assert aborts.take_sample("r", last=True) is True
+    assert aborts.take_sample("r", last=False) is False  # a later request's samples run
+    assert aborts.take_sample("other", last=True) is False

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -417,6 +418,45 @@ def test_abort_by_the_users_id_ends_every_sample(client: ClusterClient) -> None:
                 client.abort("par")  # the user's id: its samples are "par#0" and "par#1"
                 aborted = True
             if out.finished:
+                return out
+        raise AssertionError("the stream ended without a final output")
+
+    out = asyncio.run(run())
+    assert [o.finish_reason for o in out.outputs] == ["abort", "abort"]
+    assert all(len(o.token_ids) < 400 for o in out.outputs)
+
+
+def test_an_abort_before_the_generator_runs_ends_every_sample(client: ClusterClient) -> None:
+    """``abort`` from the moment ``generate_async`` is called: nothing is submitted yet (the
+    generator runs when iterated), so the central scheduler keeps the user's id and ends each
+    sample ``early#i`` as it arrives."""
+    params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True, n=2)
+
+    async def run() -> Any:
+        stream = client.generate_async(_prompts(1, 12)[0], params, request_id="early")
+        client.abort("early")
+        final = None
+        async for out in stream:
+            final = out
+        return final
+
+    out = asyncio.run(run())
+    assert [o.finish_reason for o in out.outputs] == ["abort", "abort"]
+    assert all(not o.token_ids for o in out.outputs)  # ended on arrival
+
+
+def test_an_abort_from_another_thread_ends_every_sample(client: ClusterClient) -> None:
+    params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True, n=2)
+
+    async def run() -> Any:
+        aborter = None
+        async for out in client.generate_async(_prompts(1, 13)[0], params, request_id="thr"):
+            if aborter is None and all(o.token_ids for o in out.outputs):
+                aborter = threading.Thread(target=client.abort, args=("thr",))
+                aborter.start()
+            if out.finished:
+                assert aborter is not None
+                aborter.join()
                 return out
         raise AssertionError("the stream ended without a final output")
 
