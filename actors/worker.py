@@ -385,6 +385,8 @@ class ModelWorker:
             "kv_reads_started": 0 if self.connector is None else self.connector.num_reads_started,
             # nixl: reads copied straight from a worker of this machine (kv_transfer/cma.py)
             "kv_direct_reads": getattr(self.connector, "num_direct_reads", 0),
+            # nixl, grpc: leases that ran out unread (released ones end at once)
+            "kv_leases_expired": getattr(getattr(self.connector, "leases", None), "num_expired", 0),
             "kv_transport": None if self.connector is None else self.connector.transport,
             "kv_peers": 0 if self.connector is None else self.connector.num_peers(),
             "ucx_tls": os.environ.get("UCX_TLS"),  # nixl: UCX's transports, if restricted

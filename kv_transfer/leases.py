@@ -38,6 +38,9 @@ class LeaseTable:
         self._leases: dict[str, Lease] = {}
         self._by_req: dict[str, set[str]] = {}  # req_id -> its live lease ids
         self._ended: set[str] = set()  # req_ids whose last lease ended, not yet reported
+        # Leases that ran out unread: the decode side failed, or nobody told this side that no
+        # one will read (a release ends a lease at once; in a healthy cluster this stays 0).
+        self.num_expired = 0
 
     def add(self, req_id: str, block_ids: list[int], layers: range, duration_s: float) -> str:
         lease_id = secrets.token_hex(16)  # unguessable: a second secret besides the token
@@ -89,6 +92,7 @@ class LeaseTable:
                         lease.req_id,
                         sorted(lease.unpulled),
                     )
+                    self.num_expired += 1
                     self._end(lease_id)
             ended, self._ended = self._ended, set()
         return ended

@@ -235,6 +235,9 @@ class EngineActor:
         elif kind == "end":
             self._end(item[1], FinishReason(item[2]), item[3])
         elif kind == "abort":
+            # (A restarted central scheduler drops a prefilled copy whose decode part runs
+            # elsewhere: its KV stays leased, as that part may be reading it; the read's
+            # notification, or the lease's expiry, ends it.)
             for internal in item[1]:
                 self._routes.pop(internal, None)
                 self._awaiting.pop(internal, None)

@@ -448,8 +448,8 @@ class SchedulerActor(Intake, KVPeers, Migration, Restart, ClusterOperations):
                 error = "no live decode instance to continue"
                 source = self.engines.get(flight.instance)
                 self._end(flight, FinishReason.ERROR, error, tokens=flight.sent)
-                if source is not None and not source.remote:  # nobody will read its KV
-                    source.release_kv(prefilled.internal_id)
+                if source is not None:  # nobody will read its KV (an engine actor: an op,
+                    source.release_kv(prefilled.internal_id)  # before ``handed_off``)
                 return
             decode = self.router.best_decode(alive)
         params = prefilled.kv_transfer_params

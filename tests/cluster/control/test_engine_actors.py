@@ -833,24 +833,40 @@ def test_a_killed_engine_process_with_no_engine_left_ends_its_requests_with_an_e
 ) -> None:
     """The last decode instance's engine process dies mid-stream: with nowhere to move,
     its requests end with an error naming it (no hang), the instance leaves routing, a new
-    request is refused clearly, and the prefill side is left clean."""
+    request is refused clearly, and the prefill side is left clean. A request prefilling
+    meanwhile ends with an error at its hand-off, and its KV, kept for a read that will not
+    come, is released at once, not left to its lease's expiry."""
     (last,) = asyncio.run(client.scale_pool("d", 1))["instances"]
     ray.get(engines.set_fault_injection.remote(last, 0.0, 0.03))
+    health = ray.get(engines.worker_health.remote())["p-0"]
+    leased = health["kv_transport"] in ("nixl", "grpc")  # (ray copies the KV out: no lease)
+    expired = health["kv_leases_expired"]
 
-    async def run() -> tuple[Any, Any]:
+    async def run() -> tuple[Any, Any, Any]:
         task = asyncio.ensure_future(_collect(client, _prompts(1, 14)[0], LONG))
         await _until(lambda: _instances(engines)[last]["num_running"] > 0)
+        await asyncio.to_thread(ray.get, engines.set_fault_injection.remote("p-0", 0.0, 1.5))
+        prefilling = asyncio.ensure_future(_collect(client, _prompts(1, 15)[0], GREEDY))
+        await _until(lambda: _instances(engines)["p-0"]["num_running"] > 0)
         os.kill(_instances(engines)[last]["engine_pid"], signal.SIGKILL)
+        await _until(lambda: not _instances(engines)[last]["alive"])  # (0.02 s here)
+        assert not prefilling.done()  # its hand-off comes after: no decode instance left
+        # The steps after this one (the release's) at full speed: well within the lease.
+        await asyncio.to_thread(ray.get, engines.set_fault_injection.remote("p-0", 0.0, 0.0))
         out = await asyncio.wait_for(task, 30)
+        handed = await asyncio.wait_for(prefilling, 30)
         try:
             after = await _collect(client, [5, 6, 7], GREEDY)
         except Exception as exc:
             after = exc
-        return out, after
+        return out, handed, after
 
-    out, after = asyncio.run(run())
+    out, handed, after = asyncio.run(run())
     assert out.outputs[0].finish_reason == "error"
     assert f"engine process of instance {last} died" in (out.outputs[0].error or "")
+    assert handed.outputs[0].finish_reason == "error"
+    assert len(handed.outputs[0].token_ids) == 1  # the prefill instance's token, then the error
+    assert "no live decode instance to continue" in (handed.outputs[0].error or "")
     assert isinstance(after, Exception) or after.outputs[0].finish_reason == "error"
     assert "no live decode" in str(
         after if isinstance(after, Exception) else after.outputs[0].error
@@ -859,3 +875,6 @@ def test_a_killed_engine_process_with_no_engine_left_ends_its_requests_with_an_e
     prefill = _instances(engines)["p-0"]
     wait_until(lambda: _instances(engines)["p-0"]["kv_cache_usage"] == 0.0, 10, "p-0's blocks free")
     assert prefill["num_requests"] == 0
+    if leased:
+        health = ray.get(engines.worker_health.remote())["p-0"]
+        assert health["kv_leases_expired"] == expired  # released, not run out
