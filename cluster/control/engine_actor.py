@@ -494,7 +494,12 @@ class EngineActor:
 
     # -- introspection ------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        return {**self._engine().stats(), "num_refilled": self.num_refilled}
+        return {
+            **self._engine().stats(),
+            "num_refilled": self.num_refilled,
+            # prefilled, their hand-off not confirmed yet (kept for a central restart)
+            "num_awaiting_hand_off": len(self._awaiting),
+        }
 
     def describe_requests(self, internal_ids: list[str]) -> dict[str, RequestPlace]:
         return self._engine().describe_requests(internal_ids)

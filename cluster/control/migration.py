@@ -23,6 +23,7 @@ from cluster.config import ClusterConfig
 from cluster.control.clients import Clients
 from cluster.control.engine import Lost
 from cluster.control.flights import Flight, Outcome, Submission
+from cluster.control.handoffs import HandOffs
 from cluster.control.observer import RequestObserver
 from cluster.control.summaries import InstanceView
 from scheduler.outputs import EngineCoreOutput
@@ -54,6 +55,8 @@ class Migration:
     _spawn: Callable[[Coroutine[Any, Any, None]], None]
     _end: Callable[..., None]  # SchedulerActor._end(flight, reason, error=, tokens=)
     _forget: Callable[[Flight], None]
+    hand_offs: HandOffs
+    _confirm: Callable[[dict[str, list[str]]], None]
 
     def _engine_died(self, iid: str, reason: str) -> None:
         """An engine actor's process died: its instance leaves routing, and each request it
@@ -62,6 +65,7 @@ class Migration:
         if view is None or not self.started:  # (shutting down: everything ends anyway)
             return
         view.alive = False
+        self._confirm(self.hand_offs.drop(iid))  # what it had not confirmed moves on too
         self.failures.append(
             {"instance_id": iid, "event": "failed", "reason": reason, "time": time.time()}
         )

@@ -10,12 +10,14 @@ import inspect
 import logging
 import os
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from cluster.config import ClusterConfig
 from cluster.control.adapters import LoRAAdapters
 from cluster.control.engine import Lost
 from cluster.control.flights import Flight
+from cluster.control.handoffs import HandOffs
 from cluster.control.heap import refreeze_heap
 from cluster.control.observer import RequestObserver
 from cluster.control.placement import InstanceSpec
@@ -49,6 +51,8 @@ class ClusterOperations:
     _last_index: dict[str, int]  # per pool, the highest instance index it has used
     autoscaler: Any  # control.autoscaler.Autoscaler
     _orphans: dict[tuple[str, Any], tuple[str, str, str]]
+    hand_offs: HandOffs
+    _confirm: Callable[[dict[str, list[str]]], None]
 
     # ... and what of the actor this uses.
     async def _add_instances(self, specs: list[InstanceSpec]) -> None:
@@ -205,6 +209,7 @@ class ClusterOperations:
                     flight, f"instance {iid} left with the request in an unknown state"
                 )
         spec = self.specs.pop(iid)
+        self._confirm(self.hand_offs.drop(iid))
         self.views[iid].alive = False  # a flight's decode_target may still point here
         del self.engines[iid], self.roles[iid], self.views[iid]
         self.lora.forget(iid)

@@ -228,7 +228,7 @@ async def rebuild(actor: Any) -> None:
     actor.clients.notify_all(actor.engine_handles())
     for iid, flight, prefilled in handoffs:
         actor._hand_off(flight, prefilled)
-        actor.engines[iid].handed_off([prefilled.internal_id])
+        actor._handed_off(iid, flight, prefilled.internal_id)
     for rid, flight in list(actor.flights.items()):  # aborts that came during the rebuild
         if actor._early_aborts.take(rid) or actor._aborted_family(flight.request):
             actor.abort(rid)

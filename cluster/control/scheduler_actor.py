@@ -38,6 +38,7 @@ from cluster.control.flights import (
     clone_request,
     prefill_request,
 )
+from cluster.control.handoffs import HandOffs
 from cluster.control.heap import freeze_heap
 from cluster.control.intake import Intake
 from cluster.control.kv_peers import KVPeers
@@ -96,6 +97,7 @@ class SchedulerActor(Intake, KVPeers, Migration, Restart, ClusterOperations):
         )
         self._internal: dict[str, Flight] = {}  # by the schedulers' id
         self._early_aborts = EarlyAborts()  # aborts that overtook their submit
+        self.hand_offs = HandOffs()  # hand-offs no decode engine has confirmed yet
         self._seq = itertools.count()
         self.max_model_len = 0
         self.started = False
@@ -397,6 +399,11 @@ class SchedulerActor(Intake, KVPeers, Migration, Restart, ClusterOperations):
             self._rejoined(iid)
         view = self.views[iid]
         view.update(report.summary)
+        if self.hand_offs:  # hand-offs to this engine it now has; any never confirmed
+            self._confirm(self.hand_offs.received(iid, report.summary.num_received))
+            self._confirm(self.hand_offs.stale(time.monotonic()))
+            if report.failure is not None or report.lost:  # its requests move their own way
+                self._confirm(self.hand_offs.drop(iid))
         if report.latencies:
             now = time.monotonic()
             for kind, seconds in report.latencies:
@@ -416,7 +423,7 @@ class SchedulerActor(Intake, KVPeers, Migration, Restart, ClusterOperations):
             flight = self._internal.get(prefilled.internal_id)
             if flight is not None and flight.instance == iid and not flight.aborting:
                 self._hand_off(flight, prefilled)
-                self.engines[iid].handed_off([prefilled.internal_id])
+                self._handed_off(iid, flight, prefilled.internal_id)
             elif not self.engines[iid].remote:  # aborted: nobody will read its KV
                 self.engines[iid].release_kv(prefilled.internal_id)
         for internal, source in report.kv_unread:  # the decode side had the prompt cached
@@ -464,6 +471,22 @@ class SchedulerActor(Intake, KVPeers, Migration, Restart, ClusterOperations):
         )
         flight.last_token_at = flight.first_token_at
         self._send(decode, flight, part, hand_off=False)
+
+    def _handed_off(self, prefill: str, flight: Flight, internal_id: str) -> None:
+        """The prefill engine may drop its copy of ``internal_id`` -- with an engine actor,
+        once the decode engine has the request (``HandOffs``)."""
+        engine = self.engines[prefill]
+        decode = flight.instance
+        if not engine.remote or decode == prefill or decode not in self.views:
+            engine.handed_off([internal_id])  # (in one process, or it went nowhere)
+        else:
+            self.hand_offs.expect(decode, self.views[decode].num_sent, prefill, internal_id)
+
+    def _confirm(self, confirmed: dict[str, list[str]]) -> None:
+        for prefill, internal_ids in confirmed.items():
+            engine = self.engines.get(prefill)
+            if engine is not None:
+                engine.handed_off(internal_ids)
 
     # -- failures ----------------------------------------------------------------------------
     def _spawn(self, coro: Any) -> None:

@@ -88,6 +88,11 @@ class InstanceView:
         self.prefix.apply(summary.kv_events)
 
     @property
+    def num_sent(self) -> int:
+        """Requests sent to the engine so far (the last one's place: ``num_received``)."""
+        return self._num_sent
+
+    @property
     def queued_tokens(self) -> int:
         return self._queued_tokens + self._unseen_tokens
 

@@ -111,14 +111,14 @@ def assert_clean(handle: Any, timeout_s: float = 10.0, objects: bool = True) -> 
     store."""
 
     keys = ("num_requests", "num_pending", "kv_cache_usage", "num_free_blocks", "num_blocks")
+    keys += ("connector_pending", "num_awaiting_hand_off", "alive")
     last: dict[str, Any] = {}
 
     def idle() -> bool:
         stats = ray.get(handle.stats.remote())
         last["flights"] = stats["num_flights"]
         last["instances"] = {
-            iid: {k: i.get(k) for k in (*keys, "connector_pending", "alive")}
-            for iid, i in stats["instances"].items()
+            iid: {k: i.get(k) for k in keys} for iid, i in stats["instances"].items()
         }
         if stats["num_flights"]:
             return False
@@ -128,6 +128,7 @@ def assert_clean(handle: Any, timeout_s: float = 10.0, objects: bool = True) -> 
             and i["kv_cache_usage"] == 0.0
             and i["num_free_blocks"] == i["num_blocks"]
             and i["connector_pending"] == 0
+            and i.get("num_awaiting_hand_off", 0) == 0  # (engine actors)
             for i in stats["instances"].values()
         )
 

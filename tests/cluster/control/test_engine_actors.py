@@ -420,6 +420,36 @@ def test_the_central_scheduler_killed_mid_stream_comes_back(
     assert set(stats["instances"]) == {"p-0", "d-0", "d-1"}
 
 
+def test_a_central_scheduler_killed_before_the_decode_engine_confirmed_a_hand_off(
+    engines: Any, client: ClusterClient, tiny_model: Path
+) -> None:
+    """The prefill engine keeps its prefilled copy until a report of the decode engine shows
+    the request received (``HandOffs``): a central scheduler killed in between finds the
+    request on both after its restart, keeps the decoding one, and the stream completes with
+    the undisturbed output, nothing left behind."""
+    prompt = _prompts(3, seed=17)[2]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    (expected,) = generate_in_process(tiny_model, [prompt], params)
+    for iid in ("d-0", "d-1"):
+        ray.get(engines.set_fault_injection.remote(iid, 0.0, 1.5))  # reports 1.5 s apart
+
+    def copy_kept_while_decoding() -> bool:
+        stats = _instances(engines)
+        decoding = any(stats[i]["num_requests"] for i in ("d-0", "d-1"))
+        return decoding and stats["p-0"]["num_awaiting_hand_off"] == 1
+
+    async def run() -> Any:
+        task = asyncio.ensure_future(_collect(client, prompt, params))
+        await _until(copy_kept_while_decoding)
+        ray.kill(engines, no_restart=False)
+        return await asyncio.wait_for(task, 60)
+
+    out = asyncio.run(run())
+    for iid in ("d-0", "d-1"):
+        ray.get(engines.set_fault_injection.remote(iid, 0.0, 0.0))
+    assert out.outputs[0].token_ids == expected and out.outputs[0].finish_reason == "length"
+
+
 def test_lora_adapters_loaded_at_run_time_survive_a_central_restart(
     ray_cluster: RayCluster, tiny_model: Path, tmp_path: Path
 ) -> None:
