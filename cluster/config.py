@@ -48,7 +48,9 @@ class AutoscalingConfig(_Config):
     upscale_delay_s: float = Field(10.0, ge=0)
     downscale_delay_s: float = Field(60.0, ge=0)
     slo_ttft_ms: float | None = Field(
-        None, gt=0, description="TTFT target (p90): a prefill or colocated pool grows past it."
+        None,
+        gt=0,
+        description="TTFT target (p90) of the first tokens a pool samples: it grows past it.",
     )
     slo_tpot_ms: float | None = Field(
         None, gt=0, description="TPOT target (p90): a decode or colocated pool grows past it."

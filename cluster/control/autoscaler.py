@@ -7,14 +7,24 @@ measured where it happened: a request's TTFT on the instance that sampled its fi
 its TPOT on the one that finished it) -- and its ``PoolPolicy`` names the size it wants:
 
     ongoing     ceil(requests held / target_ongoing_requests)        (Ray Serve's rule)
-    TTFT        a prefill or colocated pool grows by one while its TTFT p90 breaks the SLO
+    TTFT        a pool grows by one while the TTFT p90 of the requests whose first token it
+                sampled breaks the SLO (a prefill pool's; a decode pool's short prompts,
+                which conditional disaggregation leaves there; a colocated pool's)
     TPOT, KV    a decode or colocated pool grows by one while its TPOT p90 breaks the SLO,
                 or its KV usage passes max_kv_usage
     shrink      one instance at a time, and only with room to spare: the requests held at
                 the smaller size under half the target, TTFT p90 under half its target, TPOT
                 p90 under 70% of its target, KV usage at the smaller size under 70% of
-                max_kv_usage (hysteresis: a pool that just grew does not shrink back while
-                the load that grew it lasts, though each of its instances now holds fewer)
+                max_kv_usage, and the load per instance at the smaller size under 80% of
+                the load per instance at which the pool last broke an SLO (``capacity``).
+                The last is what keeps a pool that grew on an SLO from shrinking back while
+                the load that broke it lasts: at the larger size its latencies are fine and
+                each instance holds fewer requests, so the other rules alone would shrink it,
+                break the SLO again, and grow it again, a drain and a model load each time.
+                The load is the pool's rate of first tokens for a prefill pool (its requests
+                come and go within a step or two) and the requests held for the others;
+                ``capacity`` rises when the pool carries more per instance with its
+                latencies well within the SLO (the traffic changed).
 
 clamped to ``[min_replicas, max_replicas]``. A wish must hold ``upscale_delay_s`` (to grow) or
 ``downscale_delay_s`` (to shrink) before it is acted on, through ``scale_pool``: new instances
@@ -42,9 +52,11 @@ logger = logging.getLogger(__name__)
 SHRINK_TTFT = 0.5  # a pool shrinks only with its TTFT p90 under this share of the target,
 SHRINK_TPOT = 0.7  # its TPOT p90 under this share,
 SHRINK_KV = 0.7  # and its KV usage, at the smaller size, under this share of max_kv_usage;
-SHRINK_ONGOING = 0.5
+SHRINK_ONGOING = 0.5  # the requests held, at the smaller size, under this share of the target
+SHRINK_LOAD = 0.8  # and the load per instance, at the smaller size, under this share of the
+# load per instance that last broke an SLO
 MIN_SAMPLES = 8  # latencies a window needs before they count, either way
-MAX_DECISIONS = 1000  # the requests held, at the smaller size, under this share of the target
+MAX_DECISIONS = 1000
 
 
 @dataclass(frozen=True)
@@ -56,6 +68,8 @@ class PoolSignals:
     # on it, over the window (None: fewer than MIN_SAMPLES)
     ttft_p90_s: float | None = None
     tpot_p90_s: float | None = None
+    # first tokens the pool sampled per second over the window (None: too few to tell)
+    first_tokens_per_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -78,6 +92,14 @@ class PoolPolicy:
         self.pool, self.role, self.config = pool, role, config
         self._direction = 0  # the wish being timed: +1 grow, -1 shrink, 0 none
         self._since = 0.0
+        # The load per instance at which the pool last broke an SLO (None: it never did).
+        self.capacity: float | None = None
+
+    def load(self, s: PoolSignals) -> float:
+        """The pool's load, in the unit ``capacity`` is kept in."""
+        if self.role == "prefill" and s.first_tokens_per_s is not None:
+            return s.first_tokens_per_s
+        return float(s.ongoing)
 
     def desired(self, s: PoolSignals) -> tuple[int, str]:
         """The size the pool wants now, and why."""
@@ -88,7 +110,7 @@ class PoolPolicy:
         why = f"{s.ongoing} requests held (target {c.target_ongoing_requests:g} per instance)"
         ttft = s.ttft_p90_s * 1000 if s.ttft_p90_s is not None else None
         tpot = s.tpot_p90_s * 1000 if s.tpot_p90_s is not None else None
-        ttft_slo = c.slo_ttft_ms if self.role in ("prefill", "both") else None
+        ttft_slo = c.slo_ttft_ms  # (on the requests whose first token it sampled)
         tpot_slo = c.slo_tpot_ms if self.role in ("decode", "both") else None
         kv_limit = c.max_kv_usage if self.role in ("decode", "both") else None
         breaks = []
@@ -112,6 +134,8 @@ class PoolPolicy:
                 tight.append("KV usage")
             if s.ongoing > SHRINK_ONGOING * c.target_ongoing_requests * (n - 1):
                 tight.append("the requests held")
+            if self.capacity is not None and self.load(s) / (n - 1) > SHRINK_LOAD * self.capacity:
+                tight.append("the load that broke an SLO")
             if tight:
                 want, why = n, f"{why}, but {' and '.join(tight)} leave no room to shrink"
             else:
@@ -125,6 +149,8 @@ class PoolPolicy:
         """A resize once the pool has wanted it for its delay; None meanwhile."""
         want, why = self.desired(s)
         direction = (want > s.replicas) - (want < s.replicas)
+        if self.capacity is not None and s.replicas > 0 and self._comfortable(s):
+            self.capacity = max(self.capacity, self.load(s) / s.replicas)
         if direction == 0:
             self._direction = 0
             return None
@@ -134,7 +160,20 @@ class PoolPolicy:
         if now - self._since < delay:
             return None
         self._direction = 0
+        if direction > 0 and _reason_kind(why) != "ongoing" and s.replicas > 0:
+            self.capacity = self.load(s) / s.replicas  # what broke it, per instance
         return Decision(now, self.pool, s.replicas, want, why)
+
+    def _comfortable(self, s: PoolSignals) -> bool:
+        """Latencies measured, and well within their SLOs (the shrink margins)."""
+        c = self.config
+        checks = []
+        if c.slo_ttft_ms is not None:
+            checks.append((s.ttft_p90_s, SHRINK_TTFT * c.slo_ttft_ms))
+        if c.slo_tpot_ms is not None and self.role != "prefill":
+            checks.append((s.tpot_p90_s, SHRINK_TPOT * c.slo_tpot_ms))
+        measured = [(v, bound) for v, bound in checks if v is not None]
+        return bool(measured) and all(v * 1000 <= bound for v, bound in measured)
 
 
 def _p90(values: list[float]) -> float | None:
@@ -180,12 +219,15 @@ class Autoscaler:
             for when, kind, seconds in view.latencies:
                 if when >= since:
                     (ttft if kind == "ttft" else tpot).append(seconds)
+        span = now - since
+        rate = len(ttft) / span if len(ttft) >= MIN_SAMPLES and span > 0 else None
         return PoolSignals(
             replicas=len(ids),
             ongoing=sum(v.num_active for v in views),
             kv_usage=sum(v.kv_usage for v in views) / len(views) if views else 0.0,
             ttft_p90_s=_p90(ttft),
             tpot_p90_s=_p90(tpot),
+            first_tokens_per_s=rate,
         )
 
     def resized(self, pool: str) -> None:
@@ -221,7 +263,9 @@ class Autoscaler:
                 decision.reason,
             )
             try:
-                await self.actor.scale_pool(pool, decision.desired)
+                # A shrink returns once its instances drain (out of routing at once): a
+                # drain never holds up the next round, of this pool or another.
+                await self.actor.scale_pool(pool, decision.desired, wait=False)
             except Exception as exc:  # e.g. no resources: it asks again after its delay
                 logger.warning("autoscaler: pool %s could not be resized: %s", pool, exc)
                 self.failed += 1

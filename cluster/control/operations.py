@@ -82,15 +82,21 @@ class ClusterOperations:
 
     # -- pools resized at run time -----------------------------------------------------------
     async def scale_pool(
-        self, pool_name: str, replicas: int, drain_timeout_s: float | None = None
+        self,
+        pool_name: str,
+        replicas: int,
+        drain_timeout_s: float | None = None,
+        wait: bool = True,
     ) -> dict[str, Any]:
         """Resize pool ``pool_name`` to ``replicas`` instances while serving. New instances
         start (workers placed, model loaded, KV cache sized) and then join routing. Removed
         ones -- the newest first -- drain: they take no new request, and the ones they hold
         finish; what is still there after ``drain_timeout_s`` (default
         ``ClusterConfig.drain_timeout_s``) moves to live instances, as after a failure. Then
-        their workers stop. Returns the pool's instances. ``ValueError``: unknown pool, fewer
-        than one replica, workers that are not Ray actors (an in-process cluster)."""
+        their workers stop. The drain holds up no other resize (of this pool or another);
+        ``wait=False`` returns once it has begun (the autoscaler's way). Returns the pool's
+        serving instances. ``ValueError``: unknown pool, fewer than one replica, workers that
+        are not Ray actors (an in-process cluster)."""
         pool = next((p for p in self.config.pools if p.name == pool_name), None)
         if pool is None:
             names = ", ".join(p.name for p in self.config.pools)
@@ -106,13 +112,21 @@ class ClusterOperations:
             live = self._pool_instances(pool_name)
             # Dead instances (failed, not back) count for nothing: the resize retires them.
             dead = [i for i in self._pool_instances(pool_name, alive=False) if i not in live]
+            leaving = dead + live[replicas:]
             try:
                 if replicas > len(live):
                     await self._grow(pool, replicas - len(live))
-                await self._shrink(dead + live[replicas:], drain_timeout_s)
+                for iid in leaving:  # out of routing and of the pool's count at once
+                    self.views[iid].draining = True
+                    self.engines[iid].draining = True
             finally:
                 self.autoscaler.resized(pool_name)
-            return {"pool": pool_name, "instances": self._pool_instances(pool_name)}
+        drained = self._shrink(leaving, drain_timeout_s)
+        if wait:
+            await drained
+        else:
+            self._spawn(drained)
+        return {"pool": pool_name, "instances": self._pool_instances(pool_name)}
 
     def _pool_instances(self, pool_name: str, alive: bool = True) -> list[str]:
         """The pool's instances that serve (alive, not draining; ``alive=False``: all but
@@ -162,11 +176,10 @@ class ClusterOperations:
         logger.info("pool %s grew: %s", pool.name, ", ".join(s.instance_id for s in specs))
 
     async def _shrink(self, instance_ids: list[str], drain_timeout_s: float | None) -> None:
+        """Wait for the draining instances to hold nothing (at most the drain timeout), then
+        retire them."""
         if not instance_ids:
             return
-        for iid in instance_ids:
-            self.views[iid].draining = True
-            self.engines[iid].draining = True
         timeout = self.config.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -6,6 +6,7 @@ returned."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from typing import Any
 
@@ -48,7 +49,9 @@ def test_an_slo_breach_grows_the_pool_on_its_side_only() -> None:
     assert _policy("prefill", **slos).desired(slow_first)[0] == 2
     assert _policy("prefill", **slos).desired(slow_after)[0] == 1  # TPOT is not its doing
     assert _policy("decode", **slos).desired(slow_after)[0] == 2
-    assert _policy("decode", **slos).desired(slow_first)[0] == 1
+    # A decode pool's TTFT samples are the short prompts it prefilled itself (conditional
+    # disaggregation left them there): slow ones are its doing too.
+    assert _policy("decode", **slos).desired(slow_first)[0] == 2
     assert _policy("both", **slos).desired(slow_first)[0] == 2
     want, why = _policy("decode").desired(PoolSignals(1, 1, 0.95))  # KV nearly full
     assert want == 2 and why.startswith("KV usage")
@@ -80,6 +83,39 @@ def test_a_wish_must_last_its_delay_and_a_change_of_mind_restarts_the_clock() ->
     assert policy.decide(40.9, idle) is None
     late = policy.decide(41.0, idle)
     assert late is not None and (late.desired, late.direction) == (2, "down")
+
+
+def test_a_pool_grown_on_an_slo_keeps_its_size_while_the_load_that_broke_it_lasts() -> None:
+    """A prefill pool breaks its TTFT SLO at 10 first tokens/s on one instance and grows.
+    At two instances the same load is comfortable and holds few requests -- the other shrink
+    rules alone would shrink it, break the SLO and grow it again, one drain and model load
+    per cycle. It shrinks once the load per instance at the smaller size is under 80% of
+    the one that broke it."""
+    policy = _policy("prefill", slo_ttft_ms=500.0, upscale_delay_s=0.0, downscale_delay_s=0.0)
+    breaking = PoolSignals(1, 2, 0.1, ttft_p90_s=2.0, first_tokens_per_s=10.0)
+    grown = policy.decide(0.0, breaking)
+    assert grown is not None and grown.desired == 2 and grown.reason.startswith("TTFT")
+    assert policy.capacity == 10.0
+    same_load = PoolSignals(2, 1, 0.05, ttft_p90_s=0.15, first_tokens_per_s=10.0)
+    want, why = policy.desired(same_load)
+    assert want == 2 and "the load that broke an SLO" in why
+    assert policy.decide(1.0, same_load) is None
+    lighter = PoolSignals(2, 1, 0.05, ttft_p90_s=0.1, first_tokens_per_s=7.0)
+    shrunk = policy.decide(2.0, lighter)
+    assert shrunk is not None and shrunk.desired == 1
+
+
+def test_a_pool_that_carries_more_within_its_slo_learns_a_higher_capacity() -> None:
+    policy = _policy("decode", slo_tpot_ms=50.0, upscale_delay_s=0.0)
+    policy.decide(0.0, PoolSignals(1, 8, 0.2, tpot_p90_s=0.08))  # 8 held broke it
+    assert policy.capacity == 8.0
+    policy.decide(1.0, PoolSignals(2, 24, 0.2, tpot_p90_s=0.02))  # 12 each, well within
+    assert policy.capacity == 12.0
+    policy.decide(2.0, PoolSignals(2, 30, 0.2, tpot_p90_s=0.045))  # within, not by the margin
+    assert policy.capacity == 12.0
+    grown_on_load = _policy(upscale_delay_s=0.0)
+    assert grown_on_load.decide(0.0, PoolSignals(1, 30, 0.1)) is not None
+    assert grown_on_load.capacity is None  # the requests-held rule learns nothing
 
 
 def test_min_above_max_and_replicas_outside_the_bounds_are_refused() -> None:
@@ -160,3 +196,59 @@ def test_a_load_step_grows_the_decode_pool_and_its_end_shrinks_it_back() -> None
         'tandem:autoscaler_decisions_total{direction="up",model_name="m",pool="d",reason="ongoing"}'
         in text
     )
+
+
+def test_a_drain_holds_up_no_other_resize() -> None:
+    """``scale_pool(..., wait=False)`` (the autoscaler's call) returns once the removed
+    instance drains: another pool grows meanwhile, and the drained instance retires after
+    its request finished. (The drain used to hold the one resize lock for up to
+    ``drain_timeout_s``: no pool could grow while a long request finished elsewhere.)"""
+    from cluster.control.scheduler_actor import SchedulerActor
+    from cluster.sim.clock import run_virtual
+    from scheduler import Request, SamplingParams
+
+    config = ClusterConfig.model_validate(
+        {
+            "block_size": 16,
+            "drain_timeout_s": 600.0,
+            "router": {"disaggregation": "never"},
+            "pools": [
+                {"name": "a", "role": "both", "num_blocks": 1024},
+                {"name": "b", "role": "both", "num_blocks": 1024, "replicas": 2},
+            ],
+        }
+    )
+    sim = Simulation(config, COST)
+    long = SamplingParams(max_tokens=3000, ignore_eos=True, temperature=0.0)
+
+    async def main() -> tuple[list[str], list[str], bool, float, list[str]]:
+        loop = asyncio.get_running_loop()
+        actor = SchedulerActor(sim.config, sim._specs(), sim._start_instances)
+        await actor.start()
+        stream = actor.subscribe("c")
+        reader = asyncio.ensure_future(_read_all(stream))
+        for i in range(3):  # one on each instance (the idle one first)
+            await actor.submit(Request(f"r{i}", [5, 6, 7], long, eos_token_id=2), "c", None, i)
+        while not all(actor.views[i].num_active for i in ("a-0", "b-0", "b-1")):
+            await asyncio.sleep(0.01)
+        start = loop.time()
+        shrunk = (await actor.scale_pool("b", 1, wait=False))["instances"]
+        grown = (await actor.scale_pool("a", 2))["instances"]
+        draining = "b-1" in actor.engines and actor.views["b-1"].draining
+        waited = loop.time() - start
+        while "b-1" in actor.engines:
+            await asyncio.sleep(0.1)
+        reader.cancel()
+        left = sorted(actor.engines)
+        await actor.shutdown()
+        return shrunk, grown, draining, waited, left
+
+    shrunk, grown, draining, waited, left = run_virtual(main())
+    assert shrunk == ["b-0"] and grown == ["a-0", "a-1"]
+    assert draining and waited < 1.0  # b-1's request had most of its 3,000 tokens to go
+    assert left == ["a-0", "a-1", "b-0"]
+
+
+async def _read_all(stream: Any) -> None:
+    async for _ in stream:
+        pass
