@@ -250,6 +250,27 @@ def test_worker_groups_advertise_the_pools_resources(name: str) -> None:
     }
 
 
+@pytest.mark.parametrize("name", MANIFESTS)
+def test_an_autoscaled_pool_grows_onto_pods_the_ray_autoscaler_adds(name: str) -> None:
+    """The decode pool autoscales; each of its instances takes a whole pod's resource, so a
+    new instance is pending demand that the Ray autoscaler (enabled) answers with a pod, up
+    to the group's maxReplicas, and a removed one leaves a pod idle for it to remove."""
+    spec = cluster_spec(load(KUBERAY / name))
+    assert spec["enableInTreeAutoscaling"] is True
+    assert spec["autoscalerOptions"]["idleTimeoutSeconds"] > 0
+    cluster = ClusterConfig.model_validate(app_args(serve_config()))
+    groups = {g["groupName"]: g for g in spec["workerGroupSpecs"]}
+    autoscaled = [pool for pool in cluster.pools if pool.autoscaling is not None]
+    assert [pool.name for pool in autoscaled] == ["decode"]
+    for pool in autoscaled:
+        assert pool.autoscaling is not None
+        group = groups[pool.name]
+        advertised = json.loads(group["rayStartParams"]["resources"])
+        assert all(advertised[k] == pool.resources[k] for k in pool.resources)  # one per pod
+        assert pool.autoscaling.max_replicas <= group["maxReplicas"]
+        assert pool.autoscaling.min_replicas >= group["minReplicas"]
+
+
 def all_containers(spec: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     groups = [("head", spec["headGroupSpec"])]
     groups += [(g["groupName"], g) for g in spec["workerGroupSpecs"]]

@@ -8,7 +8,8 @@ pytest.importorskip("ray")
 
 from cluster.config import ClusterConfig
 from cluster.control.launch import local_node_resources
-from cluster.control.placement import check_placeable
+from cluster.control.placement import check_placeable, launchable_node_groups
+from tests.cluster.conftest import RayCluster
 
 CONFIG = ClusterConfig.model_validate(
     {
@@ -40,6 +41,39 @@ def test_dead_nodes_and_missing_cpus_do_not_count() -> None:
     no_cpu = {"Alive": True, "Resources": {"decode": 1.0, "prefill": 1.0}}
     with pytest.raises(ValueError, match="pool 'd'"):
         check_placeable(CONFIG, [no_cpu])
+
+
+def test_a_node_group_the_ray_autoscaler_can_add_counts() -> None:
+    """A KubeRay worker group of decode nodes, none running yet: the worker's pending demand
+    is what makes the autoscaler add one, so the check lets it wait for it."""
+    check_placeable(CONFIG, [_node(prefill=1.0)], [{"CPU": 4.0, "decode": 1.0}])
+    with pytest.raises(ValueError, match="nor can the Ray autoscaler add one"):
+        check_placeable(CONFIG, [_node(prefill=1.0)], [{"CPU": 4.0, "GPU": 1.0}])
+
+
+def test_the_node_groups_are_read_as_the_autoscaler_publishes_them(
+    ray_cluster: RayCluster,
+) -> None:
+    """Through the GCS, where the Ray autoscaler (v2, as KubeRay runs it) puts its node
+    groups: one that may grow counts, one capped at 0 nodes does not."""
+    import ray
+    from ray.core.generated import autoscaler_pb2
+    from ray.experimental.internal_kv import _internal_kv_del, _internal_kv_put
+
+    assert launchable_node_groups() == []  # no autoscaler here
+    cluster = autoscaler_pb2.ClusterConfig()
+    gpu = cluster.node_group_configs.add(name="gpu", min_count=0, max_count=4)
+    gpu.resources.update({"CPU": 8, "GPU": 1})
+    off = cluster.node_group_configs.add(name="off", min_count=0, max_count=0)
+    off.resources.update({"CPU": 8, "decode": 1})
+    namespace = ray._raylet.GCS_AUTOSCALER_STATE_NAMESPACE
+    key = ray._raylet.GCS_AUTOSCALER_CLUSTER_CONFIG_KEY
+    _internal_kv_put(key, cluster.SerializeToString(), overwrite=True, namespace=namespace)
+    try:
+        assert launchable_node_groups() == [{"CPU": 8.0, "GPU": 1.0}]
+    finally:
+        _internal_kv_del(key, namespace=namespace)
+    assert launchable_node_groups() == []
 
 
 def test_local_node_resources_cover_every_custom_resource() -> None:
