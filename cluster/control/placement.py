@@ -66,6 +66,40 @@ class InstanceSpec:
         return results
 
 
+def worker_actor_prefix(central_actor_id: str) -> str:
+    """With engine actors, the names of a central scheduler's workers (detached) start with
+    this: ``{prefix}{instance id}/{pp rank}``. A restarted central scheduler finds by them
+    the workers of an instance whose start it did not finish (``orphan_workers``)."""
+    return f"tandem-worker/{central_actor_id}/"
+
+
+def orphan_workers(central_actor_id: str, namespace: str, instances: set[str]) -> list[str]:
+    """The names of the central scheduler's detached workers whose instance is not in
+    ``instances`` (it died while they were starting, before their engine existed)."""
+    import ray
+
+    prefix = worker_actor_prefix(central_actor_id)
+    orphans = []
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        name = entry["name"]
+        mine = entry["namespace"] == namespace and name.startswith(prefix)
+        if mine and name[len(prefix) :].rpartition("/")[0] not in instances:
+            orphans.append(name)
+    return orphans
+
+
+def kill_orphan_workers(central_actor_id: str, namespace: str, instances: set[str]) -> None:
+    """Kill the central scheduler's named workers of instances not in ``instances``."""
+    import ray
+
+    for name in orphan_workers(central_actor_id, namespace, instances):
+        logger.warning("killing worker %s: its instance never started", name)
+        try:
+            ray.kill(ray.get_actor(name, namespace=namespace))
+        except ValueError:  # gone meanwhile
+            continue
+
+
 def worker_options(pool: InstancePool, pp_rank: int = 0) -> dict[str, Any]:
     options: dict[str, Any] = {
         "num_cpus": pool.num_cpus,
@@ -164,15 +198,20 @@ async def start_instances(
     remote_worker = ray.remote(concurrency_groups={MONITOR: 1})(ModelWorker)  # type: ignore[call-overload]
     created: list[tuple[str, InstancePool, list[Any]]] = []
     # With engine actors the central scheduler may die and come back: the workers (like the
-    # engines) must not die with it, their creator. Its shutdown kills them.
-    lifetime = {"lifetime": "detached"} if config.engine_actors else {}
+    # engines) must not die with it, their creator. Its shutdown kills them; named, they are
+    # found again if it dies before their engines exist.
+    prefix = worker_actor_prefix(ray.get_runtime_context().get_actor_id() or "")
     for instance_id, pool in wanted:
-        stages = [
-            remote_worker.options(**worker_options(pool, rank), **lifetime).remote(
-                **worker_kwargs(config, pool, rank, kv_fallback)
+        stages = []
+        for rank in range(pool.pp_size):
+            options = worker_options(pool, rank)
+            if config.engine_actors:
+                options |= {"lifetime": "detached", "name": f"{prefix}{instance_id}/{rank}"}
+            stages.append(
+                remote_worker.options(**options).remote(
+                    **worker_kwargs(config, pool, rank, kv_fallback)
+                )
             )
-            for rank in range(pool.pp_size)
-        ]
         created.append((instance_id, pool, stages))
     workers = [(iid, pool, h) for iid, pool, stages in created for h in stages]
     try:

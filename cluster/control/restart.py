@@ -109,6 +109,7 @@ async def rebuild(actor: Any) -> None:
     (``actor``: the ``SchedulerActor``, not imported here: it imports this module)."""
     import ray
 
+    from cluster.control.placement import kill_orphan_workers
     from cluster.control.remote_engine import RemoteEngine, engine_actor_prefix
 
     context = ray.get_runtime_context()
@@ -120,6 +121,9 @@ async def rebuild(actor: Any) -> None:
         if a["namespace"] == namespace and a["name"].startswith(prefix)
     ]
     handles = [ray.get_actor(name, namespace=namespace) for name in names]
+    # Workers of an instance whose engine the previous process never created (it died while
+    # they loaded): nobody else knows of them, and they hold their resources.
+    kill_orphan_workers(context.get_actor_id() or "", namespace, {n[len(prefix) :] for n in names})
     answers = await asyncio.gather(*(h.snapshot.remote() for h in handles), return_exceptions=True)
     now = time.monotonic()  # the snapshots' ages are as of (about) now
     found: list[tuple[Any, EngineSnapshot]] = []

@@ -45,7 +45,7 @@ from cluster.control.kv_peers import KVPeers
 from cluster.control.migration import Migration, _replay
 from cluster.control.observer import RequestObserver
 from cluster.control.operations import ClusterOperations
-from cluster.control.placement import InstanceSpec, StartInstances
+from cluster.control.placement import InstanceSpec, StartInstances, kill_orphan_workers
 from cluster.control.restart import Restart, end_remade_root, was_restarted
 from cluster.control.router import Route, Router
 from cluster.control.summaries import InstanceView
@@ -253,11 +253,14 @@ class SchedulerActor(Intake, KVPeers, Migration, Restart, ClusterOperations):
                     await engine.flush_traces()
                 finally:
                     engine.close()
+        import ray
+
         for spec in self.specs.values():
             for actor in spec.actors:
-                import ray
-
                 ray.kill(actor)
+        if self.config.engine_actors and ray.is_initialized():  # a start cut short, too
+            context = ray.get_runtime_context()
+            kill_orphan_workers(context.get_actor_id() or "", context.namespace, set())
 
     # -- requests ----------------------------------------------------------------------------
     async def _place(self, flight: Flight) -> None:

@@ -426,7 +426,13 @@ def test_a_central_scheduler_killed_before_the_decode_engine_confirmed_a_hand_of
     """The prefill engine keeps its prefilled copy until a report of the decode engine shows
     the request received (``HandOffs``): a central scheduler killed in between finds the
     request on both after its restart, keeps the decoding one, and the stream completes with
-    the undisturbed output, nothing left behind."""
+    the undisturbed output, nothing left behind. A worker the dead process had started for
+    an instance it never finished (no engine yet) is killed by the restarted one."""
+    from cluster.control.placement import worker_actor_prefix
+
+    orphan_name = f"{worker_actor_prefix(engines._actor_id.hex())}d-99/0"
+    orphan = _Idle.options(name=orphan_name, namespace="tandem-tests", lifetime="detached")
+    ray.get(orphan.remote().ping.remote())
     prompt = _prompts(3, seed=17)[2]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     (expected,) = generate_in_process(tiny_model, [prompt], params)
@@ -448,6 +454,20 @@ def test_a_central_scheduler_killed_before_the_decode_engine_confirmed_a_hand_of
     for iid in ("d-0", "d-1"):
         ray.get(engines.set_fault_injection.remote(iid, 0.0, 0.0))
     assert out.outputs[0].token_ids == expected and out.outputs[0].finish_reason == "length"
+
+    def orphan_gone() -> bool:
+        names = ray.util.list_named_actors(all_namespaces=True)
+        return not any(a["name"] == orphan_name for a in names)
+
+    wait_until(orphan_gone, 10, "the orphan worker killed")
+
+
+@ray.remote(num_cpus=0)
+class _Idle:
+    """Stands for a worker whose instance's start was cut short."""
+
+    def ping(self) -> bool:
+        return True
 
 
 def test_lora_adapters_loaded_at_run_time_survive_a_central_restart(
