@@ -212,8 +212,10 @@ class Subscription(Delivery):
                         )
                     except Exception as exc:
                         # The central actor restarts (engine actors): send again once it is
-                        # back; what it placed before it died is in its rebuilt state.
-                        if not (self._engines and _central_gone(exc)):
+                        # back; what it placed before it died is in its rebuilt state. One
+                        # back that has not rebuilt within its RECOVERY_WAIT_S said so
+                        # (UnavailableError): that is the answer, not tried again.
+                        if not (self._engines and _central_gone(exc)) or _unavailable(exc):
                             raise
                         if time.monotonic() > deadline:
                             raise
@@ -383,6 +385,12 @@ def _central_gone(exc: BaseException) -> bool:
     if isinstance(unwrap_cause(exc, UnavailableError), UnavailableError):
         return True
     return isinstance(exc, (RayActorError, ActorUnavailableError))
+
+
+def _unavailable(exc: BaseException) -> bool:
+    from cluster.errors import UnavailableError
+
+    return isinstance(unwrap_cause(exc, UnavailableError), UnavailableError)
 
 
 def _in_use(outcome: BaseException | None) -> bool:

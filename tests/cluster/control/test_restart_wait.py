@@ -1,0 +1,51 @@
+"""A call that reaches a restarted central scheduler before its rebuild waits for it, at most
+``RECOVERY_WAIT_S``, then fails with ``UnavailableError`` -- HTTP 503 at the API -- never a
+hang."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from cluster.control import restart
+from cluster.control.restart import Restart
+from cluster.errors import UnavailableError
+from cluster.serving.errors import api_error
+
+
+class _Rebuilding(Restart):
+    """A restarted actor whose rebuild takes ``seconds``."""
+
+    def __init__(self, seconds: float) -> None:
+        self.recovering = True
+        self._recovery = None
+        self.seconds = seconds
+
+    async def _recover(self) -> None:
+        await asyncio.sleep(self.seconds)
+        self.recovering = False
+
+
+def test_a_call_waits_for_a_rebuild_that_ends_in_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(restart, "RECOVERY_WAIT_S", 5.0)
+    actor = _Rebuilding(0.05)
+    asyncio.run(actor._ready())
+    assert not actor.recovering
+
+
+def test_a_rebuild_that_lasts_gives_a_clear_503(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(restart, "RECOVERY_WAIT_S", 0.1)
+    actor = _Rebuilding(3600.0)
+
+    async def call() -> BaseException:
+        with pytest.raises(UnavailableError) as caught:
+            await actor._ready()
+        return caught.value
+
+    started = time.monotonic()
+    exc = asyncio.run(call())
+    assert time.monotonic() - started < 5.0
+    error = api_error(exc)
+    assert error.status == 503 and "restarting" in str(exc)
