@@ -557,7 +557,7 @@ def test_idle_agents_use_no_cpu(make: Callable[..., NixlWorkerConnector]) -> Non
     assert busy < 0.2, f"{busy:.2f} s of CPU in 1 s idle: a thread is spinning"
 
 
-def test_the_config_builds_it_and_a_missing_extra_names_it() -> None:
+def test_the_config_builds_it() -> None:
     from cluster.config import KVTransferConfig
     from kv_transfer.registry import create_worker_connector
 
@@ -571,4 +571,4 @@ def test_the_config_builds_it_and_a_missing_extra_names_it() -> None:
         connector.close()
     off = KVTransferConfig(transport="nixl", same_node_copy=False).connector_options()
     assert not create_worker_connector("nixl", **off).same_node_copy
-    assert "tandem-serve[nixl]" in MISSING
+    # (Without the extra: tests/kv_transfer/test_nixl_missing.py.)
