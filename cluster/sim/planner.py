@@ -2,8 +2,10 @@
 simulation.
 
 For each cluster size from one instance up, every way to split it -- colocated instances
-(role ``both``), or P prefill + D decode instances -- and every per-pool token budget
-(``max_num_batched_tokens``) offered is served the workload in the simulator; the first size
+(role ``both``), or P prefill + D decode instances -- and every token budget
+(``max_num_batched_tokens``) offered, per pool (a P/D shape tries each pair: a prefill pool
+often wants a large budget, a decode pool a small one), is served the workload in the
+simulator; the first size
 with a split that meets the SLO (``attainment`` of the requests within both the TTFT and the
 TPOT target) wins, the split with the highest attainment (then goodput) among them. Its
 ClusterConfig is printed as YAML, with its goodput curve: attainment and goodput at fractions
@@ -31,15 +33,25 @@ class Candidate:
     prefill: int = 0
     decode: int = 0
     both: int = 0
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int = 2048  # the colocated or prefill pool's
+    decode_batched_tokens: int | None = None  # the decode pool's (None: the same)
 
     @property
     def instances(self) -> int:
         return self.prefill + self.decode + self.both
 
+    def budget(self, role: str) -> int:
+        """The ``max_num_batched_tokens`` of the pool of ``role``."""
+        if role == "decode" and self.decode_batched_tokens is not None:
+            return self.decode_batched_tokens
+        return self.max_num_batched_tokens
+
     def label(self) -> str:
-        split = f"{self.both} colocated" if self.both else f"{self.prefill}P + {self.decode}D"
-        return f"{split}, max_num_batched_tokens {self.max_num_batched_tokens}"
+        if self.both:
+            return f"{self.both} colocated, max_num_batched_tokens {self.max_num_batched_tokens}"
+        p, d = self.budget("prefill"), self.budget("decode")
+        budgets = f"{p}" if p == d else f"P {p} / D {d}"
+        return f"{self.prefill}P + {self.decode}D, max_num_batched_tokens {budgets}"
 
     def config(self, base: ClusterConfig) -> ClusterConfig:
         """``base`` with this shape's pools, each copied from ``base``'s pool of that role
@@ -58,12 +70,10 @@ class Candidate:
             if not count:
                 continue
             template = by_role.get(role) or fallback
-            scheduler = {
-                **template.scheduler,
-                "max_num_batched_tokens": self.max_num_batched_tokens,
-            }
+            budget = self.budget(role)
+            scheduler = {**template.scheduler, "max_num_batched_tokens": budget}
             seqs = scheduler.get("max_num_seqs", 256)
-            scheduler["max_num_seqs"] = min(seqs, self.max_num_batched_tokens)
+            scheduler["max_num_seqs"] = min(seqs, budget)
             update = {
                 "name": role,
                 "role": role,
@@ -106,7 +116,13 @@ def candidates(
             yield Candidate(both=instances, max_num_batched_tokens=tokens)
         if disaggregated:
             for prefill in range(1, instances):
-                yield Candidate(prefill, instances - prefill, max_num_batched_tokens=tokens)
+                for decode_tokens in batched_tokens:
+                    yield Candidate(
+                        prefill,
+                        instances - prefill,
+                        max_num_batched_tokens=tokens,
+                        decode_batched_tokens=decode_tokens,
+                    )
 
 
 def plan(

@@ -66,6 +66,12 @@ def add_plan_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     )
     p.add_argument("--config", default=None, metavar="FILE", help="a base ClusterConfig YAML")
     p.add_argument("--cost", default="cpu", help="cost model (as tandem sim run --cost)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="the model the printed config serves (a path or HF directory; default: the base "
+        "config's). With a GPU cost model its pools also get device cuda and the model's GPUs",
+    )
     add_workload_arguments(p)
     p.add_argument("--target", type=float, default=0.9, help="SLO attainment to reach (0-1)")
     p.add_argument("--max-instances", type=int, default=16)
@@ -240,6 +246,22 @@ def _calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def for_cost_model(base: Any, cost: Any, model: str | None) -> Any:
+    """``base`` to run what was planned: ``model`` if given, and on GPUs for a GPU cost
+    model (``device: cuda``, ``num_gpus`` its tensor-parallel size per instance, unless the
+    base already asks for GPUs)."""
+    from cluster.sim.cost import RooflineCostModel
+
+    data = base.model_dump()
+    if model is not None:
+        data["model"] = model
+    if isinstance(cost, RooflineCostModel):
+        for pool in data["pools"]:
+            pool["device"] = "cuda"
+            pool["num_gpus"] = pool["num_gpus"] or float(cost.tp)
+    return type(base).model_validate(data)
+
+
 def run_plan(args: argparse.Namespace) -> int:
     from cluster.config import ClusterConfig, default_cluster_config
     from cluster.sim.cost import load_cost_model
@@ -253,6 +275,7 @@ def run_plan(args: argparse.Namespace) -> int:
         base = ClusterConfig.from_yaml(args.config) if args.config else default_cluster_config()
         cost = load_cost_model(args.cost)
         tokens = tuple(int(t) for t in args.batched_tokens.split(","))
+        base = for_cost_model(base, cost, args.model)
     except (ValueError, OSError) as exc:
         print(f"tandem plan: {exc}", file=sys.stderr)
         return 2

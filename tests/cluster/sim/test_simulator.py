@@ -281,3 +281,34 @@ def test_the_plan_meets_the_slo_and_one_instance_fewer_does_not() -> None:
     # The curve: attainment falls as the rate grows past the plan's.
     attainment = [point["attainment"] for point in result.curve]
     assert attainment[0] >= attainment[-1] and attainment[-1] < 0.9
+
+
+def test_the_planner_tries_each_pools_token_budget_on_its_own() -> None:
+    from cluster.sim.planner import Candidate, candidates
+
+    shapes = list(candidates(3, (512, 4096), colocated=True, disaggregated=True))
+    colocated = [c for c in shapes if c.both]
+    split = {(c.prefill, c.budget("prefill"), c.budget("decode")) for c in shapes if not c.both}
+    assert [c.max_num_batched_tokens for c in colocated] == [512, 4096]
+    assert split == {(p, a, b) for p in (1, 2) for a in (512, 4096) for b in (512, 4096)}
+    shape = Candidate(1, 2, max_num_batched_tokens=4096, decode_batched_tokens=512)
+    pools = {pool.role: pool for pool in shape.config(_config([BOTH])).pools}
+    assert pools["prefill"].scheduler["max_num_batched_tokens"] == 4096
+    assert pools["decode"].scheduler["max_num_batched_tokens"] == 512
+    assert pools["decode"].scheduler["max_num_seqs"] <= 512
+    assert shape.label() == "1P + 2D, max_num_batched_tokens P 4096 / D 512"
+
+
+def test_a_gpu_plan_prints_a_config_that_runs_the_model_on_gpus() -> None:
+    """``tandem plan --model M`` with a GPU cost model: the printed ClusterConfig serves M on
+    CUDA with the cost model's GPUs per instance (not the built-in model on CPU)."""
+    from cluster.config import default_cluster_config
+    from cluster.sim.cost import gpu_model
+    from cluster.tools.sim_cli import for_cost_model
+
+    base = default_cluster_config()
+    config = for_cost_model(base, gpu_model("llama-3-70b@h100-sxmx4"), "/models/llama-3-70b")
+    assert config.model == "/models/llama-3-70b"
+    assert all(p.device == "cuda" and p.num_gpus == 4.0 for p in config.pools)
+    cpu = for_cost_model(base, COST, None)  # a CPU model leaves the pools as they are
+    assert cpu == base
