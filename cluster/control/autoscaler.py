@@ -22,9 +22,10 @@ its TPOT on the one that finished it) -- and its ``PoolPolicy`` names the size i
                 each instance holds fewer requests, so the other rules alone would shrink it,
                 break the SLO again, and grow it again, a drain and a model load each time.
                 The load is the pool's rate of first tokens for a prefill pool (its requests
-                come and go within a step or two) and the requests held for the others;
-                ``capacity`` rises when the pool carries more per instance with its
-                latencies well within the SLO (the traffic changed).
+                come and go within a step or two; unmeasured with too few of them, and then
+                the rule waits) and the requests held for the others; ``capacity`` rises
+                when the pool carries more per instance with its latencies measured and well
+                within their SLOs (the traffic changed).
 
 clamped to ``[min_replicas, max_replicas]``. A wish must hold ``upscale_delay_s`` (to grow) or
 ``downscale_delay_s`` (to shrink) before it is acted on, through ``scale_pool``: new instances
@@ -95,9 +96,9 @@ class PoolPolicy:
         # The load per instance at which the pool last broke an SLO (None: it never did).
         self.capacity: float | None = None
 
-    def load(self, s: PoolSignals) -> float:
-        """The pool's load, in the unit ``capacity`` is kept in."""
-        if self.role == "prefill" and s.first_tokens_per_s is not None:
+    def load(self, s: PoolSignals) -> float | None:
+        """The pool's load, in the unit ``capacity`` is kept in (None: not measured yet)."""
+        if self.role == "prefill":
             return s.first_tokens_per_s
         return float(s.ongoing)
 
@@ -134,7 +135,12 @@ class PoolPolicy:
                 tight.append("KV usage")
             if s.ongoing > SHRINK_ONGOING * c.target_ongoing_requests * (n - 1):
                 tight.append("the requests held")
-            if self.capacity is not None and self.load(s) / (n - 1) > SHRINK_LOAD * self.capacity:
+            load, capacity = self.load(s), self.capacity
+            if (
+                capacity is not None
+                and load is not None
+                and load / (n - 1) > SHRINK_LOAD * capacity
+            ):
                 tight.append("the load that broke an SLO")
             if tight:
                 want, why = n, f"{why}, but {' and '.join(tight)} leave no room to shrink"
@@ -149,8 +155,9 @@ class PoolPolicy:
         """A resize once the pool has wanted it for its delay; None meanwhile."""
         want, why = self.desired(s)
         direction = (want > s.replicas) - (want < s.replicas)
-        if self.capacity is not None and s.replicas > 0 and self._comfortable(s):
-            self.capacity = max(self.capacity, self.load(s) / s.replicas)
+        load, capacity = self.load(s), self.capacity
+        if capacity is not None and load is not None and s.replicas and self._comfortable(s):
+            self.capacity = max(capacity, load / s.replicas)
         if direction == 0:
             self._direction = 0
             return None
@@ -160,8 +167,8 @@ class PoolPolicy:
         if now - self._since < delay:
             return None
         self._direction = 0
-        if direction > 0 and _reason_kind(why) != "ongoing" and s.replicas > 0:
-            self.capacity = self.load(s) / s.replicas  # what broke it, per instance
+        if direction > 0 and _reason_kind(why) != "ongoing" and s.replicas > 0 and load is not None:
+            self.capacity = load / s.replicas  # what broke it, per instance
         return Decision(now, self.pool, s.replicas, want, why)
 
     def _comfortable(self, s: PoolSignals) -> bool:

@@ -591,6 +591,7 @@ class EngineActor:
             self._adapters,
             self._max_seq,
             self._take_unsent_traces(),
+            self._past.ended(),
         )
 
     def _take_unsent_traces(self) -> dict[str, EndedTrace]:

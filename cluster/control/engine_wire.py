@@ -135,3 +135,6 @@ class EngineSnapshot:
     max_seq: int = 0  # the highest sequence number of the internal ids placed here
     # Traced requests that ended here while no central actor got the reports saying so.
     ended_traces: dict[str, EndedTrace] = field(default_factory=dict)
+    # (client, submission) of the requests that ended here in the last minute: a prefilled
+    # copy of one of them elsewhere is not handed off again (its confirmation was lost).
+    ended: list[tuple[str, Any]] = field(default_factory=list)

@@ -284,6 +284,7 @@ class EarlyAborts:
         self.max_ids = max_ids
         self._pending: dict[str, float] = {}  # request id -> when its abort came
         self._finished: dict[str, float] = {}  # request id -> when it finished
+        self._samples: dict[str, int] = {}  # n > 1 request id -> its samples aborted so far
 
     def remember(self, request_id: str) -> None:
         now = time.monotonic()
@@ -303,11 +304,21 @@ class EarlyAborts:
         self._finished.pop(request_id, None)  # a new request under an old id
         return when is not None and time.monotonic() - when <= self.ttl_s
 
-    def take_sample(self, family: str, last: bool) -> bool:
+    def take_sample(self, family: str, num_samples: int) -> bool:
         """Whether an abort of the ``n > 1`` request ``family`` waits for this sample of it
-        (an abort by the user's id before its samples came); forgotten with the ``last``."""
-        when = self._pending.pop(family, None) if last else self._pending.get(family)
-        return when is not None and time.monotonic() - when <= self.ttl_s
+        (an abort by the user's id before its samples came); forgotten once ``num_samples``
+        of them came, in whatever order."""
+        self._finished.pop(family, None)  # a new request under an old id
+        when = self._pending.get(family)
+        if when is None:
+            return False
+        taken = self._samples.get(family, 0) + 1
+        if taken >= num_samples:
+            self._pending.pop(family, None)
+            self._samples.pop(family, None)
+        else:
+            self._samples[family] = taken
+        return time.monotonic() - when <= self.ttl_s
 
     def _prune(self, now: float) -> None:
         for table in (self._pending, self._finished):
@@ -315,3 +326,5 @@ class EarlyAborts:
                 len(table) > self.max_ids or now - next(iter(table.values())) > self.ttl_s
             ):
                 table.pop(next(iter(table)))
+        for family in [f for f in self._samples if f not in self._pending]:
+            del self._samples[family]

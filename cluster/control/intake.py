@@ -223,8 +223,7 @@ class Intake:
         family = family_of(request)
         if family is None:
             return False
-        last = request.sample_index == request.num_samples - 1
-        return self._early_aborts.take_sample(family, last)
+        return self._early_aborts.take_sample(family, request.num_samples)
 
     def _ended_for_its_client(
         self, flight: Flight, client_id: str | None, submission: Submission | None

@@ -125,7 +125,7 @@ class ClusterOperations:
         if wait:
             await drained
         else:
-            self._spawn(drained)
+            self._spawn(logged(drained, f"draining {', '.join(leaving)}"))
         return {"pool": pool_name, "instances": self._pool_instances(pool_name)}
 
     def _pool_instances(self, pool_name: str, alive: bool = True) -> list[str]:
@@ -177,7 +177,8 @@ class ClusterOperations:
 
     async def _shrink(self, instance_ids: list[str], drain_timeout_s: float | None) -> None:
         """Wait for the draining instances to hold nothing (at most the drain timeout), then
-        retire them."""
+        retire them -- that under the resize lock: a retire changes the instances and the KV
+        peers that a growing pool's new instances are being connected to."""
         if not instance_ids:
             return
         timeout = self.config.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
@@ -187,14 +188,17 @@ class ClusterOperations:
             if not any(holding):
                 break
             await asyncio.sleep(0.05)
-        for iid in instance_ids:
-            await self._retire(iid)
+        async with self._resizing:
+            for iid in instance_ids:
+                if iid in self.engines:  # (not retired meanwhile)
+                    await self._retire(iid)
 
     async def _holds_requests(self, iid: str) -> bool:
         """Requests still on the instance: queued, running, finished with KV still to send."""
         if any(f.instance == iid for f in self.flights.values()):
             return True
-        return bool(await _answer(self.engines[iid].holds_requests()))
+        engine = self.engines.get(iid)
+        return engine is not None and bool(await _answer(engine.holds_requests()))
 
     async def _retire(self, iid: str) -> None:
         """Take a drained instance out: stop its engine, move what it still holds, stop its
@@ -379,3 +383,11 @@ async def _answer(value: Any) -> Any:
     if inspect.isawaitable(value):
         return await value
     return value
+
+
+async def logged(work: Coroutine[Any, Any, None], what: str) -> None:
+    """``work`` in the background, its failure logged (nobody awaits it)."""
+    try:
+        await work
+    except Exception:
+        logger.exception("%s failed", what)

@@ -360,9 +360,10 @@ def check_placeable(
 
 
 def launchable_node_groups() -> list[dict[str, float]]:
-    """The resources of each node group the Ray autoscaler can add nodes of (a KubeRay
-    worker group with ``maxReplicas`` above 0, a cluster launcher's node type), as the
-    autoscaler publishes them in the GCS; none without an autoscaler."""
+    """The resources of each node group the Ray autoscaler may add nodes of (a KubeRay
+    worker group with ``maxReplicas`` above 0, a cluster launcher's node type; how many it
+    runs already is not checked), from the cluster config in the GCS, where Ray Data reads
+    them for scale-from-zero too; none without an autoscaler."""
     try:
         from ray._private.state import state
 
@@ -372,7 +373,11 @@ def launchable_node_groups() -> list[dict[str, float]]:
     if cluster is None:
         return []
     groups = cluster.node_group_configs
-    return [{k: float(v) for k, v in g.resources.items()} for g in groups if g.max_count != 0]
+    return [
+        {k: float(v) for k, v in g.resources.items()}
+        for g in groups
+        if g.resources and g.max_count != 0
+    ]
 
 
 def _check_stage(

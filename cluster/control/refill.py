@@ -43,6 +43,10 @@ class PastRequests:
     def __len__(self) -> int:
         return len(self._past)
 
+    def ended(self) -> list[tuple[str, Submission]]:
+        """The (client, submission) of the requests that ended here lately."""
+        return [key for key, past in self._past.items() if past.finish_reason is not None]
+
     def remember(self, route: Route, out: EngineCoreOutput | None, index: int) -> None:
         """Keep what request ``route`` sent its client (``out``: its final, at output
         position ``index``; None: handed off), dropping what is too old or too many."""

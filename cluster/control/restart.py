@@ -121,17 +121,21 @@ async def rebuild(actor: Any) -> None:
         if a["namespace"] == namespace and a["name"].startswith(prefix)
     ]
     handles = [ray.get_actor(name, namespace=namespace) for name in names]
-    # Workers of an instance whose engine the previous process never created (it died while
-    # they loaded): nobody else knows of them, and they hold their resources.
-    kill_orphan_workers(context.get_actor_id() or "", namespace, {n[len(prefix) :] for n in names})
     answers = await asyncio.gather(*(h.snapshot.remote() for h in handles), return_exceptions=True)
     now = time.monotonic()  # the snapshots' ages are as of (about) now
     found: list[tuple[Any, EngineSnapshot]] = []
     for name, handle, answer in zip(names, handles, answers, strict=True):
         if isinstance(answer, BaseException):
-            logger.warning("engine %s did not answer after the restart: %s", name, answer)
+            # Never started (the previous process died first), or broken: nobody could take
+            # it on, so it and its workers go (they would hold their resources for ever).
+            logger.warning("engine %s did not answer after the restart: %s; killed", name, answer)
+            ray.kill(handle)
         else:
             found.append((handle, answer))
+    # Workers of an instance whose engine the previous process never created (it died while
+    # they loaded) or that was just killed: nobody else knows of them.
+    taken = {snap.spec.instance_id for _, snap in found}
+    kill_orphan_workers(context.get_actor_id() or "", namespace, taken)
     if not found:
         raise RuntimeError("no engine actor left to rebuild the cluster from")
     found.sort(key=lambda pair: pair[1].spec.instance_id)
@@ -180,12 +184,18 @@ async def rebuild(actor: Any) -> None:
     # on another (the restart fell between the two) is the decoding one.
     held = [(snap.spec.instance_id, h) for _, snap in found for h in snap.held]
     held.sort(key=lambda pair: pair[1].prefilled is not None)
+    ended_here = {key for _, snap in found for key in snap.ended}
     for iid, h in held:
         last = max(last, sequence_of(h.internal_id))
         actor._taken_on.add(h.internal_id)
         route = h.route
         taken = actor.flights.get(route.client_request_id)
         mine = (route.client_id, route.submission)
+        if h.prefilled is not None and mine in ended_here:
+            # Decoded and ended on its decode engine already (the report that confirmed its
+            # hand-off reached the previous process, its handed_off op to here did not).
+            actor.engines[iid].abort([h.internal_id])
+            continue
         if taken is not None and (taken.client_id, taken.tag) == mine:
             # Running elsewhere already (its decode part, or a move's new copy): this one,
             # prefilled and never confirmed, is dropped.
@@ -227,6 +237,13 @@ async def rebuild(actor: Any) -> None:
                 end_remade_root(actor, ended)
     actor.started = True
     actor._spawn(actor.clients.reap_silent())
+    # Instances the previous process was draining out of their pools: their drain went with
+    # it; it goes on (otherwise nothing would ever retire them: resizes skip draining ones).
+    draining = [snap.spec.instance_id for _, snap in found if snap.draining]
+    if draining:
+        from cluster.control.operations import logged
+
+        actor._spawn(logged(actor._shrink(draining, None), f"draining {', '.join(draining)}"))
     if actor.autoscaler.enabled:
         actor._spawn(actor.autoscaler.run())
     actor.clients.notify_all(actor.engine_handles())

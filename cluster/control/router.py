@@ -72,13 +72,19 @@ class Router:
         self._families: OrderedDict[str, tuple[str, bool, int]] = OrderedDict()
 
     def route(
-        self, request: Request, prefill: list[InstanceView], decode: list[InstanceView]
+        self,
+        request: Request,
+        prefill: list[InstanceView],
+        decode: list[InstanceView],
+        first: bool = True,
     ) -> Route:
         """``prefill``: live instances with role prefill; ``decode``: live instances with role
-        decode or both. Raises ``RuntimeError`` when no decode-capable instance is left."""
+        decode or both. ``first``: the request's first placement (a sample placed again --
+        moved, or routed again after its instance failed -- neither follows nor counts as one
+        of its request's). Raises ``RuntimeError`` when no decode-capable instance is left."""
         if not decode:
             raise RuntimeError("no live decode-capable instance (role decode or both)")
-        family = family_of(request)
+        family = family_of(request) if first else None
         if family is None:
             return self._route(request, prefill, decode)
         known = self._families.pop(family, None)

@@ -47,7 +47,7 @@ from cluster.control.observer import RequestObserver
 from cluster.control.operations import ClusterOperations
 from cluster.control.placement import InstanceSpec, StartInstances, kill_orphan_workers
 from cluster.control.restart import Restart, end_remade_root, was_restarted
-from cluster.control.router import Route, Router
+from cluster.control.router import Route, Router, family_of
 from cluster.control.summaries import InstanceView
 from scheduler import Request
 from scheduler.outputs import EngineCoreOutput
@@ -268,14 +268,15 @@ class SchedulerActor(Intake, KVPeers, Migration, Restart, ClusterOperations):
         internal id. Tokens already sent travel with it (a move after a failure): the new
         instance recomputes prompt + those tokens and continues after them."""
         request = flight.request
-        for _ in range(3):  # an instance may fail while an adapter loads: route again
+        for attempt in range(3):  # an instance may fail while an adapter loads: route again
             prefill, decode = self._live("prefill"), self._live("decode")
             if not decode:
                 raise RuntimeError(self._none_left("decode"))
             if flight.sent:  # moving mid-stream: straight to a decode instance
                 route = Route(None, self.router.best_decode(decode))
             else:
-                route = self.router.route(request, prefill, decode)
+                first = attempt == 0 and flight.num_moves == 0
+                route = self.router.route(request, prefill, decode, first)
             target = route.prefill or route.decode
             if request.lora_request is not None:
                 try:
@@ -356,6 +357,9 @@ class SchedulerActor(Intake, KVPeers, Migration, Restart, ClusterOperations):
         if self.flights.get(rid) is flight:
             del self.flights[rid]
             self._early_aborts.finished(rid)
+            family = family_of(flight.request)
+            if family is not None:  # a late abort by the user's id is not kept either
+                self._early_aborts.finished(family)
         self._internal.pop(flight.internal_id, None)
 
     def _end(

@@ -215,7 +215,7 @@ class Subscription(Delivery):
                         # back; what it placed before it died is in its rebuilt state. One
                         # back that has not rebuilt within its RECOVERY_WAIT_S said so
                         # (UnavailableError): that is the answer, not tried again.
-                        if not (self._engines and _central_gone(exc)) or _unavailable(exc):
+                        if not send_again(exc, bool(self._engines)):
                             raise
                         if time.monotonic() > deadline:
                             raise
@@ -387,10 +387,15 @@ def _central_gone(exc: BaseException) -> bool:
     return isinstance(exc, (RayActorError, ActorUnavailableError))
 
 
-def _unavailable(exc: BaseException) -> bool:
+def send_again(exc: BaseException, engine_actors: bool) -> bool:
+    """Whether submits that failed with ``exc`` are sent again: the central actor's process
+    died or restarts (with engine actors, which outlive it). Not when a restarted one said
+    it could not rebuild in time (``UnavailableError``): that answer is passed on."""
     from cluster.errors import UnavailableError
 
-    return isinstance(unwrap_cause(exc, UnavailableError), UnavailableError)
+    if isinstance(unwrap_cause(exc, UnavailableError), UnavailableError):
+        return False
+    return engine_actors and _central_gone(exc)
 
 
 def _in_use(outcome: BaseException | None) -> bool:

@@ -246,20 +246,27 @@ def _calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
-def for_cost_model(base: Any, cost: Any, model: str | None) -> Any:
-    """``base`` to run what was planned: ``model`` if given, and on GPUs for a GPU cost
-    model (``device: cuda``, ``num_gpus`` its tensor-parallel size per instance, unless the
-    base already asks for GPUs)."""
+def for_cost_model(base: Any, cost: Any, model: str | None) -> tuple[Any, str | None]:
+    """``base`` to run what was planned -- ``model`` if given, and on a GPU each for a GPU
+    cost model (``device: cuda``, ``num_gpus: 1`` unless the base asks for GPUs) -- and a
+    note when the plan assumed what Tandem's workers do not do (tensor parallelism)."""
     from cluster.sim.cost import RooflineCostModel
 
     data = base.model_dump()
     if model is not None:
         data["model"] = model
+    note = None
     if isinstance(cost, RooflineCostModel):
         for pool in data["pools"]:
             pool["device"] = "cuda"
-            pool["num_gpus"] = pool["num_gpus"] or float(cost.tp)
-    return type(base).model_validate(data)
+            pool["num_gpus"] = pool["num_gpus"] or 1.0
+        if cost.tp > 1:
+            note = (
+                f"the plan assumed {cost.tp}-way tensor parallelism per instance; Tandem's "
+                "workers run one GPU each (no tensor parallelism yet), so this config will "
+                "not perform as planned"
+            )
+    return type(base).model_validate(data), note
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -275,7 +282,7 @@ def run_plan(args: argparse.Namespace) -> int:
         base = ClusterConfig.from_yaml(args.config) if args.config else default_cluster_config()
         cost = load_cost_model(args.cost)
         tokens = tuple(int(t) for t in args.batched_tokens.split(","))
-        base = for_cost_model(base, cost, args.model)
+        base, note = for_cost_model(base, cost, args.model)
     except (ValueError, OSError) as exc:
         print(f"tandem plan: {exc}", file=sys.stderr)
         return 2
@@ -319,6 +326,9 @@ def run_plan(args: argparse.Namespace) -> int:
         )
         return 1
     print(f"# {result.chosen.candidate.label()}: {cost.name}, {rate:g} requests/s")
+    if note is not None:
+        print(f"# NOTE: {note}")
+        print(f"tandem plan: {note}", file=sys.stderr)
     print("# predicted goodput curve (rate req/s: SLO attainment, goodput req/s):")
     for point in result.curve:
         print(f"#   {point['rate']:8.2f}: {point['attainment']:6.1%}  {point['goodput']:8.2f}")

@@ -39,11 +39,21 @@ def test_old_and_surplus_aborts_are_forgotten() -> None:
 
 def test_an_abort_by_the_users_id_waits_for_every_sample_of_it() -> None:
     """``abort("r")`` before the samples ``r#0`` .. ``r#2`` of an ``n = 3`` request came:
-    each ends on arrival; the last one clears it."""
+    each ends on arrival, in whatever order they come; then it is forgotten."""
     aborts = EarlyAborts(ttl_s=60.0)
     aborts.remember("r")
-    assert aborts.take_sample("r", last=False) is True
-    assert aborts.take_sample("r", last=False) is True
-    assert aborts.take_sample("r", last=True) is True
-    assert aborts.take_sample("r", last=False) is False  # a later request's samples run
-    assert aborts.take_sample("other", last=True) is False
+    assert aborts.take_sample("r", 3) is True  # (the last sample first, say)
+    assert aborts.take_sample("r", 3) is True
+    assert aborts.take_sample("r", 3) is True
+    assert aborts.take_sample("r", 3) is False  # a later request's samples run
+    assert aborts.take_sample("other", 2) is False
+
+
+def test_a_late_abort_of_a_finished_n_request_is_not_kept_for_a_reused_id() -> None:
+    """The samples finished (the central scheduler marks the user's id finished with them);
+    an abort by that id afterwards must not end the samples of a new request reusing it."""
+    aborts = EarlyAborts(ttl_s=60.0)
+    aborts.finished("r")
+    aborts.remember("r")
+    assert aborts.take_sample("r", 2) is False
+    assert aborts.take_sample("r", 2) is False

@@ -922,9 +922,12 @@ def test_a_killed_engine_process_with_no_engine_left_ends_its_requests_with_an_e
         after if isinstance(after, Exception) else after.outputs[0].error
     )
     wait_until(lambda: not ray.get(engines.live_request_ids.remote()), 10, "no flight left")
-    prefill = _instances(engines)["p-0"]
-    wait_until(lambda: _instances(engines)["p-0"]["kv_cache_usage"] == 0.0, 10, "p-0's blocks free")
-    assert prefill["num_requests"] == 0
+
+    def prefill_clean() -> bool:
+        prefill = _instances(engines)["p-0"]
+        return prefill["kv_cache_usage"] == 0.0 and prefill["num_requests"] == 0
+
+    wait_until(prefill_clean, 10, "p-0's requests gone and blocks free")
     if leased:
         health = ray.get(engines.worker_health.remote())["p-0"]
         assert health["kv_leases_expired"] == expired  # released, not run out

@@ -49,3 +49,20 @@ def test_a_rebuild_that_lasts_gives_a_clear_503(monkeypatch: pytest.MonkeyPatch)
     assert time.monotonic() - started < 5.0
     error = api_error(exc)
     assert error.status == 503 and "restarting" in str(exc)
+
+
+def test_a_client_passes_the_503_on_and_sends_again_only_while_the_process_is_down() -> None:
+    """``Subscription._send_batch`` sends its submits again while the central actor's process
+    is down or restarting, but passes a restarted one's ``UnavailableError`` on at once (it
+    already waited ``RECOVERY_WAIT_S``: sending again doubled the wait)."""
+    from ray.exceptions import RayActorError, RayTaskError
+
+    from cluster.control.subscription import send_again
+
+    unavailable = UnavailableError("the central scheduler is restarting")
+    wrapped = RayTaskError("submit_many", "traceback", unavailable)
+    assert send_again(RayActorError(), engine_actors=True)
+    assert not send_again(RayActorError(), engine_actors=False)  # nothing outlives it
+    assert not send_again(unavailable, engine_actors=True)
+    assert not send_again(wrapped, engine_actors=True)
+    assert not send_again(ValueError("refused"), engine_actors=True)

@@ -257,6 +257,21 @@ def test_a_later_sample_chooses_afresh_when_the_first_ones_instance_left() -> No
     _assert_free(a, b)
 
 
+def test_a_sample_placed_again_neither_follows_nor_counts() -> None:
+    """A sample moved (or routed again after its instance failed) is routed on its own, and
+    its siblings still to come follow the first sample's choice."""
+    a, b = _loop("a"), _loop("b")
+    router = _router(disaggregation="never")
+    first, second = _samples("m", 2)
+    chosen = _names(_route_sent(router, first, [], _v(a, b)))[1]
+    other = "b" if chosen == "a" else "a"
+    again = router.route(first, [], _v(a, b), first=False)  # by load: the idle one
+    assert _names(again)[1] == other
+    assert _names(router.route(second, [], _v(a, b)))[1] == chosen
+    assert not router._families
+    _assert_free(a, b)
+
+
 def test_only_the_front_ends_sample_ids_make_a_family() -> None:
     """``num_samples`` with an id that is not ``{id}#{sample_index}``: routed on its own."""
     a, b = _loop("a"), _loop("b")

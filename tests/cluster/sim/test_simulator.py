@@ -307,8 +307,11 @@ def test_a_gpu_plan_prints_a_config_that_runs_the_model_on_gpus() -> None:
     from cluster.tools.sim_cli import for_cost_model
 
     base = default_cluster_config()
-    config = for_cost_model(base, gpu_model("llama-3-70b@h100-sxmx4"), "/models/llama-3-70b")
-    assert config.model == "/models/llama-3-70b"
-    assert all(p.device == "cuda" and p.num_gpus == 4.0 for p in config.pools)
-    cpu = for_cost_model(base, COST, None)  # a CPU model leaves the pools as they are
-    assert cpu == base
+    config, note = for_cost_model(base, gpu_model("llama-3-8b@h100-sxm"), "/models/llama-3-8b")
+    assert config.model == "/models/llama-3-8b" and note is None
+    assert all(p.device == "cuda" and p.num_gpus == 1.0 for p in config.pools)
+    # A plan that assumed tensor parallelism says that Tandem's workers do not have it.
+    _, note = for_cost_model(base, gpu_model("llama-3-70b@h100-sxmx4"), None)
+    assert note is not None and "4-way tensor parallelism" in note
+    cpu, note = for_cost_model(base, COST, None)  # a CPU model leaves the pools as they are
+    assert cpu == base and note is None
