@@ -169,6 +169,8 @@ class Cell:
     actor_cpu_us_per_token: float
     actor_cpu_us_per_instance_step: float
     engines_cpu_us_per_token: float  # the engine actors' (engine_actors), summed
+    engines_cpu_us_per_instance_step: float
+    driver_cpu_us_per_token: float  # this process: the ingress's part (client mode)
     num_tokens: int
     num_steps: int
     window_s: float
@@ -263,10 +265,10 @@ async def measure(
     pids = pids + engines
     steps0 = _steps(before)
     tokens0, cpu0, actor0, t0 = driver.tokens, _cpu(pids), _cpu([pid]), time.perf_counter()
-    engines0 = _cpu(engines)
+    engines0, driver0 = _cpu(engines), _cpu([os.getpid()])
     await asyncio.sleep(args.window_s)
     tokens1, cpu1, actor1, t1 = driver.tokens, _cpu(pids), _cpu([pid]), time.perf_counter()
-    engines1 = _cpu(engines)
+    engines1, driver1 = _cpu(engines), _cpu([os.getpid()])
     steps1 = _steps(await stats("stats"))
     stop.set()
     loop_task.cancel()  # the requests in flight end with the actor's shutdown
@@ -285,6 +287,8 @@ async def measure(
         actor_cpu_us_per_token=(actor1 - actor0) / max(tokens, 1) * 1e6,
         actor_cpu_us_per_instance_step=(actor1 - actor0) / max(steps, 1) * 1e6,
         engines_cpu_us_per_token=(engines1 - engines0) / max(tokens, 1) * 1e6,
+        engines_cpu_us_per_instance_step=(engines1 - engines0) / max(steps, 1) * 1e6,
+        driver_cpu_us_per_token=(driver1 - driver0) / max(tokens, 1) * 1e6,
         num_tokens=tokens,
         num_steps=steps,
         window_s=window,
@@ -538,6 +542,7 @@ def _row(c: Cell) -> str:
         f"{c.mode:7s}{c.instances:10d}{c.concurrency:8d}{c.step_ms:8.1f}{c.tokens_per_s:12,.0f}"
         f"{ideal:>8s}{c.cpu_us_per_token:10.1f}{c.actor_cpu_us_per_token:10.1f}"
         f"{c.actor_cpu_us_per_instance_step:12.0f}{c.engines_cpu_us_per_token:10.1f}"
+        f"{c.engines_cpu_us_per_instance_step:13.0f}{c.driver_cpu_us_per_token:10.1f}"
     )
 
 
@@ -545,11 +550,13 @@ def _table(cells: list[Cell], admissions: dict[str, float]) -> str:
     head = (
         f"{'mode':7s}{'instances':>10s}{'conc':>8s}{'step ms':>8s}{'tokens/s':>12s}{'x ideal':>8s}"
         f"{'us/tok':>10s}{'actor':>10s}{'actor/step':>12s}{'engines':>10s}"
+        f"{'engines/step':>13s}{'driver':>10s}"
     )
     lines = [
         "Control plane with a null executor (us/tok: CPU of every process on the path per "
         "streamed token; actor: the SchedulerActor's alone; actor/step: its CPU per instance-step; "
-        "engines: the engine actors', with --engine-actors)",
+        "engines: the engine actors', with --engine-actors, per token and per instance-step; "
+        "driver: this process's, the ingress's part in client mode)",
         head,
         "-" * len(head),
         *(_row(c) for c in cells),
