@@ -8,7 +8,7 @@ pytest.importorskip("ray")
 
 from cluster.config import ClusterConfig
 from cluster.control.launch import local_node_resources
-from cluster.control.placement import check_placeable, launchable_node_groups
+from cluster.control.placeable import check_placeable, launchable_node_groups
 from tests.cluster.conftest import RayCluster
 
 CONFIG = ClusterConfig.model_validate(
