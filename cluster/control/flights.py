@@ -286,11 +286,27 @@ class EarlyAborts:
         self._finished: dict[str, float] = {}  # request id -> when it finished
         self._samples: dict[str, int] = {}  # n > 1 request id -> its samples aborted so far
 
-    def remember(self, request_id: str) -> None:
+    def remember(self, request_id: str, taken: int = 0) -> None:
+        """``taken``: for the id of an ``n > 1`` request, its samples that came already."""
         now = time.monotonic()
         self._prune(now)
         if request_id not in self._finished:
             self._pending[request_id] = now
+            if taken:
+                self._samples[request_id] = taken
+
+    def remember_family(self, family: str, running: int, num_samples: int | None) -> None:
+        """An abort by the id of a request that is not here: as ``remember``, and if it is
+        the user's id of an ``n > 1`` request (``running`` of its samples here, of
+        ``num_samples``), only for the samples still to come -- none if every sample came
+        (running, or ended lately: ``{family}#{i}``)."""
+        if num_samples is None:  # none running: yet to come, or ended lately (sample 0)
+            if f"{family}#0" not in self._finished:
+                self.remember(family)
+            return
+        came = running + sum(f"{family}#{i}" in self._finished for i in range(num_samples))
+        if came < num_samples:
+            self.remember(family, taken=came)
 
     def finished(self, request_id: str) -> None:
         now = time.monotonic()

@@ -248,8 +248,14 @@ class Intake:
         soon as it arrives, within ``EarlyAborts.ttl_s``."""
         flight = self.flights.get(request_id)
         if flight is None:
-            self._early_aborts.remember(request_id)
-            return False
+            # The user's id of an n > 1 request: its samples here end now, and the ones
+            # still to come as they arrive.
+            samples = [f for f in self.flights.values() if family_of(f.request) == request_id]
+            count = samples[0].request.num_samples if samples else None
+            self._early_aborts.remember_family(request_id, len(samples), count)
+            for sample in samples:
+                self.abort(sample.request.request_id)
+            return bool(samples)
         engine = self.engines.get(flight.instance)
         if engine is not None and engine.remote:
             if engine.dead is None:

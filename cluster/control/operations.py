@@ -47,6 +47,8 @@ class ClusterOperations:
     observe: RequestObserver
     lora: LoRAAdapters
     _resizing: asyncio.Lock
+    _membership: asyncio.Lock  # instances joining or retiring (KV peers change)
+    started: bool
     _start_instances: Any  # placement.StartInstances, or None: Ray's
     _last_index: dict[str, int]  # per pool, the highest instance index it has used
     autoscaler: Any  # control.autoscaler.Autoscaler
@@ -93,8 +95,9 @@ class ClusterOperations:
         ones -- the newest first -- drain: they take no new request, and the ones they hold
         finish; what is still there after ``drain_timeout_s`` (default
         ``ClusterConfig.drain_timeout_s``) moves to live instances, as after a failure. Then
-        their workers stop. The drain holds up no other resize (of this pool or another);
-        ``wait=False`` returns once it has begun (the autoscaler's way). Returns the pool's
+        their workers stop. The drain holds up no other resize (of this pool or another):
+        only its final retire takes turns with a new instance's joining; ``wait=False``
+        returns once it has begun (the autoscaler's way). Returns the pool's
         serving instances. ``ValueError``: unknown pool, fewer than one replica, workers that
         are not Ray actors (an in-process cluster)."""
         pool = next((p for p in self.config.pools if p.name == pool_name), None)
@@ -164,7 +167,8 @@ class ClusterOperations:
                     f"fewer than the cluster's max_model_len ({self.max_model_len}) needs"
                 )
         try:
-            await self._add_instances(specs)
+            async with self._membership:  # not with a retire (KV peers are connected)
+                await self._add_instances(specs)
         except BaseException:  # e.g. the nixl transport cannot reach them: none stays
             import ray
 
@@ -177,20 +181,22 @@ class ClusterOperations:
 
     async def _shrink(self, instance_ids: list[str], drain_timeout_s: float | None) -> None:
         """Wait for the draining instances to hold nothing (at most the drain timeout), then
-        retire them -- that under the resize lock: a retire changes the instances and the KV
-        peers that a growing pool's new instances are being connected to."""
+        retire them -- one membership change at a time (``_membership``): a retire changes
+        the instances and KV peers that a growing pool's new instances are connected to. A
+        grow waits for the lock only to join, not while its workers are placed and load (a
+        retire may be what frees their GPU)."""
         if not instance_ids:
             return
         timeout = self.config.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and self.started:
             holding = [await self._holds_requests(i) for i in instance_ids]
             if not any(holding):
                 break
             await asyncio.sleep(0.05)
-        async with self._resizing:
+        async with self._membership:
             for iid in instance_ids:
-                if iid in self.engines:  # (not retired meanwhile)
+                if iid in self.engines and self.started:  # (not retired, nor shut down)
                     await self._retire(iid)
 
     async def _holds_requests(self, iid: str) -> bool:

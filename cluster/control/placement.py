@@ -89,16 +89,21 @@ def orphan_workers(central_actor_id: str, namespace: str, instances: set[str]) -
     return orphans
 
 
-def kill_orphan_workers(central_actor_id: str, namespace: str, instances: set[str]) -> None:
-    """Kill the central scheduler's named workers of instances not in ``instances``."""
+def kill_orphan_workers(central_actor_id: str, namespace: str, instances: set[str]) -> set[str]:
+    """Kill the central scheduler's named workers of instances not in ``instances``; returns
+    those instances' ids."""
     import ray
 
+    prefix = worker_actor_prefix(central_actor_id)
+    killed = set()
     for name in orphan_workers(central_actor_id, namespace, instances):
         logger.warning("killing worker %s: its instance never started", name)
+        killed.add(name[len(prefix) :].rpartition("/")[0])
         try:
             ray.kill(ray.get_actor(name, namespace=namespace))
         except ValueError:  # gone meanwhile
             continue
+    return killed
 
 
 def worker_options(pool: InstancePool, pp_rank: int = 0) -> dict[str, Any]:

@@ -9,9 +9,10 @@ its state -- an engine's report, a client's keep-alive or submit -- starts the r
 
     find its engine actors (named after its actor id, which a restart keeps)
     ask each for a snapshot: the instance, its load and prefix cache, the requests it holds
+      (one dead, hung or never started is killed; the workers of instances not taken on too)
     rebuild the instances' views, the flights (by client and submission), the id sequence
-    hand off what was prefilled and not yet handed off
-    apply the reports that came meanwhile; serve
+    hand off what was prefilled and not yet handed off (unless it ended on its decode engine)
+    apply the reports that came meanwhile; go on draining what was draining; serve
 
 Calls that arrive meanwhile wait for it (``submit`` at most ``RECOVERY_WAIT_S``, then a clear
 ``UnavailableError``: HTTP 503). The LoRA registry, adapters loaded at run time included,
@@ -104,6 +105,21 @@ class Restart:
                 self._on_report(report)
 
 
+SNAPSHOT_TIMEOUT_S = 30.0  # an engine that takes longer to give its snapshot is hung
+
+
+def _unusable(exc: BaseException) -> bool:
+    """An engine's snapshot failed because the engine is dead, hung or was never started --
+    not a passing fault (Ray's ActorUnavailableError: restarting, or briefly unreachable)."""
+    from ray.exceptions import ActorUnavailableError, RayActorError
+
+    if isinstance(exc, ActorUnavailableError):
+        return False
+    if isinstance(exc, (RayActorError, TimeoutError)):
+        return True
+    return "is not started" in str(exc)
+
+
 async def rebuild(actor: Any) -> None:
     """Rebuild ``actor``'s instances and flights from its engine actors' snapshots
     (``actor``: the ``SchedulerActor``, not imported here: it imports this module)."""
@@ -121,21 +137,33 @@ async def rebuild(actor: Any) -> None:
         if a["namespace"] == namespace and a["name"].startswith(prefix)
     ]
     handles = [ray.get_actor(name, namespace=namespace) for name in names]
-    answers = await asyncio.gather(*(h.snapshot.remote() for h in handles), return_exceptions=True)
+    answers = await asyncio.gather(
+        *(asyncio.wait_for(h.snapshot.remote(), SNAPSHOT_TIMEOUT_S) for h in handles),
+        return_exceptions=True,
+    )
     now = time.monotonic()  # the snapshots' ages are as of (about) now
     found: list[tuple[Any, EngineSnapshot]] = []
+    spared: set[str] = set()  # engines that did not answer but may live: their workers too
     for name, handle, answer in zip(names, handles, answers, strict=True):
-        if isinstance(answer, BaseException):
-            # Never started (the previous process died first), or broken: nobody could take
-            # it on, so it and its workers go (they would hold their resources for ever).
-            logger.warning("engine %s did not answer after the restart: %s; killed", name, answer)
+        if isinstance(answer, BaseException) and _unusable(answer):
+            # Dead, hung, or never started (the previous process died first): nobody could
+            # take it on, so it and its workers go (they would hold their resources for ever).
+            logger.warning("engine %s cannot be taken on: %s; killed", name, answer)
             ray.kill(handle)
+        elif isinstance(answer, BaseException):  # (a passing fault: it stays, untaken)
+            logger.warning("engine %s did not answer after the restart: %s", name, answer)
+            spared.add(name[len(prefix) :])
         else:
             found.append((handle, answer))
     # Workers of an instance whose engine the previous process never created (it died while
     # they loaded) or that was just killed: nobody else knows of them.
     taken = {snap.spec.instance_id for _, snap in found}
-    kill_orphan_workers(context.get_actor_id() or "", namespace, taken)
+    orphans = kill_orphan_workers(context.get_actor_id() or "", namespace, taken | spared)
+    # No index used before is given again (a late report, a name Ray still releases).
+    for iid in orphans | {name[len(prefix) :] for name in names}:
+        pool, _, index = iid.rpartition("-")
+        if index.isdigit():
+            actor._last_index[pool] = max(actor._last_index.get(pool, -1), int(index))
     if not found:
         raise RuntimeError("no engine actor left to rebuild the cluster from")
     found.sort(key=lambda pair: pair[1].spec.instance_id)

@@ -105,6 +105,7 @@ class SchedulerActor(Intake, KVPeers, Migration, Restart, ClusterOperations):
         self.failures: list[dict[str, Any]] = []  # instance failures and rejoins, in order
         self._tasks: set[asyncio.Task[None]] = set()  # moves, the client reaper
         self._resizing = asyncio.Lock()  # scale_pool: one resize at a time
+        self._membership = asyncio.Lock()  # instances joining or retiring, one at a time
         self.observe = RequestObserver(config, self.roles, self.specs)
         self.lora = LoRAAdapters(config, self.specs)  # served by name, loaded per instance
         self.lora.on_change = self._share_adapters
@@ -242,12 +243,12 @@ class SchedulerActor(Intake, KVPeers, Migration, Restart, ClusterOperations):
             view.alive = False  # no hand-off or move either
         for task in list(self._tasks):
             task.cancel()
-        await asyncio.gather(*(engine.stop() for engine in self.engines.values()))
+        await asyncio.gather(*(engine.stop() for engine in list(self.engines.values())))
         for flight in list(self.flights.values()):
             self._end(flight, FinishReason.ABORT, "shutdown")
         self.clients.close_all()  # their last batches go out, then their streams end
         await self.observe.flush()
-        for engine in self.engines.values():
+        for engine in list(self.engines.values()):  # (a drain awaited elsewhere ends)
             if engine.remote:
                 try:
                     await engine.flush_traces()
@@ -255,7 +256,7 @@ class SchedulerActor(Intake, KVPeers, Migration, Restart, ClusterOperations):
                     engine.close()
         import ray
 
-        for spec in self.specs.values():
+        for spec in list(self.specs.values()):
             for actor in spec.actors:
                 ray.kill(actor)
         if self.config.engine_actors and ray.is_initialized():  # a start cut short, too

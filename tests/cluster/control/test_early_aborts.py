@@ -57,3 +57,23 @@ def test_a_late_abort_of_a_finished_n_request_is_not_kept_for_a_reused_id() -> N
     aborts.remember("r")
     assert aborts.take_sample("r", 2) is False
     assert aborts.take_sample("r", 2) is False
+
+
+def test_an_abort_by_the_users_id_counts_the_samples_that_came_already() -> None:
+    """``abort("r")`` of an ``n = 3`` request: one sample running (the caller ends it) and
+    one ended lately -- kept for the one still to come, then forgotten; with every sample
+    come, not kept at all; with none here and its sample 0 ended lately, not kept either
+    (a late abort: the id may be reused)."""
+    aborts = EarlyAborts(ttl_s=60.0)
+    aborts.finished("r#1")
+    aborts.remember_family("r", running=1, num_samples=3)
+    assert aborts.take_sample("r", 3) is True  # r#2
+    assert aborts.take_sample("r", 3) is False  # a new request's samples run
+    aborts.finished("s#0")
+    aborts.remember_family("s", running=2, num_samples=3)
+    assert aborts.take_sample("s", 3) is False
+    aborts.finished("t#0")
+    aborts.remember_family("t", running=0, num_samples=None)
+    assert aborts.take_sample("t", 2) is False
+    aborts.remember_family("u", running=0, num_samples=None)  # yet to come
+    assert aborts.take_sample("u", 2) is True

@@ -36,10 +36,10 @@ def engines_app(serve_app: ServeApp) -> Iterator[tuple[str, Any]]:
     base = serve_app.config
     tracing = base.tracing.model_copy(update={"enabled": False})  # (the receiver is the
     config = base.model_copy(update={"engine_actors": True, "tracing": tracing})  # other's)
-    serve.run(build_app_from_config(config), name=APP, route_prefix=PREFIX)
-    scheduler = serve.get_deployment_handle("TandemCluster", APP).scheduler.remote().result()
     try:
-        yield f"{serve_app.url}{PREFIX}", scheduler
+        serve.run(build_app_from_config(config), name=APP, route_prefix=PREFIX)
+        handle = serve.get_deployment_handle("TandemCluster", APP)
+        yield f"{serve_app.url}{PREFIX}", handle.scheduler.remote().result()
     finally:
         serve.delete(APP)
         with contextlib.suppress(ValueError):  # (the cluster's lifetime is explicit)
