@@ -6,10 +6,6 @@ gets its request aborted on the engines, its blocks freed."""
 from __future__ import annotations
 
 import contextlib
-import os
-import signal
-import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -98,54 +94,8 @@ def test_a_dead_ingress_replicas_requests_are_aborted_on_the_engines(
     """The ingress replica holding the client dies mid-stream: the engines drop its stream,
     the request is aborted once the replica's keep-alives stop, every block freed; Serve's
     new replicas serve again."""
-    import psutil
+    from tests.cluster.serving.ingress_faults import kill_the_ingress_mid_stream
 
     url, scheduler = engines_app
-    ray.get(scheduler.set_fault_injection.remote("d-0", 0.0, 0.05))
-    events: list[str] = []
-    streaming = threading.Event()
-
-    def stream() -> None:
-        try:
-            with _chat(url, serve_app.model, stream=True, max_tokens=300) as reply:
-                for line in reply.iter_lines():
-                    if line.startswith(b"data: {"):
-                        streaming.set()
-                    events.append(line.decode())
-        except requests.RequestException as exc:
-            events.append(f"error: {type(exc).__name__}")
-        finally:
-            events.append("end")
-
-    reader = threading.Thread(target=stream, daemon=True)
-    try:
-        reader.start()
-        assert streaming.wait(30), events
-        assert ray.get(scheduler.live_request_ids.remote())
-        replicas = [
-            p.pid
-            for p in psutil.process_iter(["cmdline"])
-            if f"ServeReplica:{APP}:OpenAIIngress" in " ".join(p.info["cmdline"] or ())
-        ]
-        assert replicas
-        for pid in replicas:
-            os.kill(pid, signal.SIGKILL)
-        reader.join(30)
-        assert not reader.is_alive() and events[-1] == "end"
-        assert "data: [DONE]" not in events
-        deadline = time.monotonic() + serve_app.config.client_timeout_s + 15
-        while ray.get(scheduler.live_request_ids.remote()) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not ray.get(scheduler.live_request_ids.remote())
-        assert_clean(scheduler, objects=False)
-    finally:
-        ray.get(scheduler.set_fault_injection.remote("d-0", 0.0, 0.0))
-    deadline = time.monotonic() + 60
-    while True:  # Serve replaces the dead replicas
-        try:
-            if _chat(url, serve_app.model).status_code == 200:
-                break
-        except requests.RequestException:
-            pass
-        assert time.monotonic() < deadline, "no replica serves again"
-        time.sleep(0.5)
+    client_timeout_s = serve_app.config.client_timeout_s
+    kill_the_ingress_mid_stream(url, APP, serve_app.model, scheduler, client_timeout_s)

@@ -71,75 +71,12 @@ def test_a_dead_ingress_replicas_requests_are_aborted(serve_app: ServeApp) -> No
     """The ingress replica holding a client dies mid-stream: the client's stream ends with an
     error (no [DONE]), the request is aborted on the cluster and its blocks freed once the
     replica's keep-alives stop (client_timeout_s), and Serve's new replicas serve again."""
-    import os
-    import signal
-    import threading
-    import time
+    from tests.cluster.serving.ingress_faults import kill_the_ingress_mid_stream
 
-    import psutil
-
-    scheduler = serve_app.scheduler
-    ray.get(scheduler.set_fault_injection.remote("d-0", 0.0, 0.05))  # 300 tokens: 15 s
-    events: list[str] = []
-    streaming = threading.Event()
-
-    def stream() -> None:
-        body = {
-            "model": serve_app.model,
-            "messages": [{"role": "user", "content": "hi"}],
-            "max_tokens": 300,
-            "temperature": 0,
-            "ignore_eos": True,
-            "stream": True,
-        }
-        headers = {"Authorization": f"Bearer {API_KEY}"}
-        try:
-            with requests.post(
-                f"{serve_app.url}/v1/chat/completions",
-                json=body,
-                headers=headers,
-                stream=True,
-                timeout=60,
-            ) as reply:
-                for line in reply.iter_lines():
-                    if line.startswith(b"data: {"):
-                        streaming.set()
-                    events.append(line.decode())
-        except requests.RequestException as exc:
-            events.append(f"error: {type(exc).__name__}")
-        finally:
-            events.append("end")
-
-    reader = threading.Thread(target=stream, daemon=True)
-    try:
-        reader.start()
-        assert streaming.wait(30), events
-        assert ray.get(scheduler.live_request_ids.remote())  # it runs on the cluster
-        replicas = [  # their processes' titles name them
-            p.pid
-            for p in psutil.process_iter(["cmdline"])
-            if "ServeReplica:tandem-test:OpenAIIngress" in " ".join(p.info["cmdline"] or ())
-        ]
-        assert replicas
-        for pid in replicas:  # whichever holds the client: a crash, no goodbye
-            os.kill(pid, signal.SIGKILL)
-        reader.join(30)
-        assert not reader.is_alive() and events[-1] == "end"
-        assert "data: [DONE]" not in events  # the client saw its stream break
-        # The replica's keep-alives stopped: the request is aborted, every block freed.
-        deadline = time.monotonic() + serve_app.config.client_timeout_s + 15
-        while ray.get(scheduler.live_request_ids.remote()) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not ray.get(scheduler.live_request_ids.remote())
-        assert_clean(scheduler, objects=False)  # (Serve's own objects stay in the store)
-    finally:
-        ray.get(scheduler.set_fault_injection.remote("d-0", 0.0, 0.0))
-    deadline = time.monotonic() + 60
-    while True:  # Serve replaces the dead replicas
-        try:
-            if _chat(serve_app).status_code == 200:
-                break
-        except requests.RequestException:
-            pass
-        assert time.monotonic() < deadline, "the ingress did not come back"
-        time.sleep(0.5)
+    kill_the_ingress_mid_stream(
+        serve_app.url,
+        "tandem-test",
+        serve_app.model,
+        serve_app.scheduler,
+        serve_app.config.client_timeout_s,
+    )
