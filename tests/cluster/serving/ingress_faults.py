@@ -29,7 +29,7 @@ def kill_the_ingress_mid_stream(
 
     def stream() -> None:
         try:
-            with _chat(url, model, stream=True, max_tokens=300) as reply:
+            with chat(url, model, stream=True, max_tokens=300, ignore_eos=True) as reply:
                 for line in reply.iter_lines():
                     if line.startswith(b"data: {"):
                         streaming.set()
@@ -66,7 +66,7 @@ def kill_the_ingress_mid_stream(
     deadline = time.monotonic() + 60
     while True:  # Serve replaces the dead replicas
         try:
-            if _chat(url, model).status_code == 200:
+            if chat(url, model).status_code == 200:
                 break
         except requests.RequestException:
             pass
@@ -74,13 +74,21 @@ def kill_the_ingress_mid_stream(
         time.sleep(0.5)
 
 
-def _chat(url: str, model: str, stream: bool = False, max_tokens: int = 4) -> Any:
+def chat(
+    url: str,
+    model: str,
+    stream: bool = False,
+    max_tokens: int = 4,
+    ignore_eos: bool = False,
+    content: str = "hi",
+) -> Any:
+    """A greedy chat completion (streamed: read it in a ``with``)."""
     body = {
         "model": model,
-        "messages": [{"role": "user", "content": "hi"}],
+        "messages": [{"role": "user", "content": content}],
         "max_tokens": max_tokens,
         "temperature": 0,
-        "ignore_eos": stream,
+        "ignore_eos": ignore_eos,
         "stream": stream,
     }
     headers = {"Authorization": f"Bearer {API_KEY}"}

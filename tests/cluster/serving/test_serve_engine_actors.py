@@ -11,10 +11,12 @@ from typing import Any
 
 import pytest
 
-from tests.cluster.conftest import API_KEY, ServeApp, assert_clean
+from tests.cluster.conftest import ServeApp, assert_clean
 
 ray = pytest.importorskip("ray")
 requests = pytest.importorskip("requests")
+
+from tests.cluster.serving.ingress_faults import chat, kill_the_ingress_mid_stream  # noqa: E402
 
 APP = "tandem-engines"
 PREFIX = "/engines"
@@ -42,18 +44,8 @@ def engines_app(serve_app: ServeApp) -> Iterator[tuple[str, Any]]:
             shutdown_cluster(get_cluster(app_cluster_name(APP), namespace="tandem"))
 
 
-def _chat(url: str, model: str, stream: bool = False, max_tokens: int = 8) -> Any:
-    body = {
-        "model": model,
-        "messages": [{"role": "user", "content": "Say hello"}],
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "stream": stream,
-    }
-    headers = {"Authorization": f"Bearer {API_KEY}"}
-    return requests.post(
-        f"{url}/v1/chat/completions", json=body, headers=headers, timeout=60, stream=stream
-    )
+def _chat(url: str, model: str, stream: bool = False) -> Any:
+    return chat(url, model, stream=stream, max_tokens=8, content="Say hello")
 
 
 def test_the_api_streams_from_the_engines_as_the_central_mode_does(
@@ -94,8 +86,6 @@ def test_a_dead_ingress_replicas_requests_are_aborted_on_the_engines(
     """The ingress replica holding the client dies mid-stream: the engines drop its stream,
     the request is aborted once the replica's keep-alives stop, every block freed; Serve's
     new replicas serve again."""
-    from tests.cluster.serving.ingress_faults import kill_the_ingress_mid_stream
-
     url, scheduler = engines_app
     client_timeout_s = serve_app.config.client_timeout_s
     kill_the_ingress_mid_stream(url, APP, serve_app.model, scheduler, client_timeout_s)
