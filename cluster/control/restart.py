@@ -33,7 +33,7 @@ import time
 from typing import Any
 
 from cluster.control.engine import EndedTrace
-from cluster.control.engine_wire import EngineSnapshot, sequence_of, shift
+from cluster.control.engine_wire import EngineSnapshot, HeldSnapshot, sequence_of, shift
 from cluster.control.flights import Flight, clone_request
 from cluster.errors import UnavailableError
 
@@ -208,25 +208,12 @@ async def rebuild(actor: Any) -> None:
     # Every id the previous process gave, held here or not: this one's come after them.
     last = max(snap.max_seq for _, snap in found)
     handoffs = []
-    # Held requests first: a request both decoding on one engine and awaiting its hand-off
-    # on another (the restart fell between the two) is the decoding one.
     held = [(snap.spec.instance_id, h) for _, snap in found for h in snap.held]
-    held.sort(key=lambda pair: pair[1].prefilled is not None)
     ended_here = {key for _, snap in found for key in snap.ended}
-    for iid, h in held:
+    for iid, h, take in triage(held, ended_here):
         last = max(last, sequence_of(h.internal_id))
         actor._taken_on.add(h.internal_id)
-        route = h.route
-        taken = actor.flights.get(route.client_request_id)
-        mine = (route.client_id, route.submission)
-        if h.prefilled is not None and mine in ended_here:
-            # Decoded and ended on its decode engine already (the report that confirmed its
-            # hand-off reached the previous process, its handed_off op to here did not).
-            actor.engines[iid].abort([h.internal_id])
-            continue
-        if taken is not None and (taken.client_id, taken.tag) == mine:
-            # Running elsewhere already (its decode part, or a move's new copy): this one,
-            # prefilled and never confirmed, is dropped.
+        if not take:
             actor.engines[iid].abort([h.internal_id])
             continue
         params = h.route.client_params or h.route.request.sampling_params
@@ -286,6 +273,33 @@ async def rebuild(actor: Any) -> None:
         len(found),
         len(actor.flights),
     )
+
+
+def triage(
+    held: list[tuple[str, HeldSnapshot]], ended: set[tuple[str, Any]]
+) -> list[tuple[str, HeldSnapshot, bool]]:
+    """The requests the engines hold, as (instance, request, take it on), in the order to
+    take them on. A request is known by its (client, submission). Requests that run go
+    first: one both decoding on one engine and prefilled on another, its hand-off never
+    confirmed (the restart fell between the two), is the decoding one, and the prefilled
+    copy is dropped; so is a second copy of any request (a move's new copy and the old). A
+    prefilled copy of a request that already ended on its decode engine (``ended``: the
+    report that confirmed its hand-off reached the previous process, its ``handed_off`` op
+    to the prefill engine did not) is dropped too, not handed off again."""
+    order = sorted(held, key=lambda pair: pair[1].prefilled is not None)
+    taken: dict[str, tuple[str, Any]] = {}  # client request id -> (client, submission)
+    out = []
+    for iid, h in order:
+        route = h.route
+        mine = (route.client_id, route.submission)
+        if (h.prefilled is not None and mine in ended) or taken.get(
+            route.client_request_id
+        ) == mine:
+            out.append((iid, h, False))
+            continue
+        taken[route.client_request_id] = mine
+        out.append((iid, h, True))
+    return out
 
 
 def _remade_trace(actor: Any, carrier: dict[str, str] | None, request: Any) -> Any:
