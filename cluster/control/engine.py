@@ -547,6 +547,7 @@ class InstanceEngine:
             "engine_pid": os.getpid(),  # the process its scheduler and loop run in
             "block_size": kv.block_size,
             "enable_prefix_caching": kv.enable_caching,
+            "draining": self.draining,  # leaving its pool (a shrink): takes no new request
             **self.loop.stats(),
         }
         if self.config.lora is not None:  # vLLM's lora_requests_info

@@ -462,6 +462,37 @@ def test_a_central_scheduler_killed_before_the_decode_engine_confirmed_a_hand_of
     wait_until(orphan_gone, 10, "the orphan worker killed")
 
 
+def test_a_drain_begun_before_a_central_restart_goes_on_after_it(
+    engines: Any, client: ClusterClient, tiny_model: Path
+) -> None:
+    """A pool shrinking when the central scheduler dies: the engine it was draining says so
+    in its snapshot, and the restarted scheduler finishes the drain -- the engine's requests
+    complete, then it leaves the pool (else it would stay, out of routing, for ever)."""
+    prompts = _prompts(6, seed=19)
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    expected = generate_in_process(tiny_model, prompts, params)
+    grown = asyncio.run(client.scale_pool("d", 3))["instances"]
+    (new,) = set(grown) - {"d-0", "d-1"}
+    ray.get(engines.set_fault_injection.remote(new, 0.0, 0.05))
+
+    async def run() -> list[Any]:
+        tasks = [asyncio.ensure_future(_collect(client, p, params)) for p in prompts]
+        await _until(lambda: _instances(engines)[new]["num_running"] > 0)
+        await engines.scale_pool.remote("d", 2, None, False)  # the drain begins, no wait
+        await _until(lambda: _instances(engines)[new]["draining"])
+        assert _instances(engines)[new]["num_running"] > 0  # the kill falls in the drain
+        ray.kill(engines, no_restart=False)
+        return list(await asyncio.gather(*tasks))
+
+    outs = asyncio.run(asyncio.wait_for(run(), 120))
+    assert token_ids(outs) == expected
+    wait_until(
+        lambda: set(_instances(engines)) == {"p-0", "d-0", "d-1"},
+        30,
+        f"{new}, drained, to leave after the restart",
+    )
+
+
 @ray.remote(num_cpus=0)
 class _Idle:
     """Stands for a worker whose instance's start was cut short."""
