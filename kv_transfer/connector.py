@@ -197,12 +197,38 @@ class PDConnector(SchedulerConnector):
         if not isinstance(connector_output, KVConnectorReport):
             return
         for req_id, handle in connector_output.saved.items():
-            # A request aborted while its saving step ran is no longer expected: dropping
-            # the handle releases the saved copy.
             if req_id in self._saving:
                 self._saving.discard(req_id)
                 self._saved[req_id] = handle
                 self.num_saves += 1
+            elif any(segment.in_place for segment in handle):
+                # Its request was aborted or preempted while the saving step ran: nobody
+                # will read this save. Its lease ends at the next step, not at expiry (a
+                # copy-out save goes with the dropped handle).
+                self._releases.append(req_id)
+
+    def request_preempted(self, request: Request) -> bool:
+        # A save in flight is of the blocks the preemption just freed (an in-place lease
+        # would hand a decode instance another request's KV): it is released when it comes,
+        # and the request saves again when its recomputed prompt completes (its admission
+        # puts it back in ``_to_save``). A save already made goes the same way.
+        req_id = request.request_id
+        handle = self._saved.pop(req_id, None)
+        if handle is not None and any(segment.in_place for segment in handle):
+            self._releases.append(req_id)
+        if req_id in self._saving:
+            self._saving.discard(req_id)
+            return True
+        return False
+
+    def remote_kv_dropped(self, request: Request) -> None:
+        params = request.kv_transfer_params or {}
+        handle, source = params.get("handle"), params.get("remote_instance_id")
+        if handle and source is not None and any(segment.in_place for segment in handle):
+            self._unread.append((request.request_id, str(source)))
+
+    def has_pending(self) -> bool:
+        return bool(self._releases)
 
     # -- prefill side ----------------------------------------------------------------------
     def request_finished(
@@ -214,6 +240,11 @@ class PDConnector(SchedulerConnector):
         self._saving.discard(req_id)
         handle = self._saved.pop(req_id, None)
         if handle is None:
+            params = request.kv_transfer_params or {}
+            if params.get("do_remote_prefill") and not request.awaiting_remote_kvs:
+                # Decode side, finished before its load (aborted while queued): the source
+                # lets the prompt's KV go now.
+                self.remote_kv_dropped(request)
             return False, None
         # A copy-out transport's data is independent of the blocks, so they are freed now; a
         # transport serving the blocks in place keeps them until it reports the send done

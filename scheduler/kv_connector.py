@@ -60,3 +60,21 @@ class SchedulerConnector(ABC):
         blocks until a ``finished_sending`` report names the request; the params travel to
         the client / decode instance with the request's final output.
         """
+
+    def request_preempted(self, request: Request) -> bool:
+        """``request`` was preempted: its blocks are freed and it will be computed again.
+        True when a save of its blocks is still in flight: the scheduler then drops the
+        output of its steps in flight (as vLLM does for a KV producer), whose sampled token
+        would otherwise end the request with a save of blocks it no longer holds. False by
+        default."""
+        return False
+
+    def remote_kv_dropped(self, request: Request) -> None:  # noqa: B027
+        """Decode side: ``request`` will not read the remote KV its ``kv_transfer_params``
+        name (its load failed, or it finished before loading): the source may let it go.
+        No-op by default."""
+
+    def has_pending(self) -> bool:
+        """Instructions for the worker wait that no request's step would carry (a release
+        of saved KV): the engine loop steps once more. False by default."""
+        return False

@@ -71,6 +71,7 @@ class RemoteKV:
                 self.finished_recving.discard(req_id)
                 if req_id in self.free_after_recv:  # aborted meanwhile: the load has ended
                     self.free_after_recv.discard(req_id)
+                    self._drop_remote(request)
                     self.state.free_blocks(request)
                     continue
                 self.state.holding.remove(request)
@@ -109,9 +110,15 @@ class RemoteKV:
                 )
             )
             return
+        self._drop_remote(request)
         _stop_remote_prefill(request)
         request.num_cached_tokens = None  # counted again at the local re-admission
         release(request)
+
+    def _drop_remote(self, request: Request) -> None:
+        """A load of ``request`` failed: its source may let the KV go now, not at expiry."""
+        if self.state.connector is not None:
+            self.state.connector.remote_kv_dropped(request)
 
     def confirm_sync_loads(self, scheduler_output: SchedulerOutput) -> None:
         """The step that ran a synchronous load returned without a failure: its blocks are

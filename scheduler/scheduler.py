@@ -307,8 +307,13 @@ class Scheduler:
 
     def has_requests(self) -> bool:
         """Unfinished requests, or finished ones whose blocks wait for a KV send or load to
-        report: an engine loop must keep stepping (and collecting reports) while True."""
-        return bool(self.state.requests)
+        report, or instructions for the worker that no request carries (the connector's
+        ``has_pending``): an engine loop must keep stepping (and collecting reports) while
+        True."""
+        state = self.state
+        return bool(state.requests) or (
+            state.connector is not None and state.connector.has_pending()
+        )
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix block (see ``KVCacheManager.reset_prefix_cache``)."""

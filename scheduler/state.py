@@ -90,8 +90,10 @@ class SchedulerState:
 
     def preempt(self, request: Request) -> None:
         """Evict a running request by recompute: free its blocks, send it back to the front
-        of the waiting queue with nothing computed. Mutates ``running``, ``waiting``, the
-        block tables, the request and the preemption counter."""
+        of the waiting queue with nothing computed. The output of its steps in flight is
+        still delivered (the tokens are valid), unless a save of its KV is among them
+        (``SchedulerConnector.request_preempted``): then it is dropped. Mutates ``running``,
+        ``waiting``, the block tables, the request and the preemption counter."""
         self.running.remove(request)
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
@@ -100,6 +102,8 @@ class SchedulerState:
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.prepend_request(request)
+        if self.connector is not None and self.connector.request_preempted(request):
+            self.discard_in_flight_output(request)
 
     def release_to_waiting(self, request: Request, preemption: bool = False) -> None:
         """Send a request that holds blocks but is not running (the caller has taken it out

@@ -218,6 +218,69 @@ def test_save_of_a_request_aborted_during_its_saving_step_is_dropped() -> None:
     _assert_idle(s, c)
 
 
+def test_an_in_place_save_of_a_request_aborted_during_its_saving_step_is_released() -> None:
+    """The lease the worker made for an aborted request ends at the next step, not at its
+    expiry: the scheduler holds no request then, and still steps once to say so."""
+    s, c, out = _prefill_scheduled(10)
+    s.finish_requests("p", RequestStatus.FINISHED_ABORTED)
+    result = ModelRunnerOutput(
+        req_ids=["p"],
+        sampled_token_ids=[[41]],
+        kv_connector_output=KVConnectorReport({"p": [KVSegment(0, 2, "lease", in_place=True)]}),
+    )
+    assert s.update_from_output(out, result) == []
+    assert not s.requests and s.has_requests()  # a release for the worker, no request
+    assert _meta(s.schedule()).releases == ["p"]
+    assert not s.has_requests()
+    _assert_idle(s, c)
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+def test_prefill_preempted_while_its_saving_step_runs_is_saved_again(in_place: bool) -> None:
+    """Async scheduling: the step that completes "p"'s prompt (and saves it) is in flight
+    when the next step preempts "p" for a growing decode. Its blocks go to the decode, so the
+    save in flight is of blocks "p" no longer holds (an in-place lease would hand a decode
+    instance another request's KV): the step's output for "p" is dropped, the lease is
+    released, and "p" computes its prompt again and hands off a fresh save."""
+    s, c = _instance(num_blocks=4, async_scheduling=True, max_model_len=16)
+    s.add_request(make_request(3, req_id="r", max_tokens=12))  # 1 block, then grows
+    _run(s)
+    s.add_request(_prefill_request(12, "p"))  # 3 blocks: the pool is full
+    saving = s.schedule()
+    assert saving.num_scheduled_tokens == {"r": 1, "p": 12}
+    assert _meta(saving).saves == [SaveSpec("p", 12)]
+    saving_result = model_output(s, saving)
+    nxt = s.schedule()  # "r" needs a 2nd block: "p", the last admitted, is preempted
+    assert "p" in nxt.preempted_req_ids
+    old = [KVSegment(0, 2, "old", in_place=in_place)]
+    saving_result.kv_connector_output = KVConnectorReport(saved={"p": old})
+    outputs = s.update_from_output(saving, saving_result)
+    assert [o.request_id for o in outputs] == ["r"]  # nothing for "p": not finished on it
+    s.update_from_output(nxt, model_output(s, nxt))
+    s.check_integrity()
+    new = [KVSegment(0, 2, "new", in_place=in_place)]
+    releases: list[str] = []
+    finals = []
+    for _ in range(40):
+        if not s.has_requests():
+            break
+        out = s.schedule()
+        meta = _meta(out)
+        releases += meta.releases
+        # The worker ends a released lease at once; the new one once a decode side read it.
+        sent = set(meta.releases) | ({"p"} if finals and in_place else set())
+        result = model_output(s, out, finished_sending=sent or None)
+        result.kv_connector_output = KVConnectorReport({x.req_id: new for x in meta.saves})
+        finals += [o for o in s.update_from_output(out, result) if o.request_id == "p"]
+        s.check_integrity()
+    (final,) = finals
+    assert final.finish_reason == FinishReason.LENGTH
+    assert final.kv_transfer_params is not None and final.kv_transfer_params["handle"] == new
+    assert len(final.kv_transfer_params["remote_block_ids"]) == 3
+    assert releases == (["p"] if in_place else [])  # the old lease, once
+    _assert_idle(s, c)
+
+
 def test_prefill_whose_first_token_is_eos_hands_nothing_off() -> None:
     """Only a request capped at its first token continues on a decode instance (as vLLM's
     connectors: ``FINISHED_LENGTH_CAPPED``); one that stopped there returns no params, and
@@ -410,6 +473,58 @@ def test_decode_aborted_while_loading_keeps_its_blocks_until_the_load_ends() -> 
     _run(s)
     assert "d" in s.requests
     _run(s, finished_recving={"d"})
+    _assert_idle(s, c)
+
+
+IN_PLACE = [KVSegment(0, 2, "lease", in_place=True)]
+
+
+def _in_place_decode_request() -> Request:
+    r = _decode_request(PROMPT, handle=IN_PLACE)
+    assert r.kv_transfer_params is not None
+    r.kv_transfer_params["remote_instance_id"] = "p-0"
+    return r
+
+
+def test_a_decode_request_aborted_before_its_load_lets_the_source_go() -> None:
+    """Aborted while queued (a client that left): the source's lease is released at once
+    (reported as unread), not held until it expires."""
+    s, c = _instance()
+    r = _in_place_decode_request()
+    s.add_request(r)
+    s.finish_requests("d", RequestStatus.FINISHED_ABORTED)
+    assert c.take_unread() == [("d", "p-0")]
+    _assert_idle(s, c)
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_a_failed_load_lets_the_source_go(policy: str) -> None:
+    s, c = _instance(kv_load_failure_policy=policy)
+    _start_load(s, _in_place_decode_request())
+    _run(s, failed_recving={"d"})
+    assert c.take_unread() == [("d", "p-0")]
+    _finish_all(s)
+    assert c.take_unread() == []  # once
+    _assert_idle(s, c)
+
+
+def test_a_load_aborted_then_failed_lets_the_source_go() -> None:
+    s, c = _instance()
+    _start_load(s, _in_place_decode_request())
+    s.finish_requests("d", RequestStatus.FINISHED_ABORTED)
+    assert c.take_unread() == []  # a read may still be running
+    _run(s, failed_recving={"d"})
+    assert c.take_unread() == [("d", "p-0")]
+    _assert_idle(s, c)
+
+
+def test_a_load_that_succeeded_releases_nothing() -> None:
+    """The read's notification ended the source's lease already."""
+    s, c = _instance()
+    _start_load(s, _in_place_decode_request())
+    _run(s, finished_recving={"d"})
+    _finish_all(s)
+    assert c.take_unread() == []
     _assert_idle(s, c)
 
 
