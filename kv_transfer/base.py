@@ -157,8 +157,9 @@ class WorkerConnector(ABC):
         step computes nothing, so wait briefly for a pending fetch rather than spin."""
         now, wall = time.monotonic(), time.time()
         for spec in metadata.loads if metadata else ():
-            future = self._pool.submit(self._delayed_fetch, spec.handle, spec.timeout_s)
-            self._loads[spec.req_id] = _Load(spec, future, now, now + spec.timeout_s, wall)
+            deadline = now + spec.timeout_s
+            future = self._pool.submit(self._delayed_fetch, spec.handle, deadline)
+            self._loads[spec.req_id] = _Load(spec, future, now, deadline, wall)
         if idle and self._loads:
             soonest = min(load.deadline for load in self._loads.values())
             wait = min(0.05, max(0.0, soonest - time.monotonic()))
@@ -169,9 +170,14 @@ class WorkerConnector(ABC):
     def wait_for_layer_load(self, layer: int) -> None:  # noqa: B027
         """Loads are written before the forward pass, so every layer is ready."""
 
-    def _delayed_fetch(self, segments: list[KVSegment], timeout_s: float) -> _Fetched:
+    def _delayed_fetch(self, segments: list[KVSegment], deadline: float) -> _Fetched:
+        """Fetch on a pool thread, within what is left of the load's ``deadline`` (monotonic):
+        a load that queued behind others does not pull past the point its report failed."""
         start = time.perf_counter()
         try:
+            timeout_s = deadline - time.monotonic()
+            if timeout_s <= 0:
+                raise TimeoutError("the load's deadline passed while it queued for a thread")
             data = self._fetch_segments(segments, timeout_s)
         except Exception as exc:
             return _Fetched(None, time.perf_counter() - start, f"{type(exc).__name__}: {exc}")

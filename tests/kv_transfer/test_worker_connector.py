@@ -8,6 +8,7 @@ import itertools
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -201,6 +202,50 @@ def test_fetch_past_the_timeout_fails_and_its_late_data_is_never_written(
     assert _unchanged(dst, before)  # the blocks may belong to someone else by now
     assert dst.report().bytes_loaded == 0
     assert all(not record.ok for record in dst.history)
+
+
+def test_a_load_queued_for_a_thread_pulls_within_what_is_left_of_its_deadline() -> None:
+    """Loads beyond ``max_parallel_loads`` wait for a thread: the deadline counts from the
+    start of the load, so one whose deadline passed while it queued (reported failed)
+    does not pull at all, and one that starts late pulls only for what is left (it pulled
+    for its whole timeout, holding a thread and the source's lease past its failure)."""
+    store: dict[str, KVPayload] = {}
+    src = MemoryConnector(store)
+    src.register_kv_caches(_caches(8, torch.float32, 0), range(NUM_LAYERS))
+    handle = _save(src)
+    timeouts: list[float] = []
+
+    class Recording(MemoryConnector):
+        def _fetch(self, handle: Any, layers: range, timeout_s: float) -> KVPayload:
+            timeouts.append(timeout_s)
+            self.hold_s = 0.3 if len(timeouts) == 1 else 0.0  # the first holds the thread
+            return super()._fetch(handle, layers, timeout_s)
+
+    dst = Recording(store)
+    dst._pool.shutdown()
+    dst._pool = ThreadPoolExecutor(1)
+    dst.register_kv_caches(_caches(12, torch.float32, 1), range(NUM_LAYERS))
+    try:
+        dst.start_load_kv(
+            KVConnectorMetadata(
+                loads=[
+                    LoadSpec("first", handle, [0, 1, 2], 0, timeout_s=1.0),
+                    LoadSpec("late", handle, [3, 4, 5], 0, timeout_s=0.1),
+                    LoadSpec("later", handle, [6, 7, 8], 0, timeout_s=0.6),
+                ]
+            )
+        )
+        while dst.num_loading():
+            dst.start_load_kv(None, idle=True)
+        assert dst.get_finished()[1:] == ({"first", "later"}, {"late"})
+        assert dst.fetch_done.wait(1.0)
+        assert len(timeouts) == 2  # "late" never pulled
+        assert timeouts[0] == pytest.approx(1.0, abs=0.05)
+        assert timeouts[1] < 0.6 - 0.25  # "later" started after "first" held 0.3 s
+    finally:
+        dst.release.set()
+        for c in (src, dst):
+            c.close()
 
 
 def test_timed_out_load_is_recorded_as_failed_in_history(saved: Saved) -> None:
