@@ -64,6 +64,12 @@ class NixlReads(WorkerConnector):
     def _forget_peer(self, name: str) -> None:  # the connector's
         raise NotImplementedError
 
+    def _disconnect_peer(self, name: str) -> None:  # the connector's
+        raise NotImplementedError
+
+    def _reconnect(self, name: str) -> bool:  # the connector's
+        raise NotImplementedError
+
     def start_load_kv(self, metadata: KVConnectorMetadata | None, idle: bool = False) -> None:
         """Post this step's READs; end the ones that finished (or ran out of time). ``idle``:
         nothing is computed this step, so wait a little (polling, with sleeps) for a read."""
@@ -242,6 +248,8 @@ class NixlReads(WorkerConnector):
         if not isinstance(handle, NixlHandle):
             raise TypeError(f"the nixl transport cannot read a {type(handle).__name__}")
         source = self._peers.get(handle.agent)
+        if source is None and self._reconnect(handle.agent):
+            source = self._peers.get(handle.agent)
         if source is None:
             raise ConnectionError(f"unknown KV source {handle.agent} (not registered, or gone)")
         assert self.layout is not None
@@ -312,7 +320,7 @@ class NixlReads(WorkerConnector):
                     "KV read of %s still running: disconnecting %s", req_id, read.sources
                 )
                 for name in read.sources:
-                    self._forget_peer(name)
+                    self._disconnect_peer(name)
                 read.disconnected = True
             elif overdue >= 2 * self.abort_grace_s:
                 logger.error("KV read of %s never ended; giving up on it", req_id)

@@ -186,6 +186,10 @@ class NixlWorkerConnector(NixlReads):
         self._registered: list[Any] = []
         self._peers: dict[str, PoolLayout] = {}  # agent name -> its pool
         self._departed: set[str] = set()  # peers that left, forgotten once nothing reads them
+        # Peers disconnected after a read from them got stuck (they did not leave): connected
+        # again when a hand-off next names them, rather than unknown until they rejoin.
+        self._disconnected: dict[str, NixlPeer] = {}
+        self._peer_infos: dict[str, NixlPeer] = {}  # agent name -> what it published
         self._reads: dict[str, _Read] = {}
         # Loads not posted yet: (when to post, the load). Only ``load_delay_s`` (fault
         # injection in tests) keeps one here past the step that brought it.
@@ -273,6 +277,8 @@ class NixlWorkerConnector(NixlReads):
                     )
                     continue
                 self._peers[peer.agent] = peer.layout
+                self._peer_infos[peer.agent] = peer
+                self._disconnected.pop(peer.agent, None)
                 # Host memory only (the kernel copy cannot read VRAM): both pools in DRAM.
                 assert self.layout is not None
                 dram = peer.layout.mem_type == self.layout.mem_type == "DRAM"
@@ -289,6 +295,7 @@ class NixlWorkerConnector(NixlReads):
         read in progress still reads from goes once no read does (``_poll_reads``)."""
         reading = {name for read in self._reads.values() for name in read.sources}
         for name in names:
+            self._disconnected.pop(name, None)
             if name in reading:
                 self._departed.add(name)
             elif name in self._peers:
@@ -337,6 +344,8 @@ class NixlWorkerConnector(NixlReads):
             with contextlib.suppress(Exception):  # already gone: nothing to undo
                 agent.remove_remote_agent(name)
         self._peers.clear()
+        self._peer_infos.clear()
+        self._disconnected.clear()
         self._departed.clear()
         for source in self._direct.values():
             source.close()
@@ -389,12 +398,29 @@ class NixlWorkerConnector(NixlReads):
     def _forget_peer(self, name: str) -> None:
         """Disconnect a peer (reads from it end); it is unknown until published again."""
         self._peers.pop(name, None)
+        self._peer_infos.pop(name, None)
         source = self._direct.pop(name, None)
         if source is not None:
             source.close()
         if self.agent is not None:
             with contextlib.suppress(Exception):
                 self.agent.remove_remote_agent(name)
+
+    def _disconnect_peer(self, name: str) -> None:
+        """End the reads from a peer that stopped answering (its endpoint closes); it is
+        connected again when a hand-off next names it (``_reconnect``)."""
+        peer = self._peer_infos.get(name)
+        self._forget_peer(name)
+        if peer is not None:
+            self._disconnected[name] = peer
+
+    def _reconnect(self, name: str) -> bool:
+        peer = self._disconnected.pop(name, None)
+        if peer is None:
+            return False
+        logger.info("NIXL peer %s: connecting again after a stuck read", name)
+        self.add_peers([peer])
+        return name in self._peers
 
     def _fetch(self, handle: Any, layers: range, timeout_s: float) -> KVPayload:
         raise NotImplementedError("the nixl transport reads into the blocks in place")
