@@ -324,7 +324,10 @@ class NixlWorkerConnector(NixlReads):
         while state == "PROC" and time.monotonic() < deadline:
             time.sleep(0.001)
             state = self._state(xfer)
-        self._release(xfer)
+        if state == "PROC":  # still copying: released once it ends, its scratch kept alive
+            self._retired.append(([xfer], [self.scratch]))
+        else:
+            self._release(xfer)
         if state != "DONE":
             why = "timed out" if state == "PROC" else state
             raise ConnectionError(f"NIXL could not read from {peer.agent} ({why})")

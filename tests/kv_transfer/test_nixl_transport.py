@@ -567,6 +567,27 @@ def test_a_probe_reads_into_scratch_space_not_the_cache(
 
 
 # -- no busy-spinning --------------------------------------------------------------------------
+def test_a_probe_that_times_out_while_its_read_runs_keeps_it_until_it_ends(
+    make: Callable[..., NixlWorkerConnector], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A running transfer is never released (its copy would go on into freed memory): a
+    probe given up on keeps it, and the scratch slab it writes into, until it ends."""
+    src, dst = make(), make(num_blocks=12, seed=1)
+    state = {"now": "PROC"}
+    released: list[Any] = []
+    monkeypatch.setattr(dst, "_post", lambda xfer: state["now"])
+    monkeypatch.setattr(dst, "_state", lambda xfer: state["now"])
+    monkeypatch.setattr(dst, "_release", released.append)
+    with pytest.raises(ConnectionError, match="timed out"):
+        dst.probe(src.peer_info(), timeout_s=0.05)
+    assert not released
+    ((xfer,), (scratch,)), *_ = dst._retired
+    assert scratch is dst.scratch
+    state["now"] = "DONE"
+    dst._poll_reads()
+    assert released == [xfer] and not dst._retired
+
+
 def test_idle_agents_use_no_cpu(make: Callable[..., NixlWorkerConnector]) -> None:
     src, dst = make(), make(num_blocks=12, seed=1)
     assert _load(dst, _save(src)) == ({"r"}, None)  # connected and used once
