@@ -56,7 +56,10 @@ class NixlReads(WorkerConnector):
     _departed: set[str]
     _reads: dict[str, _Read]
     _delayed: dict[str, tuple[float, _Load]]
-    _retired: list[tuple[list[Any], list[Any]]]
+    # Transfers still running when their read was given up on (or the cache replaced): with
+    # what they write into, kept alive, and the agent that posted them, which alone can
+    # tell their state (it may no longer be this worker's agent).
+    _retired: list[tuple[list[Any], list[Any], Any]]
     same_node_copy: bool  # copy from sources of this machine by CMA (``_copy``)
     _direct: dict[str, SourceProcess]  # agent name -> its process, where it can be read so
     num_direct_reads: int
@@ -268,13 +271,13 @@ class NixlReads(WorkerConnector):
             return
         if self._retired:  # transfers given up on: released once they end
             retired, self._retired = self._retired, []
-            for xfers, caches in retired:
-                still = [x for x in xfers if self._state(x) == "PROC"]
+            for xfers, caches, agent in retired:
+                still = [x for x in xfers if self._state(x, agent) == "PROC"]
                 for xfer in xfers:
                     if xfer not in still:
                         self._release(xfer)
                 if still:
-                    self._retired.append((still, caches))
+                    self._retired.append((still, caches, agent))
         for req_id, read in list(self._reads.items()):
             states = [self._state(x) for x in read.xfers]
             now = time.monotonic()  # after the states: a check may have run the copy
@@ -325,7 +328,7 @@ class NixlReads(WorkerConnector):
             elif overdue >= 2 * self.abort_grace_s:
                 logger.error("KV read of %s never ended; giving up on it", req_id)
                 del self._reads[req_id]
-                self._retired.append((running, self.kv_caches))
+                self._retired.append((running, self.kv_caches, self.agent))
                 self._end_load(read.load, 0, read.error)
         if self._departed:
             self._forget_departed()
@@ -345,9 +348,9 @@ class NixlReads(WorkerConnector):
             logger.warning("NIXL transfer failed: %s: %s", type(exc).__name__, exc)
             return "ERR"
 
-    def _state(self, xfer: Any) -> str:
+    def _state(self, xfer: Any, agent: Any = None) -> str:
         try:
-            return str(self.agent.check_xfer_state(xfer))
+            return str((agent or self.agent).check_xfer_state(xfer))
         except Exception as exc:
             logger.warning("NIXL transfer failed: %s: %s", type(exc).__name__, exc)
             return "ERR"
@@ -368,7 +371,7 @@ class NixlReads(WorkerConnector):
                 if xfer not in running:
                     self._release(xfer)
             if running:
-                self._retired.append((running, self.kv_caches))
+                self._retired.append((running, self.kv_caches, self.agent))
 
     def num_loading(self) -> int:
         return len(self._reads) + len(self._delayed)

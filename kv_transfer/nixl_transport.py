@@ -194,9 +194,7 @@ class NixlWorkerConnector(NixlReads):
         # Loads not posted yet: (when to post, the load). Only ``load_delay_s`` (fault
         # injection in tests) keeps one here past the step that brought it.
         self._delayed: dict[str, tuple[float, _Load]] = {}
-        # Transfers still running when their read was given up on (or the cache replaced),
-        # with the caches they write into: kept alive until the transfers end.
-        self._retired: list[tuple[list[Any], list[Any]]] = []
+        self._retired: list[tuple[list[Any], list[Any], Any]] = []  # (see nixl_reads)
         self.abort_grace_s = 10.0  # a failed read still running this long: disconnect
         self.num_descriptors = 0  # descriptors of the reads so far (merging at work)
         # Reads from a worker of this machine by one kernel copy, not a NIXL READ
@@ -325,7 +323,7 @@ class NixlWorkerConnector(NixlReads):
             time.sleep(0.001)
             state = self._state(xfer)
         if state == "PROC":  # still copying: released once it ends, its scratch kept alive
-            self._retired.append(([xfer], [self.scratch]))
+            self._retired.append(([xfer], [self.scratch], self.agent))
         else:
             self._release(xfer)
         if state != "DONE":

@@ -353,7 +353,7 @@ def test_a_failed_read_is_reported_only_once_its_transfer_stops(
     failed as soon as the transfer stops."""
     dst = make(num_blocks=12, seed=1)
     xfer = _RunningTransfer()
-    monkeypatch.setattr(dst, "_state", lambda x: x.state)
+    monkeypatch.setattr(dst, "_state", lambda x, agent=None: x.state)
     forgotten: list[str] = []
     monkeypatch.setattr(dst, "_forget_peer", forgotten.append)
     dst.abort_grace_s = 0.2
@@ -377,7 +377,7 @@ def test_a_read_that_never_ends_is_given_up_and_keeps_its_cache_alive(
 ) -> None:
     dst = make(num_blocks=12, seed=1)
     xfer = _RunningTransfer()
-    monkeypatch.setattr(dst, "_state", lambda x: x.state)
+    monkeypatch.setattr(dst, "_state", lambda x, agent=None: x.state)
     monkeypatch.setattr(dst, "_forget_peer", lambda name: None)
     dst.abort_grace_s = 0.05
     now = time.monotonic()
@@ -386,8 +386,39 @@ def test_a_read_that_never_ends_is_given_up_and_keeps_its_cache_alive(
     dst._poll_reads()  # 0.5 s overdue: disconnected ...
     dst._poll_reads()  # ... and, still running, given up on
     assert dst.get_finished()[1:] == (None, {"r"}) and not xfer.released
-    (running, caches), *_ = dst._retired
+    (running, caches, _), *_ = dst._retired
     assert running == [xfer] and caches is dst.kv_caches  # the memory it writes stays
+    xfer.state = "DONE"
+    dst._poll_reads()
+    assert xfer.released and not dst._retired
+
+
+def test_a_read_running_when_the_cache_is_replaced_is_watched_through_its_own_agent(
+    make: Callable[..., NixlWorkerConnector], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """New caches mean a new agent; a transfer the old one posted and that still runs is
+    kept (with the old cache) and asked about through the agent that posted it, until it
+    ends -- the new agent knows nothing of it."""
+    dst = make(num_blocks=12, seed=1)
+    old_agent, old_caches = dst.agent, dst.kv_caches
+    xfer = _RunningTransfer()
+    asked: list[Any] = []
+
+    def state(x: Any, agent: Any = None) -> str:
+        asked.append(agent or dst.agent)
+        return str(x.state)
+
+    monkeypatch.setattr(dst, "_state", state)
+    now = time.monotonic()
+    load = _Load(LoadSpec("r", [], DST_IDS, 0, 30.0), None, now, now + 30.0, time.time())
+    dst._reads["r"] = _Read(load, [xfer], 0, 0, now + 100.0, ["tandem-kv-source"])
+    dst.register_kv_caches(_caches(12, torch.float32, 4), range(NUM_LAYERS))
+    assert dst.agent is not old_agent and not dst._reads
+    ((running,), caches, agent), *_ = dst._retired
+    assert running is xfer and caches is old_caches and agent is old_agent
+    asked.clear()
+    dst._poll_reads()
+    assert asked == [old_agent] and not xfer.released
     xfer.state = "DONE"
     dst._poll_reads()
     assert xfer.released and not dst._retired
@@ -489,7 +520,7 @@ def test_a_peer_that_left_is_forgotten_once_nothing_reads_from_it(
     assert not dst.history[-1].ok and "unknown KV source" in caplog.text
 
     xfer = _RunningTransfer()
-    monkeypatch.setattr(dst, "_state", lambda x: x.state)
+    monkeypatch.setattr(dst, "_state", lambda x, agent=None: x.state)
     name = other.agent.name  # type: ignore[union-attr]
     now = time.monotonic()
     load = _Load(LoadSpec("q", [], DST_IDS, 0, 30.0), None, now, now + 30.0, time.time())
@@ -575,13 +606,13 @@ def test_a_probe_that_times_out_while_its_read_runs_keeps_it_until_it_ends(
     src, dst = make(), make(num_blocks=12, seed=1)
     state = {"now": "PROC"}
     released: list[Any] = []
-    monkeypatch.setattr(dst, "_post", lambda xfer: state["now"])
-    monkeypatch.setattr(dst, "_state", lambda xfer: state["now"])
+    monkeypatch.setattr(dst, "_post", lambda xfer, agent=None: state["now"])
+    monkeypatch.setattr(dst, "_state", lambda xfer, agent=None: state["now"])
     monkeypatch.setattr(dst, "_release", released.append)
     with pytest.raises(ConnectionError, match="timed out"):
         dst.probe(src.peer_info(), timeout_s=0.05)
     assert not released
-    ((xfer,), (scratch,)), *_ = dst._retired
+    ((xfer,), (scratch,), _), *_ = dst._retired
     assert scratch is dst.scratch
     state["now"] = "DONE"
     dst._poll_reads()
