@@ -261,7 +261,7 @@ class GrpcWorkerConnector(WorkerConnector):
         index = torch.tensor(lease.block_ids, dtype=torch.long, device=first.device)
         chunk = self.chunk_size_bytes
         parts: list[memoryview] = []  # views of gathered layers, for the next message
-        size = 0
+        size, sent, total = 0, 0, header.total_bytes
         for cache in caches:
             if not context.is_active():
                 return  # the puller gave up (its deadline): stop reading the blocks
@@ -274,9 +274,14 @@ class GrpcWorkerConnector(WorkerConnector):
                 take = min(chunk - size, layer_bytes - pos)
                 parts.append(data[pos : pos + take])
                 size, pos = size + take, pos + take
-                if size == chunk:
+                if size == chunk and sent + size < total:  # the last message waits
                     yield _frame(parts, size)
-                    parts, size = [], 0
+                    parts, size, sent = [], 0, sent + size
+        # Everything is gathered. New caches (a restore) end every lease, and the blocks may
+        # hold other data since: a pull that spans that is cut short before its last message,
+        # and the puller, short of bytes, fails the load (and recomputes).
+        if lease.ended:
+            context.abort(grpc.StatusCode.ABORTED, "the lease ended during the pull")
         if parts:
             yield _frame(parts, size)
 

@@ -27,6 +27,7 @@ class Lease:
     expires: float  # time.monotonic()
     unpulled: set[int] = field(default_factory=set)  # model layers no pull has sent yet
     active: int = 0  # pulls streaming now: the lease cannot expire under them
+    ended: bool = False  # (a pull in progress checks it before its last message)
 
 
 class LeaseTable:
@@ -119,6 +120,7 @@ class LeaseTable:
 
     def _end(self, lease_id: str) -> None:
         lease = self._leases.pop(lease_id)
+        lease.ended = True
         live = self._by_req[lease.req_id]
         live.discard(lease_id)
         if not live:

@@ -245,6 +245,36 @@ def test_prefill_stages_each_lease_their_layers_for_one_decode_worker(
     assert _sending(first) == {"r"} and _sending(second) == {"r"}
 
 
+class _Context:
+    """What ``GrpcWorkerConnector.stream`` asks of a gRPC server context."""
+
+    def is_active(self) -> bool:
+        return True
+
+    def abort(self, code: grpc.StatusCode, details: str) -> None:
+        raise RuntimeError(f"{code.name}: {details}")
+
+
+def test_a_pull_spanning_new_caches_is_cut_short_before_its_last_message(
+    make: Callable[..., GrpcWorkerConnector],
+) -> None:
+    """New caches (a restore) end every lease while a pull streams one: what it still
+    gathers may come from the new cache, so its last message is never sent (the puller
+    fails the load for the missing bytes) -- while an undisturbed pull sends them all."""
+    src = make(chunk_size_bytes=256)
+    (segment,) = _save(src)
+    lease = src.leases.pin(segment.handle.lease_id, range(NUM_LAYERS))
+    whole = list(src.stream(lease, range(NUM_LAYERS), _Context()))
+    assert len(whole) > 3 and sum(len(m) for m in whole[1:]) > 0
+
+    pull = src.stream(lease, range(NUM_LAYERS), _Context())
+    first = [next(pull), next(pull)]  # the header and a first part of the data
+    src.register_kv_caches(_caches(8, torch.float32, 5), range(NUM_LAYERS))
+    with pytest.raises(RuntimeError, match="ABORTED: the lease ended during the pull"):
+        first.extend(pull)
+    assert len(first) < len(whole)
+
+
 def test_layers_outside_the_lease_are_refused(make: Callable[..., GrpcWorkerConnector]) -> None:
     src, dst = make(layers=range(0, 2)), make(num_blocks=12, seed=1)
     (segment,) = _save(src)
