@@ -298,6 +298,13 @@ class NixlReads(WorkerConnector):
                     read.error = "the READ failed (is the source gone?)"
                 elif now >= read.load.deadline:
                     read.error = f"timed out after {now - read.load.started:.1f}s"
+                    load = read.load
+                    if load.deadline < load.started + load.spec.timeout_s - 1e-3:
+                        read.error += (
+                            " (before its timeout_s: the source's lease, less the safety "
+                            "margin, ended first -- the hand-off waited before its read; "
+                            "kv_transfer.lease_s sets the lease)"
+                        )
                 else:
                     continue
             # Failed: reported only once nothing of it writes into the blocks any more (the

@@ -30,7 +30,8 @@ error, or the deadline, reports it failed and the scheduler's ``failure_policy``
 
 One-sided reads need one rule the pull transports do not: the source cannot see a read in
 progress, so it frees on its own clock. A read therefore starts only while the lease has
-``safety_margin_s`` left, and is cancelled when that margin is reached (the decode side then
+``safety_margin_s`` left, and one not done when that margin is reached fails (it is waited
+for, never released while it runs, and its data discarded; the decode side then
 recomputes); the handle carries the lease's expiry as wall-clock time, so the two workers'
 clocks must agree within the margin (NTP does far better). A dead source fails the read (the
 kernel copy or the connection fails) or lets it run into its deadline: no hang either way.

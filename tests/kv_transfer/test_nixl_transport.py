@@ -372,6 +372,27 @@ def test_a_failed_read_is_reported_only_once_its_transfer_stops(
     assert dst.get_finished()[1:] == (None, {"r"})
 
 
+def test_a_read_cut_short_by_the_lease_says_so(
+    make: Callable[..., NixlWorkerConnector],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A read's deadline is the sooner of its ``timeout_s`` and the source's lease (less
+    the margin): when the lease cut it short, the error says so, not only "timed out"."""
+    dst = make(num_blocks=12, seed=1)
+    xfer = _RunningTransfer()
+    monkeypatch.setattr(dst, "_state", lambda x, agent=None: x.state)
+    now = time.monotonic()
+    # timeout_s 5 s, but the deadline (the lease's) came 0.4 s after the start
+    load = _Load(LoadSpec("r", [], DST_IDS, 0, 5.0), None, now - 0.5, now - 0.1, time.time())
+    dst._reads["r"] = _Read(load, [xfer], 0, 0, now + 100.0, ["tandem-kv-source"])
+    dst._poll_reads()
+    xfer.state = "ERR"
+    dst._poll_reads()
+    assert dst.get_finished()[1:] == (None, {"r"})
+    assert "timed out after 0.5s (before its timeout_s: the source's lease" in caplog.text
+
+
 def test_a_read_that_never_ends_is_given_up_and_keeps_its_cache_alive(
     make: Callable[..., NixlWorkerConnector], monkeypatch: pytest.MonkeyPatch
 ) -> None:
