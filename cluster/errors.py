@@ -32,6 +32,12 @@ class UnavailableError(RuntimeError):
         return (type(self), (str(self),))
 
 
+class StreamLostError(UnavailableError):
+    """A request's stream from the cluster broke before its end -- the central scheduler
+    dropped its client or lost the request in a restart, an output went missing with a
+    broken stream (503); the request may be sent again."""
+
+
 class UnknownModelError(LookupError):
     """A model name that is neither the served model nor a loaded LoRA adapter (404)."""
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from cluster.control.flights import Outcome, unpack_indexed
 from cluster.engine.streams import Mailbox
+from cluster.errors import StreamLostError
 from scheduler import Request
 from scheduler.outputs import EngineCoreOutput
 
@@ -253,7 +254,9 @@ class Delivery:
                     queue = self.queues.get(s)
                     if queue is not None:
                         queue.put_nowait(
-                            RuntimeError("an output of the request was lost with a broken stream")
+                            StreamLostError(
+                                "an output of the request was lost with a broken stream"
+                            )
                         )
                     self._early.pop(s, None)
                     opened = self._open.get(s)

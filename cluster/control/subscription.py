@@ -19,6 +19,7 @@ from typing import Any
 from cluster.control.delivery import Delivery
 from cluster.control.flights import Outcome
 from cluster.engine.streams import Mailbox
+from cluster.errors import StreamLostError
 from scheduler import Request
 from scheduler.outputs import EngineCoreOutput
 
@@ -288,7 +289,7 @@ class Subscription(Delivery):
                 queue = self.queues.get(submission)
                 if queue is not None:
                     queue.put_nowait(
-                        RuntimeError(
+                        StreamLostError(
                             f"request {request.request_id} was lost with the central "
                             "scheduler's restart"
                         )
@@ -322,7 +323,7 @@ class Subscription(Delivery):
 
     async def _run(self) -> None:
         queues = self.queues
-        ended: BaseException = RuntimeError(
+        ended: BaseException = StreamLostError(
             f"the SchedulerActor ended the stream of client {self.client_id} (it timed out "
             "or was unsubscribed)"
         )
@@ -355,7 +356,10 @@ class Subscription(Delivery):
                         raise
                     await asyncio.sleep(0.2)
         except BaseException as exc:
-            ended = exc if isinstance(exc, Exception) else RuntimeError(str(exc))
+            # What the open requests end with: the client's error (HTTP 503), naming why.
+            ended = StreamLostError(
+                f"the stream from the cluster broke: {type(exc).__name__}: {exc}"
+            )
             raise
         finally:
             self._stop.set()

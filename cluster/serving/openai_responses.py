@@ -14,7 +14,7 @@ from typing import Any
 from actors.model.tokenizer import Tokenizer
 from cluster.engine.outputs import CompletionOutput, RequestOutput
 from cluster.observability.api_span import APISpan
-from cluster.serving.errors import APIError
+from cluster.serving.errors import APIError, api_error
 from cluster.serving.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -267,9 +267,8 @@ class SSEStream:
                     index = job.first_index + sample.index
                     if index in ended or not (sample.new_token_ids or sample.finished):
                         continue
-                    if sample.finish_reason == "error":
-                        yield sse(APIError(503, sample.error or "generation failed").body())
-                        return
+                    if sample.finish_reason == "error":  # the cluster failed it
+                        raise APIError(503, sample.error or "generation failed")
                     if sample.finished:
                         ended.add(index)
                     choices.append(choice(job, sample))
@@ -277,8 +276,11 @@ class SSEStream:
                     yield self.chunk(choices)
             if self.include_usage:
                 yield self.chunk([], usage_of(self.jobs, self.finals))
-        except APIError as exc:
-            yield sse(exc.body())
+        except Exception as exc:
+            # After the 200 went out, an error is an event of the stream (then [DONE], as
+            # vLLM does), never a cut-off body: a stream lost with the cluster's scheduler is
+            # a 503 the client may retry; anything else a 500.
+            yield sse(api_error(exc).body())
         finally:
             await outputs.aclose()
             reasons = [o.finish_reason or "" for f in self.finals.values() for o in f.outputs]

@@ -510,6 +510,6 @@ async def _collect(outputs: Outputs) -> Finals:
         finals[job.first_index] = out
     for final in finals.values():
         for sample in final.outputs:
-            if sample.finish_reason == "error":
-                raise api_error(ValueError(sample.error or "generation failed"))
+            if sample.finish_reason == "error":  # the cluster failed it (as the stream: 503)
+                raise APIError(503, sample.error or "generation failed")
     return finals

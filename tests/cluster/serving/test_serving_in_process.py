@@ -9,6 +9,7 @@ import asyncio
 import json
 import time
 from collections.abc import Iterator
+from contextlib import aclosing
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,8 @@ import pytest
 from cluster import LLM, SamplingParams
 from cluster.engine.async_llm import AsyncLLM
 from cluster.engine.protocol import EngineClient
-from cluster.serving.errors import APIError
+from cluster.errors import StreamLostError
+from cluster.serving.errors import APIError, api_error
 from cluster.serving.openai_protocol import ChatCompletionRequest, CompletionRequest
 from cluster.serving.openai_serving import OpenAIServing
 from tests.actors.conftest import make_checkpoint
@@ -124,6 +126,92 @@ def test_errors_are_openai_errors(serving: OpenAIServing) -> None:
             )
         )
     assert vocab_error.value.status == 400 and "vocabulary" in vocab_error.value.message
+
+
+class _Failing:
+    """The in-process engine, its streams failing after ``after`` outputs: with an error
+    sample (the cluster failed the request: a KV load under ``failure_policy: fail``, no
+    decode instance left) or by raising ``exc`` (the stream itself broke)."""
+
+    def __init__(self, engine: AsyncLLM, after: int, exc: BaseException | None) -> None:
+        self.engine, self.after, self.exc = engine, after, exc
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)
+
+    async def generate_async(self, *args: Any, **kwargs: Any) -> Any:
+        count = 0
+        async with aclosing(self.engine.generate_async(*args, **kwargs)) as stream:
+            async for out in stream:
+                if count == self.after:
+                    if self.exc is not None:
+                        raise self.exc
+                    sample = out.outputs[0]
+                    sample.finish_reason, sample.error = "error", "remote KV load failed"
+                    yield out
+                    return
+                count += 1
+                yield out
+
+
+FAILURES = {
+    "error sample": (None, 503, "remote KV load failed"),
+    "stream lost": (StreamLostError("the stream from the cluster broke"), 503, "broke"),
+    "a bug": (KeyError("oops"), 500, "internal server error"),
+}
+
+
+@pytest.mark.parametrize("failure", FAILURES)
+def test_a_stream_that_fails_midway_ends_with_an_error_event_then_done(
+    engine: AsyncLLM, failure: str
+) -> None:
+    """After the 200 went out, a failure is an SSE error event followed by ``[DONE]`` (as
+    vLLM), never a body cut off mid-stream: 503 when the cluster failed the request or the
+    stream was lost (the client may retry), 500 for anything else."""
+    exc, status, message = FAILURES[failure]
+    serving = OpenAIServing(_Failing(engine, 2, exc), "tiny-chat")  # type: ignore[arg-type]
+    req = CompletionRequest.model_validate(
+        {"model": "tiny-chat", "prompt": [7, 8, 9], "max_tokens": 20, "stream": True}
+    )
+
+    async def stream() -> list[dict[str, Any]]:
+        events = await _drain(await serving.completion(req))
+        await _idle(engine)
+        return events
+
+    *chunks, last = _run(stream())
+    assert len(chunks) == 2 and all(c["choices"] for c in chunks)
+    assert last["error"]["code"] == status and message in last["error"]["message"]
+
+
+@pytest.mark.parametrize("failure", FAILURES)
+def test_a_whole_response_that_fails_is_an_error_status(engine: AsyncLLM, failure: str) -> None:
+    """Not a 400: the request was fine, the cluster failed it."""
+    exc, status, message = FAILURES[failure]
+    serving = OpenAIServing(_Failing(engine, 1, exc), "tiny-chat")  # type: ignore[arg-type]
+    req = CompletionRequest.model_validate(
+        {"model": "tiny-chat", "prompt": [7, 8, 9], "max_tokens": 20}
+    )
+
+    async def whole() -> BaseException:
+        try:
+            await serving.completion(req)
+        except Exception as exc:
+            await _idle(engine)
+            return exc
+        raise AssertionError("no error")
+
+    error = api_error(_run(whole()))  # (the app's handler: the status of what escapes)
+    assert error.status == status and message in error.message
+
+
+async def _idle(engine: AsyncLLM) -> None:
+    """Until the failed request's abort has landed (at the engine's next step)."""
+    for _ in range(200):
+        if not engine.engine.has_unfinished_requests():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("the failed request still runs")
 
 
 def test_a_prompt_longer_than_any_tokenization_is_refused_before_tokenizing(
