@@ -436,14 +436,24 @@ class OpenAIServing:
             )
             for k, job in enumerate(jobs)
         ]
+        firsts = [asyncio.ensure_future(s.__anext__()) for s in streams]
         try:
-            firsts = await asyncio.gather(*(s.__anext__() for s in streams))
+            await asyncio.wait(firsts, return_when=asyncio.FIRST_EXCEPTION)
+            for first in firsts:
+                if first.done() and first.exception() is not None:
+                    raise first.exception()  # type: ignore[misc]
         except BaseException as exc:
+            # One refused (or the client left): the others stop where they are -- their
+            # first outputs are cancelled, which aborts them, before their streams close (a
+            # stream still running its __anext__ cannot be closed).
+            for first in firsts:
+                first.cancel()
+            await asyncio.gather(*firsts, return_exceptions=True)
             await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
             if isinstance(exc, asyncio.CancelledError | StopAsyncIteration):
                 raise
             raise api_error(exc) from None
-        return _outputs(jobs, streams, firsts)
+        return _outputs(jobs, streams, [first.result() for first in firsts])
 
     def tool_plan(self, req: ChatCompletionRequest) -> ToolPlan | None:
         """How the answer's tool calls are read (None: plain text)."""

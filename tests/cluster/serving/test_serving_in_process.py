@@ -18,7 +18,7 @@ import pytest
 from cluster import LLM, SamplingParams
 from cluster.engine.async_llm import AsyncLLM
 from cluster.engine.protocol import EngineClient
-from cluster.errors import StreamLostError
+from cluster.errors import OverloadedError, StreamLostError
 from cluster.serving.errors import APIError, api_error
 from cluster.serving.openai_protocol import ChatCompletionRequest, CompletionRequest
 from cluster.serving.openai_serving import OpenAIServing
@@ -212,6 +212,48 @@ async def _idle(engine: AsyncLLM) -> None:
             return
         await asyncio.sleep(0.01)
     raise AssertionError("the failed request still runs")
+
+
+class _RefusingSecond:
+    """The in-process engine, refusing a batch's second prompt (as the cluster refuses one
+    with a 429) while the first waits for its first output."""
+
+    def __init__(self, engine: AsyncLLM) -> None:
+        self.engine = engine
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)
+
+    async def generate_async(self, *args: Any, request_id: str, **kwargs: Any) -> Any:
+        if request_id.endswith("-1"):  # (the first prompt waits for its first output)
+            raise OverloadedError(1, 1, 1)
+        async with aclosing(
+            self.engine.generate_async(*args, request_id=request_id, **kwargs)
+        ) as stream:
+            async for out in stream:
+                yield out
+
+
+def test_a_batch_with_a_refused_prompt_stops_the_others(engine: AsyncLLM) -> None:
+    """One prompt of a batched ``/v1/completions`` refused: the request is refused (429),
+    and its other prompts are aborted at once -- not left to run for a client that already
+    has its answer (their streams could not be closed while their first output ran)."""
+    serving = OpenAIServing(_RefusingSecond(engine), "tiny-chat")  # type: ignore[arg-type]
+    req = CompletionRequest.model_validate(
+        {"model": "tiny-chat", "prompt": [[5, 6, 7] * 20, [8, 9]], "max_tokens": 500}
+    )
+
+    async def refused() -> APIError:
+        try:
+            await serving.completion(req)
+        except APIError as exc:
+            # Already let go when the error is raised (not when its stream is collected).
+            assert not engine._queues, "the other prompt still streams"
+            await _idle(engine)
+            return exc
+        raise AssertionError("not refused")
+
+    assert _run(refused()).status == 429
 
 
 def test_a_prompt_longer_than_any_tokenization_is_refused_before_tokenizing(
