@@ -239,10 +239,13 @@ class Request:
         output_token_ids: list[int] | None = None,
         num_samples: int = 1,
         sample_index: int = 0,
+        prompt_index: int = 0,
     ) -> None:
         """``num_samples``: the ``n`` of the user request this one is sample ``sample_index``
         of (the scheduler sees only ``n == 1``; admission and metrics count a user request
-        once, by its sample 0). ``output_token_ids``: outputs already produced
+        once, by its sample 0). ``prompt_index``: its prompt's place among one user
+        request's prompts (a batched completion): admission takes those prompts as one, by
+        the first. ``output_token_ids``: outputs already produced
         elsewhere (the first token sampled by a prefill instance; the tokens a client already
         has when a request moves to another instance). They count toward ``max_tokens`` and
         are computed (or loaded) like the prompt, and the request continues after them."""
@@ -257,6 +260,7 @@ class Request:
         self.cache_salt = cache_salt
         self.num_samples = num_samples
         self.sample_index = sample_index
+        self.prompt_index = prompt_index
 
         self.status = RequestStatus.WAITING
         self.num_prompt_tokens = len(self.prompt_token_ids)

@@ -124,6 +124,7 @@ class ClusterClient(EngineClient):
         lora_request: LoRARequest | None = None,
         priority: int = 0,
         trace_context: dict[str, str] | None = None,
+        prompt_index: int = 0,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Yield the request's ``RequestOutput`` each time it advances (deltas in ``new_text``
         / ``new_token_ids``). Raises ``ValueError`` for a prompt the cluster cannot serve.
@@ -133,7 +134,13 @@ class ClusterClient(EngineClient):
         processor = OutputProcessor(self.tokenizer)
         child_ids = processor.child_ids(rid, params.n)
         prepared = self.factory.prepare(
-            rid, prompt, params, lora_request=lora_request, priority=priority, child_ids=child_ids
+            rid,
+            prompt,
+            params,
+            lora_request=lora_request,
+            priority=priority,
+            child_ids=child_ids,
+            prompt_index=prompt_index,
         )
         processor.add(rid, prepared.prompt, prepared.prompt_token_ids, params)
         subscription = self._subscription()

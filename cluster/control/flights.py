@@ -149,6 +149,12 @@ class Flight:
             self.queue.put_nowait(out)
 
 
+def admitted_with_another(request: Request) -> bool:
+    """Part of a user request whose first part decides its admission: a sample after the
+    first of its ``n``, or a prompt after the first of a batch."""
+    return request.sample_index > 0 or request.prompt_index > 0
+
+
 def later_sample(request: Request) -> bool:
     """True for sample i > 0 of a request fanned out into n (by the index its client set,
     not by its id: a client may name a request "job#2")."""
@@ -170,6 +176,7 @@ def clone_request(request: Request, **overrides: Any) -> Request:
         output_token_ids=list(request.output_token_ids),
         num_samples=request.num_samples,
         sample_index=request.sample_index,
+        prompt_index=request.prompt_index,
     )
     args.update(overrides)
     return Request(**args)

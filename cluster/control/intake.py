@@ -17,7 +17,7 @@ from cluster.control.flights import (
     Outbox,
     Submission,
     WireOutput,
-    later_sample,
+    admitted_with_another,
     merge_outputs,
     pack_batch,
 )
@@ -192,10 +192,11 @@ class Intake:
                 f"prompt has {request.num_tokens} tokens; max_model_len is {self.max_model_len}"
             )
         bound = self.config.serve.max_waiting_requests
-        # A user request is admitted or refused as a whole: its first sample is checked, the
-        # others of its ``n`` (sample_index > 0) follow it (otherwise n above the bound
-        # would be refused forever, on an idle cluster too).
-        if bound is not None and not later_sample(request):
+        # A user request is admitted or refused as a whole: its first sample of its first
+        # prompt is checked, the others of its ``n`` and of a batch of prompts follow it
+        # (otherwise n, or a batch, above the bound would be refused forever, on an idle
+        # cluster too).
+        if bound is not None and not admitted_with_another(request):
             waiting = sum(view.num_waiting for view in self.views.values() if view.alive)
             if waiting >= bound:
                 raise OverloadedError(waiting, bound, self.config.serve.retry_after_s)

@@ -71,9 +71,11 @@ class AsyncLLM(EngineClient):
         lora_request: LoRARequest | None = None,
         priority: int = 0,
         trace_context: dict[str, str] | None = None,
+        prompt_index: int = 0,
     ) -> AsyncGenerator[RequestOutput, None]:
-        """The request's outputs, one per step that moved it (``trace_context`` is accepted
-        and unused: the in-process engine emits no spans)."""
+        """The request's outputs, one per step that moved it (``trace_context`` and
+        ``prompt_index`` are accepted and unused: the in-process engine emits no spans and
+        bounds no queue)."""
         rid = request_id or f"local-{next(self._ids)}"
         queue: Mailbox[RequestOutput | BaseException] = Mailbox()
         async with self._lock:

@@ -55,10 +55,11 @@ class RequestFactory:
         priority: int = 0,
         arrival_time: float | None = None,
         child_ids: list[str],
+        prompt_index: int = 0,
     ) -> PreparedRequest:
         """Raises ``ValueError`` naming the problem for an empty, too long or out-of-vocabulary
         prompt, or structured outputs whose spec does not compile. ``child_ids`` are the
-        scheduler ids, one per sample."""
+        scheduler ids, one per sample; ``prompt_index``: see ``EngineClient.generate_async``."""
         params = params or SamplingParams()
         if params.structured_outputs is not None:  # a spec that cannot compile: refused now
             compiler = compiler_for(self.tokenizer, self.tokenizer.vocab_size)
@@ -91,6 +92,7 @@ class RequestFactory:
                     lora_request=lora_request,
                     num_samples=len(child_ids),
                     sample_index=i,
+                    prompt_index=prompt_index,
                 )
             )
         return PreparedRequest(request_id, text, prompt_ids, params, requests)

@@ -47,13 +47,16 @@ class EngineClient(Protocol):
         lora_request: LoRARequest | None = None,
         priority: int = 0,
         trace_context: dict[str, str] | None = None,
+        prompt_index: int = 0,
     ) -> AsyncGenerator[RequestOutput, None]:
         """The request's ``RequestOutput`` each time it advances (``new_text`` /
         ``new_token_ids`` hold the delta; the object is updated in place between items), the
         last one finished. Raises ``ValueError`` for a request that can never be served and
         the engine's own errors (``cluster.errors``) before the first item. Closing the
         generator early aborts the request. ``trace_context``: the caller's span as a W3C
-        carrier, when tracing is on."""
+        carrier, when tracing is on. ``prompt_index``: this prompt's place among one API
+        request's prompts (a batched completion): an engine with an admission bound takes
+        the prompts after the first with the first (a batch is refused or taken whole)."""
         ...
 
     def abort(self, request_id: str) -> None:

@@ -433,6 +433,7 @@ class OpenAIServing:
                 lora_request=lora,
                 priority=priority,
                 trace_context=trace_context,
+                prompt_index=k,
             )
             for k, job in enumerate(jobs)
         ]

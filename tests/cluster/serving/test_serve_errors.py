@@ -158,6 +158,15 @@ def test_n_above_the_waiting_bound_is_one_request(serve_app: ServeApp) -> None:
     assert len(r.json()["choices"]) == 8
 
 
+def test_a_batch_of_prompts_above_the_waiting_bound_is_one_request(serve_app: ServeApp) -> None:
+    # So is a batched completion: 8 prompts on an idle cluster are served, not refused for
+    # ever (each prompt once counted as a request of its own).
+    body = {"model": serve_app.model, "prompt": [PROMPT] * 8, "max_tokens": 3}
+    r = _post(serve_app, "/v1/completions", body)
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 8
+
+
 def test_client_leaving_mid_stream_frees_the_blocks(serve_app: ServeApp) -> None:
     import ray
 
