@@ -246,7 +246,7 @@ class _Sampling(BaseModel):
         return SamplingParams(
             n=self.n,
             max_tokens=max_tokens,
-            min_tokens=min(self.min_tokens, max_tokens),
+            min_tokens=self.min_tokens,  # (at most max_tokens: checked with it)
             stop=tuple(stops),
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,

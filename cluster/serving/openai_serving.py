@@ -194,7 +194,17 @@ class OpenAIServing:
             raise APIError(503, str(exc)) from None
 
     # -- validation --------------------------------------------------------------------------
-    def _max_tokens(self, prompt_len: int, requested: int | None, prompt_param: str) -> int:
+    def _max_tokens(
+        self,
+        prompt_len: int,
+        requested: int | None,
+        prompt_param: str,
+        min_tokens: int = 0,
+        param: str = "max_tokens",
+    ) -> int:
+        """The request's ``max_tokens`` (``param``: the field it came in), or the room left
+        in the context; a 400 naming the field when it does not fit, or when ``min_tokens``
+        asks for more (vLLM's check; it was clamped)."""
         room = self.max_model_len - prompt_len
         if room < 1:
             raise APIError(
@@ -203,18 +213,26 @@ class OpenAIServing:
                 f"your prompt has {prompt_len} tokens; at least one must be left to generate.",
                 param=prompt_param,
             )
-        if requested is None:
-            return room
-        if requested > room:
+        if requested is not None and requested > room:
             raise APIError(
                 400,
                 f"This model's maximum context length is {self.max_model_len} tokens. However, "
                 f"you requested {prompt_len + requested} tokens ({prompt_len} in the prompt, "
                 f"{requested} in the completion). Please reduce the length of the prompt or "
-                "max_tokens.",
-                param="max_tokens",
+                f"{param}.",
+                param=param,
             )
-        return requested
+        max_tokens = room if requested is None else requested
+        if min_tokens > max_tokens:
+            limit = (
+                f"{param} ({max_tokens})"
+                if requested is not None
+                else f"the room left in the context ({max_tokens} tokens)"
+            )
+            raise APIError(
+                400, f"min_tokens ({min_tokens}) must be at most {limit}", param="min_tokens"
+            )
+        return max_tokens
 
     def _check_chars(self, num_chars: int, param: str) -> None:
         if self.max_prompt_chars is not None and num_chars > self.max_prompt_chars:
@@ -300,7 +318,8 @@ class OpenAIServing:
             # echo with max_tokens 0: one token is generated (and dropped) to get the
             # prompt's logprobs, as vLLM does.
             wanted = 1 if req.echo_only else req.max_tokens
-            max_tokens = self._max_tokens(len(ids), wanted, "prompt")
+            least = 0 if req.echo_only else req.min_tokens
+            max_tokens = self._max_tokens(len(ids), wanted, "prompt", least)
             params = req.sampling_params(max_tokens, req.logprobs, req.echo_logprobs)
             jobs.append(Job(ids, text, params, i * req.n, echo_only=req.echo_only))
         return jobs
@@ -338,7 +357,10 @@ class OpenAIServing:
         # The template writes BOS itself when the model wants one.
         ids = self._encode(text, "messages", add_special_tokens=False)
         self._check_ids(ids, "messages")
-        max_tokens = self._max_tokens(len(ids), req.requested_max_tokens, "messages")
+        field = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
+        max_tokens = self._max_tokens(
+            len(ids), req.requested_max_tokens, "messages", req.min_tokens, field
+        )
         params = req.sampling_params(max_tokens, req.num_logprobs)
         if req.tool_mode == "auto" and self.tool_parser == "hermes":
             # The <tool_call> tags may be special tokens: the parser must see them (vLLM).

@@ -256,6 +256,38 @@ def test_a_batch_with_a_refused_prompt_stops_the_others(engine: AsyncLLM) -> Non
     assert _run(refused()).status == 429
 
 
+@pytest.mark.parametrize(
+    ("body", "param", "words"),
+    [
+        ({"prompt": [1, 2], "min_tokens": 50, "max_tokens": 10}, "min_tokens", "max_tokens (10)"),
+        (
+            {"messages": [{"role": "user", "content": "x" * 960}], "min_tokens": 50},
+            "min_tokens",
+            "room left in the context",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 5000},
+            "max_completion_tokens",
+            "max_completion_tokens",
+        ),
+    ],
+)
+def test_token_limits_that_conflict_are_400s_naming_the_field(
+    serving: OpenAIServing, body: dict[str, Any], param: str, words: str
+) -> None:
+    """``min_tokens`` above ``max_tokens`` (or the room the context leaves) is refused, as
+    vLLM does (it was clamped); a chat's limit is named as the client gave it."""
+    body = {"model": "tiny-chat", **body}
+    if "messages" in body:
+        call = serving.chat(ChatCompletionRequest.model_validate(body))
+    else:
+        call = serving.completion(CompletionRequest.model_validate(body))
+    with pytest.raises(APIError) as error:
+        _run(call)
+    assert error.value.status == 400 and error.value.param == param
+    assert words in error.value.message
+
+
 def test_a_prompt_longer_than_any_tokenization_is_refused_before_tokenizing(
     serving: OpenAIServing, monkeypatch: pytest.MonkeyPatch
 ) -> None:
