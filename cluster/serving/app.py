@@ -26,9 +26,10 @@ from fastapi import Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from ray import serve
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster.config import ClusterConfig, served_model_name
-from cluster.serving.auth import AdminAccess, check_api_key
+from cluster.serving.auth import AdminAccess, KeyCheck, check_api_key, set_access
 from cluster.serving.errors import APIError
 from cluster.serving.limits import BodyLimit, BodyTooLarge, body_too_large, set_max_body_bytes
 from cluster.serving.openai_protocol import (
@@ -52,12 +53,22 @@ app = FastAPI(
     version="0.1.0",
 )
 app.add_middleware(BodyLimit)
+app.add_middleware(KeyCheck)  # (added last: runs first, before the body limit reads it)
 
 
 @app.exception_handler(BodyTooLarge)
 async def _body_too_large(request: HTTPRequest, exc: BodyTooLarge) -> JSONResponse:
     error = body_too_large(exc.limit)
     return JSONResponse(error.body(), status_code=413, headers={"connection": "close"})
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(request: HTTPRequest, exc: StarletteHTTPException) -> JSONResponse:
+    """Unknown routes (404), wrong methods (405): OpenAI's error body, which its clients
+    read (not FastAPI's {"detail": ...})."""
+    message = f"{exc.detail}: {request.method} {request.url.path}"
+    error = APIError(exc.status_code, message)
+    return JSONResponse(error.body(), status_code=exc.status_code, headers=exc.headers)
 
 
 @app.exception_handler(APIError)
@@ -127,6 +138,7 @@ class OpenAIIngress:
         self._lock = asyncio.Lock()
         set_max_body_bytes(config.serve.max_request_body_bytes)
         self._admin = AdminAccess.from_config(config.serve)
+        set_access(self._api_key, self._admin)
         self._grpc_tls = None
         s = config.serve
         if s.grpc_port is not None and s.ssl_certfile is not None and s.ssl_keyfile is not None:

@@ -111,6 +111,17 @@ def test_missing_or_wrong_api_key_is_401(serve_app: ServeApp) -> None:
     _error(_post(serve_app, "/v1/completions", body, key="wrong"), 401)
     assert requests.get(f"{serve_app.url}/v1/models", timeout=30).status_code == 401
     assert requests.get(f"{serve_app.url}/health", timeout=30).status_code == 200  # open
+    # Checked before the body: without the key, a bad body says nothing about its fields.
+    bad = {"model": serve_app.model, "prompt": PROMPT, "temperature": "hot", "n": -1}
+    assert _error(_post(serve_app, "/v1/completions", bad, key=None), 401)["param"] is None
+    _error(_post(serve_app, "/tokenize", {"prompt": 5}, key=None), 401)
+    _error(_post(serve_app, "/admin/scale_pool", {"pool": 5}, key=None), 401)
+
+
+def test_unknown_routes_and_methods_are_openai_errors(serve_app: ServeApp) -> None:
+    error = _error(_post(serve_app, "/v1/responses", {"model": serve_app.model}), 404)
+    assert "/v1/responses" in error["message"]
+    assert _error(_post(serve_app, "/health", {}), 405)["code"] == 405
 
 
 def test_internal_failure_is_500_without_a_trace(serve_app: ServeApp) -> None:
