@@ -29,6 +29,7 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster.config import ClusterConfig, served_model_name
+from cluster.serving.agent_fields import FieldError
 from cluster.serving.auth import AdminAccess, KeyCheck, check_api_key, set_access
 from cluster.serving.errors import APIError
 from cluster.serving.limits import BodyLimit, BodyTooLarge, body_too_large, set_max_body_bytes
@@ -83,6 +84,9 @@ async def _validation_error(request: HTTPRequest, exc: RequestValidationError) -
     for error in exc.errors():
         loc = [str(p) for p in error.get("loc", ()) if p != "body"]
         field = ".".join(loc) or "body"
+        cause = (error.get("ctx") or {}).get("error")
+        if isinstance(cause, FieldError):  # a check across fields names the one at fault
+            field = cause.param
         param = param or field
         problems.append(f"{field}: {error.get('msg', 'invalid')}")
     body = APIError(400, "; ".join(problems) or "invalid request", param=param).body()

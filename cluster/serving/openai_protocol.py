@@ -194,9 +194,11 @@ class _Sampling(BaseModel):
     @model_validator(mode="after")
     def _streaming_options(self) -> _Sampling:
         if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options is only allowed when stream is true")
+            raise FieldError("stream_options", "stream_options is only allowed when stream is true")
         if self.stream and self.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs is not available when stream is true (as vLLM)")
+            raise FieldError(
+                "prompt_logprobs", "prompt_logprobs is not available when stream is true (as vLLM)"
+            )
         _log_unknown(self)
         return self
 
@@ -299,9 +301,9 @@ class CompletionRequest(_Sampling):
     @model_validator(mode="after")
     def _unsupported(self) -> CompletionRequest:
         if self.best_of is not None and self.best_of != self.n:
-            raise ValueError("best_of is not supported (only best_of == n)")
+            raise FieldError("best_of", "best_of is not supported (only best_of == n)")
         if self.suffix:
-            raise ValueError("suffix is not supported")
+            raise FieldError("suffix", "suffix is not supported")
         return self
 
     @field_validator("max_tokens")
@@ -406,7 +408,7 @@ class ChatCompletionRequest(_Sampling):
     @model_validator(mode="after")
     def _logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs set to true")
+            raise FieldError("top_logprobs", "top_logprobs needs logprobs set to true")
         return self
 
     @model_validator(mode="after")
@@ -414,11 +416,13 @@ class ChatCompletionRequest(_Sampling):
         choice = self.tool_choice
         names = [tool.function.name for tool in self.tools or []]
         if len(set(names)) != len(names):
-            raise ValueError("tools: function names must be unique")
+            raise FieldError("tools", "tools: function names must be unique")
         if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
-            raise ValueError(f"tool_choice: no tool named {choice.function.name!r} in tools")
+            raise FieldError(
+                "tool_choice", f"tool_choice: no tool named {choice.function.name!r} in tools"
+            )
         if choice == "required" and not names:
-            raise ValueError("tool_choice: required needs tools")
+            raise FieldError("tool_choice", "tool_choice: required needs tools")
         return self
 
     @property

@@ -80,7 +80,10 @@ def test_malformed_bodies_are_400(serve_app: ServeApp) -> None:
         "messages": [{"role": "user", "content": "x"}],
         "top_logprobs": 3,
     }
-    assert "logprobs" in _error(_post(serve_app, "/v1/chat/completions", body), 400)["message"]
+    error = _error(_post(serve_app, "/v1/chat/completions", body), 400)
+    assert "logprobs" in error["message"] and error["param"] == "top_logprobs"  # not "body"
+    body = {"model": serve_app.model, "prompt": PROMPT, "stream_options": {}}
+    assert _error(_post(serve_app, "/v1/completions", body), 400)["param"] == "stream_options"
     body = {"model": serve_app.model, "prompt": [99999]}
     assert "vocabulary" in _error(_post(serve_app, "/v1/completions", body), 400)["message"]
 
