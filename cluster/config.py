@@ -488,6 +488,15 @@ class ServeConfig(_Config):
         "hermes (<tool_call> blocks) or llama3_json (a bare JSON object); unset: chosen from "
         "the chat template (hermes where it has no tool format of its own).",
     )
+    generation_config: str = Field(
+        "auto",
+        min_length=1,
+        description="Where the API's sampling defaults come from (vLLM's --generation-config): "
+        "auto, the model's generation_config.json (temperature, top_p, top_k, min_p, "
+        "repetition_penalty, and max_new_tokens as the default max_tokens) for the fields a "
+        "request leaves unset; vllm, the usual defaults (temperature 1, ...); or a folder "
+        "holding a generation_config.json.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> ServeConfig:

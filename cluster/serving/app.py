@@ -32,6 +32,7 @@ from cluster.config import ClusterConfig, served_model_name
 from cluster.serving.agent_fields import FieldError
 from cluster.serving.auth import AdminAccess, KeyCheck, check_api_key, set_access
 from cluster.serving.errors import APIError
+from cluster.serving.generation_config import sampling_defaults
 from cluster.serving.limits import BodyLimit, BodyTooLarge, body_too_large, set_max_body_bytes
 from cluster.serving.openai_protocol import (
     ChatCompletionRequest,
@@ -193,6 +194,9 @@ class OpenAIIngress:
                     info = await handle.model_info.remote()
                     client = await asyncio.to_thread(ClusterClient, handle, None, info)
                     tracer = init_tracing(self._config.tracing, "ingress")
+                    defaults = sampling_defaults(
+                        self._config.serve.generation_config, info.get("model_path")
+                    )
                     # In a thread: it reads the tokenizer's whole vocabulary (the prompt bound).
                     self._serving = await asyncio.to_thread(
                         OpenAIServing,
@@ -202,6 +206,7 @@ class OpenAIIngress:
                         preprocess_threads=self._config.serve.preprocess_threads,
                         lora_adapter_root=self._config.serve.lora_adapter_root,
                         tool_call_parser=self._config.serve.tool_call_parser,
+                        sampling_defaults=defaults,
                     )
                     from cluster.control.heap import freeze_heap
 

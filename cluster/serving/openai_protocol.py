@@ -236,10 +236,21 @@ class _Sampling(BaseModel):
         return self._structured, self._structured_param
 
     def sampling_params(
-        self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
+        self,
+        max_tokens: int,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
+        defaults: dict[str, Any] | None = None,
     ) -> SamplingParams:
         """The scheduler's parameters (``max_tokens`` already resolved against the context;
-        ``prompt_logprobs``: at least this many, whatever the request asked)."""
+        ``prompt_logprobs``: at least this many, whatever the request asked; ``defaults``:
+        the model's, by field, for the sampling fields the request leaves unset)."""
+        given = defaults or {}
+
+        def value(name: str, usual: float) -> Any:
+            asked = getattr(self, name)
+            return given.get(name, usual) if asked is None else asked
+
         if prompt_logprobs is not None:
             prompt_logprobs = max(prompt_logprobs, self.prompt_logprobs or 0)
         else:
@@ -252,13 +263,13 @@ class _Sampling(BaseModel):
             stop=tuple(stops),
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=0 if self.top_k is None else self.top_k,
-            min_p=0.0 if self.min_p is None else self.min_p,
+            temperature=value("temperature", 1.0),
+            top_p=value("top_p", 1.0),
+            top_k=value("top_k", 0),
+            min_p=value("min_p", 0.0),
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            repetition_penalty=value("repetition_penalty", 1.0),
             seed=None if self.seed is None else self.seed % 2**63,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,

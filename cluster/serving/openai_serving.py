@@ -82,8 +82,12 @@ class OpenAIServing:
         preprocess_threads: int = 2,
         lora_adapter_root: str | None = None,
         tool_call_parser: str | None = None,
+        sampling_defaults: dict[str, Any] | None = None,
     ) -> None:
         self.engine = engine
+        # The model's, for the fields a request leaves unset (``generation_config``); a
+        # default ``max_tokens`` caps what is otherwise the room left in the context.
+        self.sampling_defaults = dict(sampling_defaults or {})
         self.tracer = tracer  # an OpenTelemetry tracer while tracing is on
         self.tokenizer = engine.tokenizer
         self.model_name = served_model_name
@@ -222,13 +226,17 @@ class OpenAIServing:
                 f"{param}.",
                 param=param,
             )
-        max_tokens = room if requested is None else requested
+        if requested is None:  # the room left, or less where the model says (max_new_tokens)
+            max_tokens = min(room, int(self.sampling_defaults.get("max_tokens", room)))
+        else:
+            max_tokens = requested
         if min_tokens > max_tokens:
-            limit = (
-                f"{param} ({max_tokens})"
-                if requested is not None
-                else f"the room left in the context ({max_tokens} tokens)"
-            )
+            if requested is not None:
+                limit = f"{param} ({max_tokens})"
+            elif max_tokens < room:
+                limit = f"the model's default max_tokens ({max_tokens}, its max_new_tokens)"
+            else:
+                limit = f"the room left in the context ({max_tokens} tokens)"
             raise APIError(
                 400, f"min_tokens ({min_tokens}) must be at most {limit}", param="min_tokens"
             )
@@ -320,7 +328,9 @@ class OpenAIServing:
             wanted = 1 if req.echo_only else req.max_tokens
             least = 0 if req.echo_only else req.min_tokens
             max_tokens = self._max_tokens(len(ids), wanted, "prompt", least)
-            params = req.sampling_params(max_tokens, req.logprobs, req.echo_logprobs)
+            params = req.sampling_params(
+                max_tokens, req.logprobs, req.echo_logprobs, self.sampling_defaults
+            )
             jobs.append(Job(ids, text, params, i * req.n, echo_only=req.echo_only))
         return jobs
 
@@ -361,7 +371,7 @@ class OpenAIServing:
         max_tokens = self._max_tokens(
             len(ids), req.requested_max_tokens, "messages", req.min_tokens, field
         )
-        params = req.sampling_params(max_tokens, req.num_logprobs)
+        params = req.sampling_params(max_tokens, req.num_logprobs, None, self.sampling_defaults)
         if req.tool_mode == "auto" and self.tool_parser == "hermes":
             # The <tool_call> tags may be special tokens: the parser must see them (vLLM).
             params = params.model_copy(update={"skip_special_tokens": False})

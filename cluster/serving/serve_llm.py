@@ -59,6 +59,7 @@ _ENGINE_KWARGS = (
     "enable_prefix_caching",
     "pipeline_parallel_size",
     "tool_call_parser",
+    "generation_config",
 )
 _LLM_CONFIG_KEYS = (
     "model_loading_config",
@@ -182,11 +183,12 @@ def _engine(engine: dict[str, Any], data: dict[str, Any], pool: dict[str, Any], 
         if clash:
             raise ValueError(f"engine_kwargs.{clash[0]} differs between the configs")
         data["lora"] = {**before, **lora}
-    if "tool_call_parser" in engine:
-        serve = data.setdefault("serve", {})
-        if serve.get("tool_call_parser", engine["tool_call_parser"]) != engine["tool_call_parser"]:
-            raise ValueError("engine_kwargs.tool_call_parser differs between the configs")
-        serve["tool_call_parser"] = engine["tool_call_parser"]
+    for key in ("tool_call_parser", "generation_config"):  # (the API's, not the engine's)
+        if key in engine:
+            serve = data.setdefault("serve", {})
+            if serve.get(key, engine[key]) != engine[key]:
+                raise ValueError(f"engine_kwargs.{key} differs between the configs")
+            serve[key] = engine[key]
     if "kv_transfer_config" in engine:
         logger.info(
             "%s: engine_kwargs.kv_transfer_config is vLLM's connector; Tandem moves the KV "

@@ -84,6 +84,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="the format tool_choice auto parses calls in (default: from the chat template)",
     )
     engine.add_argument(
+        "--generation-config",
+        default=None,
+        help="the API's sampling defaults: auto (the model's generation_config.json, the "
+        "default), vllm (none), or a folder holding one",
+    )
+    engine.add_argument(
         "--enable-auto-tool-choice",
         action="store_true",
         help="accepted for vLLM's command lines: tool_choice auto is always on",
@@ -195,6 +201,8 @@ def serve_config(args: argparse.Namespace) -> Any:
         serve["served_model_name"] = names[0]
     if args.tool_call_parser is not None:
         serve["tool_call_parser"] = args.tool_call_parser
+    if args.generation_config is not None:
+        serve["generation_config"] = args.generation_config
     for key in (
         "host",
         "port",

@@ -142,6 +142,8 @@ def test_lora_flags_and_refusals() -> None:
     parser = serve_config(_args("--tool-call-parser", "llama3_json", "--enable-auto-tool-choice"))
     assert parser.serve.tool_call_parser == "llama3_json"
     assert serve_config(_args()).serve.tool_call_parser is None
+    assert serve_config(_args()).serve.generation_config == "auto"  # (vLLM's default)
+    assert serve_config(_args("--generation-config", "vllm")).serve.generation_config == "vllm"
     with pytest.raises(SystemExit):
         _args("--tool-call-parser", "mistral")
     with pytest.raises(ValueError, match="decode instances must be at least 1"):

@@ -56,11 +56,13 @@ def test_one_model_colocated_with_lora_and_an_accelerator() -> None:
             "max_loras": 2,
             "enable_auto_tool_choice": True,
             "tool_call_parser": "hermes",
+            "generation_config": "vllm",
         },
         accelerator_type="A10G",
     )
     config = cluster_config({"both": llm})
     assert config.serve.tool_call_parser == "hermes"
+    assert config.serve.generation_config == "vllm"
     assert config.serve.served_model_name == "qwen"
     (pool,) = config.pools
     assert pool.role == "both" and pool.replicas == 1
