@@ -113,7 +113,7 @@ class _Sampling(BaseModel):
 
     model_config = ConfigDict(extra="allow")  # kept only to be logged (``_log_unknown``)
 
-    model: str = Field(min_length=1)
+    model: str | None = Field(None, min_length=1)  # None: the served model (as vLLM)
     n: int = Field(1, ge=1, le=16)
     stop: str | list[str] | None = None
     stream: bool = False

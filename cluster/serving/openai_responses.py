@@ -226,7 +226,7 @@ class SSEStream:
         self,
         rid: str,
         obj: str,
-        model: str,
+        model: str | None,
         jobs: list[Job],
         options: StreamOptions | None,
         span: APISpan,

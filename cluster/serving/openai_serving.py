@@ -123,9 +123,9 @@ class OpenAIServing:
             cards.append(card(name, self.model_name, lora.lora_path))
         return {"object": "list", "data": cards}
 
-    async def resolve(self, model: str) -> LoRARequest | None:
+    async def resolve(self, model: str | None) -> LoRARequest | None:
         """The adapter a model name stands for (None: the base model); 404 if unknown."""
-        if model == self.model_name:
+        if model is None or model == self.model_name:
             return None
         lora = (await self.engine.lora_adapters()).get(model)
         if lora is None:
@@ -503,6 +503,7 @@ class OpenAIServing:
         self, req: CompletionRequest, trace_headers: dict[str, str] | None = None
     ) -> dict[str, Any] | Any:
         """``/v1/completions``: the response body, or (``stream``) its SSE chunks."""
+        req.model = req.model or self.model_name  # optional, as in vLLM: the served model
         with APISpan(self.tracer, "text_completion", req, trace_headers) as span:
             lora = await self.resolve(req.model)
             jobs = await self.completion_jobs(req)
@@ -519,6 +520,7 @@ class OpenAIServing:
         self, req: ChatCompletionRequest, trace_headers: dict[str, str] | None = None
     ) -> dict[str, Any] | Any:
         """``/v1/chat/completions``: the response body, or (``stream``) its SSE chunks."""
+        req.model = req.model or self.model_name  # optional, as in vLLM: the served model
         with APISpan(self.tracer, "chat", req, trace_headers) as span:
             lora = await self.resolve(req.model)
             job = await self.chat_job(req)

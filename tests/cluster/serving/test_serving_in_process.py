@@ -288,6 +288,19 @@ def test_token_limits_that_conflict_are_400s_naming_the_field(
     assert words in error.value.message
 
 
+def test_model_may_be_left_out_as_in_vllm(serving: OpenAIServing) -> None:
+    body = _run(serving.completion(CompletionRequest.model_validate({"prompt": [5, 6]})))
+    assert body["model"] == "tiny-chat" and body["choices"][0]["text"]
+    chat = ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True}
+    )
+
+    async def stream() -> list[dict[str, Any]]:
+        return await _drain(await serving.chat(chat))
+
+    assert all(chunk["model"] == "tiny-chat" for chunk in _run(stream()))
+
+
 def test_a_prompt_longer_than_any_tokenization_is_refused_before_tokenizing(
     serving: OpenAIServing, monkeypatch: pytest.MonkeyPatch
 ) -> None:
