@@ -95,7 +95,11 @@ class LeaseTable:
                     )
                     self.num_expired += 1
                     self._end(lease_id)
-            ended, self._ended = self._ended, set()
+            # A request that leases again in the same step (its old save released, its
+            # recomputed prompt saved: a preemption) is not done sending: reporting the old
+            # lease's end would free the blocks the new one still lends.
+            ended = self._ended - self._by_req.keys()
+            self._ended = set()
         return ended
 
     def end_request(self, req_id: str) -> None:

@@ -402,6 +402,25 @@ def test_the_config_makes_one_cluster_identity_or_reads_it_from_files(tmp_path: 
 
 
 # -- lease expiry -----------------------------------------------------------------------------
+def test_a_release_and_a_new_save_of_one_request_in_one_step_keep_the_new_lease(
+    make: Callable[..., GrpcWorkerConnector],
+) -> None:
+    """A prefill preempted during its saving step: the step that saves its recomputed prompt
+    may also carry the release of the old save. The old lease ends, but the request is not
+    reported done sending -- that would free the blocks the new lease lends -- until the new
+    lease ends too."""
+    src, dst = make(), make(num_blocks=12, seed=1)
+    _save(src)  # the old save
+    src.wait_for_save(
+        KVConnectorMetadata(releases=["r"], saves=[SaveSpec("r", 10)]), {"r": SRC_TABLE}
+    )
+    (segment,) = src.report().saved["r"]
+    assert len(src.leases) == 1 and _sending(src) is None
+    assert _load(dst, [segment]) == ({"r"}, None)  # the new lease serves
+    assert _same_blocks(dst, src, range(NUM_LAYERS))
+    assert _sending(src) == {"r"} and len(src.leases) == 0
+
+
 def test_an_expired_lease_is_reported_and_a_later_pull_fails(
     make: Callable[..., GrpcWorkerConnector],
 ) -> None:
