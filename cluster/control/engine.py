@@ -458,6 +458,8 @@ class InstanceEngine:
             failure=reason if first_failure else None,
             outcomes=self._outcomes,
         )
+        if isinstance(connector, PDConnector):  # their sources may still let them go
+            report.kv_unread = connector.take_unread()
         self._finished, self._prefilled, self._outcomes = [], [], {}
         if first_failure:
             logger.warning("instance %s failed: %s", self.instance_id, reason)

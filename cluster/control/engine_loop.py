@@ -155,6 +155,11 @@ class EngineLoop:
         """End requests wherever they are; their blocks are freed (after a load in progress
         into them ends). Nothing is reported for them: the caller answers its client."""
         ids = set(request_ids)
+        connector = self.scheduler.connector
+        if connector is not None:  # a hand-off not admitted yet: its source lets its KV go
+            for request in self.pending:
+                if request.request_id in ids:
+                    connector.remote_kv_dropped(request)
         self.pending = [r for r in self.pending if r.request_id not in ids]
         self.scheduler.finish_requests(list(ids), RequestStatus.FINISHED_ABORTED)
         self._wake.set()  # a finished request still has blocks to free on the next step

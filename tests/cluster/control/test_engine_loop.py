@@ -218,3 +218,27 @@ def test_a_bug_in_scheduling_fails_requests_instead_of_stranding_them(tiny_model
     assert all(o.error and "KeyError" in o.error for o in finals.values())
     assert not loop.alive
     assert not loop.scheduler.requests and loop.scheduler.kv_cache_manager.usage == 0.0
+
+
+def test_a_hand_off_aborted_before_its_admission_lets_its_source_go(tiny_model: Path) -> None:
+    """A decode request aborted while it still waits to be admitted (``pending``): its
+    source's in-place lease is reported unread, so the source frees the prompt's blocks now
+    rather than when the lease runs out."""
+    from kv_transfer.connector import KVSegment, PDConnector
+
+    connector = PDConnector("d-0", block_size=4, timeout_s=5.0)
+    scheduler = Scheduler(
+        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256),
+        CacheConfig(block_size=4, num_blocks=128),
+        connector=connector,
+    )
+    loop = EngineLoop("d-0", scheduler, RecordingExecutor(_worker(tiny_model)), lambda *_: None)
+    handle = [KVSegment(0, 2, "lease", in_place=True)]
+    params = {"do_remote_prefill": True, "remote_num_tokens": 4, "remote_instance_id": "p-0"}
+    request = Request("h", [3, 4, 5, 6], GREEDY, eos_token_id=2)
+    request.kv_transfer_params = {**params, "handle": handle}
+    loop.add_request(request)  # (the loop is not started: it stays pending)
+    loop.add_request(_request(0))
+    loop.abort(["h", "r0"])
+    assert connector.take_unread() == [("h", "p-0")]  # the plain request had no source
+    assert not loop.pending
