@@ -105,8 +105,13 @@ class KeyCheck:
             for name, value in scope.get("headers", ()):
                 if name.lower() == b"authorization":
                     authorization = value.decode("latin-1")
+            # The route's own path: under a Serve route prefix, ``path`` starts with it
+            # (``root_path``).
+            path, root = scope.get("path", ""), scope.get("root_path", "")
+            if root and path.startswith(root):
+                path = path[len(root) :] or "/"
             try:
-                check_route(scope.get("path", ""), authorization)
+                check_route(path, authorization)
             except APIError as exc:
                 body = json.dumps(exc.body()).encode()
                 headers = [

@@ -5,6 +5,7 @@ below the configured root -- ``..`` and symlinks out of it refused."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 from pydantic import ValidationError
@@ -105,3 +106,57 @@ def test_adapters_load_only_from_below_the_root(tmp_path: Path) -> None:
     with pytest.raises(APIError) as missing:  # the root is not mounted on this node
         _Serving(tmp_path / "nowhere").adapter_path("a")
     assert missing.value.status == 503
+
+
+def _call(path: str, authorization: str | None = None, root_path: str = "") -> tuple[int, bool]:
+    """``KeyCheck`` in front of an app that answers 200: (status, whether the app was
+    reached)."""
+    import asyncio
+
+    from cluster.serving.auth import KeyCheck
+
+    reached: list[bool] = []
+    sent: list[dict[str, Any]] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        reached.append(True)
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+
+    async def receive() -> dict[str, Any]:
+        raise AssertionError("the body was read")
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    headers = [] if authorization is None else [(b"authorization", authorization.encode())]
+    scope = {"type": "http", "path": path, "root_path": root_path, "headers": headers}
+    asyncio.run(KeyCheck(app)(scope, receive, send))
+    return sent[0]["status"], bool(reached)
+
+
+@pytest.fixture
+def keys() -> Any:
+    from cluster.serving.auth import set_access
+
+    admin = AdminAccess("user-key", "admin-key", lora=True, scaling=False)
+    set_access("user-key", admin)
+    yield
+    set_access(None, None)
+
+
+def test_keys_are_checked_before_the_body_on_the_routes_that_take_them(keys: Any) -> None:
+    user, admin = "Bearer user-key", "Bearer admin-key"
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize"):
+        assert _call(path) == (401, False)
+        assert _call(path, "Bearer wrong") == (401, False)
+        assert _call(path, user) == (200, True)
+    for path in ("/health", "/metrics", "/docs", "/openapi.json"):
+        assert _call(path) == (200, True)  # open
+    # Admin routes take the admin key and no other; a route that is off is a 403.
+    assert _call("/v1/load_lora_adapter", user) == (401, False)
+    assert _call("/v1/load_lora_adapter", admin) == (200, True)
+    assert _call("/admin/scale_pool", admin) == (403, False)
+    # Under a Serve route prefix, the route's own path is what is checked.
+    assert _call("/llm/v1/completions", root_path="/llm") == (401, False)
+    assert _call("/llm/v1/completions", user, root_path="/llm") == (200, True)
+    assert _call("/llm/health", root_path="/llm") == (200, True)
