@@ -11,6 +11,10 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
+from scheduler import SamplingParams
+
 logger = logging.getLogger(__name__)
 
 # The keys of generation_config.json vLLM reads for --generation-config auto, and the request
@@ -43,11 +47,17 @@ def sampling_defaults(setting: str, model_path: str | Path | None) -> dict[str, 
         found = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
         raise ValueError(f"{path} cannot be read: {exc}") from None
-    defaults = {
-        field: found[key]
-        for key, field in KEYS.items()
-        if isinstance(found.get(key), int | float) and not isinstance(found.get(key), bool)
-    }
+    defaults = {}
+    for key, field in KEYS.items():
+        value = found.get(key)
+        if value is None:
+            continue
+        try:  # the scheduler's own bounds: a value it would refuse fails no request
+            SamplingParams.model_validate({field: value})
+        except ValidationError as exc:
+            logger.warning("%s: %s %r ignored: %s", path, key, value, exc.errors()[0]["msg"])
+            continue
+        defaults[field] = value
     if defaults:
         logger.info("sampling defaults from %s: %s", path, defaults)
     return defaults

@@ -207,8 +207,9 @@ class OpenAIServing:
         param: str = "max_tokens",
     ) -> int:
         """The request's ``max_tokens`` (``param``: the field it came in), or the room left
-        in the context; a 400 naming the field when it does not fit, or when ``min_tokens``
-        asks for more (vLLM's check; it was clamped)."""
+        in the context, at most the model's ``max_new_tokens`` (the sampling defaults); a 400
+        naming the field when it does not fit, or when ``min_tokens`` asks for more (vLLM's
+        check; it was clamped)."""
         room = self.max_model_len - prompt_len
         if room < 1:
             raise APIError(
@@ -226,15 +227,16 @@ class OpenAIServing:
                 f"{param}.",
                 param=param,
             )
-        if requested is None:  # the room left, or less where the model says (max_new_tokens)
-            max_tokens = min(room, int(self.sampling_defaults.get("max_tokens", room)))
-        else:
-            max_tokens = requested
+        max_tokens = room if requested is None else requested
+        cap = int(self.sampling_defaults.get("max_tokens", max_tokens))  # max_new_tokens
+        capped = cap < max_tokens
+        if capped:  # (vLLM takes the smallest of the request's, the room and the model's)
+            max_tokens = cap
         if min_tokens > max_tokens:
-            if requested is not None:
+            if capped:
+                limit = f"the model's max_new_tokens ({max_tokens})"
+            elif requested is not None:
                 limit = f"{param} ({max_tokens})"
-            elif max_tokens < room:
-                limit = f"the model's default max_tokens ({max_tokens}, its max_new_tokens)"
             else:
                 limit = f"the room left in the context ({max_tokens} tokens)"
             raise APIError(
@@ -326,8 +328,13 @@ class OpenAIServing:
             # echo with max_tokens 0: one token is generated (and dropped) to get the
             # prompt's logprobs, as vLLM does.
             wanted = 1 if req.echo_only else req.max_tokens
-            least = 0 if req.echo_only else req.min_tokens
-            max_tokens = self._max_tokens(len(ids), wanted, "prompt", least)
+            if req.echo_only and req.min_tokens:
+                raise APIError(
+                    400,
+                    "min_tokens must be 0 with max_tokens 0 (echo: the prompt alone)",
+                    param="min_tokens",
+                )
+            max_tokens = self._max_tokens(len(ids), wanted, "prompt", req.min_tokens)
             params = req.sampling_params(
                 max_tokens, req.logprobs, req.echo_logprobs, self.sampling_defaults
             )

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from cluster.engine.async_llm import AsyncLLM
+from cluster.serving.errors import APIError
 from cluster.serving.generation_config import sampling_defaults
 from cluster.serving.openai_protocol import ChatCompletionRequest, CompletionRequest
 from cluster.serving.openai_serving import OpenAIServing
@@ -88,11 +89,23 @@ def _chat(serving: OpenAIServing, **fields: Any) -> Any:
     return asyncio.run(asyncio.wait_for(call, 60))
 
 
-def test_max_new_tokens_is_the_default_length_of_a_chat(engine: AsyncLLM) -> None:
+def test_max_new_tokens_caps_the_length(engine: AsyncLLM) -> None:
+    """As vLLM: the smallest of the request's max_tokens, the room left and the model's
+    max_new_tokens."""
     serving = OpenAIServing(engine, "tiny-chat", sampling_defaults={"max_tokens": 7})
     out = _chat(serving, temperature=0)
     assert out["usage"]["completion_tokens"] == 7
     assert out["choices"][0]["finish_reason"] == "length"
     assert _chat(serving, temperature=0, max_tokens=3)["usage"]["completion_tokens"] == 3
+    assert _chat(serving, temperature=0, max_tokens=30)["usage"]["completion_tokens"] == 7
+    with pytest.raises(APIError) as error:
+        _chat(serving, temperature=0, min_tokens=9)
+    assert error.value.param == "min_tokens" and "max_new_tokens (7)" in error.value.message
     plain = OpenAIServing(engine, "tiny-chat")  # no defaults: the room left in the context
     assert _chat(plain, temperature=0)["usage"]["completion_tokens"] > 7
+
+
+def test_values_the_scheduler_would_refuse_are_ignored(tmp_path: Path) -> None:
+    bad = {"temperature": -1, "top_p": 0, "max_new_tokens": 0, "top_k": 40, "min_p": "x"}
+    (tmp_path / "generation_config.json").write_text(json.dumps(bad))
+    assert sampling_defaults("auto", tmp_path) == {"top_k": 40}

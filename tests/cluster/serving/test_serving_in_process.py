@@ -260,6 +260,7 @@ def test_a_batch_with_a_refused_prompt_stops_the_others(engine: AsyncLLM) -> Non
     ("body", "param", "words"),
     [
         ({"prompt": [1, 2], "min_tokens": 50, "max_tokens": 10}, "min_tokens", "max_tokens (10)"),
+        ({"prompt": [1, 2], "echo": True, "max_tokens": 0, "min_tokens": 2}, "min_tokens", "echo"),
         (
             {"messages": [{"role": "user", "content": "x" * 960}], "min_tokens": 50},
             "min_tokens",
