@@ -187,9 +187,12 @@ class NixlWorkerConnector(NixlReads):
         self._registered: list[Any] = []
         self._peers: dict[str, PoolLayout] = {}  # agent name -> its pool
         self._departed: set[str] = set()  # peers that left, forgotten once nothing reads them
-        # Peers disconnected after a read from them got stuck (they did not leave): connected
-        # again when a hand-off next names them, rather than unknown until they rejoin.
-        self._disconnected: dict[str, NixlPeer] = {}
+        # Peers disconnected after a read from them got stuck (they did not leave), and when:
+        # connected again when a hand-off names them ``reconnect_after_s`` later, rather than
+        # unknown until they rejoin (sooner, its loads fail at once: a path still broken
+        # would hold every read to its deadline and past).
+        self._disconnected: dict[str, tuple[NixlPeer, float]] = {}
+        self.reconnect_after_s = 30.0
         self._peer_infos: dict[str, NixlPeer] = {}  # agent name -> what it published
         self._reads: dict[str, _Read] = {}
         # Loads not posted yet: (when to post, the load). Only ``load_delay_s`` (fault
@@ -414,12 +417,22 @@ class NixlWorkerConnector(NixlReads):
         peer = self._peer_infos.get(name)
         self._forget_peer(name)
         if peer is not None:
-            self._disconnected[name] = peer
+            self._disconnected[name] = (peer, time.monotonic())
 
     def _reconnect(self, name: str) -> bool:
-        peer = self._disconnected.pop(name, None)
-        if peer is None:
+        """Connect again a peer disconnected after a stuck read, once ``reconnect_after_s``
+        have passed (``ConnectionError`` before: the load fails at once)."""
+        found = self._disconnected.get(name)
+        if found is None:
             return False
+        peer, since = found
+        wait = since + self.reconnect_after_s - time.monotonic()
+        if wait > 0:
+            raise ConnectionError(
+                f"KV source {name} was disconnected after a read from it got stuck; "
+                f"connecting again in {wait:.0f} s"
+            )
+        del self._disconnected[name]
         logger.info("NIXL peer %s: connecting again after a stuck read", name)
         self.add_peers([peer])
         return name in self._peers

@@ -555,16 +555,21 @@ def test_a_peer_that_left_is_forgotten_once_nothing_reads_from_it(
 
 @pytest.mark.parametrize("copy", [False, True], ids=["nixl-read", "same-node-copy"])
 def test_a_source_disconnected_after_a_stuck_read_is_read_again_later(
-    make: Callable[..., NixlWorkerConnector], copy: bool
+    make: Callable[..., NixlWorkerConnector], copy: bool, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A read that never ends has its source disconnected (``abort_grace_s``), but the
-    source did not leave: the next hand-off from it connects again and reads, instead of
-    every later one failing as from an unknown source until its instance rejoins. One that
-    left (``remove_peers``) stays unknown."""
+    source did not leave: a hand-off from it after ``reconnect_after_s`` connects again and
+    reads, instead of every later one failing as from an unknown source until its instance
+    rejoins. One that left (``remove_peers``) stays unknown."""
     src, dst = make(), make(num_blocks=12, seed=1, same_node_copy=copy)
     name = src.agent.name  # type: ignore[union-attr]
     dst._disconnect_peer(name)  # what a stuck read does
     assert dst.num_peers() == 0
+    # Within the cool-down its loads fail at once, saying why (a path still broken would
+    # hold each read to its deadline and past).
+    assert _load(dst, _save(src, req_id="soon"), req_id="soon") == (None, {"soon"})
+    assert "disconnected after a read from it got stuck" in caplog.text
+    dst.reconnect_after_s = 0.0
     assert _load(dst, _save(src)) == ({"r"}, None)
     assert _same_blocks(dst, src, range(NUM_LAYERS)) and dst.num_peers() == 1
     assert dst.num_direct_reads == int(copy)  # the same-node copy came back too
