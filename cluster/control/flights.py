@@ -155,6 +155,46 @@ def admitted_with_another(request: Request) -> bool:
     return request.sample_index > 0 or request.prompt_index > 0
 
 
+def _user_request_id(request: Request) -> str:
+    """The id a part of a user request shares with its other parts: without its sample's
+    ``#{i}`` (n > 1) and its prompt's ``-{k}`` (a batch of prompts; the front end's ids)."""
+    rid = request.request_id
+    if request.num_samples > 1:
+        rid = rid.rpartition("#")[0]
+    suffix = f"-{request.prompt_index}"
+    if request.prompt_index > 0 and rid.endswith(suffix):
+        rid = rid[: -len(suffix)]
+    return rid
+
+
+class RefusedRequests:
+    """User requests refused by their first part (the waiting bound): their later samples
+    and prompts are refused too, not placed, counted and aborted right after (a batch of 64
+    prompts under overload, just when the bound matters). Remembered ``ttl_s``, by client."""
+
+    def __init__(self, ttl_s: float = 10.0, max_ids: int = 10_000) -> None:
+        self.ttl_s = ttl_s
+        self.max_ids = max_ids
+        self._refused: dict[tuple[str | None, str], float] = {}
+
+    def remember(self, client_id: str | None, request: Request) -> None:
+        now = time.monotonic()
+        while self._refused and (
+            len(self._refused) + 2 > self.max_ids  # (room for the two below)
+            or next(iter(self._refused.values())) < now - self.ttl_s
+        ):
+            del self._refused[next(iter(self._refused))]
+        rid = _user_request_id(request)
+        self._refused[(client_id, rid)] = now  # its samples
+        if rid.endswith("-0"):  # the first prompt of a batch, maybe: its others
+            self._refused[(client_id, rid[:-2])] = now
+
+    def refused(self, client_id: str | None, request: Request) -> bool:
+        """Whether ``request`` is a later part of a user request refused lately."""
+        at = self._refused.get((client_id, _user_request_id(request)))
+        return at is not None and at >= time.monotonic() - self.ttl_s
+
+
 def later_sample(request: Request) -> bool:
     """True for sample i > 0 of a request fanned out into n (by the index its client set,
     not by its id: a client may name a request "job#2")."""

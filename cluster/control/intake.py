@@ -15,6 +15,7 @@ from cluster.control.flights import (
     EarlyAborts,
     Flight,
     Outbox,
+    RefusedRequests,
     Submission,
     WireOutput,
     admitted_with_another,
@@ -42,6 +43,7 @@ class Intake:
     flights: dict[str, Flight]
     _internal: dict[str, Flight]
     _early_aborts: EarlyAborts
+    _refused: RefusedRequests
     observe: RequestObserver
     max_model_len: int
     started: bool
@@ -199,7 +201,11 @@ class Intake:
         if bound is not None and not admitted_with_another(request):
             waiting = sum(view.num_waiting for view in self.views.values() if view.alive)
             if waiting >= bound:
+                self._refused.remember(client_id, request)
                 raise OverloadedError(waiting, bound, self.config.serve.retry_after_s)
+        elif bound is not None and self._refused.refused(client_id, request):
+            waiting = sum(view.num_waiting for view in self.views.values() if view.alive)
+            raise OverloadedError(waiting, bound, self.config.serve.retry_after_s)
         # Arrival is stamped here: clients' clocks are not comparable (priority tie-breaks).
         request.arrival_time = time.monotonic()
         flight = Flight(request, queue, outbox, "", "decode")

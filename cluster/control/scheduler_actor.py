@@ -35,6 +35,7 @@ from cluster.control.engine import EngineReport, InstanceEngine, Placement, Pref
 from cluster.control.flights import (
     EarlyAborts,
     Flight,
+    RefusedRequests,
     clone_request,
     prefill_request,
 )
@@ -97,6 +98,7 @@ class SchedulerActor(Intake, KVPeers, Migration, Restart, ClusterOperations):
         )
         self._internal: dict[str, Flight] = {}  # by the schedulers' id
         self._early_aborts = EarlyAborts()  # aborts that overtook their submit
+        self._refused = RefusedRequests()  # user requests refused by their first part
         self.hand_offs = HandOffs()  # hand-offs no decode engine has confirmed yet
         self._seq = itertools.count()
         self.max_model_len = 0
