@@ -8,7 +8,9 @@ Bounded and reproducible: ``MAX_EXAMPLES`` derandomized examples per route (Hypo
 is reported as the exact request, a curl command), every call limited to ``TIMEOUT_S`` in all
 (event streams are read to their end). The model is tiny with a short context, so even the
 longest generation the schema allows (``n`` 16, the whole context) stays within the limit.
-Each route's cases come from ``operation.as_strategy`` under a plain ``@given`` (schemathesis'
+Each POST route also gets 4 invalid bodies of their own (negative mode), so that what the mix
+draws never leaves a route without them. Each route's cases come from ``operation.as_strategy``
+under a plain ``@given`` (schemathesis'
 own ``from_fixture(...).parametrize()`` fails under pytest 9: it sets ``node._nodeid``); its
 coverage phase (~780 boundary cases for these routes) is not run, to stay bounded.
 
@@ -193,6 +195,12 @@ def test_generated_requests_give_no_server_error_and_no_hang(
     seen: dict[str, set[int]] = {}
     sent: dict[str, int] = {}
 
+    def send(case: Any, model: str | None) -> None:
+        _prepare(case, label, model, protected)
+        mode = case.meta.generation.mode.value if case.meta else "explicit"
+        sent[mode] = sent.get(mode, 0) + 1
+        _send(case, label, seen)
+
     @given(case=cases, model=models)
     @settings(
         max_examples=MAX_EXAMPLES,
@@ -203,10 +211,7 @@ def test_generated_requests_give_no_server_error_and_no_hang(
         suppress_health_check=list(HealthCheck),
     )
     def check(case: Any, model: str | None) -> None:
-        _prepare(case, label, model, protected)
-        mode = case.meta.generation.mode.value if case.meta else "explicit"
-        sent[mode] = sent.get(mode, 0) + 1
-        _send(case, label, seen)
+        send(case, model)
 
     if label in GENERATION:
         # One valid body always goes with the draws (hypothesis' explicit phase): whether
@@ -214,6 +219,22 @@ def test_generated_requests_give_no_server_error_and_no_hang(
         valid = operation.Case(body=VALID[label], media_type="application/json")
         check = example(case=valid, model=serve_app.model)(check)
     check()
+    if method == "POST":
+        # Invalid bodies for sure (the mix above may draw none: which it draws shifts with
+        # every change of the schema, as making ``model`` optional did).
+        @given(case=operation.as_strategy(generation_mode=GenerationMode.NEGATIVE))
+        @settings(
+            max_examples=4,
+            deadline=None,
+            derandomize=True,
+            database=None,
+            phases=[Phase.generate],
+            suppress_health_check=list(HealthCheck),
+        )
+        def check_invalid(case: Any) -> None:
+            send(case, serve_app.model)
+
+        check_invalid()
     # The fuzzing reached where it should: generation ran, and invalid bodies were refused.
     if label in GENERATION:
         assert {200, 400} <= seen[label], (seen, sent)
