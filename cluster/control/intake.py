@@ -198,14 +198,13 @@ class Intake:
         # prompt is checked, the others of its ``n`` and of a batch of prompts follow it
         # (otherwise n, or a batch, above the bound would be refused forever, on an idle
         # cluster too).
-        if bound is not None and not admitted_with_another(request):
-            waiting = sum(view.num_waiting for view in self.views.values() if view.alive)
-            if waiting >= bound:
-                self._refused.remember(client_id, request)
-                raise OverloadedError(waiting, bound, self.config.serve.retry_after_s)
-        elif bound is not None and self._refused.refused(client_id, request):
-            waiting = sum(view.num_waiting for view in self.views.values() if view.alive)
-            raise OverloadedError(waiting, bound, self.config.serve.retry_after_s)
+        if bound is not None:
+            first = not admitted_with_another(request)
+            if first or self._refused.refused(client_id, request):
+                waiting = sum(view.num_waiting for view in self.views.values() if view.alive)
+                if not first or waiting >= bound:  # (a later part: its first was refused)
+                    self._refused.remember(client_id, request)
+                    raise OverloadedError(waiting, bound, self.config.serve.retry_after_s)
         # Arrival is stamped here: clients' clocks are not comparable (priority tie-breaks).
         request.arrival_time = time.monotonic()
         flight = Flight(request, queue, outbox, "", "decode")
