@@ -38,6 +38,20 @@ class StreamLostError(UnavailableError):
     broken stream (503); the request may be sent again."""
 
 
+REJECTED = "request rejected: "
+
+
+def rejection(reason: str) -> str:
+    """The error text of a request an instance engine refused as unservable (its own fault:
+    the API answers 400). The text travels as it is through every hop to the ingress, so the
+    mark is its prefix; anything else the cluster failed is a 503."""
+    return REJECTED + reason
+
+
+def is_rejection(error: str | None) -> bool:
+    return error is not None and error.startswith(REJECTED)
+
+
 class UnknownModelError(LookupError):
     """A model name that is neither the served model nor a loaded LoRA adapter (404)."""
 

@@ -29,6 +29,7 @@ from typing import Any
 
 from cluster.control.executors import Executor
 from cluster.control.summaries import EngineSummary
+from cluster.errors import rejection
 from kv_transfer.connector import KVConnectorReport, PDConnector
 from scheduler import ModelRunnerOutput, Request, RequestStatus, Scheduler, SchedulerOutput
 from scheduler.outputs import EngineCoreOutput
@@ -362,7 +363,9 @@ class EngineLoop:
                 self.counters.num_requests_added += 1
             except ValueError as exc:
                 errors.append(
-                    EngineCoreOutput(request.request_id, [], FinishReason.ERROR, error=str(exc))
+                    EngineCoreOutput(
+                        request.request_id, [], FinishReason.ERROR, error=rejection(str(exc))
+                    )
                 )
         if errors:
             self.on_outputs(self, errors)

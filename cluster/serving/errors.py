@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from cluster.errors import OverloadedError, UnavailableError, UnknownModelError
+from cluster.errors import OverloadedError, UnavailableError, UnknownModelError, is_rejection
 
 logger = logging.getLogger(__name__)
 
@@ -73,3 +73,12 @@ def api_error(exc: BaseException, param: str | None = None) -> APIError:
         return APIError(400, str(exc), param=param)
     logger.exception("internal error", exc_info=exc)
     return APIError(500, "internal server error")
+
+
+def generation_error(error: str | None) -> APIError:
+    """The API error for a sample the cluster ended with ``finish_reason="error"``: a request
+    an instance engine refused (``cluster.errors.rejection``) is the client's 400; any other
+    failure a 503 the client may retry."""
+    if is_rejection(error):
+        return APIError(400, error or "")
+    return APIError(503, error or "generation failed")

@@ -15,7 +15,7 @@ import grpc
 from pydantic import ValidationError
 
 from cluster.serving.auth import check_api_key
-from cluster.serving.errors import APIError, api_error
+from cluster.serving.errors import APIError, api_error, generation_error
 from cluster.serving.openai_protocol import CompletionRequest
 from cluster.serving.openai_serving import OpenAIServing
 
@@ -93,7 +93,7 @@ async def generate_stream(
             async for _, out in outputs:
                 sample = out.outputs[0]
                 if sample.finish_reason == "error":
-                    raise APIError(503, sample.error or "generation failed")
+                    raise generation_error(sample.error)
                 if not (sample.new_token_ids or sample.new_text or sample.finished):
                     continue
                 response = tandem_pb2.GenerateResponse(

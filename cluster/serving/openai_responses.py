@@ -14,7 +14,7 @@ from typing import Any
 from actors.model.tokenizer import Tokenizer
 from cluster.engine.outputs import CompletionOutput, RequestOutput
 from cluster.observability.api_span import APISpan
-from cluster.serving.errors import APIError, api_error
+from cluster.serving.errors import api_error, generation_error
 from cluster.serving.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -268,7 +268,7 @@ class SSEStream:
                     if index in ended or not (sample.new_token_ids or sample.finished):
                         continue
                     if sample.finish_reason == "error":  # the cluster failed it
-                        raise APIError(503, sample.error or "generation failed")
+                        raise generation_error(sample.error)
                     if sample.finished:
                         ended.add(index)
                     choices.append(choice(job, sample))

@@ -27,7 +27,7 @@ from cluster.engine.streams import merge_streams
 from cluster.errors import UnknownModelError
 from cluster.observability.api_span import APISpan
 from cluster.serving.agent_fields import FieldError, NamedToolChoice
-from cluster.serving.errors import APIError, api_error
+from cluster.serving.errors import APIError, api_error, generation_error
 from cluster.serving.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -562,6 +562,6 @@ async def _collect(outputs: Outputs) -> Finals:
         finals[job.first_index] = out
     for final in finals.values():
         for sample in final.outputs:
-            if sample.finish_reason == "error":  # the cluster failed it (as the stream: 503)
-                raise APIError(503, sample.error or "generation failed")
+            if sample.finish_reason == "error":  # the cluster failed it (as the stream)
+                raise generation_error(sample.error)
     return finals

@@ -242,3 +242,32 @@ def test_a_hand_off_aborted_before_its_admission_lets_its_source_go(tiny_model: 
     loop.abort(["h", "r0"])
     assert connector.take_unread() == [("h", "p-0")]  # the plain request had no source
     assert not loop.pending
+
+
+def test_a_request_the_scheduler_refuses_ends_as_the_clients_fault(tiny_model: Path) -> None:
+    """A prompt the instance's scheduler can never serve (here: past its max_model_len, which
+    the ingress checks first unless its view differs) ends with an error marked as a
+    rejection, which the API answers with a 400, not the 503 of a failure of the cluster."""
+    from cluster.errors import is_rejection
+    from cluster.serving.errors import generation_error
+
+    loop, _, seen = _loop(tiny_model)
+
+    async def run() -> None:
+        loop.start()
+        loop.add_request(Request("long", list(range(3, 300)), GREEDY, eos_token_id=2))
+        loop.add_request(_request(0))
+        while sum(o.finished for o in seen) < 2:
+            await asyncio.sleep(0.01)
+        await loop.stop()
+
+    asyncio.run(asyncio.wait_for(run(), 30))
+    [refused] = [o for o in seen if o.request_id == "long"]
+    assert refused.finish_reason is not None and refused.finish_reason.value == "error"
+    assert is_rejection(refused.error) and "max_model_len is 256" in str(refused.error)
+    error = generation_error(refused.error)
+    assert error.status == 400 and "max_model_len" in error.message
+    [served] = [o for o in seen if o.request_id == "r0" and o.finished]
+    assert served.error is None  # the other request of the same burst runs
+    assert generation_error("worker died").status == 503  # a failure of the cluster
+    assert generation_error(None).status == 503
