@@ -372,10 +372,10 @@ def test_prompts_are_tokenized_off_the_event_loop(
     """A prompt that takes long to tokenize (here: the character bound and the prefix guard
     lifted, so it is tokenized whole before the context check refuses it) leaves the event
     loop free meanwhile."""
-    from cluster.serving import openai_serving
+    from cluster.serving import request_checks
 
     serving.max_prompt_chars = None
-    monkeypatch.setattr(openai_serving, "PREFIX_CHARS_PER_TOKEN", 10**9)
+    monkeypatch.setattr(request_checks, "PREFIX_CHARS_PER_TOKEN", 10**9)
     req = CompletionRequest.model_validate(
         {"model": "tiny-chat", "prompt": "the quick brown fox jumps " * 60_000}
     )
