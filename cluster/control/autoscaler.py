@@ -125,7 +125,9 @@ class PoolPolicy:
         # an idle instance cannot meet (a long prompt's TTFT) needs no more instances.
         if breaks and want <= n and s.ongoing >= n:
             want, why = n + 1, "; ".join(breaks)
-        if want < n:  # shrink only with room to spare, one instance at a time
+        if want < n <= c.min_replicas:  # (n == 1: nothing to shrink to)
+            want = n
+        elif want < n:  # shrink only with room to spare, one instance at a time
             tight = []
             if ttft_slo is not None and ttft is not None and ttft > SHRINK_TTFT * ttft_slo:
                 tight.append("TTFT")
@@ -208,6 +210,7 @@ class Autoscaler:
         self.failed = 0  # resizes that raised (they are asked for again after their delay)
         self.desired: dict[str, int] = {}
         self._changed: dict[str, float] = {}  # pool -> when it was last resized
+        self._started = time.monotonic()  # no signal is older (a window is never longer)
 
     @property
     def enabled(self) -> bool:
@@ -218,16 +221,24 @@ class Autoscaler:
         config = self.policies[pool].config
         ids = actor._pool_instances(pool)
         views = [actor.views[i] for i in ids]
-        since = max(now - config.window_s, self._changed.get(pool, -math.inf))
+        # The latencies of the pool's present size: measured (a request's wait for its first
+        # token, or its decode from the first token to the last) wholly since the last resize,
+        # so the old size's slow requests finishing after a growth do not grow it again.
+        changed = self._changed.get(pool, self._started)
+        since = max(now - config.window_s, changed)
         ttft: list[float] = []
         tpot: list[float] = []
+        first_tokens = 0
         for view in views:
             view.forget_latencies(now - config.window_s)
-            for when, kind, seconds in view.latencies:
-                if when >= since:
+            for when, kind, seconds, begun in view.latencies:
+                if when < since:
+                    continue
+                first_tokens += kind == "ttft"
+                if begun >= changed:
                     (ttft if kind == "ttft" else tpot).append(seconds)
         span = now - since
-        rate = len(ttft) / span if len(ttft) >= MIN_SAMPLES and span > 0 else None
+        rate = first_tokens / span if first_tokens >= MIN_SAMPLES and span > 0 else None
         return PoolSignals(
             replicas=len(ids),
             ongoing=sum(v.num_active for v in views),

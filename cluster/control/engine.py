@@ -162,9 +162,10 @@ class EngineReport:
     # (internal id, source instance) of KV this decode instance will not read (its local
     # prefix cache had the prompt): the source's lease can end now.
     kv_unread: list[tuple[str, str]] = field(default_factory=list)
-    # ("ttft" or "tpot", seconds) of requests measured here since the last report (engine
-    # actors: the autoscaler's signals; an in-process engine's go to the actor directly).
-    latencies: list[tuple[str, float]] = field(default_factory=list)
+    # ("ttft" or "tpot", seconds, the seconds it was measured over) of requests measured here
+    # since the last report (engine actors: the autoscaler's signals; an in-process engine's
+    # go to the actor directly).
+    latencies: list[tuple[str, float, float]] = field(default_factory=list)
     # Engine actors: what the root span of each traced request that finished needs, should
     # the central actor not know the request (it restarted and lost it: ``EndedTrace``).
     ended_traces: dict[str, EndedTrace] = field(default_factory=dict)

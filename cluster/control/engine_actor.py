@@ -81,9 +81,9 @@ class EngineActor:
         iid, role = spec.instance_id, spec.pool.role
         self.observe = RequestObserver(config, {iid: role}, {iid: spec})
         self.observe.add_instance(iid, role)
-        self._latencies: list[tuple[str, float]] = []  # for the next report
-        self.observe.latency_sink = lambda _iid, kind, seconds: self._latencies.append(
-            (kind, seconds)
+        self._latencies: list[tuple[str, float, float]] = []  # for the next report
+        self.observe.latency_sink = lambda _iid, kind, seconds, span: self._latencies.append(
+            (kind, seconds, span)
         )
         self.engine: InstanceEngine | None = None
         self._outboxes: dict[str, Outbox] = {}

@@ -51,7 +51,8 @@ class RequestObserver:
         self._engines_trace = config.engine_actors
         # (instance, "ttft" or "tpot", seconds) of each request, where it was measured: the
         # autoscaler's latency signals (``control/autoscaler.py``).
-        self.latency_sink: Callable[[str, str, float], None] | None = None
+        # (instance, "ttft" or "tpot", seconds, the seconds it was measured over)
+        self.latency_sink: Callable[[str, str, float, float], None] | None = None
 
     def add_instance(self, instance_id: str, role: str) -> None:
         self.metrics.add_instance(instance_id, role)
@@ -121,7 +122,7 @@ class RequestObserver:
             ttft = now - held.request.arrival_time
             histograms.ttft.observe(ttft)
             if self.latency_sink is not None:
-                self.latency_sink(iid, "ttft", ttft)
+                self.latency_sink(iid, "ttft", ttft, ttft)
         elif held.last_token_at is not None:
             histograms.itl.observe(now - held.last_token_at)
         held.last_token_at = now
@@ -188,7 +189,7 @@ class RequestObserver:
         normal = final.finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
         sink = self.latency_sink
         if sink is not None and normal and where is not None and first is not None and num > 1:
-            sink(where.instance_id, "tpot", (now - first) / (num - 1))
+            sink(where.instance_id, "tpot", (now - first) / (num - 1), now - first)
         self.metrics.request_finished(
             "" if where is None else where.instance_id,
             "" if where is None else where.role,

@@ -202,10 +202,10 @@ class SchedulerActor(Intake, KVPeers, Migration, Restart, ClusterOperations):
         if self.config.engine_actors:  # clients stream from the new engines too
             self.clients.notify_all(self.engine_handles())
 
-    def _latency(self, iid: str, kind: str, seconds: float) -> None:
+    def _latency(self, iid: str, kind: str, seconds: float, span_s: float) -> None:
         view = self.views.get(iid)
         if view is not None:
-            view.latency(time.monotonic(), kind, seconds)
+            view.latency(time.monotonic(), kind, seconds, span_s)
 
     def _share_adapters(self) -> None:
         """The engine actors keep the LoRA registry for a restarted central actor."""
@@ -416,8 +416,8 @@ class SchedulerActor(Intake, KVPeers, Migration, Restart, ClusterOperations):
                 self._confirm(self.hand_offs.drop(iid))
         if report.latencies:
             now = time.monotonic()
-            for kind, seconds in report.latencies:
-                view.latency(now, kind, seconds)
+            for kind, seconds, span in report.latencies:  # (measured up to its sending)
+                view.latency(now, kind, seconds, span)
         for internal in report.finished:
             flight = self._internal.get(internal)
             if flight is not None and flight.instance == iid:

@@ -55,12 +55,15 @@ class InstanceView:
         self._num_sent = 0
         self._unseen: deque[tuple[int, int]] = deque()  # (send number, tokens) not yet summarized
         self._unseen_tokens = 0
-        # (when, "ttft" or "tpot", seconds) of its latest requests, the newest last (the
-        # autoscaler's signals; ``forget_latencies`` drops the old ones).
-        self.latencies: deque[tuple[float, str, float]] = deque(maxlen=MAX_LATENCIES)
+        # (when, "ttft" or "tpot", seconds, begun) of its latest requests, the newest last:
+        # when it was measured, and when what it measures began (the autoscaler's signals;
+        # ``forget_latencies`` drops the old ones).
+        self.latencies: deque[tuple[float, str, float, float]] = deque(maxlen=MAX_LATENCIES)
 
-    def latency(self, now: float, kind: str, seconds: float) -> None:
-        self.latencies.append((now, kind, seconds))
+    def latency(self, now: float, kind: str, seconds: float, span_s: float) -> None:
+        """A latency measured over the last ``span_s`` seconds (a TTFT: itself; a TPOT: the
+        time from the first token to the last)."""
+        self.latencies.append((now, kind, seconds, now - span_s))
 
     def forget_latencies(self, before: float) -> None:
         while self.latencies and self.latencies[0][0] < before:

@@ -118,6 +118,65 @@ def test_a_pool_that_carries_more_within_its_slo_learns_a_higher_capacity() -> N
     assert grown_on_load.capacity is None  # the requests-held rule learns nothing
 
 
+def test_a_pool_at_its_minimum_stays_there_whatever_it_learned() -> None:
+    """A pool grown on an SLO and shrunk back to one instance has a capacity; idle, or
+    carrying little, it wants no fewer than its minimum (the shrink check divided the load by
+    the instances left: by zero)."""
+    decode = _policy("decode", slo_tpot_ms=50.0, upscale_delay_s=0.0)
+    decode.decide(0.0, PoolSignals(1, 8, 0.2, tpot_p90_s=0.08))
+    assert decode.capacity == 8.0
+    assert decode.desired(PoolSignals(1, 0, 0.0)) == (1, "0 requests held (target 10 per instance)")
+    assert decode.decide(1.0, PoolSignals(1, 0, 0.0)) is None
+    prefill = _policy("prefill", slo_ttft_ms=500.0, upscale_delay_s=0.0)
+    prefill.decide(0.0, PoolSignals(1, 2, 0.1, ttft_p90_s=2.0, first_tokens_per_s=10.0))
+    assert prefill.capacity == 10.0
+    assert prefill.desired(PoolSignals(1, 0, 0.0, first_tokens_per_s=9.0))[0] == 1
+
+
+def test_signals_after_a_resize_are_the_new_sizes_own() -> None:
+    """After a resize the p90s take only latencies measured wholly since: a slow request of
+    the old size finishing now does not grow the pool again. The first-token rate counts
+    every first token in the window, and a window never reaches back before the autoscaler
+    started (a rate over 15 s of which 5 existed read a third of the real one)."""
+    import time
+
+    from cluster.control.autoscaler import Autoscaler
+    from cluster.control.summaries import InstanceView
+
+    config = ClusterConfig.model_validate(
+        {
+            "model": "m",
+            "pools": [
+                {
+                    "name": "d",
+                    "role": "decode",
+                    "replicas": 1,
+                    "autoscaling": {"max_replicas": 4, "slo_tpot_ms": 50.0, "window_s": 15.0},
+                },
+                {"name": "p", "role": "prefill", "replicas": 1},
+            ],
+        }
+    )
+    view = InstanceView("d-0", "decode", 16, True)
+    actor = type("Actor", (), {})()  # the central actor's parts the autoscaler reads
+    actor.config, actor.views = config, {"d-0": view}
+    actor._pool_instances = lambda pool: ["d-0"] if pool == "d" else []
+    autoscaler = Autoscaler(actor)
+    now = time.monotonic()
+    for _ in range(10):  # 5 s of first tokens, 2 a second
+        view.latency(now, "ttft", 0.1, 0.1)
+    assert autoscaler.signals("d", now + 5.0).first_tokens_per_s == pytest.approx(2.0, rel=0.01)
+    autoscaler.resized("d")
+    changed = time.monotonic()
+    for _ in range(10):  # the old size's slow decodes, finishing after the resize
+        view.latency(changed + 1.0, "tpot", 0.2, 3.0)
+    signals = autoscaler.signals("d", changed + 1.0)
+    assert signals.tpot_p90_s is None  # none measured at this size yet
+    for _ in range(10):  # the new size's, measured from after the resize
+        view.latency(changed + 2.0, "tpot", 0.03, 0.5)
+    assert autoscaler.signals("d", changed + 2.0).tpot_p90_s == 0.03
+
+
 def test_min_above_max_and_replicas_outside_the_bounds_are_refused() -> None:
     with pytest.raises(ValueError, match="min_replicas"):
         AutoscalingConfig(min_replicas=3, max_replicas=2)
