@@ -272,7 +272,7 @@ def for_cost_model(base: Any, cost: Any, model: str | None) -> tuple[Any, str | 
 def run_plan(args: argparse.Namespace) -> int:
     from cluster.config import ClusterConfig, default_cluster_config
     from cluster.sim.cost import load_cost_model
-    from cluster.sim.planner import Trial, config_yaml, plan
+    from cluster.sim.planner import LONGER, Trial, config_yaml, plan
 
     target_slo = slo(args)
     if target_slo is None:
@@ -321,7 +321,8 @@ def run_plan(args: argparse.Namespace) -> int:
     if result.chosen is None or result.config is None:
         print(
             f"tandem plan: no cluster of up to {args.max_instances} instances meets the SLO "
-            f"for {args.target:.0%} of the requests at {rate:g} requests/s",
+            f"for {args.target:.0%} of the requests at {rate:g} requests/s (and keeps up: "
+            f"over the workload served {LONGER} times over)",
             file=sys.stderr,
         )
         return 1
@@ -329,7 +330,10 @@ def run_plan(args: argparse.Namespace) -> int:
     if note is not None:
         print(f"# NOTE: {note}")
         print(f"tandem plan: {note}", file=sys.stderr)
-    print("# predicted goodput curve (rate req/s: SLO attainment, goodput req/s):")
+    print(
+        "# predicted goodput curve (rate req/s: SLO attainment, goodput req/s; "
+        f"the workload {LONGER} times over):"
+    )
     for point in result.curve:
         print(f"#   {point['rate']:8.2f}: {point['attainment']:6.1%}  {point['goodput']:8.2f}")
     text = config_yaml(result.config)
