@@ -340,11 +340,12 @@ class InstanceEngine:
                 held.num_cached_tokens = out.num_cached_tokens
             index = len(held.tokens)
             new = out.new_token_ids
-            if placement.hand_off and out.finished:
-                if self._prefilled_now(held, out):
-                    continue
-                if out.kv_transfer_params and out.kv_transfer_params.get("handle"):
-                    self.release_kv(out.request_id)  # ends here: nobody will read it
+            if out.finished and placement.hand_off and self._prefilled_now(held, out):
+                continue
+            if out.finished and out.kv_transfer_params and out.kv_transfer_params.get("handle"):
+                # It ends here (its first token ended it, or it asked for one token only:
+                # placed on a prefill instance with no hand-off): nobody will read its KV.
+                self.release_kv(out.request_id)
             internal_id = out.request_id
             # The step's output becomes the client's (the scheduler keeps no reference to
             # it): the client's id, the prefix hit it was told, and no KV handle -- handles

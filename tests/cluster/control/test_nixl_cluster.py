@@ -135,6 +135,18 @@ def test_a_request_that_ends_at_its_first_token_frees_the_prefill_blocks_at_once
         what="the prefill instance to free the blocks nobody will read",
     )
     assert time.monotonic() - started < LEASE_S  # not the lease's expiry
+    # Nor for a request that asks for one token: prefilled with no hand-off, its KV (saved
+    # all the same) was held until the lease ran out.
+    started = time.monotonic()
+    one = GREEDY.model_copy(update={"max_tokens": 1})
+    (got,) = token_ids(ClusterClient(nixl_pp).generate([prompt[:-1]], one))
+    assert len(got) == 1
+    wait_until(
+        lambda: _instances(nixl_pp)["p-0"]["num_requests"] == 0,
+        timeout_s=LEASE_S / 2,
+        what="the prefill instance to free the blocks of a one-token request",
+    )
+    assert time.monotonic() - started < LEASE_S
 
 
 def test_kv_the_decode_side_has_cached_is_let_go_at_once(nixl_pp: Any, tiny_model: Path) -> None:
