@@ -113,7 +113,9 @@ class Subscription(Delivery):
             except (ValueError, RuntimeError):  # refused (or the actor is gone): nothing runs
                 raise
             except BaseException:  # cancelled mid-submit: one that never left is taken back;
-                self._withdraw(future)  # one on its way is aborted if placed (_send_batch)
+                self._withdraw(future)  # one on its way is aborted if placed (_send_batch);
+                if future.done() and not future.cancelled() and future.exception() is None:
+                    self.abort(rid)  # one placed just before the cancel is aborted here
                 raise
             running = True
             while True:

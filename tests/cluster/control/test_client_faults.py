@@ -213,3 +213,36 @@ def test_requests_submitted_together_are_refused_one_by_one(
         assert outputs[-1].finish_reason.value == "length"
         assert sum(len(o.new_token_ids) for o in outputs) == 4
     assert_clean(cluster)
+
+
+def test_a_stream_cancelled_just_as_its_submit_succeeds_aborts_its_request(
+    cluster: Any, client: ClusterClient
+) -> None:
+    """The consumer is cancelled (its HTTP client left) after the cluster placed the request
+    and before the consumer resumed: the request is aborted, not run to its end for nobody
+    (it was neither taken back, never having left, nor marked running yet)."""
+    import asyncio
+
+    params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+    ray.get(cluster.set_fault_injection.remote("c-0", 0.0, 0.05))  # it would take 20 s
+
+    async def run() -> list[str]:
+        subscription = client._subscription()
+        submit = subscription._submit
+        consumer: list[asyncio.Task[Any]] = []
+
+        def cancel_when_placed(*args: Any) -> asyncio.Future[None]:
+            future = submit(*args)
+            # Runs before the consumer's own wake-up (added later, when it awaits).
+            future.add_done_callback(lambda f: consumer[0].cancel())
+            return future
+
+        subscription._submit = cancel_when_placed  # type: ignore[method-assign]
+        stream = subscription.stream(Request("placed-then-left", [5, 6, 7], params))
+        consumer.append(asyncio.ensure_future(stream.__anext__()))
+        with pytest.raises(asyncio.CancelledError):
+            await consumer[0]
+        await asyncio.sleep(1.0)  # the abort is on its way
+        return list(ray.get(cluster.live_request_ids.remote()))
+
+    assert "placed-then-left" not in asyncio.run(asyncio.wait_for(run(), 60))
