@@ -179,8 +179,10 @@ class Delivery:
         (it answers a ping) is opened again, carrying each open request's next position:
         the engine sends again what the broken stream may have lost, and every other engine
         is asked to as well (a request's first token comes from its prefill engine, the
-        rest from its decode engine). One whose engine died ends: the central actor has
-        its requests move on (``_resume``)."""
+        rest from its decode engine). So is one whose engine does not answer but is not
+        known dead (Ray cannot reach it for now, or it is slow): only the central actor
+        declares an engine dead, and then ``_resume`` stops this stream. One whose engine
+        died ends: the central actor has its requests move on (``_resume``)."""
         positions: list[tuple[int, int]] | None = None
         backoff = 0.05
         try:
@@ -193,17 +195,19 @@ class Delivery:
                 except Exception as exc:
                     if time.monotonic() - opened > 5.0:  # it had held: not breaking again
                         backoff = 0.05
-                    if not await _answers(actor):
+                    alive = await _answers(actor)
+                    if alive is False:
                         logger.warning(
                             "client %s: instance %s's stream ended: %s", self.client_id, iid, exc
                         )
                         return
                     logger.warning(
-                        "client %s: instance %s's stream broke (%s); it lives: streaming "
-                        "again from the positions delivered",
+                        "client %s: instance %s's stream broke (%s); %s: streaming again "
+                        "from the positions delivered",
                         self.client_id,
                         iid,
                         exc,
+                        "it lives" if alive else "it does not answer, and is not known dead",
                     )
                     positions = self._positions()
                     self._spawn(self._refill([i for i in self._actors if i != iid], positions))
@@ -281,12 +285,17 @@ class Delivery:
         await asyncio.gather(*(one(iid) for iid in iids))
 
 
-async def _answers(actor: Any) -> bool:
-    """Whether engine actor ``actor`` answers a ping within ``RESUME_WAIT_S``."""
+async def _answers(actor: Any) -> bool | None:
+    """Whether engine actor ``actor`` answers a ping within ``RESUME_WAIT_S``: True; False
+    when Ray says it died; None when neither (unreachable for now, or slow)."""
+    import ray
+
     try:
         await asyncio.wait_for(_awaited(actor.ping.remote()), RESUME_WAIT_S)
-    except Exception:
+    except ray.exceptions.ActorDiedError:
         return False
+    except Exception:
+        return None
     return True
 
 

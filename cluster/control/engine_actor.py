@@ -93,6 +93,7 @@ class EngineActor:
         self._streams: dict[str, int] = {}
         self._past = PastRequests()  # requests that left, for a refill
         self._break: dict[str | None, bool] = {}  # fault injection: streams to break
+        self._unreachable_until = 0.0  # fault injection: pings go unanswered until then
         self.num_refilled = 0  # requests whose outputs were sent again (``refill``)
         # Ended traces of reports the central actor did not get (it was away): sent with the
         # next report, so that a restarted one can end their roots.
@@ -203,6 +204,9 @@ class EngineActor:
         return not any(o.pending or o.apart or o.streams for o in self._outboxes.values())
 
     async def ping(self) -> str:
+        silent = self._unreachable_until - time.monotonic()
+        if silent > 0:
+            await asyncio.sleep(silent)
         return self.instance_id
 
     # -- the central scheduler's ops, in its order ---------------------------------------------
@@ -431,10 +435,13 @@ class EngineActor:
             )
         return count
 
-    def break_streams(self, client_id: str | None = None) -> None:
+    def break_streams(self, client_id: str | None = None, unreachable_s: float = 0.0) -> None:
         """Testing: the next batch for ``client_id`` (any client: None) is lost and its
-        stream ends with an error, as if the connection broke; the engine lives on."""
+        stream ends with an error, as if the connection broke; the engine lives on. For
+        ``unreachable_s`` its pings are answered only after that long (a glitch between it
+        and its clients)."""
         self._break[client_id] = True
+        self._unreachable_until = time.monotonic() + unreachable_s
 
     def _drop_client(self, client_id: str) -> None:
         self._dropped.add(client_id)

@@ -763,12 +763,16 @@ def _refilled(handle: Any) -> int:
 
 
 def test_a_stream_that_breaks_while_its_engine_lives_goes_on_without_a_move(
-    engines: Any, client: ClusterClient, tiny_model: Path
+    engines: Any, client: ClusterClient, tiny_model: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Each decode engine's stream to the client breaks mid-stream, losing a batch of
     tokens, while the engines live: the client streams from them again, carrying the
     positions it has, and they send the lost tokens again -- output equal to the
-    undisturbed one, no request moved or recomputed."""
+    undisturbed one, no request moved or recomputed. The engines do not answer the
+    client's ping at first: only Ray saying an engine died, or the central scheduler
+    declaring it dead, ends a client's stream from it (it stopped following for good)."""
+    from cluster.control import delivery
+
     decodes = [i for i, s in _instances(engines).items() if s["alive"] and i.startswith("d")]
     for iid in decodes:
         ray.get(engines.set_fault_injection.remote(iid, 0.0, 0.03))
@@ -790,10 +794,12 @@ def test_a_stream_that_breaks_while_its_engine_lives_goes_on_without_a_move(
     async def run() -> list[Any]:
         tasks = [asyncio.ensure_future(collect(i)) for i in range(len(prompts))]
         await _until(lambda: len(seen) == len(prompts) and min(seen.values()) >= 3)
-        for iid in decodes:  # the next batch each sends this client is lost
-            await handles[iid].break_streams.remote()
+        for iid in decodes:  # the next batch each sends this client is lost, and for a
+            # moment the engine does not answer the client's ping (not known dead either)
+            await handles[iid].break_streams.remote(None, 2 * delivery.RESUME_WAIT_S)
         return list(await asyncio.gather(*tasks))
 
+    monkeypatch.setattr(delivery, "RESUME_WAIT_S", 0.5)
     outs = asyncio.run(asyncio.wait_for(run(), 120))
     assert token_ids(outs) == expected
     assert all(o.outputs[0].finish_reason == "length" for o in outs)
