@@ -395,6 +395,8 @@ class SchedulerActor(Intake, KVPeers, Migration, Restart, ClusterOperations):
             return
         engine = self.engines.get(report.instance_id)
         if engine is not None and engine.remote:
+            if engine.dead is not None:  # declared dead, its requests moved: a late report
+                return  # (a rejoin) must not bring it back into routing, where ops are lost
             if report.failure is not None:
                 engine.failed = report.failure
             if report.rejoined:
@@ -403,8 +405,9 @@ class SchedulerActor(Intake, KVPeers, Migration, Restart, ClusterOperations):
 
     def _on_report(self, report: EngineReport) -> None:
         iid = report.instance_id
-        if iid not in self.engines:
-            return  # it left the cluster
+        engine = self.engines.get(iid)
+        if engine is None or (engine.remote and engine.dead is not None):
+            return  # it left the cluster, or was declared dead (a report held in a rebuild)
         if report.rejoined:
             self._rejoined(iid)
         view = self.views[iid]

@@ -971,3 +971,22 @@ def test_a_killed_engine_process_with_no_engine_left_ends_its_requests_with_an_e
     if leased:
         health = ray.get(engines.worker_health.remote())["p-0"]
         assert health["kv_leases_expired"] == expired  # released, not run out
+    # A report of the dead engine still on its way (a rejoin after a worker recovery) does
+    # not bring it back into routing, where its ops would be dropped and requests hang.
+    from cluster.control.engine import EngineReport
+    from cluster.control.summaries import EngineSummary
+
+    late = EngineReport(last, EngineSummary(last, 0, 0, 0, 0, 0.0), rejoined=True)
+    ray.get(engines.report.remote(late))
+    time.sleep(3.0)  # (a rejoin connects the KV peers first: about a second here)
+
+    async def again() -> Any:
+        try:
+            return await asyncio.wait_for(_collect(client, [5, 6, 7], GREEDY), 10)
+        except Exception as exc:
+            return exc
+
+    refused = asyncio.run(again())
+    assert "no live decode" in str(
+        refused if isinstance(refused, Exception) else refused.outputs[0].error
+    )
