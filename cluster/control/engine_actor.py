@@ -23,11 +23,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import replace
 from typing import Any
 
 from cluster.config import ClusterConfig
+from cluster.control.clients import DROPPED_REMEMBERED
 from cluster.control.engine import (
     EndedTrace,
     EngineReport,
@@ -87,7 +88,9 @@ class EngineActor:
         )
         self.engine: InstanceEngine | None = None
         self._outboxes: dict[str, Outbox] = {}
-        self._dropped: set[str] = set()
+        # Clients the central actor dropped (their outputs go nowhere), the latest
+        # DROPPED_REMEMBERED (client ids are unique: an older one never comes back).
+        self._dropped: OrderedDict[str, None] = OrderedDict()
         # Per client: the number of its latest stream from here (a client whose stream broke
         # subscribes again; the stream it left stops taking its outputs).
         self._streams: dict[str, int] = {}
@@ -444,7 +447,9 @@ class EngineActor:
         self._unreachable_until = time.monotonic() + unreachable_s
 
     def _drop_client(self, client_id: str) -> None:
-        self._dropped.add(client_id)
+        self._dropped[client_id] = None
+        while len(self._dropped) > DROPPED_REMEMBERED:
+            self._dropped.popitem(last=False)
         self._streams.pop(client_id, None)
         self._past.drop_client(client_id)
         outbox = self._outboxes.pop(client_id, None)
