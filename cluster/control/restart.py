@@ -73,6 +73,10 @@ class Restart:
         """Return once the actor serves: at once, or after a restart's rebuild (at most
         ``RECOVERY_WAIT_S``, else ``UnavailableError``)."""
         if not self.recovering:
+            task = self._recovery  # a rebuild that failed failed for good (no new restart)
+            failed = task is not None and task.done() and not task.cancelled()
+            if failed and task is not None and task.exception() is not None:
+                raise _rebuild_failed(task.exception())
             return
         self._kick_recovery()
         assert self._recovery is not None
@@ -82,6 +86,8 @@ class Restart:
             raise UnavailableError(
                 "the central scheduler is restarting and has not recovered yet; retry"
             ) from None
+        except Exception as exc:  # (logged once, where it failed)
+            raise _rebuild_failed(exc) from None
 
     def _lost_root(self, internal_id: str) -> bool:
         """A traced request of the previous process that this one did not take on: it
@@ -103,6 +109,12 @@ class Restart:
             held, self._held_reports = self._held_reports, []
             for report in held:  # what the engines said meanwhile
                 self._on_report(report)
+
+
+def _rebuild_failed(exc: BaseException | None) -> UnavailableError:
+    return UnavailableError(
+        f"the central scheduler restarted and could not rebuild its state: {exc}"
+    )
 
 
 SNAPSHOT_TIMEOUT_S = 30.0  # an engine that takes longer to give its snapshot is hung
@@ -136,7 +148,13 @@ async def rebuild(actor: Any) -> None:
         for a in ray.util.list_named_actors(all_namespaces=True)
         if a["namespace"] == namespace and a["name"].startswith(prefix)
     ]
-    handles = [ray.get_actor(name, namespace=namespace) for name in names]
+    handles = []
+    for name in list(names):
+        try:
+            handles.append(ray.get_actor(name, namespace=namespace))
+        except ValueError:  # gone since it was listed (killed, or a name released late)
+            logger.warning("engine %s left before the rebuild reached it", name)
+            names.remove(name)
     answers = await asyncio.gather(
         *(asyncio.wait_for(h.snapshot.remote(), SNAPSHOT_TIMEOUT_S) for h in handles),
         return_exceptions=True,

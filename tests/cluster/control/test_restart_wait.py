@@ -16,16 +16,19 @@ from cluster.serving.errors import api_error
 
 
 class _Rebuilding(Restart):
-    """A restarted actor whose rebuild takes ``seconds``."""
+    """A restarted actor whose rebuild takes ``seconds`` (and then fails with ``error``)."""
 
-    def __init__(self, seconds: float) -> None:
+    def __init__(self, seconds: float, error: Exception | None = None) -> None:
         self.recovering = True
         self._recovery = None
         self.seconds = seconds
+        self.error = error
 
     async def _recover(self) -> None:
         await asyncio.sleep(self.seconds)
         self.recovering = False
+        if self.error is not None:
+            raise self.error
 
 
 def test_a_call_waits_for_a_rebuild_that_ends_in_time(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -49,6 +52,25 @@ def test_a_rebuild_that_lasts_gives_a_clear_503(monkeypatch: pytest.MonkeyPatch)
     assert time.monotonic() - started < 5.0
     error = api_error(exc)
     assert error.status == 503 and "restarting" in str(exc)
+
+
+def test_a_rebuild_that_failed_gives_every_call_a_503_naming_why() -> None:
+    """Not the "cluster is not started" of an actor that never started (a 500): the calls
+    that wait for the rebuild and the ones after it say the restart failed and why."""
+    actor = _Rebuilding(0.01, RuntimeError("no engine actor left to rebuild the cluster from"))
+
+    async def calls() -> list[BaseException]:
+        errors = []
+        for _ in range(2):
+            with pytest.raises(UnavailableError) as caught:
+                await actor._ready()
+            errors.append(caught.value)
+        return errors
+
+    for exc in asyncio.run(calls()):
+        error = api_error(exc)
+        assert error.status == 503
+        assert "could not rebuild its state: no engine actor left" in error.message
 
 
 def test_a_client_passes_the_503_on_and_sends_again_only_while_the_process_is_down() -> None:
