@@ -28,6 +28,9 @@ KEEPALIVE_S = 1.0
 # How long a client waits for a restarting central actor (engine actors) before its open
 # requests fail.
 CENTRAL_RESTART_S = 60.0
+# After a restart, how long a request with output that the central actor does not know may
+# still end on its own (its final on its way from its engine) before it is called lost.
+LOST_GRACE_S = 2.0
 # How many ended requests' outcomes a client keeps after their consumers leave, for such a
 # resume: the central actor ends their traces with them.
 RECENT_FINALS = 4096
@@ -288,20 +291,29 @@ class Subscription(Delivery):
             if submission not in self._open:
                 continue  # ended meanwhile
             if self._next_index.get(submission, 0) or submission in self._early:
-                queue = self.queues.get(submission)
-                if queue is not None:
-                    queue.put_nowait(
-                        StreamLostError(
-                            f"request {request.request_id} was lost with the central "
-                            "scheduler's restart"
-                        )
-                    )
+                self._spawn(self._lost_unless_it_ends(submission, request.request_id))
                 continue
             logger.warning(
                 "request %s was lost with the central actor: sent again", request.request_id
             )
             future = self._submit(request, trace_context, submission)
             future.add_done_callback(functools.partial(self._resubmitted, submission=submission))
+
+    async def _lost_unless_it_ends(self, submission: int, request_id: str) -> None:
+        """A request with output that the restarted central actor does not know: lost with
+        the restart -- unless it ended just before the actor was asked, and its final is
+        still on its way from its engine (the actor forgets a request once its engine
+        reports it ended): it is given ``LOST_GRACE_S`` to arrive."""
+        await asyncio.sleep(LOST_GRACE_S)
+        if submission not in self._open or submission in self._ended:
+            return
+        queue = self.queues.get(submission)
+        if queue is not None:
+            queue.put_nowait(
+                StreamLostError(
+                    f"request {request_id} was lost with the central scheduler's restart"
+                )
+            )
 
     def _resubmitted(self, future: asyncio.Future[None], *, submission: int) -> None:
         """A refused resubmit ends its request's stream with the reason."""

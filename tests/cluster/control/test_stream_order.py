@@ -247,6 +247,7 @@ def test_a_refill_gives_way_to_held_back_outputs_and_stale_ones_are_dropped() ->
     logprobs). Where outputs with logprobs are held back for a missing one, the refill
     covers only the gap: the held-back outputs keep their positions and their logprobs; and
     a held-back output that the refill overtook entirely is dropped, not kept forever."""
+
     def with_logprobs(tokens: list[int], finished: bool = False) -> EngineCoreOutput:
         out = _out(tokens, finished)
         out.new_logprobs = [{t: -0.5} for t in tokens]
@@ -282,3 +283,34 @@ def test_thousands_of_held_back_outputs_are_delivered_in_a_loop() -> None:
     _feed(sub, _out([1000]), 0)  # the missing one
     assert _drain(queue) == ([1000 + i for i in range(5000)], False)
     assert not sub._early.get(7)
+
+
+def test_a_request_unknown_after_a_restart_is_lost_only_if_its_final_does_not_come(
+    monkeypatch: Any,
+) -> None:
+    """After the central actor's restart, a request with output that it does not know either
+    ended just before it was asked (its final, from its engine, still on its way) or was
+    lost with the restart: it is given a moment for its final before its stream fails (it
+    failed at once: a request that completed reached its user as an error)."""
+    from cluster.control import subscription
+    from cluster.errors import StreamLostError
+
+    monkeypatch.setattr(subscription, "LOST_GRACE_S", 0.05)
+    sub, queue = _subscription()
+    sub._open = {7: (Request("r", [1, 2, 3], SamplingParams(max_tokens=9)), None)}
+    _feed(sub, _out([4, 5]), 0)
+
+    async def final_arrives() -> None:
+        check = asyncio.ensure_future(sub._lost_unless_it_ends(7, "r"))
+        _feed(sub, _out([6], finished=True), 2)  # the final was on its way
+        await check
+
+    asyncio.run(final_arrives())
+    assert _drain(queue) == ([4, 5, 6], True)  # whole, and no error after it
+
+    sub, queue = _subscription()
+    sub._open = {7: (Request("r", [1, 2, 3], SamplingParams(max_tokens=9)), None)}
+    _feed(sub, _out([4, 5]), 0)
+    asyncio.run(sub._lost_unless_it_ends(7, "r"))  # nothing more comes: lost
+    assert queue.get_nowait().new_token_ids == [4, 5]
+    assert isinstance(queue.get_nowait(), StreamLostError)
