@@ -291,7 +291,10 @@ class RooflineCostModel:
         flops = 2.0 * m.num_layers * m.layer_params * tokens
         flops += 4.0 * m.num_layers * m.num_heads * m.head_dim * pairs  # QK^T and PV
         flops += 2.0 * m.hidden * m.vocab * shape.num_sampled  # the LM head
-        weights = m.num_params * m.bytes_per_param
+        # The layers' weights, the LM head's when a row samples, and only the embedding rows
+        # the step's tokens look up (not the whole table: 1 GB of Llama-3-8B's 16).
+        read = m.num_layers * m.layer_params + (m.vocab if shape.num_sampled else 0) * m.hidden
+        weights = (read + tokens * m.hidden) * m.bytes_per_param
         kv = m.kv_bytes_per_token * (shape.decode_context + tokens)  # read, and written
         # Prefill attention reads its chunk's context once per chunk, not per query.
         compute_s = flops / (tp * self.gpu.bf16_flops * self.compute_efficiency)

@@ -178,26 +178,33 @@ class SimExecutor:
         block_size: int,
         machine: Machine | None = None,
         speedup: float = 1.0,
+        stages: int = 1,
     ) -> None:
         """``machine``: the cores this instance shares with others (None: its own device);
         ``speedup``: how much faster its worker steps with a second core to itself (a pool of
         ``num_threads: auto``; ``Machine.speed``), for steps of ``MIN_SHARED_STEP_TOKENS`` or
-        more (smaller ones run on one thread)."""
+        more (smaller ones run on one thread). ``stages``: pipeline stages (``pp_size``),
+        each a device of its own holding an equal share of the layers: a step passes through
+        them in turn, a stage's share of its time on each, and the engine loop keeps one
+        step per stage in flight, so a stage works on the next step while the later stages
+        work on this one."""
         self.instance_id = instance_id
         self.cost = cost
         self.block_size = block_size
         self.machine = machine
         self.speedup = speedup
         self.worker = SimWorker()
-        self._device = asyncio.Lock()
+        self._stages = [asyncio.Lock() for _ in range(max(1, stages))]
         self.tracker = ShapeTracker()
         self._loads: list[_Load] = []
         self.busy_s = 0.0  # virtual seconds spent in steps
         self.num_steps = 0
 
     async def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        async with self._device:
-            return await self._execute(out)
+        if len(self._stages) == 1:  # one device: steps in flight (async scheduling) queue
+            async with self._stages[0]:
+                return await self._execute(out)
+        return await self._execute(out)
 
     async def _execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         loop = asyncio.get_running_loop()
@@ -205,15 +212,19 @@ class SimExecutor:
         if meta is not None:
             for load in meta.loads:
                 self._start_load(load, loop.time())
-        shape, samples = self.tracker.observe(out)
+        shape, samples = self.tracker.observe(out)  # (in the order the steps were started)
         req_ids = list(out.num_scheduled_tokens)
         sampled = [[TOKEN] if sample else [] for sample in samples]
-        seconds = self.cost.step_time(shape)
-        if self.machine is None:
-            await asyncio.sleep(seconds)
-        else:
-            shared = shape.tokens >= MIN_SHARED_STEP_TOKENS
-            seconds = await self.machine.run(seconds, self.speedup if shared else 1.0)
+        shared = shape.tokens >= MIN_SHARED_STEP_TOKENS
+        speedup = self.speedup if shared else 1.0
+        if len(self._stages) == 1:
+            seconds = await self._run(self.cost.step_time(shape), speedup)
+        else:  # each stage in turn (asyncio's locks are FIFO: steps keep their order)
+            share = self.cost.step_time(shape) / len(self._stages)
+            seconds = 0.0
+            for stage in self._stages:
+                async with stage:
+                    seconds += await self._run(share, speedup)
         self.busy_s += seconds
         self.num_steps += 1
         output = ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
@@ -228,6 +239,12 @@ class SimExecutor:
         self._finish_loads(output, report, loop.time())
         output.kv_connector_output = report
         return output
+
+    async def _run(self, seconds: float, speedup: float) -> float:
+        if self.machine is None:
+            await asyncio.sleep(seconds)
+            return seconds
+        return await self.machine.run(seconds, speedup)
 
     def _start_load(self, load: Any, now: float) -> None:
         num_bytes = len(load.block_ids) * self.block_size * self.cost.kv_bytes_per_token()

@@ -14,6 +14,7 @@ decide, at the time it would decide it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import time
@@ -23,7 +24,7 @@ from typing import Any
 from cluster.config import ClusterConfig, InstancePool
 from cluster.control.placement import InstanceSpec
 from cluster.sim.clock import SimulationStalled, run_virtual
-from cluster.sim.cost import CostModel
+from cluster.sim.cost import CostModel, RooflineCostModel
 from cluster.sim.executor import Machine, SimExecutor
 from cluster.sim.workload import WorkItem
 from scheduler import LoRARequest, Request, SamplingParams
@@ -157,6 +158,9 @@ class Simulation:
             num_blocks = pool.kv_cache_memory_bytes // (block_size * cost.kv_bytes_per_token())
         if num_blocks is None:
             capacity = cost.kv_capacity_tokens()
+            if pool.pp_size > 1 and isinstance(cost, RooflineCostModel):
+                # Its stages' GPUs hold the weights once between them: more room for KV.
+                capacity = dataclasses.replace(cost, tp=cost.tp * pool.pp_size).kv_capacity_tokens()
             if capacity is None:
                 raise ValueError(
                     f"pool {pool.name!r}: set num_blocks (the cost model {cost.name!r} "
@@ -189,7 +193,7 @@ class Simulation:
         speedup = 1.0
         if pool.num_threads == "auto":  # the worker spreads over the cores it finds free
             speedup = float(getattr(cost, "spare_core_speedup", 1.0))
-        executor = SimExecutor(iid, cost, block_size, machine, speedup)
+        executor = SimExecutor(iid, cost, block_size, machine, speedup, pool.pp_size)
         spec = InstanceSpec(iid, pool, executor, None, info)
         self._started.append(spec)
         return spec

@@ -232,6 +232,10 @@ def test_gpu_roofline_is_memory_bound_for_decode_and_compute_bound_for_prefill()
     one = model.step_time(StepShape(num_decodes=1, decode_context=512, num_sampled=1))
     many = model.step_time(StepShape(num_decodes=32, decode_context=32 * 512, num_sampled=32))
     assert many < 1.5 * one  # decode reads the weights once for the whole batch
+    # What a batch-1 decode reads: the layers and the LM head (7.5 B parameters, bf16), not
+    # the embedding table (0.5 B) of which it looks up one row; plus 512 tokens of KV.
+    read = (8.03e9 - 128256 * 4096) * 2 + 513 * 128 * 1024
+    assert one == pytest.approx(read / (3.35e12 * 0.8) + 0.002, rel=0.01)
     short = model.step_time(StepShape(prefill_tokens=512, prefill_pairs=512 * 256))
     long = model.step_time(StepShape(prefill_tokens=4096, prefill_pairs=4096 * 2048))
     assert long > 6 * short  # prefill grows with its tokens
@@ -241,6 +245,30 @@ def test_gpu_roofline_is_memory_bound_for_decode_and_compute_bound_for_prefill()
         gpu_model("llama-3-8b@tpu")
     with pytest.raises(ValueError, match="does not fit"):
         gpu_model("llama-3-70b@a100-80gb").kv_capacity_tokens()
+
+
+def test_pipeline_stages_overlap_their_steps_and_hold_more_kv() -> None:
+    """A pool of two pipeline stages runs two steps at once (each stage a share of the layers
+    of one step), so it serves the same requests sooner than one stage, and its GPUs hold
+    the weights once between them, so more KV fits. (Each step used to be priced as the
+    whole model, one after another: twice the GPUs looked 1.5x slower.)"""
+    cost = gpu_model("llama-3-8b@h100-sxm")
+    work = [WorkItem(0.001 * i, 512, 64) for i in range(64)]
+    results = {}
+    for pp in (1, 2):
+        pools = [{"name": "c", "role": "both", "pp_size": pp}]  # KV: as much as fits
+        config = ClusterConfig.model_validate(
+            {"block_size": 16, "admission_window_s": 0.0, "pools": pools}
+        )
+        result = Simulation(config, cost).run(work)
+        (stats,) = result.instances.values()
+        results[pp] = (result.summary(), stats)
+    (one, one_stats), (two, two_stats) = results[1], results[2]
+    assert two["finished"] == one["finished"] == 64
+    assert two["duration_s"] < 0.8 * one["duration_s"]
+    assert two["tpot_p50_s"] < one["tpot_p50_s"] and two["ttft_p50_s"] < one["ttft_p50_s"]
+    assert two_stats["num_blocks"] > 2 * one_stats["num_blocks"]
+    assert two_stats["max_in_flight"] == 2  # two steps at once, one per stage
 
 
 def test_a_linear_model_fits_what_it_was_made_from(tmp_path: Any) -> None:
