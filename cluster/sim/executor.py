@@ -197,6 +197,7 @@ class SimExecutor:
         self._stages = [asyncio.Lock() for _ in range(max(1, stages))]
         self.tracker = ShapeTracker()
         self._loads: list[_Load] = []
+        self._link_free_at = 0.0  # when the loads' bytes so far have all come in
         self.busy_s = 0.0  # virtual seconds spent in steps
         self.num_steps = 0
 
@@ -247,8 +248,14 @@ class SimExecutor:
         return await self.machine.run(seconds, speedup)
 
     def _start_load(self, load: Any, now: float) -> None:
+        """A KV load into this instance: its bytes share the instance's link with the loads
+        before it (one after another, at the link's bandwidth), and its latency overlaps
+        them."""
         num_bytes = len(load.block_ids) * self.block_size * self.cost.kv_bytes_per_token()
-        took = self.cost.transfer_time(num_bytes)
+        latency = self.cost.transfer_time(0)
+        begin = max(now, self._link_free_at)
+        self._link_free_at = begin + self.cost.transfer_time(num_bytes) - latency
+        took = self._link_free_at + latency - now
         ok = took <= load.timeout_s
         self._loads.append(_Load(load.req_id, now, now + min(took, load.timeout_s), num_bytes, ok))
 

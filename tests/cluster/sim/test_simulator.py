@@ -196,6 +196,20 @@ def test_the_hand_off_costs_its_transfer_time() -> None:
     assert fast_run.instances["p-0"]["num_kv_saves_started"] == 1
 
 
+def test_hand_offs_into_one_instance_share_its_link() -> None:
+    """Two prompts prefilled at once on two prefill instances load into one decode instance
+    over a 10 MB/s link: the second's bytes come after the first's (each load was priced
+    alone, as if the link were the first's only)."""
+    pools = [{**PD[0], "replicas": 2}, PD[1]]
+    config = _config(pools, router={"disaggregation": "always"})
+    slow = LinearCostModel(**{**COST.__dict__, "transfer_bytes_per_s": 1e7})
+    run = Simulation(config, slow).run([WorkItem(0.0, 1024, 3), WorkItem(0.0, 1024, 3)])
+    assert {r.ttft for r in run.records} == {run.records[0].ttft}  # prefilled side by side
+    first, second = sorted(r.e2e or 0 for r in run.records)
+    bytes_s = slow.transfer_time(1024 * 1000) - slow.transfer_time(0)  # 0.1 s
+    assert second - first == pytest.approx(bytes_s, abs=0.01)
+
+
 def test_the_waiting_bound_refuses_a_burst_with_a_clear_error() -> None:
     config = _config([BOTH], serve={"max_waiting_requests": 4})
     work = [WorkItem(0.0, 512, 8) for _ in range(40)]
