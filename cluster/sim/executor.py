@@ -56,6 +56,7 @@ def step_shape(
 # thread team costs more than it gains there (``actors.cores.MIN_STEP_TOKENS``; a test holds
 # the two equal -- the simulator imports no torch).
 MIN_SHARED_STEP_TOKENS = 64
+IDLE_LOAD_WAIT_S = 0.05  # an idle step waits this long at most for a KV load (as the worker)
 
 
 class Machine:
@@ -218,7 +219,13 @@ class SimExecutor:
         sampled = [[TOKEN] if sample else [] for sample in samples]
         shared = shape.tokens >= MIN_SHARED_STEP_TOKENS
         speedup = self.speedup if shared else 1.0
-        if len(self._stages) == 1:
+        if shape.tokens == 0 and self._loads:
+            # A step with nothing to compute while KV comes in: the worker waits for the
+            # first load to land (at most IDLE_LOAD_WAIT_S), on no core (kv_transfer/base).
+            soonest = min(load.done_at for load in self._loads)
+            await asyncio.sleep(min(IDLE_LOAD_WAIT_S, max(0.0, soonest - loop.time())))
+            seconds = 0.0
+        elif len(self._stages) == 1:
             seconds = await self._run(self.cost.step_time(shape), speedup)
         else:  # each stage in turn (asyncio's locks are FIFO: steps keep their order)
             share = self.cost.step_time(shape) / len(self._stages)

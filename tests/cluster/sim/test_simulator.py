@@ -210,6 +210,20 @@ def test_hand_offs_into_one_instance_share_its_link() -> None:
     assert second - first == pytest.approx(bytes_s, abs=0.01)
 
 
+def test_a_step_waiting_for_kv_costs_no_compute() -> None:
+    """A decode instance whose only request waits for its KV steps with nothing to compute:
+    like the worker, it waits for the load to land (no core, no step cost), and the next step
+    decodes. Such a step was priced as a whole step (50 ms here) before the load was seen."""
+    config = _config(PD, router={"disaggregation": "always"})
+    slow_steps = LinearCostModel(**{**COST.__dict__, "coefficients": {"const": 0.05}})
+    run = Simulation(config, slow_steps).run([WorkItem(0.0, 64, 2)])
+    (record,) = run.records
+    assert record.first_token_s is not None and record.end_s is not None
+    load = slow_steps.transfer_time(64 * 1000)
+    # the hand-off, the load, and one decode step (plus the loop's turns: well under a step)
+    assert record.end_s - record.first_token_s == pytest.approx(load + 0.05, abs=0.01)
+
+
 def test_the_waiting_bound_refuses_a_burst_with_a_clear_error() -> None:
     config = _config([BOTH], serve={"max_waiting_requests": 4})
     work = [WorkItem(0.0, 512, 8) for _ in range(40)]
