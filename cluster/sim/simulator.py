@@ -122,10 +122,12 @@ class SimResult:
             # Per second of arrivals (the offered load's span, not the tail that drains
             # after it): at full attainment, the offered rate.
             arrivals = [r.arrival_s for r in self.records]
-            span = max(arrivals) - min(arrivals) if len(arrivals) > 1 else self.duration_s
-            out["goodput_requests_s"] = (
-                met * (len(arrivals) - 1) / len(arrivals) / span if span else 0.0
-            )
+            span = max(arrivals) - min(arrivals) if len(arrivals) > 1 else 0.0
+            if span > 0:
+                out["goodput_requests_s"] = met * (len(arrivals) - 1) / len(arrivals) / span
+            else:  # a burst (or one request): per second of the run
+                duration = self.duration_s
+                out["goodput_requests_s"] = met / duration if duration else 0.0
         return out
 
 
@@ -156,6 +158,19 @@ class Simulation:
         num_blocks = pool.num_blocks
         if num_blocks is None and pool.kv_cache_memory_bytes is not None:
             num_blocks = pool.kv_cache_memory_bytes // (block_size * cost.kv_bytes_per_token())
+        if num_blocks is None and pool.memory_budget_bytes is not None:
+            if not isinstance(cost, RooflineCostModel):
+                raise ValueError(
+                    f"pool {pool.name!r}: memory_budget_bytes needs a cost model that knows "
+                    f"the weights' size ({cost.name!r} does not): set num_blocks"
+                )
+            # Per GPU (a worker's), as the workers take it: its share of the weights, and
+            # of each token's KV (tensor parallel: heads; pipeline stages: layers).
+            m, gpus = cost.model, cost.tp * pool.pp_size
+            kv_bytes = (pool.memory_budget_bytes - m.num_params * m.bytes_per_param // gpus) * gpus
+            num_blocks = max(0, kv_bytes) // (block_size * cost.kv_bytes_per_token())
+            if num_blocks < 1:
+                raise ValueError(f"pool {pool.name!r}: memory_budget_bytes leaves no room for KV")
         if num_blocks is None:
             capacity = cost.kv_capacity_tokens()
             if pool.pp_size > 1 and isinstance(cost, RooflineCostModel):

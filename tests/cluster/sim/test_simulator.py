@@ -299,6 +299,26 @@ def test_pipeline_stages_overlap_their_steps_and_hold_more_kv() -> None:
     assert two_stats["max_in_flight"] == 2  # two steps at once, one per stage
 
 
+def test_a_memory_budget_sizes_the_kv_and_a_burst_has_a_goodput() -> None:
+    """A pool's ``memory_budget_bytes`` (per GPU: the weights' share, then KV) sizes its KV
+    cache as the workers do (it was ignored: the whole GPU went to KV); a cost model that
+    does not know the weights says so. Requests that all arrive at once have a goodput per
+    second of the run (it read 0)."""
+    cost = gpu_model("llama-3-8b@h100-sxm")
+    pools = [{"name": "c", "role": "both", "memory_budget_bytes": 20 * 10**9}]
+    config = ClusterConfig.model_validate({"block_size": 16, "pools": pools})
+    result = Simulation(config, cost).run([WorkItem(0.0, 64, 4)] * 4, SLO(1.0, 0.1))
+    (stats,) = result.instances.values()
+    weights = cost.model.num_params * 2
+    assert stats["num_blocks"] == (20 * 10**9 - weights) // (16 * 128 * 1024)
+    summary = result.summary()
+    assert summary["slo_attainment"] == 1.0
+    assert summary["goodput_requests_s"] == pytest.approx(4 / summary["duration_s"])
+    with pytest.raises(ValueError, match="knows the weights"):
+        linear = _config([{"name": "c", "role": "both", "memory_budget_bytes": 10**9}])
+        Simulation(linear, COST).run([WorkItem(0.0, 8, 2)])
+
+
 def test_a_linear_model_fits_what_it_was_made_from(tmp_path: Any) -> None:
     samples = [
         (StepShape(prefill_tokens=n, num_sampled=1), COST.step_time(StepShape(prefill_tokens=n)))
