@@ -136,7 +136,16 @@ class Simulation:
     the KV hand-off's timeout); ``cost``: one cost model for every pool, or one per pool name.
     Each instance's KV cache has its pool's ``num_blocks``, or what the cost model says fits."""
 
-    def __init__(self, config: ClusterConfig, cost: CostModel | dict[str, CostModel]) -> None:
+    def __init__(
+        self,
+        config: ClusterConfig,
+        cost: CostModel | dict[str, CostModel],
+        instance_start_s: float = 0.0,
+    ) -> None:
+        """``instance_start_s``: how long an instance added while the cluster runs (a pool
+        grown by ``scale_pool`` or the autoscaler) takes to serve -- its workers placed, the
+        model loaded (tens of seconds on GPUs; 0: at once)."""
+        self.instance_start_s = instance_start_s
         self.config = config.model_copy(
             update={
                 "kv_transfer": config.kv_transfer.model_copy(update={"transport": "ray"}),
@@ -229,7 +238,10 @@ class Simulation:
         _timeout_s: float,
         _fallback: str | None,
     ) -> list[InstanceSpec]:
-        """A pool grows (``scale_pool``, the autoscaler): simulated instances, at once."""
+        """A pool grows (``scale_pool``, the autoscaler): simulated instances, once they have
+        started (``instance_start_s``)."""
+        if self.instance_start_s > 0:
+            await asyncio.sleep(self.instance_start_s)
         return [self._instance(iid, pool) for iid, pool in wanted]
 
     def run(self, workload: list[WorkItem], slo: SLO | None = None, seed: int = 0) -> SimResult:

@@ -311,3 +311,25 @@ def test_a_drain_holds_up_no_other_resize() -> None:
 async def _read_all(stream: Any) -> None:
     async for _ in stream:
         pass
+
+
+def test_an_instance_added_to_a_simulated_cluster_serves_after_its_start_time() -> None:
+    """A simulated pool grows after ``instance_start_s`` (the workers placed and the model
+    loaded), not at once: the autoscaler's reaction includes it, as on a real cluster."""
+    import time
+
+    from cluster.sim.clock import run_virtual
+
+    config = ClusterConfig.model_validate(
+        {"block_size": 16, "pools": [{"name": "d", "role": "both", "num_blocks": 64}]}
+    )
+    sim = Simulation(config, COST, instance_start_s=30.0)
+    sim._specs()
+
+    async def grow() -> tuple[float, list[str]]:
+        started = time.monotonic()
+        specs = await sim._start_instances(config, [("d-1", config.pools[0])], 600.0, None)
+        return time.monotonic() - started, [s.instance_id for s in specs]
+
+    took, ids = run_virtual(grow())
+    assert took == pytest.approx(30.0) and ids == ["d-1"]
