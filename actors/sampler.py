@@ -213,7 +213,7 @@ def _apply_grammar(
     """Send the logits of the tokens each grammar row forbids to -inf. A row left with no
     token (min_tokens held EOS back where the grammar allows only EOS: the only way a row
     can empty) takes EOS: the grammar is complete, and EOS keeps its output valid."""
-    forbidden = ~allowed_tokens(bitmask, x.shape[1])
+    forbidden = ~allowed_tokens(bitmask, x.shape[1]).to(x.device)  # (the mask: on the CPU)
     if len(grammar_rows) == x.shape[0]:  # every row: in place
         x.masked_fill_(forbidden, float("-inf"))
     else:

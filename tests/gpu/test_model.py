@@ -100,3 +100,21 @@ def test_greedy_text_equal_on_gpu_and_cpu(checkpoint: Path) -> None:
         llm = LLM(str(checkpoint), device=device, dtype="float32", block_size=16, progress=False)
         runs[device] = [o.outputs[0].token_ids for o in llm.generate(seqs, params)]
     assert runs["cuda"] == runs["cpu"]
+
+
+def test_structured_outputs_on_the_gpu(checkpoint: Path) -> None:
+    """The grammar's bitmask is built on the CPU and applied to logits on the GPU (a mask on
+    another device than the logits failed every step that sampled a constrained row), with
+    an unconstrained request in the same batch."""
+    from cluster.engine.llm import LLM
+    from scheduler import SamplingParams, StructuredOutputsParams
+
+    llm = LLM(str(checkpoint), device="cuda", dtype="float32", block_size=16, progress=False)
+    choice = StructuredOutputsParams(choice=["yes", "no", "maybe"])
+    params = [
+        SamplingParams(max_tokens=8, temperature=1.0, seed=s, structured_outputs=choice)
+        for s in range(4)
+    ] + [SamplingParams(max_tokens=8, temperature=0.0)]
+    outs = llm.generate(prompts(5, seed=7), params)
+    assert all(o.outputs[0].text in {"yes", "no", "maybe"} for o in outs[:4])
+    assert len(outs[4].outputs[0].token_ids) == 8
