@@ -307,9 +307,13 @@ class LlamaForCausalLM(nn.Module):
         self._packed_logits = None
         dense = self._quant_logits.take_dense()
         if dense_min_rows > 0:
-            # As for the projections: large batches multiply the quantized head's weights (a
-            # copy of its own when the head is tied: the embedding lookup keeps the file's).
-            self._dense_head = dense.to(dtype)
+            # As for the projections: large batches multiply the quantized head's weights,
+            # in place of the file's (a copy of its own when the head is tied: the embedding
+            # lookup keeps the file's).
+            if self.lm_head is not None:
+                self.lm_head.weight = nn.Parameter(dense.to(dtype), requires_grad=False)
+            else:
+                self._dense_head = dense.to(dtype)
         elif self.lm_head is not None:
             self.lm_head.weight = nn.Parameter(weight.new_empty(0), requires_grad=False)
 

@@ -234,3 +234,24 @@ def test_builtin_runs_int4_within_tolerance_of_its_dequantized_weights() -> None
     quant_text = [o.outputs[0].text for o in quant.chat(messages, params)]
     assert "Paris" in quant_text[0]
     assert quant_text == dense_text
+
+
+def test_an_untied_head_keeps_one_dense_copy_when_quantized(tmp_path: Path) -> None:
+    """An untied output head quantized with a dense copy for large batches holds that copy in
+    place of the file's weight (the file's stayed alive unread: a GB for an 8B model, which
+    the KV cache's sizing then lost)."""
+    from tests.actors.conftest import make_checkpoint
+
+    path = make_checkpoint(tmp_path / "untied", "llama", tie_word_embeddings=False)
+    model = load_model(path, "bfloat16", progress=False, quantization="int8")
+    assert model.quantization["lm_head"] == "int8" and model._logits_dense_min_rows > 0
+    assert model.lm_head is not None
+    assert model._dense_head is None  # no copy beside the head's own weight ...
+    assert model.dense_head is model.lm_head.weight  # ... which is the dense copy
+    assert model._quant_logits is not None
+    torch.testing.assert_close(model.lm_head.weight, model._quant_logits.dequantize().bfloat16())
+    dense = load_model(path, "bfloat16", progress=False, quantization="none")
+    tokens = list(range(3, 30))
+    ref = _logits(dense, tokens)
+    got = _logits(model, tokens)
+    assert (got - ref).abs().max().item() <= 0.1 * ref.std().item()  # int8 rows: close
