@@ -64,7 +64,7 @@ class ModelConfig:
         if scaling is not None:
             scaling = dict(scaling)
             scaling.setdefault("rope_type", scaling.get("type", "default"))
-            if scaling["rope_type"] == "default":
+            if scaling["rope_type"] == "default" and "freq_factors" not in scaling:
                 scaling = None
         eos = cfg.get("eos_token_id")
         eos_ids = (

@@ -206,7 +206,7 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-# Tensors llama.cpp derives or stores for itself; they have no HF counterpart.
+# Tensors with no HF counterpart: rope_freqs.weight is read into the config (freq_factors).
 _SKIPPED = {"rope_freqs.weight"}
 
 
@@ -248,6 +248,17 @@ def _weight_dtype(f: GGUFFile) -> str:
     return "quantized"
 
 
+def _rope_scaling_with_freqs(f: GGUFFile) -> dict[str, Any] | None:
+    """The file's rope scaling, and its per-frequency divisors (``rope_freqs.weight``: how
+    llama.cpp's converter stores Llama 3.1+'s llama3-style scaling) as ``freq_factors``."""
+    scaling = _rope_scaling(f)
+    info = f.tensors.get("rope_freqs.weight")
+    if info is None:
+        return scaling
+    factors = dequantize(f.raw("rope_freqs.weight"), info.ggml_type, info.shape).flatten()
+    return {**(scaling or {"rope_type": "default"}), "freq_factors": factors.tolist()}
+
+
 def _rope_scaling(f: GGUFFile) -> dict[str, Any] | None:
     kind = _meta(f, "rope.scaling.type")
     factor = _meta(f, "rope.scaling.factor")
@@ -269,8 +280,6 @@ def read_gguf_config(src: Source) -> dict[str, Any]:
     """
     f = _as_file(src)
     model_type, hf_class, _ = _arch_info(f)
-    if "rope_freqs.weight" in f.tensors:
-        logger.warning("%s: rope_freqs.weight (llama3-style rope scaling) is ignored", f.path)
     hidden = int(_meta(f, "embedding_length", required=True))
     heads = int(_meta(f, "attention.head_count", required=True))
     embd = f.tensors.get("token_embd.weight")
@@ -290,7 +299,7 @@ def read_gguf_config(src: Source) -> dict[str, Any]:
         "hidden_act": "silu",
         "rms_norm_eps": float(_meta(f, "attention.layer_norm_rms_epsilon", 1e-6)),
         "rope_theta": float(_meta(f, "rope.freq_base", 10000.0)),
-        "rope_scaling": _rope_scaling(f),
+        "rope_scaling": _rope_scaling_with_freqs(f),
         "max_position_embeddings": int(_meta(f, "context_length", 2048)),
         "tie_word_embeddings": "output.weight" not in f.tensors,
         "attention_bias": model_type == "qwen2" or "blk.0.attn_q.bias" in f.tensors,
@@ -323,7 +332,8 @@ def iter_gguf_tensors(src: Source) -> Iterator[tuple[str, torch.Tensor]]:
 
     Names follow HF Llama/Qwen2 (``model.layers.{i}.self_attn.q_proj.weight`` ...). For
     llama-arch files the Q/K projections are un-permuted back to HF's rotate-half layout.
-    ``rope_freqs.weight`` is skipped; any other unknown tensor raises ValueError.
+    ``rope_freqs.weight`` is skipped (the config has it); any other unknown tensor raises
+    ValueError.
     """
     f = _as_file(src)
     permuted_heads = _permuted_heads(f)

@@ -16,7 +16,26 @@ import torch
 def _inv_freq(
     head_dim: int, theta: float, scaling: dict[str, Any] | None
 ) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies and the attention scaling factor for one rope variant."""
+    """Inverse frequencies and the attention scaling factor for one rope variant.
+    ``freq_factors`` in ``scaling`` (a GGUF file's ``rope_freqs.weight``: llama.cpp stores
+    Llama 3.1's scaling that way, one divisor per frequency) divide the frequencies after
+    the variant's own scaling."""
+    inv, mscale = _scaled_inv_freq(head_dim, theta, scaling)
+    factors = (scaling or {}).get("freq_factors")
+    if factors is not None:
+        divisors = torch.tensor([float(x) for x in factors], dtype=torch.float32)
+        if divisors.shape != inv.shape:
+            raise ValueError(
+                f"rope freq_factors has {divisors.numel()} values; head_dim {head_dim} "
+                f"needs {inv.numel()}"
+            )
+        inv = inv / divisors
+    return inv, mscale
+
+
+def _scaled_inv_freq(
+    head_dim: int, theta: float, scaling: dict[str, Any] | None
+) -> tuple[torch.Tensor, float]:
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if scaling is None:
         return inv, 1.0

@@ -121,6 +121,7 @@ def _write_tiny(
     rope_scaling: bool = False,
     weight_type: QT | None = None,
     embed_type: QT | None = None,
+    extra_tensors: dict[str, np.ndarray] | None = None,
 ) -> None:
     """``weight_type`` / ``embed_type``: store the projections / the token embeddings (and a
     separate output head) quantized in that GGUF type; floats otherwise."""
@@ -152,6 +153,8 @@ def _write_tiny(
             w.add_tensor(_gguf_name(name), gguf.quants.quantize(data, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(_gguf_name(name), data)
+    for name, extra in (extra_tensors or {}).items():
+        w.add_tensor(name, extra)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -413,3 +416,51 @@ def test_render_chat_features_and_errors() -> None:
         render_chat("{% for %}", msgs)
     with pytest.raises(ValueError, match="chat template error"):
         render_chat("{{ messages.__class__.__mro__ }}{{ ''.__class__.mro() }}", msgs)
+
+
+def test_rope_freqs_give_llama3_scaling_as_transformers_does(tmp_path: Path) -> None:
+    """llama.cpp's converter stores Llama 3.1+'s llama3-style rope scaling only as
+    ``rope_freqs.weight`` (a divisor per frequency). Read into the config, it rotates as
+    transformers' ``rope_type: llama3`` does (it was ignored: plain rope, wrong past a few
+    hundred positions at full scale; here the original context is 32, so it shows at once)."""
+    from actors.model.loader import load_model
+    from actors.model.rope import _inv_freq
+    from tests.actors.paged import PagedRunner
+
+    transformers = pytest.importorskip("transformers")
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32,
+    }
+    config = transformers.LlamaConfig(
+        **{**TINY, "vocab_size": 128, "intermediate_size": 96, "max_position_embeddings": 256},
+        tie_word_embeddings=True,
+        rope_theta=50000.0,
+        rope_scaling=scaling,
+    )
+    model = transformers.LlamaForCausalLM(config)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(std=0.3)
+    path = tmp_path / "llama31.gguf"
+    head_dim = TINY["hidden_size"] // TINY["num_attention_heads"]
+    plain, _ = _inv_freq(head_dim, 50000.0, None)
+    scaled, _ = _inv_freq(head_dim, 50000.0, scaling)
+    divisors = (plain / scaled).numpy().astype(np.float32)
+    assert divisors.max() > 7.9 and divisors.min() == 1.0  # some frequencies scaled
+    _write_tiny(path, "llama", model, extra_tensors={"rope_freqs.weight": divisors})
+    assert read_gguf_config(path)["rope_scaling"]["freq_factors"] == pytest.approx(
+        divisors.tolist()
+    )
+    ours = load_model(path, "float32", progress=False)
+    tokens = [
+        int(t) for t in torch.randint(3, 128, (120,), generator=torch.Generator().manual_seed(1))
+    ]
+    got = PagedRunner(ours, block_size=16, num_blocks=16).step([("p", tokens, 0)])[0]
+    with torch.no_grad():
+        ref = model(torch.tensor([tokens])).logits[0]
+    assert (got - ref).abs().max().item() <= 1e-3 * ref.abs().max().item()
