@@ -174,6 +174,9 @@ class Admitter:
             plan.n,
             # Loaded blocks are hashed only once the load is known good.
             delay_cache_blocks=plan.num_external > 0,
+            # A remote load holds its blocks until it lands and cannot be preempted: it
+            # leaves the running prefills what they still need (vLLM's reserved blocks).
+            reserved_blocks=self._prefills_still_need() if plan.load_async else 0,
             **self._allocation_args(plan),
         )
         if blocks is None:
@@ -223,6 +226,18 @@ class Admitter:
                 return _NoFit.BUDGET
             n = min(self.batch.clip(n), token_budget)
         return Plan(hits, num_local, num_external, load_async, n)
+
+    def _prefills_still_need(self) -> int:
+        """Blocks the running requests still in their prompt need to finish it."""
+        kv = self.kv
+        bs, max_len = kv.block_size, kv.max_model_len
+        need = 0
+        for running in self.state.running:
+            if running.num_computed_tokens < running.num_prompt_tokens:
+                tokens = min(running.num_tokens, max_len)
+                held = len(kv.req_to_blocks.get(running.request_id, ()))
+                need += max(0, -(-tokens // bs) - held)
+        return need
 
     def _allocation_args(self, plan: Plan) -> dict[str, Any]:
         return {

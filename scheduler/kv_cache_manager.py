@@ -96,8 +96,12 @@ class KVCacheManager:
         delay_cache_blocks: bool = False,
         full_sequence_must_fit: bool = False,
         has_scheduled_reqs: bool = True,
+        reserved_blocks: int = 0,
     ) -> KVCacheBlocks | None:
         """Make room for ``num_new_tokens`` more tokens of ``request``.
+
+        ``reserved_blocks`` must stay free besides (vLLM's: the blocks that prefills in
+        progress still need, kept from a remote load admitted now).
 
         ``new_computed_blocks`` are prefix hits (``num_new_computed_tokens`` tokens) taken at
         admission; ``num_external_computed_tokens`` are tokens a KV connector will load into
@@ -116,7 +120,7 @@ class KVCacheManager:
             full_sequence_must_fit,
             has_scheduled_reqs,
         )
-        if required > self.block_pool.free_queue.num_free_blocks:
+        if required + reserved_blocks > self.block_pool.free_queue.num_free_blocks:
             return None
 
         req_id = request.request_id

@@ -316,3 +316,25 @@ def test_loaded_request_is_admitted_before_better_priority_waiting_request() -> 
     assert out.num_scheduled_tokens == {a.request_id: 1, r.request_id: 1}
     assert w.status == RequestStatus.WAITING
     drain(s)
+
+
+def test_a_remote_load_leaves_a_running_prefill_the_blocks_it_still_needs() -> None:
+    """A long prompt prefills in chunks; remote loads arrive meanwhile. A load holds its
+    blocks until it lands and cannot be preempted, so it is admitted only with the running
+    prefill's remaining blocks left free (vLLM's reserved blocks): the prefill completes
+    without being preempted (it was, and stalled behind the loads). Reference §1.5."""
+    from tests.scheduler.helpers import add
+
+    s, _ = _decode_side(
+        num_blocks=14, max_num_batched_tokens=32, max_model_len=48, long_prefill_token_threshold=8
+    )
+    r = add(s, "R", 40, max_tokens=1)  # 10 blocks, 8 tokens a step (not alone: below)
+    add(s, "X", 1, max_tokens=1)
+    step(s)
+    loads = [add(s, f"L{k}", 16, kv_transfer_params=dict(REMOTE), max_tokens=2) for k in range(2)]
+    for _ in range(4):
+        step(s)
+    assert r.is_finished and r.num_preemptions == 0  # its whole prompt, once
+    # One load fits beside what the prefill still needed; the other waited for room.
+    waiting = [RequestStatus.WAITING_FOR_REMOTE_KVS, RequestStatus.WAITING]
+    assert [x.status for x in loads] == waiting
