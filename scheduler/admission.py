@@ -54,6 +54,7 @@ class Admitter:
         self.batch = batch
         self.cfg = state.scheduler_config
         self.kv = state.kv_cache_manager
+        self.queue_blocked = False  # this step: a loaded request blocks the waiting queue
 
     # -- holding: remote KV loaded (or loading) ------------------------------------------
     def schedule_holding(self) -> None:
@@ -62,6 +63,7 @@ class Admitter:
         ``holding`` (replaced by the requests left in it) and, for each admitted, ``running``
         and the batch."""
         state = self.state
+        self.queue_blocked = False
         if not state.holding:
             return
         still: list[Request] = []
@@ -81,11 +83,19 @@ class Admitter:
         n = batch.clip(remaining)
         if n <= 0 or (not cfg.enable_chunked_prefill and n < remaining):
             return False
-        if self._lora_full(request):
-            return False
-        if len(self.state.running) >= cfg.max_num_seqs and not (
-            cfg.policy == "priority" and self._make_room_for(request, self._holding_plan(request))
-        ):
+        # As for a waiting request (``_try_admit``): room made by priority first; an adapter
+        # slot that stays taken ages the request until it blocks the waiting queue (the
+        # requests of the adapter that holds the slot kept coming: it starved, holding its
+        # blocks).
+        if len(self.state.running) >= cfg.max_num_seqs:
+            if not (
+                cfg.policy == "priority"
+                and self._make_room_for(request, self._holding_plan(request))
+            ):
+                return False
+        elif self._lora_full(request):
+            if self._skip_or_stop(request, strict=False) is Verdict.STOP:
+                self.queue_blocked = True
             return False
         # No watermark: the watermark keeps room for running requests when admitting new
         # work, and this request already holds its prompt's blocks.
@@ -94,6 +104,7 @@ class Admitter:
         )
         if blocks is None:
             return False
+        request.num_skipped_steps = 0
         batch.admit(request, n, request.num_computed_tokens, blocks)
         return True
 
@@ -122,6 +133,8 @@ class Admitter:
         ``max_skip_steps`` times (then it blocks the queue, as in vLLM). Mutates ``waiting``,
         ``running``, ``holding`` (async loads started), block tables and the batch."""
         state = self.state
+        if self.queue_blocked:  # a loaded request waited its bound for an adapter slot
+            return
         skipped: list[Request] = []
         while state.waiting and self.batch.token_budget > 0:
             request = state.waiting.pop_request()

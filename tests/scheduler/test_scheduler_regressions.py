@@ -359,6 +359,33 @@ def test_r8_request_whose_adapter_never_gets_a_slot_ages_and_blocks() -> None:
     drain(s)
 
 
+def test_r8b_a_loaded_request_whose_adapter_never_gets_a_slot_ages_and_blocks() -> None:
+    """The same for a request whose remote KV has loaded: it ages while the adapter slot
+    stays taken, then blocks the waiting queue until the slot frees (it was retried each
+    step with no bound, holding its blocks, while the other adapter's requests kept
+    coming)."""
+    s = make_scheduler(
+        lora=LoRAConfig(max_loras=1), max_skip_steps=2, connector=InMemoryConnector()
+    )
+    s.add_request(make_request(8, req_id="a", lora=lora(1), max_tokens=4))
+    step(s)
+    loaded = make_request(8, req_id="r", lora=lora(2), max_tokens=3, kv_transfer_params=REMOTE)
+    s.add_request(loaded)
+    step(s)
+    assert loaded.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    step(s, finished_recving={"r"})
+    for i in range(30):  # a stream that keeps adapter 1's slot taken
+        s.add_request(make_request(8, req_id=f"x{i}", lora=lora(1), max_tokens=4))
+        blocking = loaded.num_skipped_steps == 2 and loaded.status != RequestStatus.RUNNING
+        out, _ = step(s)
+        if blocking and loaded.status != RequestStatus.RUNNING:
+            assert not out.scheduled_new_reqs  # it blocks the queue until admitted
+        if loaded.status == RequestStatus.RUNNING:
+            break
+    assert loaded.status == RequestStatus.RUNNING and i < 10
+    drain(s)
+
+
 def test_r9_has_requests_while_blocks_wait_for_a_send_or_a_load() -> None:
     s = _decode_side()
     s.add_request(
