@@ -9,6 +9,13 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
+class RequestRejected(ValueError):
+    """A request that can never be served here, by its own fault (its prompt does not fit
+    the context, it names an adapter where LoRA is off): the client's error, where other
+    ``ValueError``s of ``Scheduler.add_request`` are the caller's (an id in use, a request
+    moved with its output already complete)."""
+
+
 class RequestStatus(enum.IntEnum):
     """Ordered so that ``status > PREEMPTED`` is "finished" (one comparison)."""
 

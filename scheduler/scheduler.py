@@ -22,7 +22,7 @@ from scheduler.kv_connector import SchedulerConnector
 from scheduler.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput, SchedulerStats
 from scheduler.queues import RequestQueue
 from scheduler.remote_kv import RemoteKV
-from scheduler.request import PromptLogprob, Request, RequestStatus
+from scheduler.request import PromptLogprob, Request, RequestRejected, RequestStatus
 from scheduler.state import SchedulerState
 from scheduler.step import StepBuilder
 from scheduler.stop import append_and_check_stop, check_stop
@@ -78,9 +78,9 @@ class Scheduler:
         if request.request_id in state.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         if request.num_prompt_tokens == 0:
-            raise ValueError("prompt_token_ids must not be empty")
+            raise RequestRejected("prompt_token_ids must not be empty")
         if request.num_prompt_tokens >= cfg.max_model_len:
-            raise ValueError(
+            raise RequestRejected(
                 f"prompt has {request.num_prompt_tokens} tokens but max_model_len is "
                 f"{cfg.max_model_len}: the prompt must be shorter, to leave room for output"
             )
@@ -97,7 +97,7 @@ class Scheduler:
         if request.sampling_params.n != 1:
             raise ValueError("sampling_params.n must be 1 here: the front end fans out n > 1")
         if request.lora_request is not None and state.lora_config is None:
-            raise ValueError("lora_request given but LoRA is not enabled (no lora_config)")
+            raise RequestRejected("lora_request given but LoRA is not enabled (no lora_config)")
         if request.do_remote_prefill and state.connector is None:
             raise ValueError("kv_transfer_params.do_remote_prefill needs a KV connector")
         request.set_limits(cfg.max_model_len)

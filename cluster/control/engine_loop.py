@@ -33,7 +33,7 @@ from cluster.errors import rejection
 from kv_transfer.connector import KVConnectorReport, PDConnector
 from scheduler import ModelRunnerOutput, Request, RequestStatus, Scheduler, SchedulerOutput
 from scheduler.outputs import EngineCoreOutput
-from scheduler.request import FinishReason
+from scheduler.request import FinishReason, RequestRejected
 
 logger = logging.getLogger(__name__)
 
@@ -361,11 +361,15 @@ class EngineLoop:
             try:
                 self.scheduler.add_request(request)
                 self.counters.num_requests_added += 1
-            except ValueError as exc:
+            except RequestRejected as exc:  # the client's fault: a 400 at the API
                 errors.append(
                     EngineCoreOutput(
                         request.request_id, [], FinishReason.ERROR, error=rejection(str(exc))
                     )
+                )
+            except ValueError as exc:  # the cluster's (a moved request, an id in use): a 503
+                errors.append(
+                    EngineCoreOutput(request.request_id, [], FinishReason.ERROR, error=str(exc))
                 )
         if errors:
             self.on_outputs(self, errors)

@@ -257,7 +257,10 @@ def test_a_request_the_scheduler_refuses_ends_as_the_clients_fault(tiny_model: P
         loop.start()
         loop.add_request(Request("long", list(range(3, 300)), GREEDY, eos_token_id=2))
         loop.add_request(_request(0))
-        while sum(o.finished for o in seen) < 2:
+        # The cluster's own mistake, not the client's: a moved request already complete.
+        done = [7] * GREEDY.max_tokens
+        loop.add_request(Request("moved", [3, 4, 5], GREEDY, eos_token_id=2, output_token_ids=done))
+        while sum(o.finished for o in seen) < 3:
             await asyncio.sleep(0.01)
         await loop.stop()
 
@@ -267,6 +270,9 @@ def test_a_request_the_scheduler_refuses_ends_as_the_clients_fault(tiny_model: P
     assert is_rejection(refused.error) and "max_model_len is 256" in str(refused.error)
     error = generation_error(refused.error)
     assert error.status == 400 and "max_model_len" in error.message
+    [moved] = [o for o in seen if o.request_id == "moved"]
+    assert moved.error and not is_rejection(moved.error)
+    assert generation_error(moved.error).status == 503
     [served] = [o for o in seen if o.request_id == "r0" and o.finished]
     assert served.error is None  # the other request of the same burst runs
     assert generation_error("worker died").status == 503  # a failure of the cluster
