@@ -241,12 +241,13 @@ class Admitter:
         return Plan(hits, num_local, num_external, load_async, n)
 
     def _prefills_still_need(self) -> int:
-        """Blocks the running requests still in their prompt need to finish it."""
+        """Blocks the running requests still computing what they hold (a prompt, or a
+        prompt and outputs: resumed after a preemption, or moved here) need to finish it."""
         kv = self.kv
         bs, max_len = kv.block_size, kv.max_model_len
         need = 0
         for running in self.state.running:
-            if running.num_computed_tokens < running.num_prompt_tokens:
+            if running.num_computed_tokens < running.num_tokens - 1:
                 tokens = min(running.num_tokens, max_len)
                 held = len(kv.req_to_blocks.get(running.request_id, ()))
                 need += max(0, -(-tokens // bs) - held)

@@ -328,8 +328,8 @@ def test_a_remote_load_leaves_a_running_prefill_the_blocks_it_still_needs() -> N
     s, _ = _decode_side(
         num_blocks=14, max_num_batched_tokens=32, max_model_len=48, long_prefill_token_threshold=8
     )
-    r = add(s, "R", 40, max_tokens=1)  # 10 blocks, 8 tokens a step (not alone: below)
-    add(s, "X", 1, max_tokens=1)
+    r = add(s, "R", 40, max_tokens=1)  # 10 blocks, 8 tokens a step
+    add(s, "X", 1, max_tokens=1)  # (not alone: a lone request takes the whole budget)
     step(s)
     loads = [add(s, f"L{k}", 16, kv_transfer_params=dict(REMOTE), max_tokens=2) for k in range(2)]
     for _ in range(4):
@@ -338,3 +338,26 @@ def test_a_remote_load_leaves_a_running_prefill_the_blocks_it_still_needs() -> N
     # One load fits beside what the prefill still needed; the other waited for room.
     waiting = [RequestStatus.WAITING_FOR_REMOTE_KVS, RequestStatus.WAITING]
     assert [x.status for x in loads] == waiting
+
+
+def test_a_remote_load_leaves_a_request_recomputing_its_outputs_the_blocks_it_needs() -> None:
+    """The same for a request that recomputes outputs as well as its prompt (moved here, or
+    resumed after a preemption), once it is past its prompt: it still needs blocks."""
+    from tests.scheduler.helpers import add
+
+    s, _ = _decode_side(
+        num_blocks=16, max_num_batched_tokens=32, max_model_len=48, long_prefill_token_threshold=8
+    )
+    add(s, "X", 1, max_tokens=8)  # older: R is the one a shortage would preempt
+    r = add(s, "R", 24, max_tokens=17, output_token_ids=[7] * 16)  # 40 to compute again
+    for _ in range(3):
+        step(s)
+    assert r.num_computed_tokens == r.num_prompt_tokens == 24  # 16 outputs still to compute
+    # The next step takes 2 more blocks for R first; the load would then take 6 of the 7
+    # left, and R's last 2 would not fit in the step after.
+    assert s.kv_cache_manager.block_pool.num_free_blocks == 9
+    load = add(s, "L", 24, kv_transfer_params=dict(REMOTE), max_tokens=2)
+    step(s)
+    step(s)
+    assert r.is_finished and r.num_preemptions == 0
+    assert load.status == RequestStatus.WAITING  # it waited for the room R needed
