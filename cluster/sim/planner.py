@@ -116,11 +116,14 @@ class Trial:
 def repeated(work: list[WorkItem], times: int) -> list[WorkItem]:
     """``work`` ``times`` times over, back to back: each copy one mean gap after the last
     arrival of the one before, with prefix groups of its own (no copy reuses another's
-    prefixes)."""
+    prefixes). ``work`` itself when its arrivals have no span (a burst: keeping up with a
+    rate means nothing there)."""
     if len(work) < 2 or times <= 1:
         return list(work)
     first = min(w.arrival_s for w in work)
     span = max(w.arrival_s for w in work) - first
+    if span <= 0:
+        return list(work)
     period = span + span / (len(work) - 1)
     groups = 1 + max((w.prefix_group for w in work if w.prefix_group is not None), default=-1)
     return [
@@ -189,7 +192,7 @@ def plan(
                 progress(trial)
         met = [t for t in here if t.meets(target)]
         longer = repeated(work, LONGER)
-        for trial in met:
+        for trial in met if len(longer) > len(work) else []:  # (a burst: no rate to keep up)
             config = trial.candidate.config(base)
             trial.sustained = Simulation(config, cost).run(longer, slo, seed).summary()
         met = [t for t in met if t.keeps_up(target)]

@@ -318,6 +318,14 @@ def run_plan(args: argparse.Namespace) -> int:
     except ValueError as exc:  # e.g. a token budget below a pool's max_num_seqs
         print(f"tandem plan: {exc}", file=sys.stderr)
         return 2
+    for trial in result.trials:  # the ones that met the SLO, over the longer run
+        if trial.sustained is not None:
+            kept = "keeps up" if trial.keeps_up(args.target) else "does not keep up"
+            print(
+                f"  {trial.candidate.label():55} over {LONGER}x the workload: attainment "
+                f"{trial.sustained['slo_attainment']:6.1%} ({kept})",
+                file=sys.stderr,
+            )
     if result.chosen is None or result.config is None:
         print(
             f"tandem plan: no cluster of up to {args.max_instances} instances meets the SLO "

@@ -386,6 +386,8 @@ def test_the_plan_refuses_a_cluster_that_meets_the_slo_only_while_its_queue_is_s
     longer = repeated(work(90.0), LONGER)
     assert len(longer) == 600 and len({w.arrival_s for w in longer}) == 600
     assert max(w.arrival_s for w in longer) < 3.1 * max(w.arrival_s for w in work(90.0))
+    burst = [WorkItem(0.0, 8, 2)] * 5  # no rate to keep up with: served as it is
+    assert repeated(burst, LONGER) == burst
 
 
 def test_the_planner_tries_each_pools_token_budget_on_its_own() -> None:
