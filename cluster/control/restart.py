@@ -148,8 +148,9 @@ async def rebuild(actor: Any) -> None:
         for a in ray.util.list_named_actors(all_namespaces=True)
         if a["namespace"] == namespace and a["name"].startswith(prefix)
     ]
+    listed = list(names)  # (their indexes are never given again, reached or not)
     handles = []
-    for name in list(names):
+    for name in listed:
         try:
             handles.append(ray.get_actor(name, namespace=namespace))
         except ValueError:  # gone since it was listed (killed, or a name released late)
@@ -178,7 +179,7 @@ async def rebuild(actor: Any) -> None:
     taken = {snap.spec.instance_id for _, snap in found}
     orphans = kill_orphan_workers(context.get_actor_id() or "", namespace, taken | spared)
     # No index used before is given again (a late report, a name Ray still releases).
-    for iid in orphans | {name[len(prefix) :] for name in names}:
+    for iid in orphans | {name[len(prefix) :] for name in listed}:
         pool, _, index = iid.rpartition("-")
         if index.isdigit():
             actor._last_index[pool] = max(actor._last_index.get(pool, -1), int(index))

@@ -419,8 +419,8 @@ class SchedulerActor(Intake, KVPeers, Migration, Restart, ClusterOperations):
                 self._confirm(self.hand_offs.drop(iid))
         if report.latencies:
             now = time.monotonic()
-            for kind, seconds, span in report.latencies:  # (measured up to its sending)
-                view.latency(now, kind, seconds, span)
+            for kind, seconds, *span in report.latencies:  # (measured up to its sending)
+                view.latency(now, kind, seconds, span[0] if span else seconds)
         for internal in report.finished:
             flight = self._internal.get(internal)
             if flight is not None and flight.instance == iid:
