@@ -38,6 +38,8 @@ SLOTS = 256
 # A worker counts as busy this long after its step ends: the gap before its next step (the
 # scheduler's turn) must not hand its cores to another worker's step for a moment.
 GRACE_S = 0.005
+# A slot's flag while its worker steps: on a share of the cores, or on one thread.
+SHARING, ONE_THREAD = 1, 2
 # Steps of fewer tokens run on one thread: served, a decode step overlaps the control plane's
 # work on the previous token (scheduler, ingress, HTTP), and a 2-thread team on a 2-core
 # machine then loses a thread at its barriers -- measured slower than one thread (ITL 18.7 vs
@@ -201,17 +203,31 @@ class CoreShare:
         self._fd = -1
 
     # -- the share ------------------------------------------------------------------------
-    def _others_busy(self) -> int:
-        """Other workers in a step or just out of one (``GRACE_S``); called during a step."""
+    def _others_busy(self) -> tuple[int, int]:
+        """Other workers in a step or just out of one (``GRACE_S``), called during a step:
+        (those that share the cores, those on one thread -- a small step)."""
+        flags = self._flags
         recent = self._ends > time.monotonic() - GRACE_S
-        busy = int(np.count_nonzero((self._flags == 1) | recent))
+        one = flags == ONE_THREAD
+        sharing = int(np.count_nonzero((flags == SHARING) | (recent & ~one)))
+        single = int(np.count_nonzero(one))
         # A dead worker's slot may have been taken (and its flag cleared) since the step began.
-        dead = sum(1 for slot in self._dead if self._flags[slot] == 1)
-        return max(0, busy - 1 - dead)
+        for slot in self._dead:
+            if flags[slot] == SHARING:
+                sharing -= 1
+            elif flags[slot] == ONE_THREAD:
+                single -= 1
+        if flags[self.slot] == ONE_THREAD:
+            single -= 1
+        else:
+            sharing -= 1
+        return max(0, sharing), max(0, single)
 
     def share(self) -> int:
-        """Threads for this worker now: the cores split evenly among the busy workers."""
-        return max(1, self.cores // (1 + self._others_busy()))
+        """Threads for this worker now: the cores that workers on one thread leave, split
+        evenly among the busy workers that share them."""
+        sharing, single = self._others_busy()
+        return max(1, (self.cores - single) // (1 + sharing))
 
     def set_threads(self, n: int) -> None:
         if n != self.threads:
@@ -227,7 +243,7 @@ class CoreShare:
         dead = []
         flags = self._mm[:SLOTS]
         for slot in range(SLOTS):
-            if flags[slot] != 1 or slot == self.slot:
+            if flags[slot] not in (SHARING, ONE_THREAD) or slot == self.slot:
                 continue
             (pid,) = struct.unpack_from("<i", self._mm, _PIDS + 4 * slot)
             try:
@@ -243,11 +259,11 @@ class CoreShare:
         """Around a step of ``num_tokens``: flagged busy, threads set to the share at its
         start (one thread for a step under ``min_step_tokens``)."""
         self._dead = self._dead_slots()
-        self._mm[self.slot] = 1
+        self.shares = num_tokens >= self.min_step_tokens
+        self._mm[self.slot] = SHARING if self.shares else ONE_THREAD
         # OpenMP's thread count is per calling thread, and a Ray actor may run steps on
         # another thread than the last one: set it afresh at every step.
         self.threads = 0
-        self.shares = num_tokens >= self.min_step_tokens
         self.set_threads(self.share() if self.shares else 1)
         try:
             yield

@@ -49,6 +49,26 @@ def test_a_busy_worker_gets_the_cores_it_shares(
         share.close()
 
 
+def test_a_worker_on_one_thread_takes_one_core_not_a_share(
+    tmp_path: Path, restore_threads: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A decode step (one thread) beside a prefill on a 16-core machine: the prefill takes
+    the 15 cores left, not half of them (7 sat idle while both ran)."""
+    monkeypatch.setattr(cores, "GRACE_S", 0.0)
+    table = tmp_path / "cores"
+    decode, prefill, other = (CoreShare(cores=16, path=table) for _ in range(3))
+    with decode.busy(num_tokens=8):
+        assert decode.threads == 1
+        with prefill.busy(num_tokens=512):
+            assert prefill.threads == 15
+            with other.busy(num_tokens=512):
+                assert other.threads == 7  # (16 - 1) // 2
+                prefill.adjust()
+                assert prefill.threads == 7
+    for share in (decode, prefill, other):
+        share.close()
+
+
 def test_a_worker_between_two_steps_still_counts_as_busy(
     tmp_path: Path, restore_threads: object, monkeypatch: pytest.MonkeyPatch
 ) -> None:
