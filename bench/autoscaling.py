@@ -64,6 +64,12 @@ def main() -> None:
     ap.add_argument("--base-rate", type=float, default=8.0)
     ap.add_argument("--factor", type=float, default=3.0)
     ap.add_argument("--spans", nargs=3, type=float, default=[60.0, 120.0, 180.0])
+    ap.add_argument(
+        "--instance-start-s",
+        type=float,
+        default=30.0,
+        help="how long a new decode instance takes to serve (workers placed, model loaded)",
+    )
     ap.add_argument("--png", default="docs/images/autoscaling.png")
     ap.add_argument("--out", default="bench/results/autoscaling.json")
     args = ap.parse_args()
@@ -92,7 +98,8 @@ def main() -> None:
         }
     )
     work = step_load(args.base_rate, args.factor, spans)  # type: ignore[arg-type]
-    result = Simulation(config, gpu_model("llama-3-8b@h100-sxm")).run(work, SLO_TARGET)
+    cost = gpu_model("llama-3-8b@h100-sxm")
+    result = Simulation(config, cost, args.instance_start_s).run(work, SLO_TARGET)
     rows = timeline(result, spans)  # type: ignore[arg-type]
     before = [r["attainment"] for r in rows if r["t"] + WINDOW_S <= spans[0]]
     baseline = sum(before) / len(before)
