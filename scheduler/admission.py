@@ -171,7 +171,13 @@ class Admitter:
         plan = self.plan(request, batch.token_budget)
         if plan is _NoFit.CONNECTOR_WAIT:
             return Verdict.SKIP
-        if plan is _NoFit.BUDGET:
+        if plan is _NoFit.BUDGET and len(state.running) >= cfg.max_num_seqs:
+            # Chunked prefill off: the prompt may fit with a priority victim's budget given
+            # back (``_make_room_for`` below preempts it only if it then does).
+            given_back = self._victim_budget(request)
+            if given_back:
+                plan = self.plan(request, batch.token_budget + given_back)
+        if not isinstance(plan, Plan):
             return self._skip_or_stop(request, cfg.strict_fcfs)
         assert isinstance(plan, Plan)
         # A remote load needs neither a running slot nor an adapter slot; computing does.
@@ -237,7 +243,7 @@ class Admitter:
             n = request.num_tokens - num_local - num_external
             if not self.cfg.enable_chunked_prefill and n > token_budget:
                 return _NoFit.BUDGET
-            n = min(self.batch.clip(n), token_budget)
+            n = self.batch.clip(n, token_budget)
         return Plan(hits, num_local, num_external, load_async, n)
 
     def _prefills_still_need(self) -> int:
@@ -273,6 +279,26 @@ class Admitter:
             and len(self.batch.loras) >= lora.max_loras
         )
 
+    def _victims(self) -> list[Request]:
+        # Never a request admitted in this step (one whose remote KV just arrived, say):
+        # that would throw away the work that admitted it.
+        batch = self.batch
+        admitted = {id(r) for r in batch.new_reqs} | {id(r) for r in batch.resumed_reqs}
+        return [r for r in self.state.running if id(r) not in admitted]
+
+    def _victim_budget(self, candidate: Request) -> int:
+        """The tokens of this step the running request a priority preemption for
+        ``candidate`` would take (``_make_room_for``) has scheduled; 0 for none."""
+        if self.cfg.policy != "priority":
+            return 0
+        victims = self._victims()
+        if not victims:
+            return 0
+        victim = max(victims, key=priority_key)
+        if candidate.priority >= victim.priority:
+            return 0
+        return self.batch.num_scheduled_tokens.get(victim.request_id, 0)
+
     def _make_room_for(self, candidate: Request, plan: Plan) -> bool:
         """At ``max_num_seqs``, preempt the worst running request for ``candidate`` if the
         candidate has strictly better priority and will certainly be admitted in its place:
@@ -282,10 +308,7 @@ class Admitter:
         state, kv, batch = self.state, self.kv, self.batch
         if candidate.num_in_flight_tokens or candidate in batch.preempted:
             return False
-        # Never a request admitted in this step (one whose remote KV just arrived, say):
-        # that would throw away the work that admitted it.
-        admitted = {id(r) for r in batch.new_reqs} | {id(r) for r in batch.resumed_reqs}
-        victims = [r for r in state.running if id(r) not in admitted]
+        victims = self._victims()
         if not victims:
             return False
         victim = max(victims, key=priority_key)

@@ -35,11 +35,12 @@ class StepBatch:
         self.preempted_for_kv = False
         self.loras: set[int] = set()
 
-    def clip(self, n: int) -> int:
-        """Apply the long-prefill threshold and the remaining budget to ``n`` tokens."""
+    def clip(self, n: int, budget: int | None = None) -> int:
+        """Apply the long-prefill threshold and the remaining budget (or ``budget``) to
+        ``n`` tokens."""
         if 0 < self.threshold < n:
             n = self.threshold
-        return min(n, self.token_budget)
+        return min(n, self.token_budget if budget is None else budget)
 
     def refresh_loras(self) -> None:
         """Recount ``loras`` from the state's running requests (LoRA enabled only)."""

@@ -437,3 +437,32 @@ def test_configs_are_frozen(config: Any, field: str, value: object) -> None:
     with pytest.raises(ValueError, match="frozen"):
         setattr(config, field, value)
     assert getattr(config, field) == before
+
+
+def test_priority_preemption_with_chunked_prefill_off_counts_the_victims_budget() -> None:
+    """At ``max_num_seqs`` with chunked prefill off, a better-priority prompt that fits the
+    step's budget only with the victim's tokens given back preempts the victim (DESIGN
+    §4.4); it waited for the victims to finish (the budget check came before the make-room
+    one), and a replan with the victim's budget was cut to the budget left (a partial
+    prefill, with chunked prefill off)."""
+    from tests.scheduler.helpers import add
+
+    s = make_scheduler(
+        policy="priority",
+        enable_chunked_prefill=False,
+        max_num_seqs=2,
+        max_num_batched_tokens=32,
+        max_model_len=32,
+    )
+    add(s, "v1", 4, priority=5, max_tokens=20)
+    v2 = add(s, "v2", 4, priority=5, max_tokens=20)
+    step(s)
+    step(s)  # both decode: 1 token each of the 32
+    c = add(s, "c", 31, priority=0, max_tokens=1)
+    out, _ = step(s)
+    assert out.num_scheduled_tokens == {"v1": 1, "c": 31}  # the whole prompt, at once
+    assert out.preempted_req_ids == {"v2"} and v2.status == RequestStatus.PREEMPTED
+    assert c.is_finished
+    run_to_completion(s)
+    assert v2.num_output_tokens == 20
+    assert_all_free(s)
