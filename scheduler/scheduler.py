@@ -150,6 +150,10 @@ class Scheduler:
         unfinished = [rid for rid, r in state.requests.items() if not r.is_finished]
         self.finish_requests(None, finished_status)
         for request in list(state.requests.values()):  # still holding blocks for a report
+            if request.awaiting_remote_kvs and state.connector is not None:
+                # Its load dies with the worker: the source may let the KV go now, not at
+                # the lease's expiry (a request not loading yet was told at its finish).
+                state.connector.remote_kv_dropped(request)
             request.kv_transfer_params = None  # drop transport handles too
             request.awaiting_remote_kvs = False
             self.remote_kv.free_after_recv.discard(request.request_id)

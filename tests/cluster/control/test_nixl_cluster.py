@@ -205,6 +205,61 @@ def test_a_lease_whose_read_failed_is_released_at_once(nixl_pp: Any, tiny_model:
     assert not history[-1].ok and history[-1].num_bytes == 0
 
 
+def test_a_decode_worker_killed_before_its_read_leaves_nothing_held(
+    ray_cluster: RayCluster, tiny_model: Path
+) -> None:
+    """The reader dies with the request's blocks leased on the prefill side: the request
+    ends (recomputed once the worker is back, or with an error -- never a hang), and the
+    prefill worker frees the blocks at once: the failed decode instance reports the loads it
+    had in flight unread, and their source releases them (they were held until the lease
+    ran out)."""
+    config = cluster_config(
+        tiny_model,
+        [PREFILL, {**DECODE, "max_restarts": 1}],
+        router={"disaggregation": "always"},
+        kv_transfer={"transport": "nixl", "timeout_s": 2.0, "lease_s": LEASE_S},
+    )
+    handle = build_cluster(config, name="nixl-kill-reader", namespace="tandem-tests")
+    try:
+        prompt = _prompts(1, seed=19)[0] + [5] * 16
+        (expected,) = generate_in_process(tiny_model, [prompt], GREEDY)
+        ray.get(handle.set_fault_injection.remote("d-0", 0.5, 0.0))  # reads start late
+        client = ClusterClient(handle)
+        pid = ray.get(handle.worker_health.remote())["d-0"]["pid"]
+        expired = _expired(handle, "p-0")
+        killed: list[float] = []
+
+        async def run() -> Any:
+            final = None
+            async for out in client.generate_async(prompt, GREEDY):
+                if not killed:  # the prefill instance's token: its blocks are leased now
+                    os.kill(pid, signal.SIGKILL)
+                    killed.append(time.monotonic())
+                final = out
+            return final
+
+        final = asyncio.run(asyncio.wait_for(run(), 120))
+        sample = final.outputs[0]
+        assert sample.finish_reason in ("length", "error"), sample
+        if sample.finish_reason == "length":
+            assert list(sample.token_ids) == expected  # recomputed on the restarted worker
+        else:
+            assert sample.error
+        wait_until(
+            lambda: _instances(handle)["p-0"]["num_requests"] == 0,
+            timeout_s=LEASE_S + 10.0,
+            what="the prefill side to free the blocks of the dead reader",
+        )
+        assert time.monotonic() - killed[0] < LEASE_S  # released, not expired
+        assert _expired(handle, "p-0") == expired
+        assert _instances(handle)["p-0"]["kv_cache_usage"] == 0.0
+        wait_until(lambda: _instances(handle)["d-0"]["alive"], timeout_s=60, what="d-0 to rejoin")
+        ray.get(handle.set_fault_injection.remote("d-0", 0.0, 0.0))
+        assert_clean(handle)
+    finally:
+        shutdown_cluster(handle)
+
+
 @pytest.mark.parametrize("copy", [True, False], ids=["same-node-copy", "nixl-read"])
 def test_a_prefill_worker_killed_before_the_read_then_restarted(
     ray_cluster: RayCluster, tiny_model: Path, copy: bool
