@@ -147,6 +147,7 @@ class EngineLoop:
         self.num_received += 1
         if not self.alive:
             reason = self.error or f"instance {self.instance_id} is stopped"
+            self._drop_handles([request])
             self._lost([request.request_id], reason)
             return
         self.pending.append(request)
@@ -156,14 +157,18 @@ class EngineLoop:
         """End requests wherever they are; their blocks are freed (after a load in progress
         into them ends). Nothing is reported for them: the caller answers its client."""
         ids = set(request_ids)
-        connector = self.scheduler.connector
-        if connector is not None:  # a hand-off not admitted yet: its source lets its KV go
-            for request in self.pending:
-                if request.request_id in ids:
-                    connector.remote_kv_dropped(request)
+        self._drop_handles([r for r in self.pending if r.request_id in ids])
         self.pending = [r for r in self.pending if r.request_id not in ids]
         self.scheduler.finish_requests(list(ids), RequestStatus.FINISHED_ABORTED)
         self._wake.set()  # a finished request still has blocks to free on the next step
+
+    def _drop_handles(self, requests: list[Request]) -> None:
+        """Hand-offs that will never be admitted here: their sources let their KV go (the
+        connector reports them unread)."""
+        connector = self.scheduler.connector
+        if connector is not None:
+            for request in requests:
+                connector.remote_kv_dropped(request)
 
     def wake(self) -> None:
         """Step soon (e.g. the connector has instructions for the workers)."""
@@ -417,6 +422,7 @@ class EngineLoop:
             future.cancel()
         self._in_flight.clear()
         ids = [r.request_id for r in self.pending]
+        self._drop_handles(self.pending)
         self.pending = []
         try:
             ids += self.scheduler.abandon_all(RequestStatus.FINISHED_ERROR)

@@ -277,3 +277,33 @@ def test_a_request_the_scheduler_refuses_ends_as_the_clients_fault(tiny_model: P
     assert served.error is None  # the other request of the same burst runs
     assert generation_error("worker died").status == 503  # a failure of the cluster
     assert generation_error(None).status == 503
+
+
+def test_hand_offs_a_failed_loop_never_admitted_are_reported_unread(tiny_model: Path) -> None:
+    """A decode instance fails with a hand-off still pending (sent, not admitted), and
+    another arrives after the failure: both are reported unread, so their sources release
+    the leased KV at once rather than at the lease's expiry."""
+    from kv_transfer.connector import KVSegment, PDConnector
+
+    scheduler = Scheduler(
+        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256),
+        CacheConfig(block_size=4, num_blocks=64),
+        connector=PDConnector("d-0", 4, 5.0),
+    )
+    loop = EngineLoop("d-0", scheduler, RecordingExecutor(_worker(tiny_model)), lambda *_: None)
+
+    def hand_off(rid: str) -> Request:
+        params = {
+            "do_remote_prefill": True,
+            "remote_instance_id": "p-0",
+            "remote_num_tokens": 8,
+            "handle": [KVSegment(0, 2, object(), in_place=True)],
+        }
+        return Request(rid, list(range(3, 11)), GREEDY, eos_token_id=2, kv_transfer_params=params)
+
+    connector = scheduler.connector
+    assert isinstance(connector, PDConnector)
+    loop.add_request(hand_off("pending"))  # not admitted: the loop never ran
+    loop.fail("worker died")
+    loop.add_request(hand_off("late"))  # after the failure
+    assert sorted(connector.take_unread()) == [("late", "p-0"), ("pending", "p-0")]
