@@ -38,8 +38,9 @@ SLOTS = 256
 # A worker counts as busy this long after its step ends: the gap before its next step (the
 # scheduler's turn) must not hand its cores to another worker's step for a moment.
 GRACE_S = 0.005
-# A slot's flag while its worker steps: on a share of the cores, or on one thread.
-SHARING, ONE_THREAD = 1, 2
+# A slot's flag while its worker steps: on a share of the cores, or on one thread; and after
+# a step on one thread (0 after a shared one), for the grace that follows it.
+SHARING, ONE_THREAD, AFTER_ONE_THREAD = 1, 2, 3
 # Steps of fewer tokens run on one thread: served, a decode step overlaps the control plane's
 # work on the previous token (scheduler, ingress, HTTP), and a 2-thread team on a 2-core
 # machine then loses a thread at its barriers -- measured slower than one thread (ITL 18.7 vs
@@ -208,9 +209,10 @@ class CoreShare:
         (those that share the cores, those on one thread -- a small step)."""
         flags = self._flags
         recent = self._ends > time.monotonic() - GRACE_S
-        one = flags == ONE_THREAD
-        sharing = int(np.count_nonzero((flags == SHARING) | (recent & ~one)))
-        single = int(np.count_nonzero(one))
+        sharing = int(np.count_nonzero((flags == SHARING) | (recent & (flags == 0))))
+        single = int(
+            np.count_nonzero((flags == ONE_THREAD) | (recent & (flags == AFTER_ONE_THREAD)))
+        )
         # A dead worker's slot may have been taken (and its flag cleared) since the step began.
         for slot in self._dead:
             if flags[slot] == SHARING:
@@ -269,4 +271,4 @@ class CoreShare:
             yield
         finally:
             self._ends[self.slot] = time.monotonic()
-            self._mm[self.slot] = 0
+            self._mm[self.slot] = 0 if self.shares else AFTER_ONE_THREAD

@@ -54,9 +54,15 @@ def test_a_worker_on_one_thread_takes_one_core_not_a_share(
 ) -> None:
     """A decode step (one thread) beside a prefill on a 16-core machine: the prefill takes
     the 15 cores left, not half of them (7 sat idle while both ran)."""
-    monkeypatch.setattr(cores, "GRACE_S", 0.0)
     table = tmp_path / "cores"
     decode, prefill, other = (CoreShare(cores=16, path=table) for _ in range(3))
+    # Between two decode steps (the grace after one): still one core, not a share.
+    monkeypatch.setattr(cores, "GRACE_S", 5.0)
+    with decode.busy(num_tokens=8):
+        pass
+    with prefill.busy(num_tokens=512):
+        assert prefill.threads == 15
+    monkeypatch.setattr(cores, "GRACE_S", 0.0)
     with decode.busy(num_tokens=8):
         assert decode.threads == 1
         with prefill.busy(num_tokens=512):
