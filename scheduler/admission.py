@@ -171,7 +171,8 @@ class Admitter:
         plan = self.plan(request, batch.token_budget)
         if plan is _NoFit.CONNECTOR_WAIT:
             return Verdict.SKIP
-        if plan is _NoFit.BUDGET and len(state.running) >= cfg.max_num_seqs:
+        over_budget = plan is _NoFit.BUDGET
+        if over_budget and len(state.running) >= cfg.max_num_seqs:
             # Chunked prefill off: the prompt may fit with a priority victim's budget given
             # back (``_make_room_for`` below preempts it only if it then does).
             given_back = self._victim_budget(request)
@@ -179,12 +180,16 @@ class Admitter:
                 plan = self.plan(request, batch.token_budget + given_back)
         if not isinstance(plan, Plan):
             return self._skip_or_stop(request, cfg.strict_fcfs)
-        assert isinstance(plan, Plan)
         # A remote load needs neither a running slot nor an adapter slot; computing does.
         if not plan.load_async:
             if len(state.running) >= cfg.max_num_seqs:
                 if not (cfg.policy == "priority" and self._make_room_for(request, plan)):
-                    return Verdict.STOP
+                    # (over the budget without the victim: skipped with aging, as before)
+                    return (
+                        self._skip_or_stop(request, cfg.strict_fcfs)
+                        if over_budget
+                        else (Verdict.STOP)
+                    )
             elif self._lora_full(request):
                 # vLLM skips with no bound; the aging bound keeps a rare adapter from starving.
                 return self._skip_or_stop(request, strict=False)
@@ -243,7 +248,10 @@ class Admitter:
             n = request.num_tokens - num_local - num_external
             if not self.cfg.enable_chunked_prefill and n > token_budget:
                 return _NoFit.BUDGET
-            n = self.batch.clip(n, token_budget)
+            if self.cfg.enable_chunked_prefill:
+                n = min(self.batch.clip(n), token_budget)
+            else:  # the whole prompt, within the budget given (a priority victim's, say)
+                n = self.batch.clip(n, token_budget)
         return Plan(hits, num_local, num_external, load_async, n)
 
     def _prefills_still_need(self) -> int:
@@ -253,7 +261,8 @@ class Admitter:
         bs, max_len = kv.block_size, kv.max_model_len
         need = 0
         for running in self.state.running:
-            if running.num_computed_tokens < running.num_tokens - 1:
+            computed = running.num_computed_tokens
+            if computed < running.num_prompt_tokens or computed < running.num_tokens - 1:
                 tokens = min(running.num_tokens, max_len)
                 held = len(kv.req_to_blocks.get(running.request_id, ()))
                 need += max(0, -(-tokens // bs) - held)
