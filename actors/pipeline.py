@@ -62,6 +62,9 @@ class StageReportMerger:
         self._recv_failed: set[str] = set()  # some stage failed; waiting for the others
         self._sending: dict[str, set[int]] = {}  # req_id -> stages whose lease ended
         self._send_expected: dict[str, int] = {}  # req_id -> stages holding a lease
+        # req_id -> the stages' load records so far: one record per load once all are in
+        # (its slowest stage's time, every stage's bytes, ok only if every stage's was).
+        self._load_parts: dict[str, list[tuple[str, float, int, bool]]] = {}
 
     def merge(self, output: ModelRunnerOutput) -> ModelRunnerOutput:
         reports = output.kv_connector_output
@@ -91,9 +94,18 @@ class StageReportMerger:
             if report.kv is not None:
                 kv.bytes_saved += report.kv.bytes_saved
                 kv.bytes_loaded += report.kv.bytes_loaded
-                kv.loads.extend(report.kv.loads)
+                for load in report.kv.loads:
+                    parts = self._load_parts.setdefault(load[0], [])
+                    parts.append(load)
+                    if len(parts) >= self.pp_size:
+                        del self._load_parts[load[0]]
+                        kv.loads.append(_merged_load(parts))
                 for req_id, segs in report.kv.saved.items():
                     segments.setdefault(req_id, []).extend(segs)
+        for req_id in done | failed:  # (a stage that sent no record: what the others did)
+            parts = self._load_parts.pop(req_id, [])
+            if parts:
+                kv.loads.append(_merged_load(parts))
         # A save's segments all arrive in the step that finishes the prompt (every stage ran
         # it). When a stage's save failed, its layers are missing: the decode side finds the
         # segments short and recomputes. A send is done when every stage that leased blocks
@@ -133,6 +145,7 @@ class StageReportMerger:
         self._recv_failed.clear()
         self._sending.clear()
         self._send_expected.clear()
+        self._load_parts.clear()
 
 
 def stage_report(pp_rank: int, output: Any, kv: KVConnectorReport | None) -> StageReport:
@@ -142,3 +155,14 @@ def stage_report(pp_rank: int, output: Any, kv: KVConnectorReport | None) -> Sta
 
 
 __all__ = ["IntermediateOutput", "StageReport", "StageReportMerger", "stage_report"]
+
+
+def _merged_load(parts: list[tuple[str, float, int, bool]]) -> tuple[str, float, int, bool]:
+    """One load of a request from its stages' records: the slowest stage's time, every
+    stage's bytes, ok only if every stage's load was."""
+    return (
+        parts[0][0],
+        max(p[1] for p in parts),
+        sum(p[2] for p in parts),
+        all(p[3] for p in parts),
+    )

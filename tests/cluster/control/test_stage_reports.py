@@ -294,3 +294,29 @@ def test_forget_drops_partial_reports() -> None:
     assert _loads(out) == ({"a", "b"}, None)
     assert out.finished_sending == {"c"}
     assert m.pending() == 0
+
+
+def test_a_load_is_one_record_of_all_its_stages() -> None:
+    """Each stage reports its part of a request's KV load; the merged report has one record
+    per load -- the slowest stage's time, all the bytes, ok only if every part was -- so a
+    failed load counts one recompute and one transfer, not one per stage."""
+    m = StageReportMerger(2)
+
+    def loads(*records: tuple[str, float, int, bool]) -> KVConnectorReport:
+        return KVConnectorReport(loads=list(records))
+
+    out = m.merge(
+        _step(
+            StageReport(0, finished_recving={"a"}, kv=loads(("a", 0.1, 100, True))),
+            StageReport(1),
+        )
+    )
+    assert out.kv_connector_output.loads == []  # stage 1 still loads
+    out = m.merge(
+        _step(
+            StageReport(0),
+            StageReport(1, failed_recving={"a"}, kv=loads(("a", 0.3, 60, False))),
+        )
+    )
+    assert out.failed_recving == {"a"}
+    assert out.kv_connector_output.loads == [("a", 0.3, 160, False)]
