@@ -112,6 +112,12 @@ class RequestTrace:
             self.queue.set_attribute("tandem.instance", instance)
             self._end(self.queue)
             self.queue = None
+        if self.root is None and self.output_tokens and self.decode is self.transfer is None:
+            # A part placed with tokens already sent and no hand-off (moved off a failed
+            # instance: prompt and tokens computed again here): it decodes here.
+            self.decode = self._child(
+                "tandem.decode", tandem__instance=instance, tandem__node_id=node, tandem__moved=True
+            )
         if self.prefill is None and self.output_tokens == 0:  # (a decode part has none)
             self.prefill = self._child(
                 "tandem.prefill",

@@ -172,3 +172,29 @@ def test_tracing_off_makes_no_spans() -> None:
     with APISpan(None, "chat", req, {}) as span:
         assert span.span is None and span.context is None
         span.record("chatcmpl-1", {"prompt_tokens": 1, "completion_tokens": 1}, ["stop"])
+
+
+def test_a_moved_part_decodes_in_a_span_of_its_own(traced: Any) -> None:
+    """Engine actors: a request moved off a failed instance after 5 tokens is a part on its
+    new instance, recomputed there with no hand-off. It gets a decode span with its
+    instance, preemptions and tokens (it got no span at all: its events were dropped)."""
+    from opentelemetry.trace import set_span_in_context
+
+    tracer, exporter = traced
+    root = tracer.start_span("tandem.request")
+    trace = RequestTrace(
+        tracer, set_span_in_context(root), "r4", 5, time.monotonic(), part=True, output_tokens=5
+    )
+    trace.scheduled("d-1", "decode", "node-d")
+    trace.preempted("d-1")
+    trace.tokens(3, 0, "d-1", "node-d")
+    trace.finish("length", None)
+    root.end()
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    decode = spans["tandem.decode"]
+    assert decode.parent is not None and decode.parent.span_id == root.get_span_context().span_id
+    assert decode.attributes["tandem.instance"] == "d-1"
+    assert decode.attributes["tandem.moved"] is True
+    assert decode.attributes["gen_ai.usage.output_tokens"] == 8
+    assert decode.attributes["tandem.preemptions"] == 1
+    assert [e.name for e in decode.events] == ["preemption"]
