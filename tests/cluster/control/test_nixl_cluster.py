@@ -205,6 +205,18 @@ def test_a_lease_whose_read_failed_is_released_at_once(nixl_pp: Any, tiny_model:
     assert not history[-1].ok and history[-1].num_bytes == 0
 
 
+def _late_read(
+    handle: Any, model: Path, seed: int, victim: str
+) -> tuple[list[int], list[int], ClusterClient, int]:
+    """For a kill before the read: a prompt and its undisturbed tokens, reads on d-0 that
+    start 0.5 s late, a client, and the pid of the worker ``victim`` to kill."""
+    prompt = _prompts(1, seed=seed)[0] + [5] * 16
+    (expected,) = generate_in_process(model, [prompt], GREEDY)
+    ray.get(handle.set_fault_injection.remote("d-0", 0.5, 0.0))  # reads start late
+    pid = int(ray.get(handle.worker_health.remote())[victim]["pid"])
+    return prompt, expected, ClusterClient(handle), pid
+
+
 def test_a_decode_worker_killed_before_its_read_leaves_nothing_held(
     ray_cluster: RayCluster, tiny_model: Path
 ) -> None:
@@ -221,11 +233,7 @@ def test_a_decode_worker_killed_before_its_read_leaves_nothing_held(
     )
     handle = build_cluster(config, name="nixl-kill-reader", namespace="tandem-tests")
     try:
-        prompt = _prompts(1, seed=19)[0] + [5] * 16
-        (expected,) = generate_in_process(tiny_model, [prompt], GREEDY)
-        ray.get(handle.set_fault_injection.remote("d-0", 0.5, 0.0))  # reads start late
-        client = ClusterClient(handle)
-        pid = ray.get(handle.worker_health.remote())["d-0"]["pid"]
+        prompt, expected, client, pid = _late_read(handle, tiny_model, 19, victim="d-0")
         expired = _expired(handle, "p-0")
         killed: list[float] = []
 
@@ -282,11 +290,7 @@ def test_a_prefill_worker_killed_before_the_read_then_restarted(
     )
     handle = build_cluster(config, name="nixl-kill", namespace="tandem-tests")
     try:
-        prompt = _prompts(1, seed=9)[0] + [5] * 16
-        (expected,) = generate_in_process(tiny_model, [prompt], GREEDY)
-        ray.get(handle.set_fault_injection.remote("d-0", 0.5, 0.0))  # reads start late
-        client = ClusterClient(handle)
-        pid = ray.get(handle.worker_health.remote())["p-0"]["pid"]
+        prompt, expected, client, pid = _late_read(handle, tiny_model, 9, victim="p-0")
 
         async def run() -> list[int]:
             tokens: list[int] = []
