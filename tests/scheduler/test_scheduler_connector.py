@@ -57,6 +57,19 @@ def _loading(
     return s, c, r
 
 
+def _land_loads_and_drain(s: Scheduler, max_steps: int = 100) -> None:
+    """Step until nothing is unfinished, each started load landing the step after it started;
+    then check that every block went back to the pool."""
+    for _ in range(max_steps):
+        if not s.has_unfinished_requests():
+            break
+        loading = {r.request_id for r in s.holding}
+        step(s, finished_recving=loading)
+    else:
+        raise AssertionError(f"not finished after {max_steps} steps")
+    assert_all_free(s)
+
+
 # -- decode side: async remote load ------------------------------------------------------------
 
 
@@ -338,6 +351,7 @@ def test_a_remote_load_leaves_a_running_prefill_the_blocks_it_still_needs() -> N
     # One load fits beside what the prefill still needed; the other waited for room.
     waiting = [RequestStatus.WAITING_FOR_REMOTE_KVS, RequestStatus.WAITING]
     assert [x.status for x in loads] == waiting
+    _land_loads_and_drain(s)
 
 
 def test_a_remote_load_leaves_a_request_recomputing_its_outputs_the_blocks_it_needs() -> None:
@@ -361,3 +375,4 @@ def test_a_remote_load_leaves_a_request_recomputing_its_outputs_the_blocks_it_ne
     step(s)
     assert r.is_finished and r.num_preemptions == 0
     assert load.status == RequestStatus.WAITING  # it waited for the room R needed
+    _land_loads_and_drain(s)
