@@ -8,7 +8,9 @@ that overlaps this worker's layers, each made (descriptors checked, peer connect
 is posted. ``_poll_reads`` ends it: every transfer done before the source's lease (less the
 margin) ends the load with its bytes; an error or the deadline fails it, but only once none of
 its transfers runs any more (NIXL's release of a running UCX transfer does not stop its copy);
-one that runs on long past the deadline has its source disconnected, then is given up on.
+one that runs on long past the deadline has its source disconnected, and if it runs on even
+then, the step fails (``KVReadStuck``): the blocks it may still write cannot go back to the
+pool, so the instance fails over and its workers get new caches.
 """
 
 from __future__ import annotations
@@ -29,6 +31,11 @@ if TYPE_CHECKING:
     from kv_transfer.connector import KVConnectorMetadata, KVSegment, LoadSpec
 
 logger = logging.getLogger(__name__)
+
+
+class KVReadStuck(RuntimeError):
+    """A READ runs on past its deadline with its source disconnected: its blocks may still be
+    written at any time, so this worker's cache cannot be handed out again."""
 
 
 @dataclass
@@ -56,7 +63,7 @@ class NixlReads(WorkerConnector):
     _departed: set[str]
     _reads: dict[str, _Read]
     _delayed: dict[str, tuple[float, _Load]]
-    # Transfers still running when their read was given up on (or the cache replaced): with
+    # Transfers still running when their cache was replaced (or a probe gave up): with
     # what they write into, kept alive, and the agent that posted them, which alone can
     # tell their state (it may no longer be this worker's agent).
     _retired: list[tuple[list[Any], list[Any], Any]]
@@ -269,7 +276,7 @@ class NixlReads(WorkerConnector):
     def _poll_reads(self) -> None:
         if self.agent is None:
             return
-        if self._retired:  # transfers given up on: released once they end
+        if self._retired:  # transfers of an old cache or a probe: released once they end
             retired, self._retired = self._retired, []
             for xfers, caches, agent in retired:
                 still = [x for x in xfers if self._state(x, agent) == "PROC"]
@@ -312,7 +319,11 @@ class NixlReads(WorkerConnector):
             # transfer frees the request without stopping the copy, so a running one is never
             # released: it is waited for. One that still runs ``abort_grace_s`` past the
             # deadline has an unresponsive source: its endpoint is closed (which ends its
-            # operations), and after as long again the load is given up on, with an error.
+            # operations). One still running after as long again may write into its blocks
+            # at any time: reporting the load would hand them to another request, so the
+            # step fails instead (``KVReadStuck``). The instance fails over and its workers
+            # get new caches; the old one stays alive while the transfer runs
+            # (``_drop_reads``).
             running = []
             for xfer, state in zip(read.xfers, states, strict=True):
                 if state == "PROC":
@@ -333,10 +344,11 @@ class NixlReads(WorkerConnector):
                     self._disconnect_peer(name)
                 read.disconnected = True
             elif overdue >= 2 * self.abort_grace_s:
-                logger.error("KV read of %s never ended; giving up on it", req_id)
-                del self._reads[req_id]
-                self._retired.append((running, self.kv_caches, self.agent))
-                self._end_load(read.load, 0, read.error)
+                raise KVReadStuck(
+                    f"the KV read of {req_id} still runs {overdue:.1f}s past its deadline, "
+                    f"its source disconnected ({read.error}): its blocks may still be "
+                    "written, so this worker's cache cannot be reused"
+                )
         if self._departed:
             self._forget_departed()
 

@@ -25,7 +25,7 @@ from kv_transfer.nixl_transport import MISSING, nixl_available
 pytestmark = pytest.mark.skipif(not nixl_available(), reason=MISSING)
 
 if nixl_available():
-    from kv_transfer.nixl_reads import _Read
+    from kv_transfer.nixl_reads import KVReadStuck, _Read
     from kv_transfer.nixl_transport import NixlHandle, NixlWorkerConnector
 
 NUM_LAYERS, BLOCK, KV_HEADS, HEAD_DIM = 4, 4, 2, 8
@@ -393,9 +393,13 @@ def test_a_read_cut_short_by_the_lease_says_so(
     assert "timed out after 0.5s (before its timeout_s: the source's lease" in caplog.text
 
 
-def test_a_read_that_never_ends_is_given_up_and_keeps_its_cache_alive(
+def test_a_read_that_never_ends_fails_the_step_and_keeps_its_cache_alive(
     make: Callable[..., NixlWorkerConnector], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """A read still running long after its source was disconnected may write into its blocks
+    at any time: it is never reported (the scheduler would hand the blocks to another
+    request); the step fails, which fails the instance over. Its recovery gives the worker
+    new caches, and the old one stays alive until the transfer ends."""
     dst = make(num_blocks=12, seed=1)
     xfer = _RunningTransfer()
     monkeypatch.setattr(dst, "_state", lambda x, agent=None: x.state)
@@ -405,10 +409,15 @@ def test_a_read_that_never_ends_is_given_up_and_keeps_its_cache_alive(
     load = _Load(LoadSpec("r", [], DST_IDS, 0, 0.1), None, now - 1.0, now - 0.5, time.time())
     dst._reads["r"] = _Read(load, [xfer], 0, 0, now + 100.0, ["tandem-kv-source"])
     dst._poll_reads()  # 0.5 s overdue: disconnected ...
-    dst._poll_reads()  # ... and, still running, given up on
-    assert dst.get_finished()[1:] == (None, {"r"}) and not xfer.released
+    with pytest.raises(KVReadStuck, match="KV read of r still runs"):
+        dst._poll_reads()  # ... and, still running, the step fails
+    assert dst.get_finished()[1:] == (None, None) and not xfer.released
+    assert dst.num_loading() == 1 and not dst._retired
+    old = dst.kv_caches
+    dst.register_kv_caches(_caches(12, torch.float32, 1), range(NUM_LAYERS))  # the recovery
+    assert dst.num_loading() == 0 and dst.get_finished()[1:] == (None, None)
     (running, caches, _), *_ = dst._retired
-    assert running == [xfer] and caches is dst.kv_caches  # the memory it writes stays
+    assert running == [xfer] and caches is old  # the memory it writes stays alive
     xfer.state = "DONE"
     dst._poll_reads()
     assert xfer.released and not dst._retired
