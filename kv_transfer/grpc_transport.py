@@ -36,7 +36,7 @@ import itertools
 import logging
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from concurrent import futures
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -111,8 +111,7 @@ class _KVServicer:
         assert lease is not None  # abort() raises
         complete = False
         try:
-            yield from c.stream(lease, layers, context)
-            complete = True
+            complete = yield from c.stream(lease, layers, context)
         finally:
             c.leases.unpin(request.lease_id, layers, complete)
 
@@ -237,11 +236,12 @@ class GrpcWorkerConnector(WorkerConnector):
                 return hmac.compare_digest(given, self._token)
         return False
 
-    def stream(self, lease: Lease, layers: range, context: Any) -> Iterator[bytes]:
+    def stream(self, lease: Lease, layers: range, context: Any) -> Generator[bytes, None, bool]:
         """The encoded messages of a pull: the header, then the layers' K and V blocks as one
         byte stream cut into ``chunk_size_bytes`` messages (a message may span layers: fewer,
         larger messages are what makes gRPC fast). Each layer's blocks are gathered (one
-        copy) just before they are sent; framing builds each message (a second)."""
+        copy) just before they are sent; framing builds each message (a second). Returns
+        whether every byte was sent (False: the puller went away first)."""
         caches = [self.kv_caches[layer - self.layers.start] for layer in layers]
         first = caches[0]
         code, _ = _DTYPES[first.dtype]
@@ -264,7 +264,7 @@ class GrpcWorkerConnector(WorkerConnector):
         size, sent, total = 0, 0, header.total_bytes
         for cache in caches:
             if not context.is_active():
-                return  # the puller gave up (its deadline): stop reading the blocks
+                return False  # the puller gave up (its deadline): stop reading the blocks
             blocks = cache.index_select(1, index)  # [2, num_blocks, ...]: K then V, in order
             if blocks.dtype == torch.bfloat16:
                 blocks = blocks.view(torch.int16)
@@ -284,6 +284,7 @@ class GrpcWorkerConnector(WorkerConnector):
             context.abort(grpc.StatusCode.ABORTED, "the lease ended during the pull")
         if parts:
             yield _frame(parts, size)
+        return True
 
     # -- decode side -----------------------------------------------------------------------
     def _fetch(self, handle: Any, layers: range, timeout_s: float) -> KVPayload:

@@ -22,6 +22,7 @@ from kv_transfer.grpc_transport import (
     GrpcLease,
     GrpcWorkerConnector,
     _frame,
+    _KVServicer,
     _unframe,
 )
 from kv_transfer.leases import LeaseTable
@@ -246,10 +247,17 @@ def test_prefill_stages_each_lease_their_layers_for_one_decode_worker(
 
 
 class _Context:
-    """What ``GrpcWorkerConnector.stream`` asks of a gRPC server context."""
+    """What ``GrpcWorkerConnector.stream`` asks of a gRPC server context (``active``: the
+    puller is still there)."""
+
+    def __init__(self) -> None:
+        self.active = True
 
     def is_active(self) -> bool:
-        return True
+        return self.active
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return ((TOKEN_METADATA_KEY, TOKEN),)
 
     def abort(self, code: grpc.StatusCode, details: str) -> None:
         raise RuntimeError(f"{code.name}: {details}")
@@ -273,6 +281,25 @@ def test_a_pull_spanning_new_caches_is_cut_short_before_its_last_message(
     with pytest.raises(RuntimeError, match="ABORTED: the lease ended during the pull"):
         first.extend(pull)
     assert len(first) < len(whole)
+
+
+def test_a_pull_its_puller_left_does_not_count_as_pulled(
+    make: Callable[..., GrpcWorkerConnector],
+) -> None:
+    """The puller went away mid-pull (its deadline): the layers it never got stay unpulled,
+    so the lease ends by a complete pull or by expiry, not as delivered."""
+    src = make(chunk_size_bytes=256)
+    (segment,) = _save(src)
+    lease_id = segment.handle.lease_id
+    request = pb.PullRequest(lease_id=lease_id, first_layer=0, last_layer=NUM_LAYERS)
+    context = _Context()
+    pull = _KVServicer(src).Pull(request, context)
+    next(pull), next(pull)  # the header and a first part of the data
+    context.active = False
+    list(pull)
+    assert _sending(src) is None and len(src.leases) == 1  # still waiting for its pull
+    assert list(_KVServicer(src).Pull(request, _Context()))  # a whole pull ends it
+    assert _sending(src) == {"r"}
 
 
 def test_layers_outside_the_lease_are_refused(make: Callable[..., GrpcWorkerConnector]) -> None:
