@@ -19,7 +19,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from kv_transfer.tls import TLSMaterial
 from kv_transfer.tracing import TracingConfig
@@ -151,6 +151,18 @@ class InstancePool(_Config):
                 f"pool {self.name!r}: block_size is cluster-wide (KV moves between pools); "
                 "set it at the top level"
             )
+        if "kv_load_failure_policy" in self.scheduler:
+            raise ValueError(
+                f"pool {self.name!r}: kv_load_failure_policy is cluster-wide; set "
+                "kv_transfer.failure_policy"
+            )
+        for name in ("gpu_memory_utilization", "cache_dtype"):
+            if name in self.cache:
+                raise ValueError(
+                    f"pool {self.name!r}: cache.{name} (vLLM's) is not supported: the KV cache "
+                    "takes the model's dtype, and its size is set on the pool with num_blocks, "
+                    "kv_cache_memory_bytes or memory_budget_bytes"
+                )
         scaling = self.autoscaling
         if (
             scaling is not None
@@ -164,7 +176,10 @@ class InstancePool(_Config):
         if any(v < 0 for r in [self.resources, *stages] for v in r.values()):
             raise ValueError(f"pool {self.name!r}: resources must be >= 0")
         # Validate the nested configs now, so a bad knob fails at load time with its name.
-        self.scheduler_config(max_model_len=None)
+        # The cluster's max_model_len is checked against them by ``ClusterConfig`` (here, a
+        # length no knob can conflict with: the model's is known only once it is loaded).
+        threshold = self.scheduler.get("long_prefill_token_threshold")
+        self.scheduler_config(max(2, threshold) if isinstance(threshold, int) else 2)
         CacheConfig(**self.cache)
         return self
 
@@ -196,6 +211,19 @@ class RouterConfig(_Config):
         description="'always', 'never', or the uncached prompt length (tokens) from which a "
         "request goes through a prefill instance; shorter ones run on a decode instance.",
     )
+
+    @field_validator("disaggregation", mode="before")
+    @classmethod
+    def _no_boolean(cls, value: Any) -> Any:
+        # YAML reads off/on/no/yes/false/true as booleans, and a boolean would pass as the
+        # threshold 0 or 1: "off" would disaggregate every request.
+        if isinstance(value, bool):
+            raise ValueError(
+                f"router.disaggregation must be 'always', 'never' or a token count, not the "
+                f"boolean {value} (YAML reads off/on/no/yes as booleans: write 'never' or "
+                "'always', quoted)"
+            )
+        return value
 
     @model_validator(mode="after")
     def _check(self) -> RouterConfig:
@@ -664,6 +692,9 @@ class ClusterConfig(_Config):
             raise ValueError("router.disaggregation 'always' needs a pool with role 'prefill'")
         if self.serve.lora_modules and self.lora is None:
             raise ValueError("serve.lora_modules needs LoRA enabled: add a lora section")
+        if self.max_model_len is not None:  # (else checked at start, with the model's)
+            for pool in self.pools:
+                pool.scheduler_config(self.max_model_len)
         return self
 
     def pools_with_role(self, *roles: Role) -> list[InstancePool]:

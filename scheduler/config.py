@@ -134,12 +134,9 @@ class CacheConfig(_Config):
     enable_prefix_caching: bool = Field(
         True, description="Reuse KV blocks of identical prefixes across requests."
     )
-    cache_dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
-        "auto", description="KV cache element type; auto = the model's dtype."
-    )
-    gpu_memory_utilization: float = Field(
-        0.9, gt=0.0, le=1.0, description="Fraction of device memory the worker may use."
-    )
+    # vLLM's cache_dtype and gpu_memory_utilization are not offered: the cache takes the
+    # model's dtype, and a pool sizes its cache with num_blocks, kv_cache_memory_bytes or
+    # memory_budget_bytes (the cluster config's ``InstancePool``).
 
 
 class LoRAConfig(_Config):

@@ -138,7 +138,7 @@ def worker_options(pool: InstancePool, pp_rank: int = 0) -> dict[str, Any]:
 def worker_kwargs(
     config: ClusterConfig, pool: InstancePool, pp_rank: int = 0, kv_fallback: str | None = None
 ) -> dict[str, Any]:
-    sched = pool.scheduler_config(max_model_len=None)
+    sched = pool.scheduler_config(config.max_model_len)  # the budget the engine will use
     threads = pool.num_threads if pool.num_threads is not None else None
     return {
         "model": config.model,

@@ -9,6 +9,7 @@ import pytest
 from pydantic import ValidationError
 
 from cluster.config import ClusterConfig, KVTransferConfig
+from cluster.control.placement import worker_kwargs
 
 PD = """
 model: null
@@ -56,6 +57,9 @@ def test_defaults_are_one_colocated_instance() -> None:
         ("pools: [{name: a}, {name: a}]", "repeated: a"),
         ("router: {disaggregation: always}", "needs a pool with role 'prefill'"),
         ("router: {disaggregation: -1}", "must be >= 0"),
+        # YAML's off/on are booleans: "off" passed as the threshold 0 (disaggregate all)
+        ("router: {disaggregation: off}", "not the boolean False"),
+        ("router: {disaggregation: on}", "not the boolean True"),
         ("pools: [{name: a, replicas: 0}]", "replicas"),
         ("pools: [{name: a, num_blocks: 8, kv_cache_memory_bytes: 8}]", "at most one"),
         ("pools: [{name: a, scheduler: {max_num_seqs: 0}}]", "max_num_seqs"),
@@ -90,11 +94,43 @@ def test_block_size_is_cluster_wide() -> None:
         ),
         ({"pp_size": 2, "stage_resources": [{"a": 1}]}, "needs one per pipeline stage"),
         ({"scheduler": {"max_model_len": 512}}, "max_model_len is cluster-wide"),
+        # parsed and then overridden by kv_transfer.failure_policy: refused instead
+        ({"scheduler": {"kv_load_failure_policy": "fail"}}, "set kv_transfer.failure_policy"),
+        # vLLM's names, which nothing here implements: refused instead of ignored
+        ({"cache": {"gpu_memory_utilization": 0.5}}, "gpu_memory_utilization .* not supported"),
+        ({"cache": {"cache_dtype": "float16"}}, "cache_dtype .* not supported"),
     ],
 )
 def test_pool_settings_not_supported_per_pool(pool: dict[str, object], message: str) -> None:
     with pytest.raises(ValidationError, match=message):
         ClusterConfig.model_validate({"pools": [{"name": "a", **pool}]})
+
+
+def test_pool_schedulers_are_checked_against_the_clusters_max_model_len() -> None:
+    """A pool's scheduler knobs are checked against the top-level max_model_len (a pool
+    cannot set its own), not the scheduler's default of 8192."""
+    no_chunks = {"enable_chunked_prefill": False, "max_num_batched_tokens": 4096}
+    config = ClusterConfig.model_validate(
+        {"max_model_len": 4096, "pools": [{"name": "a", "scheduler": no_chunks}]}
+    )
+    assert config.pools[0].scheduler_config(4096).max_num_batched_tokens == 4096
+    with pytest.raises(ValidationError, match=r"smaller than max_model_len \(16384\)"):
+        ClusterConfig.model_validate(
+            {"max_model_len": 16384, "pools": [{"name": "a", "scheduler": no_chunks}]}
+        )
+    with pytest.raises(ValidationError, match=r"<= max_model_len \(1024\)"):
+        ClusterConfig.model_validate(
+            {
+                "max_model_len": 1024,
+                "pools": [{"name": "a", "scheduler": {"long_prefill_token_threshold": 2000}}],
+            }
+        )
+    # The workers size their step's activations with the budget the engine will use.
+    no_budget = {"enable_chunked_prefill": False}
+    config = ClusterConfig.model_validate(
+        {"max_model_len": 16384, "pools": [{"name": "a", "scheduler": no_budget}]}
+    )
+    assert worker_kwargs(config, config.pools[0])["max_num_batched_tokens"] == 16384
 
 
 def test_pipeline_stages_add_their_resources_to_the_pools() -> None:
