@@ -228,6 +228,10 @@ async def run_level(
     t0 = time.perf_counter()
 
     async def one(i: int) -> RequestRecord | None:
+        if duration_s is not None and offsets[i] > duration_s:  # not sent: no wait for it
+            if on_done is not None:
+                on_done()
+            return None
         await asyncio.sleep(max(0.0, t0 + offsets[i] - time.perf_counter()))
         if sem is not None:
             await sem.acquire()

@@ -337,6 +337,20 @@ def test_duration_cap_stops_new_requests(server: FakeServer, tmp_path: Path) -> 
     assert len(server.bodies) == 1
 
 
+def test_duration_cap_with_a_request_rate_ends_the_run_at_the_cap(
+    server: FakeServer, tmp_path: Path
+) -> None:
+    """Arrivals scheduled past ``--duration-s`` are not waited for: the run (and the wall
+    time its throughput divides by) ends with the last request sent before the cap, not at
+    the last arrival it would have sent (20 arrivals at 2/s: about 10 s)."""
+    argv = [*_url(server), "--num-prompts", "20", "--output-len", "2", "--request-rate", "2"]
+    rc, doc = _bench([*argv, "--duration-s", "0.5"], tmp_path)
+    assert rc == 0
+    summary = doc["runs"][0]["summary"]
+    assert summary["duration_s"] < 3.0
+    assert summary["completed"] == len(server.bodies) < 20
+
+
 @pytest.mark.parametrize(
     ("argv", "option"),
     [
