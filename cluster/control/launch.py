@@ -65,7 +65,12 @@ def init_ray(
 
 def local_node_resources(config: ClusterConfig) -> dict[str, float]:
     """Custom resources a one-node local Ray must offer so that every pool can be placed."""
-    names = {name for pool in config.pools for name in pool.resources}
+    names = {
+        name
+        for pool in config.pools
+        for resources in [pool.resources, *(pool.stage_resources or [])]
+        for name in resources
+    }
     return {name: 1000.0 for name in sorted(names)}
 
 

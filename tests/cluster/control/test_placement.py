@@ -78,3 +78,9 @@ def test_the_node_groups_are_read_as_the_autoscaler_publishes_them(
 
 def test_local_node_resources_cover_every_custom_resource() -> None:
     assert local_node_resources(CONFIG) == {"decode": 1000.0, "prefill": 1000.0}
+    # Those only a pipeline stage asks for too (they could never be placed on a local Ray).
+    staged = ClusterConfig.model_validate(
+        {"pools": [{"name": "s", "pp_size": 2, "stage_resources": [{"s0": 1}, {"s1": 1}]}]}
+    )
+    assert local_node_resources(staged) == {"s0": 1000.0, "s1": 1000.0}
+    check_placeable(staged, [_node(**local_node_resources(staged))])
