@@ -65,7 +65,7 @@ def api_error(exc: BaseException, param: str | None = None) -> APIError:
         return APIError(429, str(exc), headers={"Retry-After": str(exc.retry_after_s)})
     if isinstance(exc, UnknownModelError):
         return APIError(404, str(exc), param="model")
-    if isinstance(exc, UnavailableError):
+    if isinstance(exc, UnavailableError) or _actor_gone(exc):
         return APIError(503, str(exc))
     if "no live decode-capable instance" in str(exc):  # every decode instance is gone
         return APIError(503, str(exc))
@@ -73,6 +73,16 @@ def api_error(exc: BaseException, param: str | None = None) -> APIError:
         return APIError(400, str(exc), param=param)
     logger.exception("internal error", exc_info=exc)
     return APIError(500, "internal server error")
+
+
+def _actor_gone(exc: BaseException) -> bool:
+    """A Ray actor on the request's path (the central scheduler) died or cannot be reached:
+    retryable, as its restart (``max_restarts``) brings it back."""
+    try:
+        from ray.exceptions import RayActorError
+    except ImportError:  # pragma: no cover - the app runs in Ray
+        return False
+    return isinstance(exc, RayActorError)
 
 
 def generation_error(error: str | None) -> APIError:

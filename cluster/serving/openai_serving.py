@@ -444,8 +444,11 @@ async def _outputs(jobs: list[Job], streams: list[Any], firsts: list[RequestOutp
 async def _collect(outputs: Outputs) -> Finals:
     """Every job's final output; a sample that failed makes the whole request fail."""
     finals: Finals = {}
-    async for job, out in outputs:
-        finals[job.first_index] = out
+    try:
+        async for job, out in outputs:
+            finals[job.first_index] = out
+    except Exception as exc:  # e.g. the stream lost with the cluster: a 503, as streamed
+        raise api_error(exc) from None
     for final in finals.values():
         for sample in final.outputs:
             if sample.finish_reason == "error":  # the cluster failed it (as the stream)

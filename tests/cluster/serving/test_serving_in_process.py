@@ -186,7 +186,8 @@ def test_a_stream_that_fails_midway_ends_with_an_error_event_then_done(
 
 @pytest.mark.parametrize("failure", FAILURES)
 def test_a_whole_response_that_fails_is_an_error_status(engine: AsyncLLM, failure: str) -> None:
-    """Not a 400: the request was fine, the cluster failed it."""
+    """Not a 400: the request was fine, the cluster failed it. What escapes is the API error
+    itself (the app's handler for anything else answers 500: a lost stream was one)."""
     exc, status, message = FAILURES[failure]
     serving = OpenAIServing(_Failing(engine, 1, exc), "tiny-chat")  # type: ignore[arg-type]
     req = CompletionRequest.model_validate(
@@ -201,8 +202,21 @@ def test_a_whole_response_that_fails_is_an_error_status(engine: AsyncLLM, failur
             return exc
         raise AssertionError("no error")
 
-    error = api_error(_run(whole()))  # (the app's handler: the status of what escapes)
+    error = _run(whole())
+    assert isinstance(error, APIError)
     assert error.status == status and message in error.message
+
+
+def test_a_central_scheduler_that_died_is_a_503() -> None:
+    """A request submitted while the central scheduler actor is dead or restarting fails
+    with Ray's actor error: retryable (503), not an internal error (500)."""
+    import ray.exceptions
+
+    for exc in (
+        ray.exceptions.ActorDiedError(),
+        ray.exceptions.ActorUnavailableError("unreachable", None),
+    ):
+        assert api_error(exc).status == 503
 
 
 async def _idle(engine: AsyncLLM) -> None:
