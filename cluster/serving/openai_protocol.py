@@ -86,17 +86,26 @@ _INACTIVE: tuple[Any, ...] = (
     *("none", "auto", ["text"], {"type": "text"}),
 )
 _logged_unknown: set[str] = set()
+_MAX_LOGGED_UNKNOWN = 256  # distinct names logged; a client sending random keys stops there
+
+
+def _same_kind(value: Any, inactive: Any) -> bool:
+    """``1`` asks for what ``1.0`` does (JSON writers drop the ``.0``); ``True`` is not ``1``."""
+    numbers = (int, float)
+    if isinstance(value, numbers) and isinstance(inactive, numbers):
+        return isinstance(value, bool) == isinstance(inactive, bool)
+    return type(value) is type(inactive)
 
 
 def _refuse_active(value: Any, info: ValidationInfo) -> Any:
-    if any(value == inactive and type(value) is type(inactive) for inactive in _INACTIVE):
+    if any(value == inactive and _same_kind(value, inactive) for inactive in _INACTIVE):
         return value
     raise ValueError(f"{info.field_name} is not supported")
 
 
 def _log_unknown(model: BaseModel) -> None:
     for name in model.model_extra or {}:
-        if name not in _logged_unknown:
+        if name not in _logged_unknown and len(_logged_unknown) < _MAX_LOGGED_UNKNOWN:
             _logged_unknown.add(name)
             logger.warning("ignoring the unknown request field %r (logged once)", name)
 
@@ -190,6 +199,25 @@ class _Sampling(BaseModel):
 
     def logit_bias_ids(self) -> list[int]:
         return [int(k) for k in self.logit_bias or {}]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        """OpenAI's schema lets a client send ``null`` for an optional field (``n``,
+        ``stream``, the penalties, ``logprobs``, ``echo``, ...): it means the default, as in
+        vLLM, not a type error."""
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        defaulted = [
+            key
+            for key, value in data.items()
+            if value is None
+            and key in fields
+            and not fields[key].is_required()
+            and fields[key].default is not None
+        ]
+        return {k: v for k, v in data.items() if k not in defaulted} if defaulted else data
 
     @model_validator(mode="after")
     def _streaming_options(self) -> _Sampling:

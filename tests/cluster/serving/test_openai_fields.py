@@ -106,6 +106,27 @@ def test_accepted_fields_and_values_that_ask_for_nothing_pass(endpoint: str) -> 
     body = {**BASE[endpoint]} | {k: v for k, v in asks_nothing.items() if k in fields}
     body |= {"user": "u", "metadata": {"k": "v"}, "store": True, "prompt_cache_key": "c"}
     MODELS[endpoint].model_validate(body)
+    # JSON writers drop a float's ".0": 1 asks for what 1.0 does; True is not 1 though.
+    MODELS[endpoint].model_validate({**BASE[endpoint], "length_penalty": 1})
+    with pytest.raises(ValidationError, match="length_penalty is not supported"):
+        MODELS[endpoint].model_validate({**BASE[endpoint], "length_penalty": True})
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_null_means_the_default(endpoint: str) -> None:
+    """OpenAI's schema lets clients send null for optional fields (n, stream, the penalties,
+    logprobs, echo, and vLLM's extras): every optional field takes its default, none is a
+    type error. A required one stays required."""
+    model = MODELS[endpoint]
+    default = model.model_validate(BASE[endpoint])
+    optional = [k for k, f in model.model_fields.items() if not f.is_required() and k != "model"]
+    assert {"n", "stream", "presence_penalty", "logprobs", "min_tokens"} <= set(optional)
+    for name in optional:
+        got = model.model_validate({**BASE[endpoint], name: None})
+        assert getattr(got, name) == getattr(default, name), name
+    required = "prompt" if endpoint == "completions" else "messages"
+    with pytest.raises(ValidationError, match=required):
+        model.model_validate({**BASE[endpoint], required: None})
 
 
 def test_tool_calls_in_the_history_reach_the_template() -> None:
@@ -166,6 +187,19 @@ def test_unknown_fields_are_ignored_and_logged_once(caplog: pytest.LogCaptureFix
             CompletionRequest.model_validate({**BASE["completions"], "frobnicate_xyz": 1})
     logged = [r for r in caplog.records if "frobnicate_xyz" in r.getMessage()]
     assert len(logged) == 1
+
+
+def test_unknown_field_names_kept_for_logging_are_bounded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Random keys in every request (a hostile or buggy client) do not grow the ingress's
+    memory, or its log, without bound."""
+    from cluster.serving import openai_protocol
+
+    monkeypatch.setattr(openai_protocol, "_logged_unknown", set())
+    for k in range(openai_protocol._MAX_LOGGED_UNKNOWN + 50):
+        CompletionRequest.model_validate({**BASE["completions"], f"junk_{k}": 1})
+    assert len(openai_protocol._logged_unknown) == openai_protocol._MAX_LOGGED_UNKNOWN
 
 
 def test_empty_guided_fields_are_still_asked_for() -> None:
