@@ -135,6 +135,24 @@ class EngineCoreOutput:
         return self.finish_reason is not None
 
 
+def merge_outputs(a: EngineCoreOutput, b: EngineCoreOutput) -> EngineCoreOutput:
+    """One request's output ``a`` then its next ``b`` as one (a reader that fell behind)."""
+    logprobs = None
+    if a.new_logprobs is not None or b.new_logprobs is not None:
+        logprobs = (a.new_logprobs or []) + (b.new_logprobs or [])
+    return EngineCoreOutput(
+        a.request_id,
+        a.new_token_ids + b.new_token_ids,
+        b.finish_reason,
+        b.stop_reason,
+        b.num_cached_tokens or a.num_cached_tokens,
+        None,
+        logprobs,
+        b.error,
+        a.prompt_logprobs if a.prompt_logprobs is not None else b.prompt_logprobs,
+    )
+
+
 @dataclass
 class SchedulerStats:
     """A snapshot for metrics. Gauges are current; counters cover the time since the last call."""

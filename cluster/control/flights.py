@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from cluster.engine.streams import Mailbox
 from scheduler import Request
-from scheduler.outputs import EngineCoreOutput
+from scheduler.outputs import EngineCoreOutput, merge_outputs
 from scheduler.request import FinishReason
 
 if TYPE_CHECKING:
@@ -301,23 +301,6 @@ def _extend(into: EngineCoreOutput, b: EngineCoreOutput) -> None:
     into.error = b.error
     if into.prompt_logprobs is None:
         into.prompt_logprobs = b.prompt_logprobs
-
-
-def merge_outputs(a: EngineCoreOutput, b: EngineCoreOutput) -> EngineCoreOutput:
-    logprobs = None
-    if a.new_logprobs is not None or b.new_logprobs is not None:
-        logprobs = (a.new_logprobs or []) + (b.new_logprobs or [])
-    return EngineCoreOutput(
-        a.request_id,
-        a.new_token_ids + b.new_token_ids,
-        b.finish_reason,
-        b.stop_reason,
-        b.num_cached_tokens or a.num_cached_tokens,
-        None,
-        logprobs,
-        b.error,
-        a.prompt_logprobs if a.prompt_logprobs is not None else b.prompt_logprobs,
-    )
 
 
 class EarlyAborts:

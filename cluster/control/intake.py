@@ -19,7 +19,6 @@ from cluster.control.flights import (
     Submission,
     WireOutput,
     admitted_with_another,
-    merge_outputs,
     pack_batch,
 )
 from cluster.control.observer import RequestObserver
@@ -28,7 +27,7 @@ from cluster.control.summaries import InstanceView
 from cluster.engine.streams import Mailbox
 from cluster.errors import OverloadedError
 from scheduler import Request
-from scheduler.outputs import EngineCoreOutput
+from scheduler.outputs import EngineCoreOutput, merge_outputs
 from scheduler.request import FinishReason
 
 
