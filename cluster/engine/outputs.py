@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from actors.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from scheduler import EngineCoreOutput, SamplingParams
-from scheduler.outputs import TokenLogprobs
+from scheduler.outputs import TokenLogprobs, merge_outputs
 from scheduler.request import FinishReason, PromptLogprob
 
 
@@ -112,6 +112,16 @@ class _Sample:
         return stopped
 
 
+def _merged_by_request(outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
+    """One output per request, in the order each first appears (a sample's text delta is
+    taken once per ``process``)."""
+    merged: dict[str, EngineCoreOutput] = {}
+    for out in outputs:
+        before = merged.get(out.request_id)
+        merged[out.request_id] = out if before is None else merge_outputs(before, out)
+    return list(merged.values())
+
+
 def _find_stop(text: str, stops: tuple[str, ...], start: int) -> tuple[int, str] | None:
     best: tuple[int, str] | None = None
     for stop in stops:
@@ -127,6 +137,13 @@ class _Parent:
     ) -> None:
         self.output = RequestOutput(request_id, prompt, prompt_ids, [s.out for s in samples])
         self.samples = samples
+        # Prompt logprobs with n > 1: only sample 0 computes them (``InputProcessor``), and
+        # another sample may come out first (a prefix hit, no hand-off). Its outputs are held
+        # (merged per sample) until sample 0's first one, so every sample's first output --
+        # an echo's first chunk -- comes with the prompt's logprobs. None: nothing is held.
+        params = samples[0].params
+        wants = params.prompt_logprobs is not None and len(samples) > 1
+        self.held: dict[str, EngineCoreOutput] | None = {} if wants else None
 
 
 class OutputProcessor:
@@ -189,11 +206,23 @@ class OutputProcessor:
             for sample in parent.samples:
                 sample.out.new_text, sample.out.new_token_ids = "", []
         stopped: list[str] = []
-        for core in core_outputs:
+        work = list(core_outputs)
+        k = 0
+        while k < len(work):
+            core = work[k]
+            k += 1
             entry = self.children.get(core.request_id)
             if entry is None:
                 continue  # aborted or stopped by a string already
             parent, sample = entry
+            held = parent.held
+            if held is not None:
+                if sample.out.index != 0:  # until sample 0's first output (``_Parent``)
+                    before = held.get(core.request_id)
+                    held[core.request_id] = core if before is None else merge_outputs(before, core)
+                    continue
+                parent.held = None  # then the held ones, each as one output
+                work[k:] = _merged_by_request([*held.values(), *work[k:]])
             rid = parent.output.request_id
             if rid not in changed:
                 for s in parent.samples:

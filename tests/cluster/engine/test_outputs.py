@@ -1,0 +1,47 @@
+"""The output processor (``cluster.engine.outputs``): what the API's streams are built from."""
+
+from __future__ import annotations
+
+import pytest
+
+from actors.model.loader import builtin_model_path
+from actors.model.tokenizer import Tokenizer
+from cluster.engine.outputs import OutputProcessor
+from scheduler import EngineCoreOutput, FinishReason, SamplingParams
+
+PROMPT = [1, 2, 3]
+PROMPT_LOGPROBS = [None, ({2: -0.5}, 1), ({3: -0.25}, 1)]
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return Tokenizer.from_path(builtin_model_path())
+
+
+def test_samples_wait_for_the_prompt_logprobs_sample_0_computes(tokenizer: Tokenizer) -> None:
+    """With n > 1 only sample 0 computes the prompt's logprobs, and another sample can come
+    out first (it hit the prefix cache, or ran without a hand-off). Its outputs are held until
+    sample 0's first one, so every sample's first output (an echo's first chunk) carries the
+    prompt's logprobs; what was held comes out whole, once."""
+    processor = OutputProcessor(tokenizer)
+    params = SamplingParams(n=2, max_tokens=8, prompt_logprobs=1)
+    first, second = processor.add("r", None, PROMPT, params)
+    assert processor.process([EngineCoreOutput(second, [400])]) == ([], [])
+    assert processor.process([EngineCoreOutput(second, [401])]) == ([], [])
+    zero = EngineCoreOutput(first, [500], prompt_logprobs=PROMPT_LOGPROBS)
+    (out,), _ = processor.process([zero, EngineCoreOutput(second, [402])])
+    assert out.prompt_logprobs == PROMPT_LOGPROBS
+    assert [s.new_token_ids for s in out.outputs] == [[500], [400, 401, 402]]
+    assert out.outputs[1].new_text == tokenizer.decode([400, 401, 402])
+    done = [EngineCoreOutput(c, [7, 8], FinishReason.LENGTH) for c in (first, second)]
+    (out,), _ = processor.process(done)  # from then on, nothing is held
+    assert out.finished
+    assert [s.token_ids for s in out.outputs] == [[500, 7, 8], [400, 401, 402, 7, 8]]
+    assert not processor.requests
+
+
+def test_nothing_is_held_without_prompt_logprobs(tokenizer: Tokenizer) -> None:
+    processor = OutputProcessor(tokenizer)
+    first, second = processor.add("r", None, PROMPT, SamplingParams(n=2, max_tokens=3))
+    (out,), _ = processor.process([EngineCoreOutput(second, [400])])
+    assert [s.new_token_ids for s in out.outputs] == [[], [400]]
