@@ -42,6 +42,6 @@ def test_samples_wait_for_the_prompt_logprobs_sample_0_computes(tokenizer: Token
 
 def test_nothing_is_held_without_prompt_logprobs(tokenizer: Tokenizer) -> None:
     processor = OutputProcessor(tokenizer)
-    first, second = processor.add("r", None, PROMPT, SamplingParams(n=2, max_tokens=3))
+    _, second = processor.add("r", None, PROMPT, SamplingParams(n=2, max_tokens=3))
     (out,), _ = processor.process([EngineCoreOutput(second, [400])])
     assert [s.new_token_ids for s in out.outputs] == [[], [400]]
