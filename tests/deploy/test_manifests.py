@@ -167,7 +167,7 @@ def test_validator_accepts_int_or_string_and_checks_quantities() -> None:
         "containers"
     ][0]
     for port in (8000, "serve"):
-        container["readinessProbe"]["httpGet"]["port"] = port
+        container["readinessProbe"] = {"httpGet": {"path": "/-/healthz", "port": port}}
         for memory in ("6Gi", 6 * 2**30, "6442450944"):
             container["resources"]["limits"]["memory"] = memory
             assert errors(doc) == [], (port, memory)
@@ -286,31 +286,23 @@ def test_every_pod_has_the_otlp_exporter_env(name: str) -> None:
         assert "RAY_AUTH_MODE" not in env, group  # Ray's authentication is left at its default
 
 
-def test_readiness_goes_through_the_apps_health_route_without_deadlock() -> None:
-    """Worker pods are ready when their Serve proxy answers the app's /health. The head has no
-    such probe: KubeRay deploys serveConfigV2 only once the head is ready, so a head waiting
-    for the app would wait forever (its injected raylet/GCS probes stay)."""
-    spec = cluster_spec(service())
-    head = spec["headGroupSpec"]["template"]["spec"]["containers"][0]
-    assert "readinessProbe" not in head
-    assert "livenessProbe" not in head
-    for group in spec["workerGroupSpecs"]:
-        (container,) = group["template"]["spec"]["containers"]
-        probe = container["readinessProbe"]
-        assert probe["httpGet"] == {"path": "/health", "port": 8000}
-        assert probe["timeoutSeconds"] > 10  # /health waits up to 10 s for the workers
-        assert "livenessProbe" not in container  # a slow model load must not restart the pod
-    # The plain RayCluster has no app until `serve deploy`: no /health probes at all.
-    plain = cluster_spec(load(KUBERAY / "raycluster.yaml"))
-    for group, container in all_containers(plain):
-        assert "/health" not in json.dumps(container.get("readinessProbe", {})), group
+def test_pods_keep_kuberays_probes_and_no_ignored_health_thresholds() -> None:
+    """Every pod keeps KubeRay's injected probes. Not the app's /health: the head waiting for
+    the app would wait forever (KubeRay deploys serveConfigV2 once the head is ready), and on
+    worker pods a whole-cluster check would pull every proxy at once. KubeRay (1.1 on) ignores
+    the unhealthy thresholds, so the manifest does not pretend they heal anything."""
+    doc = service()
+    assert "serviceUnhealthySecondThreshold" not in doc["spec"]
+    assert "deploymentUnhealthySecondThreshold" not in doc["spec"]
+    for manifest in (doc, load(KUBERAY / "raycluster.yaml")):
+        for group, container in all_containers(cluster_spec(manifest)):
+            assert "readinessProbe" not in container, group
+            assert "livenessProbe" not in container, group  # a slow model load: no restart
 
 
 def test_raycluster_has_the_same_groups_as_the_rayservice() -> None:
     def shape(spec: dict[str, Any]) -> Any:
         spec = copy.deepcopy(spec)
-        for _, container in all_containers(spec):
-            container.pop("readinessProbe", None)  # differ on purpose (see above)
         return spec["headGroupSpec"], spec["workerGroupSpecs"]
 
     plain = cluster_spec(load(KUBERAY / "raycluster.yaml"))
