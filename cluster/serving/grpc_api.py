@@ -30,7 +30,8 @@ STATUS_CODES = {
 
 def completion_request(message: Any) -> CompletionRequest:
     """The HTTP body equivalent of a ``GenerateRequest`` (unset optional fields stay unset)."""
-    body: dict[str, Any] = {"model": message.model, "stream": True}
+    # proto3 has no unset string: "" means no model given (the served one, as over HTTP).
+    body: dict[str, Any] = {"model": message.model or None, "stream": True}
     if message.prompt_token_ids:
         body["prompt"] = list(message.prompt_token_ids)
     else:
@@ -53,10 +54,9 @@ def completion_request(message: Any) -> CompletionRequest:
     try:
         return CompletionRequest.model_validate(body)
     except ValidationError as exc:
-        problems = [
-            f"{'.'.join(str(p) for p in e['loc']) or 'request'}: {e['msg']}" for e in exc.errors()
-        ]
-        raise APIError(400, "; ".join(problems)) from None
+        fields = [".".join(str(p) for p in e["loc"]) or "request" for e in exc.errors()]
+        problems = [f"{f}: {e['msg']}" for f, e in zip(fields, exc.errors(), strict=True)]
+        raise APIError(400, "; ".join(problems), param=fields[0]) from None
 
 
 def _metadata(grpc_context: Any, key: str) -> str | None:

@@ -1,0 +1,24 @@
+"""The gRPC API's request mapping (``cluster.serving.grpc_api``), without a server: the
+served end to end is in ``test_serve_errors.py``."""
+
+from __future__ import annotations
+
+import pytest
+
+from cluster.proto import tandem_pb2
+from cluster.serving.errors import APIError
+from cluster.serving.grpc_api import completion_request
+
+
+def test_a_request_without_a_model_is_for_the_served_one_as_over_http() -> None:
+    """proto3 has no unset string: ``model`` left out reads "", which means the served model
+    (it was refused: "model: String should have at least 1 character")."""
+    request = completion_request(tandem_pb2.GenerateRequest(prompt="hi", max_tokens=3))
+    assert request.model is None and request.prompt == "hi" and request.max_tokens == 3
+
+
+def test_a_bad_field_is_named_in_the_error() -> None:
+    with pytest.raises(APIError) as info:
+        completion_request(tandem_pb2.GenerateRequest(prompt="hi", temperature=5.0))
+    assert info.value.status == 400 and info.value.param == "temperature"
+    assert "temperature" in info.value.message
