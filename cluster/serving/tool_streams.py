@@ -289,6 +289,17 @@ class AutoStream(ToolStream):
             if calls:
                 return "", [self._whole(call) for call in calls]
             return pending, []
+        head = pending.lstrip()
+        if head.startswith(HERMES_OPEN):
+            # A last block with no closing tag: the client's stop ["</tool_call>"] took it,
+            # or the model ended its turn without it. A whole call still is one (as vLLM's
+            # hermes parser reads it); a close cut short by max_tokens is dropped with it.
+            block = head[len(HERMES_OPEN) :]
+            block = block[: len(block) - _partial_suffix(block, HERMES_CLOSE)].strip()
+            call = _call_from_json(block, False)
+            if call is not None:
+                self.after_call = True
+                return "", [self._whole(call)]
         if self.calls and not pending.strip():
             return "", []  # whitespace after the last call
         return self._content(pending), []

@@ -165,6 +165,12 @@ def test_hermes_and_llama3_outputs_parse_into_calls() -> None:
     )
     assert parse_calls("hermes", "hi <tool_call>{") == ("hi <tool_call>{", [])
     assert parse_calls("hermes", "plain text \n") == ("plain text \n", [])
+    # A whole last call without its closing tag (the client's stop ["</tool_call>"] took it,
+    # or the turn ended) is a call, as vLLM's hermes parser reads it; so with a cut-off tag.
+    for tail in ("", "\n", "\n</tool_", "</tool_call"):
+        unclosed = 'Checking. <tool_call>{"name": "get_time", "arguments": {}}' + tail
+        content, calls = parse_calls("hermes", unclosed)
+        assert content == "Checking." and [c.name for c in calls] == ["get_time"], tail
     names = ("get_weather", "get_time")
     llama = (
         '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Rome"}}; '
