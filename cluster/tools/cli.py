@@ -217,6 +217,16 @@ def _run_generate(args: argparse.Namespace) -> int:
         print(f"tandem generate: {exc}", file=sys.stderr)
         return 2
     if args.cluster:
+        engine_only = {"--model": None, "--dtype": "auto", "--quantization": "auto"}
+        engine_only["--device"] = "cpu"
+        given = [f for f, default in engine_only.items() if getattr(args, f[2:]) != default]
+        if given:  # the cluster serves the model it was started with
+            print(
+                f"tandem generate: {', '.join(given)} set the in-process engine; with --cluster "
+                "the running cluster's model and settings apply (set them on `tandem up`)",
+                file=sys.stderr,
+            )
+            return 2
         return _generate_on_cluster(args, params)
     from cluster.engine.llm import LLM  # torch import is slow: only when the command runs
 

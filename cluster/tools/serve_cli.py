@@ -277,6 +277,13 @@ def _pools(
     """The pools for ``--prefill-instances`` / ``--decode-instances``, each from the config's
     pool of that role (its threads, resources, cache) when it has one. Prefill 0: one
     colocated pool (role both) of ``decode`` instances (default: the decode pool's count)."""
+    roles = [pool["role"] for pool in pools]
+    if len(set(roles)) < len(roles):  # which would the flags resize? (the others would go)
+        raise ValueError(
+            "--prefill-instances / --decode-instances make one prefill and one decode pool; "
+            f"the config has {len(pools)} pools ({', '.join(p['name'] for p in pools)}), "
+            "several of one role: set their replicas in the config instead"
+        )
     by_role = {pool["role"]: pool for pool in reversed(pools)}
     decode_pool = by_role.get("decode") or by_role.get("both") or pools[0]
     prefill_pool = by_role.get("prefill")

@@ -127,6 +127,14 @@ def test_vllm_flags_and_pool_sizes(tmp_path: Path) -> None:
     ]
     both = serve_config(_args("/models/m", "--config", str(file), "--block-size", "16"))
     assert both.model == "/models/m" and both.block_size == 16
+    # Two decode pools: which would the flags resize? Refused (the second was dropped).
+    two = tmp_path / "two.yaml"
+    two.write_text(
+        "pools: [{name: p, role: prefill}, {name: d1, role: decode}, {name: d2, role: decode}]\n"
+    )
+    with pytest.raises(ValueError, match="3 pools \\(p, d1, d2\\), several of one role"):
+        serve_config(_args(str(two), "--decode-instances", "2"))
+    assert [p.name for p in serve_config(_args(str(two))).pools] == ["p", "d1", "d2"]
 
 
 def test_lora_flags_and_refusals() -> None:

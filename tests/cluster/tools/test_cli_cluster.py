@@ -100,6 +100,18 @@ def test_generate_without_a_cluster_says_how_to_start_one(tmp_path: Path) -> Non
     assert "tandem up" in out.stderr
 
 
+def test_generate_on_a_cluster_refuses_the_in_process_engines_flags(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The cluster serves the model it was started with: --model and the engine's flags with
+    --cluster are refused, not silently ignored (before any cluster is looked for)."""
+    from cluster.tools.cli import main
+
+    assert main(["generate", "--cluster", "--model", "other.gguf", "-q", "int8", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert "--model, --quantization set the in-process engine" in err and "tandem up" in err
+
+
 def test_down_stops_a_running_cluster(ray_cluster: Any, tiny_model: Path) -> None:
     import ray
 
