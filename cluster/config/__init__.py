@@ -14,22 +14,33 @@ layer (SchedulerActor, Router, workers) reads these; this module only validates.
 
 from __future__ import annotations
 
-import secrets
-from functools import cached_property
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from kv_transfer.tls import TLSMaterial
+from cluster.config.base import _Config
+from cluster.config.kv import NIXL_SAFETY_MARGIN_S, KVTransferConfig
+from cluster.config.serve import INGRESS_ONLY, ServeConfig
 from kv_transfer.tracing import TracingConfig
 from scheduler import CacheConfig, LoRAConfig, SchedulerConfig
 
+__all__ = [
+    "INGRESS_ONLY",
+    "NIXL_SAFETY_MARGIN_S",
+    "AutoscalingConfig",
+    "ClusterConfig",
+    "InstancePool",
+    "KVTransferConfig",
+    "MetricsConfig",
+    "RouterConfig",
+    "ServeConfig",
+    "TracingConfig",
+    "default_cluster_config",
+    "served_model_name",
+]
+
 Role = Literal["prefill", "decode", "both"]
-
-
-class _Config(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 class AutoscalingConfig(_Config):
@@ -232,187 +243,6 @@ class RouterConfig(_Config):
         return self
 
 
-NIXL_SAFETY_MARGIN_S = 1.0  # a one-sided read ends this long before its source's lease
-
-
-class KVTransferConfig(_Config):
-    """The KV connector between prefill and decode instances.
-
-    ``transport``: ``nixl`` (one-sided reads straight into the decode blocks; the
-    ``tandem-serve[nixl]`` extra), ``ray`` (the object store), ``grpc`` (pulls from each
-    worker's KV server), or ``auto`` (the default): ``nixl`` when it can be imported and the
-    workers reach each other with it (probed when they start), else ``ray``.
-
-    The ``grpc`` transport's knobs are ignored by ``ray``. Its cluster token, which every KV
-    request carries, is ``auth_token`` or, unset, a random one made when the config is built:
-    every worker started from this config shares it (copies and the pickles sent to the actors
-    keep it), while two configs loaded from one file still compare equal. A ``SecretStr``:
-    never in reprs, logs or dumps.
-    """
-
-    transport: Literal["auto", "nixl", "ray", "grpc"] = "auto"
-    timeout_s: float = Field(5.0, gt=0.0, le=600.0, description="Deadline of one transfer.")
-    failure_policy: Literal["recompute", "fail"] = "recompute"
-    auth_token: SecretStr | None = Field(
-        None,
-        description="grpc: the cluster token KV requests carry (random per config if unset; "
-        "set it when several processes build their own config for one cluster).",
-    )
-    lease_s: float | None = Field(
-        None,
-        gt=0.0,
-        le=3600.0,
-        description="grpc, nixl: how long a prefill worker holds a request's blocks for the pull "
-        "(default: timeout_s plus a grace of max(1 s, timeout_s / 2), so that the lease "
-        "outlives the decode side's deadline).",
-    )
-    ucx_tls: str | None = Field(
-        None,
-        min_length=1,
-        description="nixl: the UCX transports the workers' KV reads may use (UCX_TLS), e.g. "
-        "'tcp' where a same-node kernel copy (CMA) is not permitted; default: UCX's choice.",
-    )
-    same_node_copy: bool = Field(
-        True,
-        description="nixl: between two workers of one machine, copy the blocks with one "
-        "kernel copy (process_vm_readv, what UCX's CMA transport does underneath) instead of a "
-        "NIXL READ: the same rights, a fraction of the per-transfer cost. Used where the "
-        "reader can attach to the source; never with ucx_tls set.",
-    )
-    bind_host: str = Field(
-        "127.0.0.1",
-        min_length=1,
-        description="grpc: the address each worker's KV server binds (port chosen by the "
-        "system); 0.0.0.0 for a cluster of several machines.",
-    )
-    advertise_host: str | None = Field(
-        None,
-        min_length=1,
-        description="grpc: the address other workers reach a KV server at (default: bind_host, "
-        "or this machine's address when bind_host is a wildcard).",
-    )
-    chunk_size_bytes: int = Field(
-        1 << 20, ge=4096, le=64 << 20, description="grpc: the largest data message of a pull."
-    )
-    tls: bool = Field(
-        False,
-        description="grpc: mutual TLS between workers (KV bytes and the token encrypted; only "
-        "peers with a certificate of the cluster's CA connect). With no files below, a CA and "
-        "a certificate are made for the cluster when the config is built.",
-    )
-    tls_ca_file: str | None = Field(None, min_length=1, description="grpc: the CA (PEM).")
-    tls_cert_file: str | None = Field(
-        None, min_length=1, description="grpc: every worker's certificate (PEM), signed by the CA."
-    )
-    tls_key_file: str | None = Field(None, min_length=1, description="grpc: its key (PEM).")
-    tls_server_name: str = Field(
-        "tandem-kv",
-        min_length=1,
-        description="grpc: the DNS name in the certificate that clients check servers against "
-        "(workers are reached by address; one name stands for all of them).",
-    )
-
-    @model_validator(mode="after")
-    def _check(self) -> KVTransferConfig:
-        token = None if self.auth_token is None else self.auth_token.get_secret_value()
-        if token is not None and len(token) < 16:
-            raise ValueError("kv_transfer.auth_token must be at least 16 characters")
-        if token is not None and set(token) == {"*"}:
-            raise ValueError(
-                "kv_transfer.auth_token is a masked secret (from a dump): set the real one"
-            )
-        files = (self.tls_ca_file, self.tls_cert_file, self.tls_key_file)
-        if any(f is not None for f in files) and None in files:
-            raise ValueError(
-                "kv_transfer.tls_ca_file, tls_cert_file and tls_key_file go together (or none: "
-                "a CA and certificate are made for the cluster)"
-            )
-        if any(f is not None for f in files) and not self.tls:
-            raise ValueError("kv_transfer.tls_* files are set but kv_transfer.tls is false")
-        if self.transport in ("nixl", "auto") and self.effective_lease_s <= NIXL_SAFETY_MARGIN_S:
-            raise ValueError(
-                f"kv_transfer.lease_s ({self.effective_lease_s}) must exceed the nixl "
-                f"transport's safety margin of {NIXL_SAFETY_MARGIN_S} s (transport "
-                f"{self.transport})"
-            )
-        if self.tls and self.transport != "grpc":
-            raise ValueError(
-                "kv_transfer.tls is for the grpc transport; the ray transport rides Ray's own "
-                "channels (encrypted only with Ray's TLS: RAY_USE_TLS=1)"
-            )
-        return self
-
-    def model_post_init(self, context: Any, /) -> None:
-        _ = self.cluster_token  # made now, so that every copy of this config carries it
-        if self.tls and self.tls_ca_file is None:
-            _ = self.cluster_tls  # likewise the generated CA and certificate
-
-    @cached_property
-    def cluster_tls(self) -> TLSMaterial | None:
-        """The TLS material of the grpc transport (None without ``tls``): read from the files,
-        or made for this config when it was built (kept in the instance, like the token)."""
-        if not self.tls:
-            return None
-        if self.tls_ca_file is not None and self.tls_cert_file and self.tls_key_file:
-            return TLSMaterial.from_files(
-                self.tls_ca_file, self.tls_cert_file, self.tls_key_file, self.tls_server_name
-            )
-        return TLSMaterial.generate(self.tls_server_name)
-
-    @cached_property
-    def cluster_token(self) -> SecretStr:
-        """``auth_token``, or the random token made for this config when it was built. Kept
-        in the instance, not in a field: not dumped, not compared."""
-        return self.auth_token or SecretStr(secrets.token_urlsafe(32))
-
-    @property
-    def effective_lease_s(self) -> float:
-        """``lease_s``, or its default derived from ``timeout_s``."""
-        if self.lease_s is not None:
-            return self.lease_s
-        return self.timeout_s + max(1.0, self.timeout_s / 2)
-
-    @property
-    def auto(self) -> bool:
-        return self.transport == "auto"
-
-    def resolved(self) -> KVTransferConfig:
-        """This config with ``auto`` replaced by its first choice here: ``nixl`` when NIXL can
-        be imported, else ``ray`` (whether the workers reach each other is probed when they
-        start: ``cluster.control.placement.connect_kv_peers``)."""
-        if not self.auto:
-            return self
-        from kv_transfer.nixl_transport import nixl_available
-
-        return self.with_transport("nixl" if nixl_available() else "ray")
-
-    def with_transport(self, transport: str) -> KVTransferConfig:
-        return self.model_copy(update={"transport": transport})
-
-    def connector_options(self) -> dict[str, Any]:
-        """Keyword arguments of the workers' connector for this transport."""
-        if self.transport == "nixl":
-            options: dict[str, Any] = {
-                "lease_s": self.effective_lease_s,
-                "safety_margin_s": NIXL_SAFETY_MARGIN_S,
-            }
-            if self.ucx_tls is not None:
-                options["ucx_tls"] = self.ucx_tls
-            if not self.same_node_copy:
-                options["same_node_copy"] = False
-            return options
-        if self.transport != "grpc":
-            return {}
-        return {
-            "auth_token": self.cluster_token,  # unwrapped by the connector only
-            "lease_s": self.effective_lease_s,
-            "bind_host": self.bind_host,
-            "advertise_host": self.advertise_host,
-            "chunk_size_bytes": self.chunk_size_bytes,
-            "tls": self.cluster_tls,
-        }
-
-
 class MetricsConfig(_Config):
     """Prometheus metrics (``/metrics``) and the SLOs that define goodput."""
 
@@ -427,159 +257,6 @@ class MetricsConfig(_Config):
         description="Also export every series under vLLM's names (vllm: instead of tandem:), "
         "for gateways and dashboards that scrape vLLM.",
     )
-
-
-class ServeConfig(_Config):
-    """The Ray Serve application in front of the cluster (``cluster.serving.app:build_app``)."""
-
-    served_model_name: str | None = Field(
-        None,
-        min_length=1,
-        description="The model's name in the API (default: the model "
-        "file or directory name; SmolLM2-135M-Instruct for the built-in one).",
-    )
-    api_key: SecretStr | None = Field(
-        None, description="When set, every /v1 request must carry it as a Bearer token."
-    )
-    admin_api_key: SecretStr | None = Field(
-        None,
-        description="When set, the admin routes (runtime LoRA loading, pool scaling) take "
-        "this Bearer token and no other; it must differ from api_key. Unset: they take api_key.",
-    )
-    lora_modules: dict[str, str] = Field(
-        default_factory=dict,
-        description="LoRA adapters served as model names from the start: name -> path "
-        "(needs the lora section). More can be loaded at run time (/v1/load_lora_adapter) "
-        "where allow_runtime_lora_updates is on.",
-    )
-    allow_runtime_lora_updates: bool = Field(
-        False,
-        description="Serve /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
-        "VLLM_ALLOW_RUNTIME_LORA_UPDATING): they make the workers open a path a client "
-        "names, so they are off by default, need lora_adapter_root, and take admin_api_key.",
-    )
-    lora_adapter_root: str | None = Field(
-        None,
-        min_length=1,
-        description="The folder runtime-loaded adapters must lie under (relative lora_path "
-        "values are taken from it); a path that resolves outside it (.., symlinks) is refused.",
-    )
-    allow_runtime_scaling: bool = Field(
-        False,
-        description="Serve /admin/scale_pool (resize a pool while serving; it takes "
-        "admin_api_key). tandem scale works without it.",
-    )
-    max_waiting_requests: int | None = Field(
-        None,
-        ge=0,
-        description="Requests waiting to be scheduled, cluster-wide, above which "
-        "new ones are refused with 429 (unset: no bound).",
-    )
-    retry_after_s: int = Field(1, ge=1, le=3600, description="Retry-After of a 429.")
-    host: str = Field("127.0.0.1", min_length=1, description="HTTP bind address (tandem serve).")
-    ssl_keyfile: str | None = Field(
-        None,
-        min_length=1,
-        description="HTTPS: the server's private key (PEM), with ssl_certfile (tandem serve; a "
-        "Serve config file sets http_options.ssl_keyfile itself).",
-    )
-    ssl_certfile: str | None = Field(
-        None, min_length=1, description="HTTPS: the server's certificate chain (PEM)."
-    )
-    port: int = Field(8000, ge=1, le=65535, description="HTTP port (tandem serve).")
-    grpc_port: int | None = Field(
-        9000, ge=1, le=65535, description="gRPC port of tandem.v1.Generate (null: no gRPC)."
-    )
-    ingress_replicas: int = Field(
-        1, ge=1, le=256, description="Ingress replicas (tokenization, detokenization, HTTP)."
-    )
-    ingress_num_cpus: float = Field(0.0, ge=0.0, description="CPUs each ingress replica takes.")
-    max_ongoing_requests: int = Field(
-        1024, ge=1, description="Concurrent requests one ingress replica accepts."
-    )
-    max_request_body_bytes: int = Field(
-        8 * 1024 * 1024,
-        ge=1024,
-        description="Largest HTTP request body accepted; a larger one is answered 413 "
-        "before it is parsed (Serve's proxy still reads it: bound it in front too).",
-    )
-    preprocess_threads: int = Field(
-        2,
-        ge=1,
-        le=64,
-        description="Threads of each ingress replica that tokenize prompts and render chat "
-        "templates, off its event loop.",
-    )
-    tool_call_parser: Literal["hermes", "llama3_json"] | None = Field(
-        None,
-        description="The format tool_choice auto parses calls in (vLLM's --tool-call-parser): "
-        "hermes (<tool_call> blocks) or llama3_json (a bare JSON object); unset: chosen from "
-        "the chat template (hermes where it has no tool format of its own).",
-    )
-    generation_config: str = Field(
-        "auto",
-        min_length=1,
-        description="Where the API's sampling defaults come from (vLLM's --generation-config): "
-        "auto, the model's generation_config.json (temperature, top_p, top_k, min_p, "
-        "repetition_penalty, and max_new_tokens as the default max_tokens) for the fields a "
-        "request leaves unset; vllm, the usual defaults (temperature 1, ...); or a folder "
-        "holding a generation_config.json.",
-    )
-
-    @model_validator(mode="after")
-    def _check(self) -> ServeConfig:
-        for name in self.lora_modules:
-            if not name or name == self.served_model_name:
-                raise ValueError(f"serve.lora_modules: {name!r} is not a valid adapter name")
-        if self.allow_runtime_lora_updates and self.lora_adapter_root is None:
-            raise ValueError(
-                "serve.allow_runtime_lora_updates needs serve.lora_adapter_root: the folder "
-                "adapters may be loaded from"
-            )
-        if self.lora_adapter_root is not None and not Path(self.lora_adapter_root).is_absolute():
-            raise ValueError("serve.lora_adapter_root must be an absolute path")
-        admin_routes = self.allow_runtime_lora_updates or self.allow_runtime_scaling
-        if admin_routes and self.admin_api_key is None and self.api_key is None:
-            raise ValueError(
-                "serve.allow_runtime_lora_updates / allow_runtime_scaling need a key: set "
-                "serve.admin_api_key (or at least serve.api_key)"
-            )
-        for name in ("api_key", "admin_api_key"):
-            secret = getattr(self, name)
-            if secret is not None and not secret.get_secret_value().strip():
-                raise ValueError(f"serve.{name} is empty")
-        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
-            raise ValueError("serve.ssl_keyfile and serve.ssl_certfile go together")
-        admin, key = self.admin_api_key, self.api_key
-        if (
-            admin is not None
-            and key is not None
-            and admin.get_secret_value() == key.get_secret_value()
-        ):
-            raise ValueError("serve.admin_api_key must differ from serve.api_key")
-        return self
-
-
-# ServeConfig fields that only the ingress reads: a new value needs new ingress replicas, not a
-# new cluster (the others -- served_model_name, lora_modules, the waiting bound -- are the
-# SchedulerActor's).
-INGRESS_ONLY = (
-    "api_key",
-    "admin_api_key",
-    "allow_runtime_lora_updates",
-    "lora_adapter_root",
-    "allow_runtime_scaling",
-    "host",
-    "ssl_keyfile",
-    "ssl_certfile",
-    "port",
-    "grpc_port",
-    "ingress_replicas",
-    "ingress_num_cpus",
-    "max_ongoing_requests",
-    "max_request_body_bytes",
-    "preprocess_threads",
-)
 
 
 class ClusterConfig(_Config):
