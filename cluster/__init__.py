@@ -7,7 +7,7 @@
     engine/         the in-process engine (LLM, LLMEngine, AsyncLLM), input / output
                     processing, and the EngineClient contract between serving and any engine
     observability/  Prometheus metrics, request traces, the API span
-    config.py       ClusterConfig;  errors.py  errors raised to callers
+    config/         ClusterConfig;  errors.py  errors raised to callers
 
 Each floor imports only the floors below it. Importing this package loads nothing heavy:
 ``LLM``, ``LLMEngine`` and the output types are resolved on first use.
