@@ -38,6 +38,13 @@ if TYPE_CHECKING:
     from scheduler.request import Request
 
 
+class KVReadStuck(RuntimeError):
+    """A worker's KV read runs on past its deadline with its source disconnected: its blocks
+    may still be written at any time, so the worker's cache cannot be handed out again. The
+    worker's step raises it; the instance's engine then ends the worker's process, as a hung
+    worker's (``cluster/control/engine_loop.py``)."""
+
+
 @dataclass(frozen=True)
 class SaveSpec:
     """Prefill side: save the KV of the first ``num_tokens`` positions of ``req_id`` at the end

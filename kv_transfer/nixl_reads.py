@@ -10,7 +10,8 @@ margin) ends the load with its bytes; an error or the deadline fails it, but onl
 its transfers runs any more (NIXL's release of a running UCX transfer does not stop its copy);
 one that runs on long past the deadline has its source disconnected, and if it runs on even
 then, the step fails (``KVReadStuck``): the blocks it may still write cannot go back to the
-pool, so the instance fails over and its workers get new caches.
+pool, so the instance fails over and its engine ends the worker's process, as a hung one's
+(``cluster/control/engine_loop.py``): no late write can land anywhere then.
 """
 
 from __future__ import annotations
@@ -25,17 +26,13 @@ import numpy as np
 
 from kv_transfer.base import WorkerConnector, _Load
 from kv_transfer.cma import SourceProcess
+from kv_transfer.connector import KVReadStuck
 from kv_transfer.nixl_layout import NixlHandle, PoolLayout, merge_descriptors, merge_spans
 
 if TYPE_CHECKING:
     from kv_transfer.connector import KVConnectorMetadata, KVSegment, LoadSpec
 
 logger = logging.getLogger(__name__)
-
-
-class KVReadStuck(RuntimeError):
-    """A READ runs on past its deadline with its source disconnected: its blocks may still be
-    written at any time, so this worker's cache cannot be handed out again."""
 
 
 @dataclass
@@ -321,9 +318,9 @@ class NixlReads(WorkerConnector):
             # deadline has an unresponsive source: its endpoint is closed (which ends its
             # operations). One still running after as long again may write into its blocks
             # at any time: reporting the load would hand them to another request, so the
-            # step fails instead (``KVReadStuck``). The instance fails over and its workers
-            # get new caches; the old one stays alive while the transfer runs
-            # (``_drop_reads``).
+            # step fails instead (``KVReadStuck``). The instance fails over and its engine
+            # ends this worker's process, as a hung worker's (Ray restarts it under
+            # ``max_restarts``).
             running = []
             for xfer, state in zip(read.xfers, states, strict=True):
                 if state == "PROC":

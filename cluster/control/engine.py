@@ -289,7 +289,14 @@ class InstanceEngine:
     def _spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:  # e.g. a recovery that
+            exc = task.exception()  # could not reload a worker: the instance stays out
+            name = getattr(task.get_coro(), "__qualname__", "a task")
+            logger.error("instance %s: %s failed: %r", self.instance_id, name, exc)
 
     # -- requests ----------------------------------------------------------------------------
     def add(self, placements: list[Placement]) -> None:

@@ -30,7 +30,7 @@ from typing import Any
 from cluster.control.executors import Executor
 from cluster.control.summaries import EngineSummary
 from cluster.errors import rejection
-from kv_transfer.connector import KVConnectorReport, PDConnector
+from kv_transfer.connector import KVConnectorReport, KVReadStuck, PDConnector
 from scheduler import ModelRunnerOutput, Request, RequestStatus, Scheduler, SchedulerOutput
 from scheduler.outputs import EngineCoreOutput
 from scheduler.request import FinishReason, RequestRejected
@@ -117,7 +117,9 @@ class EngineLoop:
         self.error: str | None = None  # set when the worker failed; the loop has stopped
         self.max_in_flight = max_in_flight
         self.step_timeout_s = step_timeout_s
-        self.hung = False  # a step outlived step_timeout_s: the worker may still be running it
+        # A step outlived step_timeout_s (the worker may still be running it), or a worker's
+        # cache may still be written (``KVReadStuck``): the owner ends the worker's process.
+        self.hung = False
         self._async = scheduler.scheduler_config.async_scheduling
         # Steps started and not yet applied, oldest first: (step, result, start time).
         self._in_flight: deque[tuple[SchedulerOutput, asyncio.Future[ModelRunnerOutput], float]] = (
@@ -255,6 +257,9 @@ class EngineLoop:
                 raise
         except BaseException as exc:
             logger.exception("engine loop %s failed", self.instance_id)
+            if isinstance(exc, KVReadStuck) or isinstance(getattr(exc, "cause", None), KVReadStuck):
+                # A copy may still land in its cache: its process must end, as a hung one's.
+                self.hung = True
             self._fail_all(f"instance {self.instance_id} failed: {type(exc).__name__}: {exc}")
 
     async def _run(self) -> None:

@@ -19,13 +19,13 @@ import torch
 
 from kv_transfer.base import WorkerConnector, _Load
 from kv_transfer.blocks import allocate_kv_caches
-from kv_transfer.connector import KVConnectorMetadata, KVSegment, LoadSpec, SaveSpec
+from kv_transfer.connector import KVConnectorMetadata, KVReadStuck, KVSegment, LoadSpec, SaveSpec
 from kv_transfer.nixl_transport import MISSING, nixl_available
 
 pytestmark = pytest.mark.skipif(not nixl_available(), reason=MISSING)
 
 if nixl_available():
-    from kv_transfer.nixl_reads import KVReadStuck, _Read
+    from kv_transfer.nixl_reads import _Read
     from kv_transfer.nixl_transport import NixlHandle, NixlWorkerConnector
 
 NUM_LAYERS, BLOCK, KV_HEADS, HEAD_DIM = 4, 4, 2, 8

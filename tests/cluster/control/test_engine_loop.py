@@ -16,6 +16,7 @@ from cluster.control.engine_loop import EngineLoop
 from cluster.control.executors import LocalExecutor
 from cluster.control.placement import InstanceSpec
 from cluster.control.scheduler_actor import SchedulerActor
+from kv_transfer.connector import KVReadStuck
 from scheduler import (
     CacheConfig,
     ModelRunnerOutput,
@@ -39,17 +40,22 @@ def _worker(model: Path) -> ModelWorker:
 
 class RecordingExecutor(LocalExecutor):
     def __init__(
-        self, worker: Any, fail_at_step: int | None = None, hang_at_step: int | None = None
+        self,
+        worker: Any,
+        fail_at_step: int | None = None,
+        hang_at_step: int | None = None,
+        error: Exception | None = None,
     ) -> None:
         super().__init__(worker)
         self.outputs: list[SchedulerOutput] = []
         self.fail_at_step = fail_at_step
         self.hang_at_step = hang_at_step
+        self.error = error or ConnectionError("worker died")
 
     async def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self.outputs.append(scheduler_output)
         if self.fail_at_step is not None and len(self.outputs) > self.fail_at_step:
-            raise ConnectionError("worker died")
+            raise self.error
         if self.hang_at_step is not None and len(self.outputs) > self.hang_at_step:
             await asyncio.Event().wait()  # never returns
         return await super().execute_model(scheduler_output)
@@ -128,6 +134,26 @@ def test_failing_worker_fails_its_requests(tiny_model: Path) -> None:
     assert {o.request_id for o in finals} == {"r0", "r1", "r2"}
     assert all(o.error and "worker died" in o.error for o in finals)
     assert not loop.alive and loop.error is not None
+
+
+@pytest.mark.parametrize("wrapped", [False, True], ids=["in-process", "through-ray"])
+def test_a_stuck_kv_read_ends_the_worker_as_a_hung_step_does(
+    tiny_model: Path, wrapped: bool
+) -> None:
+    """A worker whose KV read may still write into its cache (``KVReadStuck``) fails the
+    instance, marked ``hung``: its owner ends the worker's process (recovery, then, as for a
+    hung step), so no late write can land in blocks given to other requests. Another
+    failure is not marked."""
+    import ray.exceptions
+
+    stuck: Exception = KVReadStuck("the KV read of r still runs")
+    if wrapped:  # as a Ray actor's error reaches the engine
+        stuck = ray.exceptions.RayTaskError("execute_model", "", stuck).as_instanceof_cause()
+    for error, hung in ((stuck, True), (ConnectionError("worker died"), False)):
+        loop, _, seen = _loop(tiny_model, fail_at_step=1, error=error)
+        asyncio.run(asyncio.wait_for(_start_and_finish(loop, seen, 2), 30))
+        assert not loop.alive and loop.hung == hung
+        assert loop.scheduler.kv_cache_manager.usage == 0.0
 
 
 def test_a_step_that_never_returns_fails_the_instance_after_the_timeout(
