@@ -19,6 +19,7 @@ once per name.
 from __future__ import annotations
 
 import logging
+import typing
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -89,16 +90,18 @@ _logged_unknown: set[str] = set()
 _MAX_LOGGED_UNKNOWN = 256  # distinct names logged; a client sending random keys stops there
 
 
-def _same_kind(value: Any, inactive: Any) -> bool:
-    """``1`` asks for what ``1.0`` does (JSON writers drop the ``.0``); ``True`` is not ``1``."""
-    numbers = (int, float)
-    if isinstance(value, numbers) and isinstance(inactive, numbers):
-        return isinstance(value, bool) == isinstance(inactive, bool)
-    return type(value) is type(inactive)
+# A field's own further values that ask for nothing: JSON writers drop a float's ".0", so
+# length_penalty 1 is 1.0 (elsewhere 1 may ask for something: truncate_prompt_tokens 1).
+_ALSO_INACTIVE: dict[str, tuple[Any, ...]] = {"length_penalty": (1,)}
+
+
+def _takes_none(annotation: Any) -> bool:
+    return annotation is None or type(None) in typing.get_args(annotation)
 
 
 def _refuse_active(value: Any, info: ValidationInfo) -> Any:
-    if any(value == inactive and _same_kind(value, inactive) for inactive in _INACTIVE):
+    inactives = (*_INACTIVE, *_ALSO_INACTIVE.get(info.field_name or "", ()))
+    if any(value == inactive and type(value) is type(inactive) for inactive in inactives):
         return value
     raise ValueError(f"{info.field_name} is not supported")
 
@@ -204,8 +207,9 @@ class _Sampling(BaseModel):
     @classmethod
     def _null_is_the_default(cls, data: Any) -> Any:
         """OpenAI's schema lets a client send ``null`` for an optional field (``n``,
-        ``stream``, the penalties, ``logprobs``, ``echo``, ...): it means the default, as in
-        vLLM, not a type error."""
+        ``stream``, the penalties, ``logprobs``, ``echo``, ...): where the field's type has no
+        null, it means the default, as in vLLM, not a type error. Where it has one, null keeps
+        its meaning (``max_tokens``: what the context leaves)."""
         if not isinstance(data, dict):
             return data
         fields = cls.model_fields
@@ -215,7 +219,7 @@ class _Sampling(BaseModel):
             if value is None
             and key in fields
             and not fields[key].is_required()
-            and fields[key].default is not None
+            and not _takes_none(fields[key].annotation)
         ]
         return {k: v for k, v in data.items() if k not in defaulted} if defaulted else data
 

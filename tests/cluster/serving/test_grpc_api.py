@@ -17,6 +17,11 @@ def test_a_request_without_a_model_is_for_the_served_one_as_over_http() -> None:
     assert request.model is None and request.prompt == "hi" and request.max_tokens == 3
 
 
+def test_max_tokens_left_out_is_what_the_context_leaves() -> None:
+    """tandem.proto: max_tokens unset = what the context leaves (None), not HTTP's 16."""
+    assert completion_request(tandem_pb2.GenerateRequest(prompt="hi")).max_tokens is None
+
+
 def test_a_bad_field_is_named_in_the_error() -> None:
     with pytest.raises(APIError) as info:
         completion_request(tandem_pb2.GenerateRequest(prompt="hi", temperature=5.0))

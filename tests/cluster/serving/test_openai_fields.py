@@ -106,24 +106,29 @@ def test_accepted_fields_and_values_that_ask_for_nothing_pass(endpoint: str) -> 
     body = {**BASE[endpoint]} | {k: v for k, v in asks_nothing.items() if k in fields}
     body |= {"user": "u", "metadata": {"k": "v"}, "store": True, "prompt_cache_key": "c"}
     MODELS[endpoint].model_validate(body)
-    # JSON writers drop a float's ".0": 1 asks for what 1.0 does; True is not 1 though.
+    # JSON writers drop a float's ".0": length_penalty 1 asks for what 1.0 does; True is not
+    # 1 though, and elsewhere 1 may ask for something (truncate_prompt_tokens: keep one).
     MODELS[endpoint].model_validate({**BASE[endpoint], "length_penalty": 1})
-    with pytest.raises(ValidationError, match="length_penalty is not supported"):
-        MODELS[endpoint].model_validate({**BASE[endpoint], "length_penalty": True})
+    for field, value in (("length_penalty", True), ("truncate_prompt_tokens", 1)):
+        with pytest.raises(ValidationError, match=f"{field} is not supported"):
+            MODELS[endpoint].model_validate({**BASE[endpoint], field: value})
 
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
 def test_null_means_the_default(endpoint: str) -> None:
     """OpenAI's schema lets clients send null for optional fields (n, stream, the penalties,
-    logprobs, echo, and vLLM's extras): every optional field takes its default, none is a
-    type error. A required one stays required."""
+    logprobs, echo, and vLLM's extras): an optional field whose type has no null takes its
+    default, none is a type error; one whose type has null keeps it (max_tokens: null is
+    what the context leaves, not the default 16). A required one stays required."""
     model = MODELS[endpoint]
     default = model.model_validate(BASE[endpoint])
     optional = [k for k, f in model.model_fields.items() if not f.is_required() and k != "model"]
     assert {"n", "stream", "presence_penalty", "logprobs", "min_tokens"} <= set(optional)
     for name in optional:
-        got = model.model_validate({**BASE[endpoint], name: None})
-        assert getattr(got, name) == getattr(default, name), name
+        got = getattr(model.model_validate({**BASE[endpoint], name: None}), name)
+        assert got is None or got == getattr(default, name), name
+    assert model.model_validate({**BASE[endpoint], "n": None}).n == 1
+    assert model.model_validate({**BASE[endpoint], "max_tokens": None}).max_tokens is None
     required = "prompt" if endpoint == "completions" else "messages"
     with pytest.raises(ValidationError, match=required):
         model.model_validate({**BASE[endpoint], required: None})
