@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from actors.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from scheduler import EngineCoreOutput, SamplingParams
-from scheduler.outputs import TokenLogprobs, merge_outputs
+from scheduler.outputs import TokenLogprobs
 from scheduler.request import FinishReason, PromptLogprob
 
 
@@ -65,7 +65,7 @@ class _Sample:
     def add(self, core: EngineCoreOutput) -> bool:
         """Apply one step's tokens; True when a stop string ended the sample."""
         out = self.out
-        out.new_token_ids = list(core.new_token_ids)
+        out.new_token_ids.extend(core.new_token_ids)  # (several outputs in one ``process``)
         out.token_ids.extend(core.new_token_ids)
         if out.logprobs is not None:
             new = core.new_logprobs or []
@@ -107,19 +107,9 @@ class _Sample:
         safe_end = len(text)
         if self.params.stop and out.finish_reason is None:
             safe_end = max(self.emitted, len(text) - (self.max_stop_len - 1))
-        out.new_text = text[self.emitted : safe_end]
+        out.new_text += text[self.emitted : safe_end]
         self.emitted = safe_end
         return stopped
-
-
-def _merged_by_request(outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
-    """One output per request, in the order each first appears (a sample's text delta is
-    taken once per ``process``)."""
-    merged: dict[str, EngineCoreOutput] = {}
-    for out in outputs:
-        before = merged.get(out.request_id)
-        merged[out.request_id] = out if before is None else merge_outputs(before, out)
-    return list(merged.values())
 
 
 def _find_stop(text: str, stops: tuple[str, ...], start: int) -> tuple[int, str] | None:
@@ -139,11 +129,11 @@ class _Parent:
         self.samples = samples
         # Prompt logprobs with n > 1: only sample 0 computes them (``InputProcessor``), and
         # another sample may come out first (a prefix hit, no hand-off). Its outputs are held
-        # (merged per sample) until sample 0's first one, so every sample's first output --
-        # an echo's first chunk -- comes with the prompt's logprobs. None: nothing is held.
+        # until sample 0's first one, then applied in order, so every sample's first output
+        # -- an echo's first chunk -- comes with the prompt's logprobs. None: nothing held.
         params = samples[0].params
         wants = params.prompt_logprobs is not None and len(samples) > 1
-        self.held: dict[str, EngineCoreOutput] | None = {} if wants else None
+        self.held: list[EngineCoreOutput] | None = [] if wants else None
 
 
 class OutputProcessor:
@@ -218,11 +208,10 @@ class OutputProcessor:
             held = parent.held
             if held is not None:
                 if sample.out.index != 0:  # until sample 0's first output (``_Parent``)
-                    before = held.get(core.request_id)
-                    held[core.request_id] = core if before is None else merge_outputs(before, core)
+                    held.append(core)
                     continue
-                parent.held = None  # then the held ones, each as one output
-                work[k:] = _merged_by_request([*held.values(), *work[k:]])
+                parent.held = None
+                work[k:k] = held  # right after it, each on its own (stop strings, min_tokens)
             rid = parent.output.request_id
             if rid not in changed:
                 for s in parent.samples:

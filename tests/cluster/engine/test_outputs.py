@@ -45,3 +45,36 @@ def test_nothing_is_held_without_prompt_logprobs(tokenizer: Tokenizer) -> None:
     _, second = processor.add("r", None, PROMPT, SamplingParams(n=2, max_tokens=3))
     (out,), _ = processor.process([EngineCoreOutput(second, [400])])
     assert [s.new_token_ids for s in out.outputs] == [[], [400]]
+
+
+@pytest.mark.parametrize("min_tokens", [0, 4])
+def test_held_outputs_end_a_sample_as_they_would_unheld(
+    tokenizer: Tokenizer, min_tokens: int
+) -> None:
+    """Held outputs are applied one by one, as they came: a stop string and min_tokens end
+    the sample where they would without holding (merged, the stop was checked once against
+    the whole count: min_tokens let a stop before it end the sample)."""
+    ids = tokenizer.encode("hello STOP and then more words", add_special_tokens=False)
+
+    def run(prompt_logprobs: int | None) -> tuple[str, list[int]]:
+        processor = OutputProcessor(tokenizer)
+        params = SamplingParams(
+            n=2,
+            max_tokens=32,
+            stop=("STOP",),
+            min_tokens=min_tokens,
+            prompt_logprobs=prompt_logprobs,
+        )
+        first, second = processor.add("r", None, PROMPT, params)
+        processor.process([EngineCoreOutput(second, [t]) for t in ids])
+        zero = EngineCoreOutput(first, [500], prompt_logprobs=PROMPT_LOGPROBS)
+        outs, _ = processor.process([zero])
+        sample = (outs or [processor.requests["r"].output])[0].outputs[1]
+        return sample.text, list(sample.token_ids)
+
+    assert run(1) == run(None)
+    text, _ = run(1)
+    if min_tokens:  # the stop came before min_tokens outputs: it does not count (vLLM)
+        assert text == "hello STOP and then more words"
+    else:
+        assert text == "hello "
