@@ -17,7 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, TypeAdapter, ValidationError, field_validator, model_validator
 
 from cluster.config.base import _Config
 from cluster.config.kv import NIXL_SAFETY_MARGIN_S, KVTransferConfig
@@ -189,8 +189,13 @@ class InstancePool(_Config):
         # Validate the nested configs now, so a bad knob fails at load time with its name.
         # The cluster's max_model_len is checked against them by ``ClusterConfig`` (here, a
         # length no knob can conflict with: the model's is known only once it is loaded).
-        threshold = self.scheduler.get("long_prefill_token_threshold")
-        self.scheduler_config(max(2, threshold) if isinstance(threshold, int) else 2)
+        try:  # (as the scheduler's config reads it: "512" and 512.0 are 512)
+            threshold = TypeAdapter(int).validate_python(
+                self.scheduler.get("long_prefill_token_threshold", 0)
+            )
+        except ValidationError:
+            threshold = 0  # refused just below, by name
+        self.scheduler_config(max(2, threshold))
         CacheConfig(**self.cache)
         return self
 

@@ -277,16 +277,15 @@ def _pools(
     """The pools for ``--prefill-instances`` / ``--decode-instances``, each from the config's
     pool of that role (its threads, resources, cache) when it has one. Prefill 0: one
     colocated pool (role both) of ``decode`` instances (default: the decode pool's count)."""
-    roles = [pool["role"] for pool in pools]
-    if len(set(roles)) < len(roles):  # which would the flags resize? (the others would go)
-        raise ValueError(
-            "--prefill-instances / --decode-instances make one prefill and one decode pool; "
-            f"the config has {len(pools)} pools ({', '.join(p['name'] for p in pools)}), "
-            "several of one role: set their replicas in the config instead"
-        )
     by_role = {pool["role"]: pool for pool in reversed(pools)}
     decode_pool = by_role.get("decode") or by_role.get("both") or pools[0]
     prefill_pool = by_role.get("prefill")
+    if any(pool is not decode_pool and pool is not prefill_pool for pool in pools):
+        raise ValueError(  # the others would be dropped
+            "--prefill-instances / --decode-instances make one prefill and one decode pool "
+            f"from the config's; it has {len(pools)} ({', '.join(p['name'] for p in pools)}): "
+            "set their replicas in the config instead"
+        )
     if prefill is None:
         prefill = prefill_pool["replicas"] if prefill_pool is not None else 0
     if decode is None:

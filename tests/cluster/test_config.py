@@ -125,6 +125,10 @@ def test_pool_schedulers_are_checked_against_the_clusters_max_model_len() -> Non
                 "pools": [{"name": "a", "scheduler": {"long_prefill_token_threshold": 2000}}],
             }
         )
+    # A threshold the scheduler's config reads as an int is checked as that int.
+    for threshold in ("512", 512.0):
+        scheduler = {"long_prefill_token_threshold": threshold}
+        ClusterConfig.model_validate({"pools": [{"name": "a", "scheduler": scheduler}]})
     # The workers size their step's activations with the budget the engine will use.
     no_budget = {"enable_chunked_prefill": False}
     config = ClusterConfig.model_validate(

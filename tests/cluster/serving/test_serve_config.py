@@ -132,9 +132,15 @@ def test_vllm_flags_and_pool_sizes(tmp_path: Path) -> None:
     two.write_text(
         "pools: [{name: p, role: prefill}, {name: d1, role: decode}, {name: d2, role: decode}]\n"
     )
-    with pytest.raises(ValueError, match="3 pools \\(p, d1, d2\\), several of one role"):
+    with pytest.raises(ValueError, match="it has 3 \\(p, d1, d2\\)"):
         serve_config(_args(str(two), "--decode-instances", "2"))
     assert [p.name for p in serve_config(_args(str(two))).pools] == ["p", "d1", "d2"]
+    three = tmp_path / "three.yaml"  # a colocated pool beside the P/D pair: the same
+    three.write_text(
+        "pools: [{name: p, role: prefill}, {name: d, role: decode}, {name: c, role: both}]\n"
+    )
+    with pytest.raises(ValueError, match="it has 3 \\(p, d, c\\)"):
+        serve_config(_args(str(three), "--decode-instances", "2"))
 
 
 def test_lora_flags_and_refusals() -> None:
