@@ -51,7 +51,7 @@ class ModelWorker:
         block_size: int = 16,
         lora_config: LoRAConfig | None = None,
         attention_backend: str | None = None,
-        max_num_batched_tokens: int = 2048,
+        max_num_batched_tokens: int | None = 2048,
         max_num_seqs: int = 256,
         progress: bool = True,
         kv_transfer: str | None = None,
@@ -177,10 +177,12 @@ class ModelWorker:
 
     def activation_bytes(self) -> int:
         """Peak working memory of one step at ``max_num_batched_tokens`` (an estimate from the
-        shapes: hidden states, the fused projections' outputs, the logits and the sampler)."""
+        shapes: hidden states, the fused projections' outputs, the logits and the sampler).
+        None: a whole prompt of the model's longest context (chunked prefill off, the
+        cluster's max_model_len still unknown: it is at most that)."""
         cfg = self._model.config
         elem = torch.empty((), dtype=self.dtype).element_size()
-        tokens = self.max_num_batched_tokens
+        tokens = self.max_num_batched_tokens or max(cfg.max_position_embeddings, 2048)
         per_token = (
             4 * cfg.hidden_size + cfg.q_size + 2 * cfg.kv_size + 3 * cfg.intermediate_size
         ) * elem

@@ -139,6 +139,12 @@ def worker_kwargs(
     config: ClusterConfig, pool: InstancePool, pp_rank: int = 0, kv_fallback: str | None = None
 ) -> dict[str, Any]:
     sched = pool.scheduler_config(config.max_model_len)  # the budget the engine will use
+    budget: int | None = sched.max_num_batched_tokens
+    whole_prompt = (
+        not sched.enable_chunked_prefill and "max_num_batched_tokens" not in pool.scheduler
+    )
+    if whole_prompt and config.max_model_len is None:  # the worker's model says how long
+        budget = None
     threads = pool.num_threads if pool.num_threads is not None else None
     return {
         "model": config.model,
@@ -149,7 +155,7 @@ def worker_kwargs(
         "device": pool.device,
         "block_size": config.block_size,
         "lora_config": config.lora,
-        "max_num_batched_tokens": sched.max_num_batched_tokens,
+        "max_num_batched_tokens": budget,
         "max_num_seqs": sched.max_num_seqs,
         "progress": False,
         "kv_transfer": config.kv_transfer.transport if config.disaggregated else None,

@@ -50,6 +50,22 @@ def test_profile_num_blocks(tiny_llama: Path) -> None:
         worker.profile_num_blocks(overhead // 2)
 
 
+def test_a_whole_prompt_budget_is_the_models_longest_context(tiny_llama: Path) -> None:
+    """No budget given (chunked prefill off, the cluster's max_model_len still unknown): a
+    step's activations are sized for a prompt of the model's whole context."""
+
+    def activations(budget: int | None) -> int:
+        worker = ModelWorker(
+            str(tiny_llama), dtype="float32", max_num_batched_tokens=budget, progress=False
+        )
+        worker.load_model()
+        return worker.activation_bytes()
+
+    config = json.loads((tiny_llama / "config.json").read_text())
+    longest = max(config["max_position_embeddings"], 2048)
+    assert activations(None) == activations(longest) > activations(longest // 2)
+
+
 def test_step_beyond_known_tokens_is_refused(tiny_llama: Path) -> None:
     worker = ModelWorker(str(tiny_llama), dtype="float32", block_size=4, progress=False)
     worker.load_model()
@@ -125,7 +141,14 @@ def test_padded_decode_steps_equal_the_eager_step(tiny_llama: Path) -> None:
         assert cache[:, scratch].abs().sum() > 0  # padded: the padding row's K/V, there
     # Steps that would gather more than the cap run eagerly (no bucket).
     capped = DecodeGraphs(
-        model, caches, worker.attn, 4, scratch, 8, 8, max_gather_bytes=16 * graphs.row_bytes,
+        model,
+        caches,
+        worker.attn,
+        4,
+        scratch,
+        8,
+        8,
+        max_gather_bytes=16 * graphs.row_bytes,
         capture=False,
     )
     assert capped.bucket_for(3, 4) == (4, 4) and capped.bucket_for(3, 5) is None
