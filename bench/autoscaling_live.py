@@ -111,6 +111,8 @@ async def drive(handle: Any, args: argparse.Namespace) -> tuple[list[dict[str, A
                 if first is None and out.outputs[0].token_ids:
                     first = time.monotonic()
                 tokens = len(out.outputs[0].token_ids)
+                if out.outputs[0].finish_reason == "error":  # failed after it started
+                    error = out.outputs[0].error or "failed"
         except Exception as exc:  # refused (the waiting bound) or failed: not within the SLO
             error = f"{type(exc).__name__}: {exc}"
         end = time.monotonic()

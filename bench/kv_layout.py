@@ -6,6 +6,9 @@ One ``LLMEngine`` on the built-in SmolLM2; between runs the worker's cache is sw
 the other layout with the same number of blocks (no request is live then, prefix caching is
 off). For each batch size: B prompts of 128 tokens, 128 new tokens, greedy; the layouts are
 interleaved, rotating which goes first; decode tokens/s is the median of ``--repeat`` runs.
+Both layouts run the same code: weights in ``--dtype`` (``quantization: none``) and decode
+steps layer by layer (``TANDEM_FUSED_DECODE=0``: the one-call decode step reads the block-first
+layout only, which would compare two code paths instead of two layouts).
 
     python -m bench.kv_layout                      # bfloat16, batches 1 16 64
 """
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 from pathlib import Path
@@ -48,9 +52,11 @@ def main() -> None:
 
     from cluster.engine.llm_engine import LLMEngine
 
+    os.environ["TANDEM_FUSED_DECODE"] = "0"  # (read when the model is built)
     engine = LLMEngine(
         None,
         dtype=getattr(torch, args.dtype),
+        quantization="none",
         max_num_seqs=max(args.batches),
         max_num_batched_tokens=max(2048, PROMPT_LEN * max(args.batches)),
         enable_prefix_caching=False,

@@ -33,6 +33,11 @@ from pathlib import Path
 from typing import Any
 
 
+def _has_text(data: bytes) -> bool:
+    choices = json.loads(data).get("choices") or []
+    return any((c.get("delta") or {}).get("content") for c in choices)
+
+
 def _post(url: str, body: bytes, key: str | None, stream: bool = False) -> tuple[int, float]:
     """(status, seconds to the first streamed content byte -- or to the whole answer)."""
     headers = {"Content-Type": "application/json"}
@@ -42,9 +47,9 @@ def _post(url: str, body: bytes, key: str | None, stream: bool = False) -> tuple
     start = time.monotonic()
     try:
         with urllib.request.urlopen(request, timeout=300) as response:
-            if stream:
+            if stream:  # the first chunk with text (the role chunk's content is "")
                 for line in response:
-                    if line.startswith(b"data: {") and b'"content"' in line:
+                    if line.startswith(b"data: {") and _has_text(line[6:]):
                         break
             first = time.monotonic() - start
             response.read()

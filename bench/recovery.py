@@ -315,9 +315,13 @@ def central_faults(args: argparse.Namespace) -> dict[str, Any]:
                 ray.kill(handle, no_restart=False)
                 killed_at = time.perf_counter()
                 async for out in client.generate_async(prompts[0][:16], params):
+                    if out.outputs[0].finish_reason == "error":  # not served: no recovery
+                        raise RuntimeError(f"the request after the kill failed: {out}")
                     if out.outputs[0].new_token_ids:
                         first_after = time.perf_counter() - killed_at
                         break
+                else:
+                    raise RuntimeError("the request after the kill ended without a token")
             await asyncio.gather(*tasks)
             return tokens, logs, killed_at, first_after
 

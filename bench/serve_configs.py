@@ -135,6 +135,10 @@ def run_variant(
                     str(w["output"]),
                     "--warmup",
                     str(WARMUP),
+                    # One server runs every workload: prompts of their own each, or a later
+                    # workload's first prompts hit the prefix cache an earlier one filled.
+                    "--seed",
+                    str(1000 * list(WORKLOADS).index(name)),
                     "--no-progress",
                     "--out",
                     str(out),

@@ -547,8 +547,9 @@ async def run(args: argparse.Namespace) -> Report:
     report.ok = (
         not report.mismatches
         and report.no_outcome == 0
+        and not report.failures  # every request completed, was refused or was let go
         and not any(report.leaked_blocks.values())
-        and report.objects_after_drain <= report.objects_baseline
+        and 0 <= report.objects_after_drain <= report.objects_baseline  # (-1: not read)
     )
     _print(report)
     from ray import serve
@@ -599,7 +600,7 @@ def _print(report: Report) -> None:
     print(f"requests with no outcome: {report.no_outcome}")
     for k in report.kills:
         print(
-            f"kill {k['instance']}: moved after {k['moved_after_s']}, rejoined after "
+            f"kill {k['instance']}: declared failed after {k['moved_after_s']}, rejoined after "
             f"{k['rejoined_after_s']}"
         )
     print(f"{'phase':8s} {'TTFT p50':>9s} {'p99':>8s} {'TPOT p50':>9s} {'p99':>8s}   n")

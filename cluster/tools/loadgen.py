@@ -93,6 +93,16 @@ def poisson_schedule(n: int, rate: float, rng: random.Random) -> list[float]:
     return offsets
 
 
+WARMUP_SALT = 0x5A17_3C9D
+
+
+def warmup_seed(seed: int) -> int:
+    """The warm-up's prompts' seed: none of a run's (``seed``) nor of the runs a caller makes
+    with nearby seeds (``seed + 1`` was, so one run's warm-up primed the next run's prefix
+    cache with its first prompts)."""
+    return seed ^ WARMUP_SALT
+
+
 def make_requests(args: argparse.Namespace, n: int, seed: int) -> list[RequestSpec]:
     """``n`` reproducible requests (same seed, same prompts) for ``args.endpoint``."""
     rng = random.Random(seed)
@@ -285,7 +295,7 @@ async def run_all(args: argparse.Namespace) -> tuple[str, list[RunResult]]:
         else:
             levels = [(f"conc={c}", c, c) for c in args.concurrency]
         if args.warmup:
-            warm = make_requests(args, args.warmup, args.seed + 1)
+            warm = make_requests(args, args.warmup, warmup_seed(args.seed))
             recs, _ = await run_level(session, target, warm, [0.0] * len(warm), levels[0][2])
             print(f"warmup: {sum(r.ok for r in recs)}/{len(recs)} ok", file=sys.stderr)
         specs = make_requests(args, args.num_prompts, args.seed)
@@ -376,7 +386,12 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-prompts", type=pint, default=64, help="requests per run (default 64)")
     p.add_argument("--seed", type=int, default=0, help="prompts, lengths and arrivals")
     p.add_argument("--duration-s", type=pfloat, help="start no request after this many s per run")
-    p.add_argument("--warmup", type=_non_negative_int, default=0, help="uncounted requests first")
+    p.add_argument(
+        "--warmup",
+        type=_non_negative_int,
+        default=0,
+        help="uncounted requests first (prompts of their own: they prime no run's prefix cache)",
+    )
     p.add_argument("--input-len", type=pint, default=128, help="prompt tokens (mean)")
     p.add_argument("--output-len", type=pint, default=64, help="max_tokens (mean)")
     p.add_argument(

@@ -23,6 +23,7 @@ from aiohttp import web
 
 from cluster.tools.loadgen import (
     add_bench_arguments,
+    make_requests,
     poisson_schedule,
     run_bench,
     sample_lengths,
@@ -239,6 +240,14 @@ def test_completions_sweep_counts_json_and_plots(
             assert 0 < r["ttft_s"] <= r["e2e_s"] and len(r["itl_s"]) == 4
             assert r["tpot_s"] == pytest.approx((r["e2e_s"] - r["ttft_s"]) / 4)
     assert len(server.bodies) == 2 + 12  # warmup + two runs
+    # The warm-up's prompts are none of this run's, nor of a run with the next seed (a
+    # caller's next run on the same server: its first prompts would hit the prefix cache).
+    warm = {tuple(b["prompt"]) for b in server.bodies[:2]}
+    parser = argparse.ArgumentParser()
+    add_bench_arguments(parser)
+    args = parser.parse_args(argv)  # (seed 0)
+    nearby = make_requests(args, 6, 0) + make_requests(args, 6, 1)
+    assert not warm & {tuple(spec.prompt) for spec in nearby}
     body = server.bodies[-1]
     assert len(body["prompt"]) == 16 and all(100 <= t <= 10000 for t in body["prompt"])
     assert body["max_tokens"] == 5 and body["ignore_eos"] is True and body["temperature"] == 0
