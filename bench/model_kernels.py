@@ -3,9 +3,10 @@
 Three measurements on the built-in model (or ``--model``), each on its own:
 
 - ``shapes``: every projection shape of the model, for batch rows 1..64, timed with oneDNN's
-  packed bf16 GEMM (today's dense path), torch's int8 and int4 weight-only kernels. The
-  weights cycle through as many copies as the model has layers, so they come from memory as
-  in a real step, not from cache; the ``dense_min_rows`` crossover is read off this table;
+  packed bf16 GEMM (today's dense path), torch's int8 and int4 weight-only kernels. Each
+  kind's weights cycle through as many copies as the model has layers, and at least 64 MiB
+  of them (``STREAMED_BYTES``: int4's quarter of the bytes would fit in the cache), so they
+  come from memory as in a real step; the ``dense_min_rows`` crossover is read off this table;
 - ``breakdown``: one batch-1 decode forward (the engine's own model and attention backend),
   profiled per operator class (projections, attention, norms, rotary, other) and per layer,
   with and without quantization, layer by layer (the one-call decode step of
@@ -67,6 +68,13 @@ def _load(model: str | None, quantization: str, dense_min_rows: int = 8) -> Any:
     return worker
 
 
+STREAMED_BYTES = 64 * 2**20  # each kind's copies together: twice a 32 MiB L3
+
+
+def _copies(at_least: int, one_bytes: int) -> int:
+    return max(at_least, -(-STREAMED_BYTES // max(one_bytes, 1)))
+
+
 def shapes(model: str | None) -> list[dict[str, Any]]:
     from actors.model.linear import pack_linear
     from actors.model.quant import QuantizedWeight
@@ -80,10 +88,15 @@ def shapes(model: str | None) -> list[dict[str, Any]]:
     named["lm_head"] = m.output_embedding
     rows_out = []
     for name, weight in named.items():
-        copies = 1 if name == "lm_head" else layers  # the head alone is 28+ MB
-        dense = [pack_linear(weight.clone(), None, 64, min_rows=1) for _ in range(copies)]
-        int8 = [QuantizedWeight.from_float(weight, "int8", weight.dtype) for _ in range(copies)]
-        int4 = [QuantizedWeight.from_float(weight, "int4", weight.dtype) for _ in range(copies)]
+        # Copies enough that each kind's whole set is twice a large L3 (all of them streamed
+        # from memory, as in a real step): the model's layer count was enough for the dense
+        # weights, not for int4's quarter of the bytes, which then ran from the cache.
+        n = weight.numel()
+        dense_n = _copies(1 if name == "lm_head" else layers, n * weight.element_size())
+        int8_n, int4_n = _copies(dense_n, n), _copies(dense_n, n // 2)
+        dense = [pack_linear(weight.clone(), None, 64, min_rows=1) for _ in range(dense_n)]
+        int8 = [QuantizedWeight.from_float(weight, "int8", weight.dtype) for _ in range(int8_n)]
+        int4 = [QuantizedWeight.from_float(weight, "int4", weight.dtype) for _ in range(int4_n)]
         for rows in ROWS:
             x = torch.randn(rows, weight.shape[1]).to(weight.dtype)
 
@@ -91,9 +104,9 @@ def shapes(model: str | None) -> list[dict[str, Any]]:
                 for k in kernels:
                     k.matmul(x) if mm else k(x)
 
-            t_dense = _time(lambda d=dense: run(d, False)) / copies
-            t_int8 = _time(lambda q=int8: run(q, True)) / copies
-            t_int4 = _time(lambda q=int4: run(q, True)) / copies
+            t_dense = _time(lambda d=dense: run(d, False)) / dense_n
+            t_int8 = _time(lambda q=int8: run(q, True)) / int8_n
+            t_int4 = _time(lambda q=int4: run(q, True)) / int4_n
             row = {
                 "shape": name,
                 "n_k": list(weight.shape),
