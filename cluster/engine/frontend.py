@@ -42,7 +42,10 @@ class RequestFactory:
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         # EOS: the tokenizer's, else the config's first; the config's other EOS ids stop too.
-        self.eos_token_id = tokenizer.eos_token_id or (eos_token_ids[0] if eos_token_ids else None)
+        eos = tokenizer.eos_token_id  # (0 is an id)
+        self.eos_token_id = (
+            eos if eos is not None else (eos_token_ids[0] if eos_token_ids else None)
+        )
         self.extra_stop_ids = tuple(e for e in eos_token_ids if e != self.eos_token_id)
 
     def prepare(
@@ -70,8 +73,11 @@ class RequestFactory:
         else:
             text, prompt_ids = None, [int(t) for t in prompt]
         self.validate(prompt_ids)
+        # The config's other EOS ids stop a request as its EOS does: not with ignore_eos (as
+        # vLLM adds them only then).
+        extra = () if params.ignore_eos else self.extra_stop_ids
         stop_ids = tuple(params.stop_token_ids) + tuple(
-            e for e in self.extra_stop_ids if e not in params.stop_token_ids
+            e for e in extra if e not in params.stop_token_ids
         )
         now = time.monotonic() if arrival_time is None else arrival_time
         requests = []

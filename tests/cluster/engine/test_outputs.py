@@ -1,4 +1,5 @@
-"""The output processor (``cluster.engine.outputs``): what the API's streams are built from."""
+"""The engine front end: requests built from prompts (``cluster.engine.frontend``) and the
+outputs the API's streams are built from (``cluster.engine.outputs``)."""
 
 from __future__ import annotations
 
@@ -78,3 +79,34 @@ def test_held_outputs_end_a_sample_as_they_would_unheld(
         assert text == "hello STOP and then more words"
     else:
         assert text == "hello "
+
+
+def test_ignore_eos_ignores_the_configs_other_eos_ids(tokenizer: Tokenizer) -> None:
+    """A config with several EOS ids (Llama 3's three): each stops a request as its EOS does
+    -- unless ``ignore_eos``, as in vLLM (they stopped it early, with "stop")."""
+    from cluster.engine.frontend import RequestFactory
+
+    eos = tokenizer.eos_token_id
+    assert eos is not None
+    factory = RequestFactory(tokenizer, vocab_size=49152, max_model_len=64, eos_token_ids=[eos, 7])
+    stops = {
+        ignore: factory.prepare("r", PROMPT, SamplingParams(ignore_eos=ignore), child_ids=["r"])
+        .requests[0]
+        .sampling_params.stop_token_ids
+        for ignore in (False, True)
+    }
+    assert 7 in stops[False] and 7 not in stops[True]
+
+
+def test_an_eos_id_of_0_is_an_eos_id() -> None:
+    from types import SimpleNamespace
+
+    from cluster.engine.frontend import RequestFactory
+
+    factory = RequestFactory(
+        SimpleNamespace(eos_token_id=0),  # type: ignore[arg-type]
+        vocab_size=16,
+        max_model_len=64,
+        eos_token_ids=[5],
+    )
+    assert factory.eos_token_id == 0 and factory.extra_stop_ids == (5,)
