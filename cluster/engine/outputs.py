@@ -61,6 +61,7 @@ class _Sample:
         self.params = params
         self.max_stop_len = max((len(s) for s in params.stop), default=0)
         self.emitted = 0  # characters of ``out.text`` already handed out as ``new_text``
+        self.stop_from = 0  # text before this cannot end with a stop string (min_tokens)
 
     def add(self, core: EngineCoreOutput) -> bool:
         """Apply one step's tokens; True when a stop string ended the sample."""
@@ -86,11 +87,13 @@ class _Sample:
             delta += self.detok.flush()
         text = out.text + delta
         stopped = False
-        # vLLM's rule: stop strings count only once min_tokens outputs exist.
-        if self.params.stop and delta and len(out.token_ids) > self.params.min_tokens:
+        # vLLM's rule: stop strings count only once min_tokens outputs exist, and only text
+        # from there on (each stop may begin up to its own length before it, as in vLLM).
+        if len(out.token_ids) <= self.params.min_tokens:
+            self.stop_from = len(text)
+        elif self.params.stop and delta:
             # Only the tail that could hold a new match is searched.
-            window_start = max(0, before - self.max_stop_len + 1)
-            hit = _find_stop(text, self.params.stop, window_start)
+            hit = _find_stop(text, self.params.stop, max(before, self.stop_from))
             if hit is not None:
                 pos, stop = hit
                 end = pos + len(stop) if self.params.include_stop_str_in_output else pos
@@ -112,10 +115,11 @@ class _Sample:
         return stopped
 
 
-def _find_stop(text: str, stops: tuple[str, ...], start: int) -> tuple[int, str] | None:
+def _find_stop(text: str, stops: tuple[str, ...], new_from: int) -> tuple[int, str] | None:
+    """The earliest stop string that ends in ``text[new_from:]``."""
     best: tuple[int, str] | None = None
     for stop in stops:
-        pos = text.find(stop, start)
+        pos = text.find(stop, max(0, new_from - len(stop) + 1))
         if pos != -1 and (best is None or pos < best[0]):
             best = (pos, stop)
     return best

@@ -110,3 +110,20 @@ def test_an_eos_id_of_0_is_an_eos_id() -> None:
         eos_token_ids=[5],
     )
     assert factory.eos_token_id == 0 and factory.extra_stop_ids == (5,)
+
+
+def test_a_stop_string_inside_the_first_min_tokens_does_not_end_the_sample(
+    tokenizer: Tokenizer,
+) -> None:
+    """Stop strings count from ``min_tokens`` outputs on, each in a window of its own length:
+    a short stop written inside the first ``min_tokens`` tokens does not end the sample
+    because a longer stop string widened the window (vLLM's rule)."""
+    a, newline, b = (tokenizer.encode(t, add_special_tokens=False) for t in ("a", "\n", "b"))
+    for stops in (("\n",), ("\n", "Observation:")):
+        processor = OutputProcessor(tokenizer)
+        params = SamplingParams(max_tokens=8, stop=stops, min_tokens=len(a + newline))
+        (rid,) = processor.add("r", None, PROMPT, params)
+        for token in [*a, *newline, *b]:
+            processor.process([EngineCoreOutput(rid, [token])])
+        out = processor.requests["r"].output.outputs[0]
+        assert out.finish_reason is None and out.text == "a\nb", stops
