@@ -32,6 +32,11 @@ class UnavailableError(RuntimeError):
         return (type(self), (str(self),))
 
 
+class EngineDeadError(UnavailableError):
+    """The in-process engine's step failed (vLLM's name): its state cannot be trusted, so it
+    serves no more requests until it is restarted (503)."""
+
+
 class StreamLostError(UnavailableError):
     """A request's stream from the cluster broke before its end -- the central scheduler
     dropped its client or lost the request in a restart, an output went missing with a

@@ -14,8 +14,10 @@ place, and a consumer that lags still sees every step's delta.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
+import logging
 from collections.abc import AsyncGenerator
 from typing import Any
 
@@ -24,8 +26,11 @@ from cluster.engine.llm_engine import LLMEngine
 from cluster.engine.outputs import RequestOutput
 from cluster.engine.protocol import EngineClient
 from cluster.engine.streams import Mailbox
+from cluster.errors import EngineDeadError
 from cluster.observability.metrics import render_stats
 from scheduler import LoRARequest, RequestStatus, SamplingParams
+
+logger = logging.getLogger(__name__)
 
 INSTANCE_ID = "local"  # the one instance, as metrics and health name it
 
@@ -40,6 +45,7 @@ class AsyncLLM(EngineClient):
         self._queues: dict[str, Mailbox[RequestOutput | BaseException]] = {}
         self._aborts: set[str] = set()  # applied before the next step
         self._task: asyncio.Task[None] | None = None
+        self._failure: BaseException | None = None  # a step failed: the engine is dead
         self._ids = itertools.count()
         self._adapters: dict[str, LoRARequest] = {}
         self._lora_ids = itertools.count(1)
@@ -79,10 +85,15 @@ class AsyncLLM(EngineClient):
         rid = request_id or f"local-{next(self._ids)}"
         queue: Mailbox[RequestOutput | BaseException] = Mailbox()
         async with self._lock:
+            if self._failure is not None:
+                raise EngineDeadError(f"the engine failed and serves no more: {self._failure!r}")
+            if rid in self._queues:  # (a finished stream not closed yet holds it)
+                raise ValueError(f"request id {rid!r} is in use")
             # Raises ValueError (bad prompt, id in use, LoRA not enabled) before any output.
             self.engine.add_request(
                 rid, prompt, params, lora_request=lora_request, priority=priority
             )
+            self._aborts.discard(rid)  # one left by an earlier request of this id
             self._queues[rid] = queue
         self._ensure_stepping()
         finished = False
@@ -95,7 +106,8 @@ class AsyncLLM(EngineClient):
                 finished = item.finished
                 yield item
         finally:
-            self._queues.pop(rid, None)
+            if self._queues.get(rid) is queue:
+                del self._queues[rid]
             if not finished:
                 self.abort(rid)
 
@@ -139,7 +151,7 @@ class AsyncLLM(EngineClient):
         s = self.engine.scheduler
         instance = {
             "role": "both",
-            "alive": self._task is None or not self._task.done() or not self._task.exception(),
+            "alive": self._failure is None,
             "num_requests": len(s.requests),
             "num_unfinished": s.get_num_unfinished_requests(),
             "num_running": len(s.running),
@@ -182,8 +194,8 @@ class AsyncLLM(EngineClient):
         raise ValueError("the in-process engine is one instance: it has no pool to resize")
 
     async def check_health(self) -> dict[str, bool]:
-        failed = self._task is not None and self._task.done() and self._task.exception()
-        return {INSTANCE_ID: bool(self.engine.worker.health()["ok"]) and not failed}
+        ok = self._failure is None and bool(self.engine.worker.health()["ok"])
+        return {INSTANCE_ID: ok}
 
     # -- the step loop -----------------------------------------------------------------------
     def _ensure_stepping(self) -> None:
@@ -208,9 +220,12 @@ class AsyncLLM(EngineClient):
                     if queue is not None:
                         queue.put_nowait(out)
         except Exception as exc:  # a failed step ends every live request with the error
-            for queue in self._queues.values():
+            self._failure = exc  # and the engine (vLLM: EngineDeadError): its state after a
+            for queue in self._queues.values():  # half-done step cannot be trusted
                 queue.put_nowait(exc)
-            raise
+            with contextlib.suppress(Exception):  # their blocks back, as far as it can
+                engine.abort_request(list(engine.processor.requests))
+            logger.exception("the engine's step failed; it serves no more requests")
 
 
 def _snapshot(out: RequestOutput) -> RequestOutput:

@@ -420,6 +420,58 @@ def test_prompts_are_tokenized_off_the_event_loop(
     assert elapsed > 0.1 and longest_gap < elapsed / 3, (elapsed, longest_gap)
 
 
+def test_a_request_id_still_streamed_is_refused_not_lost(engine: AsyncLLM) -> None:
+    """A stream that has its final output but is not closed yet still holds its id: a new
+    request with it is refused (it was accepted, and the first stream's close then dropped
+    the new one's outputs: it hung); once closed, the id is free again."""
+    params = SamplingParams(max_tokens=2, temperature=0.0)
+
+    async def run() -> list[int]:
+        first = engine.generate_async([7, 8, 9], params, request_id="x")
+        while not (await first.__anext__()).finished:
+            pass
+        with pytest.raises(ValueError, match="request id 'x' is in use"):
+            await engine.generate_async([7, 8], params, request_id="x").__anext__()
+        await first.aclose()
+        outs = [o async for o in engine.generate_async([7, 8], params, request_id="x")]
+        return outs[-1].outputs[0].token_ids
+
+    assert len(_run(run())) == 2
+
+
+def test_a_failed_step_ends_the_engine_and_frees_its_requests(model_dir: Path) -> None:
+    """A step that raises fails every live request and the engine with it (vLLM's
+    EngineDeadError): its requests are not left running, holding blocks, and new requests
+    are refused with a 503 instead of stepping a scheduler a half-done step left behind."""
+    from cluster.errors import EngineDeadError
+
+    llm = AsyncLLM.from_config(str(model_dir), **ENGINE)
+    steps = {"n": 0}
+    real_step = llm.engine.step
+
+    def failing_step() -> Any:
+        steps["n"] += 1
+        if steps["n"] == 3:
+            raise RuntimeError("boom")
+        return real_step()
+
+    llm.engine.step = failing_step  # type: ignore[method-assign]
+    params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
+
+    async def run() -> None:
+        with pytest.raises(RuntimeError, match="boom"):
+            async for _ in llm.generate_async([7, 8, 9], params):
+                pass
+        assert (await llm.check_health()) == {"local": False}
+        with pytest.raises(EngineDeadError) as dead:
+            await llm.generate_async([7, 8], params).__anext__()
+        assert api_error(dead.value).status == 503
+
+    _run(run())
+    scheduler = llm.engine.scheduler
+    assert not scheduler.requests and scheduler.kv_cache_manager.usage == 0.0
+
+
 def test_a_stream_left_early_aborts_its_request(serving: OpenAIServing, engine: AsyncLLM) -> None:
     req = CompletionRequest.model_validate(
         {"model": "tiny-chat", "prompt": [7, 8, 9], "max_tokens": 200, "stream": True}
