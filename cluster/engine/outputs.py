@@ -196,9 +196,12 @@ class OutputProcessor:
         """Returns the changed requests and the child ids a stop string ended."""
         changed: dict[str, _Parent] = {rid: self.requests[rid] for rid in self.pending}
         self.pending.clear()
-        for parent in changed.values():
+        for parent in changed.values():  # (aborted)
             for sample in parent.samples:
                 sample.out.new_text, sample.out.new_token_ids = "", []
+                if sample.out.finish_reason == "abort":  # the text held back for a stop
+                    sample.out.new_text = sample.out.text[sample.emitted :]  # string ends it
+                    sample.emitted = len(sample.out.text)
         stopped: list[str] = []
         work = list(core_outputs)
         k = 0

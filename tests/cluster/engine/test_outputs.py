@@ -127,3 +127,19 @@ def test_a_stop_string_inside_the_first_min_tokens_does_not_end_the_sample(
             processor.process([EngineCoreOutput(rid, [token])])
         out = processor.requests["r"].output.outputs[0]
         assert out.finish_reason is None and out.text == "a\nb", stops
+
+
+def test_an_aborted_samples_deltas_add_up_to_its_text(tokenizer: Tokenizer) -> None:
+    """Text held back because it could begin a stop string goes out with the abort."""
+    processor = OutputProcessor(tokenizer)
+    params = SamplingParams(max_tokens=32, stop=("STOPSTOP",))
+    (rid,) = processor.add("r", None, PROMPT, params)
+    streamed = ""
+    for token in tokenizer.encode("hello world", add_special_tokens=False):
+        (out,), _ = processor.process([EngineCoreOutput(rid, [token])])
+        streamed += out.outputs[0].new_text
+    assert processor.abort(["r"]) == [rid]
+    (out,), _ = processor.process([])
+    streamed += out.outputs[0].new_text
+    assert out.outputs[0].finish_reason == "abort"
+    assert streamed == out.outputs[0].text == "hello world"
