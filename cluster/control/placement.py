@@ -140,9 +140,8 @@ def worker_kwargs(
 ) -> dict[str, Any]:
     sched = pool.scheduler_config(config.max_model_len)  # the budget the engine will use
     budget: int | None = sched.max_num_batched_tokens
-    whole_prompt = (
-        not sched.enable_chunked_prefill and "max_num_batched_tokens" not in pool.scheduler
-    )
+    unset = pool.scheduler.get("max_num_batched_tokens") is None  # (null: unset too)
+    whole_prompt = not sched.enable_chunked_prefill and unset
     if whole_prompt and config.max_model_len is None:  # the worker's model says how long
         budget = None
     threads = pool.num_threads if pool.num_threads is not None else None

@@ -138,7 +138,7 @@ class AsyncLLM(EngineClient):
         s = self.engine.scheduler
         instance = {
             "role": "both",
-            "alive": 1,
+            "alive": int(self._failure is None),
             "num_running": len(s.running),
             "num_waiting": len(s.waiting) + len(s.holding),
             "kv_cache_usage": s.kv_cache_manager.usage,
@@ -199,6 +199,8 @@ class AsyncLLM(EngineClient):
 
     # -- the step loop -----------------------------------------------------------------------
     def _ensure_stepping(self) -> None:
+        if self._failure is not None:  # dead: never stepped again (its requests are aborted)
+            return
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._step_until_idle())
 
@@ -221,8 +223,10 @@ class AsyncLLM(EngineClient):
                         queue.put_nowait(out)
         except Exception as exc:  # a failed step ends every live request with the error
             self._failure = exc  # and the engine (vLLM: EngineDeadError): its state after a
-            for queue in self._queues.values():  # half-done step cannot be trusted
-                queue.put_nowait(exc)
+            dead = EngineDeadError(f"the engine's step failed: {exc!r}")  # half-done step
+            dead.__cause__ = exc  # cannot be trusted
+            for queue in self._queues.values():
+                queue.put_nowait(dead)
             with contextlib.suppress(Exception):  # their blocks back, as far as it can
                 engine.abort_request(list(engine.processor.requests))
             logger.exception("the engine's step failed; it serves no more requests")

@@ -82,7 +82,16 @@ class _Sample:
         stop_token = core.finish_reason == FinishReason.STOP and text_ids
         if stop_token and not self.params.include_stop_str_in_output:
             text_ids = text_ids[:-1]
-        delta = self.detok.add(text_ids) if text_ids else ""
+        # An output that crosses the min_tokens line (several tokens: merged for a reader that
+        # fell behind, or refilled) is detokenized in two parts: stop strings count from the
+        # line on, as when its tokens come one by one.
+        cut = self.params.min_tokens - (len(out.token_ids) - len(core.new_token_ids))
+        if 0 < cut < len(text_ids):
+            head = self.detok.add(text_ids[:cut])
+            self.stop_from = before + len(head)
+            delta = head + self.detok.add(text_ids[cut:])
+        else:
+            delta = self.detok.add(text_ids) if text_ids else ""
         if core.finish_reason is not None:  # the last tokens: nothing can complete them now
             delta += self.detok.flush()
         text = out.text + delta

@@ -136,8 +136,9 @@ def test_pool_schedulers_are_checked_against_the_clusters_max_model_len() -> Non
     )
     assert worker_kwargs(config, config.pools[0])["max_num_batched_tokens"] == 16384
     # Without a cluster max_model_len, the worker sizes for its model's whole context.
-    config = ClusterConfig.model_validate({"pools": [{"name": "a", "scheduler": no_budget}]})
-    assert worker_kwargs(config, config.pools[0])["max_num_batched_tokens"] is None
+    for scheduler in (no_budget, {**no_budget, "max_num_batched_tokens": None}):
+        config = ClusterConfig.model_validate({"pools": [{"name": "a", "scheduler": scheduler}]})
+        assert worker_kwargs(config, config.pools[0])["max_num_batched_tokens"] is None
 
 
 def test_pipeline_stages_add_their_resources_to_the_pools() -> None:

@@ -3,6 +3,8 @@ outputs the API's streams are built from (``cluster.engine.outputs``)."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from actors.model.loader import builtin_model_path
@@ -119,14 +121,16 @@ def test_a_stop_string_inside_the_first_min_tokens_does_not_end_the_sample(
     a short stop written inside the first ``min_tokens`` tokens does not end the sample
     because a longer stop string widened the window (vLLM's rule)."""
     a, newline, b = (tokenizer.encode(t, add_special_tokens=False) for t in ("a", "\n", "b"))
-    for stops in (("\n",), ("\n", "Observation:")):
+    tokens = [*a, *newline, *b]
+    for stops, merged in itertools.product((("\n",), ("\n", "Observation:")), (False, True)):
         processor = OutputProcessor(tokenizer)
         params = SamplingParams(max_tokens=8, stop=stops, min_tokens=len(a + newline))
         (rid,) = processor.add("r", None, PROMPT, params)
-        for token in [*a, *newline, *b]:
-            processor.process([EngineCoreOutput(rid, [token])])
+        # One by one, or in one output (merged for a reader that fell behind: the cluster's)
+        for part in [tokens] if merged else [[t] for t in tokens]:
+            processor.process([EngineCoreOutput(rid, part)])
         out = processor.requests["r"].output.outputs[0]
-        assert out.finish_reason is None and out.text == "a\nb", stops
+        assert out.finish_reason is None and out.text == "a\nb", (stops, merged)
 
 
 def test_an_aborted_samples_deltas_add_up_to_its_text(tokenizer: Tokenizer) -> None:

@@ -459,10 +459,15 @@ def test_a_failed_step_ends_the_engine_and_frees_its_requests(model_dir: Path) -
     params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
 
     async def run() -> None:
-        with pytest.raises(RuntimeError, match="boom"):
-            async for _ in llm.generate_async([7, 8, 9], params):
+        live = llm.generate_async([7, 8, 9], params)
+        await live.__anext__()
+        with pytest.raises(EngineDeadError, match="boom"):  # a 503 for streams in flight too
+            async for _ in live:
                 pass
         assert (await llm.check_health()) == {"local": False}
+        llm.abort("anything")  # no step of the dead engine after its failure
+        await asyncio.sleep(0.05)
+        assert steps["n"] == 3
         with pytest.raises(EngineDeadError) as dead:
             await llm.generate_async([7, 8], params).__anext__()
         assert api_error(dead.value).status == 503
