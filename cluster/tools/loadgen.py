@@ -103,6 +103,11 @@ def warmup_seed(seed: int) -> int:
     return seed ^ WARMUP_SALT
 
 
+def level_seed(seed: int, index: int) -> int:
+    """The prompts' seed of a run's ``index``-th level (the first: ``seed`` itself)."""
+    return seed + 1_000_003 * index
+
+
 def make_requests(args: argparse.Namespace, n: int, seed: int) -> list[RequestSpec]:
     """``n`` reproducible requests (same seed, same prompts) for ``args.endpoint``."""
     rng = random.Random(seed)
@@ -298,9 +303,11 @@ async def run_all(args: argparse.Namespace) -> tuple[str, list[RunResult]]:
             warm = make_requests(args, args.warmup, warmup_seed(args.seed))
             recs, _ = await run_level(session, target, warm, [0.0] * len(warm), levels[0][2])
             print(f"warmup: {sum(r.ok for r in recs)}/{len(recs)} ok", file=sys.stderr)
-        specs = make_requests(args, args.num_prompts, args.seed)
         runs = []
-        for label, level, limit in levels:
+        for index, (label, level, limit) in enumerate(levels):
+            # Prompts of its own per level: a level sent the last one's prompts would find
+            # them in the server's prefix cache (its TTFT read as if no prefill were needed).
+            specs = make_requests(args, args.num_prompts, level_seed(args.seed, index))
             if args.request_rate:
                 offsets = poisson_schedule(len(specs), level, random.Random(args.seed))
             else:

@@ -243,6 +243,9 @@ def test_completions_sweep_counts_json_and_plots(
     # The warm-up's prompts are none of this run's, nor of a run with the next seed (a
     # caller's next run on the same server: its first prompts would hit the prefix cache).
     warm = {tuple(b["prompt"]) for b in server.bodies[:2]}
+    # And each level has prompts of its own (the second's would be cached from the first's).
+    first, second = ({tuple(b["prompt"]) for b in server.bodies[k : k + 6]} for k in (2, 8))
+    assert len(first) == len(second) == 6 and not first & second
     parser = argparse.ArgumentParser()
     add_bench_arguments(parser)
     args = parser.parse_args(argv)  # (seed 0)
