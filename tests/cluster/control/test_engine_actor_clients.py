@@ -14,10 +14,10 @@ def test_an_engine_remembers_only_its_latest_dropped_clients(
     does), not every one it ever saw."""
     from collections import OrderedDict
 
-    from cluster.control import engine_actor
+    from cluster.control import engine_actor, engine_streams
     from cluster.control.refill import PastRequests
 
-    monkeypatch.setattr(engine_actor, "DROPPED_REMEMBERED", 3)
+    monkeypatch.setattr(engine_streams, "DROPPED_REMEMBERED", 3)
     actor = engine_actor.EngineActor.__new__(engine_actor.EngineActor)  # (no engine needed)
     actor._dropped, actor._streams, actor._outboxes = OrderedDict(), {}, {}
     actor._past = PastRequests()
