@@ -125,10 +125,13 @@ class WorkerConnector(ABC):
     # -- set-up ----------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: list[torch.Tensor], layers: range) -> None:
         """The worker's caches (one tensor per layer it holds) and which model layers they
-        are. Drops any load in progress."""
+        are. Drops any load in progress, and every load's outcome not yet reported: a new
+        cache comes with a fresh scheduler, which may hold a request of the same id again (a
+        lost request placed anew) whose own load has not landed."""
         self.kv_caches = kv_caches
         self.layers = layers
         self._loads.clear()
+        self._recving_done, self._recving_failed = set(), set()
 
     def retire_caches(self) -> None:
         """The worker is about to let its caches go (a new cache follows): nothing may read

@@ -164,8 +164,8 @@ class GrpcWorkerConnector(WorkerConnector):
 
     # -- set-up ----------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: list[torch.Tensor], layers: range) -> None:
-        """Also starts the KV server (once). New caches end every lease: the blocks they
-        named are gone."""
+        """Also starts the KV server (once). New caches end every lease, unreported: the
+        blocks they named are gone (``LeaseTable.end_all``)."""
         self.leases.end_all()
         super().register_kv_caches(kv_caches, layers)
         if self._server is None:

@@ -113,10 +113,14 @@ class LeaseTable:
                     self._end(lease_id)
 
     def end_all(self) -> None:
-        """Every lease ends now (the caches they point into are gone)."""
+        """Every lease ends now, unreported: the caches they point into are gone, and so is
+        the scheduler that would free their blocks (new caches come with a fresh one). A
+        report would reach that fresh scheduler, which may hold a request of the same id
+        again (a lost request placed anew): its new lease's blocks would be freed early."""
         with self._lock:
             for lease_id in list(self._leases):
                 self._end(lease_id)
+            self._ended = set()
 
     def __len__(self) -> int:
         with self._lock:

@@ -211,8 +211,8 @@ class NixlWorkerConnector(NixlPeers):
 
     # -- set-up ----------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: list[torch.Tensor], layers: range) -> None:
-        """Register the pool with a new agent (its old name, and every lease, end: the blocks
-        they named are gone). Peers learn the new name through ``peer_info``."""
+        """Register the pool with a new agent (its old name, and every lease, end unreported:
+        the blocks they named are gone). Peers learn the new name through ``peer_info``."""
         self.retire_caches()  # first: a same-node copy of the old cache fails from now on
         self.leases.end_all()
         self._drop_reads()

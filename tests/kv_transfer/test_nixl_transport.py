@@ -614,7 +614,7 @@ def test_new_caches_end_every_lease_and_change_the_agent(
     old = src.agent.name
     _save(src)
     src.register_kv_caches(_caches(8, torch.float32, 3), range(NUM_LAYERS))
-    assert _sending(src) == {"r"} and len(src.leases) == 0
+    assert _sending(src) is None and len(src.leases) == 0  # (see the gRPC test's reason)
     assert src.agent.name != old  # peers holding the old name cannot read the new blocks
 
 

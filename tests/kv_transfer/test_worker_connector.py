@@ -180,6 +180,19 @@ def test_fetch_that_raises_is_reported_failed_and_writes_nothing(saved: Saved) -
     assert dst.report().bytes_loaded == 0
 
 
+def test_new_caches_drop_load_outcomes_not_yet_reported(saved: Saved) -> None:
+    """A stage's load landed in the step that failed (its report never went out); the
+    recovery gives it new caches and a fresh scheduler, which may wait for "r" again (placed
+    anew). The old outcome must not reach it: "r" would be promoted before its new load
+    wrote a byte."""
+    _, dst, handle = saved
+    _load(dst, LoadSpec("r", handle, [0, 1, 2], 0, timeout_s=5.0))
+    dst.raise_on_fetch = True
+    _load(dst, LoadSpec("q", handle, [3, 4, 5], 0, timeout_s=5.0))
+    dst.register_kv_caches(_caches(12, torch.float32, 2), range(NUM_LAYERS))
+    assert dst.get_finished() == (None, None, None)
+
+
 @pytest.mark.parametrize("slow", ["transport", "load_delay_s"])
 def test_fetch_past_the_timeout_fails_and_its_late_data_is_never_written(
     saved: Saved, slow: str
