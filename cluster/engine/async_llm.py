@@ -166,13 +166,16 @@ class AsyncLLM(EngineClient):
     async def live_requests(self) -> dict[str, dict[str, Any]]:
         """The requests being streamed; ``phase``: queued (waiting or preempted), prefill
         (running, prompt not all computed) or decode."""
+        # A step (in another thread) may add or drop requests meanwhile: iterating the dict
+        # could raise; list() copies it in one go (no Python code runs, so the GIL is held).
+        by_client: dict[str, list[Any]] = {}
+        for r in list(self.engine.scheduler.requests.values()):
+            rid = r.request_id  # or a sample's: "<rid>#<i>"
+            client = rid if rid in self._queues else rid.rpartition("#")[0]
+            by_client.setdefault(client, []).append(r)
         result: dict[str, dict[str, Any]] = {}
         for rid in sorted(self._queues):
-            samples = [
-                r
-                for r in self.engine.scheduler.requests.values()
-                if r.request_id == rid or r.request_id.startswith(f"{rid}#")
-            ]
+            samples = by_client.get(rid, [])
             running = [r for r in samples if r.status == RequestStatus.RUNNING]
             prefill = any(r.num_computed_tokens < r.num_prompt_tokens for r in running)
             result[rid] = {

@@ -534,6 +534,29 @@ def test_operators_see_the_in_process_engine(engine: AsyncLLM) -> None:
     assert not engine.engine.has_unfinished_requests()
 
 
+def test_live_requests_count_every_sample_of_an_id_with_a_hash(engine: AsyncLLM) -> None:
+    """A client's id may hold "#" (the samples' ids are "<id>#<i>"): its samples are its own,
+    not those of client "a", whose samples' ids would start the same."""
+    params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True, n=2)
+
+    async def run() -> dict[str, Any]:
+        live: dict[str, Any] = {}
+        other = engine.generate_async([5, 4, 3], SamplingParams(max_tokens=1), request_id="a")
+        mine = engine.generate_async([9, 8, 7, 6], params, request_id="a#b")
+        async with aclosing(other), aclosing(mine):
+            assert (await anext(other)).finished  # its stream is still open
+            async for out in mine:
+                if all(len(o.token_ids) >= 2 for o in out.outputs) and not live:
+                    live = await engine.live_requests()
+                    engine.abort("a#b")
+                    engine.abort("a")
+        return live
+
+    live = _run(run())
+    assert set(live) == {"a", "a#b"} and live["a"]["num_tokens_sent"] == 0  # (it left)
+    assert live["a#b"]["num_tokens_sent"] >= 4 and live["a#b"]["phase"] == "decode"
+
+
 def _tokenize(serving: OpenAIServing, body: dict[str, Any]) -> dict[str, Any]:
     from pydantic import TypeAdapter
 
