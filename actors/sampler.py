@@ -314,20 +314,23 @@ def _sample_random(x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor
 
 
 def _cutoff_thresholds(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor | None:
-    """Per-row probability below which tokens are dropped (top-k, then top-p, then min-p), or
-    None when no row filters. ``probs`` is unnormalized with row maximum 1. Tokens tied with the
-    cut-off are kept."""
-    vocab = probs.shape[1]
-    top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
-    top_p = [p.top_p for p in params]
-    threshold = None
-    if any(k < vocab for k in top_k) or any(tp < 1.0 for tp in top_p):
-        threshold = _top_k_top_p_thresholds(probs, top_k, top_p)
+    """Drops (zeroes, in place) the tokens below min-p, then returns the per-row probability
+    below which top-k, then top-p, drop tokens, or None when no row has either. ``probs`` is
+    unnormalized with row maximum 1. Tokens tied with a cut-off are kept.
+
+    vLLM's order: min-p first, so the top-p nucleus is measured over what min-p left (taking
+    the larger of the two cut-offs instead kept a wider nucleus: p = .5 .3 .2 with min_p .5
+    and top_p .6 keeps only the first token, renormalized .625 >= .6, not the first two)."""
     if any(p.min_p > 0.0 for p in params):
         # p_i >= min_p * p_max, and p_max is 1 here.
         min_p = torch.tensor([p.min_p for p in params], device=probs.device)
-        threshold = min_p if threshold is None else torch.maximum(threshold, min_p)
-    return threshold
+        probs.masked_fill_(probs < min_p.unsqueeze(1), 0.0)
+    vocab = probs.shape[1]
+    top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    top_p = [p.top_p for p in params]
+    if any(k < vocab for k in top_k) or any(tp < 1.0 for tp in top_p):
+        return _top_k_top_p_thresholds(probs, top_k, top_p)
+    return None
 
 
 def _top_k_top_p_thresholds(

@@ -200,6 +200,18 @@ def test_min_p_drops_tokens_below_fraction_of_max() -> None:
     assert set(counts.nonzero().squeeze(1).tolist()) == {1, 3}
 
 
+def test_min_p_comes_before_top_p() -> None:
+    """vLLM's order: top-p's nucleus is measured over what min-p kept, renormalized. Here
+    min-p keeps .5 and .3; the first alone is .625 of that, past top_p = .6."""
+    probs = torch.tensor([0.5, 0.3, 0.2])
+    counts = draw(probs.log(), 2_000, min_p=0.5, top_p=0.6)
+    assert counts.tolist() == [2_000, 0, 0]
+    # Top-k then counts among what min-p kept too: k=2 of the two left, top-p .9 keeps both.
+    counts = draw(probs.log(), 5_000, min_p=0.5, top_k=2, top_p=0.9)
+    assert set(counts.nonzero().squeeze(1).tolist()) == {0, 1}
+    assert chi2(counts, torch.tensor([0.625, 0.375, 0.0])) < CHI2_LIMIT
+
+
 def test_min_p_uses_tempered_probabilities() -> None:
     probs = torch.tensor([0.6, 0.3, 0.1])
     # At T=0.5 the probabilities become 0.78, 0.20, 0.02: token 2 is now 0.03x the max (0.17x
