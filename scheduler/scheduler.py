@@ -311,12 +311,16 @@ class Scheduler:
 
     def has_requests(self) -> bool:
         """Unfinished requests, or finished ones whose blocks wait for a KV send or load to
-        report, or instructions for the worker that no request carries (the connector's
-        ``has_pending``): an engine loop must keep stepping (and collecting reports) while
-        True."""
+        report or whose end the workers have not heard of (``finished_req_ids``: vLLM's
+        ``has_finished_requests``; without it an instance that went idle kept the last
+        requests' state in every worker until the next arrival), or instructions for the
+        worker that no request carries (the connector's ``has_pending``): an engine loop
+        must keep stepping (and collecting reports) while True."""
         state = self.state
-        return bool(state.requests) or (
-            state.connector is not None and state.connector.has_pending()
+        return (
+            bool(state.requests)
+            or bool(state.finished_req_ids)
+            or (state.connector is not None and state.connector.has_pending())
         )
 
     def reset_prefix_cache(self) -> bool:

@@ -106,6 +106,8 @@ def test_requests_sent_together_are_admitted_together(tiny_model: Path) -> None:
 
 
 def test_idle_loop_does_not_step(tiny_model: Path) -> None:
+    """Once idle, no steps -- after one that tells the workers of the last ends (they held
+    the finished requests' state until the next arrival, for good on a drained instance)."""
     loop, executor, seen = _loop(tiny_model)
 
     async def run() -> int:
@@ -113,6 +115,8 @@ def test_idle_loop_does_not_step(tiny_model: Path) -> None:
         loop.add_request(_request(0))
         while not any(o.finished for o in seen):
             await asyncio.sleep(0.01)
+        await asyncio.sleep(0.2)
+        assert executor.worker.health()["num_requests"] == 0
         steps = loop.counters.num_steps
         await asyncio.sleep(0.3)  # idle: waits on its event, no steps
         idle_steps = loop.counters.num_steps - steps
