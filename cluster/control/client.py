@@ -31,6 +31,7 @@ from cluster.engine.outputs import OutputProcessor, RequestOutput
 from cluster.engine.protocol import EngineClient
 from cluster.engine.streams import merge_streams
 from scheduler import LoRARequest, SamplingParams
+from scheduler.request import FinishReason
 
 # How long /health waits for every worker to answer.
 HEALTH_TIMEOUT_S = 10.0
@@ -161,7 +162,7 @@ class ClusterClient(EngineClient):
                     outputs, stopped = processor.process([item])
                     for child in stopped:  # a stop string: end it on the cluster too
                         open_children.discard(child)
-                        self._abort_ids([child])
+                        self._abort_ids([child], stopped=True)
                     for out in outputs:
                         yield out
                     if not open_children:
@@ -185,7 +186,8 @@ class ClusterClient(EngineClient):
         it and for its samples (``EarlyAborts``)."""
         self._abort_ids(self._children.get(request_id) or [request_id])
 
-    def _abort_ids(self, ids: list[str]) -> None:
+    def _abort_ids(self, ids: list[str], stopped: bool = False) -> None:
+        """Abort ``ids`` (``stopped``: they met a stop string, and end as ``stop``)."""
         sub = self._sub
         try:
             here = sub is not None and sub.loop is asyncio.get_running_loop()
@@ -194,9 +196,9 @@ class ClusterClient(EngineClient):
         for rid in ids:
             if here:  # in order with this loop's submits (an id reused at once stays safe)
                 assert sub is not None
-                sub.abort(rid)
+                sub.abort(rid, stopped)
             else:
-                self.handle.abort.remote(rid)
+                self.handle.abort.remote(rid, FinishReason.STOP if stopped else FinishReason.ABORT)
 
     # -- adapters, metrics, health (EngineClient) -------------------------------------------
     async def lora_adapters(self) -> dict[str, LoRARequest]:

@@ -103,6 +103,15 @@ class Outbox:
         self.ready.set()
 
 
+@dataclass(frozen=True)
+class Stopped:
+    """A client's op: its request met a stop string (found as the client detokenizes): it
+    ends as ``stop``, not ``abort``, so metrics, goodput and its trace count it as vLLM
+    does."""
+
+    request_id: str
+
+
 @dataclass
 class Flight:
     """A request between ``generate`` / ``submit`` and its final output."""

@@ -16,6 +16,7 @@ from cluster.control.flights import (
     Flight,
     Outbox,
     RefusedRequests,
+    Stopped,
     Submission,
     WireOutput,
     admitted_with_another,
@@ -102,18 +103,21 @@ class Intake:
     async def submit_many(
         self,
         client_id: str,
-        items: list[tuple[Request, dict[str, str] | None, Submission | None] | str],
+        items: list[tuple[Request, dict[str, str] | None, Submission | None] | str | Stopped],
     ) -> list[Exception | None]:
         """``submit`` for several requests of client ``client_id`` in one call -- (request,
-        trace context, submission) each -- and ``abort`` for a bare request id, in order.
+        trace context, submission) each -- and ``abort`` for a bare request id (or, as
+        ``stop``, a ``Stopped`` one), in order.
         Each gets its own outcome: None (placed; aborts always) or the exception that refused
         it, as a value: one refusal does not fail the others. A client sends what it has at
         once this way, so a burst costs a few Ray calls instead of one each, and an abort
         and a later submit of the same id cannot swap."""
         outcomes: list[Exception | None] = []
         for item in items:
-            if isinstance(item, str):
-                self.abort(item)
+            if isinstance(item, str | Stopped):
+                stopped = isinstance(item, Stopped)
+                rid = item.request_id if isinstance(item, Stopped) else item
+                self.abort(rid, FinishReason.STOP if stopped else FinishReason.ABORT)
                 outcomes.append(None)
                 continue
             request, trace_context, submission = item
@@ -245,9 +249,10 @@ class Intake:
             and flight.submission != submission
         )
 
-    def abort(self, request_id: str) -> bool:
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> bool:
         """End a request at whatever stage it is (queued, prefilling, transferring, decoding):
-        its blocks are freed on every instance and its stream ends with ``abort``. False if
+        its blocks are freed on every instance and its stream ends with ``reason`` (``stop``:
+        its client found a stop string in its text). False if
         the request is unknown or already finished -- an unknown one may still be on its way
         (Ray can run an abort before the submit sent just before it): it is then aborted as
         soon as it arrives, within ``EarlyAborts.ttl_s``."""
@@ -259,7 +264,7 @@ class Intake:
             count = samples[0].request.num_samples if samples else None
             self._early_aborts.remember_family(request_id, len(samples), count)
             for sample in samples:
-                self.abort(sample.request.request_id)
+                self.abort(sample.request.request_id, reason)
             return bool(samples)
         engine = self.engines.get(flight.instance)
         if engine is not None and engine.remote:
@@ -267,13 +272,13 @@ class Intake:
                 # Its engine answers (a final to the client, then ``finished`` in a report),
                 # or, if it no longer holds the request, whoever takes it next sees the flag.
                 flight.aborting = True
-                engine.end(flight.internal_id, FinishReason.ABORT)
+                engine.end(flight.internal_id, reason)
                 return True
-        elif engine is not None and engine.end(flight.internal_id, FinishReason.ABORT):
+        elif engine is not None and engine.end(flight.internal_id, reason):
             self._forget(flight)
             return True
         # Between instances, or on an engine that died: the actor answers for it.
-        self._end(flight, FinishReason.ABORT, tokens=flight.sent)
+        self._end(flight, reason, tokens=flight.sent)
         return True
 
     def _client_dropped(self, client_id: str) -> None:

@@ -17,7 +17,7 @@ from collections.abc import AsyncGenerator
 from typing import Any
 
 from cluster.control.delivery import Delivery
-from cluster.control.flights import Outcome
+from cluster.control.flights import Outcome, Stopped
 from cluster.engine.streams import Mailbox
 from cluster.errors import StreamLostError
 from scheduler import Request
@@ -145,10 +145,11 @@ class Subscription(Delivery):
             if running:  # left before the end: nothing may keep running for nobody
                 self.abort(rid)
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str, stopped: bool = False) -> None:
         """Abort ``request_id`` on the cluster, after whatever this subscription submitted
-        before (from this event loop)."""
-        self._ops.append((request_id, None))
+        before (from this event loop); ``stopped``: it met a stop string (it ends as
+        ``stop``)."""
+        self._ops.append((Stopped(request_id) if stopped else request_id, None))
         self._schedule()
 
     def _submit(
@@ -422,6 +423,8 @@ def _in_use(outcome: BaseException | None) -> bool:
 
 def _op_id(item: Any) -> str:
     """The request id of a queued op: an abort's id, or a submit's request's."""
+    if isinstance(item, Stopped):
+        return item.request_id
     return item if isinstance(item, str) else str(item[0].request_id)
 
 

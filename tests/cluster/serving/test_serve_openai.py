@@ -214,6 +214,7 @@ def test_stop_strings_end_the_request_in_the_scheduler(
     serve_app: ServeApp, direct: ClusterClient
 ) -> None:
     full = _greedy(direct, PROMPT, n=24).text
+    ends_before = _ends(serve_app)
     # A printable character first seen as late as possible (the tiny model's bytes are random).
     firsts = {ch: full.index(ch) for ch in full if ch.isascii() and ch.isprintable()}
     assert firsts and max(firsts.values()) > 0, full
@@ -230,6 +231,25 @@ def test_stop_strings_end_the_request_in_the_scheduler(
         model=serve_app.model, prompt=PROMPT, stop=stop, stream=True, **kwargs
     )
     assert "".join(c.choices[0].text for c in streamed) == choice.text
+    # Counted as vLLM counts them: ended by a stop, not aborted (goodput counts stops).
+    ends = _ends(serve_app)
+    assert ends["stop"] - ends_before["stop"] == 2
+    assert ends["abort"] == ends_before["abort"]
+
+
+def _ends(serve_app: ServeApp) -> dict[str, float]:
+    """``tandem:request_success_total`` by ``finished_reason``, over every instance."""
+    import requests
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = requests.get(f"{serve_app.url}/metrics", timeout=30).text
+    ends = {"stop": 0.0, "abort": 0.0}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == "tandem:request_success_total":
+                reason = s.labels["finished_reason"]
+                ends[reason] = ends.get(reason, 0.0) + s.value
+    return ends
 
 
 def test_stop_token_ids(serve_app: ServeApp, direct: ClusterClient) -> None:
