@@ -255,8 +255,12 @@ def _calibrate(args: argparse.Namespace) -> int:
 
 def for_cost_model(base: Any, cost: Any, model: str | None) -> tuple[Any, str | None]:
     """``base`` to run what was planned -- ``model`` if given, and on a GPU each for a GPU
-    cost model (``device: cuda``, ``num_gpus: 1`` unless the base asks for GPUs) -- and a
-    note when the plan assumed what Tandem's workers do not do (tensor parallelism)."""
+    cost model (``device: cuda``, ``num_gpus: 1`` unless the base asks for GPUs, and a pool
+    with no KV size gets the memory the cost model gave it: ``memory_budget_bytes``, the
+    GPU's HBM x its ``memory_utilization``, as vLLM's ``gpu_memory_utilization``; a worker
+    left unsized takes a 1 GiB cache, some 50x less than a Llama-3-8B plan on an H100
+    assumed) -- and a note when the plan assumed what Tandem's workers do not do (tensor
+    parallelism)."""
     from cluster.sim.cost import RooflineCostModel
 
     data = base.model_dump()
@@ -267,6 +271,9 @@ def for_cost_model(base: Any, cost: Any, model: str | None) -> tuple[Any, str | 
         for pool in data["pools"]:
             pool["device"] = "cuda"
             pool["num_gpus"] = pool["num_gpus"] or 1.0
+            sizes = ("num_blocks", "kv_cache_memory_bytes", "memory_budget_bytes")
+            if all(pool[size] is None for size in sizes):
+                pool["memory_budget_bytes"] = int(cost.gpu.hbm_bytes * cost.memory_utilization)
         if cost.tp > 1:
             note = (
                 f"the plan assumed {cost.tp}-way tensor parallelism per instance; Tandem's "

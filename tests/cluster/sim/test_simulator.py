@@ -417,6 +417,16 @@ def test_a_gpu_plan_prints_a_config_that_runs_the_model_on_gpus() -> None:
     config, note = for_cost_model(base, gpu_model("llama-3-8b@h100-sxm"), "/models/llama-3-8b")
     assert config.model == "/models/llama-3-8b" and note is None
     assert all(p.device == "cuda" and p.num_gpus == 1.0 for p in config.pools)
+    # Each worker gets the KV cache the simulation gave it (unsized, a worker takes 1 GiB).
+    cost = gpu_model("llama-3-8b@h100-sxm")
+    capacity = cost.kv_capacity_tokens()
+    assert capacity is not None
+    weights = cost.model.num_params * cost.model.bytes_per_param
+    for pool in config.pools:
+        assert pool.memory_budget_bytes == int(80e9 * 0.9)
+        assert (
+            abs((pool.memory_budget_bytes - weights) // cost.kv_bytes_per_token() - capacity) <= 1
+        )
     # A plan that assumed tensor parallelism says that Tandem's workers do not have it.
     _, note = for_cost_model(base, gpu_model("llama-3-70b@h100-sxmx4"), None)
     assert note is not None and "4-way tensor parallelism" in note
