@@ -310,17 +310,20 @@ class Scheduler:
         return self.get_num_unfinished_requests() > 0
 
     def has_requests(self) -> bool:
+        """``holds_requests``, or finished requests whose end the workers have not heard of
+        (``finished_req_ids``: vLLM's ``has_finished_requests``; without it an instance that
+        went idle kept the last requests' state in every worker until the next arrival): an
+        engine loop must keep stepping (and collecting reports) while True."""
+        return self.holds_requests() or bool(self.state.finished_req_ids)
+
+    def holds_requests(self) -> bool:
         """Unfinished requests, or finished ones whose blocks wait for a KV send or load to
-        report or whose end the workers have not heard of (``finished_req_ids``: vLLM's
-        ``has_finished_requests``; without it an instance that went idle kept the last
-        requests' state in every worker until the next arrival), or instructions for the
-        worker that no request carries (the connector's ``has_pending``): an engine loop
-        must keep stepping (and collecting reports) while True."""
+        report, or instructions for the worker that no request carries (the connector's
+        ``has_pending``). (A drain waits for this: not for ``finished_req_ids``, which a
+        failed instance, never stepped again, keeps for ever.)"""
         state = self.state
-        return (
-            bool(state.requests)
-            or bool(state.finished_req_ids)
-            or (state.connector is not None and state.connector.has_pending())
+        return bool(state.requests) or (
+            state.connector is not None and state.connector.has_pending()
         )
 
     def reset_prefix_cache(self) -> bool:

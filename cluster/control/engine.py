@@ -522,7 +522,7 @@ class InstanceEngine:
     def holds_requests(self) -> bool:
         """Requests still here: queued, running, or finished with KV still to send."""
         loop = self.loop
-        return bool(self.held or loop.pending or loop.scheduler.has_requests())
+        return bool(self.held or loop.pending or loop.scheduler.holds_requests())
 
     def phase(self, internal_id: str) -> str | None:
         """Where a request is here: ``queued`` (arriving, waiting, preempted), ``transfer``
