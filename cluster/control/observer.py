@@ -57,6 +57,9 @@ class RequestObserver:
     def add_instance(self, instance_id: str, role: str) -> None:
         self.metrics.add_instance(instance_id, role)
 
+    def remove_instance(self, instance_id: str, role: str) -> None:
+        self.metrics.remove_instance(instance_id, role)
+
     def render(self, stats: dict[str, Any], others: list[str] | None = None) -> str:
         """Prometheus exposition text (``/metrics``), with other processes' request metrics
         (``others``: engine actors') merged in."""
@@ -105,8 +108,13 @@ class RequestObserver:
                 histograms.queue.observe(max(queued, 0.0))
 
     def step(self, where: Instance, num_tokens: int) -> None:
-        """Instance ``where`` started a step of ``num_tokens`` tokens."""
-        self.metrics.per_step(where.instance_id, where.role).iteration_tokens.observe(num_tokens)
+        """Instance ``where`` started a step of ``num_tokens`` tokens (none: a step that only
+        carries instructions to the workers, or waits for KV loads -- not an iteration, as
+        in vLLM; a decode instance waiting on loads made thousands a second)."""
+        if num_tokens > 0:
+            self.metrics.per_step(where.instance_id, where.role).iteration_tokens.observe(
+                num_tokens
+            )
 
     def tokens_out(self, held: Any, where: Instance, num: int) -> None:
         """``num`` tokens of the request, sampled on instance ``where``, go to the client."""
@@ -185,6 +193,10 @@ class RequestObserver:
         arrival = request.arrival_time
         num = len(record.sent)
         scheduled = record.first_scheduled_at
+        params = request.sampling_params  # (a prefill part's are not its client's: max 1)
+        placement = getattr(record, "placement", None)
+        if placement is not None and placement.client_params is not None:
+            params = placement.client_params
         # (errors and aborts say nothing of the pool's speed)
         normal = final.finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
         sink = self.latency_sink
@@ -204,7 +216,7 @@ class RequestObserver:
             ),
             request.num_prompt_tokens,
             num,
-            request.sampling_params.max_tokens,
+            params.max_tokens,
             # n, once per user request: on its first sample ("{id}#0", or the only one)
             None if later_sample(request) else request.num_samples,
         )
