@@ -94,7 +94,7 @@ class Admitter:
             ):
                 return False
         elif self._lora_full(request):
-            if self._skip_or_stop(request, strict=False) is Verdict.STOP:
+            if not cfg.strict_fcfs and self._skip_or_stop(request, False) is Verdict.STOP:
                 self.queue_blocked = True
             return False
         # No watermark: the watermark keeps room for running requests when admitting new
@@ -191,8 +191,9 @@ class Admitter:
                         else (Verdict.STOP)
                     )
             elif self._lora_full(request):
-                # vLLM skips with no bound; the aging bound keeps a rare adapter from starving.
-                return self._skip_or_stop(request, strict=False)
+                # vLLM skips with no bound (so does ``strict_fcfs``, vLLM's behaviour); the
+                # aging bound keeps a rare adapter from starving.
+                return Verdict.SKIP if cfg.strict_fcfs else self._skip_or_stop(request, False)
         blocks = kv.allocate_slots(
             request,
             plan.n,
@@ -231,7 +232,10 @@ class Admitter:
         compute. No change to the cache or the queues."""
         hits, num_local = self.kv.get_computed_blocks(request)
         num_external, load_async = 0, False
-        if self.state.connector is not None:
+        # A request that wants its prompt's logprobs computes every prompt token: neither the
+        # prefix cache (``get_computed_blocks``) nor a connector's KV (vLLM: no external
+        # tokens when it skips reading the cache) -- loaded positions had none.
+        if self.state.connector is not None and request.prompt_logprobs is None:
             matched, load_async = self.state.connector.get_num_new_matched_tokens(
                 request, num_local
             )
@@ -272,7 +276,8 @@ class Admitter:
         return {
             "num_new_computed_tokens": plan.num_local,
             "new_computed_blocks": plan.hits,
-            "num_lookahead_tokens": self.cfg.num_lookahead_slots,
+            # (none for a remote load: it computes nothing until it lands -- vLLM's 0)
+            "num_lookahead_tokens": 0 if plan.load_async else self.cfg.num_lookahead_slots,
             "num_external_computed_tokens": plan.num_external,
             "full_sequence_must_fit": self.cfg.scheduler_reserve_full_isl,
             "has_scheduled_reqs": bool(self.state.running),

@@ -109,6 +109,24 @@ def test_requests_without_lora_are_never_blocked() -> None:
     assert len(produced) == 7
 
 
+@pytest.mark.parametrize("strict_fcfs", [False, True])
+def test_an_adapter_waiting_long_for_a_slot(strict_fcfs: bool) -> None:
+    """A request waiting for an adapter slot past ``max_skip_steps`` blocks the queue (the
+    aging bound: a rare adapter cannot starve) -- but not with ``strict_fcfs``, which is
+    vLLM's behaviour, and vLLM never blocks the queue for a full adapter set."""
+    s = make_scheduler(lora=LoRAConfig(max_loras=1), max_skip_steps=2, strict_fcfs=strict_fcfs)
+    s.add_request(make_request(token_range(1000, 5), req_id="a", max_tokens=30, lora=lora(1)))
+    s.add_request(make_request(token_range(2000, 5), req_id="w", max_tokens=4, lora=lora(2)))
+    produced: dict[str, list[int]] = {}
+    for _ in range(3):
+        _step(s, produced)
+    s.add_request(make_request(token_range(3000, 5), req_id="base", max_tokens=4))
+    out, _ = _step(s, produced)
+    assert ("base" in _admitted(out)) is strict_fcfs
+    assert "w" not in out.num_scheduled_tokens
+    _finish(s, produced)
+
+
 def test_kv_preemption_frees_the_adapter_slot() -> None:
     # 6 blocks. A (base, 3 blocks) and R (adapter 1, 2 blocks) run; W (adapter 2) is skipped
     # for the adapter slot. At step 4 R needs a block, none free: R is preempted. R's 3
