@@ -219,11 +219,17 @@ class SimExecutor:
         sampled = [[TOKEN] if sample else [] for sample in samples]
         shared = shape.tokens >= MIN_SHARED_STEP_TOKENS
         speedup = self.speedup if shared else 1.0
-        if shape.tokens == 0 and self._loads:
+        idle = shape.tokens == 0 and bool(self._loads)
+        if idle:
             # A step with nothing to compute while KV comes in: the worker waits for the
             # first load to land (at most IDLE_LOAD_WAIT_S), on no core (kv_transfer/base).
             soonest = min(load.done_at for load in self._loads)
             await asyncio.sleep(min(IDLE_LOAD_WAIT_S, max(0.0, soonest - loop.time())))
+        # A worker writes the loads that have landed before it computes (``start_load_kv``)
+        # and reports them at the step's end: one that lands during the step waits for the
+        # next step's end, as on a real worker.
+        applied_at = loop.time()
+        if idle:
             seconds = 0.0
         elif len(self._stages) == 1:
             seconds = await self._run(self.cost.step_time(shape), speedup)
@@ -244,7 +250,7 @@ class SimExecutor:
                 handle = SimHandle(self.instance_id, num_bytes)
                 report.saved[save.req_id] = [KVSegment(0, 1, handle)]
                 report.bytes_saved += num_bytes
-        self._finish_loads(output, report, loop.time())
+        self._finish_loads(output, report, applied_at)
         output.kv_connector_output = report
         return output
 

@@ -432,3 +432,32 @@ def test_a_gpu_plan_prints_a_config_that_runs_the_model_on_gpus() -> None:
     assert note is not None and "4-way tensor parallelism" in note
     cpu, note = for_cost_model(base, COST, None)  # a CPU model leaves the pools as they are
     assert cpu == base and note is None
+
+
+def test_a_load_that_lands_during_a_step_is_reported_at_the_end_of_the_next() -> None:
+    """A worker writes the loads that landed before a step starts and reports them at its
+    end: one landing 10 ms into a 50 ms step comes with the next step's output (the
+    simulator reported it with this one, a decode step early)."""
+    from cluster.sim.executor import SimExecutor, _Load
+    from scheduler import CacheConfig, Request, SamplingParams, SchedulerConfig
+
+    cost = LinearCostModel(**{**COST.__dict__, "coefficients": {"const": 0.05}})
+    executor = SimExecutor("d-0", cost, block_size=16)
+    s = Scheduler(
+        SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64),
+        CacheConfig(block_size=16, num_blocks=16),
+    )
+    s.add_request(Request("a", [5] * 8, SamplingParams(max_tokens=4), eos_token_id=2))
+
+    async def main() -> list[set[str] | None]:
+        now = asyncio.get_running_loop().time()
+        executor._loads.append(_Load("b", now, now + 0.01, 100, True))
+        reported = []
+        for _ in range(2):
+            out = s.schedule()
+            result = await executor.execute_model(out)
+            reported.append(result.finished_recving)
+            s.update_from_output(out, result)
+        return reported
+
+    assert run_virtual(main()) == [None, {"b"}]
