@@ -31,6 +31,7 @@ from scheduler.request import FinishReason
 logger = logging.getLogger(__name__)
 
 PING_TIMEOUT_S = 10.0
+ENGINE_WATCH_S = 1.0  # how often an engine is pinged when health checks are off
 # How long the central scheduler waits for an engine's answer to what it asks (stats,
 # metrics, a stop, what it holds) before it goes on without it.
 ASK_TIMEOUT_S = 5.0
@@ -77,6 +78,8 @@ class RemoteEngine:
         self._flush_scheduled = False
         self._tasks: set[asyncio.Task[None]] = set()
         self.dead: str | None = None
+        self._stopping = False  # ``stop`` began: the engine leaves by design, not by death
+        self._last_metrics = ""  # its last ``metrics_text``
         if attach is not None:
             self.actor: Any = attach[0]
             return
@@ -99,14 +102,16 @@ class RemoteEngine:
 
     # -- life cycle --------------------------------------------------------------------------
     def start(self) -> None:
-        """Start the watch; ``ready`` waits for the engine to serve."""
-        if self.config.health_check_interval_s > 0:
-            self._spawn(self._watch())
+        """Start the watch (always: ``health_check_interval_s: 0`` turns off the workers'
+        checks, but nothing else would notice this process die -- its requests would hang
+        and the router send it more); ``ready`` waits for the engine to serve."""
+        self._spawn(self._watch())
 
     async def ready(self) -> None:
         await self.actor.start.remote()
 
     async def stop(self) -> None:
+        self._stopping = True
         for task in list(self._tasks):
             task.cancel()
         self._flush()
@@ -171,7 +176,7 @@ class RemoteEngine:
         task.add_done_callback(self._tasks.discard)
 
     async def _watch(self) -> None:
-        interval = self.config.health_check_interval_s
+        interval = self.config.health_check_interval_s or ENGINE_WATCH_S
         while self.dead is None:
             await asyncio.sleep(interval)
             try:
@@ -262,8 +267,25 @@ class RemoteEngine:
             self._ops = []
             return
         items, self._ops = self._ops, []
-        self.actor.ops.remote(self._epoch, self._seq, items)
+        self._spawn(self._sent(self.actor.ops.remote(self._epoch, self._seq, items)))
         self._seq += 1
+
+    async def _sent(self, ref: Any) -> None:
+        """An op batch's outcome: an engine that died is declared dead now, not at the next
+        ping, and so is one the batch may not have reached (unavailable): the engine applies
+        batches in order, so it would hold every later one for ever. One that raised (a bug)
+        is logged, not lost."""
+        import ray
+
+        try:
+            await ref
+        except ray.exceptions.RayActorError as exc:
+            if self.dead is None and not self._stopping:
+                self.declare_dead(
+                    f"the engine process of instance {self.instance_id} died ({exc!r})"
+                )
+        except Exception:
+            logger.exception("instance %s: its engine failed an op batch", self.instance_id)
 
     # -- introspection -----------------------------------------------------------------------
     async def _ask(self, method: str, *args: Any, timeout_s: float = ASK_TIMEOUT_S) -> Any:
@@ -318,13 +340,17 @@ class RemoteEngine:
         return bool(await self._ask("reset_prefix_cache"))
 
     async def metrics_text(self) -> str:
+        """The engine's request metrics; its last ones when it does not answer (hung, slow,
+        dead): a scrape without them would read its counters as reset to the central
+        scheduler's part, and Prometheus's ``rate()`` would add their whole history."""
         if self.dead is not None:
-            return ""
+            return self._last_metrics
         try:
             text: str = await self._ask("metrics_text")
         except Exception as exc:  # hung, or it died meanwhile
-            logger.warning("/metrics without instance %s: %s", self.instance_id, exc)
-            return ""
+            logger.warning("/metrics: instance %s's last metrics (%s)", self.instance_id, exc)
+            return self._last_metrics
+        self._last_metrics = text
         return text
 
     async def flush_traces(self) -> None:

@@ -25,3 +25,28 @@ def test_an_engine_remembers_only_its_latest_dropped_clients(
         actor._drop_client(f"client-{i}")
     assert list(actor._dropped) == ["client-7", "client-8", "client-9"]
     assert actor._outbox("client-9") is None  # a dropped client gets no outbox
+
+
+def test_an_engine_that_does_not_answer_a_scrape_gives_its_last_metrics() -> None:
+    """The central scheduler sums the engines' metrics into /metrics: an engine missing from
+    one scrape (slow, hung, dead) read as all its counters reset, and Prometheus's rate()
+    then added their whole history once it answered again."""
+    import asyncio
+
+    from cluster.control.remote_engine import RemoteEngine
+
+    engine = RemoteEngine.__new__(RemoteEngine)  # (no actor: its answers are set below)
+    engine.instance_id, engine.dead, engine._last_metrics = "d-0", None, ""
+    answers: list[object] = ["a_total 3.0\n", TimeoutError("no answer"), "a_total 5.0\n"]
+
+    async def ask(method: str, *args: object, **kwargs: object) -> object:
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    engine._ask = ask  # type: ignore[method-assign]
+    texts = [asyncio.run(engine.metrics_text()) for _ in range(3)]
+    assert texts == ["a_total 3.0\n", "a_total 3.0\n", "a_total 5.0\n"]
+    engine.dead = "its process died"
+    assert asyncio.run(engine.metrics_text()) == "a_total 5.0\n"

@@ -963,9 +963,13 @@ def test_a_killed_engine_process_with_no_engine_left_ends_its_requests_with_an_e
     )
     wait_until(lambda: not ray.get(engines.live_request_ids.remote()), 10, "no flight left")
 
-    def prefill_clean() -> bool:
-        prefill = _instances(engines)["p-0"]
-        return prefill["kv_cache_usage"] == 0.0 and prefill["num_requests"] == 0
+    def prefill_clean() -> bool:  # (its engine kept the prefilled copy for ever: drains
+        prefill = _instances(engines)["p-0"]  # of p-0 then waited out their timeout)
+        return (
+            prefill["kv_cache_usage"] == 0.0
+            and prefill["num_requests"] == 0
+            and prefill["num_awaiting_hand_off"] == 0
+        )
 
     wait_until(prefill_clean, 10, "p-0's requests gone and blocks free")
     if leased:
