@@ -232,6 +232,7 @@ class ClusterOperations:
                     flight, f"instance {iid} left with the request in an unknown state"
                 )
         spec = self.specs.pop(iid)
+        self.observe.remove_instance(iid, spec.pool.role)  # its series leave /metrics
         self._confirm(self.hand_offs.drop(iid))
         self.views[iid].alive = False  # a flight's decode_target may still point here
         del self.engines[iid], self.roles[iid], self.views[iid]

@@ -12,6 +12,7 @@ serves the same cluster-wide numbers on ``/metrics``):
 
 from __future__ import annotations
 
+import contextlib
 import time
 from bisect import bisect_left
 from collections.abc import Iterator
@@ -29,6 +30,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.utils import floatToGoString
 
 LABELS = ["model_name", "instance", "role"]
+FINISH_REASONS = ("stop", "length", "abort", "error")  # (scheduler.request.FinishReason)
 
 # vLLM's buckets (seconds).
 _TTFT_BUCKETS = (
@@ -134,10 +136,10 @@ _PER_INSTANCE: list[tuple[str, str, str, str]] = [
     ("tandem:num_free_blocks", "Free KV cache blocks.", "num_free_blocks", "gauge"),
     ("tandem:instance_alive", "1 while the instance serves.", "alive", "gauge"),
     ("tandem:prompt_tokens", "Prompt tokens computed.", "num_prompt_tokens_computed", "counter"),
-    (
-        "tandem:generation_tokens",
-        "Generated tokens computed.",
-        "num_output_tokens_computed",
+    (  # (vLLM's: sampled tokens -- not the positions of earlier outputs computed, one fewer
+        "tandem:generation_tokens",  # per request, and again after a preemption)
+        "Generated tokens.",
+        "num_generated_tokens",
         "counter",
     ),
     (
@@ -440,6 +442,7 @@ class ClusterMetrics:
         families += [self.decode_time, self.inference_time, self.prompt_tokens]
         families += [self.generation_tokens, self.params_max_tokens, self.params_n]
         r.register(_StepHistogramCollector(families))
+        self._step_families = families
         self.transfer = Histogram(
             "tandem:kv_transfer_duration_seconds",
             "One KV load, start to data in the blocks (failed ones too).",
@@ -473,6 +476,8 @@ class ClusterMetrics:
             registry=r,
         )
         self._per_step: dict[tuple[str, str], StepHistograms] = {}
+        self._labelled = [self.tpot, self.e2e, self.transfer, self.finished, self.goodput]
+        self._labelled += [self.total, self.recompute]
 
     def add_instance(self, instance: str, role: str) -> None:
         """Export every series of an instance from the start, at 0 (a dashboard's rate() of a
@@ -490,8 +495,25 @@ class ClusterMetrics:
             counter.labels(*labels)
         for outcome in ("ok", "failed"):
             self.transfer.labels(*labels, outcome)
-        for reason in ("stop", "length", "abort", "error"):
+        for reason in FINISH_REASONS:
             self.finished.labels(*labels, reason)
+
+    def remove_instance(self, instance: str, role: str) -> None:
+        """Stop exporting an instance's series (it left the cluster): without this, every
+        instance an autoscaler ever made stayed in each scrape (some 35 KB apiece)."""
+        labels = self.labels(instance, role)
+        self._per_step.pop((instance, role), None)
+        for family in self._step_families:
+            family.children.pop(labels, None)
+        for metric in self._labelled:
+            extra: list[tuple[str, ...]] = [()]
+            if metric is self.transfer:
+                extra = [("ok",), ("failed",)]
+            elif metric is self.finished:
+                extra = [(reason,) for reason in FINISH_REASONS]
+            for more in extra:
+                with contextlib.suppress(KeyError):
+                    metric.remove(*labels, *more)
 
     def labels(self, instance: str, role: str) -> tuple[str, str, str]:
         return (self.model_name, instance, role)

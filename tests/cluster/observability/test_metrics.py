@@ -154,3 +154,27 @@ def test_only_a_first_sample_counts_n() -> None:
 
     assert not later_sample(request("job#2", 0)) and later_sample(request("x", 1))
     assert later_sample(clone_request(request("y#1", 1), request_id="y#1@7"))
+
+
+def test_an_instance_that_left_leaves_the_exposition() -> None:
+    """A retired instance's series go (an autoscaler's instances, each with a new id, piled
+    up in every scrape); the others' stay as they were."""
+    m = ClusterMetrics("m", slo_ttft_s=None, slo_tpot_s=None)
+    m.add_instance("d-0", "decode")
+    m.add_instance("d-1", "decode")
+    _finish(m, "stop", 2.0, 0.5, 0.05)
+    m.per_step("d-0", "decode").itl.observe(0.01)
+    m.per_step("d-1", "decode").itl.observe(0.01)
+    m.kv_loads("d-0", "decode", [("a", 0.01, 100, True)], recompute=True)
+    before = _samples(m.render({"instances": {}}))
+    m.remove_instance("d-0", "decode")
+    after = _samples(m.render({"instances": {}}))
+    assert not [key for key in after if ("instance", "d-0") in key[1]]
+    assert [key for key in before if ("instance", "d-0") in key[1]]  # (there before)
+    d1 = {k: v for k, v in before.items() if ("instance", "d-1") in k[1]}
+    assert d1 and all(after[k] == v for k, v in d1.items())
+    m.per_step("d-0", "decode").itl.observe(0.01)  # a late observation makes it anew
+    assert (
+        "tandem:inter_token_latency_seconds_count",
+        (("instance", "d-0"), ("model_name", "m"), ("role", "decode")),
+    ) in _samples(m.render({"instances": {}}))
