@@ -50,6 +50,7 @@ class LoopCounters:
     num_idle_steps: int = 0  # steps that computed nothing (waiting for KV, for room)
     num_prompt_tokens_computed: int = 0  # prompt positions run through the model
     num_output_tokens_computed: int = 0  # positions of earlier outputs (decode inputs)
+    num_generated_tokens: int = 0  # tokens sampled (vLLM's generation tokens)
     num_requests_added: int = 0
     max_in_flight: int = 0  # the most steps in flight at once
     in_flight_sum: int = 0  # steps in flight right after each start (mean = sum / num_steps)
@@ -219,7 +220,9 @@ class EngineLoop:
             "num_requests": len(s.requests),
             "num_unfinished": s.get_num_unfinished_requests(),
             "num_pending": len(self.pending),
-            "num_waiting": self.num_waiting(),
+            # vLLM's num_requests_waiting counts those loading their KV (the holding ones)
+            # too: a decode instance busy loading read as idle to a gateway.
+            "num_waiting": self.num_waiting() + len(s.holding),
             "num_running": len(s.running),
             "num_waiting_for_remote_kvs": sum(r.awaiting_remote_kvs for r in s.holding),
             "kv_cache_usage": s.kv_cache_manager.usage,
@@ -228,6 +231,7 @@ class EngineLoop:
             "num_steps": c.num_steps,
             "num_prompt_tokens_computed": c.num_prompt_tokens_computed,
             "num_output_tokens_computed": c.num_output_tokens_computed,
+            "num_generated_tokens": c.num_generated_tokens,
             "num_requests_added": c.num_requests_added,
             "max_in_flight": c.max_in_flight,
             "mean_in_flight": c.in_flight_sum / c.num_steps if c.num_steps else 0.0,
@@ -283,6 +287,7 @@ class EngineLoop:
             in_flight.popleft()
             outputs = scheduler.update_from_output(out, result)
             self._count_result(result)
+            self.counters.num_generated_tokens += sum(len(o.new_token_ids) for o in outputs)
             if outputs:
                 self.on_outputs(self, outputs)
             self.summarize()

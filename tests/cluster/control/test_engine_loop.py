@@ -21,6 +21,7 @@ from scheduler import (
     CacheConfig,
     ModelRunnerOutput,
     Request,
+    RequestStatus,
     SamplingParams,
     Scheduler,
     SchedulerConfig,
@@ -337,3 +338,16 @@ def test_hand_offs_a_failed_loop_never_admitted_are_reported_unread(tiny_model: 
     loop.fail("worker died")
     loop.add_request(hand_off("late"))  # after the failure
     assert sorted(connector.take_unread()) == [("late", "p-0"), ("pending", "p-0")]
+
+
+def test_requests_loading_their_kv_count_as_waiting(tiny_model: Path) -> None:
+    """vLLM's num_requests_waiting counts the requests in WAITING_FOR_REMOTE_KVS (Tandem's
+    ``holding``): a decode instance busy loading KV read as idle to a gateway."""
+    loop, _, _ = _loop(tiny_model)
+    request = _request(0)
+    request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+    request.awaiting_remote_kvs = True
+    loop.scheduler.state.holding.append(request)  # (as the connector's admission leaves it)
+    loop.add_request(_request(1))
+    stats = loop.stats()
+    assert stats["num_waiting"] == 2 and stats["num_waiting_for_remote_kvs"] == 1

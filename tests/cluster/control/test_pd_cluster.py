@@ -142,6 +142,10 @@ def test_disaggregated_equals_colocated_equals_in_process(
     assert p["num_output_tokens_computed"] == 0
     assert d["num_prompt_tokens_computed"] == 0
     assert d["num_output_tokens_computed"] == sum(len(t) - 1 for t in handed_off)
+    # Generated (vLLM's generation tokens): the first token on the prefill side, the rest on
+    # the decode side.
+    assert p["num_generated_tokens"] == len(prompts)
+    assert d["num_generated_tokens"] == sum(len(t) - 1 for t in handed_off)
     assert p["num_kv_saves_started"] == len(prompts)
     assert d["num_kv_loads_started"] == len(handed_off)
     history = ray.get(disagg.transfer_history.remote())["d-0"][len(history_before) :]
