@@ -221,10 +221,12 @@ class Intake:
             return flight
         try:
             await self._place(flight)
-        except BaseException:
+        except BaseException as exc:
             if self.flights.get(rid) is flight:
                 del self.flights[rid]
                 self._internal.pop(flight.internal_id, None)
+            if flight.trace is not None:  # its root span ends (it was never exported)
+                flight.trace.finish("error", f"not placed: {exc}")
             raise
         return flight
 

@@ -314,3 +314,41 @@ def test_a_request_unknown_after_a_restart_is_lost_only_if_its_final_does_not_co
     asyncio.run(sub._lost_unless_it_ends(7, "r"))  # nothing more comes: lost
     assert queue.get_nowait().new_token_ids == [4, 5]
     assert isinstance(queue.get_nowait(), StreamLostError)
+
+
+def test_a_request_that_cannot_be_placed_ends_its_root_span() -> None:
+    """Placing fails (no live decode instance, an adapter that does not load): the request
+    is refused, and its root span -- started at its arrival -- ends with the error (it was
+    never exported)."""
+    import pytest
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from cluster.config import default_cluster_config
+    from cluster.control.flights import EarlyAborts
+    from cluster.control.observer import RequestObserver
+    from cluster.control.scheduler_actor import SchedulerActor
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    actor = SchedulerActor.__new__(SchedulerActor)
+    actor.config = default_cluster_config()
+    actor.observe = RequestObserver(actor.config, {}, {})
+    actor.observe.tracer = provider.get_tracer("test")
+    actor.flights, actor._internal, actor._early_aborts = {}, {}, EarlyAborts()
+    actor.started, actor.recovering, actor._recovery, actor.max_model_len = True, False, None, 64
+
+    async def place(flight: Flight) -> None:
+        raise RuntimeError("no live decode instance")
+
+    actor._place = place  # type: ignore[method-assign]
+    request = Request("r", [1, 2, 3], SamplingParams(max_tokens=9))
+    with pytest.raises(RuntimeError, match="no live decode"):
+        asyncio.run(actor._submit(request))
+    assert not actor.flights
+    spans = exporter.get_finished_spans()
+    (root,) = [s for s in spans if s.name == "tandem.request"]  # (its queue span ends too)
+    assert not root.status.is_ok
+    assert "no live decode instance" in (root.status.description or "")
