@@ -55,6 +55,7 @@ from cluster.control.placement import InstanceSpec
 from cluster.control.refill import PastRequests
 from cluster.observability.request_trace import wall_ns
 from kv_transfer.tracing import sampled
+from scheduler import Request
 from scheduler.outputs import EngineCoreOutput
 from scheduler.request import FinishReason
 
@@ -62,6 +63,19 @@ logger = logging.getLogger(__name__)
 
 CENTRAL_WATCH_S = 5.0  # how often an engine asks whether its central actor still exists
 MAX_UNSENT_TRACES = 16384  # ended traces kept while no central actor hears the reports
+
+
+class _EndedPrefilled:
+    """What the observer reads of a prefilled request ended before its hand-off."""
+
+    trace = None  # (its spans are the engine's, ended at its first token)
+
+    def __init__(self, route: Route, prefilled: Prefilled) -> None:
+        self.request: Request = route.request
+        self.placement = route  # (its ``client_params``)
+        self.sent = list(prefilled.first.new_token_ids)
+        self.first_token_at = prefilled.first_token_at
+        self.first_scheduled_at = prefilled.scheduled_at
 
 
 class EngineActor(ClientStreams):
@@ -359,6 +373,9 @@ class EngineActor(ClientStreams):
         final = EngineCoreOutput(route.client_request_id, [], reason, error=error)
         num_tokens = len(prefilled.first.new_token_ids)
         self._sink(route)(final, num_tokens)
+        # Counted here (its engine no longer holds it, and the central scheduler counts
+        # nothing of an engine actor's requests): it was missing from the finished ones.
+        self.observe.finished(_EndedPrefilled(route, prefilled), final, engine)
         self._report_finished(internal, (reason.value, error, num_tokens))
 
     def _report_finished(self, internal: str, outcome: tuple[str, str | None, int]) -> None:

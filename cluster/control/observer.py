@@ -22,8 +22,11 @@ from scheduler.request import FinishReason
 class Instance(Protocol):
     """What the observer needs of where a request is: an engine or a view of one."""
 
-    instance_id: str
-    role: str
+    @property
+    def instance_id(self) -> str: ...
+
+    @property
+    def role(self) -> str: ...
 
 
 class RequestObserver:

@@ -50,3 +50,56 @@ def test_an_engine_that_does_not_answer_a_scrape_gives_its_last_metrics() -> Non
     assert texts == ["a_total 3.0\n", "a_total 3.0\n", "a_total 5.0\n"]
     engine.dead = "its process died"
     assert asyncio.run(engine.metrics_text()) == "a_total 5.0\n"
+
+
+def test_a_prefilled_request_ended_before_its_hand_off_is_counted() -> None:
+    """Aborted (or ended by a stop string in its first token) after its prefill and before
+    the central scheduler handed it off: its engine actor ends it, and counts it -- it was
+    missing from request_success and requests_finished, which no one else counts."""
+    import time
+    from types import SimpleNamespace
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from cluster.config import default_cluster_config
+    from cluster.control.engine import Prefilled
+    from cluster.control.engine_actor import EngineActor
+    from cluster.control.engine_wire import Route
+    from cluster.control.observer import RequestObserver
+    from scheduler import Request, SamplingParams
+    from scheduler.outputs import EngineCoreOutput
+    from scheduler.request import FinishReason
+
+    actor = EngineActor.__new__(EngineActor)  # (its engine: what ``_end`` asks of one)
+    actor.instance_id = "p-0"
+    actor.observe = RequestObserver(default_cluster_config(), {"p-0": "prefill"}, {})
+    actor.observe.add_instance("p-0", "prefill")
+    engine = SimpleNamespace(
+        instance_id="p-0",
+        role="prefill",
+        held={},
+        end=lambda *args: False,
+        abort=lambda ids: None,
+        release_kv=lambda internal: None,
+        loop=SimpleNamespace(summary=lambda: None),
+    )
+    actor._engine = lambda: engine  # type: ignore[assignment,return-value,method-assign]
+    finals: list[EngineCoreOutput] = []
+    actor._sink = lambda route: lambda out, n: finals.append(out)  # type: ignore[method-assign]
+    actor._on_report = lambda report: None  # type: ignore[method-assign]
+    request = Request("r#0", [1, 2, 3], SamplingParams(max_tokens=1), eos_token_id=2)
+    now = time.monotonic()
+    actor._routes = {"r#0": Route("c", 1, "r", request, SamplingParams(max_tokens=50))}
+    first = EngineCoreOutput("r#0", [7], None)
+    actor._awaiting = {"r#0": Prefilled("r#0", first, {"handle": 1}, 0, now, now)}
+    actor._end("r#0", FinishReason.ABORT, None)
+    assert [f.finish_reason for f in finals] == [FinishReason.ABORT]
+    counted = {
+        (s.name, s.labels.get("finished_reason")): s.value
+        for family in text_string_to_metric_families(actor.observe.metrics.render_registry())
+        for s in family.samples
+        if s.labels.get("instance") == "p-0"
+    }
+    assert counted[("tandem:request_success_total", "abort")] == 1
+    assert counted[("tandem:requests_finished_total", None)] == 1
+    assert counted[("tandem:request_params_max_tokens_sum", None)] == 50  # its client's
