@@ -69,20 +69,27 @@ async def restore_workers(spec: InstanceSpec, timeout_s: float) -> bool:
     import ray
 
     deadline = time.monotonic() + timeout_s
+
+    async def within(ref: Any) -> Any:  # (a worker Ray cannot place again waits for ever)
+        return await asyncio.wait_for(_awaitable(ref), max(0.0, deadline - time.monotonic()))
+
     while time.monotonic() < deadline:
         await asyncio.sleep(0.2)
         try:
             health = [
-                await a.health.options(concurrency_group=MONITOR).remote() for a in spec.actors
+                await within(a.health.options(concurrency_group=MONITOR).remote())
+                for a in spec.actors
             ]
             for actor, state in zip(spec.actors, health, strict=True):
                 if not state["ok"]:
-                    await actor.load_model.remote()
+                    await within(actor.load_model.remote())
             for actor in spec.actors:
-                await actor.init_kv_cache.remote(spec.info["num_blocks"])
-            spec.info = await spec.actors[-1].info.remote()
+                await within(actor.init_kv_cache.remote(spec.info["num_blocks"]))
+            spec.info = await within(spec.actors[-1].info.remote())
         except ray.exceptions.RayActorError:
             continue  # still restarting (or dead for good: then until the deadline)
+        except asyncio.TimeoutError:
+            return False
         merger = getattr(spec.executor, "merger", None)
         if merger is not None:  # a pipeline's half-merged stage reports are stale
             merger.forget()

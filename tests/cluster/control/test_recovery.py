@@ -16,7 +16,7 @@ ray = pytest.importorskip("ray")
 
 from cluster.config import InstancePool  # noqa: E402
 from cluster.control.placement import MONITOR, InstanceSpec  # noqa: E402
-from cluster.control.recovery import end_hung_workers  # noqa: E402
+from cluster.control.recovery import end_hung_workers, restore_workers  # noqa: E402
 
 
 @ray.remote(num_cpus=0, concurrency_groups={MONITOR: 1})
@@ -32,6 +32,9 @@ class Stage:
 
     def step(self, seconds: float) -> None:
         time.sleep(seconds)
+
+    def load_model(self) -> None:
+        time.sleep(600)  # (a reload that never ends: its process cannot be placed, say)
 
 
 def _alive(actor: object) -> bool:
@@ -55,3 +58,15 @@ def test_only_the_workers_that_still_hold_their_state_are_killed(
     wait_until(lambda: not _alive(hung), 30, "the hung worker to be killed")  # kill is async
     assert _alive(restarted)  # came back empty: left for the rejoin to reload
     ray.kill(restarted)
+
+
+def test_a_restore_keeps_to_its_deadline(ray_cluster: RayCluster) -> None:
+    """A worker that does not come back within the restore's timeout (Ray cannot place it,
+    its reload hangs) makes the restore give up at its deadline: it awaited each call with
+    no bound, so the instance was never declared out of routing."""
+    stage = Stage.remote(False)
+    spec = InstanceSpec("x-0", InstancePool(name="x"), None, None, {}, stages=[stage])
+    start = time.monotonic()
+    assert asyncio.run(asyncio.wait_for(restore_workers(spec, 2.0), 60)) is False
+    assert time.monotonic() - start < 10
+    ray.kill(stage)
