@@ -76,6 +76,10 @@ def update_requests(requests: dict[str, RequestState], so: SchedulerOutput) -> N
         if cached.resumed_from_preemption[i]:
             state.block_ids = list(new_blocks or [])
             state.token_ids = list(cached.resumed_token_ids[req_id])
+            if len(state.token_ids) > state.num_prompt_tokens:
+                # Its prompt's logprobs went out with its first token: recomputing the
+                # prompt (prompt length x vocabulary of log-softmax) would be for nobody.
+                state.wants_prompt_logprobs = False
             grammar = state.grammar
             if grammar is not None and not grammar.extends(
                 state.token_ids[state.num_prompt_tokens :]
