@@ -36,6 +36,7 @@ class StepShape:
     decode_context: int = 0  # the decodes' context lengths, summed
     num_sampled: int = 0  # requests sampling a token (the LM head runs for these)
     lora_tokens: int = 0  # positions of requests with a LoRA adapter
+    prefill_context: int = 0  # positions before the prefill chunks (cached or computed), summed
 
     @property
     def tokens(self) -> int:
@@ -295,8 +296,9 @@ class RooflineCostModel:
         # the step's tokens look up (not the whole table: 1 GB of Llama-3-8B's 16).
         read = m.num_layers * m.layer_params + (m.vocab if shape.num_sampled else 0) * m.hidden
         weights = (read + tokens * m.hidden) * m.bytes_per_param
-        kv = m.kv_bytes_per_token * (shape.decode_context + tokens)  # read, and written
-        # Prefill attention reads its chunk's context once per chunk, not per query.
+        # Read (the decodes' context, and each prefill chunk's context before it: once per
+        # chunk, not per query), and written (the step's tokens).
+        kv = m.kv_bytes_per_token * (shape.decode_context + shape.prefill_context + tokens)
         compute_s = flops / (tp * self.gpu.bf16_flops * self.compute_efficiency)
         memory_s = (weights + kv) / (tp * self.gpu.hbm_bytes_per_s * self.memory_efficiency)
         comm_s = 0.0

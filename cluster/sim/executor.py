@@ -35,7 +35,7 @@ def step_shape(
     """The shape of a step that computes ``scheduled[r]`` positions of each request ``r``
     from position ``starts[r]`` (``lora``: the requests with an adapter). One position
     after others is a decode; anything else is a (chunk of a) prefill."""
-    prefill_tokens = num_decodes = decode_context = lora_tokens = 0
+    prefill_tokens = num_decodes = decode_context = lora_tokens = prefill_context = 0
     prefill_pairs = 0.0
     for req_id, n in scheduled.items():
         start = starts[req_id]
@@ -45,10 +45,17 @@ def step_shape(
         else:
             prefill_tokens += n
             prefill_pairs += n * (start + (n + 1) / 2)
+            prefill_context += start
         if req_id in lora:
             lora_tokens += n
     return StepShape(
-        prefill_tokens, prefill_pairs, num_decodes, decode_context, num_sampled, lora_tokens
+        prefill_tokens,
+        prefill_pairs,
+        num_decodes,
+        decode_context,
+        num_sampled,
+        lora_tokens,
+        prefill_context,
     )
 
 
@@ -267,7 +274,9 @@ class SimExecutor:
         num_bytes = len(load.block_ids) * self.block_size * self.cost.kv_bytes_per_token()
         latency = self.cost.transfer_time(0)
         begin = max(now, self._link_free_at)
-        self._link_free_at = begin + self.cost.transfer_time(num_bytes) - latency
+        # Each pipeline stage fetches its own layers over its own link, side by side.
+        per_link = num_bytes // len(self._stages)
+        self._link_free_at = begin + self.cost.transfer_time(per_link) - latency
         took = self._link_free_at + latency - now
         ok = took <= load.timeout_s
         self._loads.append(_Load(load.req_id, now, now + min(took, load.timeout_s), num_bytes, ok))

@@ -166,7 +166,10 @@ class Simulation:
         cost = self.costs[pool.name]
         num_blocks = pool.num_blocks
         if num_blocks is None and pool.kv_cache_memory_bytes is not None:
-            num_blocks = pool.kv_cache_memory_bytes // (block_size * cost.kv_bytes_per_token())
+            # Per worker, as the workers take it: a pipeline stage's block holds its own
+            # layers only, so the same bytes hold pp_size times more blocks.
+            per_block = block_size * cost.kv_bytes_per_token()
+            num_blocks = pool.kv_cache_memory_bytes * pool.pp_size // per_block
         if num_blocks is None and pool.memory_budget_bytes is not None:
             if not isinstance(cost, RooflineCostModel):
                 raise ValueError(

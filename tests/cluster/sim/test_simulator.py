@@ -273,6 +273,17 @@ def test_gpu_roofline_is_memory_bound_for_decode_and_compute_bound_for_prefill()
         gpu_model("llama-3-8b@tpu")
     with pytest.raises(ValueError, match="does not fit"):
         gpu_model("llama-3-70b@a100-80gb").kv_capacity_tokens()
+    # A small chunk after a long context reads that context's KV (3.9 GB at 30k tokens: the
+    # step was priced as if the chunk started the sequence).
+    pairs = 16 * (30_000 + 8.5)
+    late = StepShape(prefill_tokens=16, prefill_pairs=pairs, prefill_context=30_000)
+    early = StepShape(prefill_tokens=16, prefill_pairs=pairs)
+    extra = 30_000 * 128 * 1024 / (3.35e12 * 0.8)
+    assert model.step_time(late) - model.step_time(early) == pytest.approx(extra, rel=0.01)
+    from cluster.sim.executor import step_shape
+
+    shape = step_shape({"a": 16, "b": 1}, {"a": 30_000, "b": 99}, set(), 2)
+    assert shape.prefill_context == 30_000 and shape.decode_context == 100
 
 
 def test_pipeline_stages_overlap_their_steps_and_hold_more_kv() -> None:
@@ -297,6 +308,30 @@ def test_pipeline_stages_overlap_their_steps_and_hold_more_kv() -> None:
     assert two["tpot_p50_s"] < one["tpot_p50_s"] and two["ttft_p50_s"] < one["ttft_p50_s"]
     assert two_stats["num_blocks"] > 2 * one_stats["num_blocks"]
     assert two_stats["max_in_flight"] == 2  # two steps at once, one per stage
+    # A stage's blocks hold its own layers: the same kv_cache_memory_bytes, twice the blocks
+    # (as the workers size them; the whole model's bytes per token were used).
+    sized = {}
+    for pp in (1, 2):
+        pools = [{"name": "c", "role": "both", "pp_size": pp, "kv_cache_memory_bytes": 2**30}]
+        config = ClusterConfig.model_validate({"block_size": 16, "pools": pools})
+        (stats,) = Simulation(config, cost).run(work[:1]).instances.values()
+        sized[pp] = stats["num_blocks"]
+    assert sized[2] == 2 * sized[1] == 2 * (2**30 // (16 * 128 * 1024))
+
+
+def test_a_pipelined_decode_pool_loads_each_stages_layers_over_its_own_link() -> None:
+    """Each stage fetches its own layers, side by side: a hand-off into a two-stage pool
+    takes half the bytes' time of a one-stage pool's (it was priced as all the bytes over
+    one link)."""
+    slow = LinearCostModel(**{**COST.__dict__, "transfer_bytes_per_s": 1e7})
+    ends = {}
+    for pp in (1, 2):
+        pools = [PD[0], {**PD[1], "pp_size": pp}]
+        config = _config(pools, router={"disaggregation": "always"})
+        (record,) = Simulation(config, slow).run([WorkItem(0.0, 1024, 3)]).records
+        ends[pp] = record.e2e or 0
+    bytes_s = slow.transfer_time(1024 * 1000) - slow.transfer_time(0)  # 0.1 s over one link
+    assert ends[1] - ends[2] == pytest.approx(bytes_s / 2, abs=0.01)
 
 
 def test_a_memory_budget_sizes_the_kv_and_a_burst_has_a_goodput() -> None:
