@@ -323,6 +323,8 @@ class SchedulerActor(Intake, KVPeers, Migration, Restart, ClusterOperations):
         (counted in its view at once); its outputs go straight to the flight's client."""
         view.sent(max(part.num_tokens - part.num_computed_tokens, 0))
         flight.instance = view.instance_id
+        if flight.trace is not None:  # a prefill part opens no decode span at its first
+            flight.trace.hand_off = hand_off  # token (the decode instance's opens there)
 
         def sink(out: EngineCoreOutput, index: int) -> None:
             flight.deliver(out, index)

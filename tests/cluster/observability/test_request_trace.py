@@ -198,3 +198,30 @@ def test_a_moved_part_decodes_in_a_span_of_its_own(traced: Any) -> None:
     assert decode.attributes["gen_ai.usage.output_tokens"] == 8
     assert decode.attributes["tandem.preemptions"] == 1
     assert [e.name for e in decode.events] == ["preemption"]
+
+
+def test_a_prefill_part_opens_no_decode_span_on_its_prefill_instance(traced: Any) -> None:
+    """In one process the central scheduler places a prefill part: its first token (on the
+    prefill instance) opens no decode span there -- the decode instance's opens at the
+    hand-off. One was opened and left unended (or, when no decode instance was left for the
+    hand-off, exported as a decode span of the prefill instance)."""
+    from types import SimpleNamespace
+
+    from cluster.control.flights import Flight, Outbox
+
+    tracer, exporter = traced
+    actor = SchedulerActor.__new__(SchedulerActor)
+    placed: list[Any] = []
+    actor.engines = {"p-0": SimpleNamespace(add=placed.extend)}  # type: ignore[dict-item]
+    view = SimpleNamespace(instance_id="p-0", sent=lambda n: None)
+    decodes = {}
+    for hand_off in (True, False):
+        request = Request("r", [1, 2, 3], SamplingParams(max_tokens=4))
+        flight = Flight(request, None, Outbox(), "", "decode")
+        flight.trace = trace = RequestTrace(tracer, None, "r", 3, time.monotonic())
+        actor._send(view, flight, request, hand_off=hand_off)  # type: ignore[arg-type]
+        trace.scheduled("p-0", "prefill", None)
+        trace.tokens(1, 0, "p-0", None)
+        decodes[hand_off] = trace.decode
+    assert decodes[True] is None and decodes[False] is not None  # (colocated: it decodes)
+    assert [p.hand_off for p in placed] == [True, False]
