@@ -209,7 +209,7 @@ def test_a_prefill_part_opens_no_decode_span_on_its_prefill_instance(traced: Any
 
     from cluster.control.flights import Flight, Outbox
 
-    tracer, exporter = traced
+    tracer, _exporter = traced
     actor = SchedulerActor.__new__(SchedulerActor)
     placed: list[Any] = []
     actor.engines = {"p-0": SimpleNamespace(add=placed.extend)}  # type: ignore[dict-item]
