@@ -27,7 +27,7 @@ from cluster.engine.outputs import RequestOutput
 from cluster.engine.protocol import EngineClient
 from cluster.engine.streams import Mailbox
 from cluster.errors import EngineDeadError
-from cluster.observability.metrics import render_stats
+from cluster.observability.exposition import render_stats
 from scheduler import LoRARequest, RequestStatus, SamplingParams
 
 logger = logging.getLogger(__name__)

@@ -278,7 +278,7 @@ class OpenAIIngress:
 
     @app.get("/metrics")
     async def metrics(self) -> PlainTextResponse:
-        from cluster.observability.metrics import CONTENT_TYPE
+        from cluster.observability.exposition import CONTENT_TYPE
 
         serving = await self.serving()
         return PlainTextResponse(await serving.metrics(), media_type=CONTENT_TYPE)

@@ -14,7 +14,7 @@ import pytest
 
 from cluster.config import AutoscalingConfig, ClusterConfig
 from cluster.control.autoscaler import PoolPolicy, PoolSignals
-from cluster.observability.metrics import render_stats
+from cluster.observability.exposition import render_stats
 from cluster.sim.cost import LinearCostModel
 from cluster.sim.simulator import Simulation
 from cluster.sim.workload import WorkItem, poisson
