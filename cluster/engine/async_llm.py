@@ -36,12 +36,14 @@ INSTANCE_ID = "local"  # the one instance, as metrics and health name it
 
 
 class AsyncLLM(EngineClient):
-    """An ``LLMEngine`` stepped by an asyncio task. Use it from one event loop."""
+    """An ``LLMEngine`` stepped by an asyncio task. Use it from one event loop at a time (a
+    later one, e.g. the next ``asyncio.run``, takes it over)."""
 
     def __init__(self, engine: LLMEngine, model_name: str = "local") -> None:
         self.engine = engine
         self.model_name = model_name  # the ``model_name`` label of its metrics
-        self._lock = asyncio.Lock()  # one call into the engine at a time
+        self._lock = asyncio.Lock()  # one call into the engine at a time (``_locked``)
+        self._lock_loop: asyncio.AbstractEventLoop | None = None
         self._queues: dict[str, Mailbox[RequestOutput | BaseException]] = {}
         self._aborts: set[str] = set()  # applied before the next step
         self._task: asyncio.Task[None] | None = None
@@ -84,7 +86,7 @@ class AsyncLLM(EngineClient):
         bounds no queue)."""
         rid = request_id or f"local-{next(self._ids)}"
         queue: Mailbox[RequestOutput | BaseException] = Mailbox()
-        async with self._lock:
+        async with self._locked():
             if self._failure is not None:
                 raise EngineDeadError(f"the engine failed and serves no more: {self._failure!r}")
             if rid in self._queues:  # (a finished stream not closed yet holds it)
@@ -122,14 +124,14 @@ class AsyncLLM(EngineClient):
         if name in self._adapters:
             raise ValueError(f"adapter {name!r} is already loaded")
         lora = LoRARequest(lora_name=name, lora_int_id=next(self._lora_ids), lora_path=path)
-        async with self._lock:  # loaded now: a bad adapter fails here, not on a request
+        async with self._locked():  # loaded now: a bad adapter fails here, not on a request
             await asyncio.to_thread(self.engine.worker.add_lora, lora)
         self._adapters[name] = lora
         return lora
 
     async def unload_lora_adapter(self, name: str) -> None:
         lora = self._adapters.pop(name)  # KeyError: not served
-        async with self._lock:
+        async with self._locked():
             self.engine.worker.remove_lora(lora.lora_int_id)
 
     async def metrics_text(self) -> str:
@@ -190,7 +192,7 @@ class AsyncLLM(EngineClient):
         return {INSTANCE_ID: []}  # one instance: no KV moves between instances
 
     async def reset_prefix_cache(self) -> bool:
-        async with self._lock:
+        async with self._locked():
             return self.engine.scheduler.reset_prefix_cache()
 
     async def scale_pool(self, pool: str, replicas: int) -> dict[str, Any]:
@@ -199,6 +201,15 @@ class AsyncLLM(EngineClient):
     async def check_health(self) -> dict[str, bool]:
         ok = self._failure is None and bool(self.engine.worker.health()["ok"])
         return {INSTANCE_ID: ok}
+
+    def _locked(self) -> asyncio.Lock:
+        """The lock of the running event loop's calls: a lock binds to the first loop that
+        waits on it, so one made in an earlier loop (closed, its holder maybe cancelled)
+        would refuse this one's calls ("bound to a different event loop")."""
+        loop = asyncio.get_running_loop()
+        if self._lock_loop is not loop:
+            self._lock, self._lock_loop = asyncio.Lock(), loop
+        return self._lock
 
     # -- the step loop -----------------------------------------------------------------------
     def _ensure_stepping(self) -> None:
@@ -211,11 +222,12 @@ class AsyncLLM(EngineClient):
         engine = self.engine
         try:
             while True:
-                async with self._lock:
+                async with self._locked():
                     if self._aborts:
                         aborts, self._aborts = self._aborts, set()
                         engine.abort_request(sorted(aborts))
-                    if not engine.has_unfinished_requests():
+                    # (and one more step for the workers to hear of the last ends)
+                    if not engine.has_unfinished_requests() and not engine.scheduler.has_requests():
                         return
                     outputs = await asyncio.to_thread(engine.step)
                     # Snapshots, taken before the next step can change the outputs again.

@@ -182,7 +182,10 @@ class LLMEngine:
         self.scheduler.finish_requests(children, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_requests() or self.processor.has_pending()
+        """Requests not finished, or finished ones still holding blocks (a KV send); not the
+        finished ones whose end only the workers have still to hear of (the scheduler's
+        ``has_requests``: the next step tells them)."""
+        return self.scheduler.holds_requests() or self.processor.has_pending()
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.processor.requests)

@@ -955,3 +955,26 @@ def test_echo_and_prompt_logprobs_for_loglikelihood(serving: OpenAIServing) -> N
         CompletionRequest.model_validate({"model": "tiny-chat", "prompt": "x", "max_tokens": 0})
     with pytest.raises(ValidationError, match="not available when stream"):
         CompletionRequest.model_validate({**vllm_style, "stream": True})
+
+
+def test_the_engine_serves_one_event_loop_after_another(engine: AsyncLLM) -> None:
+    """Each ``asyncio.run`` is a new event loop: requests that wait for the engine in one
+    (another's step holds it) and then in the next are served -- the engine's lock, bound
+    to the first loop that waited on it, refused every later one's waits."""
+
+    async def last(gen: Any) -> Any:
+        outs = [out async for out in gen]
+        return outs[-1]
+
+    async def two_at_once(i: int) -> list[Any]:
+        params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+        a = engine.generate_async([5, 4, 3], params, request_id=f"loop{i}-a")
+        first = await anext(a)  # the engine steps now: b's submit waits for a step
+        b = engine.generate_async([5, 4, 3, 2], params, request_id=f"loop{i}-b")
+        outs = list(await asyncio.gather(last(a), last(b)))
+        return [first, *outs]
+
+    for i in range(3):
+        first, a, b = _run(two_at_once(i))
+        assert len(first.outputs[0].token_ids) + len(a.outputs[0].token_ids) >= 12
+        assert len(b.outputs[0].token_ids) == 12
