@@ -11,7 +11,7 @@ that need it) with a handful of tensor ops::
         │              frequency / presence (output)
         ├─► grammar: tokens it forbids → -inf (all forbidden: EOS) rows with structured outputs
         ├─► greedy rows (temperature < 1e-5): argmax
-        └─► random rows: exp((x - max) / T) ─► one cut-off per row (top-k, top-p, min-p) ─► 0 below
+        └─► random rows: exp((x - max) / T) ─► min-p, then top-k / top-p cut-offs ─► 0 below
                          ─► ÷ Exp(1) noise ─► argmax            (exponential race = categorical)
 
 The sampler keeps no state between calls. A seeded row draws its noise from a generator seeded
