@@ -297,9 +297,12 @@ class EngineLoop:
             del out, future, result, outputs
             if idle:
                 # Nothing to compute: loads in flight (the worker already waited a little for
-                # them) or no room yet. Yield rather than spin on the worker.
+                # them) or no room yet. Yield rather than spin on the worker -- unless that
+                # step only told the workers of finished requests and nothing is left: the
+                # loop then waits for an arrival, which starts at once.
                 self.counters.num_idle_steps += 1
-                await asyncio.sleep(self.idle_sleep_s)
+                if self.pending or scheduler.has_requests():
+                    await asyncio.sleep(self.idle_sleep_s)
 
     async def _result(self, future: asyncio.Future[ModelRunnerOutput], started: float) -> Any:
         """The step's result, or ``StepTimeoutError`` once it is ``step_timeout_s`` old."""

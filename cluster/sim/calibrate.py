@@ -206,6 +206,7 @@ def calibrate(
         transfer_bytes_per_s=HANDOFF_BYTES_PER_S,
     )
     fitted.coefficients["const"] = fitted.coefficients.get("const", 0.0) + step_overhead_s
+    fitted.idle_step_s = step_overhead_s  # the loop's own work, also on a step of nothing
     fitted.notes.update(about)
     fitted.notes["step_overhead_s"] = step_overhead_s
     return fitted

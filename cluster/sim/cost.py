@@ -95,7 +95,9 @@ def _features(shape: StepShape, small_rows: int = 0) -> list[float]:
 @dataclass
 class LinearCostModel:
     """seconds = Σ coefficient x term (``TERMS``); a KV transfer = ``transfer_latency_s`` +
-    bytes / ``transfer_bytes_per_s``. An idle step (nothing computed) costs ``const``."""
+    bytes / ``transfer_bytes_per_s``. A step that computes nothing (an instance going idle
+    tells its workers which requests finished) costs ``idle_step_s``: the worker returns at
+    once, so only the serving hop (``serving``) counts, not ``const``'s compute."""
 
     name: str
     coefficients: dict[str, float]
@@ -116,9 +118,12 @@ class LinearCostModel:
     # Quantized weights: steps under this many tokens run the weight-only kernels, the
     # others a dense copy (``_features``); 0 for dense weights.
     small_rows: int = 0
+    idle_step_s: float = 0.0
     notes: dict[str, Any] = field(default_factory=dict)  # how it was fitted, and how well
 
     def step_time(self, shape: StepShape) -> float:
+        if shape.tokens == 0:
+            return self.idle_step_s
         c = self.coefficients
         features = _features(shape, self.small_rows)
         return sum(c.get(t, 0.0) * x for t, x in zip(TERMS, features, strict=True))
@@ -190,6 +195,7 @@ class LinearCostModel:
             self,
             name=f"{self.name}:served",
             coefficients=coefficients,
+            idle_step_s=self.idle_step_s + overhead_s,
             notes={**self.notes, **fitted},
         )
 

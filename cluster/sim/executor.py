@@ -226,25 +226,30 @@ class SimExecutor:
         sampled = [[TOKEN] if sample else [] for sample in samples]
         shared = shape.tokens >= MIN_SHARED_STEP_TOKENS
         speedup = self.speedup if shared else 1.0
-        idle = shape.tokens == 0 and bool(self._loads)
-        if idle:
-            # A step with nothing to compute while KV comes in: the worker waits for the
-            # first load to land (at most IDLE_LOAD_WAIT_S), on no core (kv_transfer/base).
-            soonest = min(load.done_at for load in self._loads)
-            await asyncio.sleep(min(IDLE_LOAD_WAIT_S, max(0.0, soonest - loop.time())))
-        # A worker writes the loads that have landed before it computes (``start_load_kv``)
-        # and reports them at the step's end: one that lands during the step waits for the
-        # next step's end, as on a real worker.
+        # A worker writes the loads that have landed before it computes (``start_load_kv``,
+        # on the first stage) and reports them at the step's end: one that lands during the
+        # step waits for the next step's end, as on a real worker.
         applied_at = loop.time()
-        if idle:
-            seconds = 0.0
+        seconds = 0.0
+        if shape.tokens == 0:
+            if self._loads:
+                # Nothing to compute while KV comes in: the worker waits for the first
+                # load to land (at most IDLE_LOAD_WAIT_S), on no core (kv_transfer/base).
+                soonest = min(load.done_at for load in self._loads)
+                await asyncio.sleep(min(IDLE_LOAD_WAIT_S, max(0.0, soonest - loop.time())))
+            else:
+                # Only finished requests to forget (an instance going idle): the worker
+                # returns at once, on no core; the step costs the hop there and back.
+                await asyncio.sleep(self.cost.step_time(shape))
+            applied_at = loop.time()
         elif len(self._stages) == 1:
             seconds = await self._run(self.cost.step_time(shape), speedup)
         else:  # each stage in turn (asyncio's locks are FIFO: steps keep their order)
             share = self.cost.step_time(shape) / len(self._stages)
-            seconds = 0.0
-            for stage in self._stages:
+            for i, stage in enumerate(self._stages):
                 async with stage:
+                    if i == 0:
+                        applied_at = loop.time()
                     seconds += await self._run(share, speedup)
         self.busy_s += seconds
         self.num_steps += 1

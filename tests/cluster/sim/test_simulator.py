@@ -496,3 +496,46 @@ def test_a_load_that_lands_during_a_step_is_reported_at_the_end_of_the_next() ->
         return reported
 
     assert run_virtual(main()) == [None, {"b"}]
+
+
+def test_an_instance_going_idle_takes_a_step_of_nothing_at_no_cost() -> None:
+    """The step that tells the workers a finished request is gone computes nothing: the
+    worker returns at once, and the loop waits for the next arrival, which starts at once
+    (the step was priced as a whole one, 50 ms here, and the loop slept 2 ms after it)."""
+    cost = LinearCostModel(**{**COST.__dict__, "coefficients": {"const": 0.05}})
+    config = _config([BOTH])
+    work = [WorkItem(0.0, 32, 1), WorkItem(0.051, 32, 1)]
+    first, second = sorted(Simulation(config, cost).run(work).records, key=lambda r: r.arrival_s)
+    assert first.ttft == pytest.approx(0.05)
+    assert second.ttft == pytest.approx(0.05)  # not 0.099
+
+
+def test_a_pipelines_first_stage_writes_the_loads_that_landed_before_it_starts() -> None:
+    """With two stages, a step waits for the first stage to be free; a load that lands
+    while it waits is written by that step and reported at its end (it was taken as of the
+    step's call, and waited a step more)."""
+    from cluster.sim.executor import SimExecutor, _Load
+    from scheduler import CacheConfig, Request, SamplingParams, SchedulerConfig
+
+    cost = LinearCostModel(**{**COST.__dict__, "coefficients": {"const": 0.05}})
+    executor = SimExecutor("d-0", cost, block_size=16, stages=2)
+    s = Scheduler(
+        SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64),
+        CacheConfig(block_size=16, num_blocks=16),
+    )
+    s.add_request(Request("a", [5] * 8, SamplingParams(max_tokens=4), eos_token_id=2))
+
+    async def main() -> list[set[str] | None]:
+        loop = asyncio.get_running_loop()
+        first = s.schedule()  # holds the first stage for 25 ms
+        busy = asyncio.ensure_future(executor.execute_model(first))
+        await asyncio.sleep(0)
+        s.add_request(Request("c", [6] * 8, SamplingParams(max_tokens=4), eos_token_id=2))
+        second = s.schedule()
+        assert list(second.num_scheduled_tokens) == ["c"]
+        now = loop.time()
+        executor._loads.append(_Load("b", now, now + 0.01, 100, True))  # lands meanwhile
+        outputs = await asyncio.gather(busy, executor.execute_model(second))
+        return [output.finished_recving for output in outputs]
+
+    assert run_virtual(main()) == [None, {"b"}]
