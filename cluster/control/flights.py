@@ -136,7 +136,9 @@ class Flight:
     trace: Any = None  # a RequestTrace while tracing is on
     submission: Submission | None = None  # the client's tag of its submit (outbox only)
     client_id: str | None = None  # its client's (outbox only)
-    aborting: bool = False  # an abort went to its engine in another process (it answers)
+    # An abort (or a stop) went to its engine in another process, which answers; if that
+    # engine no longer holds it, whoever takes it next ends it with this reason.
+    aborting: FinishReason | None = None
 
     @property
     def first_scheduled_at(self) -> float | None:

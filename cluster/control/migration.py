@@ -78,8 +78,8 @@ class Migration:
         waiting: list[tuple[tuple[str, Submission], str]] = []
         for flight in [f for f in self.flights.values() if f.instance == iid]:
             client = flight.client_id
-            if flight.aborting:  # its abort went to the engine that died
-                self._end(flight, FinishReason.ABORT, tokens=flight.sent)
+            if flight.aborting is not None:  # its abort went to the engine that died
+                self._end(flight, flight.aborting, tokens=flight.sent)
                 continue
             if client is None or flight.submission is None:  # nobody holds its tokens
                 self._end_flight(flight, reason)
@@ -171,8 +171,8 @@ class Migration:
             flight = self._internal.get(item.internal_id)
             if flight is None or flight.instance != iid:
                 continue  # aborted meanwhile
-            if flight.aborting:  # its abort reached the engine too late
-                self._end(flight, FinishReason.ABORT, tokens=item.tokens)
+            if flight.aborting is not None:  # its abort reached the engine too late
+                self._end(flight, flight.aborting, tokens=item.tokens)
                 continue
             flight.sent = list(item.tokens)
             # What the engine it left sent last may never have reached the client (its

@@ -293,8 +293,8 @@ class SchedulerActor(Intake, KVPeers, Migration, Restart, ClusterOperations):
             raise RuntimeError("instances kept failing while the request was being routed")
         if self.flights.get(request.request_id) is not flight:
             return  # aborted while an adapter loaded
-        if flight.aborting:  # its abort went to an engine that no longer held it
-            self._end(flight, FinishReason.ABORT, tokens=flight.sent)
+        if flight.aborting is not None:  # its abort went to an engine that no longer held it
+            self._end(flight, flight.aborting, tokens=flight.sent)
             return
         # Schedulers see a unique internal id: an aborted request may linger in one (its
         # blocks wait for a load to end) while the client already reuses its id.
@@ -436,7 +436,7 @@ class SchedulerActor(Intake, KVPeers, Migration, Restart, ClusterOperations):
                 end_remade_root(self, ended)
         for prefilled in report.prefilled:
             flight = self._internal.get(prefilled.internal_id)
-            if flight is not None and flight.instance == iid and not flight.aborting:
+            if flight is not None and flight.instance == iid and flight.aborting is None:
                 self._hand_off(flight, prefilled)
                 self._handed_off(iid, flight, prefilled.internal_id)
             elif not self.engines[iid].remote:  # aborted: nobody will read its KV

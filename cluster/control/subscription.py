@@ -22,6 +22,7 @@ from cluster.engine.streams import Mailbox
 from cluster.errors import StreamLostError
 from scheduler import Request
 from scheduler.outputs import EngineCoreOutput
+from scheduler.request import FinishReason
 
 # How often a Subscription tells the SchedulerActor that its client lives.
 KEEPALIVE_S = 1.0
@@ -152,6 +153,11 @@ class Subscription(Delivery):
         self._ops.append((Stopped(request_id) if stopped else request_id, None))
         self._schedule()
 
+    def _abort_remote(self, item: Any) -> None:
+        """Abort the request of a queued op on its own (a stop stays a stop)."""
+        reason = FinishReason.STOP if isinstance(item, Stopped) else FinishReason.ABORT
+        self.handle.abort.remote(_op_id(item), reason)
+
     def _submit(
         self, request: Request, trace_context: dict[str, str] | None, submission: int
     ) -> asyncio.Future[None]:
@@ -238,8 +244,8 @@ class Subscription(Delivery):
             except BaseException as exc:
                 # No answer (the actor died, the reply was lost): some may have been placed,
                 # so each is aborted -- an abort before its submit is remembered by the actor.
-                for rid in ids:
-                    self.handle.abort.remote(rid)
+                for item, _ in ops:
+                    self._abort_remote(item)
                 cause = unwrap_cause(exc, ValueError, RuntimeError)
                 error = cause if isinstance(cause, Exception) else RuntimeError(str(cause))
                 outcomes = [error] * len(ops)
@@ -250,7 +256,7 @@ class Subscription(Delivery):
                 if future is None:  # an abort: the actor answers None
                     if outcome is not None and outcomes:  # an actor that takes no abort here
                         logger.warning("abort of %s failed: %r", item, outcome)
-                        self.handle.abort.remote(item)
+                        self._abort_remote(item)
                     continue
                 if future.cancelled():  # its stream left while it was on its way
                     if outcome is None and outcomes:

@@ -918,6 +918,49 @@ def test_a_hung_engine_holds_up_neither_operators_nor_its_requests(
     assert victim not in asyncio.run(client.scale_pool("d", 2))["instances"]
 
 
+def test_a_stop_sent_to_an_engine_that_dies_before_it_answers_ends_as_stop(
+    engines: Any, client: ClusterClient
+) -> None:
+    """A client's stop (a stop string it found) goes to an engine that hangs and then dies
+    before it answers: the central actor ends the request for it -- as ``stop``, as the
+    client asked (it was ended as ``abort``, so metrics and goodput counted it aborted)."""
+    from scheduler.request import FinishReason
+
+    _two_slow_decode_engines(engines, client)
+    seen: list[int] = []
+
+    async def collect() -> Any:
+        final = None
+        async for out in client.generate_async(_prompts(1, 21)[0], LONG, request_id="st0"):
+            seen.append(len(out.outputs[0].token_ids))
+            final = out
+        return final
+
+    def decoding() -> str | None:  # the decode instance st0 streams from
+        where = ray.get(engines.requests.remote()).get("st0")
+        on_d = where is not None and where["instance"].startswith("d-")
+        return where["instance"] if on_d and seen else None
+
+    async def run() -> tuple[Any, str]:
+        task = asyncio.ensure_future(collect())
+        await _until(decoding)
+        victim = decoding()
+        assert victim is not None
+        pid = _instances(engines)[victim]["engine_pid"]
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            await asyncio.to_thread(ray.get, engines.abort.remote("st0", FinishReason.STOP))
+            await asyncio.sleep(0.3)  # the stop is on its way to the hung engine
+        finally:
+            os.kill(pid, signal.SIGKILL)
+        return await asyncio.wait_for(task, 60), victim
+
+    out, victim = asyncio.run(asyncio.wait_for(run(), 120))
+    assert out.outputs[0].finish_reason == "stop"
+    assert "died" in ray.get(engines.stats.remote())["instances"][victim]["dead"]
+    assert victim not in asyncio.run(client.scale_pool("d", 2))["instances"]
+
+
 def test_a_killed_engine_process_with_no_engine_left_ends_its_requests_with_an_error(
     engines: Any, client: ClusterClient
 ) -> None:
