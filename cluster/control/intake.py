@@ -222,11 +222,11 @@ class Intake:
         try:
             await self._place(flight)
         except BaseException as exc:
-            if self.flights.get(rid) is flight:
+            if self.flights.get(rid) is flight:  # (not ended meanwhile: an abort ends it)
                 del self.flights[rid]
                 self._internal.pop(flight.internal_id, None)
-            if flight.trace is not None:  # its root span ends (it was never exported)
-                flight.trace.finish("error", f"not placed: {exc}")
+                if flight.trace is not None:  # its root span ends (it was never exported)
+                    flight.trace.finish("error", f"not placed: {exc}")
             raise
         return flight
 
