@@ -206,10 +206,13 @@ def test_min_p_comes_before_top_p() -> None:
     probs = torch.tensor([0.5, 0.3, 0.2])
     counts = draw(probs.log(), 2_000, min_p=0.5, top_p=0.6)
     assert counts.tolist() == [2_000, 0, 0]
-    # Top-k then counts among what min-p kept too: k=2 of the two left, top-p .9 keeps both.
-    counts = draw(probs.log(), 5_000, min_p=0.5, top_k=2, top_p=0.9)
+    # Min-p at .4 keeps .4/.3/.2 (.44/.33/.22 of what is left): top-p .75 then takes two.
+    # Over the whole distribution (.4, .7, .9) it would take three, and min-p keep them.
+    # (Top-k's set is the same in either order: k largest, max unchanged.)
+    probs = torch.tensor([0.4, 0.3, 0.2, 0.1])
+    counts = draw(probs.log(), 5_000, min_p=0.4, top_p=0.75)
     assert set(counts.nonzero().squeeze(1).tolist()) == {0, 1}
-    assert chi2(counts, torch.tensor([0.625, 0.375, 0.0])) < CHI2_LIMIT
+    assert chi2(counts, torch.tensor([4 / 7, 3 / 7, 0.0, 0.0])) < CHI2_LIMIT
 
 
 def test_min_p_uses_tempered_probabilities() -> None:

@@ -430,6 +430,22 @@ def test_r9_has_requests_while_blocks_wait_for_a_send_or_a_load() -> None:
     assert_all_free(s)
 
 
+def test_r10_an_idle_scheduler_steps_once_more_for_its_workers_but_holds_nothing() -> None:
+    """A finished request's end reaches the workers with the next step (vLLM's
+    ``has_finished_requests``): the loop must take it (``has_requests``), or idle workers keep
+    the request's state until the next arrival. But nothing is held (``holds_requests``): a
+    drain waits on that, or a failed instance -- never stepped again -- held its pool's
+    resize for its whole drain timeout."""
+    s = make_scheduler()
+    s.add_request(make_request(6, req_id="a", max_tokens=1))
+    step(s)
+    assert not s.has_unfinished_requests() and not s.holds_requests() and s.has_requests()
+    out, _ = step(s)
+    assert out.finished_req_ids == {"a"} and out.total_num_scheduled_tokens == 0
+    assert not s.has_requests()
+    assert_all_free(s)
+
+
 @pytest.mark.parametrize(("last", "sampling"), [(EOS, {}), (42, {"stop_token_ids": (42,)})])
 def test_add_request_rejects_outputs_ending_in_a_stop_token(
     last: int, sampling: dict[str, Any]

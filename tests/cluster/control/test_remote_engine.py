@@ -1,0 +1,89 @@
+"""How the central scheduler notices an engine process die (``RemoteEngine``), with
+``health_check_interval_s: 0`` -- the workers' checks off. A real Ray actor stands in for the
+engine: it answers the engine's ``ping`` and ``ops``, and is killed."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from tests.cluster.conftest import RayCluster
+
+ray = pytest.importorskip("ray")
+
+
+class _Engine:
+    def ping(self) -> bool:
+        return True
+
+    def ops(self, epoch: int, seq: int, items: list[Any]) -> None:
+        return None
+
+
+def _watched(
+    monkeypatch: pytest.MonkeyPatch, watch_s: float
+) -> tuple[Any, Any, list[tuple[str, str]]]:
+    from cluster.config import ClusterConfig
+    from cluster.control import remote_engine
+
+    monkeypatch.setattr(remote_engine, "ENGINE_WATCH_S", watch_s)
+    config = ClusterConfig.model_validate(
+        {"block_size": 16, "pools": [{"name": "d", "role": "decode"}], "health_check_interval_s": 0}
+    )
+    actor = ray.remote(_Engine).options(num_cpus=0).remote()
+    assert ray.get(actor.ping.remote())
+    spec = SimpleNamespace(instance_id="d-0", pool=SimpleNamespace(role="decode"))
+    dead: list[tuple[str, str]] = []
+    engine = remote_engine.RemoteEngine(
+        config, spec, 64, None, lambda iid, why: dead.append((iid, why)), attach=(actor, 0)
+    )
+    return engine, actor, dead
+
+
+async def _until(predicate: Any, timeout_s: float) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.05)
+
+
+def test_a_dead_engine_is_noticed_with_health_checks_off(
+    ray_cluster: RayCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """It is pinged all the same (it was not watched at all: its requests hung and the
+    router kept sending it work)."""
+    engine, actor, dead = _watched(monkeypatch, 0.2)
+
+    async def run() -> None:
+        engine.start()
+        await asyncio.sleep(0.5)
+        assert not dead  # it answers its pings
+        ray.kill(actor)
+        await _until(lambda: bool(dead), 10.0)
+        await engine.stop()
+
+    asyncio.run(run())
+    assert dead[0][0] == "d-0" and "died" in dead[0][1]
+    assert engine.dead == dead[0][1]
+
+
+def test_an_op_batch_that_finds_the_engine_gone_declares_it_dead(
+    ray_cluster: RayCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before its next ping: the engine applies op batches in order, so one it never got
+    would hold every later one for ever."""
+    engine, actor, dead = _watched(monkeypatch, 3600.0)  # (no ping within the test)
+
+    async def run() -> None:
+        engine.start()
+        ray.kill(actor)
+        await asyncio.sleep(0.5)
+        engine.draining = True  # an op
+        await _until(lambda: bool(dead), 10.0)
+        await engine.stop()
+
+    asyncio.run(run())
+    assert "died" in dead[0][1] and engine.dead is not None
