@@ -28,6 +28,7 @@ class Lease:
     unpulled: set[int] = field(default_factory=set)  # model layers no pull has sent yet
     active: int = 0  # pulls streaming now: the lease cannot expire under them
     ended: bool = False  # (a pull in progress checks it before its last message)
+    released: bool = False  # no one will read the rest: it ends with its last pull
 
 
 class LeaseTable:
@@ -85,8 +86,8 @@ class LeaseTable:
             for lease_id, lease in list(self._leases.items()):
                 if lease.active:
                     continue
-                if not lease.unpulled:
-                    self._end(lease_id)  # pulled, the last pull ended after another
+                if not lease.unpulled or lease.released:
+                    self._end(lease_id)  # pulled (the last pull ended after another) or let go
                 elif now >= lease.expires:
                     logger.info(
                         "KV lease of %s expired with layers %s unpulled",
@@ -108,7 +109,7 @@ class LeaseTable:
             for lease_id in list(self._by_req.get(req_id, ())):
                 lease = self._leases[lease_id]
                 if lease.active:
-                    lease.expires = 0.0  # ends with its last pull (take_ended)
+                    lease.released = True  # ends with its last pull (take_ended)
                 else:
                     self._end(lease_id)
 

@@ -477,6 +477,20 @@ def test_a_pull_in_progress_holds_its_lease_past_the_expiry() -> None:
         table.pin(other, range(0, 1))
 
 
+def test_a_release_during_a_pull_is_not_counted_as_an_expiry() -> None:
+    """The decode side lets go of a lease (an abort) while a pull of part of it is reading:
+    it ends with that pull, as a release -- it was counted (and logged) as expired, and the
+    expiry count is how an operator tells a healthy cluster (0) from a failing one."""
+    table = LeaseTable()
+    lease_id = table.add("r", [1, 2], range(0, 4), duration_s=60.0)
+    table.pin(lease_id, range(0, 2))
+    table.end_request("r")
+    assert table.take_ended() == set()  # the pull still reads its blocks
+    table.unpin(lease_id, range(0, 2), complete=True)  # half the layers: the rest unread
+    assert table.take_ended() == {"r"} and table.num_expired == 0
+    assert table.take_ended() == set() and len(table) == 0
+
+
 def test_a_request_ends_when_its_last_lease_does() -> None:
     table = LeaseTable()
     first = table.add("r", [1], range(0, 2), duration_s=60.0)
