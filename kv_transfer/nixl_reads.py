@@ -42,7 +42,7 @@ class _Read:
     num_bytes: int
     num_descriptors: int
     lease_deadline: float  # time.monotonic(): the data is trusted only if read before this
-    sources: list[str] = field(default_factory=list)  # the agents it reads from
+    sources: list[str] = field(default_factory=list)  # the agent each of ``xfers`` reads from
     error: str | None = None  # failed: reported once no transfer of it runs any more
     disconnected: bool = False  # its sources were disconnected (it ran far past its deadline)
 
@@ -203,13 +203,13 @@ class NixlReads(WorkerConnector):
             for xfer in made:
                 self._release(xfer)  # made, never posted
             raise
-        sources = [handle.agent for handle, *_ in planned]
-        read = _Read(load, [], num_bytes, num_descriptors, lease_deadline, sources)
+        read = _Read(load, [], num_bytes, num_descriptors, lease_deadline)
         for (handle, *_), xfer in zip(planned, made, strict=True):
             if read.error is not None:
                 self._release(xfer)  # not posted: a failed read posts nothing more
                 continue
             read.xfers.append(xfer)
+            read.sources.append(handle.agent)
             if self._post(xfer) == "ERR":
                 read.error = f"the READ from {handle.agent} failed to start (is it gone?)"
         self.num_descriptors += num_descriptors
@@ -321,13 +321,14 @@ class NixlReads(WorkerConnector):
             # step fails instead (``KVReadStuck``). The instance fails over and its engine
             # ends this worker's process, as a hung worker's (Ray restarts it under
             # ``max_restarts``).
-            running = []
-            for xfer, state in zip(read.xfers, states, strict=True):
+            running, sources = [], []
+            for xfer, source, state in zip(read.xfers, read.sources, states, strict=True):
                 if state == "PROC":
                     running.append(xfer)
+                    sources.append(source)
                 else:
                     self._release(xfer)
-            read.xfers = running
+            read.xfers, read.sources = running, sources
             if not running:
                 del self._reads[req_id]
                 self._end_load(read.load, 0, read.error)
@@ -337,7 +338,7 @@ class NixlReads(WorkerConnector):
                 logger.warning(
                     "KV read of %s still running: disconnecting %s", req_id, read.sources
                 )
-                for name in read.sources:
+                for name in dict.fromkeys(read.sources):  # (only the stuck transfers' sources)
                     self._disconnect_peer(name)
                 read.disconnected = True
             elif overdue >= 2 * self.abort_grace_s:

@@ -372,6 +372,29 @@ def test_a_failed_read_is_reported_only_once_its_transfer_stops(
     assert dst.get_finished()[1:] == (None, {"r"})
 
 
+def test_a_stuck_read_disconnects_only_the_sources_it_still_reads_from(
+    make: Callable[..., NixlWorkerConnector], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read from two sources (a pipelined prefill instance's stages): one transfer is done,
+    the other hangs. Only the hung one's source is disconnected -- the healthy one was too,
+    and every load from it then failed at once for ``reconnect_after_s``."""
+    dst = make(num_blocks=12, seed=1)
+    done, stuck = _RunningTransfer(), _RunningTransfer()
+    done.state = "DONE"
+    monkeypatch.setattr(dst, "_state", lambda x, agent=None: x.state)
+    forgotten: list[str] = []
+    monkeypatch.setattr(dst, "_forget_peer", forgotten.append)
+    dst.abort_grace_s = 0.05
+    now = time.monotonic()
+    load = _Load(LoadSpec("r", [], DST_IDS, 0, 0.1), None, now - 0.3, now - 0.2, time.time())
+    dst._reads["r"] = _Read(load, [done, stuck], 0, 0, now + 100.0, ["stage-0", "stage-1"])
+    dst._poll_reads()
+    assert forgotten == ["stage-1"] and done.released and not stuck.released
+    stuck.state = "ERR"
+    dst._poll_reads()
+    assert dst.get_finished()[1:] == (None, {"r"})
+
+
 def test_a_read_cut_short_by_the_lease_says_so(
     make: Callable[..., NixlWorkerConnector],
     monkeypatch: pytest.MonkeyPatch,
