@@ -28,7 +28,8 @@ class LLM:
     def __init__(self, model: str | None = None, **config: Any) -> None:
         self.engine = LLMEngine(model, **config)
         self._ids = itertools.count()
-        self._queues: dict[str, deque[RequestOutput]] = {}  # per live request, see ``_run``
+        # Per live request: its call's outputs not yielded yet (a snapshot: True), see ``_run``.
+        self._queues: dict[str, deque[tuple[RequestOutput, bool]]] = {}
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
@@ -108,33 +109,38 @@ class LLM:
             ids.append(request_id)
         return ids
 
+    def _snapshot_pending(self) -> None:
+        """Before a step: the outputs that live calls have not yielded yet become snapshots
+        (the step changes the objects in place). Only interleaved streams have any."""
+        for queue in {id(q): q for q in self._queues.values()}.values():
+            for i, (out, copied) in enumerate(queue):
+                if not copied:
+                    queue[i] = (copy.deepcopy(out), True)
+
     def _run(self, ids: set[str]) -> Iterator[RequestOutput]:
         """Step the engine until ``ids`` finish. Outputs of requests that belong to another
         live ``generate`` / ``generate_stream`` call (interleaved streams) are queued for it as
-        snapshots, never dropped."""
+        snapshots, never dropped; so are this call's own, once another call steps while this
+        one has not yielded them all (a step updates a request's output object in place)."""
         engine = self.engine
         remaining = set(ids)
+        mine: deque[tuple[RequestOutput, bool]] = deque()  # in the steps' order
         for rid in ids:
-            self._queues[rid] = deque()
+            self._queues[rid] = mine
         try:
             while remaining:
-                for rid in sorted(remaining):  # what other calls' steps produced for us
-                    queue = self._queues[rid]
-                    while queue:
-                        out = queue.popleft()
-                        if out.finished:
-                            remaining.discard(rid)
-                        yield out
+                while mine:
+                    out, _ = mine.popleft()
+                    if out.finished:
+                        remaining.discard(out.request_id)
+                    yield out
                 if not remaining or not engine.has_unfinished_requests():
                     break
+                self._snapshot_pending()
                 for out in engine.step():
-                    rid = out.request_id
-                    if rid in ids:
-                        if out.finished:
-                            remaining.discard(rid)
-                        yield out
-                    elif rid in self._queues:
-                        self._queues[rid].append(copy.deepcopy(out))
+                    queue = self._queues.get(out.request_id)
+                    if queue is not None:
+                        queue.append((out, False))
         finally:
             for rid in ids:
                 self._queues.pop(rid, None)

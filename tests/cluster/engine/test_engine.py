@@ -273,6 +273,33 @@ def test_interleaved_streams_lose_nothing(tiny_llama: Path) -> None:
     assert other[0].outputs[0].token_ids == alone[1]
 
 
+def test_two_streams_of_several_prompts_advanced_in_turn(tiny_llama: Path) -> None:
+    """Each stream pauses between two outputs of one step; the other steps the engine, which
+    updates the paused one's unyielded outputs in place: their deltas went missing or came
+    twice (a stream's deltas must add up to its final tokens)."""
+    llm = engine(tiny_llama)
+    prompts = make_prompts(11)[:4]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    alone = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    streams = [llm.generate_stream(prompts[:2], params), llm.generate_stream(prompts[2:], params)]
+    deltas: list[dict[str, list[int]]] = [{}, {}]
+    finals: list[dict[str, list[int]]] = [{}, {}]
+    live = [0, 1]
+    while live:
+        for i in list(live):
+            out = next(streams[i], None)
+            if out is None:
+                live.remove(i)
+                continue
+            deltas[i].setdefault(out.request_id, []).extend(out.outputs[0].new_token_ids)
+            if out.finished:
+                finals[i][out.request_id] = list(out.outputs[0].token_ids)
+    assert deltas == finals
+    assert [finals[0][k] for k in sorted(finals[0])] + [
+        finals[1][k] for k in sorted(finals[1])
+    ] == alone
+
+
 def test_prompt_logprobs_equal_transformers(tiny_llama: Path) -> None:
     """Every prompt token's logprob, rank and top-k equal transformers' log-softmax on the same
     weights -- whole, in chunks of a small token budget, and for a prompt whose blocks sit in
