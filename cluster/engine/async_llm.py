@@ -91,11 +91,14 @@ class AsyncLLM(EngineClient):
                 raise EngineDeadError(f"the engine failed and serves no more: {self._failure!r}")
             if rid in self._queues:  # (a finished stream not closed yet holds it)
                 raise ValueError(f"request id {rid!r} is in use")
+            if rid in self._aborts:  # an earlier request of this id, left: it ends now (as
+                self._aborts.discard(rid)  # vLLM's abort), so the id is free at once
+                self.engine.abort_request([rid])
+                self.engine.processor.forget({rid})  # (its final has no reader)
             # Raises ValueError (bad prompt, id in use, LoRA not enabled) before any output.
             self.engine.add_request(
                 rid, prompt, params, lora_request=lora_request, priority=priority
             )
-            self._aborts.discard(rid)  # one left by an earlier request of this id
             self._queues[rid] = queue
         self._ensure_stepping()
         finished = False
@@ -215,11 +218,20 @@ class AsyncLLM(EngineClient):
     def _ensure_stepping(self) -> None:
         if self._failure is not None:  # dead: never stepped again (its requests are aborted)
             return
-        if self._task is None or self._task.done():
+        task = self._task
+        # (A task of an earlier ``asyncio.run`` that ended while it waited never runs again.)
+        if task is None or task.done() or task.get_loop().is_closed():
             self._task = asyncio.get_running_loop().create_task(self._step_until_idle())
 
     async def _step_until_idle(self) -> None:
         engine = self.engine
+
+        def step() -> tuple[list[RequestOutput], None] | tuple[None, Exception]:
+            try:
+                return engine.step(), None
+            except Exception as exc:  # (the engine's own failure, told from the loop's)
+                return None, exc
+
         try:
             while True:
                 async with self._locked():
@@ -229,7 +241,17 @@ class AsyncLLM(EngineClient):
                     # (and one more step for the workers to hear of the last ends)
                     if not engine.has_unfinished_requests() and not engine.scheduler.has_requests():
                         return
-                    outputs = await asyncio.to_thread(engine.step)
+                    try:
+                        outputs, failed = await asyncio.to_thread(step)
+                    except RuntimeError:
+                        # The loop is shutting down (an ``asyncio.run`` ends with a stream
+                        # open: its abort came here): no step ran; the next loop's call
+                        # steps on, this one's abort applied.
+                        logger.debug("the event loop ends: stepping stops", exc_info=True)
+                        return
+                    if failed is not None:
+                        raise failed
+                    assert outputs is not None
                     # Snapshots, taken before the next step can change the outputs again.
                     snapshots = [_snapshot(out) for out in outputs]
                 for out in snapshots:

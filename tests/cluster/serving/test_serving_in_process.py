@@ -978,3 +978,66 @@ def test_the_engine_serves_one_event_loop_after_another(engine: AsyncLLM) -> Non
         first, a, b = _run(two_at_once(i))
         assert len(first.outputs[0].token_ids) + len(a.outputs[0].token_ids) >= 12
         assert len(b.outputs[0].token_ids) == 12
+
+
+def test_an_event_loop_that_ends_with_a_stream_open_leaves_the_engine_serving(
+    engine: AsyncLLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An ``asyncio.run`` ends while a stream of it is still open (held, or left without
+    ``aclose``): the loop's shutdown closes it, its abort starts a step as the loop's executor
+    shuts down -- which failed, and was taken for the engine's own failure (every later
+    request got EngineDeadError); or the step task was left in the closed loop, never to
+    run again, and the next loop's requests hung. (Here an abort leaves the scheduler a few
+    steps of work, as blocks that wait for a KV send would.)"""
+    core, scheduler = engine.engine, engine.engine.scheduler
+    abort, holds = core.abort_request, scheduler.has_requests
+    steps_left = [0]
+
+    def abort_request(ids: Any) -> None:
+        abort(ids)
+        steps_left[0] = 3
+
+    def has_requests() -> bool:
+        steps_left[0] -= 1
+        return holds() or steps_left[0] >= 0
+
+    monkeypatch.setattr(core, "abort_request", abort_request)
+    monkeypatch.setattr(scheduler, "has_requests", has_requests)
+    params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    kept: list[Any] = []
+
+    async def leave_open(i: int) -> None:
+        stream = engine.generate_async([5, 4, 3], params, request_id=f"open{i}")
+        await anext(stream)
+        kept.append(stream)  # still referenced when the loop shuts down
+
+    for i in range(6):
+        asyncio.run(leave_open(i))
+        assert engine._failure is None
+    kept.clear()
+
+    async def whole() -> Any:
+        short = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        outs = [out async for out in engine.generate_async([7, 8], short, request_id="after")]
+        return outs[-1]
+
+    assert len(_run(whole()).outputs[0].token_ids) == 4
+    assert not engine.engine.has_unfinished_requests()  # the open streams' aborts applied
+
+
+def test_an_id_is_free_again_as_soon_as_its_stream_is_left(engine: AsyncLLM) -> None:
+    """A stream left early and a new request of the same id at once, before the engine's
+    next step: vLLM's abort frees the id at once; here it was "in use" until that step."""
+    params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
+
+    async def main() -> Any:
+        stream = engine.generate_async([5, 4, 3], params, request_id="again")
+        await anext(stream)
+        await stream.aclose()  # its abort waits for the next step
+        short = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+        outs = [out async for out in engine.generate_async([6, 7], short, request_id="again")]
+        return outs[-1]
+
+    final = _run(main())
+    assert final.finished and len(final.outputs[0].token_ids) == 3
+    assert not engine.engine.has_unfinished_requests()
