@@ -273,7 +273,8 @@ class Intake:
             if engine.dead is None:
                 # Its engine answers (a final to the client, then ``finished`` in a report),
                 # or, if it no longer holds the request, whoever takes it next sees the flag.
-                flight.aborting = reason
+                if flight.aborting is None:  # (a client's stop, then its stream's abort:
+                    flight.aborting = reason  # it stays a stop)
                 engine.end(flight.internal_id, reason)
                 return True
         elif engine is not None and engine.end(flight.internal_id, reason):

@@ -259,8 +259,10 @@ class Subscription(Delivery):
                         self._abort_remote(item)
                     continue
                 if future.cancelled():  # its stream left while it was on its way
-                    if outcome is None and outcomes:
-                        self.abort(item[0].request_id)  # placed: nothing may run for nobody
+                    if outcome is None and outcomes:  # placed: nothing may run for nobody --
+                        # ahead of the ops of its id queued since (a new request of the id
+                        # reused at once: the abort would end that one instead)
+                        self._ops.insert(0, (item[0].request_id, None))
                 elif not future.done():
                     if outcome is None and outcomes:
                         future.set_result(None)

@@ -950,6 +950,8 @@ def test_a_stop_sent_to_an_engine_that_dies_before_it_answers_ends_as_stop(
         os.kill(pid, signal.SIGSTOP)
         try:
             await asyncio.to_thread(ray.get, engines.abort.remote("st0", FinishReason.STOP))
+            # then the plain abort its client's stream sends as it closes: still a stop
+            await asyncio.to_thread(ray.get, engines.abort.remote("st0"))
             await asyncio.sleep(0.3)  # the stop is on its way to the hung engine
         finally:
             os.kill(pid, signal.SIGKILL)

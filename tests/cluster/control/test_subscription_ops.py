@@ -1,0 +1,95 @@
+"""The order of a client's ops as the central actor receives them (``Subscription``). A real
+Ray actor stands in for the central scheduler: it records each ``submit_many`` call's ops
+and holds the first call until told to answer."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import pytest
+
+from tests.cluster.conftest import RayCluster
+
+ray = pytest.importorskip("ray")
+
+
+class _Central:
+    def __init__(self) -> None:
+        self.calls: list[list[tuple[Any, ...]]] = []
+        self.answer = asyncio.Event()
+
+    async def submit_many(self, client_id: str, items: list[Any]) -> list[None]:
+        ops = [
+            ("abort", i) if isinstance(i, str) else ("submit", i[0].request_id, i[2]) for i in items
+        ]
+        self.calls.append(ops)
+        if len(self.calls) == 1:
+            await self.answer.wait()  # the first call stays on its way
+        return [None] * len(items)
+
+    def release(self) -> None:
+        self.answer.set()
+
+    def recorded(self) -> list[list[tuple[Any, ...]]]:
+        return self.calls
+
+    async def subscribe(self, client_id: str) -> Any:
+        await asyncio.sleep(3600)
+        yield []
+
+    def keepalive(self, client_id: str) -> None:
+        return None
+
+    def unsubscribe(self, client_id: str) -> None:
+        return None
+
+    def abort(self, request_id: str, reason: Any = None) -> None:
+        self.calls.append([("direct abort", request_id)])
+
+
+def test_an_id_reused_while_its_left_submit_is_on_its_way_is_not_aborted(
+    ray_cluster: RayCluster,
+) -> None:
+    """A caller leaves while its submit is on its way and reuses the id at once: the new
+    submit waits for the first call; once the first is placed, its abort goes ahead of the
+    new submit (it went after it, and ended the new request instead of the old one, which
+    then ran to its end for nobody)."""
+    from cluster.control.subscription import Subscription
+    from scheduler import Request, SamplingParams
+
+    central = ray.remote(_Central).options(num_cpus=0, max_concurrency=8).remote()
+
+    def request() -> Request:
+        return Request("x", [1, 2], SamplingParams(max_tokens=4), eos_token_id=0)
+
+    async def consume(sub: Subscription) -> None:
+        async for _ in sub.stream(request()):
+            pass
+
+    async def main() -> list[list[tuple[Any, ...]]]:
+        sub = Subscription(central, "client-1")
+        first = asyncio.ensure_future(consume(sub))
+        deadline = time.monotonic() + 30
+        while not await central.recorded.remote():  # the first submit is on its way
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.02)
+        first.cancel()
+        await asyncio.gather(first, return_exceptions=True)
+        second = asyncio.ensure_future(consume(sub))  # the id again, at once
+        await asyncio.sleep(0.2)
+        await central.release.remote()
+        while len(await central.recorded.remote()) < 2:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.2)
+        second.cancel()
+        sub.task.cancel()
+        await asyncio.gather(second, sub.task, return_exceptions=True)
+        calls: list[list[tuple[Any, ...]]] = await central.recorded.remote()
+        return calls
+
+    calls = asyncio.run(main())
+    assert calls[0] == [("submit", "x", 0)]
+    assert calls[1] == [("abort", "x"), ("submit", "x", 1)]
