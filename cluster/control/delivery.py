@@ -97,6 +97,9 @@ class Delivery:
             if index < expected:  # already delivered in part
                 skip = expected - index
                 if skip >= len(out.new_token_ids) and not out.finished:
+                    early = self._early.get(submission)  # (covered: the next held back
+                    if early and min(early) <= expected:  # one may start by now)
+                        todo.append((min(early), early.pop(min(early))))
                     continue
                 del out.new_token_ids[:skip]
                 if out.new_logprobs is not None:  # the last ones are the kept tokens' (a

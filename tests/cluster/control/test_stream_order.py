@@ -273,6 +273,25 @@ def test_a_refill_gives_way_to_held_back_outputs_and_stale_ones_are_dropped() ->
     assert not sub._early.get(7)
 
 
+def test_a_held_back_output_after_one_that_was_covered_is_delivered() -> None:
+    """Two outputs held back (positions 2 and 3), then one from 0 that covers the first:
+    that one is dropped, and the next, now due, goes out (it stayed held back for ever,
+    and every later output behind it)."""
+
+    def with_logprobs(tokens: list[int], finished: bool = False) -> EngineCoreOutput:
+        out = _out(tokens, finished)
+        out.new_logprobs = [{t: -0.5} for t in tokens]
+        return out
+
+    sub, queue = _subscription()
+    _feed(sub, with_logprobs([12]), 2)
+    _feed(sub, with_logprobs([13]), 3)
+    _feed(sub, with_logprobs([10, 11, 12]), 0)
+    _feed(sub, with_logprobs([14], finished=True), 4)
+    assert _drain(queue) == ([10, 11, 12, 13, 14], True)
+    assert not sub._early.get(7)
+
+
 def test_thousands_of_held_back_outputs_are_delivered_in_a_loop() -> None:
     """A long gap (a lost batch, asked for again) holds back an output per step: when the
     gap fills they all go out, in order -- without one nested call each (which overflowed
