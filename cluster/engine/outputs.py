@@ -4,6 +4,7 @@ detokenized), stop strings, finish reasons, and the fan-in of ``n`` samples per 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -64,7 +65,36 @@ class _Sample:
         self.stop_from = 0  # text before this cannot end with a stop string (min_tokens)
 
     def add(self, core: EngineCoreOutput) -> bool:
-        """Apply one step's tokens; True when a stop string ended the sample."""
+        """Apply one step's tokens; True when a stop string ended the sample. An output of
+        several tokens (merged for a reader that fell behind, or refilled) is applied a token
+        at a time when stop strings are set: which stop ends the sample, and where, is then
+        the same as when the tokens come one by one (a search over the whole new text could
+        prefer a longer stop string that starts earlier but ends later)."""
+        ids = core.new_token_ids
+        if not self.params.stop or len(ids) < 2:
+            return self._add(core)
+        logprobs = core.new_logprobs
+        first_logprob = len(ids) - len(logprobs) if logprobs is not None else 0
+        for i, token in enumerate(ids):
+            last = i == len(ids) - 1
+            piece_logprobs = None
+            if logprobs is not None:  # (the first tokens of a refill have none)
+                piece_logprobs = logprobs[i - first_logprob : i - first_logprob + 1]
+                if i < first_logprob:
+                    piece_logprobs = []
+            piece = dataclasses.replace(
+                core,
+                new_token_ids=[token],
+                new_logprobs=piece_logprobs,
+                finish_reason=core.finish_reason if last else None,
+                stop_reason=core.stop_reason if last else None,
+                error=core.error if last else None,
+            )
+            if self._add(piece):
+                return True
+        return False
+
+    def _add(self, core: EngineCoreOutput) -> bool:
         out = self.out
         out.new_token_ids.extend(core.new_token_ids)  # (several outputs in one ``process``)
         out.token_ids.extend(core.new_token_ids)

@@ -147,3 +147,35 @@ def test_an_aborted_samples_deltas_add_up_to_its_text(tokenizer: Tokenizer) -> N
     streamed += out.outputs[0].new_text
     assert out.outputs[0].finish_reason == "abort"
     assert streamed == out.outputs[0].text == "hello world"
+
+
+def test_the_stop_that_ends_a_sample_does_not_depend_on_how_its_tokens_were_batched(
+    tokenizer: Tokenizer,
+) -> None:
+    """Stops "abch" and "bc" over the text "gabch": token by token, "bc" completes first and
+    ends the sample at "ga". Merged into one output (a reader that fell behind, under load),
+    the search over the whole new text chose "abch" (it starts earlier) and ended at "g",
+    one token more: a seeded request's text depended on the load."""
+    tokens = [tokenizer.encode(ch, add_special_tokens=False)[0] for ch in "gabch"]
+    assert tokenizer.decode(tokens) == "gabch"
+    ends = []
+    for merged in (False, True):
+        processor = OutputProcessor(tokenizer)
+        params = SamplingParams(max_tokens=8, stop=("abch", "bc"), logprobs=0)
+        (rid,) = processor.add("r", None, PROMPT, params)
+        logprobs = [{t: -0.5} for t in tokens]
+        parts = (
+            [(tokens, logprobs)]
+            if merged
+            else [([t], [lp]) for t, lp in zip(tokens, logprobs, strict=True)]
+        )
+        streamed = ""
+        for part, lps in parts:
+            (out,), stopped = processor.process([EngineCoreOutput(rid, part, new_logprobs=lps)])
+            streamed += out.outputs[0].new_text
+            if stopped:
+                break
+        sample = out.outputs[0]
+        assert streamed == sample.text
+        ends.append((sample.text, sample.stop_reason, sample.token_ids, len(sample.logprobs or [])))
+    assert ends[0] == ends[1] == ("ga", "bc", tokens[:4], 4)
