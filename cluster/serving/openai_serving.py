@@ -389,7 +389,8 @@ class OpenAIServing(RequestChecks):
         choice = req.tool_choice
         name = choice.function.name if isinstance(choice, NamedToolChoice) else None
         names = tuple(tool.function.name for tool in req.tools or [])
-        return ToolPlan(mode, self.tool_parser, name, names)
+        parallel = req.parallel_tool_calls is not False
+        return ToolPlan(mode, self.tool_parser, name, names, parallel)
 
     # -- endpoints ---------------------------------------------------------------------------
     async def completion(

@@ -54,6 +54,7 @@ class ToolPlan:
     parser: str  # the format auto parses
     name: str | None = None  # the named function
     names: tuple[str, ...] = ()  # the request's functions (auto: calls of others are text)
+    parallel: bool = True  # parallel_tool_calls (auto: calls after the first are dropped)
 
     def stream(self) -> ToolStream:
         if self.mode == "named":
@@ -61,7 +62,7 @@ class ToolPlan:
             return NamedStream(self.name)
         if self.mode == "required":
             return RequiredStream()
-        return AutoStream(self.parser, self.names)
+        return AutoStream(self.parser, self.names, self.parallel)
 
     def parse(
         self, text: str, finish_reason: str | None

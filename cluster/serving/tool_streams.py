@@ -211,12 +211,15 @@ class RequiredStream(ToolStream):
 class AutoStream(ToolStream):
     """``auto``: content streams as it comes, except what may be the start of a call (held
     until it is one, then sent whole, or is not, then sent as content) and whitespace next
-    to calls (dropped: with calls, content is what the model wrote around them)."""
+    to calls (dropped: with calls, content is what the model wrote around them). Without
+    ``parallel`` (``parallel_tool_calls: false``) calls after the first are dropped, as
+    vLLM does: OpenAI promises at most one."""
 
-    def __init__(self, parser: str, names: tuple[str, ...] = ()) -> None:
+    def __init__(self, parser: str, names: tuple[str, ...] = (), parallel: bool = True) -> None:
         super().__init__()
         self.parser = parser
         self.names = names
+        self.parallel = parallel
         self.pending = ""  # text held back
         self.started = False  # any non-space output yet (llama3_json decides on the first)
         self.buffering_all = False  # llama3_json: the output may be calls: read it at the end
@@ -250,10 +253,16 @@ class AutoStream(ToolStream):
                 content.append(self._content(self.pending[: end + len(HERMES_CLOSE)]))
             else:
                 content.append(self._content(self.pending[:start].rstrip()))
-                deltas.append(self._whole(call))
+                deltas += self._taken(call)
                 self.after_call = True
             self.pending = self.pending[end + len(HERMES_CLOSE) :]
         return "".join(content), deltas
+
+    def _taken(self, call: ToolCall) -> list[dict[str, Any]]:
+        """The call's delta, or none for a second call without ``parallel``."""
+        if self.calls and not self.parallel:
+            return []
+        return [self._whole(call)]
 
     def _content(self, text: str) -> str:
         """Text to send; right after a call, its leading whitespace is dropped (one newline
@@ -287,7 +296,7 @@ class AutoStream(ToolStream):
         if self.parser == "llama3_json" and self.buffering_all:
             calls = _parse_llama3(pending, self.names)
             if calls:
-                return "", [self._whole(call) for call in calls]
+                return "", [delta for call in calls for delta in self._taken(call)]
             return pending, []
         head = pending.lstrip()
         if head.startswith(HERMES_OPEN):
@@ -299,7 +308,7 @@ class AutoStream(ToolStream):
             call = _call_from_json(block, False)
             if call is not None:
                 self.after_call = True
-                return "", [self._whole(call)]
+                return "", self._taken(call)
         if self.calls and not pending.strip():
             return "", []  # whitespace after the last call
         return self._content(pending), []

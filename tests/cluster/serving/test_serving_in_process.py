@@ -863,6 +863,20 @@ def test_auto_parses_the_models_own_format(serving: OpenAIServing) -> None:
     plain = _chat(serving, tools=[LOOKUP], guided_regex="[a-z]{4}", max_tokens=20)
     assert plain["choices"][0]["finish_reason"] == "stop"
     assert "tool_calls" not in plain["choices"][0]["message"]
+    # Two calls written, parallel_tool_calls false: the first only (vLLM's rule).
+    two = block + (
+        r'\n<tool_call>\n\{"name": "lookup", "arguments": \{"unit": "F", "day": 2\}\}'
+        r"\n</tool_call>"
+    )
+    kept = {"tools": [LOOKUP], "guided_regex": two, "max_tokens": 200, "seed": 3}
+    both = _chat(serving, **kept)["choices"][0]["message"]["tool_calls"]
+    assert len(both) == 2
+    one = _chat(serving, parallel_tool_calls=False, **kept)["choices"][0]["message"]
+    assert [c["function"]["arguments"] for c in one["tool_calls"]] == [
+        both[0]["function"]["arguments"]
+    ]
+    _, calls, _ = _assembled(_streamed_chat(serving, parallel_tool_calls=False, **kept))
+    assert [c["arguments"] for c in calls] == [both[0]["function"]["arguments"]]
 
 
 def test_tools_in_the_prompt_follow_tool_choice(serving: OpenAIServing) -> None:

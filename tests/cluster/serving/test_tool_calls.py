@@ -245,6 +245,25 @@ def test_streamed_deltas_add_up_to_the_whole_response(seed: int) -> None:
     assert _stream(AutoStream("hermes"), " a\n\nb \n", seed) == (" a\n\nb \n", [])
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_without_parallel_tool_calls_auto_keeps_the_first_call(seed: int) -> None:
+    """``parallel_tool_calls: false`` with ``auto``: a model that writes two calls gets the
+    first only, streamed or whole (both were returned; vLLM keeps the first, and OpenAI
+    promises at most one)."""
+    plan = ToolPlan("auto", "hermes", parallel=False)
+    content, calls = _stream(plan.stream(), HERMES_OUTPUT, seed)
+    whole_content, whole_calls, reason = plan.parse(HERMES_OUTPUT, "stop")
+    assert [c["name"] for c in calls] == [c.name for c in whole_calls] == ["get_weather"]
+    assert content == whole_content == "Let me check." and reason == "tool_calls"
+    names = ("get_weather", "get_time")
+    llama = '{"name": "get_weather", "parameters": {}}; {"name": "get_time", "parameters": {}}'
+    plan = ToolPlan("auto", "llama3_json", names=names, parallel=False)
+    assert [c.name for c in plan.parse(llama, "stop")[1]] == ["get_weather"]
+    unclosed = HERMES_OUTPUT.rsplit("</tool_call>", 1)[0]  # the second call, unclosed
+    plan = ToolPlan("auto", "hermes", parallel=False)
+    assert [c.name for c in plan.parse(unclosed, "stop")[1]] == ["get_weather"]
+
+
 @pytest.mark.parametrize("seed", range(8))
 def test_forced_calls_stream_their_arguments_as_they_come(seed: int) -> None:
     required = (
