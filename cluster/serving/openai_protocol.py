@@ -407,7 +407,7 @@ class ChatMessage(BaseModel):
     def as_template_input(self) -> dict[str, Any]:
         content = self.content
         if isinstance(content, list):
-            content = "".join(part.text for part in content)
+            content = "\n".join(part.text for part in content)  # (as vLLM joins them)
         message: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name is not None:
             message["name"] = self.name

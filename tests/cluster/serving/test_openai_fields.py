@@ -153,6 +153,16 @@ def test_tool_calls_in_the_history_reach_the_template() -> None:
             ChatCompletionRequest.model_validate({"model": "m", "messages": [bad]})
 
 
+def test_content_parts_reach_the_template_one_per_line() -> None:
+    """A message's text parts are joined with newlines, as vLLM joins them for a template
+    that takes a string (they were run together: another prompt than vLLM's)."""
+    parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "World"}]
+    req = ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": [{"role": "user", "content": parts}]}
+    )
+    assert req.messages[0].as_template_input()["content"] == "Hello\nWorld"
+
+
 def test_tool_choice_is_checked_against_the_tools() -> None:
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
     base = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
