@@ -323,6 +323,17 @@ def _top(lp: TokenLogprobs) -> list[tuple[int, float]]:
     return sorted(lp.items(), key=lambda kv: (-kv[1], kv[0]))
 
 
+def _completion_top(
+    tokenizer: Tokenizer, lp: TokenLogprobs, token_id: int, k: int
+) -> dict[str, float]:
+    """The legacy completions' ``top_logprobs`` entry: the ``k`` best and the token itself
+    (up to k + 1 entries, as OpenAI and vLLM give them; chat's ``top_logprobs`` stop at k)."""
+    entries = _top(lp)[:k]
+    if token_id in lp and all(t != token_id for t, _ in entries):
+        entries.append((token_id, lp[token_id]))
+    return {_token_text(tokenizer, t): _finite(v) for t, v in entries}
+
+
 def _finite(value: float | None) -> float:
     if value is None or value != value:
         return -9999.0
@@ -386,7 +397,7 @@ def completion_logprobs(
         text = _token_text(tokenizer, tid)
         tokens.append(text)
         token_logprobs.append(_finite(lp.get(tid)))
-        tops.append({_token_text(tokenizer, t): _finite(v) for t, v in _top(lp)[:k]})
+        tops.append(_completion_top(tokenizer, lp, tid, k))
         offsets.append(offset)
         offset += len(text)
     return {
@@ -424,7 +435,7 @@ def _with_prompt(
         else:
             lp = entry[0]
             values.append(_finite(lp.get(token_id)))
-            tops.append({_token_text(tokenizer, t): _finite(v) for t, v in _top(lp)[:k]})
+            tops.append(_completion_top(tokenizer, lp, token_id, k))
     shift = offset - (generated["text_offset"][0] if generated["text_offset"] else 0)
     return {
         "tokens": tokens + generated["tokens"],

@@ -927,8 +927,19 @@ def test_echo_and_prompt_logprobs_for_loglikelihood(serving: OpenAIServing) -> N
     lp = choice["logprobs"]
     assert len(lp["tokens"]) == 7 and lp["token_logprobs"][0] is None
     assert lp["top_logprobs"][0] is None and all(v < 0 for v in lp["token_logprobs"][1:])
-    assert all(1 <= len(top) <= 2 for top in lp["top_logprobs"][1:])
+    # The 2 best and the token itself (OpenAI's and vLLM's k + 1 at most)
+    for token, top in zip(lp["tokens"][1:], lp["top_logprobs"][1:], strict=True):
+        assert 1 <= len(top) <= 3 and token in top
     assert lp["text_offset"] == sorted(lp["text_offset"]) and lp["text_offset"][0] == 0
+    # logprobs 0: the sampled token's own entry (it was {}), whatever its rank
+    sampled = {"model": "tiny-chat", "prompt": prompt, "logprobs": 0, "max_tokens": 6}
+    for k, temperature in ((0, 1.0), (1, 2.0)):
+        req = CompletionRequest.model_validate(
+            {**sampled, "logprobs": k, "seed": 1, "temperature": temperature}
+        )
+        got = _run(serving.completion(req))["choices"][0]["logprobs"]
+        for token, top in zip(got["tokens"], got["top_logprobs"], strict=True):
+            assert token in top and len(top) <= k + 1, (k, token, top)
 
     generated = CompletionRequest.model_validate({**base, "max_tokens": 3, "temperature": 0})
     both = _run(serving.completion(generated))["choices"][0]
