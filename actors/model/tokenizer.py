@@ -133,16 +133,14 @@ class Tokenizer:
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
     ) -> str:
-        """Render ``messages`` with the model's template (an error if it has none)."""
+        """Render ``messages`` with the model's template (an error if it has none);
+        ``kwargs`` override the defaults (``bos_token``, ``eos_token``), as vLLM's
+        ``chat_template_kwargs`` do."""
         if not self.chat_template:
             raise ValueError("this model has no chat template; send a plain prompt instead")
+        options = {"bos_token": self.bos_token, "eos_token": self.eos_token, **kwargs}
         return render_chat(
-            self.chat_template,
-            messages,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token,
-            eos_token=self.eos_token,
-            **kwargs,
+            self.chat_template, messages, add_generation_prompt=add_generation_prompt, **options
         )
 
     def encode_chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:

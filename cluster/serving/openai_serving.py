@@ -241,10 +241,10 @@ class OpenAIServing(RequestChecks):
         add_generation_prompt: bool,
         template_kwargs: dict[str, Any] | None,
     ) -> str:
+        # chat_template_kwargs override the request's own settings, as in vLLM
+        options = {"add_generation_prompt": add_generation_prompt, **(template_kwargs or {})}
         try:
-            text: str = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, **(template_kwargs or {})
-            )
+            text: str = self.tokenizer.apply_chat_template(messages, **options)
         except ValueError as exc:
             raise APIError(400, str(exc), param="messages") from None
         except Exception as exc:  # a template that fails on these messages

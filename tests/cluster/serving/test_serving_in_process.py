@@ -1066,3 +1066,19 @@ def test_an_id_is_free_again_as_soon_as_its_stream_is_left(engine: AsyncLLM) -> 
     final = _run(main())
     assert final.finished and len(final.outputs[0].token_ids) == 3
     assert not engine.engine.has_unfinished_requests()
+
+
+def test_chat_template_kwargs_override_the_requests_own_settings(serving: OpenAIServing) -> None:
+    """``chat_template_kwargs`` naming what the renderer sets itself (add_generation_prompt,
+    bos_token) override it, as in vLLM -- they were a 400 ("multiple values")."""
+    messages = [{"role": "user", "content": "hi"}]
+
+    def prompt(**fields: Any) -> list[int]:
+        body = {"model": "tiny-chat", "messages": messages, **fields}
+        job = _run(serving.chat_job(ChatCompletionRequest.model_validate(body)))
+        return list(job.prompt_ids)
+
+    plain = prompt(add_generation_prompt=False)
+    assert plain != prompt()
+    assert prompt(chat_template_kwargs={"add_generation_prompt": False}) == plain
+    assert prompt(chat_template_kwargs={"bos_token": "", "eos_token": ""})  # rendered
