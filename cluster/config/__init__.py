@@ -357,6 +357,11 @@ class ClusterConfig(_Config):
         return self.model_copy(update={"kv_transfer": self.kv_transfer.with_transport(transport)})
 
     @property
+    def priority_scheduling(self) -> bool:
+        """Some pool orders its queue by priority (``scheduler.policy: priority``)."""
+        return any(p.scheduler.get("policy") == "priority" for p in self.pools)
+
+    @property
     def disaggregated(self) -> bool:
         """True when some pool prefills for others (workers then need a KV transport)."""
         return any(p.role == "prefill" for p in self.pools)

@@ -59,6 +59,7 @@ class ClusterClient(EngineClient):
             vocab_size=self.info["vocab_size"],
             max_model_len=self._max_model_len,
             eos_token_ids=self.info["eos_token_ids"],
+            priority_scheduling=self.info["priority_scheduling"],
         )
         self._ids = itertools.count()
         self._prefix = f"c{uuid.uuid4().hex[:12]}-"  # unique across processes
@@ -112,6 +113,10 @@ class ClusterClient(EngineClient):
     @property
     def max_model_len(self) -> int:
         return self._max_model_len
+
+    @property
+    def priority_scheduling(self) -> bool:
+        return self.factory.priority_scheduling
 
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
         self.factory.validate(prompt_token_ids)

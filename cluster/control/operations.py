@@ -308,7 +308,11 @@ class ClusterOperations:
         """What a client needs to tokenize and validate: the model and the context length."""
         await self._ready()
         first = next(iter(self.specs.values())).info
-        return {**first, "max_model_len": self.max_model_len}
+        return {
+            **first,
+            "max_model_len": self.max_model_len,
+            "priority_scheduling": self.config.priority_scheduling,
+        }
 
     def _kv_transport(self) -> str | None:
         """The KV transport the workers use (``auto`` resolved); None without P/D."""

@@ -67,6 +67,10 @@ class AsyncLLM(EngineClient):
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
+    @property
+    def priority_scheduling(self) -> bool:
+        return self.engine.factory.priority_scheduling
+
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
         self.engine.factory.validate(prompt_token_ids)
 

@@ -37,8 +37,12 @@ class RequestFactory:
         vocab_size: int,
         max_model_len: int,
         eos_token_ids: list[int],
+        priority_scheduling: bool = True,
     ) -> None:
+        """``priority_scheduling``: some scheduler orders its queue by priority (vLLM's
+        ``policy: priority``); without it a request's ``priority`` is refused, not ignored."""
         self.tokenizer = tokenizer
+        self.priority_scheduling = priority_scheduling
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         # EOS: the tokenizer's, else the config's first; the config's other EOS ids stop too.
@@ -64,6 +68,11 @@ class RequestFactory:
         prompt, or structured outputs whose spec does not compile. ``child_ids`` are the
         scheduler ids, one per sample; ``prompt_index``: see ``EngineClient.generate_async``."""
         params = params or SamplingParams()
+        if priority != 0 and not self.priority_scheduling:
+            raise ValueError(
+                f"priority {priority} needs priority scheduling (the scheduler's policy: "
+                "priority); every scheduler here serves in arrival order (fcfs)"
+            )
         if params.structured_outputs is not None:  # a spec that cannot compile: refused now
             compiler = compiler_for(self.tokenizer, self.tokenizer.vocab_size)
             compiler.compile(params.structured_outputs)

@@ -126,6 +126,7 @@ class LLMEngine:
             vocab_size=model_config.vocab_size,
             max_model_len=self.max_model_len,
             eos_token_ids=list(model_config.eos_token_ids),
+            priority_scheduling=self.scheduler_config.policy == "priority",
         )
         self.eos_token_id = self.factory.eos_token_id
         self.processor = OutputProcessor(self.tokenizer)

@@ -33,6 +33,12 @@ class EngineClient(Protocol):
         """Prompt plus output tokens one request may hold."""
         ...
 
+    @property
+    def priority_scheduling(self) -> bool:
+        """Whether some scheduler orders its queue by ``priority`` (``policy: priority``);
+        a request's non-zero priority is refused otherwise."""
+        ...
+
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
         """Raise ``ValueError`` naming the problem for a prompt the engine cannot take
         (empty, out of the vocabulary, too long)."""

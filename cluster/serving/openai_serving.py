@@ -194,6 +194,7 @@ class OpenAIServing(RequestChecks):
     async def completion_jobs(self, req: CompletionRequest) -> list[Job]:
         """One ``Job`` per prompt (tokenized, checked, with its sampling params); 400s."""
         self._check_logit_bias(req.logit_bias_ids())
+        self._check_priority(req.priority)
         for prompt in req.prompts():
             if isinstance(prompt, str):
                 self._check_chars(len(prompt), "prompt")
@@ -230,6 +231,7 @@ class OpenAIServing(RequestChecks):
     async def chat_job(self, req: ChatCompletionRequest) -> Job:
         """The conversation rendered with the chat template, checked; 400s."""
         self._check_logit_bias(req.logit_bias_ids())
+        self._check_priority(req.priority)
         messages = [m.as_template_input() for m in req.messages]
         self._check_chars(sum(len(m["content"]) for m in messages), "messages")
         job: Job = await self._off_loop(self._chat_job, req, messages)

@@ -106,6 +106,16 @@ class RequestChecks:
             cut *= 2
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
+    def _check_priority(self, priority: int) -> None:
+        """A priority without priority scheduling is refused (vLLM's 400), not ignored."""
+        if priority != 0 and not self.engine.priority_scheduling:
+            raise APIError(
+                400,
+                f"priority {priority} needs priority scheduling (a pool's scheduler.policy: "
+                "priority); this cluster serves in arrival order (fcfs)",
+                param="priority",
+            )
+
     def _check_logit_bias(self, ids: list[int]) -> None:
         vocab = self.tokenizer.vocab_size
         bad = next((t for t in ids if t >= vocab), None)

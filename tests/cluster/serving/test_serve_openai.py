@@ -300,9 +300,17 @@ def test_penalties_and_vllm_extras_are_accepted(serve_app: ServeApp) -> None:
         frequency_penalty=0.5,
         user="tester",
         seed=1,
-        extra_body={"top_k": 5, "min_p": 0.05, "min_tokens": 8, "priority": 1},
+        extra_body={"top_k": 5, "min_p": 0.05, "min_tokens": 8, "priority": 0},
     )
     assert out.usage.completion_tokens == 8  # min_tokens == max_tokens: exactly 8
+    # A priority needs priority scheduling (vLLM's 400): these pools serve fcfs.
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as refused:
+        serve_app.openai().completions.create(
+            model=serve_app.model, prompt=PROMPT, max_tokens=2, extra_body={"priority": 1}
+        )
+    assert refused.value.body["param"] == "priority"
 
 
 def test_cached_prompt_tokens_are_reported(serve_app: ServeApp) -> None:

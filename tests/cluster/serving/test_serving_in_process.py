@@ -1082,3 +1082,21 @@ def test_chat_template_kwargs_override_the_requests_own_settings(serving: OpenAI
     assert plain != prompt()
     assert prompt(chat_template_kwargs={"add_generation_prompt": False}) == plain
     assert prompt(chat_template_kwargs={"bos_token": "", "eos_token": ""})  # rendered
+
+
+def test_a_priority_needs_priority_scheduling(serving: OpenAIServing, model_dir: Path) -> None:
+    """Under ``policy: fcfs`` a request's priority is refused with a 400 naming it, as vLLM
+    refuses it (it was accepted and ignored); under ``policy: priority`` it is served."""
+    body = {"model": "tiny-chat", "prompt": [5, 6, 7], "max_tokens": 2, "priority": 3}
+    with pytest.raises(APIError) as refused:
+        _run(serving.completion(CompletionRequest.model_validate(body)))
+    assert refused.value.status == 400 and refused.value.param == "priority"
+    with pytest.raises(ValueError, match="priority scheduling"):
+        LLM(str(model_dir), **ENGINE).generate([5, 6], SamplingParams(max_tokens=1), priority=[1])
+    ordered = AsyncLLM.from_config(
+        str(model_dir), model_name="tiny-chat", **{**ENGINE, "policy": "priority"}
+    )
+    served = _run(
+        OpenAIServing(ordered, "tiny-chat").completion(CompletionRequest.model_validate(body))
+    )
+    assert served["usage"]["completion_tokens"] == 2
