@@ -69,8 +69,9 @@ class ToolPlan:
     ) -> tuple[str | None, list[ToolCall], str | None]:
         """(content, calls, finish_reason) of a whole output: what its stream sends, so the
         two always agree. Calls end the choice with ``tool_calls`` (a named function's with
-        ``stop``, as OpenAI; a call cut by max_tokens keeps ``length``); with calls, empty
-        content is null."""
+        ``stop``, as OpenAI): with ``auto``, also when max_tokens cut the output after whole
+        calls, as vLLM (a call cut short is no call); ``required``'s array cut short keeps
+        ``length``. With calls, empty content is null."""
         stream = self.stream()
         content, _ = stream.feed(text)
         more, _ = stream.finish()
@@ -82,7 +83,9 @@ class ToolPlan:
         )
 
     def finish_reason(self, reason: str | None, stream: ToolStream) -> str | None:
-        if reason == "stop" and stream.calls and self.mode != "named":
+        if not stream.calls or self.mode == "named":
+            return reason
+        if reason == "stop" or (reason == "length" and self.mode == "auto"):
             return "tool_calls"
         return reason
 

@@ -245,6 +245,16 @@ def test_streamed_deltas_add_up_to_the_whole_response(seed: int) -> None:
     assert _stream(AutoStream("hermes"), " a\n\nb \n", seed) == (" a\n\nb \n", [])
 
 
+def test_whole_auto_calls_cut_by_max_tokens_still_end_with_tool_calls() -> None:
+    """The model closed a call, then max_tokens cut what followed: the call stands and the
+    choice ends with ``tool_calls``, as vLLM (it said ``length``); a call cut short is none."""
+    plan = ToolPlan("auto", "hermes")
+    cut = HERMES_OUTPUT + "\nAnd then some more text that max_tok"
+    content, calls, reason = plan.parse(cut, "length")
+    assert [c.name for c in calls] == ["get_weather", "get_time"] and reason == "tool_calls"
+    assert plan.parse('Checking. <tool_call>{"name": "get_ti', "length")[1:] == ([], "length")
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_without_parallel_tool_calls_auto_keeps_the_first_call(seed: int) -> None:
     """``parallel_tool_calls: false`` with ``auto``: a model that writes two calls gets the
