@@ -250,7 +250,7 @@ def test_whole_auto_calls_cut_by_max_tokens_still_end_with_tool_calls() -> None:
     choice ends with ``tool_calls``, as vLLM (it said ``length``); a call cut short is none."""
     plan = ToolPlan("auto", "hermes")
     cut = HERMES_OUTPUT + "\nAnd then some more text that max_tok"
-    content, calls, reason = plan.parse(cut, "length")
+    _, calls, reason = plan.parse(cut, "length")
     assert [c.name for c in calls] == ["get_weather", "get_time"] and reason == "tool_calls"
     assert plan.parse('Checking. <tool_call>{"name": "get_ti', "length")[1:] == ([], "length")
 
