@@ -36,6 +36,7 @@ import itertools
 import logging
 import socket
 import threading
+from collections import Counter, OrderedDict
 from collections.abc import Generator, Iterator
 from concurrent import futures
 from dataclasses import dataclass
@@ -64,6 +65,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 TOKEN_METADATA_KEY = "tandem-kv-token"  # gRPC metadata keys are lower case
+# Channels a decode worker keeps open, one per source address: past this many, the least
+# recently used one no pull is on is closed (restarted prefill workers come back on new
+# ports: their old channels would otherwise stay for the worker's life).
+MAX_CHANNELS = 64
 _DTYPES: dict[torch.dtype, tuple[int, np.dtype[Any]]] = {
     torch.float32: (pb.DTYPE_FLOAT32, np.dtype(np.float32)),
     torch.float16: (pb.DTYPE_FLOAT16, np.dtype(np.float16)),
@@ -159,7 +164,9 @@ class GrpcWorkerConnector(WorkerConnector):
         self.leases = LeaseTable()
         self.address: str | None = None  # host:port of the KV server, once started
         self._server: Any = None
-        self._channels: dict[str, Any] = {}  # address -> grpc.Channel, shared by fetches
+        # address -> grpc.Channel, shared by fetches, least recently used first
+        self._channels: OrderedDict[str, Any] = OrderedDict()
+        self._pulling: Counter[str] = Counter()  # pulls on each channel now
         self._channels_lock = threading.Lock()
 
     # -- set-up ----------------------------------------------------------------------------
@@ -209,7 +216,7 @@ class GrpcWorkerConnector(WorkerConnector):
             self._server.stop(grace=None)
             self._server = None
         with self._channels_lock:
-            channels, self._channels = self._channels, {}
+            channels, self._channels = self._channels, OrderedDict()
         for channel in channels.values():
             channel.close()
         super().close()
@@ -295,29 +302,37 @@ class GrpcWorkerConnector(WorkerConnector):
         request = pb.PullRequest(
             lease_id=handle.lease_id, first_layer=layers.start, last_layer=layers.stop
         )
-        call = self._stub(handle.address)(
-            request,
-            timeout=timeout_s,
-            metadata=((TOKEN_METADATA_KEY, self._token.decode()),),
-            wait_for_ready=False,  # a source that is gone fails at once, not at the deadline
-        )
+        pull = self._stub(handle.address)
         try:
-            return _receive(call, handle, layers)
-        except grpc.RpcError as exc:
-            code = exc.code() if hasattr(exc, "code") else None
-            details = exc.details() if hasattr(exc, "details") else str(exc)
-            name = code.name if code is not None else "error"
-            raise ConnectionError(
-                f"KV pull from {handle.address} failed: {name}: {details}"
-            ) from None
+            call = pull(
+                request,
+                timeout=timeout_s,
+                metadata=((TOKEN_METADATA_KEY, self._token.decode()),),
+                wait_for_ready=False,  # a source that is gone fails at once, not at the deadline
+            )
+            try:
+                return _receive(call, handle, layers)
+            except grpc.RpcError as exc:
+                code = exc.code() if hasattr(exc, "code") else None
+                details = exc.details() if hasattr(exc, "details") else str(exc)
+                name = code.name if code is not None else "error"
+                raise ConnectionError(
+                    f"KV pull from {handle.address} failed: {name}: {details}"
+                ) from None
+            finally:
+                call.cancel()  # a no-op once the stream ended; stops the server after an error
         finally:
-            call.cancel()  # a no-op once the stream ended; stops the server after an error
+            self._done_with(handle.address)
 
     def _stub(self, address: str) -> Any:
-        """The ``Pull`` call on a channel to ``address`` (one channel per address, shared)."""
+        """The ``Pull`` call on a channel to ``address`` (one channel per address, shared),
+        for one pull (``_done_with`` when it ends)."""
+        idle: list[Any] = []
         with self._channels_lock:
             channel = self._channels.get(address)
-            if channel is None:
+            if channel is not None:
+                self._channels.move_to_end(address)
+            else:
                 limit = max(self.chunk_size_bytes, 4 << 20) + (64 << 10)
                 options: list[tuple[str, Any]] = [("grpc.max_receive_message_length", limit)]
                 if self.tls is None:
@@ -327,10 +342,24 @@ class GrpcWorkerConnector(WorkerConnector):
                     credentials = self.tls.channel_credentials()
                     channel = grpc.secure_channel(address, credentials, options=options)
                 self._channels[address] = channel
+            self._pulling[address] += 1
+            for old in list(self._channels):  # the least recently used idle ones go
+                if len(self._channels) <= MAX_CHANNELS:
+                    break
+                if old not in self._pulling:
+                    idle.append(self._channels.pop(old))
+        for old_channel in idle:
+            old_channel.close()
         # Responses arrive encoded: ``_receive`` decodes them.
         return channel.unary_stream(
             _PULL, request_serializer=pb.PullRequest.SerializeToString, response_deserializer=_as_is
         )
+
+    def _done_with(self, address: str) -> None:
+        with self._channels_lock:
+            self._pulling[address] -= 1
+            if self._pulling[address] <= 0:
+                del self._pulling[address]
 
 
 def _receive(call: Iterator[bytes], handle: GrpcLease, layers: range) -> KVPayload:

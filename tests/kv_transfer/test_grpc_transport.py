@@ -545,6 +545,24 @@ def test_a_source_that_is_gone_fails_the_load_fast(
     assert not dst.history[-1].ok
 
 
+def test_a_decode_worker_keeps_a_bounded_number_of_channels(
+    make: Callable[..., GrpcWorkerConnector], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A channel per source address: restarted prefill workers come back on new ports, so
+    the old addresses' channels piled up for the worker's life. Past ``MAX_CHANNELS`` the
+    least recently used one goes; pulls keep working."""
+    from kv_transfer import grpc_transport
+
+    monkeypatch.setattr(grpc_transport, "MAX_CHANNELS", 2)
+    sources = [make(seed=i) for i in range(3)]
+    dst = make(num_blocks=12, seed=9)
+    for i, src in enumerate([*sources, sources[0]]):
+        rid = f"r{i}"
+        assert _load(dst, _save(src, req_id=rid), req_id=rid) == ({rid}, None)
+    assert list(dst._channels) == [sources[2].address, sources[0].address]
+    assert not dst._pulling  # no pull holds a channel now
+
+
 def test_no_time_left_fails_without_a_call(make: Callable[..., GrpcWorkerConnector]) -> None:
     src, dst = make(), make(num_blocks=12, seed=1)
     (segment,) = _save(src)
