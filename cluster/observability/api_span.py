@@ -123,6 +123,9 @@ class APISpan:
                 yield chunk
         finally:
             self.end()
+            close = getattr(chunks, "aclose", None)
+            if close is not None:  # now, not when the collector finds it: it holds the
+                await close()  # requests' streams, whose closing aborts what still runs
 
     def end(self, error: BaseException | None = None) -> None:
         """End the span (once), as an error when ``error`` is given (its HTTP status too)."""
