@@ -213,6 +213,21 @@ def test_rayservice_and_serve_k8s_embed_the_same_cluster_config() -> None:
 # -- the Ray cluster ---------------------------------------------------------------------------
 
 
+def _advertised(value: str) -> dict[str, float]:
+    """A worker group's ``rayStartParams.resources`` as its pods read it: KubeRay pastes it
+    unquoted into ``ray start ... --resources=VALUE`` run by bash (one word after the shell
+    splits it), and Ray's KubeRay autoscaler reads ``value[1:-1]`` without backslashes. (A
+    bare ``'{"prefill": 1}'`` split in two and crash-looped every worker pod.)"""
+    import shlex
+
+    words = shlex.split(f"ray start --resources={value} --block")
+    assert len(words) == 4 and words[3] == "--block", words  # one word: the JSON whole
+    started = json.loads(words[2].removeprefix("--resources="))
+    autoscaler = json.loads(value[1:-1].replace("\\", ""))
+    assert started == autoscaler
+    return dict(started)
+
+
 @pytest.mark.parametrize("name", MANIFESTS)
 def test_worker_groups_advertise_the_pools_resources(name: str) -> None:
     spec = cluster_spec(load(KUBERAY / name))
@@ -222,7 +237,7 @@ def test_worker_groups_advertise_the_pools_resources(name: str) -> None:
     assert sorted(groups) == ["decode", "prefill"]
     for pool in cluster.pools:
         group = groups[pool.name]
-        advertised = json.loads(group["rayStartParams"]["resources"])
+        advertised = _advertised(group["rayStartParams"]["resources"])
         assert set(advertised) == set(pool.resources) == {pool.role}
         # Every instance of the pool fits on the group's pods (one instance: one worker).
         per_pod = min(advertised[k] / pool.resources[k] for k in pool.resources)
@@ -265,7 +280,7 @@ def test_an_autoscaled_pool_grows_onto_pods_the_ray_autoscaler_adds(name: str) -
     for pool in autoscaled:
         assert pool.autoscaling is not None
         group = groups[pool.name]
-        advertised = json.loads(group["rayStartParams"]["resources"])
+        advertised = _advertised(group["rayStartParams"]["resources"])
         assert all(advertised[k] == pool.resources[k] for k in pool.resources)  # one per pod
         assert pool.autoscaling.max_replicas <= group["maxReplicas"]
         assert pool.autoscaling.min_replicas >= group["minReplicas"]
