@@ -8,6 +8,7 @@ the cluster and Ray down.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import os
 import sys
@@ -16,6 +17,25 @@ from typing import Any
 from pydantic import SecretStr
 
 APP_NAME = "tandem"
+
+
+def _take_down(joined: bool) -> None:
+    """Remove what ``tandem serve`` brought up: its Serve app -- only that one on a Ray
+    cluster it joined (``serve.shutdown`` there deleted every team's apps), all of Serve on
+    its own Ray -- and the Tandem cluster, which outlives the app (detached)."""
+    from ray import serve
+
+    from cluster.control.launch import app_cluster_name, get_cluster, shutdown_cluster
+
+    try:
+        if joined:
+            serve.delete(APP_NAME)
+        else:
+            serve.shutdown()  # type: ignore[no-untyped-call]
+    except Exception as exc:  # (Serve never started, or is gone)
+        print(f"tandem serve: stopping Serve: {exc}", file=sys.stderr)
+    with contextlib.suppress(ValueError):  # it was not started (or is gone already)
+        shutdown_cluster(get_cluster(app_cluster_name(APP_NAME)))
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
@@ -346,7 +366,6 @@ def http_options(serve: Any) -> Any:
 
 def run_serve(args: argparse.Namespace) -> int:
     import ray
-    from ray import serve
 
     from cluster.config import served_model_name
 
@@ -373,6 +392,8 @@ def run_serve(args: argparse.Namespace) -> int:
         url = start_serve(config, address=args.address, **options)
     except Exception as exc:
         print(f"tandem serve: {exc}", file=sys.stderr)
+        if args.address:  # what it deployed there before failing stays otherwise
+            _take_down(joined=True)
         ray.shutdown()
         return 1
     model = served_model_name(config)
@@ -403,14 +424,7 @@ def run_serve(args: argparse.Namespace) -> int:
         wait_for_stop()
     finally:
         try:
-            serve.shutdown()  # type: ignore[no-untyped-call]
-            # The cluster outlives the app (detached): tandem serve brought it up, and takes
-            # it down, also when it joined a Ray cluster that stays.
-            from cluster.control.launch import app_cluster_name, get_cluster, shutdown_cluster
-
-            shutdown_cluster(get_cluster(app_cluster_name(APP_NAME)))
-        except ValueError:
-            pass  # it was not started (or is gone already)
+            _take_down(joined=bool(args.address))
         finally:
             ray.shutdown()
     return 0
