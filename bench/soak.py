@@ -348,13 +348,29 @@ class Soak:
                 return
             time.sleep(max(0.0, wake - time.monotonic()))
             health = ray.get(self.handle.worker_health.remote())
+            spare = _spare(ray.get(self.handle.stats.remote())["instances"])
             alive = [i for i, h in health.items() if h.get("ok", True) and h.get("pid")]
+            alive = [i for i in alive if i in spare]
             if not alive:
                 continue
             victim = rng.choice(sorted(alive))
             os.kill(health[victim]["pid"], signal.SIGKILL)
             self.kills.append({"instance": victim, "time": time.time(), "mono": time.monotonic()})
             print(f"  chaos: killed {victim} (pid {health[victim]['pid']})", flush=True)
+
+
+def _spare(instances: dict[str, dict[str, Any]]) -> set[str]:
+    """The serving instances chaos may kill: never the last decoding one. With none left,
+    requests fail (503) until a worker restarts -- an outage, not a fault the cluster
+    recovers from (a slow machine's restart outlasted ``kill_every_s``: the next kill took
+    the other decode instance too)."""
+    serving = {i for i, s in instances.items() if s.get("alive")}
+    return {
+        i
+        for i in serving
+        if instances[i]["role"] == "prefill"
+        or any(j != i and instances[j]["role"] == instances[i]["role"] for j in serving)
+    }
 
 
 def _rss(handle: Any) -> dict[str, tuple[int, float]]:
@@ -563,14 +579,20 @@ async def run(args: argparse.Namespace) -> Report:
 
 
 async def _drain(handle: Any, timeout_s: float) -> dict[str, Any]:
-    """The cluster's stats once nothing is left in flight (or at the timeout)."""
+    """The cluster's stats once nothing is left in flight and every instance serves again
+    (a killed worker's restart can outlast the load on a slow machine: its rejoin, and its
+    blocks, are checked too), or at the timeout."""
     deadline = time.monotonic() + timeout_s
     while True:
         stats: dict[str, Any] = await handle.stats.remote()
-        idle = stats["num_flights"] == 0 and all(
-            i["num_requests"] == 0 and i["num_free_blocks"] == i["num_blocks"]
-            for i in stats["instances"].values()
-            if i["alive"]
+        last = {f["instance_id"]: f["event"] for f in stats["failures"]}  # (in order)
+        idle = (
+            stats["num_flights"] == 0
+            and "failed" not in last.values()
+            and all(
+                i["alive"] and i["num_requests"] == 0 and i["num_free_blocks"] == i["num_blocks"]
+                for i in stats["instances"].values()
+            )
         )
         if idle or time.monotonic() > deadline:
             return stats
