@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import itertools
 import logging
+import threading
 from collections.abc import AsyncGenerator
 from typing import Any
 
@@ -44,6 +45,10 @@ class AsyncLLM(EngineClient):
         self.model_name = model_name  # the ``model_name`` label of its metrics
         self._lock = asyncio.Lock()  # one call into the engine at a time (``_locked``)
         self._lock_loop: asyncio.AbstractEventLoop | None = None
+        # The engine itself, held by a step's thread: a step whose event loop ends (its task
+        # cancelled, the asyncio lock let go) runs on, and nothing may touch the engine
+        # until it returns (the next loop's abort, or step).
+        self._engine_lock = threading.Lock()
         self._queues: dict[str, Mailbox[RequestOutput | BaseException]] = {}
         self._aborts: set[str] = set()  # applied before the next step
         self._task: asyncio.Task[None] | None = None
@@ -95,14 +100,15 @@ class AsyncLLM(EngineClient):
                 raise EngineDeadError(f"the engine failed and serves no more: {self._failure!r}")
             if rid in self._queues:  # (a finished stream not closed yet holds it)
                 raise ValueError(f"request id {rid!r} is in use")
-            if rid in self._aborts:  # an earlier request of this id, left: it ends now (as
-                self._aborts.discard(rid)  # vLLM's abort), so the id is free at once
-                self.engine.abort_request([rid])
-                self.engine.processor.forget({rid})  # (its final has no reader)
-            # Raises ValueError (bad prompt, id in use, LoRA not enabled) before any output.
-            self.engine.add_request(
-                rid, prompt, params, lora_request=lora_request, priority=priority
-            )
+            with self._engine_lock:
+                if rid in self._aborts:  # an earlier request of this id, left: it ends now
+                    self._aborts.discard(rid)  # (as vLLM's abort), so the id is free at once
+                    self.engine.abort_request([rid])
+                    self.engine.processor.forget({rid})  # (its final has no reader)
+                # Raises ValueError (bad prompt, id in use, LoRA not enabled) before any output.
+                self.engine.add_request(
+                    rid, prompt, params, lora_request=lora_request, priority=priority
+                )
             self._queues[rid] = queue
         self._ensure_stepping()
         finished = False
@@ -223,41 +229,51 @@ class AsyncLLM(EngineClient):
         if self._failure is not None:  # dead: never stepped again (its requests are aborted)
             return
         task = self._task
-        # (A task of an earlier ``asyncio.run`` that ended while it waited never runs again.)
-        if task is None or task.done() or task.get_loop().is_closed():
-            self._task = asyncio.get_running_loop().create_task(self._step_until_idle())
+        loop = asyncio.get_running_loop()
+        # (A task of an earlier loop that ended, or stopped, while it waited never runs again.)
+        if (
+            task is None
+            or task.done()
+            or (task.get_loop() is not loop and not task.get_loop().is_running())
+        ):
+            self._task = loop.create_task(self._step_until_idle())
 
     async def _step_until_idle(self) -> None:
         engine = self.engine
 
         def step() -> tuple[list[RequestOutput], None] | tuple[None, Exception]:
-            try:
-                return engine.step(), None
-            except Exception as exc:  # (the engine's own failure, told from the loop's)
-                return None, exc
+            with self._engine_lock:
+                try:
+                    # Snapshots, taken before the next step can change the outputs again.
+                    return [_snapshot(out) for out in engine.step()], None
+                except Exception as exc:  # (the engine's own failure, told from the loop's)
+                    return None, exc
 
         try:
             while True:
                 async with self._locked():
-                    if self._aborts:
+                    with self._engine_lock:
                         aborts, self._aborts = self._aborts, set()
-                        engine.abort_request(sorted(aborts))
-                    # (and one more step for the workers to hear of the last ends)
-                    if not engine.has_unfinished_requests() and not engine.scheduler.has_requests():
-                        return
+                        if aborts:
+                            engine.abort_request(sorted(aborts))
+                        # (and one more step for the workers to hear of the last ends)
+                        idle = not engine.has_unfinished_requests()
+                        if idle and not engine.scheduler.has_requests():
+                            return
                     try:
-                        outputs, failed = await asyncio.to_thread(step)
-                    except RuntimeError:
+                        snapshots, failed = await asyncio.to_thread(step)
+                    except RuntimeError as exc:
+                        if "shutdown" not in str(exc):
+                            raise
                         # The loop is shutting down (an ``asyncio.run`` ends with a stream
-                        # open: its abort came here): no step ran; the next loop's call
-                        # steps on, this one's abort applied.
+                        # open: its abort came here): no step ran; the next loop's calls
+                        # step on. (Its aborts stay asked for: each frees its id again.)
+                        self._aborts |= aborts
                         logger.debug("the event loop ends: stepping stops", exc_info=True)
                         return
                     if failed is not None:
                         raise failed
-                    assert outputs is not None
-                    # Snapshots, taken before the next step can change the outputs again.
-                    snapshots = [_snapshot(out) for out in outputs]
+                    assert snapshots is not None
                 for out in snapshots:
                     queue = self._queues.get(out.request_id)
                     if queue is not None:
@@ -268,8 +284,8 @@ class AsyncLLM(EngineClient):
             dead.__cause__ = exc  # cannot be trusted
             for queue in self._queues.values():
                 queue.put_nowait(dead)
-            with contextlib.suppress(Exception):  # their blocks back, as far as it can
-                engine.abort_request(list(engine.processor.requests))
+            with contextlib.suppress(Exception), self._engine_lock:  # their blocks back, as
+                engine.abort_request(list(engine.processor.requests))  # far as it can
             logger.exception("the engine's step failed; it serves no more requests")
 
 
