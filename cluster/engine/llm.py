@@ -78,6 +78,7 @@ class LLM:
         return self.generate(prompts, sampling_params, **kwargs)
 
     def abort(self, request_id: str | list[str]) -> None:
+        self._snapshot_pending()  # (an abort changes the outputs in place too)
         self.engine.abort_request(request_id)
 
     # -- internals --------------------------------------------------------------------------
@@ -131,6 +132,8 @@ class LLM:
             while remaining:
                 while mine:
                     out, _ = mine.popleft()
+                    if out.request_id not in remaining:
+                        continue  # (a final after its final: an abort's, after its end)
                     if out.finished:
                         remaining.discard(out.request_id)
                     yield out

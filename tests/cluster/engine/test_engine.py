@@ -183,6 +183,30 @@ def test_stream_and_abort(tiny_llama: Path) -> None:
     assert not sched.requests and sched.kv_cache_manager.usage == 0.0
 
 
+def test_an_abort_while_a_stream_holds_the_requests_step_output(tiny_llama: Path) -> None:
+    """Aborting a request whose output of this step the stream has not yielded yet: that
+    delta still comes (the abort cleared it in place), and the request ends once (the
+    abort's own final came again after it)."""
+    llm = engine(tiny_llama)
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    deltas: dict[str, list[int]] = {}
+    finals: dict[str, list[tuple[str | None, list[int]]]] = {}
+    aborted = None
+    for out in llm.generate_stream(make_prompts(6)[:3], params):
+        rid = out.request_id
+        deltas.setdefault(rid, []).extend(out.outputs[0].new_token_ids)
+        if aborted is None and len(deltas[rid]) == 5:
+            aborted = "2" if rid != "2" else "1"  # one the step's output list has after it
+            llm.abort(aborted)
+        if out.finished:
+            finals.setdefault(rid, []).append(
+                (out.outputs[0].finish_reason, list(out.outputs[0].token_ids))
+            )
+    assert all(len(f) == 1 for f in finals.values()), finals
+    assert finals[aborted][0][0] == "abort"
+    assert {rid: f[0][1] for rid, f in finals.items()} == deltas
+
+
 def test_stream_left_early_aborts_the_rest(tiny_llama: Path) -> None:
     llm = engine(tiny_llama)
     stream = llm.generate_stream(make_prompts(7)[:2], GREEDY)
