@@ -59,7 +59,7 @@ class ClusterClient(EngineClient):
             vocab_size=self.info["vocab_size"],
             max_model_len=self._max_model_len,
             eos_token_ids=self.info["eos_token_ids"],
-            priority_scheduling=self.info["priority_scheduling"],
+            priority_scheduling=self.info.get("priority_scheduling", True),  # (an older actor)
         )
         self._ids = itertools.count()
         self._prefix = f"c{uuid.uuid4().hex[:12]}-"  # unique across processes

@@ -25,12 +25,18 @@ def _take_down(joined: bool) -> None:
     its own Ray -- and the Tandem cluster, which outlives the app (detached)."""
     from ray import serve
 
+    import ray
+
     from cluster.control.launch import app_cluster_name, get_cluster, shutdown_cluster
 
+    if not ray.is_initialized():  # (it never connected: Serve's calls would start a Ray)
+        return
     try:
         if joined:
             serve.delete(APP_NAME)
-        else:
+        # Serve goes too unless other apps run on it (a later run's HTTP, TLS and gRPC
+        # options would not apply to a Serve left running with these).
+        if not joined or not serve.status().applications:
             serve.shutdown()  # type: ignore[no-untyped-call]
     except Exception as exc:  # (Serve never started, or is gone)
         print(f"tandem serve: stopping Serve: {exc}", file=sys.stderr)
