@@ -23,9 +23,8 @@ def _take_down(joined: bool) -> None:
     """Remove what ``tandem serve`` brought up: its Serve app -- only that one on a Ray
     cluster it joined (``serve.shutdown`` there deleted every team's apps), all of Serve on
     its own Ray -- and the Tandem cluster, which outlives the app (detached)."""
-    from ray import serve
-
     import ray
+    from ray import serve
 
     from cluster.control.launch import app_cluster_name, get_cluster, shutdown_cluster
 
