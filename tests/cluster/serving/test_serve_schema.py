@@ -6,8 +6,10 @@ hand-picked edge cases. No request may end in a 5xx, a 5xx inside a 200 event st
 Bounded and reproducible: ``MAX_EXAMPLES`` derandomized examples per route (Hypothesis'
 ``derandomize``: the same requests on every run; no example database, no shrinking: a failure
 is reported as the exact request, a curl command), every call limited to ``TIMEOUT_S`` in all
-(event streams are read to their end). The model is tiny with a short context, so even the
-longest generation the schema allows (``n`` 16, the whole context) stays within the limit.
+(event streams are read to their end). The model is tiny with a short context, and the limit is
+a hang's, not a speed target: the longest generation the schema allows (``n`` 6 streamed with
+logprobs, the whole context) took 30 s on a CI machine with AVX2 only, so the limit has
+room for a machine slower still.
 Each POST route also gets 4 invalid bodies of their own (negative mode), so that what the mix
 draws never leaves a route without them. Each route's cases come from ``operation.as_strategy``
 under a plain ``@given`` (schemathesis'
@@ -59,7 +61,7 @@ from schemathesis.generation.modes import GenerationMode  # noqa: E402
 from tests.cluster.conftest import ADMIN_KEY, API_KEY, ServeApp, assert_clean  # noqa: E402
 
 MAX_EXAMPLES = 12
-TIMEOUT_S = 30.0
+TIMEOUT_S = 120.0  # a hang's bound (the module's docstring)
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 ADMIN_AUTH = {"Authorization": f"Bearer {ADMIN_KEY}"}
 ADMIN_ROUTES = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/admin/scale_pool")
