@@ -38,7 +38,8 @@ KUBERAY = ROOT / "deploy" / "kuberay"
 CRDS = ROOT / "tests" / "data" / "crds"
 DOCKERFILE = ROOT / "deploy" / "Dockerfile"
 CRD_FILES = {"RayCluster": "ray.io_rayclusters.yaml", "RayService": "ray.io_rayservices.yaml"}
-MANIFESTS = sorted(p.name for p in KUBERAY.glob("*.yaml") if p.name != "serve-k8s.yaml")
+NOT_CRD = ("serve-k8s.yaml", "grpc-service.yaml")  # a Serve config; a plain Service
+MANIFESTS = sorted(p.name for p in KUBERAY.glob("*.yaml") if p.name not in NOT_CRD)
 Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # the CRDs are ~1 MB each
 
 
@@ -313,6 +314,28 @@ def test_pods_keep_kuberays_probes_and_no_ignored_health_thresholds() -> None:
         for group, container in all_containers(cluster_spec(manifest)):
             assert "readinessProbe" not in container, group
             assert "livenessProbe" not in container, group  # a slow model load: no restart
+
+
+def test_the_grpc_service_reaches_every_serving_pods_grpc_port() -> None:
+    """KubeRay's serve service carries the `serve` port only (HTTP): gRPC has a Service of its
+    own, over the same pods (healthy proxies of this app), on serveConfigV2's gRPC port."""
+    svc = load(KUBERAY / "grpc-service.yaml")
+    assert (svc["apiVersion"], svc["kind"]) == ("v1", "Service")
+    assert set(svc["spec"]) == {"selector", "ports"}  # ClusterIP, no unknown field
+    selector = svc["spec"]["selector"]
+    assert selector["ray.io/serve"] == "true"  # KubeRay's label: this pod's proxy is healthy
+    (port,) = svc["spec"]["ports"]
+    grpc_port = serve_config()["grpc_options"]["port"]
+    assert (port["name"], port["port"], port["appProtocol"]) == ("grpc", grpc_port, "grpc")
+    spec = cluster_spec(service())
+    own = {k: v for k, v in selector.items() if k != "ray.io/serve"}
+    for group in [spec["headGroupSpec"], *spec["workerGroupSpecs"]]:
+        name = group.get("groupName", "head")
+        # Every pod of the app may be selected (each runs a proxy once it hosts a replica).
+        assert own.items() <= group["template"]["metadata"]["labels"].items(), name
+        (container,) = group["template"]["spec"]["containers"]
+        named = {p["name"]: p["containerPort"] for p in container["ports"]}
+        assert named[port["targetPort"]] == grpc_port, name
 
 
 def test_raycluster_has_the_same_groups_as_the_rayservice() -> None:
