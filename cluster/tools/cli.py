@@ -17,7 +17,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from cluster.tools.signals import wait_for_stop
+from cluster.tools.signals import interrupted_while_starting, stop_on_signals, wait_for_stop
 from scheduler import SamplingParams
 
 
@@ -104,44 +104,56 @@ def _run_up(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         print(f"tandem up: {exc}", file=sys.stderr)
         return 2
-    init_ray(
-        args.address,
-        num_cpus=args.num_cpus,
-        resources=local_node_resources(config) if args.address is None else None,
-        object_store_memory=args.object_store_mb << 20 if args.address is None else None,
-    )
-    name = args.name or DEFAULT_NAME
-    print(
-        f"starting cluster {name!r}: "
-        + ", ".join(f"{p.name} ({p.role} x{p.replicas})" for p in config.pools),
-        flush=True,
-    )
-    try:
-        handle = build_cluster(config, name=name)
-    except Exception as exc:  # placement or model loading failed: say why and stop
-        print(f"tandem up: {exc}", file=sys.stderr)
-        return 1
     import ray
 
-    described = ray.get(handle.describe.remote())
-    for iid, inst in described["instances"].items():
-        print(f"  {iid}: {inst['role']}, {inst['num_blocks']} KV blocks, node {inst['node_id']}")
-    if described.get("kv_transport"):
-        print(f"  KV transport: {described['kv_transport']}")
-    address = ray.get_runtime_context().gcs_address
-    print(
-        f"ready (max_model_len {described['max_model_len']}, Ray at {address}). "
-        "From another shell:\n"
-        f'  tandem generate --cluster --address {address} "What is the capital of France?"\n'
-        "Ctrl-C stops the cluster.",
-        flush=True,
-    )
+    stop_on_signals()
+    try:
+        init_ray(
+            args.address,
+            num_cpus=args.num_cpus,
+            resources=local_node_resources(config) if args.address is None else None,
+            object_store_memory=args.object_store_mb << 20 if args.address is None else None,
+        )
+        stop_on_signals()  # (ray.init set a SIGTERM handler of its own)
+        name = args.name or DEFAULT_NAME
+        print(
+            f"starting cluster {name!r}: "
+            + ", ".join(f"{p.name} ({p.role} x{p.replicas})" for p in config.pools),
+            flush=True,
+        )
+        handle = build_cluster(config, name=name)  # (it kills what it began if cut short)
+    except KeyboardInterrupt:
+        ray.shutdown()
+        return interrupted_while_starting("tandem up")
+    except Exception as exc:  # placement or model loading failed: say why and stop
+        print(f"tandem up: {exc}", file=sys.stderr)
+        ray.shutdown()
+        return 1
 
     try:
+        described = ray.get(handle.describe.remote())
+        for iid, inst in described["instances"].items():
+            print(
+                f"  {iid}: {inst['role']}, {inst['num_blocks']} KV blocks, node {inst['node_id']}"
+            )
+        if described.get("kv_transport"):
+            print(f"  KV transport: {described['kv_transport']}")
+        address = ray.get_runtime_context().gcs_address
+        print(
+            f"ready (max_model_len {described['max_model_len']}, Ray at {address}). "
+            "From another shell:\n"
+            f'  tandem generate --cluster --address {address} "What is the capital of France?"\n'
+            "Ctrl-C stops the cluster.",
+            flush=True,
+        )
         wait_for_stop()
+    except KeyboardInterrupt:  # (before the wait began)
+        print("\nshutting down", flush=True)
     finally:
-        shutdown_cluster(handle)
-        ray.shutdown()
+        try:
+            shutdown_cluster(handle)
+        finally:
+            ray.shutdown()
     return 0
 
 

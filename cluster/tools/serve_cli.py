@@ -370,9 +370,7 @@ def http_options(serve: Any) -> Any:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    import ray
-
-    from cluster.config import served_model_name
+    from cluster.tools.signals import interrupted_while_starting, stop_on_signals, wait_for_stop
 
     try:
         config = serve_config(args)
@@ -385,6 +383,8 @@ def run_serve(args: argparse.Namespace) -> int:
         + " (loading the model takes a moment)",
         flush=True,
     )
+    stop_on_signals()
+    joined = bool(args.address)
     try:
         options = (
             {}
@@ -395,15 +395,42 @@ def run_serve(args: argparse.Namespace) -> int:
             }
         )
         url = start_serve(config, address=args.address, **options)
+        stop_on_signals()  # (ray.init set a SIGTERM handler of its own)
+    except KeyboardInterrupt:
+        _stop(joined)
+        return interrupted_while_starting("tandem serve")
     except Exception as exc:
         print(f"tandem serve: {exc}", file=sys.stderr)
-        if args.address:  # what it deployed there before failing stays otherwise
-            _take_down(joined=True)
-        ray.shutdown()
+        _stop(joined)
         return 1
-    model = served_model_name(config)
+    try:
+        _print_ready(config, url)
+        wait_for_stop()
+    except KeyboardInterrupt:  # (before the wait began)
+        print("\nshutting down", flush=True)
+    finally:
+        _stop(joined)
+    return 0
+
+
+def _stop(joined: bool) -> None:
+    """Take down what this run brought up (on a Ray it joined, only its own), then leave
+    Ray (which stops the Ray it started)."""
+    import ray
+
+    try:
+        _take_down(joined)
+    finally:
+        ray.shutdown()
+
+
+def _print_ready(config: Any, url: str) -> None:
+    import ray
+
+    from cluster.config import served_model_name
     from cluster.control.launch import app_cluster_name, get_cluster
 
+    model = served_model_name(config)
     described = ray.get(get_cluster(app_cluster_name(APP_NAME)).describe.remote())
     if described.get("kv_transport"):
         print(f"KV transport: {described['kv_transport']}", flush=True)
@@ -422,14 +449,3 @@ def run_serve(args: argparse.Namespace) -> int:
         "Ctrl-C stops everything.",
         flush=True,
     )
-
-    from cluster.tools.signals import wait_for_stop
-
-    try:
-        wait_for_stop()
-    finally:
-        try:
-            _take_down(joined=bool(args.address))
-        finally:
-            ray.shutdown()
-    return 0

@@ -87,6 +87,50 @@ def _up_generate_scale_and_stop(config: Path, env: dict[str, str]) -> None:
             up.kill()
 
 
+def _processes_under(folder: str) -> list[str]:
+    """The command lines of the processes that name ``folder`` (Ray's, under its RAY_TMPDIR)."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            args = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # it ended meanwhile
+            continue
+        if folder in args:
+            found.append(args)
+    return found
+
+
+def test_ctrl_c_while_starting_stops_cleanly(tiny_model: Path, tmp_path: Path) -> None:
+    """A signal while the cluster starts (Ray up, models loading) takes down what was begun --
+    the workers and the Ray it started -- and says so: exit 130, no traceback."""
+    config = tmp_path / "cluster.yaml"
+    config.write_text(f"model: {tiny_model}\nblock_size: 4\n")
+    tandem = [sys.executable, "-m", "cluster.tools.cli"]
+    with own_ray_env("tandem-cli-") as env:
+        up = subprocess.Popen(
+            [*tandem, "up", str(config), "--num-cpus", "2", "--object-store-mb", "80"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        try:
+            _until_ready(up, "starting cluster", 120)  # Ray is up; the cluster is building
+            assert _processes_under(env["RAY_TMPDIR"])  # (the check below can fail)
+            up.send_signal(signal.SIGINT)
+            rest, _ = up.communicate(timeout=120)
+        finally:
+            if up.poll() is None:
+                up.kill()
+        assert up.returncode == 130, rest
+        assert "interrupted while starting: shutting down" in rest
+        assert "Traceback" not in rest, rest
+        deadline = time.monotonic() + 30
+        while _processes_under(env["RAY_TMPDIR"]) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not _processes_under(env["RAY_TMPDIR"])
+
+
 def test_generate_without_a_cluster_says_how_to_start_one(tmp_path: Path) -> None:
     with own_ray_env("tandem-cli-") as env:
         out = subprocess.run(
