@@ -225,6 +225,12 @@ class ClusterClient(EngineClient):
         workers = await asyncio.wait_for(self.handle.worker_health.remote(), HEALTH_TIMEOUT_S)
         return {iid: all(s.get("ok") for s in h["stages"]) for iid, h in workers.items()}
 
+    async def gone(self) -> bool:
+        """Whether the SchedulerActor is dead for good (``tandem down`` killed it, or its
+        restarts ran out): every call through this client fails from then on. A restart in
+        progress, or an actor too busy to answer in time, is not gone."""
+        return await actor_gone(self.handle, HEALTH_TIMEOUT_S)
+
     # -- for operators (EngineClient) --------------------------------------------------------
     async def engine_stats(self) -> dict[str, Any]:
         result: dict[str, Any] = await self.handle.stats.remote()
@@ -252,6 +258,18 @@ class ClusterClient(EngineClient):
         """``engine_stats`` for blocking code (scripts, tests)."""
         result: dict[str, Any] = ray.get(self.handle.stats.remote())
         return result
+
+
+async def actor_gone(handle: Any, timeout_s: float) -> bool:
+    """Whether the actor behind ``handle`` is dead for good (``ActorDiedError``: killed without
+    restart, or out of restarts); any other outcome, a timeout included, is not."""
+    try:
+        await asyncio.wait_for(handle.__ray_ready__.remote(), timeout_s)
+    except ray.exceptions.ActorDiedError:
+        return True
+    except Exception:  # restarting (ActorUnavailableError), slow: it may come back
+        return False
+    return False
 
 
 def _as_list(prompts: str | list[int] | Sequence[str | list[int]]) -> list[str | list[int]]:

@@ -19,7 +19,7 @@ its ``ClusterClient`` (an ``EngineClient``). The routes only check the API key a
 # (Serve rebinds the methods, so string annotations would not resolve).
 import asyncio
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
@@ -44,6 +44,9 @@ from cluster.serving.openai_protocol import (
     UnloadLoRAAdapterRequest,
 )
 from cluster.serving.openai_serving import OpenAIServing
+
+if TYPE_CHECKING:
+    from cluster.control.client import ClusterClient
 
 logger = logging.getLogger(__name__)
 
@@ -140,6 +143,7 @@ class OpenAIIngress:
         key = config.serve.api_key
         self._api_key = None if key is None else key.get_secret_value()
         self._serving: OpenAIServing | None = None
+        self._client: ClusterClient | None = None  # the engine of _serving
         self._lock = asyncio.Lock()
         set_max_body_bytes(config.serve.max_request_body_bytes)
         self._admin = AdminAccess.from_config(config.serve)
@@ -178,9 +182,18 @@ class OpenAIIngress:
             logger.exception("the gRPC API could not listen on %s", self._grpc_tls.address)
 
     async def check_health(self) -> None:
-        """Serve's health check: unhealthy (so replaced) if its gRPC server could not start."""
+        """Serve's health check: unhealthy (so replaced) if its gRPC server could not start.
+        It also lets go of a cluster that is gone for good (``tandem down``): TandemCluster's
+        own check then fails, Serve replaces it with one that builds the cluster anew, and the
+        next request here connects to that one (it would otherwise fail on the dead one for
+        as long as this replica lived)."""
         if self._grpc_tls is not None and self._grpc_tls.failure is not None:
             raise RuntimeError(f"the gRPC API over TLS failed to start: {self._grpc_tls.failure}")
+        client = self._client
+        if client is not None and await client.gone():
+            logger.warning("the cluster is gone: the next request connects to its successor")
+            if self._client is client:
+                self._serving = self._client = None
 
     async def serving(self) -> OpenAIServing:
         """Connect to the SchedulerActor on first use (it is ready once the app is)."""
@@ -211,6 +224,7 @@ class OpenAIIngress:
                     from cluster.control.heap import freeze_heap
 
                     freeze_heap()  # the tokenizer and its vocabulary tables: never garbage
+                    self._client = client
         return self._serving
 
     def _authorize(self, request: HTTPRequest) -> None:

@@ -246,3 +246,26 @@ def test_a_stream_cancelled_just_as_its_submit_succeeds_aborts_its_request(
         return list(ray.get(cluster.live_request_ids.remote()))
 
     assert "placed-then-left" not in asyncio.run(asyncio.wait_for(run(), 60))
+
+
+def test_only_an_actor_dead_for_good_is_gone(ray_cluster: RayCluster) -> None:
+    """``actor_gone``, what the Serve ingress's health check asks of its cluster (to let go of
+    one that ``tandem down`` killed): a live actor is not gone, nor one that restarts (a
+    SchedulerActor's restart keeps its handle); one killed without restart is."""
+    import asyncio
+
+    from cluster.control.client import actor_gone
+
+    @ray.remote(num_cpus=0, max_restarts=-1)
+    class StandIn:
+        def pid(self) -> int:
+            return os.getpid()
+
+    actor = StandIn.remote()
+    first = ray.get(actor.pid.remote())
+    assert not asyncio.run(actor_gone(actor, 30))
+    ray.kill(actor, no_restart=False)  # it restarts: the same handle serves again
+    assert not asyncio.run(actor_gone(actor, 30))
+    assert ray.get(actor.pid.remote()) != first  # (it did restart)
+    ray.kill(actor)  # for good, as `tandem down` does
+    wait_until(lambda: asyncio.run(actor_gone(actor, 30)), 30, "the killed actor to be gone")
