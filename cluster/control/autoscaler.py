@@ -56,6 +56,7 @@ SHRINK_KV = 0.7  # and its KV usage, at the smaller size, under this share of ma
 SHRINK_ONGOING = 0.5  # the requests held, at the smaller size, under this share of the target
 SHRINK_LOAD = 0.8  # and the load per instance, at the smaller size, under this share of the
 # load per instance that last broke an SLO
+REJOIN_GRACE_S = 10.0  # past startup_timeout_s, for an instance that came back to report it
 MIN_SAMPLES = 8  # latencies a window needs before they count, either way
 MAX_DECISIONS = 1000
 
@@ -205,6 +206,7 @@ class Autoscaler:
         # A pool whose every instance died: brought back by its workers' restarts, or (none)
         # by the autoscaler, at min_replicas (scale_pool retires the dead).
         self._restarts = {pool.name: pool.max_restarts > 0 for pool in pools}
+        self._empty_since: dict[str, float] = {}  # pool -> when it was first seen with none
         self.decisions: deque[Decision] = deque(maxlen=MAX_DECISIONS)  # the latest, in order
         self.counts: dict[tuple[str, str], int] = {}  # (pool, "direction:reason") -> resizes
         self.failed = 0  # resizes that raised (they are asked for again after their delay)
@@ -268,7 +270,14 @@ class Autoscaler:
             now = time.monotonic()
             signals = self.signals(pool, now)
             if signals.replicas == 0 and self._restarts[pool]:
-                continue  # its workers restart (max_restarts) and it rejoins: wait for that
+                # Its workers restart (max_restarts) and it rejoins: wait for that, as long as
+                # a recovery may take (startup_timeout_s). Past it, none came back (restarts
+                # used up, a node gone for good): start the pool afresh.
+                empty = self._empty_since.setdefault(pool, now)
+                if now - empty < self.actor.config.startup_timeout_s + REJOIN_GRACE_S:
+                    continue
+            elif signals.replicas:
+                self._empty_since.pop(pool, None)
             self.desired[pool] = policy.desired(signals)[0]
             decision = policy.decide(now, signals)
             if decision is None:

@@ -177,6 +177,51 @@ def test_signals_after_a_resize_are_the_new_sizes_own() -> None:
     assert autoscaler.signals("d", changed + 2.0).tpot_p90_s == 0.03
 
 
+def test_a_pool_whose_instances_never_come_back_is_started_afresh(monkeypatch: Any) -> None:
+    """A pool with no live instance and max_restarts waits for its workers' restarts, but only
+    as long as a recovery may take (startup_timeout_s): past it (restarts used up, a node gone)
+    the autoscaler starts it afresh at min_replicas, instead of waiting for ever."""
+    import time
+
+    from cluster.control import autoscaler as module
+
+    monkeypatch.setattr(module, "REJOIN_GRACE_S", 0.0, raising=False)
+    config = ClusterConfig.model_validate(
+        {
+            "model": "m",
+            "startup_timeout_s": 0.3,
+            "pools": [
+                {
+                    "name": "d",
+                    "role": "decode",
+                    "replicas": 1,
+                    "max_restarts": 2,
+                    "autoscaling": {"min_replicas": 1, "max_replicas": 4, "upscale_delay_s": 0},
+                },
+                {"name": "p", "role": "prefill", "replicas": 1},
+            ],
+        }
+    )
+    resized: list[tuple[str, int]] = []
+    live: list[str] = []  # the pool's serving instances: none, its one instance failed
+
+    async def scale_pool(pool: str, replicas: int, wait: bool) -> None:
+        resized.append((pool, replicas))
+
+    actor = type("Actor", (), {})()  # the central actor's parts the autoscaler reads
+    actor.config, actor.views, actor._resizing = config, {}, asyncio.Lock()
+    actor._pool_instances = lambda pool: list(live) if pool == "d" else []
+    actor.scale_pool = scale_pool
+    autoscaler = module.Autoscaler(actor)
+    assert asyncio.run(autoscaler.step()) == [] and resized == []  # its restart may come
+    time.sleep(0.1)
+    assert asyncio.run(autoscaler.step()) == [] and resized == []  # (still within the time)
+    time.sleep(0.3)  # past startup_timeout_s: no restart brought it back
+    (decision,) = asyncio.run(autoscaler.step())
+    assert (decision.replicas, decision.desired, decision.reason) == (0, 1, "no live instance")
+    assert resized == [("d", 1)]
+
+
 def test_min_above_max_and_replicas_outside_the_bounds_are_refused() -> None:
     with pytest.raises(ValueError, match="min_replicas"):
         AutoscalingConfig(min_replicas=3, max_replicas=2)
