@@ -410,6 +410,7 @@ class ModelWorker:
             "pp_size": self.pp_size,
             "vocab_size": cfg.vocab_size,
             "max_position_embeddings": cfg.max_position_embeddings,
+            "max_context_len": cfg.max_context_len,  # (a sliding window's cap: ModelConfig)
             "eos_token_ids": list(cfg.eos_token_ids),
             "dtype": str(self.dtype).removeprefix("torch."),
             "node_id": _ray_node_id(),

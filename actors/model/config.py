@@ -36,6 +36,17 @@ class ModelConfig:
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     @property
+    def max_context_len(self) -> int:
+        """The longest context this model is served at, exactly. Attention here always spans
+        the whole context, which is what a sliding window (Mistral v0.1's 4,096 tokens) does
+        too while the context fits in it: past it the two differ, so a window smaller than
+        ``max_position_embeddings`` caps the context (vLLM's ``--disable-sliding-window`` caps
+        it so)."""
+        if self.sliding_window is not None:
+            return min(self.max_position_embeddings, self.sliding_window)
+        return self.max_position_embeddings
+
+    @property
     def q_size(self) -> int:
         return self.num_attention_heads * self.head_dim
 

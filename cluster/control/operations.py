@@ -154,7 +154,7 @@ class ClusterOperations:
         specs = await start(self.config, wanted, self.config.startup_timeout_s, self.kv_fallback)
         for spec in specs:
             info = spec.info
-            if min(info["max_position_embeddings"], info["num_blocks"] * info["block_size"]) < (
+            if min(info["max_context_len"], info["num_blocks"] * info["block_size"]) < (
                 self.max_model_len
             ):
                 for s in specs:

@@ -226,7 +226,7 @@ class SchedulerActor(Intake, KVPeers, Migration, Restart, ClusterOperations):
     def _common_max_model_len(self, specs: list[InstanceSpec]) -> int:
         """One context length for the whole cluster: a request may land anywhere."""
         limits = [
-            min(s.info["max_position_embeddings"], s.info["num_blocks"] * s.info["block_size"])
+            min(s.info["max_context_len"], s.info["num_blocks"] * s.info["block_size"])
             for s in specs
         ]
         cap = min(limits)
@@ -234,7 +234,8 @@ class SchedulerActor(Intake, KVPeers, Migration, Restart, ClusterOperations):
         if wanted is not None and wanted > cap:
             raise ValueError(
                 f"max_model_len ({wanted}) exceeds what the smallest instance holds ({cap} "
-                "tokens: its KV cache or the model's max_position_embeddings)"
+                "tokens: its KV cache, or the model's max_position_embeddings, or its sliding "
+                "window when smaller)"
             )
         return wanted or cap
 

@@ -96,19 +96,24 @@ class LLMEngine:
         )
         self.worker.init_kv_cache(num_blocks)
         self.tokenizer = Tokenizer.from_path(self.worker.model_path)
+        context = model_config.max_context_len  # (a sliding window may cap it: ModelConfig)
+        what = (
+            f"max_position_embeddings ({model_config.max_position_embeddings})"
+            if context == model_config.max_position_embeddings
+            else f"sliding window ({context} tokens; attention here spans the whole context)"
+        )
         if max_model_len is None:  # the model's context, as far as the cache can hold it
-            max_model_len = min(model_config.max_position_embeddings, num_blocks * block_size)
-            if max_model_len < model_config.max_position_embeddings:
+            max_model_len = min(context, num_blocks * block_size)
+            if max_model_len < context:
                 logger.warning(
                     "max_model_len capped at %d tokens: the KV cache holds no more",
                     max_model_len,
                 )
+            elif context < model_config.max_position_embeddings:
+                logger.warning("max_model_len capped at the model's %s", what)
         self.max_model_len = max_model_len
-        if self.max_model_len > model_config.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len ({self.max_model_len}) exceeds the model's "
-                f"max_position_embeddings ({model_config.max_position_embeddings})"
-            )
+        if self.max_model_len > context:
+            raise ValueError(f"max_model_len ({self.max_model_len}) exceeds the model's {what}")
         sched_args: dict[str, Any] = dict(
             max_num_seqs=max_num_seqs, max_model_len=self.max_model_len, **scheduler_kwargs
         )

@@ -107,7 +107,7 @@ def measure_steps(
                 samples.append((shape, seconds))
 
     run([64] * 4, [8] * 4, record=False)  # warm-up
-    fits = int(info["max_position_embeddings"])  # scenarios past it are left out
+    fits = int(info["max_context_len"])  # scenarios past it are left out
     for _ in range(repeats):
         for n in PREFILLS:
             if n <= fits:  # (its one output token is sampled, never computed)

@@ -196,6 +196,7 @@ class Simulation:
             num_blocks = capacity // block_size
         info = {
             "max_position_embeddings": 1 << 17,
+            "max_context_len": 1 << 17,
             "num_blocks": num_blocks,
             "block_size": block_size,
             "bytes_per_block": block_size * cost.kv_bytes_per_token(),

@@ -23,13 +23,17 @@ TINY: dict[str, Any] = dict(
 
 
 def make_checkpoint(path: Path, arch: str = "llama", seed: int = 0, **overrides: Any) -> Path:
-    """Save a random float32 LlamaForCausalLM / Qwen2ForCausalLM as safetensors in ``path``."""
+    """Save a random float32 Llama / Mistral / Qwen2 ForCausalLM as safetensors in ``path``."""
     torch.manual_seed(seed)
     kwargs = {**TINY, **overrides}
     if arch == "llama":
         kwargs.setdefault("tie_word_embeddings", False)
         config = transformers.LlamaConfig(**kwargs)
         model = transformers.LlamaForCausalLM(config)
+    elif arch == "mistral":
+        kwargs.setdefault("tie_word_embeddings", False)
+        config = transformers.MistralConfig(**kwargs)
+        model = transformers.MistralForCausalLM(config)
     elif arch == "qwen2":
         kwargs.setdefault("tie_word_embeddings", True)
         config = transformers.Qwen2Config(**kwargs)

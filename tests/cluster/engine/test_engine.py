@@ -229,6 +229,27 @@ def test_bad_inputs_are_refused(tiny_llama: Path) -> None:
         engine(tiny_llama, max_model_len=10_000)
 
 
+def test_a_sliding_window_caps_the_context_and_within_it_matches_transformers(
+    tmp_path: Path,
+) -> None:
+    """Attention here spans the whole context: the same as a sliding window's while the context
+    fits in it, so a window smaller than max_position_embeddings caps max_model_len there (as
+    vLLM's --disable-sliding-window does) and the output matches transformers' windowed model
+    up to it. Past the window they would differ."""
+    from tests.actors.conftest import make_checkpoint
+
+    window = 24
+    path = make_checkpoint(tmp_path / "mistral", "mistral", sliding_window=window)
+    llm = engine(path)
+    assert llm.engine.max_model_len == window  # not max_position_embeddings (512)
+    prompts = [p[:12] for p in make_prompts(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=window - 12, ignore_eos=True)
+    outputs = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert outputs == hf_greedy(path, prompts, window - 12)
+    with pytest.raises(ValueError, match="sliding window"):
+        engine(path, max_model_len=window + 1)
+
+
 def test_logprobs_through_the_engine(tiny_llama: Path) -> None:
     llm = engine(tiny_llama)
     prompt = make_prompts(8)[2]
