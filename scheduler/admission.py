@@ -81,7 +81,15 @@ class Admitter:
         batch, cfg = self.batch, self.cfg
         remaining = request.num_tokens - request.num_computed_tokens
         n = batch.clip(remaining)
-        if n <= 0 or (not cfg.enable_chunked_prefill and n < remaining):
+        if n <= 0:
+            return False
+        if not cfg.enable_chunked_prefill and n < remaining:
+            # Its rest of the prompt must run whole, and the decodes leave too little budget:
+            # the waiting queue stops (vLLM's break), or, unless ``strict_fcfs``, once it has
+            # been passed over its bound. Otherwise new requests kept enough decodes running
+            # that it never got the budget, holding its loaded blocks all along.
+            if cfg.strict_fcfs or self._skip_or_stop(request, False) is Verdict.STOP:
+                self.queue_blocked = True
             return False
         # As for a waiting request (``_try_admit``): room made by priority first; an adapter
         # slot that stays taken ages the request until it blocks the waiting queue (the

@@ -483,6 +483,45 @@ def test_configs_are_frozen(config: Any, field: str, value: object) -> None:
     assert getattr(config, field) == before
 
 
+@pytest.mark.parametrize("strict_fcfs", [False, True])
+def test_a_loaded_request_too_big_for_the_budget_left_is_not_starved(strict_fcfs: bool) -> None:
+    """Chunked prefill off: a request whose remote load covered part of its prompt must
+    compute the rest in one step, and the decodes leave too little of the budget. It stops
+    the waiting queue (vLLM's break; after ``max_skip_steps`` unless ``strict_fcfs``), so the
+    decodes drain and it runs. It waited for ever, holding its blocks, while new arrivals kept
+    the decodes going."""
+    from tests.scheduler.helpers import fresh_prompt
+
+    connector = InMemoryConnector()
+    s = make_scheduler(
+        connector=connector,
+        enable_chunked_prefill=False,
+        max_model_len=32,
+        max_num_batched_tokens=32,
+        max_num_seqs=16,
+        num_blocks=200,
+        max_skip_steps=4,
+        strict_fcfs=strict_fcfs,
+    )
+    for k in range(8):
+        s.add_request(make_request(fresh_prompt(4), req_id=f"bg{k}", max_tokens=20))
+    step(s)
+    params = {**REMOTE, "remote_num_tokens": 4}  # 26 of its 30 tokens still to compute
+    h = make_request(fresh_prompt(30), req_id="H", max_tokens=2, kv_transfer_params=params)
+    s.add_request(h)
+    for t in range(200):
+        loaded = {"H"} if h.status == RequestStatus.WAITING_FOR_REMOTE_KVS else None
+        if t % 2 == 0:  # a steady trickle of short requests keeps decodes running
+            s.add_request(make_request(fresh_prompt(4), req_id=f"x{t}", max_tokens=20))
+        out, _ = step(s, finished_recving=loaded)
+        if "H" in out.num_scheduled_tokens:
+            assert out.num_scheduled_tokens["H"] == 26  # whole, as chunked prefill is off
+            break
+    else:
+        pytest.fail(f"H never ran: {h.status}, {len(s.running)} running")
+    drain(s)
+
+
 def test_priority_preemption_with_chunked_prefill_off_counts_the_victims_budget() -> None:
     """At ``max_num_seqs`` with chunked prefill off, a better-priority prompt that fits the
     step's budget only with the victim's tokens given back preempts the victim (DESIGN
