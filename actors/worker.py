@@ -23,7 +23,7 @@ from actors.model.llama import LlamaForCausalLM
 from actors.model.loader import DEFAULT_DENSE_MIN_ROWS, load_model, resolve_model_path
 from actors.pipeline import IntermediateOutput, stage_report
 from actors.prompt_logprobs import prompt_logprobs
-from actors.sampler import Sampler, SamplingRow
+from actors.sampler import Sampler, SamplingRow, TokenSpan
 from actors.structured_output import WorkerGrammars
 from scheduler import LoRAConfig, ModelRunnerOutput, SchedulerOutput
 from scheduler.outputs import TokenLogprobs
@@ -478,8 +478,10 @@ class ModelWorker:
         rows = [
             SamplingRow(
                 params=s.state.params,
-                prompt_token_ids=s.state.token_ids[: s.state.num_prompt_tokens],
-                output_token_ids=s.state.token_ids[s.state.num_prompt_tokens :],
+                prompt_token_ids=TokenSpan(s.state.token_ids, 0, s.state.num_prompt_tokens),
+                output_token_ids=TokenSpan(
+                    s.state.token_ids, s.state.num_prompt_tokens, len(s.state.token_ids)
+                ),
                 eos_token_id=s.state.eos_token_id,
             )
             for s in sampling

@@ -14,6 +14,7 @@ import torch
 from actors.sampler import (
     Sampler,
     SamplingRow,
+    TokenSpan,
     _apply_penalties,
     _top_k_top_p_thresholds,
     draw_seed,
@@ -295,6 +296,24 @@ def test_batched_penalties_match_per_row_reference() -> None:
     want = [reference_penalties(x[i].tolist(), r) for i, r in enumerate(rows)]
     _apply_penalties(x, rows, [0, 2, 3, 4, 5])
     assert torch.allclose(x, torch.tensor(want), atol=1e-5)
+
+
+def test_token_spans_read_as_the_slices_they_stand_for() -> None:
+    """The worker hands the sampler views of each request's tokens (no copy per step): they
+    read as the slices, keep their bounds as the list grows, and penalize the same."""
+    tokens = [3, 1, 4, 1, 5, 9, 2, 6]
+    prompt, output = TokenSpan(tokens, 0, 5), TokenSpan(tokens, 5, 8)
+    tokens.append(7)  # this step's sample, appended after the rows were made
+    assert (len(prompt), list(prompt), prompt[1], prompt[-1]) == (5, [3, 1, 4, 1, 5], 1, 5)
+    assert (len(output), list(output), output[:2], output[-1]) == (3, [9, 2, 6], [9, 2], 6)
+    params = SamplingParams(repetition_penalty=1.5, frequency_penalty=0.3, presence_penalty=0.2)
+    viewed = [SamplingRow(params, prompt, output, None)]
+    copied = [SamplingRow(params, tokens[:5], tokens[5:8], None)]
+    x = torch.randn(1, 10)
+    y, before = x.clone(), x.clone()
+    _apply_penalties(x, viewed, [0])
+    _apply_penalties(y, copied, [0])
+    assert torch.equal(x, y) and not torch.equal(x, before)
 
 
 def test_penalties_only_touch_their_rows() -> None:
