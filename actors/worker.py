@@ -182,7 +182,7 @@ class ModelWorker:
         cluster's max_model_len still unknown: it is at most that)."""
         cfg = self._model.config
         elem = torch.empty((), dtype=self.dtype).element_size()
-        tokens = self.max_num_batched_tokens or max(cfg.max_position_embeddings, 2048)
+        tokens = self.max_num_batched_tokens or max(cfg.max_context_len, 2048)
         per_token = (
             4 * cfg.hidden_size + cfg.q_size + 2 * cfg.kv_size + 3 * cfg.intermediate_size
         ) * elem
@@ -198,7 +198,7 @@ class ModelWorker:
 
         cfg = self._model.config
         elem = torch.empty((), dtype=self.dtype).element_size()
-        width = -(-cfg.max_position_embeddings // self.block_size)
+        width = -(-cfg.max_context_len // self.block_size)
         batch = batch_buckets(min(self.max_num_seqs, 512))[-1]
         full = gather_bytes(
             batch, width, self.block_size, cfg.num_attention_heads, cfg.head_dim, elem
@@ -273,7 +273,7 @@ class ModelWorker:
                 self.block_size,
                 scratch_block=num_blocks,
                 max_batch=min(self.max_num_seqs, 512),
-                max_width=min(num_blocks, -(-cfg.max_position_embeddings // self.block_size)),
+                max_width=min(num_blocks, -(-cfg.max_context_len // self.block_size)),
             )
         self.requests.clear()
         if self.kv_transfer is not None:
@@ -563,9 +563,9 @@ class ModelWorker:
             if model.is_first:
                 input_ids.extend(s.state.token_ids[s.start : end])
             positions.extend(range(s.start, end))
-        max_pos = model.config.max_position_embeddings
+        max_pos = model.config.max_positions  # (the rope table's length)
         if positions and max(positions) >= max_pos:
-            raise ValueError(f"position {max(positions)} exceeds max_position_embeddings {max_pos}")
+            raise ValueError(f"position {max(positions)} exceeds the model's {max_pos} positions")
         lora = None
         if self.lora_manager is not None:
             lora = self.lora_manager.prepare([(s.state.lora, s.num_tokens) for s in batch])

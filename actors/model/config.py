@@ -36,15 +36,31 @@ class ModelConfig:
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     @property
+    def max_positions(self) -> int:
+        """The positions the model is served at: ``max_position_embeddings``, stretched by a
+        ``linear`` or ``yarn`` rope scaling's factor (as vLLM derives it: Qwen2.5's yarn x4
+        over its original 32k serves 128k). ``llama3`` scaling's checkpoints already give the
+        stretched length."""
+        scaling = self.rope_scaling or {}
+        kind = scaling.get("rope_type", "default")
+        factor = float(scaling.get("factor", 1.0))
+        if kind == "linear" and factor > 1:
+            return int(self.max_position_embeddings * factor)
+        if kind == "yarn" and factor > 1:
+            original = scaling.get("original_max_position_embeddings")
+            return int((original or self.max_position_embeddings) * factor)
+        return self.max_position_embeddings
+
+    @property
     def max_context_len(self) -> int:
         """The longest context this model is served at, exactly. Attention here always spans
         the whole context, which is what a sliding window (Mistral v0.1's 4,096 tokens) does
         too while the context fits in it: past it the two differ, so a window smaller than
-        ``max_position_embeddings`` caps the context (vLLM's ``--disable-sliding-window`` caps
+        ``max_positions`` caps the context (vLLM's ``--disable-sliding-window`` caps
         it so)."""
         if self.sliding_window is not None:
-            return min(self.max_position_embeddings, self.sliding_window)
-        return self.max_position_embeddings
+            return min(self.max_positions, self.sliding_window)
+        return self.max_positions
 
     @property
     def q_size(self) -> int:

@@ -202,7 +202,7 @@ class LlamaForCausalLM(nn.Module):
         self._logits_dense_min_rows = 0
         self.quantization: dict[str, str] = {}  # projection name -> method (for logs, info)
         self.rope = RotaryEmbedding(
-            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, dtype
+            cfg.head_dim, cfg.max_positions, cfg.rope_theta, cfg.rope_scaling, dtype
         )
         # Our C kernels for the element-wise steps (CPU float32/bfloat16; None: torch ops).
         self.fused_ops: FusedOps | None = fused_ops()

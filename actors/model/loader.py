@@ -209,7 +209,7 @@ def load_model(
         model = LlamaForCausalLM(cfg, torch_dtype, layers)
     model = model.to_empty(device=device).to(torch_dtype)
     model.rope = RotaryEmbedding(
-        cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, torch_dtype
+        cfg.head_dim, cfg.max_positions, cfg.rope_theta, cfg.rope_scaling, torch_dtype
     ).to(device)
     if is_gguf(path):
         from actors.model.gguf_loader import count_gguf_tensors, iter_gguf_tensors

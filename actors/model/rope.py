@@ -1,6 +1,6 @@
 """Rotary position embeddings (rotate-half layout, as Hugging Face Llama/Qwen2 checkpoints use).
 
-The cos/sin table is computed once for every position up to ``max_position_embeddings`` and
+The cos/sin table is computed once for every position the model serves (``max_positions``) and
 indexed by each token's absolute position, so a prefill chunk, a decode token and a resumed
 request all rotate exactly as a full-sequence forward would.
 """

@@ -96,12 +96,17 @@ class LLMEngine:
         )
         self.worker.init_kv_cache(num_blocks)
         self.tokenizer = Tokenizer.from_path(self.worker.model_path)
-        context = model_config.max_context_len  # (a sliding window may cap it: ModelConfig)
-        what = (
-            f"max_position_embeddings ({model_config.max_position_embeddings})"
-            if context == model_config.max_position_embeddings
-            else f"sliding window ({context} tokens; attention here spans the whole context)"
-        )
+        # (rope scaling may stretch it, a sliding window cap it: ModelConfig)
+        context, positions = model_config.max_context_len, model_config.max_positions
+        if context < positions:
+            what = f"sliding window ({context} tokens; attention here spans the whole context)"
+        elif positions != model_config.max_position_embeddings:
+            what = (
+                f"context ({positions} positions: max_position_embeddings "
+                f"{model_config.max_position_embeddings} x its rope scaling's factor)"
+            )
+        else:
+            what = f"max_position_embeddings ({positions})"
         if max_model_len is None:  # the model's context, as far as the cache can hold it
             max_model_len = min(context, num_blocks * block_size)
             if max_model_len < context:
@@ -109,7 +114,7 @@ class LLMEngine:
                     "max_model_len capped at %d tokens: the KV cache holds no more",
                     max_model_len,
                 )
-            elif context < model_config.max_position_embeddings:
+            elif context < positions:
                 logger.warning("max_model_len capped at the model's %s", what)
         self.max_model_len = max_model_len
         if self.max_model_len > context:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -248,6 +249,31 @@ def test_a_sliding_window_caps_the_context_and_within_it_matches_transformers(
     assert outputs == hf_greedy(path, prompts, window - 12)
     with pytest.raises(ValueError, match="sliding window"):
         engine(path, max_model_len=window + 1)
+
+
+@pytest.mark.parametrize("kind", ["linear", "yarn"])
+def test_rope_scaling_stretches_the_context_and_matches_transformers_past_it(
+    tmp_path: Path, kind: str
+) -> None:
+    """A linear or yarn rope scaling serves its factor times the positions (vLLM derives the
+    same length: Qwen2.5's yarn x4 serves 128k): past max_position_embeddings the output
+    still matches transformers'. The context stopped at max_position_embeddings."""
+    from tests.actors.conftest import make_checkpoint
+
+    scaling: dict[str, Any] = {"rope_type": kind, "factor": 2.0, "rope_theta": 10000.0}
+    if kind == "yarn":
+        scaling["original_max_position_embeddings"] = 32
+    path = make_checkpoint(
+        tmp_path / kind, "llama", max_position_embeddings=32, rope_parameters=scaling
+    )
+    llm = engine(path)
+    assert llm.engine.max_model_len == 64
+    prompts = [p[:20] for p in make_prompts(4)[:2]]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)  # to position 59
+    outputs = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert outputs == hf_greedy(path, prompts, 40)
+    with pytest.raises(ValueError, match="rope scaling"):
+        engine(path, max_model_len=65)
 
 
 def test_logprobs_through_the_engine(tiny_llama: Path) -> None:
