@@ -68,8 +68,12 @@ class LoRAManager:
         lora_config: LoRAConfig,
         device: torch.device,
         dtype: torch.dtype,
+        layers: range | None = None,
     ) -> None:
+        """``layers``: the model layers this worker holds (a pipeline stage's): an adapter's
+        other layers are not kept (every stage would hold the whole adapter)."""
         self.model_config = model_config
+        self.layers = range(model_config.num_hidden_layers) if layers is None else layers
         self.max_loras = lora_config.max_loras
         self.max_cpu_loras = lora_config.max_cpu_loras or lora_config.max_loras
         self.max_rank = lora_config.max_lora_rank
@@ -138,6 +142,7 @@ class LoRAManager:
         path = Path(lora.lora_path).expanduser()
         # Load before evicting: a bad adapter leaves the cache as it was.
         weights = load_adapter(path, self.model_config, self.max_rank, self.dtype)
+        weights = {k: w for k, w in weights.items() if k[0] in self.layers}
         while len(self._cpu) >= self.max_cpu_loras:
             victim = self._lru_victim(self._cpu, protect, "max_cpu_loras")
             self.remove_lora(victim)

@@ -154,7 +154,9 @@ class ModelWorker:
         if self.lora_config is not None:
             from actors.lora import LoRAManager
 
-            self.lora_manager = LoRAManager(cfg, self.lora_config, self.device, self.dtype)
+            self.lora_manager = LoRAManager(
+                cfg, self.lora_config, self.device, self.dtype, layers=self.layers
+            )
 
     @property
     def config(self) -> Any:

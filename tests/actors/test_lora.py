@@ -230,6 +230,25 @@ def test_add_remove_list(model: LlamaForCausalLM, adapters: dict[str, Path]) -> 
     assert mgr.list_loras() == {2}
 
 
+def test_a_pipeline_stage_keeps_its_own_layers_of_an_adapter(
+    model: LlamaForCausalLM, adapters: dict[str, Path]
+) -> None:
+    """A stage applies only its layers' deltas: it keeps only those (every stage held the
+    whole adapter, pp_size times the memory)."""
+    whole = manager(model)
+    stage = LoRAManager(
+        model.config, LoRAConfig(), torch.device("cpu"), torch.float32, layers=range(1, 2)
+    )
+    a = lora(adapters, "a")
+    whole.add_lora(a)
+    stage.add_lora(a)
+    everything = whole._cpu[a.lora_int_id]
+    assert {layer for layer, _ in everything} == {0, 1}  # (the adapter spans both layers)
+    kept = stage._cpu[a.lora_int_id]
+    assert set(kept) == {k for k in everything if k[0] == 1}
+    assert all(torch.equal(kept[k].a, everything[k].a) for k in kept)
+
+
 def _broken_copy(src: Path, dst: Path, **changes: Any) -> Path:
     shutil.copytree(src, dst)
     config = json.loads((dst / "adapter_config.json").read_text())
