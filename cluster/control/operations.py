@@ -100,6 +100,7 @@ class ClusterOperations:
         returns once it has begun (the autoscaler's way). Returns the pool's
         serving instances. ``ValueError``: unknown pool, fewer than one replica, workers that
         are not Ray actors (an in-process cluster)."""
+        await self._ready()  # (a restarted actor's pools are what its rebuild finds)
         pool = next((p for p in self.config.pools if p.name == pool_name), None)
         if pool is None:
             names = ", ".join(p.name for p in self.config.pools)
@@ -250,16 +251,22 @@ class ClusterOperations:
         logger.info("instance %s left the cluster", iid)
 
     # -- LoRA adapters by name (the API's /v1/load_lora_adapter) ------------------------------
-    def lora_adapters(self) -> dict[str, LoRARequest]:
+    # Each waits for a restarted actor's rebuild (``_ready``), which sets the registry from
+    # the engines': a change made before it would be undone, and a listing would miss the
+    # adapters loaded at run time.
+    async def lora_adapters(self) -> dict[str, LoRARequest]:
+        await self._ready()
         return dict(self.lora.by_name)
 
     async def load_lora_adapter(self, name: str, path: str) -> LoRARequest:
         """Serve the adapter at ``path`` as model ``name`` (tried on a live instance first:
         a bad one is a ``ValueError`` here, not on a request)."""
+        await self._ready()
         live = self._live("decode")
         return await self.lora.load(name, path, live[0].instance_id if live else None)
 
-    def unload_lora_adapter(self, name: str) -> None:
+    async def unload_lora_adapter(self, name: str) -> None:
+        await self._ready()
         self.lora.unload(name)
 
     # -- metrics ----------------------------------------------------------------------------

@@ -88,3 +88,41 @@ def test_a_client_passes_the_503_on_and_sends_again_only_while_the_process_is_do
     assert not send_again(unavailable, engine_actors=True)
     assert not send_again(wrapped, engine_actors=True)
     assert not send_again(ValueError("refused"), engine_actors=True)
+
+
+def test_operator_calls_wait_for_the_rebuild(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The adapter registry and the pools of a restarted actor are what its rebuild finds (the
+    engines keep the registry, adapters loaded at run time included): a listing, an unload or
+    a resize before it ended answered from the empty state, and a change was undone by it.
+    Each waits for the rebuild (and starts it: an idle cluster sends nothing else)."""
+    from types import SimpleNamespace
+
+    from cluster.control.operations import ClusterOperations
+
+    monkeypatch.setattr(restart, "RECOVERY_WAIT_S", 5.0)
+
+    class _Actor(_Rebuilding, ClusterOperations):
+        async def _recover(self) -> None:
+            await asyncio.sleep(0.05)
+            self.lora.by_name = {"first": "its engines' copy", "second": "another"}
+            self.recovering = False
+
+    def fresh() -> _Actor:
+        actor = _Actor(0.0)
+        actor.lora = SimpleNamespace(by_name={})
+        actor.lora.unload = lambda name: actor.lora.by_name.pop(name)
+        actor.config = SimpleNamespace(pools=[])
+        return actor
+
+    actor = fresh()
+    assert asyncio.run(actor.lora_adapters()) == {
+        "first": "its engines' copy",
+        "second": "another",
+    }
+    actor = fresh()
+    asyncio.run(actor.unload_lora_adapter("second"))  # applied after the rebuild: it stays
+    assert actor.lora.by_name == {"first": "its engines' copy"}
+    actor = fresh()
+    with pytest.raises(ValueError, match="no pool named 'd'"):
+        asyncio.run(actor.scale_pool("d", 2))
+    assert not actor.recovering  # (refused by the rebuilt actor, not the empty one)
