@@ -151,9 +151,12 @@ class RemoteEngine:
         deadline = time.monotonic() + timeout_s
         while self.dead is None and time.monotonic() < deadline:
             try:
-                if await self.actor.drained.remote():
+                # Each call bounded too: an engine cut off (a node partitioned) would hold up
+                # the retire, and with it every resize after it.
+                left = max(0.0, deadline - time.monotonic())
+                if await asyncio.wait_for(self.actor.drained.remote(), left):
                     return
-            except Exception:
+            except Exception:  # (a timeout included)
                 return
             await asyncio.sleep(0.05)
 

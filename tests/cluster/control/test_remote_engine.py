@@ -5,6 +5,7 @@ engine: it answers the engine's ``ping`` and ``ops``, and is killed."""
 from __future__ import annotations
 
 import asyncio
+import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -23,8 +24,16 @@ class _Engine:
         return None
 
 
+class _CutOff(_Engine):
+    """An engine whose ``drained`` never answers (as one cut off by a partition)."""
+
+    def drained(self) -> bool:
+        time.sleep(60)
+        return True
+
+
 def _watched(
-    monkeypatch: pytest.MonkeyPatch, watch_s: float
+    monkeypatch: pytest.MonkeyPatch, watch_s: float, engine_class: type = _Engine
 ) -> tuple[Any, Any, list[tuple[str, str]]]:
     from cluster.config import ClusterConfig
     from cluster.control import remote_engine
@@ -33,7 +42,7 @@ def _watched(
     config = ClusterConfig.model_validate(
         {"block_size": 16, "pools": [{"name": "d", "role": "decode"}], "health_check_interval_s": 0}
     )
-    actor = ray.remote(_Engine).options(num_cpus=0).remote()
+    actor = ray.remote(engine_class).options(num_cpus=0).remote()
     assert ray.get(actor.ping.remote())
     spec = SimpleNamespace(instance_id="d-0", pool=SimpleNamespace(role="decode"))
     dead: list[tuple[str, str]] = []
@@ -87,3 +96,22 @@ def test_an_op_batch_that_finds_the_engine_gone_declares_it_dead(
 
     asyncio.run(run())
     assert "died" in dead[0][1] and engine.dead is not None
+
+
+def test_waiting_for_a_cut_off_engine_to_drain_ends_at_its_timeout(
+    ray_cluster: RayCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A retire waits for the clients to take the engine's last outputs, at most
+    ``timeout_s``: the call itself is bounded too (it waited for ever on an engine that no
+    longer answered, holding up the retire and every resize after it)."""
+    engine, actor, _ = _watched(monkeypatch, 3600.0, _CutOff)
+
+    async def run() -> float:
+        started = time.monotonic()
+        await engine.wait_drained(timeout_s=1.0)
+        return time.monotonic() - started
+
+    try:
+        assert asyncio.run(run()) < 30  # 1 s and the call's trip; not drained's 60
+    finally:
+        ray.kill(actor)
