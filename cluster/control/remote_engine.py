@@ -275,20 +275,25 @@ class RemoteEngine:
 
     async def _sent(self, ref: Any) -> None:
         """An op batch's outcome: an engine that died is declared dead now, not at the next
-        ping, and so is one the batch may not have reached (unavailable): the engine applies
-        batches in order, so it would hold every later one for ever. One that raised (a bug)
-        is logged, not lost."""
+        ping, and so is one the batch may not have reached (unavailable, or any failure of
+        Ray's own: the object lost, the owner gone): the engine applies batches in order, so
+        it would hold every later one for ever, with the requests they place, while it went
+        on answering pings. One that ran and raised (a bug) is logged: it was applied."""
         import ray
 
         try:
             await ref
-        except ray.exceptions.RayActorError as exc:
+        except ray.exceptions.RayTaskError:
+            logger.exception("instance %s: its engine failed an op batch", self.instance_id)
+        except Exception as exc:
             if self.dead is None and not self._stopping:
+                died = isinstance(exc, ray.exceptions.RayActorError)
                 self.declare_dead(
                     f"the engine process of instance {self.instance_id} died ({exc!r})"
+                    if died
+                    else f"an op batch may not have reached the engine of instance "
+                    f"{self.instance_id} ({exc!r}): every later one would wait for it"
                 )
-        except Exception:
-            logger.exception("instance %s: its engine failed an op batch", self.instance_id)
 
     # -- introspection -----------------------------------------------------------------------
     async def _ask(self, method: str, *args: Any, timeout_s: float = ASK_TIMEOUT_S) -> Any:

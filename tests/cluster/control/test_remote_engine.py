@@ -115,3 +115,29 @@ def test_waiting_for_a_cut_off_engine_to_drain_ends_at_its_timeout(
         assert asyncio.run(run()) < 30  # 1 s and the call's trip; not drained's 60
     finally:
         ray.kill(actor)
+
+
+def test_an_op_batch_that_may_not_have_reached_the_engine_declares_it_dead(
+    ray_cluster: RayCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch that failed in Ray itself (a system error) may never have run, and the
+    engine applies batches in order: every later one -- the requests they place -- would
+    wait for it for ever while the engine went on answering its pings. Only a batch that ran
+    and raised (a bug in it) leaves the engine be."""
+    engine, actor, dead = _watched(monkeypatch, 3600.0)
+
+    async def failing(exc: Exception) -> None:
+        raise exc
+
+    async def run() -> None:
+        raised = ray.exceptions.RayTaskError("ops", "traceback", ValueError("a bug"))
+        await engine._sent(failing(raised))
+        assert not dead  # it ran: the next batches are applied
+        await engine._sent(failing(ray.exceptions.RaySystemError("the object was lost")))
+        assert dead and "may not have reached" in dead[0][1]
+        await engine.stop()
+
+    try:
+        asyncio.run(run())
+    finally:
+        ray.kill(actor)
