@@ -15,8 +15,10 @@ its state -- an engine's report, a client's keep-alive or submit -- starts the r
     apply the reports that came meanwhile; go on draining what was draining; serve
 
 Calls that arrive meanwhile wait for it (``submit`` at most ``RECOVERY_WAIT_S``, then a clear
-``UnavailableError``: HTTP 503). The LoRA registry, adapters loaded at run time included,
-comes from the engines, which keep the central actor's copy. So do the root spans of traced
+``UnavailableError``: HTTP 503). A rebuild that fails leaves 503s naming why, and the
+process ends ``REBUILD_RETRY_S`` later for Ray to start a fresh one that tries again. The
+LoRA registry, adapters loaded at run time included, comes from the engines, which keep the
+central actor's copy. So do the root spans of traced
 requests in flight (made again with the same ids: the engines' spans name them as their
 parent; ``tandem.remade`` marks them). What is not rebuilt: the failure
 history and move count, requests an engine reported lost while the central actor was away (a
@@ -29,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import time
 from typing import Any
 
@@ -40,6 +43,9 @@ from cluster.errors import UnavailableError
 logger = logging.getLogger(__name__)
 
 RECOVERY_WAIT_S = 30.0  # how long a call waits for a restarted central actor's rebuild
+# A rebuild that failed: the process ends this long after (its calls answer 503 meanwhile),
+# for Ray to start a fresh one (max_restarts) that tries again on a clean state.
+REBUILD_RETRY_S = 10.0
 
 
 def was_restarted() -> bool:
@@ -102,13 +108,28 @@ class Restart:
         try:
             await rebuild(self)
         except Exception:
-            logger.exception("the central scheduler could not rebuild its state")
+            # Its state is half rebuilt: another try here could count things twice. A fresh
+            # process tries again (a transient failure -- engines unavailable for a moment,
+            # the GCS slow -- left the cluster answering 503 for good, its engines and
+            # workers kept alive by this one answering their watch).
+            logger.exception(
+                "the central scheduler could not rebuild its state; its process ends in %g s "
+                "for Ray to start a fresh one",
+                REBUILD_RETRY_S,
+            )
+            asyncio.get_running_loop().call_later(REBUILD_RETRY_S, _end_process)
             raise
         finally:
             self.recovering = False
             held, self._held_reports = self._held_reports, []
             for report in held:  # what the engines said meanwhile
                 self._on_report(report)
+
+
+def _end_process() -> None:
+    """End this process at once (Ray restarts the actor: ``max_restarts``)."""
+    logging.shutdown()
+    os._exit(1)
 
 
 def _rebuild_failed(exc: BaseException | None) -> UnavailableError:

@@ -126,3 +126,36 @@ def test_operator_calls_wait_for_the_rebuild(monkeypatch: pytest.MonkeyPatch) ->
     with pytest.raises(ValueError, match="no pool named 'd'"):
         asyncio.run(actor.scale_pool("d", 2))
     assert not actor.recovering  # (refused by the rebuilt actor, not the empty one)
+
+
+def test_a_failed_rebuild_ends_the_process_for_a_fresh_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its state half rebuilt, the actor does not try again in place: its calls answer 503
+    naming why, and a little later its process ends, for Ray to start a fresh one
+    (max_restarts) that tries again -- it answered 503 for good, and kept its engines and
+    workers alive by answering their watch."""
+    ended: list[float] = []
+    monkeypatch.setattr(restart, "REBUILD_RETRY_S", 0.2, raising=False)
+    monkeypatch.setattr(
+        restart, "_end_process", lambda: ended.append(time.monotonic()), raising=False
+    )
+
+    async def failing(actor: object) -> None:
+        raise RuntimeError("no engine actor left to rebuild the cluster from")
+
+    monkeypatch.setattr(restart, "rebuild", failing)
+
+    class _Actor(Restart):
+        def __init__(self) -> None:
+            self.recovering, self._recovery, self._held_reports = True, None, []
+
+    async def run() -> float:
+        actor = _Actor()
+        with pytest.raises(UnavailableError, match="no engine actor left"):
+            await actor._ready()
+        failed = time.monotonic()
+        assert not ended  # not at once: its calls say why meanwhile
+        await asyncio.sleep(0.6)
+        return failed
+
+    failed = asyncio.run(run())
+    assert len(ended) == 1 and ended[0] - failed >= 0.1
