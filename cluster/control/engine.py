@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -144,6 +145,12 @@ class Lost:
     num_cached_tokens: int | None  # the prefix hit its client was told
 
 
+# How a request ended, for its root span when another process ends it: (finish reason, error,
+# output tokens, wall-clock ns of the end). The end is the engine's instant, not the time its
+# report reached the central actor (a busy or restarting one reads it late).
+Outcome = tuple[str, str | None, int, int]
+
+
 @dataclass
 class EngineReport:
     """What one step changed, for the central scheduler (also sent at once when requests end
@@ -156,9 +163,8 @@ class EngineReport:
     lost: list[Lost] = field(default_factory=list)
     failure: str | None = None  # the instance failed (the loop stopped)
     rejoined: bool = False  # a fresh loop serves again (after a failure): empty cache
-    # How the finished ones ended: (finish reason, error, output tokens), for the root span
-    # of a request traced across processes.
-    outcomes: dict[str, tuple[str, str | None, int]] = field(default_factory=dict)
+    # How the finished ones ended, for the root span of a request traced across processes.
+    outcomes: dict[str, Outcome] = field(default_factory=dict)
     # (internal id, source instance) of KV this decode instance will not read (its local
     # prefix cache had the prompt): the source's lease can end now.
     kv_unread: list[tuple[str, str]] = field(default_factory=list)
@@ -184,7 +190,7 @@ class EndedTrace:
     # actor: an age would grow by the wait).
     arrival_ns: int
     ended_ns: int
-    outcome: tuple[str, str | None, int] | None  # as ``EngineReport.outcomes``
+    outcome: Outcome | None  # as ``EngineReport.outcomes``
 
 
 def _discard(loop: EngineLoop, outputs: list[EngineCoreOutput]) -> None:
@@ -216,7 +222,7 @@ class InstanceEngine:
         self.draining = False  # set by the owner: leaving the cluster
         self.failed: str | None = None  # why the current loop failed (until a rejoin)
         self._finished: list[str] = []  # since the last report
-        self._outcomes: dict[str, tuple[str, str | None, int]] = {}
+        self._outcomes: dict[str, Outcome] = {}
         self._prefilled: list[Prefilled] = []
         self._tasks: set[asyncio.Task[None]] = set()
         self.loop = self._build_loop()
@@ -365,7 +371,12 @@ class InstanceEngine:
             if out.finish_reason is not None:
                 del held_by_id[internal_id]
                 self._finished.append(internal_id)
-                self._outcomes[internal_id] = (out.finish_reason.value, out.error, len(held.tokens))
+                self._outcomes[internal_id] = (
+                    out.finish_reason.value,
+                    out.error,
+                    len(held.tokens),
+                    time.time_ns(),
+                )
                 observe.finished(held, out, self)
             placement.sink(out, index)
 

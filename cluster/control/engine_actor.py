@@ -33,6 +33,7 @@ from cluster.control.engine import (
     EngineReport,
     InstanceEngine,
     Lost,
+    Outcome,
     Placement,
     Prefilled,
     RequestPlace,
@@ -362,7 +363,7 @@ class EngineActor(ClientStreams):
         num_tokens = 0 if held is None else len(held.tokens)
         if engine.end(internal, reason, error):
             self._routes.pop(internal, None)
-            self._report_finished(internal, (reason.value, error, num_tokens))
+            self._report_finished(internal, (reason.value, error, num_tokens, time.time_ns()))
             return
         prefilled = self._awaiting.pop(internal, None)
         route = self._routes.pop(internal, None)
@@ -376,9 +377,9 @@ class EngineActor(ClientStreams):
         # Counted here (its engine no longer holds it, and the central scheduler counts
         # nothing of an engine actor's requests): it was missing from the finished ones.
         self.observe.finished(_EndedPrefilled(route, prefilled), final, engine)
-        self._report_finished(internal, (reason.value, error, num_tokens))
+        self._report_finished(internal, (reason.value, error, num_tokens, time.time_ns()))
 
-    def _report_finished(self, internal: str, outcome: tuple[str, str | None, int]) -> None:
+    def _report_finished(self, internal: str, outcome: Outcome) -> None:
         summary = self._engine().loop.summary()
         report = EngineReport(self.instance_id, summary, finished=[internal])
         report.outcomes[internal] = outcome

@@ -395,7 +395,7 @@ def end_remade_root(actor: Any, ended: EndedTrace) -> None:
         return
     trace.root.set_attribute("tandem.remade", True)
     trace.root.add_event("central_restart")
-    reason, error, num_tokens = ended.outcome or ("unknown", None, 0)
+    reason, error, num_tokens, _ = ended.outcome or ("unknown", None, 0, 0)
     trace.finish(reason, error, num_tokens, end_time=ended.ended_ns)
 
 
