@@ -110,11 +110,35 @@ def build_cluster(
     handle = scheduler_actor_class().options(**options).remote(config)
     try:
         described = ray.get(handle.start.remote())
-    except BaseException:
+    except BaseException:  # (a failed start, or Ctrl-C while it ran)
         ray.kill(handle)
+        if config.engine_actors:  # its workers and engines are detached: they outlive it
+            kill_detached(handle._actor_id.hex(), namespace)
         raise
     logger.info("cluster %s ready: %s", name, described)
     return handle
+
+
+def kill_detached(central_actor_id: str, namespace: str) -> list[str]:
+    """Kill the detached actors (workers, engines) of a central scheduler that is gone for
+    good; returns their names. (A restartable one's outlive it on purpose: a start cut
+    short, though, left them holding their nodes' resources for as long as Ray ran.)"""
+    import ray
+
+    from cluster.control.placement import worker_actor_prefix
+    from cluster.control.remote_engine import engine_actor_prefix
+
+    prefixes = (worker_actor_prefix(central_actor_id), engine_actor_prefix(central_actor_id))
+    killed = []
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        if entry["namespace"] != namespace or not entry["name"].startswith(prefixes):
+            continue
+        try:
+            ray.kill(ray.get_actor(entry["name"], namespace=namespace))
+        except ValueError:  # gone meanwhile
+            continue
+        killed.append(entry["name"])
+    return killed
 
 
 def app_cluster_name(app_name: str) -> str:

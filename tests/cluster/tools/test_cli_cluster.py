@@ -131,6 +131,59 @@ def test_ctrl_c_while_starting_stops_cleanly(tiny_model: Path, tmp_path: Path) -
         assert not _processes_under(env["RAY_TMPDIR"])
 
 
+def test_ctrl_c_while_starting_on_a_joined_ray_leaves_no_detached_actor(
+    ray_cluster: Any, tiny_model: Path, tmp_path: Path
+) -> None:
+    """On a Ray it joined, Ctrl-C while the cluster starts takes down what the start began:
+    with engine actors the workers are detached (they outlive a restarting central actor), and
+    a start cut short left them holding their nodes' resources for as long as that Ray ran.
+    One instance's workers load; the other's wait for room on their node."""
+    import ray
+
+    from cluster.control.launch import DEFAULT_NAMESPACE
+
+    config = tmp_path / "cluster.yaml"
+    config.write_text(
+        f"model: {tiny_model}\nblock_size: 4\nengine_actors: true\n"
+        # 0.6 of the decode node's 1 each (the session's Serve app holds 0.01): the second
+        # instance waits for room that never comes, until Ctrl-C.
+        "pools:\n"
+        "  - {name: c, role: both, replicas: 2, num_blocks: 64, resources: {decode: 0.6}}\n"
+    )
+
+    def detached() -> set[str]:
+        entries = ray.util.list_named_actors(all_namespaces=True)
+        names = {e["name"] for e in entries if e["namespace"] == DEFAULT_NAMESPACE}
+        return {n for n in names if n.startswith(("tandem-worker/", "tandem-engine/"))}
+
+    before = detached()
+    tandem = [sys.executable, "-m", "cluster.tools.cli"]
+    address = ray_cluster.cluster.address
+    up = subprocess.Popen(
+        [*tandem, "up", str(config), "--address", address, "--name", "ctrl-c-joined"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        _until_ready(up, "starting cluster", 120)
+        deadline = time.monotonic() + 120
+        while not detached() - before:  # the first instance's workers are up
+            assert up.poll() is None, up.communicate()[0]
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        up.send_signal(signal.SIGINT)
+        rest, _ = up.communicate(timeout=120)
+    finally:
+        if up.poll() is None:
+            up.kill()
+    assert up.returncode == 130, rest
+    deadline = time.monotonic() + 30
+    while detached() - before and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not detached() - before
+
+
 def test_generate_without_a_cluster_says_how_to_start_one(tmp_path: Path) -> None:
     with own_ray_env("tandem-cli-") as env:
         out = subprocess.run(
