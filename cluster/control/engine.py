@@ -193,6 +193,10 @@ class EndedTrace:
     outcome: Outcome | None  # as ``EngineReport.outcomes``
 
 
+def _keep_held(loop: EngineLoop, request_ids: list[str], reason: str) -> None:
+    """A stopping engine's failure: its requests stay held (``InstanceEngine.stop``)."""
+
+
 def _discard(loop: EngineLoop, outputs: list[EngineCoreOutput]) -> None:
     """The outputs of a closed engine's loop (none come after ``stop``)."""
 
@@ -270,10 +274,13 @@ class InstanceEngine:
             self._spawn(self._monitor_health())
 
     async def stop(self) -> None:
-        """Stop stepping (not a failure: nothing is reported lost) and the health checks."""
+        """Stop stepping (not a failure: nothing is reported lost) and the health checks. A
+        step that fails meanwhile (its worker died in the drain's last moment) leaves its
+        requests held, for the owner to take (``take_all``) and move: they ended with an
+        error, the very requests a retire was to move."""
         for task in list(self._tasks):
             task.cancel()
-        self.loop.on_failure = None
+        self.loop.on_failure = _keep_held
         await self.loop.stop()
 
     def close(self) -> None:

@@ -110,3 +110,67 @@ def test_failed_save_is_recomputed_on_decode(ray_cluster: RayCluster, tiny_model
     good, again = asyncio.run(asyncio.wait_for(run(), 60))
     assert len(good) == PARAMS.max_tokens and again == good
     assert not workers["p-0"].connector.history[-1].ok  # type: ignore[union-attr]
+
+
+class SlowBreakableExecutor(LocalExecutor):
+    """Each step takes 0.1 s, and fails once ``broken`` (its worker died meanwhile)."""
+
+    broken = False
+
+    async def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        await asyncio.sleep(0.1)
+        if self.broken:
+            raise ConnectionError("worker died")
+        return await super().execute_model(scheduler_output)
+
+
+def test_a_step_failing_as_its_instance_is_retired_moves_its_requests(
+    ray_cluster: RayCluster, tiny_model: Path
+) -> None:
+    """A retire stops the engine, then moves what it still holds. A step that fails while it
+    stops (the worker died in the drain's last moment) ended those requests with an error
+    instead: the very ones the retire was to move. They move, and finish with the tokens of
+    an undisturbed run."""
+    from cluster.control.scheduler_actor import SchedulerActor
+
+    config = ClusterConfig(
+        model=str(tiny_model),
+        block_size=4,
+        pools=[InstancePool(name="c", role="both", replicas=2, num_blocks=64)],
+    )
+    specs = []
+    for k in range(2):
+        worker = ModelWorker(str(tiny_model), block_size=4, progress=False)
+        worker.load_model()
+        worker.init_kv_cache(64)
+        specs.append(
+            InstanceSpec(
+                f"c-{k}", config.pools[0], SlowBreakableExecutor(worker), None, worker.info()
+            )
+        )
+    actor = SchedulerActor(config, specs)
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+
+    async def collect(request_id: str) -> list[Any]:
+        request = Request(request_id, PROMPT, params, eos_token_id=2)
+        return [o async for o in actor.generate(request)]
+
+    async def run() -> tuple[list[Any], list[Any]]:
+        await actor.start()
+        undisturbed = await collect("a")
+        task = asyncio.ensure_future(collect("b"))
+        await asyncio.sleep(0.5)  # decoding
+        (iid,) = {f.instance for f in actor.flights.values()}
+        executor = actor.specs[iid].executor
+        assert isinstance(executor, SlowBreakableExecutor)
+        executor.broken = True  # the step running now fails as the engine stops
+        actor.views[iid].draining = actor.engines[iid].draining = True
+        await actor._retire(iid)
+        outs = await task
+        await actor.shutdown()
+        return undisturbed, outs
+
+    undisturbed, outs = asyncio.run(asyncio.wait_for(run(), 120))
+    assert outs[-1].finish_reason is not None and outs[-1].finish_reason.value == "length"
+    tokens = [t for o in outs for t in o.new_token_ids]
+    assert tokens == [t for o in undisturbed for t in o.new_token_ids]
