@@ -3,6 +3,7 @@ and refusing a step it cannot serve."""
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -66,7 +67,7 @@ def test_a_whole_prompt_budget_is_the_models_longest_context(tiny_llama: Path) -
     assert activations(None) == activations(longest) > activations(longest // 2)
 
 
-def test_step_beyond_known_tokens_is_refused(tiny_llama: Path) -> None:
+def test_a_step_the_worker_cannot_run_is_refused_naming_why(tiny_llama: Path) -> None:
     worker = ModelWorker(str(tiny_llama), dtype="float32", block_size=4, progress=False)
     worker.load_model()
     worker.init_kv_cache(16)
@@ -74,9 +75,22 @@ def test_step_beyond_known_tokens_is_refused(tiny_llama: Path) -> None:
     sched.add_request(Request("r", [1, 2, 3], SamplingParams(max_tokens=4)))
     out = sched.schedule()
     worker.execute_model(out)
-    out.num_scheduled_tokens["ghost"] = 1  # a request the worker never saw
+    bad = copy.deepcopy(out)
+    bad.num_scheduled_tokens["ghost"] = 1  # a request the worker never saw
     with pytest.raises(RuntimeError, match="never sent to this worker"):
-        worker.execute_model(out)
+        worker.execute_model(bad)
+    bad = copy.deepcopy(out)
+    bad.num_scheduled_tokens["r"] = 5  # past the 3 tokens it was sent
+    with pytest.raises(RuntimeError, match=r"tokens \[0, 5\) scheduled but only 3 are known"):
+        worker.execute_model(bad)
+    bad = copy.deepcopy(out)
+    bad.scheduled_new_reqs[0].block_ids = []  # no block for its tokens
+    with pytest.raises(RuntimeError, match="3 tokens need more than its 0 blocks"):
+        worker.execute_model(bad)
+    bad = copy.deepcopy(sched.schedule())
+    bad.scheduled_cached_reqs.req_ids = ["ghost"]  # a diff for a request it never saw
+    with pytest.raises(RuntimeError, match="diff for unknown request 'ghost'"):
+        worker.execute_model(bad)
     assert worker.health()["ok"]
 
 
