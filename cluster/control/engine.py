@@ -148,7 +148,7 @@ class Lost:
 # How a request ended, for its root span when another process ends it: (finish reason, error,
 # output tokens, wall-clock ns of the end). The end is the engine's instant, not the time its
 # report reached the central actor (a busy or restarting one reads it late).
-Outcome = tuple[str, str | None, int, int]
+EngineOutcome = tuple[str, str | None, int, int]
 
 
 @dataclass
@@ -164,7 +164,7 @@ class EngineReport:
     failure: str | None = None  # the instance failed (the loop stopped)
     rejoined: bool = False  # a fresh loop serves again (after a failure): empty cache
     # How the finished ones ended, for the root span of a request traced across processes.
-    outcomes: dict[str, Outcome] = field(default_factory=dict)
+    outcomes: dict[str, EngineOutcome] = field(default_factory=dict)
     # (internal id, source instance) of KV this decode instance will not read (its local
     # prefix cache had the prompt): the source's lease can end now.
     kv_unread: list[tuple[str, str]] = field(default_factory=list)
@@ -190,7 +190,7 @@ class EndedTrace:
     # actor: an age would grow by the wait).
     arrival_ns: int
     ended_ns: int
-    outcome: Outcome | None  # as ``EngineReport.outcomes``
+    outcome: EngineOutcome | None  # as ``EngineReport.outcomes``
 
 
 def _keep_held(loop: EngineLoop, request_ids: list[str], reason: str) -> None:
@@ -226,7 +226,7 @@ class InstanceEngine:
         self.draining = False  # set by the owner: leaving the cluster
         self.failed: str | None = None  # why the current loop failed (until a rejoin)
         self._finished: list[str] = []  # since the last report
-        self._outcomes: dict[str, Outcome] = {}
+        self._outcomes: dict[str, EngineOutcome] = {}
         self._prefilled: list[Prefilled] = []
         self._tasks: set[asyncio.Task[None]] = set()
         self.loop = self._build_loop()

@@ -30,10 +30,10 @@ from typing import Any
 from cluster.config import ClusterConfig
 from cluster.control.engine import (
     EndedTrace,
+    EngineOutcome,
     EngineReport,
     InstanceEngine,
     Lost,
-    Outcome,
     Placement,
     Prefilled,
     RequestPlace,
@@ -379,7 +379,7 @@ class EngineActor(ClientStreams):
         self.observe.finished(_EndedPrefilled(route, prefilled), final, engine)
         self._report_finished(internal, (reason.value, error, num_tokens, time.time_ns()))
 
-    def _report_finished(self, internal: str, outcome: Outcome) -> None:
+    def _report_finished(self, internal: str, outcome: EngineOutcome) -> None:
         summary = self._engine().loop.summary()
         report = EngineReport(self.instance_id, summary, finished=[internal])
         report.outcomes[internal] = outcome
