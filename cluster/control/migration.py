@@ -25,6 +25,7 @@ from cluster.control.engine import Lost
 from cluster.control.flights import Flight, Outcome, Submission
 from cluster.control.handoffs import HandOffs
 from cluster.control.observer import RequestObserver
+from cluster.control.placement import InstanceSpec
 from cluster.control.summaries import InstanceView
 from scheduler.outputs import EngineCoreOutput
 from scheduler.request import FinishReason
@@ -49,6 +50,7 @@ class Migration:
     _orphans: dict[tuple[str, Submission], tuple[str, str, str]]
     started: bool
     config: ClusterConfig
+    specs: dict[str, InstanceSpec]
     num_moves: int
     observe: RequestObserver
     _place: Callable[[Flight], Coroutine[Any, Any, None]]
@@ -100,6 +102,23 @@ class Migration:
                 len(waiting),
             )
             self._spawn(self._expire_orphans(waiting))
+        spec = self.specs.get(iid)
+        if spec is not None and spec.actors:
+            self._spawn(self._release_workers(iid, spec))
+
+    async def _release_workers(self, iid: str, spec: InstanceSpec) -> None:
+        """A dead engine's instance never serves again (a resize replaces it): its workers,
+        detached, would hold their resources (a GPU) for as long as Ray ran. They go once
+        the reads of their KV in flight (hand-offs the decode side confirmed) have had their
+        lease."""
+        import ray
+
+        await asyncio.sleep(self.config.kv_transfer.effective_lease_s)
+        if self.specs.get(iid) is not spec:  # retired meanwhile (which stopped them)
+            return
+        for actor in spec.actors:
+            ray.kill(actor)
+        logger.info("instance %s: the workers of its dead engine stopped", iid)
 
     async def resume(
         self,

@@ -866,12 +866,27 @@ def test_the_requests_of_a_killed_engine_process_move_on(
         os.kill(_instances(engines)[victim]["engine_pid"], signal.SIGKILL)
         return list(await asyncio.gather(*tasks))
 
+    central = engines._actor_id.hex()
+    workers = [
+        e["name"]
+        for e in ray.util.list_named_actors(all_namespaces=True)
+        if e["name"].startswith(f"tandem-worker/{central}/{victim}/")
+    ]
+    assert workers  # (the check of their end below can fail)
     outs = asyncio.run(asyncio.wait_for(run(), 120))
     assert token_ids(outs) == expected  # resumed after the tokens the client had
     assert all(o.outputs[0].finish_reason == "length" for o in outs)
     stats = ray.get(engines.stats.remote())
     assert stats["num_moves"] > moves and not stats["instances"][victim]["alive"]
     assert "died" in stats["failures"][-1]["reason"]
+
+    # Its workers stop once the reads of their KV had their lease (they held their node's
+    # resources for as long as Ray ran: nothing serves with them again).
+    def workers_gone() -> bool:
+        names = {e["name"] for e in ray.util.list_named_actors(all_namespaces=True)}
+        return not names & set(workers)
+
+    wait_until(workers_gone, 30, "the dead engine's workers to stop")
     resized = asyncio.run(client.scale_pool("d", 2))["instances"]
     assert victim not in resized and len(resized) == 2
     assert token_ids(client.generate(prompts[:2], params)) == expected[:2]
