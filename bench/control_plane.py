@@ -119,6 +119,7 @@ def null_specs(
     tokenizer from it)."""
     info = {
         "max_position_embeddings": 1 << 16,
+        "max_context_len": 1 << 16,
         "num_blocks": num_blocks,
         "block_size": BLOCK_SIZE,
         "model_path": model_path,
