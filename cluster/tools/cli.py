@@ -122,9 +122,10 @@ def _run_up(args: argparse.Namespace) -> int:
             flush=True,
         )
         handle = build_cluster(config, name=name)  # (it kills what it began if cut short)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, SystemExit) as exc:  # (SystemExit: Ray's SIGTERM handler)
+        status = interrupted_while_starting("tandem up", exc)
         ray.shutdown()
-        return interrupted_while_starting("tandem up")
+        return status
     except Exception as exc:  # placement or model loading failed: say why and stop
         print(f"tandem up: {exc}", file=sys.stderr)
         ray.shutdown()

@@ -396,9 +396,10 @@ def run_serve(args: argparse.Namespace) -> int:
         )
         url = start_serve(config, address=args.address, **options)
         stop_on_signals()  # (ray.init set a SIGTERM handler of its own)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, SystemExit) as exc:  # (SystemExit: Ray's SIGTERM handler,
+        status = interrupted_while_starting("tandem serve", exc)  # set by ray.init within)
         _stop(joined)
-        return interrupted_while_starting("tandem serve")
+        return status
     except Exception as exc:
         print(f"tandem serve: {exc}", file=sys.stderr)
         _stop(joined)

@@ -8,7 +8,7 @@ import sys
 import time
 from typing import Any
 
-INTERRUPTED = 130  # the exit status of a start cut short (128 + SIGINT, as shells report)
+_received: list[int] = []  # the signals that stopped this process (the first decides)
 
 
 def stop_on_signals() -> None:
@@ -16,19 +16,29 @@ def stop_on_signals() -> None:
     in the main thread, so that either unwinds through the caller's clean-up. SIGTERM counts
     as Ctrl-C so that a job started in the background of a script (which ignores SIGINT)
     still stops cleanly. Call it again after ``ray.init``, which sets a SIGTERM handler of
-    its own (``sys.exit``)."""
+    its own (``sys.exit``: callers catch that ``SystemExit`` as a stop too)."""
 
     def interrupt(signum: int, frame: Any) -> None:
+        _received.append(signum)
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGINT, interrupt)
     signal.signal(signal.SIGTERM, interrupt)
 
 
-def interrupted_while_starting(command: str) -> int:
-    """Say that a start was cut short (no traceback); the caller takes down what it began."""
+def interrupted_while_starting(command: str, exc: BaseException) -> int:
+    """Say that a start was cut short (no traceback), before the caller takes down what it
+    began, and return the exit status: 128 + the signal's number, as shells report it (130
+    for Ctrl-C, 143 for SIGTERM; ``exc``: the KeyboardInterrupt, or Ray's handler's
+    SystemExit, whose code is the signal's number)."""
+    if _received:
+        signum = _received[0]
+    elif isinstance(exc, SystemExit) and isinstance(exc.code, int):
+        signum = exc.code
+    else:
+        signum = signal.SIGINT
     print(f"\n{command}: interrupted while starting: shutting down", file=sys.stderr, flush=True)
-    return INTERRUPTED
+    return 128 + signum
 
 
 def wait_for_stop() -> None:

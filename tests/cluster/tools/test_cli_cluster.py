@@ -131,6 +131,44 @@ def test_ctrl_c_while_starting_stops_cleanly(tiny_model: Path, tmp_path: Path) -
         assert not _processes_under(env["RAY_TMPDIR"])
 
 
+def test_sigterm_while_serve_starts_takes_everything_down(tiny_model: Path, tmp_path: Path) -> None:
+    """`tandem serve` loads the model inside Serve's deploy, after ``ray.init`` set Ray's own
+    SIGTERM handler (``sys.exit``): a container stop then took nothing down. It stops as
+    Ctrl-C does: exit 143 (128 + SIGTERM), no traceback, nothing left of its Ray."""
+    config = tmp_path / "cluster.yaml"
+    config.write_text(f"model: {tiny_model}\nblock_size: 4\n")
+    tandem = [sys.executable, "-m", "cluster.tools.cli"]
+    port, grpc_port = free_port(), free_port()
+    args = ["--port", str(port), "--grpc-port", str(grpc_port), "--num-cpus", "2"]
+    with own_ray_env("tandem-cli-") as env:
+        serve = subprocess.Popen(
+            [*tandem, "serve", str(config), *args, "--object-store-mb", "80"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        try:
+            _until_ready(serve, "starting Tandem", 120)
+            deadline = time.monotonic() + 120
+            while not _processes_under(env["RAY_TMPDIR"]):  # Ray is up: Serve deploys
+                assert serve.poll() is None and time.monotonic() < deadline
+                time.sleep(0.2)
+            time.sleep(3)
+            serve.send_signal(signal.SIGTERM)
+            rest, _ = serve.communicate(timeout=180)
+        finally:
+            if serve.poll() is None:
+                serve.kill()
+        assert "ready:" not in rest, "it had started: the signal came too late to test"
+        assert serve.returncode == 143, rest
+        assert "interrupted while starting" in rest and "Traceback" not in rest, rest
+        deadline = time.monotonic() + 30
+        while _processes_under(env["RAY_TMPDIR"]) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not _processes_under(env["RAY_TMPDIR"])
+
+
 def test_ctrl_c_while_starting_on_a_joined_ray_leaves_no_detached_actor(
     ray_cluster: Any, tiny_model: Path, tmp_path: Path
 ) -> None:
@@ -172,12 +210,13 @@ def test_ctrl_c_while_starting_on_a_joined_ray_leaves_no_detached_actor(
             assert up.poll() is None, up.communicate()[0]
             assert time.monotonic() < deadline
             time.sleep(0.2)
-        up.send_signal(signal.SIGINT)
+        up.send_signal(signal.SIGTERM)  # (a container stop: as Ctrl-C, not Ray's handler)
         rest, _ = up.communicate(timeout=120)
     finally:
         if up.poll() is None:
             up.kill()
-    assert up.returncode == 130, rest
+    assert up.returncode == 143, rest  # 128 + SIGTERM
+    assert "interrupted while starting" in rest and "Traceback" not in rest, rest
     deadline = time.monotonic() + 30
     while detached() - before and time.monotonic() < deadline:
         time.sleep(0.5)
