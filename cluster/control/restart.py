@@ -16,7 +16,8 @@ its state -- an engine's report, a client's keep-alive or submit -- starts the r
 
 Calls that arrive meanwhile wait for it (``submit`` at most ``RECOVERY_WAIT_S``, then a clear
 ``UnavailableError``: HTTP 503). A rebuild that fails leaves 503s naming why, and the
-process ends ``REBUILD_RETRY_S`` later for Ray to start a fresh one that tries again. The
+process ends ``REBUILD_RETRY_S`` later for Ray to start a fresh one that tries again (with
+no engine left at all, the actor ends for good: a fresh one would fail alike). The
 LoRA registry, adapters loaded at run time included, comes from the engines, which keep the
 central actor's copy. So do the root spans of traced
 requests in flight (made again with the same ids: the engines' spans name them as their
@@ -32,6 +33,7 @@ import asyncio
 import itertools
 import logging
 import os
+import sys
 import time
 from typing import Any
 
@@ -112,18 +114,34 @@ class Restart:
             # process tries again (a transient failure -- engines unavailable for a moment,
             # the GCS slow -- left the cluster answering 503 for good, its engines and
             # workers kept alive by this one answering their watch).
+            # With no engine left at all a fresh process would fail alike, for ever: this
+            # actor ends for good instead, and Serve's health check of the app's cluster
+            # (``TandemCluster``) fails and builds a new one.
+            final = isinstance(sys.exc_info()[1], NothingToRebuild)
             logger.exception(
-                "the central scheduler could not rebuild its state; its process ends in %g s "
-                "for Ray to start a fresh one",
+                "the central scheduler could not rebuild its state; in %g s its %s",
                 REBUILD_RETRY_S,
+                "actor ends for good" if final else "process ends for Ray to start a fresh one",
             )
-            asyncio.get_running_loop().call_later(REBUILD_RETRY_S, _end_process)
+            end = _end_for_good if final else _end_process
+            asyncio.get_running_loop().call_later(REBUILD_RETRY_S, end)
             raise
         finally:
             self.recovering = False
             held, self._held_reports = self._held_reports, []
             for report in held:  # what the engines said meanwhile
                 self._on_report(report)
+
+
+class NothingToRebuild(RuntimeError):
+    """No engine actor is left: the cluster cannot come back (a new one must be built)."""
+
+
+def _end_for_good() -> None:
+    """End this actor without a restart."""
+    import ray
+
+    ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
 
 
 def _end_process() -> None:
@@ -204,8 +222,10 @@ async def rebuild(actor: Any) -> None:
         pool, _, index = iid.rpartition("-")
         if index.isdigit():
             actor._last_index[pool] = max(actor._last_index.get(pool, -1), int(index))
-    if not found:
-        raise RuntimeError("no engine actor left to rebuild the cluster from")
+    if not found and not spared:
+        raise NothingToRebuild("no engine actor left to rebuild the cluster from")
+    if not found:  # (they may answer a fresh process)
+        raise RuntimeError(f"no engine actor answered ({len(spared)} did not, for now)")
     found.sort(key=lambda pair: pair[1].spec.instance_id)
     actor.max_model_len = found[0][1].max_model_len
     if actor.config.disaggregated:

@@ -128,19 +128,28 @@ def test_operator_calls_wait_for_the_rebuild(monkeypatch: pytest.MonkeyPatch) ->
     assert not actor.recovering  # (refused by the rebuilt actor, not the empty one)
 
 
-def test_a_failed_rebuild_ends_the_process_for_a_fresh_one(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("final", [False, True])
+def test_a_failed_rebuild_ends_the_process_for_a_fresh_one(
+    monkeypatch: pytest.MonkeyPatch, final: bool
+) -> None:
     """Its state half rebuilt, the actor does not try again in place: its calls answer 503
     naming why, and a little later its process ends, for Ray to start a fresh one
     (max_restarts) that tries again -- it answered 503 for good, and kept its engines and
-    workers alive by answering their watch."""
-    ended: list[float] = []
+    workers alive by answering their watch. With no engine left at all a fresh one would fail
+    alike, for ever: the actor ends for good (the app's health check then builds anew)."""
+    ended: list[tuple[str, float]] = []
     monkeypatch.setattr(restart, "REBUILD_RETRY_S", 0.2, raising=False)
-    monkeypatch.setattr(
-        restart, "_end_process", lambda: ended.append(time.monotonic()), raising=False
+    for how in ("_end_process", "_end_for_good"):
+        record = lambda how=how: ended.append((how, time.monotonic()))  # noqa: E731
+        monkeypatch.setattr(restart, how, record, raising=False)
+    error = (
+        restart.NothingToRebuild("no engine actor left to rebuild the cluster from")
+        if final
+        else RuntimeError("no engine actor answered (2 did not, for now)")
     )
 
     async def failing(actor: object) -> None:
-        raise RuntimeError("no engine actor left to rebuild the cluster from")
+        raise error
 
     monkeypatch.setattr(restart, "rebuild", failing)
 
@@ -150,7 +159,7 @@ def test_a_failed_rebuild_ends_the_process_for_a_fresh_one(monkeypatch: pytest.M
 
     async def run() -> float:
         actor = _Actor()
-        with pytest.raises(UnavailableError, match="no engine actor left"):
+        with pytest.raises(UnavailableError, match="no engine actor"):
             await actor._ready()
         failed = time.monotonic()
         assert not ended  # not at once: its calls say why meanwhile
@@ -158,4 +167,5 @@ def test_a_failed_rebuild_ends_the_process_for_a_fresh_one(monkeypatch: pytest.M
         return failed
 
     failed = asyncio.run(run())
-    assert len(ended) == 1 and ended[0] - failed >= 0.1
+    assert len(ended) == 1 and ended[0][1] - failed >= 0.1
+    assert ended[0][0] == ("_end_for_good" if final else "_end_process")
