@@ -31,7 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from cluster.config import ClusterConfig, served_model_name
 from cluster.serving.agent_fields import FieldError
 from cluster.serving.auth import AdminAccess, KeyCheck, check_api_key, set_access
-from cluster.serving.errors import APIError
+from cluster.serving.errors import APIError, api_error
 from cluster.serving.generation_config import sampling_defaults
 from cluster.serving.limits import BodyLimit, BodyTooLarge, body_too_large, set_max_body_bytes
 from cluster.serving.openai_protocol import (
@@ -193,7 +193,9 @@ class OpenAIIngress:
         if client is not None and await client.gone():
             logger.warning("the cluster is gone: the next request connects to its successor")
             if self._client is client:
-                self._serving = self._client = None
+                old, self._serving, self._client = self._serving, None, None
+                if old is not None:
+                    old.close()
 
     async def serving(self) -> OpenAIServing:
         """Connect to the SchedulerActor on first use (it is ready once the app is)."""
@@ -203,8 +205,11 @@ class OpenAIIngress:
                     from cluster.control.client import ClusterClient
                     from kv_transfer.tracing import init_tracing
 
-                    handle = await self._cluster.scheduler.remote()
-                    info = await handle.model_info.remote()
+                    try:
+                        handle = await self._cluster.scheduler.remote()
+                        info = await handle.model_info.remote()
+                    except Exception as exc:  # a cluster gone, not replaced yet: 503
+                        raise api_error(exc) from None
                     client = await asyncio.to_thread(ClusterClient, handle, None, info)
                     tracer = init_tracing(self._config.tracing, "ingress")
                     defaults = sampling_defaults(

@@ -96,6 +96,10 @@ class OpenAIServing(RequestChecks):
         # The format ``tool_choice: auto`` parses (the template's own, or the override).
         self.tool_parser = parser_for(self.tokenizer.chat_template, tool_call_parser)
 
+    def close(self) -> None:
+        """Let go of its threads (its engine is gone: the owner made a new one)."""
+        self._preprocess.shutdown(wait=False, cancel_futures=True)
+
     async def _off_loop(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._preprocess, fn, *args)
 
