@@ -55,6 +55,7 @@ class Admitter:
         self.cfg = state.scheduler_config
         self.kv = state.kv_cache_manager
         self.queue_blocked = False  # this step: a loaded request blocks the waiting queue
+        self._blocker: Request | None = None  # ... the best-ranked of those that block it
 
     # -- holding: remote KV loaded (or loading) ------------------------------------------
     def schedule_holding(self) -> None:
@@ -63,7 +64,7 @@ class Admitter:
         ``holding`` (replaced by the requests left in it) and, for each admitted, ``running``
         and the batch."""
         state = self.state
-        self.queue_blocked = False
+        self.queue_blocked, self._blocker = False, None
         if not state.holding:
             return
         still: list[Request] = []
@@ -89,7 +90,7 @@ class Admitter:
             # been passed over its bound. Otherwise new requests kept enough decodes running
             # that it never got the budget, holding its loaded blocks all along.
             if cfg.strict_fcfs or self._skip_or_stop(request, False) is Verdict.STOP:
-                self.queue_blocked = True
+                self._block_queue(request)
             return False
         # As for a waiting request (``_try_admit``): room made by priority first; an adapter
         # slot that stays taken ages the request until it blocks the waiting queue (the
@@ -103,7 +104,7 @@ class Admitter:
                 return False
         elif self._lora_full(request):
             if not cfg.strict_fcfs and self._skip_or_stop(request, False) is Verdict.STOP:
-                self.queue_blocked = True
+                self._block_queue(request)
             return False
         # No watermark: the watermark keeps room for running requests when admitting new
         # work, and this request already holds its prompt's blocks.
@@ -115,6 +116,19 @@ class Admitter:
         request.num_skipped_steps = 0
         batch.admit(request, n, request.num_computed_tokens, blocks)
         return True
+
+    def _block_queue(self, request: Request) -> None:
+        """Waiting requests that rank after ``request`` wait for it (it holds its blocks):
+        later arrivals, or under ``priority`` worse-ranked ones. Better-ranked ones go
+        first, as they would in vLLM's one ordered queue."""
+        if self._blocker is None or self._rank(request) < self._rank(self._blocker):
+            self._blocker = request
+        self.queue_blocked = True
+
+    def _rank(self, request: Request) -> tuple[float, ...]:
+        if self.cfg.policy == "priority":
+            return (request.priority, request.arrival_time)
+        return (request.arrival_time,)
 
     def _holding_plan(self, request: Request) -> Plan:
         n = self.batch.clip(request.num_tokens - request.num_computed_tokens)
@@ -141,10 +155,15 @@ class Admitter:
         ``max_skip_steps`` times (then it blocks the queue, as in vLLM). Mutates ``waiting``,
         ``running``, ``holding`` (async loads started), block tables and the batch."""
         state = self.state
-        if self.queue_blocked:  # a loaded request waited its bound for an adapter slot
-            return
+        # A loaded request that cannot run (an adapter slot, the budget) blocks the ones that
+        # rank after it (``_block_queue``).
+        blocker = self._blocker if self.queue_blocked else None
         skipped: list[Request] = []
         while state.waiting and self.batch.token_budget > 0:
+            if blocker is not None and self._rank(state.waiting.peek_request()) >= self._rank(
+                blocker
+            ):
+                break
             request = state.waiting.pop_request()
             verdict = self._try_admit(request)
             if verdict is Verdict.SKIP:

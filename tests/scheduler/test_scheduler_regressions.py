@@ -522,6 +522,42 @@ def test_a_loaded_request_too_big_for_the_budget_left_is_not_starved(strict_fcfs
     drain(s)
 
 
+def test_a_loaded_request_blocks_only_the_waiting_requests_that_rank_after_it() -> None:
+    """Under ``priority`` a loaded request that cannot run yet (chunked prefill off, too
+    little budget) holds back the waiting requests that rank after it, not better-priority
+    ones: they go first, as in vLLM's one ordered queue."""
+    from tests.scheduler.helpers import fresh_prompt
+
+    s = make_scheduler(
+        connector=InMemoryConnector(),
+        policy="priority",
+        enable_chunked_prefill=False,
+        strict_fcfs=True,  # (it blocks at once)
+        max_model_len=32,
+        max_num_batched_tokens=32,
+        max_num_seqs=16,
+        num_blocks=200,
+    )
+    for k in range(8):
+        s.add_request(make_request(fresh_prompt(4), req_id=f"bg{k}", max_tokens=20, priority=5))
+    step(s)
+    params = {**REMOTE, "remote_num_tokens": 4}
+    h = make_request(
+        fresh_prompt(30), req_id="H", max_tokens=2, kv_transfer_params=params, priority=5
+    )
+    s.add_request(h)
+    step(s)  # its load starts
+    step(s, finished_recving={"H"})  # its load ended (reported with this step's output)
+    better = make_request(fresh_prompt(4), req_id="better", max_tokens=2, priority=0)
+    worse = make_request(fresh_prompt(4), req_id="worse", max_tokens=2, priority=9)
+    _add(s, better, worse)
+    out, _ = step(s)  # loaded: 26 to compute, 24 of the budget left by the decodes
+    assert "H" not in out.num_scheduled_tokens and not h.awaiting_remote_kvs
+    assert "better" in out.num_scheduled_tokens  # ranks before it
+    assert "worse" not in out.num_scheduled_tokens  # waits for it
+    drain(s)
+
+
 def test_priority_preemption_with_chunked_prefill_off_counts_the_victims_budget() -> None:
     """At ``max_num_seqs`` with chunked prefill off, a better-priority prompt that fits the
     step's budget only with the victim's tokens given back preempts the victim (DESIGN
