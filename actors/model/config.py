@@ -100,7 +100,10 @@ class ModelConfig:
             else ((int(eos),) if eos is not None else ())
         )
         head_dim = cfg.get("head_dim") or hidden // heads
-        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+        # Qwen2 configs name a window they do not use unless ``use_sliding_window`` says so
+        # (transformers' default there: False); Mistral's is used when set.
+        windowed = cfg.get("use_sliding_window", model_type != "qwen2")
+        window = cfg.get("sliding_window") if windowed else None
         return cls(
             model_type=model_type,
             vocab_size=int(cfg["vocab_size"]),

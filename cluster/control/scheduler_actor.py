@@ -234,8 +234,8 @@ class SchedulerActor(Intake, KVPeers, Migration, Restart, ClusterOperations):
         if wanted is not None and wanted > cap:
             raise ValueError(
                 f"max_model_len ({wanted}) exceeds what the smallest instance holds ({cap} "
-                "tokens: its KV cache, or the model's max_position_embeddings, or its sliding "
-                "window when smaller)"
+                "tokens: its KV cache, or the model's positions -- max_position_embeddings, "
+                "stretched by rope scaling -- or its sliding window when smaller)"
             )
         return wanted or cap
 
