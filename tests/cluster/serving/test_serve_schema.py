@@ -9,7 +9,8 @@ is reported as the exact request, a curl command), every call limited to ``TIMEO
 (event streams are read to their end). The model is tiny with a short context, and the limit is
 a hang's, not a speed target: the longest generation the schema allows (``n`` 6 streamed with
 logprobs, the whole context) took 30 s on a CI machine with AVX2 only, so the limit has
-room for a machine slower still.
+room for a machine slower still. A test's requests together stay within pytest's timeout
+(``pyproject.toml``; the edge cases took 167 s there, on that machine, under load).
 Each POST route also gets 4 invalid bodies of their own (negative mode), so that what the mix
 draws never leaves a route without them. Each route's cases come from ``operation.as_strategy``
 under a plain ``@given`` (schemathesis'
