@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import Any
 
 from cluster.config import ClusterConfig
@@ -113,28 +114,40 @@ def build_cluster(
     except BaseException:  # (a failed start, or Ctrl-C while it ran)
         ray.kill(handle)
         if config.engine_actors:  # its workers and engines are detached: they outlive it
-            kill_detached(handle._actor_id.hex(), namespace)
+            kill_detached(handle)
         raise
     logger.info("cluster %s ready: %s", name, described)
     return handle
 
 
-def kill_detached(central_actor_id: str, namespace: str) -> list[str]:
-    """Kill the detached actors (workers, engines) of a central scheduler that is gone for
-    good; returns their names. (A restartable one's outlive it on purpose: a start cut
-    short, though, left them holding their nodes' resources for as long as Ray ran.)"""
+def kill_detached(handle: Any, timeout_s: float = 10.0) -> list[str]:
+    """Kill the detached actors (workers, engines) of a central scheduler ``handle`` that
+    was killed for good; returns their names. (A restartable one's outlive it on purpose: a
+    start cut short, though, left them holding their nodes' resources for as long as Ray
+    ran.) They are listed once it is dead (``ray.kill`` does not wait): one it created in
+    between would be missed. Their names hold its actor id, unique across namespaces."""
     import ray
 
     from cluster.control.placement import worker_actor_prefix
     from cluster.control.remote_engine import engine_actor_prefix
 
-    prefixes = (worker_actor_prefix(central_actor_id), engine_actor_prefix(central_actor_id))
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(handle.__ray_ready__.remote(), timeout=1.0)
+        except ray.exceptions.RayActorError:
+            break  # dead
+        except ray.exceptions.GetTimeoutError:
+            continue
+        time.sleep(0.05)
+    central = handle._actor_id.hex()
+    prefixes = (worker_actor_prefix(central), engine_actor_prefix(central))
     killed = []
     for entry in ray.util.list_named_actors(all_namespaces=True):
-        if entry["namespace"] != namespace or not entry["name"].startswith(prefixes):
+        if not entry["name"].startswith(prefixes):
             continue
         try:
-            ray.kill(ray.get_actor(entry["name"], namespace=namespace))
+            ray.kill(ray.get_actor(entry["name"], namespace=entry["namespace"]))
         except ValueError:  # gone meanwhile
             continue
         killed.append(entry["name"])
@@ -203,3 +216,6 @@ def shutdown_cluster(handle: Any) -> None:
         ray.get(handle.shutdown.remote(), timeout=60)
     finally:
         ray.kill(handle)
+        # What its shutdown did not stop (it timed out, or the actor was gone): its detached
+        # workers and engines, if it ran any.
+        kill_detached(handle)
