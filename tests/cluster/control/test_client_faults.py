@@ -266,6 +266,14 @@ def test_only_an_actor_dead_for_good_is_gone(ray_cluster: RayCluster) -> None:
     assert not asyncio.run(actor_gone(actor, 30))
     ray.kill(actor, no_restart=False)  # it restarts: the same handle serves again
     assert not asyncio.run(actor_gone(actor, 30))
-    assert ray.get(actor.pid.remote()) != first  # (it did restart)
+
+    def restarted() -> bool:
+        try:
+            return bool(ray.get(actor.pid.remote()) != first)
+        except ray.exceptions.ActorUnavailableError:  # (restarting still)
+            return False
+
+    wait_until(restarted, 30, "the actor to restart")
+    assert not asyncio.run(actor_gone(actor, 30))
     ray.kill(actor)  # for good, as `tandem down` does
     wait_until(lambda: asyncio.run(actor_gone(actor, 30)), 30, "the killed actor to be gone")
