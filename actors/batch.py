@@ -6,7 +6,10 @@ step whose input tokens the scheduler does not know yet (async scheduling) still
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import overload
 
 from actors.structured_output import GrammarState
 from scheduler import SchedulerOutput
@@ -122,3 +125,28 @@ def collect_batch(
             )
         batch.append(Scheduled(state, start, num_tokens))
     return batch
+
+
+class TokenSpan(Sequence[int]):
+    """``tokens[start:stop]`` without the copy: a request's prompt or outputs so far, as a
+    sampling row sees them. Most rows only need its length (min_tokens, a seed's draw), and
+    slicing every row's whole context every step cost milliseconds at long contexts. The
+    bounds are fixed when it is made; the list may grow past ``stop`` (this step's token)."""
+
+    __slots__ = ("_start", "_stop", "_tokens")
+
+    def __init__(self, tokens: list[int], start: int, stop: int) -> None:
+        self._tokens, self._start, self._stop = tokens, start, stop
+
+    def __len__(self) -> int:
+        return self._stop - self._start
+
+    def __iter__(self) -> Iterator[int]:
+        return itertools.islice(self._tokens, self._start, self._stop)
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[int]: ...
+    def __getitem__(self, index: int | slice) -> int | list[int]:
+        return self._tokens[self._start : self._stop][index]  # (rare: tests, logging)

@@ -23,9 +23,8 @@ worker or resumed after preemption continues exactly where it was.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import overload
 
 import numpy as np
 import torch
@@ -39,31 +38,6 @@ _GREEDY_TEMPERATURE = 1e-5
 # fall back to a full sort (a full sort of 64 x 49152 logits costs ~10x a top-256 on CPU).
 _PARTIAL_TOPK = 256
 _MASK64 = (1 << 64) - 1
-
-
-class TokenSpan(Sequence[int]):
-    """``tokens[start:stop]`` without the copy: a request's prompt or outputs so far, as a
-    sampling row sees them. Most rows only need its length (min_tokens, a seed's draw), and
-    slicing every row's whole context every step cost milliseconds at long contexts. The
-    bounds are fixed when it is made; the list may grow past ``stop`` (this step's token)."""
-
-    __slots__ = ("_start", "_stop", "_tokens")
-
-    def __init__(self, tokens: list[int], start: int, stop: int) -> None:
-        self._tokens, self._start, self._stop = tokens, start, stop
-
-    def __len__(self) -> int:
-        return self._stop - self._start
-
-    def __iter__(self) -> Iterator[int]:
-        return itertools.islice(self._tokens, self._start, self._stop)
-
-    @overload
-    def __getitem__(self, index: int) -> int: ...
-    @overload
-    def __getitem__(self, index: slice) -> list[int]: ...
-    def __getitem__(self, index: int | slice) -> int | list[int]:
-        return self._tokens[self._start : self._stop][index]  # (rare: tests, logging)
 
 
 @dataclass

@@ -16,14 +16,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from actors.batch import RequestState, Scheduled, collect_batch, update_requests
+from actors.batch import RequestState, Scheduled, TokenSpan, collect_batch, update_requests
 from actors.cores import CoreShare
 from actors.model.attention import AttentionMetadata, TorchAttention, select_backend
 from actors.model.llama import LlamaForCausalLM
 from actors.model.loader import DEFAULT_DENSE_MIN_ROWS, load_model, resolve_model_path
 from actors.pipeline import IntermediateOutput, stage_report
 from actors.prompt_logprobs import prompt_logprobs
-from actors.sampler import Sampler, SamplingRow, TokenSpan
+from actors.sampler import Sampler, SamplingRow
 from actors.structured_output import WorkerGrammars
 from scheduler import LoRAConfig, ModelRunnerOutput, SchedulerOutput
 from scheduler.outputs import TokenLogprobs

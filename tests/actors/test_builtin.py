@@ -22,9 +22,7 @@ needs_builtin = pytest.mark.skipif(
 @pytest.fixture(scope="module")
 def smollm() -> LLM:
     # Dense: the logits test below holds transformers to the dequantized weights.
-    return LLM(
-        dtype="float32", quantization="none", progress=False, kv_cache_memory_bytes=64 << 20
-    )
+    return LLM(dtype="float32", quantization="none", progress=False, kv_cache_memory_bytes=64 << 20)
 
 
 @needs_builtin

@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 import torch
 
+from actors.batch import TokenSpan
 from actors.sampler import (
     Sampler,
     SamplingRow,
-    TokenSpan,
     _apply_penalties,
     _top_k_top_p_thresholds,
     draw_seed,
