@@ -18,6 +18,14 @@ from tests.cluster.conftest import free_port, own_ray_env
 pytest.importorskip("ray")
 
 
+def _tandem(*args: str, env: dict[str, str] | None = None) -> Any:
+    """A ``tandem`` command running, its output (stderr too) readable as text."""
+    command = [sys.executable, "-m", "cluster.tools.cli", *args]
+    return subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
 def _until_ready(process: Any, prefix: str, timeout_s: float) -> list[str]:
     """The lines a ``tandem`` command printed up to the one starting with ``prefix``."""
     lines: list[str] = []
@@ -48,13 +56,7 @@ def test_up_generate_and_ctrl_c(tiny_model: Path, tmp_path: Path) -> None:
 
 def _up_generate_scale_and_stop(config: Path, env: dict[str, str]) -> None:
     tandem = [sys.executable, "-m", "cluster.tools.cli"]
-    up = subprocess.Popen(
-        [*tandem, "up", str(config), "--num-cpus", "2", "--object-store-mb", "80"],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    up = _tandem("up", str(config), "--num-cpus", "2", "--object-store-mb", "80", env=env)
     try:
         lines = _until_ready(up, "ready", 120)
         assert any("p-0: prefill" in x for x in lines) and any("d-0: decode" in x for x in lines)
@@ -105,15 +107,8 @@ def test_ctrl_c_while_starting_stops_cleanly(tiny_model: Path, tmp_path: Path) -
     the workers and the Ray it started -- and says so: exit 130, no traceback."""
     config = tmp_path / "cluster.yaml"
     config.write_text(f"model: {tiny_model}\nblock_size: 4\n")
-    tandem = [sys.executable, "-m", "cluster.tools.cli"]
     with own_ray_env("tandem-cli-") as env:
-        up = subprocess.Popen(
-            [*tandem, "up", str(config), "--num-cpus", "2", "--object-store-mb", "80"],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
+        up = _tandem("up", str(config), "--num-cpus", "2", "--object-store-mb", "80", env=env)
         try:
             _until_ready(up, "starting cluster", 120)  # Ray is up; the cluster is building
             assert _processes_under(env["RAY_TMPDIR"])  # (the check below can fail)
@@ -137,17 +132,10 @@ def test_sigterm_while_serve_starts_takes_everything_down(tiny_model: Path, tmp_
     Ctrl-C does: exit 143 (128 + SIGTERM), no traceback, nothing left of its Ray."""
     config = tmp_path / "cluster.yaml"
     config.write_text(f"model: {tiny_model}\nblock_size: 4\n")
-    tandem = [sys.executable, "-m", "cluster.tools.cli"]
     port, grpc_port = free_port(), free_port()
     args = ["--port", str(port), "--grpc-port", str(grpc_port), "--num-cpus", "2"]
     with own_ray_env("tandem-cli-") as env:
-        serve = subprocess.Popen(
-            [*tandem, "serve", str(config), *args, "--object-store-mb", "80"],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
+        serve = _tandem("serve", str(config), *args, "--object-store-mb", "80", env=env)
         try:
             _until_ready(serve, "starting Tandem", 120)
             deadline = time.monotonic() + 120
@@ -195,14 +183,8 @@ def test_ctrl_c_while_starting_on_a_joined_ray_leaves_no_detached_actor(
         return {n for n in names if n.startswith(("tandem-worker/", "tandem-engine/"))}
 
     before = detached()
-    tandem = [sys.executable, "-m", "cluster.tools.cli"]
     address = ray_cluster.cluster.address
-    up = subprocess.Popen(
-        [*tandem, "up", str(config), "--address", address, "--name", "ctrl-c-joined"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    up = _tandem("up", str(config), "--address", address, "--name", "ctrl-c-joined")
     try:
         _until_ready(up, "starting cluster", 120)
         deadline = time.monotonic() + 120
