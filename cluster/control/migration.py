@@ -185,7 +185,9 @@ class Migration:
 
     async def _move(self, iid: str, lost: list[Lost], reason: str) -> None:
         """Place requests an instance lost again: re-prefilled elsewhere from prompt + the
-        tokens their clients have."""
+        tokens their clients have. They are placed side by side, in their order: one that
+        waits for its adapter to load (``_place``) holds up none of the others."""
+        moving: list[Coroutine[Any, Any, None]] = []
         for item in lost:
             flight = self._internal.get(item.internal_id)
             if flight is None or flight.instance != iid:
@@ -207,11 +209,15 @@ class Migration:
             flight.num_moves += 1
             self.num_moves += 1
             self.observe.moved(flight, reason)
-            try:
-                await self._place(flight)
-            except Exception as exc:
-                error = f"{reason}; the request could not move: {exc}"
-                self._end(flight, FinishReason.ERROR, error, tokens=flight.sent)
+            moving.append(self._move_one(flight, reason))
+        await asyncio.gather(*moving)
+
+    async def _move_one(self, flight: Flight, reason: str) -> None:
+        try:
+            await self._place(flight)
+        except Exception as exc:
+            error = f"{reason}; the request could not move: {exc}"
+            self._end(flight, FinishReason.ERROR, error, tokens=flight.sent)
 
     def _end_flight(self, flight: Flight, error: str) -> None:
         """End a flight with an error from the actor (its engine is gone)."""

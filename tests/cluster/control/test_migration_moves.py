@@ -1,0 +1,67 @@
+"""``Migration._move`` places the requests a dead instance lost side by side: one whose
+adapter is slow to load (or never loads) holds up none of the others."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+from typing import Any
+
+from cluster.control.engine import Lost
+from cluster.control.flights import Flight
+from cluster.control.migration import Migration
+from scheduler import FinishReason, Request, SamplingParams
+
+
+class Moves(Migration):
+    """The mixin with what it uses of the actor; ``_place`` stands in for routing (a request
+    named in ``stuck`` waits for an adapter load that does not end, ``bad`` fails)."""
+
+    def __init__(self, flights: list[Flight], stuck: set[str], bad: set[str]) -> None:
+        self._internal = {f.internal_id: f for f in flights}
+        self.config: Any = SimpleNamespace(engine_actors=False)
+        self.num_moves = 0
+        self.observe: Any = SimpleNamespace(moved=lambda flight, reason: None)
+        self.placed: list[str] = []
+        self.ended: list[tuple[str, str]] = []
+        self.stuck, self.bad = stuck, bad
+        self.release = asyncio.Event()
+
+    async def _place(self, flight: Flight) -> None:
+        rid = flight.request.request_id
+        if rid in self.stuck:
+            await self.release.wait()
+        if rid in self.bad:
+            raise RuntimeError("no decode instance is alive")
+        self.placed.append(rid)
+
+    def _end(self, flight: Flight, reason: FinishReason, error: str = "", **_: Any) -> None:
+        self.ended.append((flight.request.request_id, error))
+
+
+def flight(rid: str) -> Flight:
+    request = Request(rid, [1, 2, 3], SamplingParams(max_tokens=8))
+    return Flight(request, None, None, "d-0", "decode", internal_id=f"{rid}@1")
+
+
+def test_a_request_whose_adapter_load_hangs_holds_up_none_of_the_others() -> None:
+    async def main() -> Moves:
+        flights = [flight(rid) for rid in "abcd"]
+        moves = Moves(flights, stuck={"a"}, bad={"c"})
+        lost = [Lost(f.internal_id, [5, 6], None, None, None, None) for f in flights]
+        task = asyncio.ensure_future(moves._move("d-0", lost, "the engine died"))
+        for _ in range(20):
+            await asyncio.sleep(0)
+        # The others are placed (or failed) in their order while "a" still waits.
+        assert moves.placed == ["b", "d"]
+        assert [rid for rid, _ in moves.ended] == ["c"]
+        assert "the request could not move: no decode instance is alive" in moves.ended[0][1]
+        assert not task.done()
+        moves.release.set()
+        await asyncio.wait_for(task, 5)
+        return moves
+
+    moves = asyncio.run(main())
+    assert moves.placed == ["b", "d", "a"]
+    assert moves.num_moves == 4
+    assert all(f.sent == [5, 6] and f.num_moves == 1 for f in moves._internal.values())
