@@ -345,21 +345,37 @@ def triage(
     copy is dropped; so is a second copy of any request (a move's new copy and the old). A
     prefilled copy of a request that already ended on its decode engine (``ended``: the
     report that confirmed its hand-off reached the previous process, its ``handed_off`` op
-    to the prefill engine did not) is dropped too, not handed off again."""
+    to the prefill engine did not) is dropped too, not handed off again. So is a copy of an
+    earlier submission under an id its client used again (the client ended it -- a client
+    never has two open requests under one id -- but its abort died with the previous process):
+    the client streams the newest one only."""
     order = sorted(held, key=lambda pair: pair[1].prefilled is not None)
+    newest: dict[tuple[str, str], Any] = {}  # (client, request id) -> its last submission
+    for _, h in held:
+        key = (h.route.client_id, h.route.client_request_id)
+        if key not in newest or _later(h.route.submission, newest[key]):
+            newest[key] = h.route.submission
     taken: dict[str, tuple[str, Any]] = {}  # client request id -> (client, submission)
     out = []
     for iid, h in order:
         route = h.route
         mine = (route.client_id, route.submission)
-        if (h.prefilled is not None and mine in ended) or taken.get(
-            route.client_request_id
-        ) == mine:
+        if (
+            (h.prefilled is not None and mine in ended)
+            or taken.get(route.client_request_id) == mine
+            or newest[(route.client_id, route.client_request_id)] != route.submission
+        ):
             out.append((iid, h, False))
             continue
         taken[route.client_request_id] = mine
         out.append((iid, h, True))
     return out
+
+
+def _later(submission: Any, than: Any) -> bool:
+    """Whether a client made ``submission`` after ``than`` (its tags count up; a tag that is a
+    request id, not a count, is never later)."""
+    return isinstance(submission, int) and isinstance(than, int) and submission > than
 
 
 def _remade_trace(actor: Any, carrier: dict[str, str] | None, request: Any) -> Any:

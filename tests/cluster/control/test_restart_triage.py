@@ -68,3 +68,19 @@ def test_an_engine_lists_the_requests_that_ended_there_not_those_handed_off() ->
     # What the snapshot carries is what triage takes: the prefilled copy elsewhere is dropped.
     out = triage([("p-0", held("a", "a@0", prefilled=True))], set(past.ended()))
     assert decisions(out) == [("p-0", "a@0", False)]
+
+
+def test_an_earlier_submission_under_a_reused_id_is_dropped_in_any_order() -> None:
+    # The client aborted "a" (submission 1) and sent "a" again (submission 2); the abort died
+    # with the previous process, so the engines hold both. The client streams the second
+    # only: taking the first on too would make it the flight its aborts and ends reach.
+    old = ("d-0", held("a", "a@1", prefilled=False, sub=1))
+    new = ("d-1", held("a", "a@2", prefilled=False, sub=2))
+    for found in ([old, new], [new, old]):
+        assert sorted(decisions(triage(found, set()))) == [
+            ("d-0", "a@1", False),
+            ("d-1", "a@2", True),
+        ]
+    # Another client's request under the same id is its own.
+    other = ("d-2", held("a", "a@3", prefilled=False, client="other", sub=1))
+    assert ("d-2", "a@3", True) in decisions(triage([old, new, other], set()))
