@@ -183,7 +183,9 @@ def get_or_build_cluster(
     ``serve`` may differ), else a new one. A new one is detached: its lifetime is
     explicit, it outlives whoever asked for it (a Serve replica replaced by a redeploy) until
     ``shutdown_cluster`` (``tandem down``). ``ValueError`` when ``name`` runs with other
-    settings: they cannot change under running requests."""
+    settings: they cannot change under running requests. One found still starting (another
+    replica builds it) is returned once started; one whose builder died before starting it,
+    or whose start failed and was left, is started here."""
     import ray
 
     try:
@@ -197,6 +199,7 @@ def get_or_build_cluster(
             f"first (tandem down --name {name}), or deploy with its settings: only the "
             "ingress's serve fields (key, ports, replicas) may change under a running cluster"
         )
+    ray.get(handle.start.remote())  # (at once when it is started)
     logger.info("cluster %s is running: reused", name)
     return handle
 

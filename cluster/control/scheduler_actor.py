@@ -103,6 +103,7 @@ class SchedulerActor(Intake, KVPeers, Migration, Restart, ClusterOperations):
         self._seq = itertools.count()
         self.max_model_len = 0
         self.started = False
+        self._starting: asyncio.Future[None] | None = None  # ``start`` under way (or done)
         self.num_moves = 0  # requests moved off failed instances
         self.failures: list[dict[str, Any]] = []  # instance failures and rejoins, in order
         self._tasks: set[asyncio.Task[None]] = set()  # moves, the client reaper
@@ -127,11 +128,19 @@ class SchedulerActor(Intake, KVPeers, Migration, Restart, ClusterOperations):
 
     # -- life cycle --------------------------------------------------------------------------
     async def start(self) -> dict[str, Any]:
-        """Start the workers (unless injected), then each instance's engine."""
+        """Start the workers (unless injected), then each instance's engine. Callers at the
+        same time wait for the one start (a second would start a second set of workers); one
+        after a failed start tries again; one after it started gets its description."""
         if self.recovering:
             await self._ready()
         if self.started:
             return self.describe()
+        if self._starting is None or self._starting.done():
+            self._starting = asyncio.ensure_future(self._start())
+        await asyncio.shield(self._starting)
+        return self.describe()
+
+    async def _start(self) -> None:
         if self._specs is None:
             from cluster.control.placement import start_workers
 
@@ -151,6 +160,8 @@ class SchedulerActor(Intake, KVPeers, Migration, Restart, ClusterOperations):
             for spec in specs:
                 for actor in spec.actors:
                     ray.kill(actor)
+            if any(spec.actors for spec in specs):
+                self._specs = None  # killed: a start again starts new ones
             raise
         self._spawn(self.clients.reap_silent())
         self.started = True
@@ -158,7 +169,6 @@ class SchedulerActor(Intake, KVPeers, Migration, Restart, ClusterOperations):
             self._spawn(self.autoscaler.run())
         freeze_heap()  # the block pools and the rest of start-up: never garbage
         logger.info("cluster started: %s", ", ".join(f"{i} ({r})" for i, r in self.roles.items()))
-        return self.describe()
 
     async def _add_instances(self, specs: list[InstanceSpec]) -> None:
         """Start the engines of started instances and let them serve: in this process, or
