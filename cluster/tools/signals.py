@@ -3,6 +3,7 @@ whether it comes while they start or once they serve."""
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import time
@@ -16,11 +17,23 @@ def stop_on_signals() -> None:
     in the main thread, so that either unwinds through the caller's clean-up. SIGTERM counts
     as Ctrl-C so that a job started in the background of a script (which ignores SIGINT)
     still stops cleanly. Call it again after ``ray.init``, which sets a SIGTERM handler of
-    its own (``sys.exit``: callers catch that ``SystemExit`` as a stop too)."""
+    its own (``sys.exit``: callers catch that ``SystemExit`` as a stop too).
+    Only the first signal interrupts: one during the clean-up that follows would cut it
+    short with a traceback, leaving things half taken down. The second says that the
+    clean-up goes on; a third ends the process at once (whatever still runs stays)."""
 
     def interrupt(signum: int, frame: Any) -> None:
         _received.append(signum)
-        raise KeyboardInterrupt
+        if len(_received) == 1:
+            raise KeyboardInterrupt
+        if len(_received) == 2:
+            print(
+                "\nstill shutting down; once more to quit at once, leaving what still runs",
+                file=sys.stderr,
+                flush=True,
+            )
+            return
+        os._exit(128 + _received[0])
 
     signal.signal(signal.SIGINT, interrupt)
     signal.signal(signal.SIGTERM, interrupt)
