@@ -128,7 +128,7 @@ def kill_detached(handle: Any, timeout_s: float = 10.0) -> list[str]:
     between would be missed. Their names hold its actor id, unique across namespaces."""
     import ray
 
-    from cluster.control.placement import worker_actor_prefix
+    from cluster.control.placement import named_actors, worker_actor_prefix
     from cluster.control.remote_engine import engine_actor_prefix
 
     deadline = time.monotonic() + timeout_s
@@ -143,14 +143,12 @@ def kill_detached(handle: Any, timeout_s: float = 10.0) -> list[str]:
     central = handle._actor_id.hex()
     prefixes = (worker_actor_prefix(central), engine_actor_prefix(central))
     killed = []
-    for entry in ray.util.list_named_actors(all_namespaces=True):
-        if not entry["name"].startswith(prefixes):
-            continue
+    for name, namespace in named_actors(prefixes):
         try:
-            ray.kill(ray.get_actor(entry["name"], namespace=entry["namespace"]))
+            ray.kill(ray.get_actor(name, namespace=namespace))
         except ValueError:  # gone meanwhile
             continue
-        killed.append(entry["name"])
+        killed.append(name)
     return killed
 
 

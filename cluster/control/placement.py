@@ -74,19 +74,27 @@ def worker_actor_prefix(central_actor_id: str) -> str:
     return f"tandem-worker/{central_actor_id}/"
 
 
+def named_actors(prefixes: tuple[str, ...], namespace: str | None = None) -> list[tuple[str, str]]:
+    """(name, namespace) of each named actor whose name starts with one of ``prefixes`` (in
+    ``namespace`` only, if given): a central scheduler's workers and engines."""
+    import ray
+
+    return [
+        (entry["name"], entry["namespace"])
+        for entry in ray.util.list_named_actors(all_namespaces=True)
+        if entry["name"].startswith(prefixes) and namespace in (None, entry["namespace"])
+    ]
+
+
 def orphan_workers(central_actor_id: str, namespace: str, instances: set[str]) -> list[str]:
     """The names of the central scheduler's detached workers whose instance is not in
     ``instances`` (it died while they were starting, before their engine existed)."""
-    import ray
-
     prefix = worker_actor_prefix(central_actor_id)
-    orphans = []
-    for entry in ray.util.list_named_actors(all_namespaces=True):
-        name = entry["name"]
-        mine = entry["namespace"] == namespace and name.startswith(prefix)
-        if mine and name[len(prefix) :].rpartition("/")[0] not in instances:
-            orphans.append(name)
-    return orphans
+    return [
+        name
+        for name, _ in named_actors((prefix,), namespace)
+        if name[len(prefix) :].rpartition("/")[0] not in instances
+    ]
 
 
 def kill_orphan_workers(central_actor_id: str, namespace: str, instances: set[str]) -> set[str]:

@@ -176,17 +176,13 @@ async def rebuild(actor: Any) -> None:
     (``actor``: the ``SchedulerActor``, not imported here: it imports this module)."""
     import ray
 
-    from cluster.control.placement import kill_orphan_workers
+    from cluster.control.placement import kill_orphan_workers, named_actors
     from cluster.control.remote_engine import RemoteEngine, engine_actor_prefix
 
     context = ray.get_runtime_context()
     prefix = engine_actor_prefix(context.get_actor_id() or "")
     namespace = context.namespace
-    names = [
-        a["name"]
-        for a in ray.util.list_named_actors(all_namespaces=True)
-        if a["namespace"] == namespace and a["name"].startswith(prefix)
-    ]
+    names = [name for name, _ in named_actors((prefix,), namespace)]
     listed = list(names)  # (their indexes are never given again, reached or not)
     handles = []
     for name in listed:
