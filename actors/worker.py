@@ -25,6 +25,8 @@ from actors.pipeline import IntermediateOutput, stage_report
 from actors.prompt_logprobs import prompt_logprobs
 from actors.sampler import Sampler, SamplingRow
 from actors.structured_output import WorkerGrammars
+from actors.worker_kv import WorkerKV
+from actors.worker_memory import WorkerMemory
 from scheduler import LoRAConfig, ModelRunnerOutput, SchedulerOutput
 from scheduler.outputs import TokenLogprobs
 from scheduler.request import LoRARequest
@@ -36,10 +38,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_KV_CACHE_BYTES = 1 << 30  # CPU default (vLLM's CPU backend uses a fixed space too)
 
-
-class ModelWorker:
+class ModelWorker(WorkerMemory, WorkerKV):
     """One model instance's executor: ``load_model`` → ``init_kv_cache`` → ``execute_model``*."""
 
     def __init__(
@@ -168,76 +168,6 @@ class ModelWorker:
             raise RuntimeError("call load_model() first")
         return self.model
 
-    def bytes_per_block(self) -> int:
-        cfg = self._model.config
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * len(self.layers) * self.block_size * cfg.kv_size * elem
-
-    def weight_bytes(self) -> int:
-        """Weights held: parameters, the CPU GEMMs' pre-packed copies, quantized forms."""
-        return self._model.weight_bytes()
-
-    def activation_bytes(self) -> int:
-        """Peak working memory of one step at ``max_num_batched_tokens`` (an estimate from the
-        shapes: hidden states, the fused projections' outputs, the logits and the sampler).
-        None: a whole prompt of the model's longest context (chunked prefill off, the
-        cluster's max_model_len still unknown: it is at most that)."""
-        cfg = self._model.config
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        tokens = self.max_num_batched_tokens or max(cfg.max_context_len, 2048)
-        per_token = (
-            4 * cfg.hidden_size + cfg.q_size + 2 * cfg.kv_size + 3 * cfg.intermediate_size
-        ) * elem
-        logits = min(self.max_num_seqs, tokens) * cfg.vocab_size * 4 * 4  # fp32, ~4 copies
-        return tokens * per_token + logits + self._graph_bytes()
-
-    def _graph_bytes(self) -> int:
-        """What the CUDA graphs' memory pool may keep: the largest decode step's K/V gather
-        (``actors.model.cuda_graphs``), at most ``MAX_GATHER_BYTES``."""
-        if self.device.type != "cuda" or self.enforce_eager:
-            return 0
-        from actors.model.cuda_graphs import MAX_GATHER_BYTES, batch_buckets, gather_bytes
-
-        cfg = self._model.config
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        width = -(-cfg.max_context_len // self.block_size)
-        batch = batch_buckets(min(self.max_num_seqs, 512))[-1]
-        full = gather_bytes(
-            batch, width, self.block_size, cfg.num_attention_heads, cfg.head_dim, elem
-        )
-        return min(full, MAX_GATHER_BYTES)
-
-    def profile_num_blocks(self, memory_budget_bytes: int) -> int:
-        """How many KV blocks fit once weights and the peak activations are paid for. On CUDA
-        the peak is measured; elsewhere it is estimated from the shapes."""
-        overhead = self.weight_bytes() + self.activation_bytes()
-        if self.device.type == "cuda":
-            overhead = torch.cuda.memory_allocated(self.device) + self.activation_bytes()
-        free = memory_budget_bytes - overhead
-        num_blocks = free // self.bytes_per_block()
-        if num_blocks < 1:
-            raise ValueError(
-                f"memory budget {memory_budget_bytes / 2**20:.0f} MiB leaves no room for the KV "
-                f"cache: weights + activations need {overhead / 2**20:.0f} MiB"
-            )
-        return int(num_blocks)
-
-    def size_kv_cache(
-        self,
-        num_blocks: int | None = None,
-        kv_cache_memory_bytes: int | None = None,
-        memory_budget_bytes: int | None = None,
-    ) -> int:
-        """How many KV blocks to allocate: ``num_blocks`` as given; else what fits in
-        ``memory_budget_bytes`` after weights and activations (profiled); else
-        ``kv_cache_memory_bytes`` of cache (``DEFAULT_KV_CACHE_BYTES`` by default)."""
-        if num_blocks is not None:
-            return num_blocks
-        if memory_budget_bytes is not None:
-            return self.profile_num_blocks(memory_budget_bytes)
-        kv_bytes = kv_cache_memory_bytes or DEFAULT_KV_CACHE_BYTES
-        return max(1, kv_bytes // self.bytes_per_block())
-
     def init_kv_cache(self, num_blocks: int) -> None:
         """Allocate ``num_blocks`` blocks per layer (zeroed). Drops all request state."""
         from kv_transfer.blocks import allocate_kv_caches
@@ -280,86 +210,6 @@ class ModelWorker:
         self.requests.clear()
         if self.kv_transfer is not None:
             self._attach_connector()
-
-    # -- KV transport peers ---------------------------------------------------------------
-    def kv_peer(self) -> Any:
-        """What other workers need to read this worker's KV blocks (``nixl``: its agent and
-        pool layout), or None for a transport that needs nothing published."""
-        return None if self.connector is None else self.connector.peer_info()
-
-    def add_kv_peers(self, peers: list[Any]) -> None:
-        """Learn other workers' ``kv_peer`` (the control plane calls this when instances
-        register)."""
-        if self.connector is not None:
-            with self._step_lock:  # the transport's agent is not thread-safe
-                self.connector.add_peers(peers)
-
-    def remove_kv_peers(self, names: list[str]) -> None:
-        """Forget the workers named ``names`` (``kv_peer`` names): they left the cluster."""
-        if self.connector is not None:
-            with self._step_lock:
-                self.connector.remove_peers(names)
-
-    def kv_probe(self, peer: Any, timeout_s: float = 5.0) -> str | None:
-        """Read a little of ``peer``'s cache (into scratch space, not this worker's cache:
-        safe while serving): None when the transport reaches it, else why not."""
-        if self.connector is None:
-            return "no KV connector"
-        probe = getattr(self.connector, "probe", None)
-        if probe is None:
-            return None  # nothing to probe: the transport needs no direct reach
-        with self._step_lock:
-            try:
-                probe(peer, timeout_s)
-            except Exception as exc:
-                return f"{type(exc).__name__}: {exc}"
-        return None
-
-    def use_kv_transport(self, transport: str, options: dict[str, Any]) -> None:
-        """Switch to another KV transport (``transport: auto`` falling back before serving):
-        the old connector closes, the new one takes the current cache."""
-        with self._step_lock:
-            if self.connector is not None:
-                self.connector.close()
-                self.connector = None
-            self.kv_transfer, self.kv_transfer_options = transport, dict(options)
-            if self.kv_caches:
-                self._attach_connector()
-
-    def _attach_connector(self) -> None:
-        """Give the connector (made now if there is none) the current cache. A transport
-        that cannot be made or set up here gives way to ``kv_transfer_fallback``."""
-        try:
-            if self.connector is None:
-                self.connector = self._new_connector(self.kv_transfer, self.kv_transfer_options)
-            self.connector.register_kv_caches(self.kv_caches, self.layers)
-        except Exception as exc:
-            fallback = self.kv_transfer_fallback
-            if fallback is None or fallback == self.kv_transfer:
-                raise
-            logger.warning(
-                "KV transport %s unusable here (%s: %s); using %s",
-                self.kv_transfer,
-                type(exc).__name__,
-                exc,
-                fallback,
-            )
-            if self.connector is not None:
-                self.connector.close()
-            self.kv_transfer, self.kv_transfer_options = fallback, {}
-            self.connector = self._new_connector(fallback, {})
-            self.connector.register_kv_caches(self.kv_caches, self.layers)
-
-    def _new_connector(self, transport: str | None, options: dict[str, Any]) -> WorkerConnector:
-        from kv_transfer.registry import create_worker_connector
-
-        assert transport is not None
-        connector = create_worker_connector(transport, **options)
-        if self.tracing is not None:
-            from kv_transfer.tracing import init_tracing
-
-            connector.tracer = init_tracing(self.tracing, "worker")
-        return connector
 
     # -- LoRA -------------------------------------------------------------------------------
     def add_lora(self, lora: LoRARequest) -> bool:
