@@ -28,16 +28,8 @@ from dataclasses import replace
 from typing import Any
 
 from cluster.config import ClusterConfig
-from cluster.control.engine import (
-    EndedTrace,
-    EngineOutcome,
-    EngineReport,
-    InstanceEngine,
-    Lost,
-    Placement,
-    Prefilled,
-    RequestPlace,
-)
+from cluster.control.engine import InstanceEngine, Placement, RequestPlace
+from cluster.control.engine_reports import EndedTrace, EngineOutcome, EngineReport, Lost, Prefilled
 from cluster.control.engine_streams import ClientStreams
 from cluster.control.engine_wire import (
     EngineSnapshot,

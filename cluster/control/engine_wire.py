@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from cluster.control.engine import EndedTrace, EngineReport, Prefilled
+from cluster.control.engine_reports import EndedTrace, EngineReport, Prefilled
 from cluster.control.flights import Submission
 from cluster.control.placement import InstanceSpec
 from scheduler import Request, SamplingParams

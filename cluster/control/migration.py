@@ -21,7 +21,7 @@ from typing import Any
 
 from cluster.config import ClusterConfig
 from cluster.control.clients import Clients
-from cluster.control.engine import Lost
+from cluster.control.engine_reports import Lost
 from cluster.control.flights import Flight, Outcome, Submission
 from cluster.control.handoffs import HandOffs
 from cluster.control.observer import RequestObserver

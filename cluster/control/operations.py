@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from cluster.config import ClusterConfig
 from cluster.control.adapters import LoRAAdapters
-from cluster.control.engine import Lost
+from cluster.control.engine_reports import Lost
 from cluster.control.flights import Flight
 from cluster.control.handoffs import HandOffs
 from cluster.control.heap import refreeze_heap

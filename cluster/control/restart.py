@@ -37,7 +37,7 @@ import sys
 import time
 from typing import Any
 
-from cluster.control.engine import EndedTrace
+from cluster.control.engine_reports import EndedTrace
 from cluster.control.engine_wire import EngineSnapshot, HeldSnapshot, sequence_of, shift
 from cluster.control.flights import Flight, clone_request
 from cluster.errors import UnavailableError

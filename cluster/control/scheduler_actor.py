@@ -31,7 +31,8 @@ from cluster.config import ClusterConfig
 from cluster.control.adapters import LoRAAdapters
 from cluster.control.autoscaler import Autoscaler
 from cluster.control.clients import Clients
-from cluster.control.engine import EngineReport, InstanceEngine, Placement, Prefilled
+from cluster.control.engine import InstanceEngine, Placement
+from cluster.control.engine_reports import EngineReport, Prefilled
 from cluster.control.flights import (
     EarlyAborts,
     Flight,

@@ -62,8 +62,8 @@ def test_a_prefilled_request_ended_before_its_hand_off_is_counted() -> None:
     from prometheus_client.parser import text_string_to_metric_families
 
     from cluster.config import default_cluster_config
-    from cluster.control.engine import Prefilled
     from cluster.control.engine_actor import EngineActor
+    from cluster.control.engine_reports import Prefilled
     from cluster.control.engine_wire import Route
     from cluster.control.observer import RequestObserver
     from scheduler import Request, SamplingParams

@@ -1037,7 +1037,7 @@ def test_a_killed_engine_process_with_no_engine_left_ends_its_requests_with_an_e
         assert health["kv_leases_expired"] == expired  # released, not run out
     # A report of the dead engine still on its way (a rejoin after a worker recovery) does
     # not bring it back into routing, where its ops would be dropped and requests hang.
-    from cluster.control.engine import EngineReport
+    from cluster.control.engine_reports import EngineReport
     from cluster.control.summaries import EngineSummary
 
     late = EngineReport(last, EngineSummary(last, 0, 0, 0, 0, 0.0), rejoined=True)

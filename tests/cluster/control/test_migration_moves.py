@@ -7,7 +7,7 @@ import asyncio
 from types import SimpleNamespace
 from typing import Any
 
-from cluster.control.engine import Lost
+from cluster.control.engine_reports import Lost
 from cluster.control.flights import Flight
 from cluster.control.migration import Migration
 from scheduler import FinishReason, Request, SamplingParams

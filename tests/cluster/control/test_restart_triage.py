@@ -3,7 +3,7 @@ which copy of a request it takes on, and which it drops instead of handing it of
 
 from __future__ import annotations
 
-from cluster.control.engine import Prefilled
+from cluster.control.engine_reports import Prefilled
 from cluster.control.engine_wire import HeldSnapshot, Route
 from cluster.control.refill import PastRequests
 from cluster.control.restart import triage
