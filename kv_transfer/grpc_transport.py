@@ -76,6 +76,35 @@ _DTYPES: dict[torch.dtype, tuple[int, np.dtype[Any]]] = {
 }
 _NUMPY_DTYPES: dict[int, np.dtype[Any]] = {code: dtype for code, dtype in _DTYPES.values()}
 _WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
+
+
+def advertised_host(bind_host: str, advertise_host: str | None) -> str:
+    """The address other workers reach a KV server bound to ``bind_host`` at: the one given;
+    else ``bind_host``; for a wildcard, this node's address as Ray knows it (what the other
+    nodes reach it at), outside Ray the host name's. (That name maps to a loopback address on
+    many machines -- Debian's 127.0.1.1 -- where another machine would dial itself: said.)"""
+    if advertise_host:
+        return advertise_host
+    if bind_host not in _WILDCARD_HOSTS:
+        return bind_host
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return str(ray.util.get_node_ip_address())  # type: ignore[no-untyped-call]
+    except ImportError:
+        pass
+    host = socket.gethostbyname(socket.gethostname())
+    if host.startswith("127."):
+        logger.warning(
+            "KV server bound to %s advertises %s, a loopback address: workers on other "
+            "machines cannot reach it (set kv_transfer.advertise_host)",
+            bind_host,
+            host,
+        )
+    return host
+
+
 _SERVICE = pb.DESCRIPTOR.services_by_name["KVTransfer"].full_name  # tandem.kv.v1.KVTransfer
 _PULL = f"/{_SERVICE}/Pull"
 # The key of PullChunk.data on the wire: field 2, length-delimited.
@@ -199,10 +228,7 @@ class GrpcWorkerConnector(WorkerConnector):
             port = server.add_secure_port(bind, self.tls.server_credentials())
         server.start()
         self._server = server
-        host = self.advertise_host or self.bind_host
-        if host in _WILDCARD_HOSTS:
-            host = socket.gethostbyname(socket.gethostname())
-        self.address = _join(host, port)
+        self.address = _join(advertised_host(self.bind_host, self.advertise_host), port)
         logger.info(
             "KV server on %s (%s), advertised as %s",
             self.bind_host,

@@ -24,6 +24,7 @@ from kv_transfer.grpc_transport import (
     _frame,
     _KVServicer,
     _unframe,
+    advertised_host,
 )
 from kv_transfer.leases import LeaseTable
 from kv_transfer.proto import kv_transfer_pb2 as pb
@@ -569,3 +570,22 @@ def test_no_time_left_fails_without_a_call(make: Callable[..., GrpcWorkerConnect
     with pytest.raises(TimeoutError):
         dst._fetch(segment.handle, range(NUM_LAYERS), 0.0)
     assert len(src.leases) == 1
+
+
+def test_a_wildcard_bind_advertises_this_nodes_address_not_a_loopback_name(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Debian maps the host name to 127.0.1.1: a worker on another machine would dial itself
+    # and every hand-off from here would quietly recompute.
+    monkeypatch.setattr(socket, "gethostbyname", lambda name: "127.0.1.1")
+    ray = pytest.importorskip("ray")
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "10.0.0.7")
+    assert advertised_host("0.0.0.0", None) == "10.0.0.7"  # in a Ray worker: Ray's node address
+    assert advertised_host("::", None) == "10.0.0.7"
+    assert advertised_host("0.0.0.0", "kv.example") == "kv.example"  # as given
+    assert advertised_host("127.0.0.1", None) == "127.0.0.1"
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    with caplog.at_level("WARNING", logger="kv_transfer.grpc_transport"):
+        assert advertised_host("0.0.0.0", None) == "127.0.1.1"  # outside Ray: said
+    assert "loopback" in caplog.text and "advertise_host" in caplog.text
