@@ -354,8 +354,10 @@ class OpenAIServing(RequestChecks):
         trace_context: dict[str, str] | None = None,
     ) -> Outputs:
         """Start every job and return their outputs, merged, as they come. Every job's first
-        output is awaited here, so a request the engine refuses is an ``APIError`` before any
-        output (never a broken stream). Closing the returned stream aborts every job."""
+        output is awaited here, so a request the engine refuses -- it raises, or its first
+        output is a failed sample (a rejection, a failed admission) -- is an ``APIError``
+        before any output: the status a whole response would have, never a 200 stream of one
+        error event. Closing the returned stream aborts every job."""
         streams = [
             self.engine.generate_async(
                 job.prompt_ids,
@@ -385,7 +387,12 @@ class OpenAIServing(RequestChecks):
             if isinstance(exc, asyncio.CancelledError | StopAsyncIteration):
                 raise
             raise api_error(exc) from None
-        return _outputs(jobs, streams, [first.result() for first in firsts])
+        results = [first.result() for first in firsts]
+        failed = [s for r in results for s in r.outputs if s.finish_reason == "error"]
+        if failed:  # the others stop where they are (closing a stream aborts its job)
+            await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
+            raise generation_error(failed[0].error)
+        return _outputs(jobs, streams, results)
 
     def tool_plan(self, req: ChatCompletionRequest) -> ToolPlan | None:
         """How the answer's tool calls are read (None: plain text)."""

@@ -1103,3 +1103,27 @@ def test_a_priority_needs_priority_scheduling(serving: OpenAIServing, model_dir:
         OpenAIServing(ordered, "tiny-chat").completion(CompletionRequest.model_validate(body))
     )
     assert served["usage"]["completion_tokens"] == 2
+
+
+def test_a_stream_refused_at_its_first_output_is_an_error_status(engine: AsyncLLM) -> None:
+    """A request the cluster fails before any output (a rejection, a failed admission: its
+    first output is a failed sample) gets the status a whole response would, as vLLM: not a
+    200 stream holding one error event."""
+    serving = OpenAIServing(_Failing(engine, 0, None), "tiny-chat")  # type: ignore[arg-type]
+    for body in (
+        {"prompt": [7, 8, 9], "max_tokens": 20, "stream": True},
+        {"prompt": [[7, 8, 9], [4, 5]], "max_tokens": 20, "stream": True},  # both stop
+    ):
+        req = CompletionRequest.model_validate({"model": "tiny-chat", **body})
+
+        async def refused() -> BaseException:
+            try:
+                await serving.completion(req)
+            except Exception as exc:
+                await _idle(engine)
+                return exc
+            raise AssertionError("a stream began")
+
+        error = _run(refused())
+        assert isinstance(error, APIError)
+        assert error.status == 503 and "remote KV load failed" in error.message
