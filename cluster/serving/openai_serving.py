@@ -154,6 +154,12 @@ class OpenAIServing(RequestChecks):
     async def load_lora_adapter(self, body: LoadLoRAAdapterRequest) -> str:
         if body.lora_name == self.model_name:
             raise APIError(400, "lora_name is the base model's name", param="lora_name")
+        if body.lora_name in await self.engine.lora_adapters():
+            raise APIError(
+                400,
+                f"The lora adapter '{body.lora_name}' has already been loaded.",
+                param="lora_name",
+            )
         path = self.adapter_path(body.lora_path)
         try:
             await self.engine.load_lora_adapter(body.lora_name, path)
@@ -164,10 +170,12 @@ class OpenAIServing(RequestChecks):
     async def unload_lora_adapter(self, body: UnloadLoRAAdapterRequest) -> str:
         try:
             await self.engine.unload_lora_adapter(body.lora_name)
-        except Exception as exc:
+        except KeyError:  # (the cluster's, through Ray, is a KeyError too)
             raise APIError(
                 404, f"The lora adapter '{body.lora_name}' cannot be found.", param="lora_name"
-            ) from exc
+            ) from None
+        except Exception as exc:  # the cluster is away (503), a bug (500): not a 404
+            raise api_error(exc) from None
         return f"Success: LoRA adapter '{body.lora_name}' removed successfully."
 
     # -- operations --------------------------------------------------------------------------

@@ -1127,3 +1127,52 @@ def test_a_stream_refused_at_its_first_output_is_an_error_status(engine: AsyncLL
         error = _run(refused())
         assert isinstance(error, APIError)
         assert error.status == 503 and "remote KV load failed" in error.message
+
+
+class _Adapters:
+    """The in-process engine serving adapter ``a`` (by name only), its unload raising
+    ``unload_error``."""
+
+    def __init__(self, engine: AsyncLLM, unload_error: BaseException) -> None:
+        self.engine, self.unload_error = engine, unload_error
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)
+
+    async def lora_adapters(self) -> dict[str, Any]:
+        return {"a": object()}
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        raise self.unload_error
+
+
+def test_adapter_errors_name_their_field_and_only_a_missing_one_is_a_404(
+    engine: AsyncLLM,
+) -> None:
+    """As vLLM: loading a name already served is a 400 naming ``lora_name`` (not its path);
+    unloading one not served is a 404, but a cluster that cannot be asked is a 503, not a
+    404 saying the adapter is missing."""
+    import ray.exceptions
+
+    from cluster.serving.openai_protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
+
+    def error(serving: OpenAIServing, call: Any) -> APIError:
+        try:
+            _run(call)
+        except APIError as exc:
+            return exc
+        raise AssertionError("no error")
+
+    serving = OpenAIServing(_Adapters(engine, KeyError("b")), "tiny-chat")  # type: ignore[arg-type]
+    load = LoadLoRAAdapterRequest(lora_name="a", lora_path="/elsewhere")
+    duplicate = error(serving, serving.load_lora_adapter(load))
+    assert (duplicate.status, duplicate.param) == (400, "lora_name")
+    assert "already been loaded" in duplicate.message
+    missing = error(serving, serving.unload_lora_adapter(UnloadLoRAAdapterRequest(lora_name="b")))
+    assert (missing.status, missing.param) == (404, "lora_name")
+    away = OpenAIServing(
+        _Adapters(engine, ray.exceptions.ActorDiedError()),  # type: ignore[arg-type]
+        "tiny-chat",
+    )
+    died = error(away, away.unload_lora_adapter(UnloadLoRAAdapterRequest(lora_name="a")))
+    assert died.status == 503
