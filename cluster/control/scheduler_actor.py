@@ -393,8 +393,12 @@ class SchedulerActor(Intake, KVPeers, Migration, Restart, ClusterOperations):
         final = EngineCoreOutput(flight.request.request_id, [], reason, error=error)
         self._forget(flight)
         _replay(flight, final, tokens, self.config.engine_actors)
-        # Counted on its last instance (one that left: the first, as before it was placed).
-        where = self.views.get(flight.instance) or next(iter(self.views.values()), None)
+        # Counted on its last instance in one process; else (never placed, its instance
+        # gone, or engine actors) on no instance's series. An engine actor's registry has
+        # its instance's series, and ``/metrics`` adds this process's to them: a count of
+        # this one's there would drop with a restart of either -- a counter reset to
+        # Prometheus, whose rate() would then count every request again.
+        where = None if self.config.engine_actors else self.views.get(flight.instance)
         self.observe.finished(flight, final, where)
 
     # -- what the engines report -------------------------------------------------------------

@@ -27,7 +27,7 @@ from cluster.observability.api_span import APISpan  # noqa: E402
 from cluster.observability.request_trace import RequestTrace  # noqa: E402
 from cluster.serving.openai_protocol import ChatCompletionRequest  # noqa: E402
 from kv_transfer.tracing import extract  # noqa: E402
-from scheduler import Request, SamplingParams  # noqa: E402
+from scheduler import FinishReason, Request, SamplingParams  # noqa: E402
 
 
 @pytest.fixture
@@ -225,3 +225,33 @@ def test_a_prefill_part_opens_no_decode_span_on_its_prefill_instance(traced: Any
         decodes[hand_off] = trace.decode
     assert decodes[True] is None and decodes[False] is not None  # (colocated: it decodes)
     assert [p.hand_off for p in placed] == [True, False]
+
+
+def test_a_request_ended_before_it_was_placed_counts_on_no_instance(tiny_model: Path) -> None:
+    """A request whose abort came before it (it never reached an instance) is counted, but on
+    no instance's series -- not on whichever instance happens to be first."""
+    config = ClusterConfig(
+        model=str(tiny_model), block_size=4, pools=[InstancePool(name="c", num_blocks=16)]
+    )
+    worker = ModelWorker(str(tiny_model), block_size=4, progress=False)
+    worker.load_model()
+    worker.init_kv_cache(16)
+    spec = InstanceSpec("c-0", config.pools[0], LocalExecutor(worker), None, worker.info())
+    actor = SchedulerActor(config, [spec])
+
+    async def run() -> str:
+        await actor.start()
+        assert actor.abort("early") is False  # not there yet: remembered
+        outs = [o async for o in actor.generate(Request("early", [3, 4, 5], SamplingParams()))]
+        assert outs[-1].finish_reason == FinishReason.ABORT
+        text = await actor.metrics_text()
+        await actor.shutdown()
+        return text
+
+    text = asyncio.run(asyncio.wait_for(run(), 60))
+    aborted = {
+        line.split('instance="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("tandem:request_success_total{") and 'finished_reason="abort"' in line
+    }
+    assert aborted.get("") == 1.0 and aborted.get("c-0", 0.0) == 0.0, aborted
