@@ -41,6 +41,7 @@ class APISpan:
     ) -> None:
         self.span: Span | None = None
         self._streaming = False
+        self._failed: BaseException | None = None  # what broke its stream after the 200
         if tracer is None:
             return
         from opentelemetry.trace import SpanKind
@@ -117,12 +118,18 @@ class APISpan:
         self._streaming = True
         return self._stream(chunks)
 
+    def failed(self, error: BaseException) -> None:
+        """The stream failed after its 200 went out (it says so in an event and ends
+        normally): the span ends as that error, found by error-rate queries as a whole
+        response's failure is."""
+        self._failed = error
+
     async def _stream(self, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
         try:
             async for chunk in chunks:
                 yield chunk
         finally:
-            self.end()
+            self.end(self._failed)
             close = getattr(chunks, "aclose", None)
             if close is not None:  # now, not when the collector finds it: it holds the
                 await close()  # requests' streams, whose closing aborts what still runs

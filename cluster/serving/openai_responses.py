@@ -280,7 +280,9 @@ class SSEStream:
             # After the 200 went out, an error is an event of the stream (then [DONE], as
             # vLLM does), never a cut-off body: a stream lost with the cluster's scheduler is
             # a 503 the client may retry; anything else a 500.
-            yield sse(api_error(exc).body())
+            error = api_error(exc)
+            self.span.failed(error)
+            yield sse(error.body())
         finally:
             await outputs.aclose()
             reasons = [o.finish_reason or "" for f in self.finals.values() for o in f.outputs]

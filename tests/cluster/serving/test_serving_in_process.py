@@ -1176,3 +1176,34 @@ def test_adapter_errors_name_their_field_and_only_a_missing_one_is_a_404(
     )
     died = error(away, away.unload_lora_adapter(UnloadLoRAAdapterRequest(lora_name="a")))
     assert died.status == 503
+
+
+def test_a_stream_that_fails_midway_ends_its_span_as_an_error(engine: AsyncLLM) -> None:
+    """The stream says so in an event and ends normally; its ingress span still ends as
+    the error (status, type), or error-rate queries miss every failure after the 200."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from opentelemetry.trace import StatusCode
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    serving = OpenAIServing(
+        _Failing(engine, 2, None),  # type: ignore[arg-type]
+        "tiny-chat",
+        tracer=provider.get_tracer("test"),
+    )
+    req = CompletionRequest.model_validate(
+        {"model": "tiny-chat", "prompt": [7, 8, 9], "max_tokens": 20, "stream": True}
+    )
+
+    async def stream() -> list[dict[str, Any]]:
+        events = await _drain(await serving.completion(req))
+        await _idle(engine)
+        return events
+
+    assert "error" in _run(stream())[-1]
+    (span,) = exporter.get_finished_spans()  # the ingress's (the engine here traces none)
+    assert span.status.status_code == StatusCode.ERROR
+    assert span.attributes["http.response.status_code"] == 503
