@@ -1207,3 +1207,60 @@ def test_a_stream_that_fails_midway_ends_its_span_as_an_error(engine: AsyncLLM) 
     (span,) = exporter.get_finished_spans()  # the ingress's (the engine here traces none)
     assert span.status.status_code == StatusCode.ERROR
     assert span.attributes["http.response.status_code"] == 503
+
+
+class _CallContext:
+    """What ``generate_stream`` reads and sets of a gRPC call's context."""
+
+    def __init__(self, metadata: dict[str, str]) -> None:
+        self.metadata, self.code, self.details = metadata, None, None
+
+    def invocation_metadata(self) -> list[tuple[str, str]]:
+        return list(self.metadata.items())
+
+    def set_code(self, code: Any) -> None:
+        self.code = code
+
+    def set_details(self, details: str) -> None:
+        self.details = details
+
+
+def test_a_grpc_call_is_an_ingress_span_in_its_callers_trace(engine: AsyncLLM) -> None:
+    """As an HTTP request: the call's ``traceparent`` is its span's parent, and the span
+    says what the call produced; a call that fails ends its span as the error."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from opentelemetry.trace import StatusCode
+
+    from cluster.proto import tandem_pb2
+    from cluster.serving.grpc_api import generate_stream
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    serving = OpenAIServing(engine, "tiny-chat", tracer=provider.get_tracer("test"))
+
+    async def connect() -> OpenAIServing:
+        return serving
+
+    trace_id, parent = "ab" * 16, "cd" * 8
+    context = _CallContext({"traceparent": f"00-{trace_id}-{parent}-01"})
+    good = tandem_pb2.GenerateRequest(prompt_token_ids=[7, 8, 9], max_tokens=3)
+    bad = tandem_pb2.GenerateRequest(prompt_token_ids=[7, 8, 9], max_tokens=3, model="nope")
+
+    async def call(message: Any) -> list[Any]:
+        async with aclosing(generate_stream(connect, None, message, context)) as stream:
+            return [r async for r in stream]
+
+    responses = _run(call(good))
+    assert responses[-1].usage.completion_tokens == 3
+    with pytest.raises(APIError):
+        _run(call(bad))
+    ok, failed = exporter.get_finished_spans()
+    assert format(ok.context.trace_id, "032x") == trace_id
+    assert ok.parent is not None and format(ok.parent.span_id, "016x") == parent
+    assert ok.attributes["gen_ai.usage.output_tokens"] == 3
+    assert tuple(ok.attributes["gen_ai.response.finish_reasons"]) == ("length",)
+    assert failed.status.status_code == StatusCode.ERROR
+    assert failed.attributes["http.response.status_code"] == 404
