@@ -282,7 +282,9 @@ class AutoStream(ToolStream):
         if not self.started:
             self.pending += text
             head = self.pending.lstrip()
-            if not head:
+            if not head or (len(head) < len(PYTHON_TAG) and PYTHON_TAG.startswith(head)):
+                # A tag split across deltas ('<|python_t' + 'ag|>...') must not stream out as
+                # content: hold its start until it either completes or can no longer be it.
                 return "", []
             self.started = True
             if head.startswith("{") or head.startswith(PYTHON_TAG):

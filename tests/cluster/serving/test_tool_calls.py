@@ -245,6 +245,38 @@ def test_streamed_deltas_add_up_to_the_whole_response(seed: int) -> None:
     assert _stream(AutoStream("hermes"), " a\n\nb \n", seed) == (" a\n\nb \n", [])
 
 
+@pytest.mark.parametrize("lead", ["", " \n"])
+def test_a_python_tag_split_across_deltas_still_streams_the_calls(lead: str) -> None:
+    """The first delta may hold only part of ``<|python_tag|>``: its start is held until the
+    tag completes (the calls stream as the whole parse finds them) or cannot be it (text)."""
+    output = f'{lead}<|python_tag|>{{"name": "f", "parameters": {{"a": 1}}}}; '
+    output += '{"name": "g", "parameters": {}}'
+    plan = ToolPlan("auto", "llama3_json", names=("f", "g"))
+    whole_content, whole_calls, reason = plan.parse(output, "stop")
+    assert reason == "tool_calls" and [c.name for c in whole_calls] == ["f", "g"]
+    for cut in range(len(lead) + 1, len(lead) + len("<|python_tag|>")):
+        stream = plan.stream()
+        content, calls = "", []
+        for piece in (output[:cut], output[cut:]):
+            more, deltas = stream.feed(piece)
+            content += more
+            calls += deltas
+        more, deltas = stream.finish()
+        content, calls = content + more, calls + deltas
+        assert (content or None) == whole_content
+        assert plan.finish_reason("stop", stream) == "tool_calls"
+        assert [(d["function"]["name"], d["function"]["arguments"]) for d in calls] == [
+            (c.name, c.arguments) for c in whole_calls
+        ]
+    # A start of the tag that turns out to be text, or that the output ends on, is content.
+    for text in ("<|pyt", f"{lead}<|python_t"):
+        stream = AutoStream("llama3_json")
+        assert stream.feed(text) == ("", [])
+        assert stream.feed("hon!") == (f"{text}hon!", [])
+        ended = AutoStream("llama3_json")
+        assert ended.feed(text)[0] + ended.finish()[0] == text
+
+
 def test_whole_auto_calls_cut_by_max_tokens_still_end_with_tool_calls() -> None:
     """The model closed a call, then max_tokens cut what followed: the call stands and the
     choice ends with ``tool_calls``, as vLLM (it said ``length``); a call cut short is none."""
