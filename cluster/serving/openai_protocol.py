@@ -457,6 +457,9 @@ class ChatCompletionRequest(_Sampling):
     @model_validator(mode="after")
     def _tool_choice(self) -> ChatCompletionRequest:
         choice = self.tool_choice
+        if choice not in (None, "none") and self.tools is None:
+            # As vLLM and OpenAI: a choice among no tools is a client error, not plain text.
+            raise FieldError("tool_choice", "When using `tool_choice`, `tools` must be set.")
         names = [tool.function.name for tool in self.tools or []]
         if len(set(names)) != len(names):
             raise FieldError("tools", "tools: function names must be unique")

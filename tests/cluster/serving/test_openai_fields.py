@@ -168,7 +168,7 @@ def test_tool_choice_is_checked_against_the_tools() -> None:
     base = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     for extra, words in (
         ({"tools": [tool], "tool_choice": {"type": "function", "function": {"name": "g"}}}, "g"),
-        ({"tool_choice": "required"}, "required needs tools"),
+        ({"tools": [], "tool_choice": "required"}, "required needs tools"),
         ({"tools": [tool, tool]}, "unique"),
         ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "pattern"),
         (
@@ -194,6 +194,24 @@ def test_tool_choice_is_checked_against_the_tools() -> None:
     spec, param = named.structured()
     assert named.tool_mode == "named" and param == "tools"
     assert spec is not None and spec.key == ("json", '{"type":"object"}')
+
+
+def test_tool_choice_without_tools_is_a_400_naming_it() -> None:
+    """As vLLM and OpenAI: a tool_choice (other than none) with no ``tools`` is refused,
+    not answered as if it asked for nothing."""
+    from cluster.serving.agent_fields import FieldError
+
+    base = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    named = {"type": "function", "function": {"name": "f"}}
+    for choice in ("auto", "required", named):
+        with pytest.raises(ValidationError) as refused:
+            ChatCompletionRequest.model_validate({**base, "tool_choice": choice})
+        (error,) = refused.value.errors()
+        assert error["loc"] == () and "`tools` must be set" in error["msg"], choice
+        assert isinstance(error["ctx"]["error"], FieldError)
+        assert error["ctx"]["error"].param == "tool_choice"
+    for choice in ("none", None):
+        ChatCompletionRequest.model_validate({**base, "tool_choice": choice})
 
 
 def test_unknown_fields_are_ignored_and_logged_once(caplog: pytest.LogCaptureFixture) -> None:
