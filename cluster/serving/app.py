@@ -84,17 +84,47 @@ async def _api_error(request: HTTPRequest, exc: APIError) -> JSONResponse:
 @app.exception_handler(RequestValidationError)
 async def _validation_error(request: HTTPRequest, exc: RequestValidationError) -> JSONResponse:
     """400 (not FastAPI's 422), naming the field and what it allows."""
+    return JSONResponse(validation_error(exc).body(), status_code=400)
+
+
+def validation_error(exc: RequestValidationError) -> APIError:
+    """The 400 for a body FastAPI refused. ``param`` is the field's path in the body as the
+    client wrote it (``prompt``, ``messages.0.content``): pydantic's ``loc`` also names the
+    union member each error came from (``prompt.list[constrained-int]``), which no client
+    field is; a body that is no JSON at all has no field (FastAPI's loc is a char offset)."""
     problems, param = [], None
     for error in exc.errors():
-        loc = [str(p) for p in error.get("loc", ()) if p != "body"]
-        field = ".".join(loc) or "body"
+        if error.get("type") == "json_invalid":
+            reason = (error.get("ctx") or {}).get("error") or error.get("msg", "invalid JSON")
+            at = list(error.get("loc", ()))[1:]
+            where = f" (at character {at[0]})" if at else ""
+            problems.append(f"could not parse the JSON body: {reason}{where}")
+            continue
+        loc = list(error.get("loc", ()))
+        if loc[:1] == ["body"]:
+            loc = loc[1:]
+        field = ".".join(_body_path(loc, exc.body, error.get("type") == "missing")) or "body"
         cause = (error.get("ctx") or {}).get("error")
         if isinstance(cause, FieldError):  # a check across fields names the one at fault
             field = cause.param
         param = param or field
         problems.append(f"{field}: {error.get('msg', 'invalid')}")
-    body = APIError(400, "; ".join(problems) or "invalid request", param=param).body()
-    return JSONResponse(body, status_code=400)
+    return APIError(400, "; ".join(problems) or "invalid request", param=param)
+
+
+def _body_path(loc: list[Any], body: Any, missing: bool) -> list[str]:
+    """The parts of ``loc`` that step into ``body`` (keys and indexes the client sent),
+    without pydantic's union-member tags; a missing field's name (last) is kept too."""
+    path, value = [], body
+    for i, part in enumerate(loc):
+        if (isinstance(value, dict) and part in value) or (
+            isinstance(value, list) and isinstance(part, int) and 0 <= part < len(value)
+        ):
+            value = value[part]
+        elif not (missing and i == len(loc) - 1):
+            continue  # a union member ("str", "list[str]") or a key's check ("[key]")
+        path.append(str(part))
+    return path
 
 
 @app.exception_handler(Exception)

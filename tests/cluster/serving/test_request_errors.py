@@ -1,0 +1,111 @@
+"""The 400 a body FastAPI refuses gets: its ``param`` is the field's path as the client wrote it
+(not pydantic's union-member tags, not a character offset into a body that is no JSON).
+FastAPI itself validates the body (a bare app with the ingress's error handler, driven as
+ASGI); nothing of Ray or Serve runs."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+
+pytest.importorskip("ray")
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+
+from cluster.serving.app import app as ingress_app
+from cluster.serving.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    TokenizeRequest,
+)
+
+bare = FastAPI()
+bare.exception_handlers[RequestValidationError] = ingress_app.exception_handlers[
+    RequestValidationError
+]
+
+
+@bare.post("/completions")
+async def _completions(body: CompletionRequest) -> dict[str, Any]:
+    return {}
+
+
+@bare.post("/chat")
+async def _chat(body: ChatCompletionRequest) -> dict[str, Any]:
+    return {}
+
+
+@bare.post("/tokenize")
+async def _tokenize(body: TokenizeRequest) -> dict[str, Any]:
+    return {}
+
+
+def _post(path: str, body: bytes) -> tuple[int, dict[str, Any]]:
+    """(status, error body) of one POST, through FastAPI's own validation."""
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "root_path": "",
+        "query_string": b"",
+        "headers": [(b"content-type", b"application/json")],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 8000),
+    }
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    asyncio.run(bare(scope, receive, send))
+    status = next(m["status"] for m in sent if m["type"] == "http.response.start")
+    content = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return status, json.loads(content)["error"]
+
+
+def _refused(path: str, body: dict[str, Any]) -> dict[str, Any]:
+    status, error = _post(path, json.dumps(body).encode())
+    assert status == 400 and error["type"] == "BadRequestError", error
+    return error
+
+
+def test_a_union_fields_error_names_the_field_not_the_union_member() -> None:
+    error = _refused("/completions", {"model": "m", "prompt": 5})
+    assert error["param"] == "prompt"
+    assert "str" not in error["message"].split(":")[0]
+    error = _refused("/completions", {"model": "m", "prompt": [1, "a"]})
+    assert error["param"] == "prompt" and "constrained" not in error["message"]
+    assert "prompt.1: Input should be a valid integer" in error["message"]  # the item at fault
+    message = {"role": "user", "content": 5}
+    error = _refused("/chat", {"model": "m", "messages": [message]})
+    assert error["param"] == "messages.0.content"
+    message = {"role": "user", "content": [{"type": "text"}]}
+    error = _refused("/chat", {"model": "m", "messages": [message]})
+    assert error["param"] == "messages.0.content"
+    assert "; messages.0.content.0.text: Field required" in error["message"]  # in a member
+    error = _refused("/tokenize", {"model": "m"})  # a union of two request models
+    assert error["param"] in ("messages", "prompt") and "function-after" not in error["message"]
+    # Plain fields and checks across fields keep their names.
+    error = _refused("/chat", {"model": "m", "messages": [{"content": "x"}]})
+    assert error["param"] == "messages.0.role"
+    base = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    assert _refused("/chat", {**base, "n": 0})["param"] == "n"
+    assert _refused("/chat", {**base, "logit_bias": {"a": 1}})["param"] == "logit_bias.a"
+    assert _refused("/chat", {**base, "top_logprobs": 2})["param"] == "top_logprobs"
+
+
+def test_a_body_that_is_no_json_is_a_400_without_a_param() -> None:
+    status, error = _post("/completions", b'{"model": "m", "prompt": }')
+    assert status == 400 and error["param"] is None
+    assert error["message"].startswith("could not parse the JSON body: Expecting value")
