@@ -31,7 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from cluster.config import ClusterConfig, served_model_name
 from cluster.serving.agent_fields import FieldError
 from cluster.serving.auth import AdminAccess, KeyCheck, check_api_key, set_access
-from cluster.serving.errors import APIError, api_error
+from cluster.serving.errors import APIError, api_error, body_path
 from cluster.serving.generation_config import sampling_defaults
 from cluster.serving.limits import BodyLimit, BodyTooLarge, body_too_large, set_max_body_bytes
 from cluster.serving.openai_protocol import (
@@ -103,28 +103,13 @@ def validation_error(exc: RequestValidationError) -> APIError:
         loc = list(error.get("loc", ()))
         if loc[:1] == ["body"]:
             loc = loc[1:]
-        field = ".".join(_body_path(loc, exc.body, error.get("type") == "missing")) or "body"
+        field = ".".join(body_path(loc, exc.body, error.get("type") == "missing")) or "body"
         cause = (error.get("ctx") or {}).get("error")
         if isinstance(cause, FieldError):  # a check across fields names the one at fault
             field = cause.param
         param = param or field
         problems.append(f"{field}: {error.get('msg', 'invalid')}")
     return APIError(400, "; ".join(problems) or "invalid request", param=param)
-
-
-def _body_path(loc: list[Any], body: Any, missing: bool) -> list[str]:
-    """The parts of ``loc`` that step into ``body`` (keys and indexes the client sent),
-    without pydantic's union-member tags; a missing field's name (last) is kept too."""
-    path, value = [], body
-    for i, part in enumerate(loc):
-        if (isinstance(value, dict) and part in value) or (
-            isinstance(value, list) and isinstance(part, int) and 0 <= part < len(value)
-        ):
-            value = value[part]
-        elif not (missing and i == len(loc) - 1):
-            continue  # a union member ("str", "list[str]") or a key's check ("[key]")
-        path.append(str(part))
-    return path
 
 
 @app.exception_handler(Exception)

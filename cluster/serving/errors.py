@@ -92,3 +92,18 @@ def generation_error(error: str | None) -> APIError:
     if is_rejection(error):
         return APIError(400, error or "")
     return APIError(503, error or "generation failed")
+
+
+def body_path(loc: list[Any], body: Any, missing: bool) -> list[str]:
+    """The parts of ``loc`` that step into ``body`` (keys and indexes the client sent),
+    without pydantic's union-member tags; a missing field's name (last) is kept too."""
+    path, value = [], body
+    for i, part in enumerate(loc):
+        if (isinstance(value, dict) and part in value) or (
+            isinstance(value, list) and isinstance(part, int) and 0 <= part < len(value)
+        ):
+            value = value[part]
+        elif not (missing and i == len(loc) - 1):
+            continue  # a union member ("str", "list[str]") or a key's check ("[key]")
+        path.append(str(part))
+    return path

@@ -27,3 +27,10 @@ def test_a_bad_field_is_named_in_the_error() -> None:
         completion_request(tandem_pb2.GenerateRequest(prompt="hi", temperature=5.0))
     assert info.value.status == 400 and info.value.param == "temperature"
     assert "temperature" in info.value.message
+
+
+def test_a_bad_prompt_is_named_as_the_field_not_as_pydantics_union_member() -> None:
+    with pytest.raises(APIError) as info:
+        completion_request(tandem_pb2.GenerateRequest(prompt_token_ids=[-1]))
+    assert info.value.status == 400 and info.value.param == "prompt"
+    assert "list[" not in info.value.message and "prompt.0:" in info.value.message
