@@ -7,15 +7,16 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from typing import Any
 
 import grpc
 from pydantic import ValidationError
 
+from cluster.observability.api_span import APISpan
 from cluster.serving.auth import check_api_key
-from cluster.serving.errors import APIError, api_error, generation_error
+from cluster.serving.errors import APIError, api_error, body_path, generation_error
 from cluster.serving.openai_protocol import CompletionRequest
 from cluster.serving.openai_serving import OpenAIServing
 
@@ -54,7 +55,10 @@ def completion_request(message: Any) -> CompletionRequest:
     try:
         return CompletionRequest.model_validate(body)
     except ValidationError as exc:
-        fields = [".".join(str(p) for p in e["loc"]) or "request" for e in exc.errors()]
+        fields = [
+            ".".join(body_path(list(e["loc"]), body, e["type"] == "missing")) or "request"
+            for e in exc.errors()
+        ]
         problems = [f"{f}: {e['msg']}" for f, e in zip(fields, exc.errors(), strict=True)]
         raise APIError(400, "; ".join(problems), param=fields[0]) from None
 
@@ -73,22 +77,27 @@ async def generate_stream(
     api_key: str | None,
     message: Any,
     grpc_context: Any,
-) -> AsyncIterator[Any]:
+) -> AsyncGenerator[Any, None]:
     """The ``GenerateResponse`` stream of one call. ``serving``: the ingress's (connects on
-    first use; a failure to connect is this call's error, with its status code)."""
+    first use; a failure to connect is this call's error, with its status code). The call is
+    an ingress span as an HTTP request is, in the caller's trace (``traceparent`` in the
+    call's metadata), so the request's trace begins at the ingress here too."""
     from cluster.proto import tandem_pb2
 
+    span: APISpan | None = None
     try:
         check_api_key(api_key, _metadata(grpc_context, "authorization"))
         request = completion_request(message)
         api = await serving()
+        headers = {} if grpc_context is None else dict(grpc_context.invocation_metadata())
+        span = APISpan(api.tracer, "text_completion", request, headers)
         lora = await api.resolve(request.model)
         jobs = await api.completion_jobs(request)
         if len(jobs) != 1:
             raise APIError(400, "one prompt per call")
         job = jobs[0]
         rid = f"grpc-{uuid.uuid4().hex}"
-        outputs = await api.run(rid, jobs, lora, request.priority)
+        outputs = await api.run(rid, jobs, lora, request.priority, span.context)
         async with aclosing(outputs):  # the caller leaving aborts the request
             async for _, out in outputs:
                 sample = out.outputs[0]
@@ -104,21 +113,35 @@ async def generate_stream(
                     stop_reason="" if sample.stop_reason is None else str(sample.stop_reason),
                 )
                 if sample.finished:
-                    response.usage.CopyFrom(
-                        tandem_pb2.Usage(
-                            prompt_tokens=len(job.prompt_ids),
-                            completion_tokens=len(sample.token_ids),
-                            cached_tokens=out.num_cached_tokens,
-                        )
+                    usage = tandem_pb2.Usage(
+                        prompt_tokens=len(job.prompt_ids),
+                        completion_tokens=len(sample.token_ids),
+                        cached_tokens=out.num_cached_tokens,
                     )
+                    response.usage.CopyFrom(usage)
+                    span.record(rid, _usage(usage), [sample.finish_reason or ""])
                 yield response
     except Exception as exc:
         error = exc if isinstance(exc, APIError) else api_error(exc)  # 500: no details leak
+        if span is not None:
+            span.end(error)
         if grpc_context is None:
             raise error from None
         grpc_context.set_code(STATUS_CODES.get(error.status, grpc.StatusCode.INTERNAL))
         grpc_context.set_details(error.message)
         raise error from None
+    finally:
+        if span is not None:  # (once: not again after an error; the caller left: as is)
+            span.end()
+
+
+def _usage(usage: Any) -> dict[str, Any]:
+    """A ``Usage`` message as the HTTP API's usage object (what ``APISpan.record`` reads)."""
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+    }
 
 
 class TLSGenerateServer:
@@ -176,8 +199,10 @@ class TLSGenerateServer:
 
     async def Generate(self, request: Any, context: Any) -> AsyncIterator[Any]:
         try:
-            async for response in generate_stream(self._serving, self._api_key, request, context):
-                yield response
+            stream = generate_stream(self._serving, self._api_key, request, context)
+            async with aclosing(stream):  # closed now (the caller left): aborts the request
+                async for response in stream:
+                    yield response
         except APIError as exc:  # generate_stream set the code; end the call with it
             code = STATUS_CODES.get(exc.status, grpc.StatusCode.INTERNAL)
             await context.abort(code, exc.message)
