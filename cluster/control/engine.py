@@ -90,6 +90,9 @@ class Held:
     scheduled_at: float | None = None
     first_token_at: float | None = None
     last_token_at: float | None = None
+    # When this instance made its first token of the request, and how many its client had
+    # before: the pace here alone, without a hand-off's wait (the autoscaler's TPOT).
+    made_here_from: tuple[float, int] | None = None
 
     # What the observer reads (it observes central flights and engine requests alike).
     @property
@@ -300,6 +303,8 @@ class InstanceEngine:
             out.request_id = placement.client_request_id
             out.num_cached_tokens = held.num_cached_tokens
             out.kv_transfer_params = None
+            if new and held.made_here_from is None:
+                held.made_here_from = (time.monotonic(), index)
             held.tokens.extend(new)
             observe.tokens_out(held, self, len(new))
             if out.finish_reason is not None:

@@ -203,8 +203,13 @@ class RequestObserver:
         # (errors and aborts say nothing of the pool's speed)
         normal = final.finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
         sink = self.latency_sink
-        if sink is not None and normal and where is not None and first is not None and num > 1:
-            sink(where.instance_id, "tpot", (now - first) / (num - 1), now - first)
+        if sink is not None and normal and where is not None:
+            # The pool's pace: from the first token made on its instance, not the client's
+            # first (a decode part's came from the prefill instance, a KV hand-off before:
+            # more decode instances would not shorten that, and the pool grew on it).
+            since, before = getattr(record, "made_here_from", None) or (first, 0)
+            if since is not None and num - before > 1:
+                sink(where.instance_id, "tpot", (now - since) / (num - before - 1), now - since)
         self.metrics.request_finished(
             "" if where is None else where.instance_id,
             "" if where is None else where.role,

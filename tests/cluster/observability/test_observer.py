@@ -55,3 +55,29 @@ def test_a_step_that_computes_nothing_is_no_iteration() -> None:
     sums = _sums(observer)
     assert sums["tandem:iteration_tokens_total_count"] == 1
     assert sums["tandem:iteration_tokens_total_sum"] == 48
+
+
+def test_the_autoscalers_tpot_is_the_pace_on_the_decode_instance_alone() -> None:
+    """A decode part's first token came from the prefill instance, a hand-off before its
+    second: the pool's TPOT signal starts at the first token made on the decode instance
+    (more decode instances would not shorten a KV transfer). The client-facing TPOT metric
+    still counts from the client's first token."""
+    observer = RequestObserver(default_cluster_config(), {}, {})
+    observer.add_instance("p-0", "decode")
+    signals: list[tuple[str, str, float, float]] = []
+    observer.latency_sink = lambda iid, kind, value, span: signals.append((iid, kind, value, span))
+    where = SimpleNamespace(instance_id="p-0", role="decode")
+    now = time.monotonic()
+    record = SimpleNamespace(
+        request=Request("r", [1, 2, 3], SamplingParams(max_tokens=4)),
+        trace=None,
+        sent=[5, 6, 7, 8],  # the first from the prefill instance, 1 s ago (a slow hand-off)
+        first_token_at=now - 1.0,
+        first_scheduled_at=now - 1.1,
+        made_here_from=(now - 0.06, 1),  # then 3 tokens here, 30 ms apart
+        placement=SimpleNamespace(client_params=None),
+    )
+    observer.finished(record, EngineCoreOutput("r", [8], FinishReason.LENGTH), where)
+    ((iid, kind, tpot, _),) = signals
+    assert (iid, kind) == ("p-0", "tpot") and 0.03 <= tpot < 0.1
+    assert _sums(observer)["tandem:request_time_per_output_token_seconds_sum"] >= 0.33
