@@ -282,6 +282,11 @@ class Autoscaler:
             decision = policy.decide(now, signals)
             if decision is None:
                 continue
+            if decision.desired < decision.replicas and self.actor._pool_draining(pool):
+                # What the draining instances still hold moves to this pool when their drain
+                # times out: a second shrink before then sizes it without that load.
+                policy.reset()
+                continue
             logger.info(
                 "autoscaler: pool %s %d -> %d (%s)",
                 pool,

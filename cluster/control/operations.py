@@ -139,6 +139,13 @@ class ClusterOperations:
         ids = [i for i in ids if not self.views[i].draining and (self.views[i].alive or not alive)]
         return sorted(ids, key=lambda i: int(i.rpartition("-")[2]))
 
+    def _pool_draining(self, pool_name: str) -> bool:
+        """Whether some of the pool's instances still drain (out of routing, their requests
+        finishing): the load they carry is not in the pool's signals yet."""
+        return any(
+            self.views[i].draining for i, s in self.specs.items() if s.pool.name == pool_name
+        )
+
     async def _grow(self, pool: Any, count: int) -> None:
         from cluster.control.placement import start_instances
 

@@ -14,6 +14,7 @@ import pytest
 
 from cluster.config import AutoscalingConfig, ClusterConfig
 from cluster.control.autoscaler import PoolPolicy, PoolSignals
+from cluster.control.summaries import InstanceView
 from cluster.observability.exposition import render_stats
 from cluster.sim.cost import LinearCostModel
 from cluster.sim.simulator import Simulation
@@ -219,6 +220,45 @@ def test_a_pool_whose_instances_never_come_back_is_started_afresh(monkeypatch: A
     time.sleep(0.3)  # past startup_timeout_s: no restart brought it back
     (decision,) = asyncio.run(autoscaler.step())
     assert (decision.replicas, decision.desired, decision.reason) == (0, 1, "no live instance")
+    assert resized == [("d", 1)]
+
+
+def test_a_pool_does_not_shrink_again_while_an_instance_of_it_drains() -> None:
+    """The load a draining instance still holds is in no signal of its pool: a second shrink
+    before its drain ends would size the pool without it (and what is left at the drain
+    timeout moves onto the smaller pool)."""
+    from cluster.control import autoscaler as module
+
+    config = ClusterConfig.model_validate(
+        {
+            "model": "m",
+            "pools": [
+                {
+                    "name": "d",
+                    "role": "decode",
+                    "replicas": 3,
+                    "autoscaling": {"min_replicas": 1, "max_replicas": 4, "downscale_delay_s": 0},
+                },
+                {"name": "p", "role": "prefill", "replicas": 1},
+            ],
+        }
+    )
+    resized: list[tuple[str, int]] = []
+    draining = {"d": True}
+
+    async def scale_pool(pool: str, replicas: int, wait: bool) -> None:
+        resized.append((pool, replicas))
+
+    views = {f"d-{i}": InstanceView(f"d-{i}", "decode", 16, True) for i in range(2)}
+    actor = type("Actor", (), {})()  # the central actor's parts the autoscaler reads
+    actor.config, actor.views, actor._resizing = config, views, asyncio.Lock()
+    actor._pool_instances = lambda pool: list(views) if pool == "d" else []
+    actor._pool_draining = lambda pool: draining.get(pool, False)
+    actor.scale_pool = scale_pool
+    autoscaler = module.Autoscaler(actor)
+    assert asyncio.run(autoscaler.step()) == [] and resized == []  # idle, but d-2 drains
+    draining["d"] = False  # its drain ended
+    asyncio.run(autoscaler.step())
     assert resized == [("d", 1)]
 
 
