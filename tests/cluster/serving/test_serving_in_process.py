@@ -1116,7 +1116,7 @@ def test_a_stream_refused_at_its_first_output_is_an_error_status(engine: AsyncLL
     ):
         req = CompletionRequest.model_validate({"model": "tiny-chat", **body})
 
-        async def refused() -> BaseException:
+        async def refused(req: CompletionRequest) -> BaseException:
             try:
                 await serving.completion(req)
             except Exception as exc:
@@ -1124,7 +1124,7 @@ def test_a_stream_refused_at_its_first_output_is_an_error_status(engine: AsyncLL
                 return exc
             raise AssertionError("a stream began")
 
-        error = _run(refused())
+        error = _run(refused(req))
         assert isinstance(error, APIError)
         assert error.status == 503 and "remote KV load failed" in error.message
 
