@@ -269,6 +269,7 @@ class Autoscaler:
                 break
             now = time.monotonic()
             signals = self.signals(pool, now)
+            self.desired[pool] = policy.desired(signals)[0]  # (also while restarts are awaited)
             if signals.replicas == 0 and self._restarts[pool]:
                 # Its workers restart (max_restarts) and it rejoins: wait for that, as long as
                 # a recovery may take (startup_timeout_s). Past it, none came back (restarts
@@ -278,7 +279,6 @@ class Autoscaler:
                     continue
             elif signals.replicas:
                 self._empty_since.pop(pool, None)
-            self.desired[pool] = policy.desired(signals)[0]
             decision = policy.decide(now, signals)
             if decision is None:
                 continue

@@ -215,6 +215,7 @@ def test_a_pool_whose_instances_never_come_back_is_started_afresh(monkeypatch: A
     actor.scale_pool = scale_pool
     autoscaler = module.Autoscaler(actor)
     assert asyncio.run(autoscaler.step()) == [] and resized == []  # its restart may come
+    assert autoscaler.desired["d"] == 1  # what it wants meanwhile (the gauge is not stale)
     time.sleep(0.1)
     assert asyncio.run(autoscaler.step()) == [] and resized == []  # (still within the time)
     time.sleep(0.3)  # past startup_timeout_s: no restart brought it back
