@@ -59,8 +59,10 @@ class LoopCounters:
     num_preemptions: int = 0
     kv_bytes_saved: int = 0
     kv_bytes_loaded: int = 0
-    num_kv_stage_loads_ended: int = 0  # loads that ended, one per pipeline stage per request
-    num_kv_stage_load_failures: int = 0  # of which failed or timed out (per stage)
+    # Loads that ended, one per request's load (its pipeline stages' records are merged
+    # first: actors.pipeline), and of those the ones that failed or timed out.
+    num_kv_stage_loads_ended: int = 0
+    num_kv_stage_load_failures: int = 0
 
 
 OutputsCallback = Callable[["EngineLoop", list[EngineCoreOutput]], None]

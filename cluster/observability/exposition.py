@@ -67,13 +67,13 @@ _PER_INSTANCE: list[tuple[str, str, str, str]] = [
     ),
     (
         "tandem:kv_transfer_loads",
-        "KV loads that ended (per pipeline stage).",
+        "KV loads that ended (one per request's load: its pipeline stages' in one).",
         "num_kv_stage_loads_ended",
         "counter",
     ),
     (
         "tandem:kv_transfer_failures",
-        "KV loads that failed or timed out (per pipeline stage).",
+        "KV loads that failed or timed out (a request's load: any stage's failure fails it).",
         "num_kv_stage_load_failures",
         "counter",
     ),
