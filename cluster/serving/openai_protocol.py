@@ -329,6 +329,7 @@ class CompletionRequest(_Sampling):
     logprobs: int | None = Field(None, ge=0, le=20)
     best_of: int | None = Field(None, ge=1)
     suffix: str | None = None
+    add_special_tokens: bool = True  # vLLM's: a text prompt's BOS (the tokenizer's) or not
 
     @field_validator("prompt")
     @classmethod
@@ -427,6 +428,9 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
+    # vLLM's: the tokenizer's special tokens on top of the template's (which writes BOS
+    # itself when the model wants one: off by default).
+    add_special_tokens: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     # Tool calling (cluster/serving/tool_calls.py).
     tools: list[Tool] | None = None

@@ -219,7 +219,7 @@ class OpenAIServing(RequestChecks):
         for i, prompt in enumerate(req.prompts()):
             text: str | None
             if isinstance(prompt, str):
-                ids, text = self._encode(prompt, "prompt"), prompt
+                ids, text = self._encode(prompt, "prompt", req.add_special_tokens), prompt
             else:
                 ids = list(prompt)
                 text = self.tokenizer.decode(ids, skip_special_tokens=False) if req.echo else None
@@ -271,8 +271,8 @@ class OpenAIServing(RequestChecks):
         text = self._render_with_tools(
             messages, tools, req.add_generation_prompt, req.chat_template_kwargs
         )
-        # The template writes BOS itself when the model wants one.
-        ids = self._encode(text, "messages", add_special_tokens=False)
+        # The template writes BOS itself when the model wants one (add_special_tokens off).
+        ids = self._encode(text, "messages", req.add_special_tokens)
         self._check_ids(ids, "messages")
         field = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
         max_tokens = self._max_tokens(

@@ -1264,3 +1264,35 @@ def test_a_grpc_call_is_an_ingress_span_in_its_callers_trace(engine: AsyncLLM) -
     assert tuple(ok.attributes["gen_ai.response.finish_reasons"]) == ("length",)
     assert failed.status.status_code == StatusCode.ERROR
     assert failed.attributes["http.response.status_code"] == 404
+
+
+def test_add_special_tokens_is_vllms(
+    serving: OpenAIServing, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's field: a completion's text prompt gets the tokenizer's BOS unless it is off; a
+    chat's rendered template gets none unless it is on (the template writes its own)."""
+    from tokenizers.processors import TemplateProcessing
+
+    bos = 1  # the tiny byte tokenizer adds none: this one's post-processor, as Llama's
+    backend = serving.tokenizer.backend
+    processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
+    monkeypatch.setattr(backend, "post_processor", processor)
+
+    def completion_ids(**extra: Any) -> list[int]:
+        body = {"model": "tiny-chat", "prompt": "hello there", **extra}
+        req = CompletionRequest.model_validate(body)
+        (job,) = _run(serving.completion_jobs(req))
+        return list(job.prompt_ids)
+
+    def chat_ids(**extra: Any) -> list[int]:
+        messages = [{"role": "user", "content": "hello there"}]
+        req = ChatCompletionRequest.model_validate(
+            {"model": "tiny-chat", "messages": messages, "chat_template_kwargs": {"bos_token": ""}}
+            | extra
+        )
+        return list(_run(serving.chat_job(req)).prompt_ids)
+
+    with_bos, without = completion_ids(), completion_ids(add_special_tokens=False)
+    assert with_bos[0] == bos and with_bos[1:] == without and without[0] != bos
+    plain, added = chat_ids(), chat_ids(add_special_tokens=True)
+    assert plain[0] != bos and added == [bos, *plain]
