@@ -40,7 +40,8 @@ class KVPeers:
         """Tell every worker how to reach the new instances' workers, and these the others
         (the ``nixl`` transport). Under ``transport: auto`` a new instance first reads a
         little from each other instance: if it cannot, the cluster's first instances fall
-        back to ``ray``; a later one is refused."""
+        back to ``ray``; a later one is refused. A transport the user named is never swapped
+        for another: an instance it cannot connect is refused (``RuntimeError``)."""
         from cluster.control.placement import connect_kv_peers
 
         if not self.config.disaggregated:
@@ -53,7 +54,7 @@ class KVPeers:
                 how = " (auto)" if self._kv_auto else ""
                 logger.info("KV transport: %s%s", self.config.kv_transfer.transport, how)
             return
-        if self.specs:
+        if self.specs or not self._kv_auto:  # ``transport: nixl`` as configured: no fallback
             raise RuntimeError(f"the nixl KV transport cannot reach: {'; '.join(errors)}")
         logger.warning(
             "KV transport: nixl cannot reach every worker (%s); falling back to ray",
