@@ -26,7 +26,8 @@ server refuses a missing or wrong one with UNAUTHENTICATED, before reading anyth
 ``tls`` (``kv_transfer.tls``), servers and clients speak mutual TLS with the cluster's
 certificate (``kv_transfer/tls.py``): the KV bytes and the token are encrypted, and a peer
 without a certificate of the cluster's CA cannot connect at all. A source that is gone fails
-the pull at once (UNAVAILABLE: the call does not wait for the server).
+the pull at once (UNAVAILABLE: the call does not wait for the server), and the next pull dials
+it afresh: a source back on the same address is reached at once (``_evict``).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import itertools
 import logging
 import socket
 import threading
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, defaultdict
 from collections.abc import Generator, Iterator
 from concurrent import futures
 from dataclasses import dataclass
@@ -69,6 +70,13 @@ TOKEN_METADATA_KEY = "tandem-kv-token"  # gRPC metadata keys are lower case
 # recently used one no pull is on is closed (restarted prefill workers come back on new
 # ports: their old channels would otherwise stay for the worker's life).
 MAX_CHANNELS = 64
+# A channel whose connection failed waits out gRPC's reconnect backoff before it dials again
+# (1 s, growing to 2 min), failing pulls at once meanwhile: a source back on the same address
+# (a restarted worker) is reached again within a second.
+_RECONNECT_BACKOFF = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
 _DTYPES: dict[torch.dtype, tuple[int, np.dtype[Any]]] = {
     torch.float32: (pb.DTYPE_FLOAT32, np.dtype(np.float32)),
     torch.float16: (pb.DTYPE_FLOAT16, np.dtype(np.float16)),
@@ -196,6 +204,8 @@ class GrpcWorkerConnector(WorkerConnector):
         # address -> grpc.Channel, shared by fetches, least recently used first
         self._channels: OrderedDict[str, Any] = OrderedDict()
         self._pulling: Counter[str] = Counter()  # pulls on each channel now
+        # Channels evicted after a connection failure, closed once no pull to them runs.
+        self._evicted: defaultdict[str, list[Any]] = defaultdict(list)
         self._channels_lock = threading.Lock()
 
     # -- set-up ----------------------------------------------------------------------------
@@ -243,7 +253,8 @@ class GrpcWorkerConnector(WorkerConnector):
             self._server = None
         with self._channels_lock:
             channels, self._channels = self._channels, OrderedDict()
-        for channel in channels.values():
+            evicted, self._evicted = self._evicted, defaultdict(list)
+        for channel in [*channels.values(), *itertools.chain(*evicted.values())]:
             channel.close()
         super().close()
 
@@ -328,8 +339,10 @@ class GrpcWorkerConnector(WorkerConnector):
         request = pb.PullRequest(
             lease_id=handle.lease_id, first_layer=layers.start, last_layer=layers.stop
         )
-        pull = self._stub(handle.address)
+        # Inside the try: ``_stub`` counts the pull before anything in it can fail, and a
+        # pull left counted would pin its channel (never evicted) for the worker's life.
         try:
+            channel, pull = self._stub(handle.address)
             call = pull(
                 request,
                 timeout=timeout_s,
@@ -340,6 +353,8 @@ class GrpcWorkerConnector(WorkerConnector):
                 return _receive(call, handle, layers)
             except grpc.RpcError as exc:
                 code = exc.code() if hasattr(exc, "code") else None
+                if code == grpc.StatusCode.UNAVAILABLE:
+                    self._evict(handle.address, channel)
                 details = exc.details() if hasattr(exc, "details") else str(exc)
                 name = code.name if code is not None else "error"
                 raise ConnectionError(
@@ -350,17 +365,21 @@ class GrpcWorkerConnector(WorkerConnector):
         finally:
             self._done_with(handle.address)
 
-    def _stub(self, address: str) -> Any:
-        """The ``Pull`` call on a channel to ``address`` (one channel per address, shared),
-        for one pull (``_done_with`` when it ends)."""
+    def _stub(self, address: str) -> tuple[Any, Any]:
+        """A channel to ``address`` (one per address, shared) and the ``Pull`` call on it,
+        for one pull, counted before anything can fail (``_done_with`` when it ends)."""
         idle: list[Any] = []
         with self._channels_lock:
+            self._pulling[address] += 1
             channel = self._channels.get(address)
             if channel is not None:
                 self._channels.move_to_end(address)
             else:
                 limit = max(self.chunk_size_bytes, 4 << 20) + (64 << 10)
-                options: list[tuple[str, Any]] = [("grpc.max_receive_message_length", limit)]
+                options: list[tuple[str, Any]] = [
+                    ("grpc.max_receive_message_length", limit),
+                    *_RECONNECT_BACKOFF,
+                ]
                 if self.tls is None:
                     channel = grpc.insecure_channel(address, options=options)
                 else:
@@ -368,7 +387,6 @@ class GrpcWorkerConnector(WorkerConnector):
                     credentials = self.tls.channel_credentials()
                     channel = grpc.secure_channel(address, credentials, options=options)
                 self._channels[address] = channel
-            self._pulling[address] += 1
             for old in list(self._channels):  # the least recently used idle ones go
                 if len(self._channels) <= MAX_CHANNELS:
                     break
@@ -377,15 +395,30 @@ class GrpcWorkerConnector(WorkerConnector):
         for old_channel in idle:
             old_channel.close()
         # Responses arrive encoded: ``_receive`` decodes them.
-        return channel.unary_stream(
+        return channel, channel.unary_stream(
             _PULL, request_serializer=pb.PullRequest.SerializeToString, response_deserializer=_as_is
         )
 
+    def _evict(self, address: str, channel: Any) -> None:
+        """Forget ``channel``, whose connection failed (UNAVAILABLE): gRPC keeps a failed
+        channel in TRANSIENT_FAILURE, failing each pull at once until its reconnect backoff
+        ends, though the source may be back (a restart on the same port). The next pull
+        dials afresh; this channel is closed once no pull to ``address`` runs (another pull
+        may still read through it)."""
+        with self._channels_lock:
+            if self._channels.get(address) is channel:
+                del self._channels[address]
+                self._evicted[address].append(channel)
+
     def _done_with(self, address: str) -> None:
+        closing: list[Any] = []
         with self._channels_lock:
             self._pulling[address] -= 1
             if self._pulling[address] <= 0:
                 del self._pulling[address]
+                closing = self._evicted.pop(address, [])
+        for channel in closing:
+            channel.close()
 
 
 def _receive(call: Iterator[bytes], handle: GrpcLease, layers: range) -> KVPayload:

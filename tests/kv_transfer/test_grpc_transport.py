@@ -8,6 +8,7 @@ import pickle
 import socket
 import time
 from collections.abc import Callable, Iterator
+from concurrent import futures
 from typing import Any
 
 import grpc
@@ -562,6 +563,65 @@ def test_a_decode_worker_keeps_a_bounded_number_of_channels(
         assert _load(dst, _save(src, req_id=rid), req_id=rid) == ({rid}, None)
     assert list(dst._channels) == [sources[2].address, sources[0].address]
     assert not dst._pulling  # no pull holds a channel now
+
+
+def _serve_again(src: GrpcWorkerConnector) -> None:
+    """Stop ``src``'s KV server and start another on the same address (a restarted worker
+    that got its port back), serving the same leases."""
+    src._server.stop(grace=None)
+    server = grpc.server(futures.ThreadPoolExecutor(2), options=[("grpc.so_reuseport", 0)])
+    pull = grpc.unary_stream_rpc_method_handler(
+        _KVServicer(src).Pull,
+        request_deserializer=pb.PullRequest.FromString,
+        response_serializer=lambda data: data,
+    )
+    service = pb.DESCRIPTOR.services_by_name["KVTransfer"].full_name
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(service, {"Pull": pull}),)
+    )
+    assert src.address is not None
+    assert server.add_insecure_port(src.address) == int(src.address.rsplit(":", 1)[1])
+    server.start()
+    src._server = server  # stopped by ``close``
+
+
+def test_a_source_back_on_its_address_is_pulled_from_at_once(
+    make: Callable[..., GrpcWorkerConnector],
+) -> None:
+    """A pull from a source that is gone fails (UNAVAILABLE); once it is back on the same
+    address the next pull succeeds at once. A failed channel used to stay cached, failing
+    every pull until gRPC's reconnect backoff (1 s, growing to minutes) ran out."""
+    src, dst = make(), make(num_blocks=12, seed=1)
+    (first,) = _save(src, req_id="r0")
+    assert dst._fetch(first.handle, range(NUM_LAYERS), 5.0).num_layers == NUM_LAYERS
+    (segment,) = _save(src, req_id="r1")
+    src._server.stop(grace=None)
+    with pytest.raises(ConnectionError, match="UNAVAILABLE"):
+        dst._fetch(segment.handle, range(NUM_LAYERS), 5.0)
+    _serve_again(src)
+    payload = dst._fetch(segment.handle, range(NUM_LAYERS), 5.0)
+    assert payload.num_layers == NUM_LAYERS
+    assert list(dst._channels) == [src.address] and not dst._pulling and not dst._evicted
+
+
+def test_a_pull_that_fails_to_start_holds_no_channel(
+    make: Callable[..., GrpcWorkerConnector], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pull counted on its channel but failing before its call (here: making the call)
+    must be uncounted, or the channel would never be evicted."""
+    src, dst = make(), make(num_blocks=12, seed=1)
+    (segment,) = _save(src)
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("no call")
+
+    channel = grpc.insecure_channel(src.address or "")
+    monkeypatch.setattr(channel, "unary_stream", broken)
+    monkeypatch.setattr(grpc, "insecure_channel", lambda *args, **kwargs: channel)
+    with pytest.raises(RuntimeError, match="no call"):
+        dst._fetch(segment.handle, range(NUM_LAYERS), 5.0)
+    assert not dst._pulling
+    channel.close()
 
 
 def test_no_time_left_fails_without_a_call(make: Callable[..., GrpcWorkerConnector]) -> None:
