@@ -216,8 +216,11 @@ class NixlWorkerConnector(NixlPeers):
         self.retire_caches()  # first: a same-node copy of the old cache fails from now on
         self.leases.end_all()
         self._drop_reads()
-        super().register_kv_caches(kv_caches, layers)
+        # The old agent goes first: it deregisters the old cache while this still holds it.
+        # ``super()`` drops the last reference, and memory freed while still registered may
+        # be unmapped or handed out again under UCX and a peer's READ.
         self._close_agent()
+        super().register_kv_caches(kv_caches, layers)
         layout = PoolLayout.of(kv_caches, layers)
         if self.ucx_tls is not None:  # read by UCX when the agent makes its backend
             os.environ["UCX_TLS"] = self.ucx_tls

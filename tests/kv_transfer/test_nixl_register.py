@@ -1,0 +1,62 @@
+"""``NixlWorkerConnector.register_kv_caches`` with a stand-in NIXL agent (runs without the
+``nixl`` extra): a new cache's registration deregisters the old cache from the old agent
+while the old cache is still alive -- memory freed while registered could be unmapped or
+handed out again under UCX."""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import pytest
+import torch
+
+from kv_transfer import nixl_transport
+from kv_transfer.blocks import allocate_kv_caches
+
+LAYERS = range(2)
+
+
+class FakeAgent:
+    """What ``register_kv_caches`` and ``_close_agent`` use of a NIXL agent; on deregister it
+    notes whether the registered cache (watched through ``alive``) still exists."""
+
+    def __init__(self, name: str, alive: list[weakref.ref[torch.Tensor]]) -> None:
+        self.name = name
+        self.backends = ["UCX"]
+        self.alive = alive
+        self.cache_alive_at_deregister: list[bool] = []
+
+    def register_memory(self, descs: list[Any], mem_type: str) -> Any:
+        return ("registration", len(descs), mem_type)
+
+    def deregister_memory(self, registration: Any) -> None:
+        self.cache_alive_at_deregister.append(self.alive[0]() is not None)
+
+
+def _caches() -> list[torch.Tensor]:
+    return allocate_kv_caches(len(LAYERS), 8, 4, 2, 8, torch.float32)
+
+
+def test_the_old_cache_is_deregistered_before_it_is_dropped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    alive: list[weakref.ref[torch.Tensor]] = []
+    agents: list[FakeAgent] = []
+
+    def make_agent(api: Any, name: str, backends: list[str], wait_us: int) -> FakeAgent:
+        agents.append(FakeAgent(name, alive))
+        return agents[-1]
+
+    monkeypatch.setattr(nixl_transport, "_nixl_api", lambda: object())
+    monkeypatch.setattr(nixl_transport, "_make_agent", make_agent)
+    connector = nixl_transport.NixlWorkerConnector(same_node_copy=False)
+    old = _caches()
+    alive.append(weakref.ref(old[0]))
+    connector.register_kv_caches(old, LAYERS)
+    del old  # the connector holds the only reference now
+    connector.register_kv_caches(_caches(), LAYERS)
+    assert agents[0].cache_alive_at_deregister == [True]
+    assert alive[0]() is None  # then let go
+    assert connector.agent is agents[1]
+    connector.close()
