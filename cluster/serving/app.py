@@ -19,6 +19,7 @@ its ``ClusterClient`` (an ``EngineClient``). The routes only check the API key a
 # (Serve rebinds the methods, so string annotations would not resolve).
 import asyncio
 import logging
+from contextlib import aclosing
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
@@ -328,8 +329,10 @@ class OpenAIIngress:
     async def Generate(self, request: Any, grpc_context: Any = None) -> Any:
         from cluster.serving.grpc_api import generate_stream
 
-        async for response in generate_stream(self.serving, self._api_key, request, grpc_context):
-            yield response
+        stream = generate_stream(self.serving, self._api_key, request, grpc_context)
+        async with aclosing(stream):  # closed now when the caller leaves: aborts the request
+            async for response in stream:
+                yield response
 
 
 def build_app(args: dict[str, Any] | None = None) -> Any:
