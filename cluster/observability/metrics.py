@@ -15,6 +15,7 @@ serves the same cluster-wide numbers on ``/metrics``):
 from __future__ import annotations
 
 import contextlib
+import re
 from bisect import bisect_left
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -434,5 +435,23 @@ class ClusterMetrics:
             own = merge_expositions([own, *others])
         text = own + render_stats(stats, self.model_name)[0]
         if self.vllm_names:  # the same series under vLLM's names (ours are vLLM's, prefixed)
-            text += text.replace("tandem:", "vllm:")
+            text += vllm_named(text)
         return text
+
+
+# A metric's name where the exposition format puts one: a sample's start, a HELP / TYPE line.
+_NAMES = re.compile(r"^(# (?:HELP|TYPE) )?tandem:([a-zA-Z0-9_:]*)", re.MULTILINE)
+# vLLM names a series had before its present one, still read by gateways and dashboards.
+_VLLM_OLD_NAMES = {"kv_cache_usage_perc": "gpu_cache_usage_perc"}
+
+
+def vllm_named(text: str) -> str:
+    """``text``'s series under vLLM's names: the ``tandem:`` prefix of each metric's name
+    becomes ``vllm:`` (a label value or help text holding "tandem:" -- an adapter's name --
+    stays as it is), and the series vLLM renamed are there under the old name too."""
+    out = [_NAMES.sub(lambda m: f"{m[1] or ''}vllm:{m[2]}", text)]
+    for line in text.splitlines(keepends=True):  # (a family's lines stay together)
+        m = _NAMES.match(line)
+        if m is not None and m[2] in _VLLM_OLD_NAMES:
+            out.append(f"{m[1] or ''}vllm:{_VLLM_OLD_NAMES[m[2]]}{line[m.end() :]}")
+    return "".join(out)

@@ -108,6 +108,21 @@ def test_cache_config_info_and_vllm_names() -> None:
     assert not ClusterMetrics("m", None, None).vllm_names
 
 
+def test_vllm_names_rename_metric_names_only_and_keep_vllms_old_cache_name() -> None:
+    """Under vLLM's names a label value holding "tandem:" (a model or adapter name) stays
+    as it is, and KV usage is also ``vllm:gpu_cache_usage_perc`` (vLLM's older name, which
+    gateways and vLLM's own dashboard still read)."""
+    m = ClusterMetrics("tandem:m", slo_ttft_s=None, slo_tpot_s=None, vllm_names=True)
+    m.add_instance("d-0", "decode")
+    stats = {"instances": {"d-0": {"role": "decode", "kv_cache_usage": 0.5}}}
+    samples = _samples(m.render(stats))
+    labels = (("instance", "d-0"), ("model_name", "tandem:m"), ("role", "decode"))
+    for name in ("tandem:kv_cache_usage_perc", "vllm:kv_cache_usage_perc"):
+        assert samples[(name, labels)] == 0.5
+    assert samples[("vllm:gpu_cache_usage_perc", labels)] == 0.5
+    assert not any(dict(labels_).get("model_name") == "vllm:m" for _, labels_ in samples)
+
+
 def test_request_params_n_and_lora_requests_info() -> None:
     """vLLM's request_params_n (once per user request: given with its first sample only)
     and lora_requests_info (an instance's adapters, in labels)."""
