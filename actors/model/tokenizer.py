@@ -5,6 +5,7 @@ Built on the ``tokenizers`` library only (no transformers at run time).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 from pathlib import Path
@@ -130,6 +131,33 @@ class Tokenizer:
         token: str | None = self._tok.id_to_token(token_id)
         return token
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes ``token_id`` stands for. A token holding part of a character (byte-level
+        BPE splits an emoji into several) decodes to U+FFFD alone; its bytes are its piece's
+        (GPT-2's byte alphabet, or SentencePiece's ``<0xNN>`` byte fallback), so a client
+        that joins a reply's tokens' bytes gets its text back (the OpenAI API's ``bytes``)."""
+        piece = self._tok.id_to_token(token_id)
+        if piece is not None and token_id not in self._added_ids:
+            if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                with contextlib.suppress(ValueError):
+                    return bytes([int(piece[3:5], 16)])
+            alphabet = self._byte_alphabet
+            if alphabet is not None and all(c in alphabet for c in piece):
+                return bytes(alphabet[c] for c in piece)
+        return self.decode([token_id], skip_special_tokens=False).encode()
+
+    @functools.cached_property
+    def _added_ids(self) -> frozenset[int]:
+        return frozenset(self._tok.get_added_tokens_decoder())
+
+    @functools.cached_property
+    def _byte_alphabet(self) -> dict[str, int] | None:
+        """Byte-level BPE's piece characters to the bytes they stand for (None: the
+        tokenizer is not byte-level)."""
+        if "ByteLevel" not in str(self._tok.decoder):
+            return None
+        return {char: byte for byte, char in _byte_level_chars().items()}
+
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
     ) -> str:
@@ -146,6 +174,21 @@ class Tokenizer:
     def encode_chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
         # The template writes BOS itself when the model wants one.
         return self.encode(self.apply_chat_template(messages, **kwargs), add_special_tokens=False)
+
+
+def _byte_level_chars() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: each byte as a printable character -- printable Latin-1
+    bytes as themselves, the others (controls, space, ...) as the characters from U+0100 on,
+    in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    chars, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            chars[byte] = chr(byte)
+        else:
+            chars[byte] = chr(0x100 + extra)
+            extra += 1
+    return chars
 
 
 def _token_str(value: Any) -> str | None:

@@ -487,12 +487,13 @@ def chat_logprobs(
             {
                 "token": text,
                 "logprob": _finite(lp.get(tid)),
-                "bytes": list(text.encode()),
+                # The token's own bytes: part of a character decodes to U+FFFD alone.
+                "bytes": list(tokenizer.token_bytes(tid)),
                 "top_logprobs": [
                     {
-                        "token": (t_text := _token_text(tokenizer, t)),
+                        "token": _token_text(tokenizer, t),
                         "logprob": _finite(v),
-                        "bytes": list(t_text.encode()),
+                        "bytes": list(tokenizer.token_bytes(t)),
                     }
                     for t, v in _top(lp)[:k]
                 ],

@@ -1296,3 +1296,21 @@ def test_add_special_tokens_is_vllms(
     assert with_bos[0] == bos and with_bos[1:] == without and without[0] != bos
     plain, added = chat_ids(), chat_ids(add_special_tokens=True)
     assert plain[0] != bos and added == [bos, *plain]
+
+
+def test_chat_logprobs_bytes_are_each_tokens_own(serving: OpenAIServing) -> None:
+    """The OpenAI API's ``bytes``: joined over a reply's tokens they give its text back. A
+    token holding part of a character (an emoji is several byte-level tokens) has its own
+    bytes, not those of the U+FFFD it decodes to alone."""
+    from cluster.serving.openai_responses import chat_logprobs
+
+    tokenizer = serving.tokenizer
+    text = "ok 😀 é"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    logprobs = [{tid: -0.5, (tid + 1) % 200: -1.5} for tid in ids]
+    content = chat_logprobs(tokenizer, ids, logprobs, 1)
+    assert any(entry["token"] == "\ufffd" for entry in content)  # parts of the emoji
+    assert bytes(b for entry in content for b in entry["bytes"]).decode() == text
+    for entry in content:
+        (top,) = entry["top_logprobs"]
+        assert top["bytes"] == entry["bytes"]  # the token itself is its best here
