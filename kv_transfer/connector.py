@@ -114,13 +114,6 @@ class KVConnectorReport:
     loads: list[tuple[str, float, int, bool]] = field(default_factory=list)
 
 
-def _past_deadline(params: dict[str, Any]) -> bool:
-    """Whether the hand-off's ``deadline`` (the source's wall clock at ``request_finished``
-    plus ``timeout_s``) has passed here; a hand-off without one has none."""
-    deadline = params.get("deadline")
-    return deadline is not None and time.time() >= float(deadline)
-
-
 class PDConnector(SchedulerConnector):
     """Scheduler-side connector of one instance (``instance_id``) for prefill/decode hand-off."""
 
@@ -149,12 +142,6 @@ class PDConnector(SchedulerConnector):
         params = request.kv_transfer_params or {}
         if params.get("handle") is None:
             return 0, False  # nothing to load from: compute locally
-        if _past_deadline(params):
-            # Too late to start a load: the source's lease (by default timeout_s plus a grace,
-            # from the save, just before the deadline was set) is over or nearly so. Compute
-            # locally rather than hold the blocks for a load bound to fail; the handle is
-            # dropped unread (``update_state_after_alloc``), so the source lets it go now.
-            return 0, False
         remote = min(int(params.get("remote_num_tokens", 0)), request.num_prompt_tokens)
         count = max(remote - num_computed_tokens, 0)
         return count, count > 0

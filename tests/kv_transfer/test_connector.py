@@ -465,31 +465,6 @@ def test_remote_prefill_without_a_handle_computes_locally() -> None:
     _drain(s, c)
 
 
-def test_a_hand_off_past_its_deadline_computes_locally_and_lets_the_source_go() -> None:
-    """The source may have let the KV go: no load bound to fail is started (its blocks held
-    until it times out); the prompt is computed here and the source's lease released."""
-    s, c = _instance()
-    r = _in_place_decode_request()
-    assert r.kv_transfer_params is not None
-    r.kv_transfer_params["deadline"] = time.time() - 0.01
-    s.add_request(r)
-    out, outputs = _run(s, {"d": [42]})
-    assert out.num_scheduled_tokens == {"d": len(PROMPT) + 1}
-    assert not _meta(out).loads and c.num_loads == 0
-    assert [o.new_token_ids for o in outputs] == [[42]]
-    assert c.take_unread() == [("d", "p-0")]
-    _drain(s, c)
-
-
-def test_a_hand_off_before_its_deadline_loads() -> None:
-    s, c = _instance()
-    r = _in_place_decode_request()
-    assert r.kv_transfer_params is not None
-    r.kv_transfer_params["deadline"] = time.time() + 60.0
-    _start_load(s, r)
-    assert c.num_loads == 1
-
-
 def test_decode_aborted_while_loading_keeps_its_blocks_until_the_load_ends() -> None:
     s, c, _ = _loading()
     s.finish_requests("d", RequestStatus.FINISHED_ABORTED)
