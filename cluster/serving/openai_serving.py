@@ -154,7 +154,11 @@ class OpenAIServing(RequestChecks):
     async def load_lora_adapter(self, body: LoadLoRAAdapterRequest) -> str:
         if body.lora_name == self.model_name:
             raise APIError(400, "lora_name is the base model's name", param="lora_name")
-        if body.lora_name in await self.engine.lora_adapters():
+        try:
+            served = await self.engine.lora_adapters()
+        except Exception as exc:  # the cluster is away: 503, not the catch-all's 500
+            raise api_error(exc) from None
+        if body.lora_name in served:
             raise APIError(
                 400,
                 f"The lora adapter '{body.lora_name}' has already been loaded.",

@@ -1177,6 +1177,13 @@ def test_adapter_errors_name_their_field_and_only_a_missing_one_is_a_404(
     died = error(away, away.unload_lora_adapter(UnloadLoRAAdapterRequest(lora_name="a")))
     assert died.status == 503
 
+    class _Away(_Adapters):
+        async def lora_adapters(self) -> dict[str, Any]:
+            raise ray.exceptions.ActorDiedError()
+
+    gone = OpenAIServing(_Away(engine, KeyError("a")), "tiny-chat")  # type: ignore[arg-type]
+    assert error(gone, gone.load_lora_adapter(load)).status == 503
+
 
 def test_a_stream_that_fails_midway_ends_its_span_as_an_error(engine: AsyncLLM) -> None:
     """The stream says so in an event and ends normally; its ingress span still ends as
