@@ -185,9 +185,12 @@ class Migration:
 
     async def _move(self, iid: str, lost: list[Lost], reason: str) -> None:
         """Place requests an instance lost again: re-prefilled elsewhere from prompt + the
-        tokens their clients have. They are placed side by side, in their order: one that
-        waits for its adapter to load (``_place``) holds up none of the others."""
-        moving: list[Coroutine[Any, Any, None]] = []
+        tokens their clients have. Those of one adapter are placed in turn, in their order
+        (each is routed after the one before is counted where it went: side by side, all
+        would pick the same instance while its adapter loads); those of other adapters, and
+        those without, side by side -- one waiting for its adapter to load (``_place``) holds
+        up none of the others."""
+        turns: dict[Any, list[Flight]] = {}  # adapter id (or the flight) -> its flights
         for item in lost:
             flight = self._internal.get(item.internal_id)
             if flight is None or flight.instance != iid:
@@ -209,15 +212,18 @@ class Migration:
             flight.num_moves += 1
             self.num_moves += 1
             self.observe.moved(flight, reason)
-            moving.append(self._move_one(flight, reason))
-        await asyncio.gather(*moving)
+            lora = flight.request.lora_request
+            key = ("alone", id(flight)) if lora is None else ("lora", lora.lora_int_id)
+            turns.setdefault(key, []).append(flight)
+        await asyncio.gather(*(self._move_in_turn(flights, reason) for flights in turns.values()))
 
-    async def _move_one(self, flight: Flight, reason: str) -> None:
-        try:
-            await self._place(flight)
-        except Exception as exc:
-            error = f"{reason}; the request could not move: {exc}"
-            self._end(flight, FinishReason.ERROR, error, tokens=flight.sent)
+    async def _move_in_turn(self, flights: list[Flight], reason: str) -> None:
+        for flight in flights:
+            try:
+                await self._place(flight)
+            except Exception as exc:
+                error = f"{reason}; the request could not move: {exc}"
+                self._end(flight, FinishReason.ERROR, error, tokens=flight.sent)
 
     def _end_flight(self, flight: Flight, error: str) -> None:
         """End a flight with an error from the actor (its engine is gone)."""

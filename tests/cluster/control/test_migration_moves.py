@@ -1,5 +1,6 @@
 """``Migration._move`` places the requests a dead instance lost side by side: one whose
-adapter is slow to load (or never loads) holds up none of the others."""
+adapter is slow to load (or never loads) holds up none of the others -- but those of one
+adapter in turn, each routed once the one before is counted where it went."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from cluster.control.engine_reports import Lost
 from cluster.control.flights import Flight
 from cluster.control.migration import Migration
 from scheduler import FinishReason, Request, SamplingParams
+from scheduler.request import LoRARequest
 
 
 class Moves(Migration):
@@ -39,21 +41,22 @@ class Moves(Migration):
         self.ended.append((flight.request.request_id, error))
 
 
-def flight(rid: str) -> Flight:
-    request = Request(rid, [1, 2, 3], SamplingParams(max_tokens=8))
+def flight(rid: str, lora: LoRARequest | None = None) -> Flight:
+    request = Request(rid, [1, 2, 3], SamplingParams(max_tokens=8), lora_request=lora)
     return Flight(request, None, None, "d-0", "decode", internal_id=f"{rid}@1")
 
 
 def test_a_request_whose_adapter_load_hangs_holds_up_none_of_the_others() -> None:
     async def main() -> Moves:
-        flights = [flight(rid) for rid in "abcd"]
+        adapter = LoRARequest(lora_name="x", lora_int_id=1, lora_path="/x")
+        flights = [flight(rid, adapter if rid in "ae" else None) for rid in "abcde"]
         moves = Moves(flights, stuck={"a"}, bad={"c"})
         lost = [Lost(f.internal_id, [5, 6], None, None, None, None) for f in flights]
         task = asyncio.ensure_future(moves._move("d-0", lost, "the engine died"))
         for _ in range(20):
             await asyncio.sleep(0)
         # The others are placed (or failed) in their order while "a" still waits.
-        assert moves.placed == ["b", "d"]
+        assert moves.placed == ["b", "d"]  # "e" waits for "a": the same adapter
         assert [rid for rid, _ in moves.ended] == ["c"]
         assert "the request could not move: no decode instance is alive" in moves.ended[0][1]
         assert not task.done()
@@ -62,6 +65,6 @@ def test_a_request_whose_adapter_load_hangs_holds_up_none_of_the_others() -> Non
         return moves
 
     moves = asyncio.run(main())
-    assert moves.placed == ["b", "d", "a"]
-    assert moves.num_moves == 4
+    assert moves.placed == ["b", "d", "a", "e"]
+    assert moves.num_moves == 5
     assert all(f.sent == [5, 6] and f.num_moves == 1 for f in moves._internal.values())
