@@ -105,6 +105,7 @@ class SchedulerActor(Intake, KVPeers, Migration, Restart, ClusterOperations):
         self.max_model_len = 0
         self.started = False
         self._starting: asyncio.Future[None] | None = None  # ``start`` under way (or done)
+        self.stopped = False  # shut down for good
         self.num_moves = 0  # requests moved off failed instances
         self.failures: list[dict[str, Any]] = []  # instance failures and rejoins, in order
         self._tasks: set[asyncio.Task[None]] = set()  # moves, the client reaper
@@ -134,6 +135,8 @@ class SchedulerActor(Intake, KVPeers, Migration, Restart, ClusterOperations):
         after a failed start tries again; one after it started gets its description."""
         if self.recovering:
             await self._ready()
+        if self.stopped:
+            raise RuntimeError("the cluster was shut down; build it again")
         if self.started:
             return self.describe()
         if self._starting is None or self._starting.done():
@@ -251,8 +254,11 @@ class SchedulerActor(Intake, KVPeers, Migration, Restart, ClusterOperations):
         return wanted or cap
 
     async def shutdown(self) -> None:
-        """Stop every engine, end what is in flight (abort), release the workers."""
+        """Stop every engine, end what is in flight (abort), release the workers. For good:
+        a ``start`` after it (a Serve replica adopting the cluster while ``tandem down``
+        takes it down) is refused, not run again on the workers killed here."""
         self.started = False  # no submit from now on
+        self.stopped = True
         for view in self.views.values():
             view.alive = False  # no hand-off or move either
         for task in list(self._tasks):

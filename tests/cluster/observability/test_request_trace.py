@@ -246,6 +246,8 @@ def test_a_request_ended_before_it_was_placed_counts_on_no_instance(tiny_model: 
         assert outs[-1].finish_reason == FinishReason.ABORT
         text = await actor.metrics_text()
         await actor.shutdown()
+        with pytest.raises(RuntimeError, match="shut down"):  # not started again on its
+            await actor.start()  # killed workers (a replica adopting it meanwhile)
         return text
 
     text = asyncio.run(asyncio.wait_for(run(), 60))
