@@ -37,7 +37,7 @@ import itertools
 import logging
 import socket
 import threading
-from collections import Counter, OrderedDict, defaultdict
+from collections import Counter, OrderedDict
 from collections.abc import Generator, Iterator
 from concurrent import futures
 from dataclasses import dataclass
@@ -203,9 +203,10 @@ class GrpcWorkerConnector(WorkerConnector):
         self._server: Any = None
         # address -> grpc.Channel, shared by fetches, least recently used first
         self._channels: OrderedDict[str, Any] = OrderedDict()
-        self._pulling: Counter[str] = Counter()  # pulls on each channel now
+        self._pulling: Counter[str] = Counter()  # pulls to each address now
+        self._on_channel: Counter[int] = Counter()  # pulls on each channel (by id) now
         # Channels evicted after a connection failure, closed once no pull to them runs.
-        self._evicted: defaultdict[str, list[Any]] = defaultdict(list)
+        self._evicted: dict[int, Any] = {}  # by id
         self._channels_lock = threading.Lock()
 
     # -- set-up ----------------------------------------------------------------------------
@@ -253,8 +254,8 @@ class GrpcWorkerConnector(WorkerConnector):
             self._server = None
         with self._channels_lock:
             channels, self._channels = self._channels, OrderedDict()
-            evicted, self._evicted = self._evicted, defaultdict(list)
-        for channel in [*channels.values(), *itertools.chain(*evicted.values())]:
+            evicted, self._evicted = self._evicted, {}
+        for channel in [*channels.values(), *evicted.values()]:
             channel.close()
         super().close()
 
@@ -341,6 +342,7 @@ class GrpcWorkerConnector(WorkerConnector):
         )
         # Inside the try: ``_stub`` counts the pull before anything in it can fail, and a
         # pull left counted would pin its channel (never evicted) for the worker's life.
+        channel = None
         try:
             channel, pull = self._stub(handle.address)
             call = pull(
@@ -363,7 +365,7 @@ class GrpcWorkerConnector(WorkerConnector):
             finally:
                 call.cancel()  # a no-op once the stream ended; stops the server after an error
         finally:
-            self._done_with(handle.address)
+            self._done_with(handle.address, channel)
 
     def _stub(self, address: str) -> tuple[Any, Any]:
         """A channel to ``address`` (one per address, shared) and the ``Pull`` call on it,
@@ -387,6 +389,7 @@ class GrpcWorkerConnector(WorkerConnector):
                     credentials = self.tls.channel_credentials()
                     channel = grpc.secure_channel(address, credentials, options=options)
                 self._channels[address] = channel
+            self._on_channel[id(channel)] += 1
             for old in list(self._channels):  # the least recently used idle ones go
                 if len(self._channels) <= MAX_CHANNELS:
                     break
@@ -403,22 +406,26 @@ class GrpcWorkerConnector(WorkerConnector):
         """Forget ``channel``, whose connection failed (UNAVAILABLE): gRPC keeps a failed
         channel in TRANSIENT_FAILURE, failing each pull at once until its reconnect backoff
         ends, though the source may be back (a restart on the same port). The next pull
-        dials afresh; this channel is closed once no pull to ``address`` runs (another pull
-        may still read through it)."""
+        dials afresh; this channel is closed once no pull on it runs (another may still read
+        through it), whatever runs on the new one."""
         with self._channels_lock:
             if self._channels.get(address) is channel:
                 del self._channels[address]
-                self._evicted[address].append(channel)
+                self._evicted[id(channel)] = channel
 
-    def _done_with(self, address: str) -> None:
-        closing: list[Any] = []
+    def _done_with(self, address: str, channel: Any) -> None:
+        closing = None
         with self._channels_lock:
             self._pulling[address] -= 1
             if self._pulling[address] <= 0:
                 del self._pulling[address]
-                closing = self._evicted.pop(address, [])
-        for channel in closing:
-            channel.close()
+            if channel is not None:
+                self._on_channel[id(channel)] -= 1
+                if self._on_channel[id(channel)] <= 0:
+                    del self._on_channel[id(channel)]
+                    closing = self._evicted.pop(id(channel), None)
+        if closing is not None:
+            closing.close()
 
 
 def _receive(call: Iterator[bytes], handle: GrpcLease, layers: range) -> KVPayload:

@@ -649,3 +649,22 @@ def test_a_wildcard_bind_advertises_this_nodes_address_not_a_loopback_name(
     with caplog.at_level("WARNING", logger="kv_transfer.grpc_transport"):
         assert advertised_host("0.0.0.0", None) == "127.0.1.1"  # outside Ray: said
     assert "loopback" in caplog.text and "advertise_host" in caplog.text
+
+
+def test_an_evicted_channel_closes_when_its_own_pulls_end(
+    make: Callable[..., GrpcWorkerConnector],
+) -> None:
+    """Under steady traffic to one source some pull always runs there (on the new channel):
+    the evicted one closes once the pulls on it end, not once every pull to the address
+    does (never, then: one more kept open per failure)."""
+    dst = make(num_blocks=12, seed=2)
+    address = "127.0.0.1:1"
+    old, _ = dst._stub(address)  # a pull on the channel that then fails
+    dst._evict(address, old)
+    new, _ = dst._stub(address)  # the next pull dials afresh and is still running
+    assert new is not old
+    dst._done_with(address, old)  # the failed pull ends
+    assert not dst._evicted  # closed, though a pull to the address runs on
+    assert dst._pulling[address] == 1
+    dst._done_with(address, new)
+    assert not dst._pulling and list(dst._channels) == [address]
