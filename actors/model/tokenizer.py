@@ -138,12 +138,16 @@ class Tokenizer:
         that joins a reply's tokens' bytes gets its text back (the OpenAI API's ``bytes``)."""
         piece = self._tok.id_to_token(token_id)
         if piece is not None and token_id not in self._added_ids:
-            if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
-                with contextlib.suppress(ValueError):
-                    return bytes([int(piece[3:5], 16)])
             alphabet = self._byte_alphabet
             if alphabet is not None and all(c in alphabet for c in piece):
                 return bytes(alphabet[c] for c in piece)
+            if alphabet is None:  # SentencePiece: "<0xNN>" bytes, "▁" for a space
+                byte = piece.startswith("<0x") and piece.endswith(">") and len(piece) == 6
+                if byte and getattr(self._tok.model, "byte_fallback", False):
+                    with contextlib.suppress(ValueError):
+                        return bytes([int(piece[3:5], 16)])
+                if "▁" in piece:
+                    return piece.replace("▁", " ").encode()
         return self.decode([token_id], skip_special_tokens=False).encode()
 
     @functools.cached_property

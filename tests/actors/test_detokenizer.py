@@ -152,3 +152,29 @@ def test_a_finished_sample_cut_mid_character_ends_with_its_full_text(
         (out,), _ = processor.process([core])
         streamed += out.outputs[0].new_text
     assert out.finished and out.outputs[0].text == tokenizer.decode(ids[:cut]) == streamed
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_each_tokens_bytes_add_up_to_the_text(tokenizer: Tokenizer, text: str) -> None:
+    """``token_bytes`` (the OpenAI API's ``bytes``): a byte-level token holding part of a
+    character has that part, not the U+FFFD it decodes to alone."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert b"".join(tokenizer.token_bytes(t) for t in ids) == text.encode()
+
+
+def test_sentencepiece_tokens_bytes_are_their_bytes_and_spaces() -> None:
+    """SentencePiece's byte fallback ("<0xE2>") and its space mark ("▁"); a piece that
+    merely looks like a byte in a vocabulary without byte fallback is its text."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models
+
+    vocab = {"<unk>": 0, "▁hi": 1, "<0xE2>": 2, "<0x82>": 3, "<0xAC>": 4, "▁": 5}
+    options: dict[str, Any] = {"bos_token_id": None, "eos_token_id": None}
+    options |= {"add_bos_token": False, "chat_template": None}
+    for fallback in (True, False):
+        sp = HFTokenizer(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=fallback))
+        steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+        sp.decoder = decoders.Sequence(steps if fallback else [steps[0], steps[2]])
+        tok = Tokenizer(sp, **options)
+        joined = b"".join(tok.token_bytes(t) for t in [1, 5, 2, 3, 4])
+        assert joined == (" hi €".encode() if fallback else b" hi <0xE2><0x82><0xAC>")
