@@ -53,6 +53,7 @@ class ClusterOperations:
     _last_index: dict[str, int]  # per pool, the highest instance index it has used
     autoscaler: Any  # control.autoscaler.Autoscaler
     _orphans: dict[tuple[str, Any], tuple[str, str, str]]
+    _shrinking: set[str]  # instances whose drain and retire (``_shrink``) run now
     hand_offs: HandOffs
     _confirm: Callable[[dict[str, list[str]]], None]
 
@@ -123,6 +124,7 @@ class ClusterOperations:
                 for iid in leaving:  # out of routing and of the pool's count at once
                     self.views[iid].draining = True
                     self.engines[iid].draining = True
+                    self._shrinking.add(iid)  # (before its ``_shrink`` task runs)
             finally:
                 self.autoscaler.resized(pool_name)
         drained = self._shrink(leaving, drain_timeout_s)
@@ -141,10 +143,10 @@ class ClusterOperations:
 
     def _pool_draining(self, pool_name: str) -> bool:
         """Whether some of the pool's instances still drain (out of routing, their requests
-        finishing): the load they carry is not in the pool's signals yet."""
-        return any(
-            self.views[i].draining for i, s in self.specs.items() if s.pool.name == pool_name
-        )
+        finishing): the load they carry is not in the pool's signals yet. Only while their
+        shrink runs: one whose retire failed stays draining, but holds up nothing."""
+        specs = self.specs
+        return any(i in specs and specs[i].pool.name == pool_name for i in self._shrinking)
 
     async def _grow(self, pool: Any, count: int) -> None:
         from cluster.control.placement import start_instances
@@ -197,15 +199,19 @@ class ClusterOperations:
             return
         timeout = self.config.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and self.started:
-            holding = [await self._holds_requests(i) for i in instance_ids]
-            if not any(holding):
-                break
-            await asyncio.sleep(0.05)
-        async with self._membership:
-            for iid in instance_ids:
-                if iid in self.engines and self.started:  # (not retired, nor shut down)
-                    await self._retire(iid)
+        self._shrinking.update(instance_ids)
+        try:
+            while time.monotonic() < deadline and self.started:
+                holding = [await self._holds_requests(i) for i in instance_ids]
+                if not any(holding):
+                    break
+                await asyncio.sleep(0.05)
+            async with self._membership:
+                for iid in instance_ids:
+                    if iid in self.engines and self.started:  # (not retired, nor shut down)
+                        await self._retire(iid)
+        finally:
+            self._shrinking.difference_update(instance_ids)
 
     async def _holds_requests(self, iid: str) -> bool:
         """Requests still on the instance: queued, running, finished with KV still to send."""

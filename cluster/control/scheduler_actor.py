@@ -110,6 +110,7 @@ class SchedulerActor(Intake, KVPeers, Migration, Restart, ClusterOperations):
         self.failures: list[dict[str, Any]] = []  # instance failures and rejoins, in order
         self._tasks: set[asyncio.Task[None]] = set()  # moves, the client reaper
         self._resizing = asyncio.Lock()  # scale_pool: one resize at a time
+        self._shrinking: set[str] = set()  # instances draining to leave (``_shrink``)
         self._membership = asyncio.Lock()  # instances joining or retiring, one at a time
         self.observe = RequestObserver(config, self.roles, self.specs)
         self.lora = LoRAAdapters(config, self.specs)  # served by name, loaded per instance

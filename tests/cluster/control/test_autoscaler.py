@@ -419,3 +419,35 @@ def test_an_instance_added_to_a_simulated_cluster_serves_after_its_start_time() 
 
     took, ids = run_virtual(grow())
     assert took == pytest.approx(30.0) and ids == ["d-1"]
+
+
+def test_an_instance_whose_retire_failed_holds_up_no_shrink() -> None:
+    """An instance counts as draining for its pool's shrinks only while its drain and retire
+    run: one whose retire failed (logged) stays marked draining, but the pool may shrink
+    again."""
+    from types import SimpleNamespace
+
+    from cluster.control.operations import ClusterOperations
+
+    class Ops(ClusterOperations):
+        def __init__(self) -> None:
+            self.config: Any = SimpleNamespace(drain_timeout_s=1.0)
+            self.started = True
+            self._membership = asyncio.Lock()
+            self._shrinking: set[str] = set()
+            self.specs: Any = {"d-1": SimpleNamespace(pool=SimpleNamespace(name="d"))}
+            self.engines: Any = {"d-1": object()}
+            self.seen: list[bool] = []
+
+        async def _holds_requests(self, iid: str) -> bool:
+            self.seen.append(self._pool_draining("d"))
+            return False
+
+        async def _retire(self, iid: str) -> None:
+            raise RuntimeError("its workers did not stop")
+
+    ops = Ops()
+    with pytest.raises(RuntimeError, match="did not stop"):
+        asyncio.run(ops._shrink(["d-1"], None))
+    assert ops.seen == [True]  # draining while its shrink ran
+    assert not ops._pool_draining("d")  # not after it failed
