@@ -4,7 +4,8 @@
 Every ``interval_s`` the actor reads each autoscaled pool's signals from its instances' views
 -- the requests they hold, their KV usage, and the TTFT / TPOT of their recent requests (each
 measured where it happened: a request's TTFT on the instance that sampled its first token,
-its TPOT on the one that finished it) -- and its ``PoolPolicy`` names the size it wants:
+its TPOT on the one that finished it, from the first token made there: a hand-off's wait
+is not the decode pool's pace) -- and its ``PoolPolicy`` names the size it wants:
 
     ongoing     ceil(requests held / target_ongoing_requests)        (Ray Serve's rule)
     TTFT        a pool grows by one while the TTFT p90 of the requests whose first token it

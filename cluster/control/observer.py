@@ -185,7 +185,8 @@ class RequestObserver:
 
     def finished(self, record: Any, final: EngineCoreOutput, where: Instance | None) -> None:
         """The request ended (``record``: its engine's, or the actor's flight when no engine
-        held it), last on instance ``where`` (None: never placed)."""
+        held it), last on instance ``where`` (None: on no instance's series -- never placed,
+        its instance gone, or ended by the central actor beside engine actors)."""
         if final.finish_reason is None:
             return
         if record.trace is not None:
