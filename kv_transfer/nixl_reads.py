@@ -64,6 +64,9 @@ class NixlReads(WorkerConnector):
     # what they write into, kept alive, and the agent that posted them, which alone can
     # tell their state (it may no longer be this worker's agent).
     _retired: list[tuple[list[Any], list[Any], Any]]
+    # Agents replaced while reads they posted ran: (agent, its peers, its registrations),
+    # undone once none of their reads runs (``_end_agent``).
+    _closing: list[tuple[Any, list[str], list[Any]]]
     same_node_copy: bool  # copy from sources of this machine by CMA (``_copy``)
     _direct: dict[str, SourceProcess]  # agent name -> its process, where it can be read so
     num_direct_reads: int
@@ -76,6 +79,9 @@ class NixlReads(WorkerConnector):
 
     def _reconnect(self, name: str) -> bool:  # the connector's
         raise NotImplementedError
+
+    def _end_agent(self, agent: Any, peers: list[str], registered: list[Any]) -> None:
+        raise NotImplementedError  # the connector's
 
     def start_load_kv(self, metadata: KVConnectorMetadata | None, idle: bool = False) -> None:
         """Post this step's READs; end the ones that finished (or ran out of time). ``idle``:
@@ -282,6 +288,14 @@ class NixlReads(WorkerConnector):
                         self._release(xfer)
                 if still:
                     self._retired.append((still, caches, agent))
+        if self._closing:
+            busy = [agent for _, _, agent in self._retired]
+            closing, self._closing = self._closing, []
+            for item in closing:
+                if any(agent is item[0] for agent in busy):
+                    self._closing.append(item)
+                else:
+                    self._end_agent(*item)
         for req_id, read in list(self._reads.items()):
             states = [self._state(x) for x in read.xfers]
             now = time.monotonic()  # after the states: a check may have run the copy

@@ -198,6 +198,7 @@ class NixlWorkerConnector(NixlPeers):
         # injection in tests) keeps one here past the step that brought it.
         self._delayed: dict[str, tuple[float, _Load]] = {}
         self._retired: list[tuple[list[Any], list[Any], Any]] = []  # (see nixl_reads)
+        self._closing: list[tuple[Any, list[str], list[Any]]] = []  # (see nixl_reads)
         self.abort_grace_s = 10.0  # a failed read still running this long: disconnect
         self.num_descriptors = 0  # descriptors of the reads so far (merging at work)
         # Reads from a worker of this machine by one kernel copy, not a NIXL READ
@@ -276,9 +277,7 @@ class NixlWorkerConnector(NixlPeers):
         agent, self.agent = self.agent, None
         if agent is None:
             return
-        for name in list(self._peers):
-            with contextlib.suppress(Exception):  # already gone: nothing to undo
-                agent.remove_remote_agent(name)
+        peers = list(self._peers)
         self._peers.clear()
         self._peer_infos.clear()
         self._disconnected.clear()
@@ -286,12 +285,16 @@ class NixlWorkerConnector(NixlPeers):
         for source in self._direct.values():
             source.close()
         self._direct.clear()
-        for reg in self._registered:
-            try:
-                agent.deregister_memory(reg)
-            except Exception as exc:
-                logger.warning("NIXL deregister failed: %s", exc)
-        self._registered = []
+        registered, self._registered = self._registered, []
+        if any(posted is agent for _, _, posted in self._retired):
+            # Its reads still running (a replaced cache's, a probe's) write into memory it
+            # registered, from peers it knows: both stay until they end (``_poll_reads``).
+            self._closing.append((agent, peers, registered))
+        else:
+            _end_agent(agent, peers, registered)
+
+    def _end_agent(self, agent: Any, peers: list[str], registered: list[Any]) -> None:
+        _end_agent(agent, peers, registered)
 
     # -- prefill side ----------------------------------------------------------------------
     def _publish(self, req_id: str, block_ids: list[int]) -> tuple[Any, int]:
@@ -333,3 +336,15 @@ class NixlWorkerConnector(NixlPeers):
 
     def _fetch(self, handle: Any, layers: range, timeout_s: float) -> KVPayload:
         raise NotImplementedError("the nixl transport reads into the blocks in place")
+
+
+def _end_agent(agent: Any, peers: list[str], registered: list[Any]) -> None:
+    """Undo what an agent set up: its peers, then its memory registrations."""
+    for name in peers:
+        with contextlib.suppress(Exception):  # already gone: nothing to undo
+            agent.remove_remote_agent(name)
+    for reg in registered:
+        try:
+            agent.deregister_memory(reg)
+        except Exception as exc:
+            logger.warning("NIXL deregister failed: %s", exc)

@@ -60,3 +60,49 @@ def test_the_old_cache_is_deregistered_before_it_is_dropped(
     assert alive[0]() is None  # then let go
     assert connector.agent is agents[1]
     connector.close()
+
+
+class FakeRead:
+    """A transfer an agent posted: running until ``state`` says otherwise."""
+
+    def __init__(self) -> None:
+        self.state = "PROC"
+        self.released = False
+
+    def release(self) -> None:
+        self.released = True
+
+
+def test_an_agent_whose_reads_still_run_is_undone_once_they_end(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A read still running when the cache is replaced writes into memory the old agent
+    registered, from a peer it knows: the old agent's registrations and peers are undone
+    once the read ends, not under it."""
+    alive: list[weakref.ref[torch.Tensor]] = []
+    agents: list[FakeAgent] = []
+
+    def make_agent(api: Any, name: str, backends: list[str], wait_us: int) -> FakeAgent:
+        agent = FakeAgent(name, alive)
+        agent.check_xfer_state = lambda xfer: xfer.state  # type: ignore[attr-defined]
+        agent.remove_remote_agent = lambda peer: None  # type: ignore[attr-defined]
+        agents.append(agent)
+        return agent
+
+    monkeypatch.setattr(nixl_transport, "_nixl_api", lambda: object())
+    monkeypatch.setattr(nixl_transport, "_make_agent", make_agent)
+    connector = nixl_transport.NixlWorkerConnector(same_node_copy=False)
+    old = _caches()
+    alive.append(weakref.ref(old[0]))
+    connector.register_kv_caches(old, LAYERS)
+    read = FakeRead()
+    connector._retired.append(([read], old, agents[0]))  # as ``_drop_reads`` leaves it
+    connector.register_kv_caches(_caches(), LAYERS)
+    assert agents[0].cache_alive_at_deregister == []  # not while the read runs
+    connector._poll_reads()
+    assert agents[0].cache_alive_at_deregister == [] and not read.released
+    read.state = "DONE"
+    connector._poll_reads()
+    assert read.released and agents[0].cache_alive_at_deregister == [True]
+    assert not connector._closing
+    connector.close()
