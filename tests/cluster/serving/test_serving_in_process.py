@@ -170,16 +170,7 @@ def test_a_stream_that_fails_midway_ends_with_an_error_event_then_done(
     stream was lost (the client may retry), 500 for anything else."""
     exc, status, message = FAILURES[failure]
     serving = OpenAIServing(_Failing(engine, 2, exc), "tiny-chat")  # type: ignore[arg-type]
-    req = CompletionRequest.model_validate(
-        {"model": "tiny-chat", "prompt": [7, 8, 9], "max_tokens": 20, "stream": True}
-    )
-
-    async def stream() -> list[dict[str, Any]]:
-        events = await _drain(await serving.completion(req))
-        await _idle(engine)
-        return events
-
-    *chunks, last = _run(stream())
+    *chunks, last = _streamed(serving, engine)
     assert len(chunks) == 2 and all(c["choices"] for c in chunks)
     assert last["error"]["code"] == status and message in last["error"]["message"]
 
@@ -217,6 +208,33 @@ def test_a_central_scheduler_that_died_is_a_503() -> None:
         ray.exceptions.ActorUnavailableError("unreachable", None),
     ):
         assert api_error(exc).status == 503
+
+
+def _streamed(serving: OpenAIServing, engine: AsyncLLM) -> list[dict[str, Any]]:
+    """The events of a streamed completion of [7, 8, 9] (20 tokens at most), once its
+    request has left the engine."""
+    req = CompletionRequest.model_validate(
+        {"model": "tiny-chat", "prompt": [7, 8, 9], "max_tokens": 20, "stream": True}
+    )
+
+    async def stream() -> list[dict[str, Any]]:
+        events = await _drain(await serving.completion(req))
+        await _idle(engine)
+        return events
+
+    return _run(stream())
+
+
+def _traced() -> tuple[Any, Any]:
+    """A tracer whose spans end in the returned in-memory exporter."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    return provider.get_tracer("test"), exporter
 
 
 async def _idle(engine: AsyncLLM) -> None:
@@ -1188,29 +1206,12 @@ def test_adapter_errors_name_their_field_and_only_a_missing_one_is_a_404(
 def test_a_stream_that_fails_midway_ends_its_span_as_an_error(engine: AsyncLLM) -> None:
     """The stream says so in an event and ends normally; its ingress span still ends as
     the error (status, type), or error-rate queries miss every failure after the 200."""
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
     from opentelemetry.trace import StatusCode
 
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    serving = OpenAIServing(
-        _Failing(engine, 2, None),  # type: ignore[arg-type]
-        "tiny-chat",
-        tracer=provider.get_tracer("test"),
-    )
-    req = CompletionRequest.model_validate(
-        {"model": "tiny-chat", "prompt": [7, 8, 9], "max_tokens": 20, "stream": True}
-    )
-
-    async def stream() -> list[dict[str, Any]]:
-        events = await _drain(await serving.completion(req))
-        await _idle(engine)
-        return events
-
-    assert "error" in _run(stream())[-1]
+    tracer, exporter = _traced()
+    failing = _Failing(engine, 2, None)
+    serving = OpenAIServing(failing, "tiny-chat", tracer=tracer)  # type: ignore[arg-type]
+    assert "error" in _streamed(serving, engine)[-1]
     (span,) = exporter.get_finished_spans()  # the ingress's (the engine here traces none)
     assert span.status.status_code == StatusCode.ERROR
     assert span.attributes["http.response.status_code"] == 503
@@ -1235,18 +1236,13 @@ class _CallContext:
 def test_a_grpc_call_is_an_ingress_span_in_its_callers_trace(engine: AsyncLLM) -> None:
     """As an HTTP request: the call's ``traceparent`` is its span's parent, and the span
     says what the call produced; a call that fails ends its span as the error."""
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
     from opentelemetry.trace import StatusCode
 
     from cluster.proto import tandem_pb2
     from cluster.serving.grpc_api import generate_stream
 
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    serving = OpenAIServing(engine, "tiny-chat", tracer=provider.get_tracer("test"))
+    tracer, exporter = _traced()
+    serving = OpenAIServing(engine, "tiny-chat", tracer=tracer)
 
     async def connect() -> OpenAIServing:
         return serving
