@@ -33,14 +33,22 @@ class FakeAgent:
     def deregister_memory(self, registration: Any) -> None:
         self.cache_alive_at_deregister.append(self.alive[0]() is not None)
 
+    def remove_remote_agent(self, name: str) -> None:
+        pass
+
+    def check_xfer_state(self, xfer: Any) -> str:
+        return str(xfer.state)
+
 
 def _caches() -> list[torch.Tensor]:
     return allocate_kv_caches(len(LAYERS), 8, 4, 2, 8, torch.float32)
 
 
-def test_the_old_cache_is_deregistered_before_it_is_dropped(
+def _registered(
     monkeypatch: pytest.MonkeyPatch,
-) -> None:
+) -> tuple[Any, list[FakeAgent], list[weakref.ref[torch.Tensor]], list[torch.Tensor]]:
+    """A connector on stand-in agents (``agents``, in the order made) that registered a
+    first cache (returned, watched through ``alive``)."""
     alive: list[weakref.ref[torch.Tensor]] = []
     agents: list[FakeAgent] = []
 
@@ -54,6 +62,13 @@ def test_the_old_cache_is_deregistered_before_it_is_dropped(
     old = _caches()
     alive.append(weakref.ref(old[0]))
     connector.register_kv_caches(old, LAYERS)
+    return connector, agents, alive, old
+
+
+def test_the_old_cache_is_deregistered_before_it_is_dropped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    connector, agents, alive, old = _registered(monkeypatch)
     del old  # the connector holds the only reference now
     connector.register_kv_caches(_caches(), LAYERS)
     assert agents[0].cache_alive_at_deregister == [True]
@@ -79,22 +94,7 @@ def test_an_agent_whose_reads_still_run_is_undone_once_they_end(
     """A read still running when the cache is replaced writes into memory the old agent
     registered, from a peer it knows: the old agent's registrations and peers are undone
     once the read ends, not under it."""
-    alive: list[weakref.ref[torch.Tensor]] = []
-    agents: list[FakeAgent] = []
-
-    def make_agent(api: Any, name: str, backends: list[str], wait_us: int) -> FakeAgent:
-        agent = FakeAgent(name, alive)
-        agent.check_xfer_state = lambda xfer: xfer.state  # type: ignore[attr-defined]
-        agent.remove_remote_agent = lambda peer: None  # type: ignore[attr-defined]
-        agents.append(agent)
-        return agent
-
-    monkeypatch.setattr(nixl_transport, "_nixl_api", lambda: object())
-    monkeypatch.setattr(nixl_transport, "_make_agent", make_agent)
-    connector = nixl_transport.NixlWorkerConnector(same_node_copy=False)
-    old = _caches()
-    alive.append(weakref.ref(old[0]))
-    connector.register_kv_caches(old, LAYERS)
+    connector, agents, _, old = _registered(monkeypatch)
     read = FakeRead()
     connector._retired.append(([read], old, agents[0]))  # as ``_drop_reads`` leaves it
     connector.register_kv_caches(_caches(), LAYERS)
