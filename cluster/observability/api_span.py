@@ -9,14 +9,18 @@ The one place an API span is opened and ended. A handler runs inside it::
         span.record(body["id"], body["usage"], reasons)
         return body                           # ends it with the response
     # or, streaming:
-        return span.stream(chunks)            # ends it when the stream ends
+        return span.stream(chunks, outputs)   # ends it when the stream ends (or is
+                                              # closed or dropped unread), closing outputs
 
 Without a tracer (tracing off) every method is a no-op.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+import contextlib
+import weakref
+from collections.abc import AsyncGenerator, AsyncIterator
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -41,6 +45,8 @@ class APISpan:
     ) -> None:
         self.span: Span | None = None
         self._streaming = False
+        self._read = False  # its stream began (from then on asyncio closes it if dropped)
+        self._ended = False
         self._failed: BaseException | None = None  # what broke its stream after the 200
         if tracer is None:
             return
@@ -112,11 +118,15 @@ class APISpan:
         if finish_reasons:
             span.set_attribute("gen_ai.response.finish_reasons", finish_reasons)
 
-    def stream(self, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+    def stream(self, chunks: AsyncIterator[str], *closing: Any) -> AsyncIterator[str]:
         """Hand the span to a response stream: it ends when the stream does (its producer
-        ``record``s the outcome first), not when the handler returns."""
+        ``record``s the outcome first), not when the handler returns. ``closing``: async
+        generators the stream reads through ``chunks`` (the requests' outputs, whose closing
+        aborts what still runs), closed with it -- also when the server drops the stream
+        before reading it (a client gone before the first byte): a generator never started
+        runs no ``finally``, so the span would never end and the requests would run on."""
         self._streaming = True
-        return self._stream(chunks)
+        return _SpanStream(self, chunks, closing)
 
     def failed(self, error: BaseException) -> None:
         """The stream failed after its 200 went out (it says so in an event and ends
@@ -124,19 +134,23 @@ class APISpan:
         response's failure is."""
         self._failed = error
 
-    async def _stream(self, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+    async def _stream(
+        self, chunks: AsyncIterator[str], closing: tuple[Any, ...]
+    ) -> AsyncGenerator[str, None]:
+        self._read = True
         try:
             async for chunk in chunks:
                 yield chunk
         finally:
             self.end(self._failed)
-            close = getattr(chunks, "aclose", None)
-            if close is not None:  # now, not when the collector finds it: it holds the
-                await close()  # requests' streams, whose closing aborts what still runs
+            # now, not when the collector finds them: they hold the requests' streams,
+            # whose closing aborts what still runs
+            await _close_all((chunks, *closing))
 
     def end(self, error: BaseException | None = None) -> None:
         """End the span (once), as an error when ``error`` is given (its HTTP status too)."""
         span, self.span = self.span, None
+        self._ended = True
         if span is None or not span.is_recording():
             return
         if error is not None:
@@ -147,3 +161,69 @@ class APISpan:
             span.set_attribute("http.response.status_code", status)
             span.set_status(Status(StatusCode.ERROR, str(getattr(error, "message", "error"))))
         span.end()
+
+
+_closing: set[asyncio.Task[None]] = set()
+
+
+class _SpanStream(AsyncGenerator[str, None]):
+    """An ``APISpan``'s response stream (``APISpan._stream``). Closed or dropped before its
+    first step, it still ends the span and closes what it would have read."""
+
+    def __init__(self, span: APISpan, chunks: AsyncIterator[str], closing: tuple[Any, ...]):
+        self._span = span
+        self._streams = (chunks, *closing)
+        self._gen = span._stream(chunks, closing)
+        try:
+            loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        dropped = weakref.finalize(self, _dropped, span, loop, self._streams)
+        dropped.atexit = False
+
+    def asend(self, value: None) -> Any:
+        return self._gen.asend(value)
+
+    def athrow(self, *args: Any) -> Any:
+        return self._gen.athrow(*args)
+
+    async def aclose(self) -> None:
+        await self._gen.aclose()  # one that began ends its span and closes in its ``finally``
+        if not self._span._read:
+            _unread(self._span)
+            await _close_all(self._streams)
+
+
+def _unread(span: APISpan) -> None:
+    if not span._ended:
+        if span.span is not None:
+            span.span.set_attribute("tandem.stream.unread", True)
+        span.end()
+
+
+async def _close_all(streams: tuple[Any, ...]) -> None:
+    for stream in streams:
+        close = getattr(stream, "aclose", None)
+        if close is not None:
+            await close()
+
+
+def _dropped(
+    span: APISpan, loop: asyncio.AbstractEventLoop | None, streams: tuple[Any, ...]
+) -> None:
+    """A span's stream was collected: if it was never read, end the span and close what
+    it would have read (on its loop: the collector may run in any thread). One that began
+    is asyncio's to close (its ``finally`` ends the span)."""
+    if span._ended or span._read:
+        return
+    _unread(span)
+    if loop is None or loop.is_closed():
+        return
+
+    def close() -> None:
+        task = loop.create_task(_close_all(streams))
+        _closing.add(task)  # held: the loop keeps only a weak reference to its tasks
+        task.add_done_callback(_closing.discard)
+
+    with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+        loop.call_soon_threadsafe(close)

@@ -15,6 +15,7 @@ import asyncio
 import logging
 import time
 import uuid
+from collections.abc import AsyncGenerator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from pathlib import Path
@@ -404,7 +405,7 @@ class OpenAIServing(RequestChecks):
         if failed:  # the others stop where they are (closing a stream aborts its job)
             await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
             raise generation_error(failed[0].error)
-        return _outputs(jobs, streams, results)
+        return _JobOutputs(jobs, streams, results)
 
     def tool_plan(self, req: ChatCompletionRequest) -> ToolPlan | None:
         """How the answer's tool calls are read (None: plain text)."""
@@ -430,7 +431,7 @@ class OpenAIServing(RequestChecks):
             outputs = await self.run(rid, jobs, lora, req.priority, span.context)
             if req.stream:
                 chunks = completion_chunks(rid, req, jobs, outputs, span, self.tokenizer)
-                return span.stream(chunks)
+                return span.stream(chunks, outputs)
             body = completion_response(rid, req, jobs, await _collect(outputs), self.tokenizer)
             span.record(rid, body["usage"], finish_reasons(body))
             return body
@@ -448,10 +449,32 @@ class OpenAIServing(RequestChecks):
             tools = self.tool_plan(req)
             if req.stream:
                 chunks = chat_chunks(rid, req, job, outputs, span, self.tokenizer, tools)
-                return span.stream(chunks)
+                return span.stream(chunks, outputs)
             body = chat_response(rid, req, job, await _collect(outputs), self.tokenizer, tools)
             span.record(rid, body["usage"], finish_reasons(body))
             return body
+
+
+class _JobOutputs(AsyncGenerator[tuple[Job, RequestOutput], None]):
+    """``_outputs``, whose closing aborts every job read or not: an async generator closed
+    (or dropped) before its first step runs no ``finally``, so its streams would stay open
+    and their requests run on with no one to read them."""
+
+    def __init__(self, jobs: list[Job], streams: list[Any], firsts: list[RequestOutput]) -> None:
+        self._gen = _outputs(jobs, streams, firsts)
+        self._streams = streams
+
+    def asend(self, value: None) -> Any:
+        return self._gen.asend(value)
+
+    def athrow(self, *args: Any) -> Any:
+        return self._gen.athrow(*args)
+
+    async def aclose(self) -> None:
+        try:
+            await self._gen.aclose()
+        finally:
+            await asyncio.gather(*(s.aclose() for s in self._streams), return_exceptions=True)
 
 
 async def _outputs(jobs: list[Job], streams: list[Any], firsts: list[RequestOutput]) -> Outputs:

@@ -91,3 +91,56 @@ def test_ending_twice_exports_one_span(traced: Any) -> None:
     span.end(error=RuntimeError("late"))
     (done,) = exporter.get_finished_spans()
     assert done.status.status_code == StatusCode.UNSET
+
+
+def test_a_stream_dropped_unread_ends_its_span_and_closes_what_it_reads(traced: Any) -> None:
+    """A server that drops the stream before its first step (the client left before the first
+    byte): the span still ends, and what the stream would have read is closed (that aborts the
+    requests), on the loop the stream was made on."""
+    tracer, exporter = traced
+    closed: list[str] = []
+
+    class Outputs:
+        async def aclose(self) -> None:
+            closed.append("outputs")
+
+    async def chunks() -> AsyncIterator[str]:
+        yield "never"
+
+    async def main() -> None:
+        with APISpan(tracer, "chat", _request(stream=True)) as span:
+            stream = span.stream(chunks(), Outputs())
+        assert exporter.get_finished_spans() == ()
+        del stream  # collected: never started
+        for _ in range(3):
+            await asyncio.sleep(0)
+
+    asyncio.run(main())
+    (done,) = exporter.get_finished_spans()
+    assert done.attributes["tandem.stream.unread"] is True
+    assert closed == ["outputs"]
+
+
+def test_a_stream_read_to_its_end_closes_what_it_reads_once(traced: Any) -> None:
+    tracer, exporter = traced
+    closed: list[str] = []
+
+    class Outputs:
+        async def aclose(self) -> None:
+            closed.append("outputs")
+
+    async def chunks() -> AsyncIterator[str]:
+        yield "a"
+
+    async def main() -> list[str]:
+        with APISpan(tracer, "chat", _request(stream=True)) as span:
+            stream = span.stream(chunks(), Outputs())
+        read = [c async for c in stream]
+        del stream
+        await asyncio.sleep(0)
+        return read
+
+    assert asyncio.run(main()) == ["a"]
+    (done,) = exporter.get_finished_spans()
+    assert "tandem.stream.unread" not in done.attributes
+    assert closed == ["outputs"]

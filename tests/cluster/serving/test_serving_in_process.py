@@ -518,6 +518,27 @@ def test_a_stream_left_early_aborts_its_request(serving: OpenAIServing, engine: 
     assert not engine.engine.has_unfinished_requests()
 
 
+def test_a_stream_closed_unread_aborts_its_requests(
+    serving: OpenAIServing, engine: AsyncLLM
+) -> None:
+    """The server closes the response stream before its first step -- the client left before
+    the first byte: its requests are aborted at once, not left running unread until the
+    collector finds the stream (a generator never started runs no ``finally``)."""
+    req = CompletionRequest.model_validate(
+        {"model": "tiny-chat", "prompt": [[7, 8, 9], [4, 5]], "max_tokens": 200, "stream": True}
+    )
+
+    async def leave_at_once() -> None:
+        chunks = await serving.completion(req)
+        assert engine.engine.has_unfinished_requests()
+        await chunks.aclose()
+        assert engine._aborts  # with the stream still held: not left to the collector
+        await _idle(engine)
+        del chunks
+
+    _run(leave_at_once())
+
+
 def test_models_health_and_metrics(serving: OpenAIServing) -> None:
     models = _run(serving.models())
     assert [m["id"] for m in models["data"]] == ["tiny-chat"]
