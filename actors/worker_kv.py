@@ -55,11 +55,10 @@ class WorkerKV:
         probe = getattr(self.connector, "probe", None)
         if probe is None:
             return None  # nothing to probe: the transport needs no direct reach
-        with self._step_lock:
-            try:
-                probe(peer, timeout_s)
-            except Exception as exc:
-                return f"{type(exc).__name__}: {exc}"
+        try:  # the lock only around each use of the agent: steps go on while it waits
+            probe(peer, timeout_s, lock=self._step_lock)
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"
         return None
 
     def use_kv_transport(self, transport: str, options: dict[str, Any]) -> None:

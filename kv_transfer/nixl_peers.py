@@ -66,33 +66,50 @@ class NixlPeers(NixlReads):
             elif name in self._peers:
                 self._forget_peer(name)
 
-    def probe(self, peer: NixlPeer, timeout_s: float = 5.0) -> None:
+    def probe(
+        self,
+        peer: NixlPeer,
+        timeout_s: float = 5.0,
+        lock: contextlib.AbstractContextManager[Any] | None = None,
+    ) -> None:
         """Read one slab of ``peer``'s block 0 into this worker's scratch slab (the caches
-        are not touched: safe while both serve); raise if NIXL cannot reach the peer."""
-        if self.agent is None or self.layout is None:
-            raise RuntimeError("register_kv_caches first")
-        self.add_peers([peer])
-        mine, theirs = self.layout, peer.layout
-        mine.check_compatible(theirs)
-        scratch = self.scratch.data_ptr()
-        local = np.array([[scratch, mine.slab, mine.device_id]], dtype=np.uint64)
-        remote = np.array([[theirs.bases[0][0], mine.slab, theirs.device_id]], dtype=np.uint64)
-        xfer = self.agent.initialize_xfer(
-            "READ",
-            self.agent.get_xfer_descs(local, mine.mem_type),
-            self.agent.get_xfer_descs(remote, theirs.mem_type),
-            peer.agent,
-            b"probe",
-        )
-        deadline = time.monotonic() + timeout_s
-        state = self._post(xfer)
+        are not touched: safe while both serve); raise if NIXL cannot reach the peer.
+        ``lock``: held around each use of the agent, not while the read is waited for (the
+        serving worker's step lock: its steps go on while a peer that cannot be reached
+        holds the probe to its timeout)."""
+        guard = lock if lock is not None else contextlib.nullcontext()
+        with guard:
+            if self.agent is None or self.layout is None:
+                raise RuntimeError("register_kv_caches first")
+            self.add_peers([peer])
+            mine, theirs = self.layout, peer.layout
+            mine.check_compatible(theirs)
+            agent, scratch = self.agent, self.scratch
+            local = np.array([[scratch.data_ptr(), mine.slab, mine.device_id]], dtype=np.uint64)
+            remote = np.array([[theirs.bases[0][0], mine.slab, theirs.device_id]], dtype=np.uint64)
+            xfer = agent.initialize_xfer(
+                "READ",
+                agent.get_xfer_descs(local, mine.mem_type),
+                agent.get_xfer_descs(remote, theirs.mem_type),
+                peer.agent,
+                b"probe",
+            )
+            deadline = time.monotonic() + timeout_s
+            state = self._post(xfer)
+            # Watched: its agent and scratch stay while it runs, whatever a step does.
+            watched = ([xfer], [scratch], agent)
+            self._probing.append(watched)
         while state == "PROC" and time.monotonic() < deadline:
             time.sleep(0.001)
-            state = self._state(xfer)
-        if state == "PROC":  # still copying: released once it ends, its scratch kept alive
-            self._retired.append(([xfer], [self.scratch], self.agent))
-        else:
-            self._release(xfer)
+            with guard:
+                state = self._state(xfer, agent)
+        with guard:
+            self._probing = [w for w in self._probing if w is not watched]
+            if state == "PROC":  # still copying: released once it ends, scratch kept alive
+                self._retired.append(watched)
+            else:
+                self._release(xfer)
+                self._end_idle_agents()  # its agent, replaced (or closed) meanwhile
         if state != "DONE":
             why = "timed out" if state == "PROC" else state
             raise ConnectionError(f"NIXL could not read from {peer.agent} ({why})")

@@ -64,6 +64,9 @@ class NixlReads(WorkerConnector):
     # what they write into, kept alive, and the agent that posted them, which alone can
     # tell their state (it may no longer be this worker's agent).
     _retired: list[tuple[list[Any], list[Any], Any]]
+    # Probes' transfers being watched (``probe``, outside the worker's step lock), in the
+    # same form: their agents are busy as retired ones' are.
+    _probing: list[tuple[list[Any], list[Any], Any]]
     # Agents replaced while reads they posted ran: (agent, its peers, its registrations),
     # undone once none of their reads runs (``_end_agent``).
     _closing: list[tuple[Any, list[str], list[Any]]]
@@ -288,14 +291,7 @@ class NixlReads(WorkerConnector):
                         self._release(xfer)
                 if still:
                     self._retired.append((still, caches, agent))
-        if self._closing:
-            busy = [agent for _, _, agent in self._retired]
-            closing, self._closing = self._closing, []
-            for item in closing:
-                if any(agent is item[0] for agent in busy):
-                    self._closing.append(item)
-                else:
-                    self._end_agent(*item)
+        self._end_idle_agents()
         for req_id, read in list(self._reads.items()):
             states = [self._state(x) for x in read.xfers]
             now = time.monotonic()  # after the states: a check may have run the copy
@@ -369,6 +365,17 @@ class NixlReads(WorkerConnector):
         for name in [n for n in self._departed if n not in reading]:
             self._departed.discard(name)
             self._forget_peer(name)
+
+    def _end_idle_agents(self) -> None:
+        """End the replaced agents none of whose transfers runs any more."""
+        if self._closing:
+            busy = [agent for _, _, agent in (*self._retired, *self._probing)]
+            closing, self._closing = self._closing, []
+            for item in closing:
+                if any(agent is item[0] for agent in busy):
+                    self._closing.append(item)
+                else:
+                    self._end_agent(*item)
 
     def _post(self, xfer: Any) -> str:
         """Post a transfer: "DONE", "PROC" or "ERR" (NIXL raises for a peer it knows is

@@ -199,6 +199,7 @@ class NixlWorkerConnector(NixlPeers):
         self._delayed: dict[str, tuple[float, _Load]] = {}
         self._retired: list[tuple[list[Any], list[Any], Any]] = []  # (see nixl_reads)
         self._closing: list[tuple[Any, list[str], list[Any]]] = []  # (see nixl_reads)
+        self._probing: list[tuple[list[Any], list[Any], Any]] = []  # (see nixl_reads)
         self.abort_grace_s = 10.0  # a failed read still running this long: disconnect
         self.num_descriptors = 0  # descriptors of the reads so far (merging at work)
         # Reads from a worker of this machine by one kernel copy, not a NIXL READ
@@ -286,7 +287,7 @@ class NixlWorkerConnector(NixlPeers):
             source.close()
         self._direct.clear()
         registered, self._registered = self._registered, []
-        if any(posted is agent for _, _, posted in self._retired):
+        if any(posted is agent for _, _, posted in (*self._retired, *self._probing)):
             # Its reads still running (a replaced cache's, a probe's) write into memory it
             # registered, from peers it knows: both stay until they end (``_poll_reads``).
             self._closing.append((agent, peers, registered))

@@ -10,6 +10,7 @@ import dataclasses
 import os
 import pickle
 import resource
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -675,6 +676,58 @@ def test_a_probe_that_times_out_while_its_read_runs_keeps_it_until_it_ends(
     state["now"] = "DONE"
     dst._poll_reads()
     assert released == [xfer] and not dst._retired
+
+
+def test_a_probe_waits_for_its_read_without_the_workers_lock(
+    make: Callable[..., NixlWorkerConnector], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a serving worker the probe gets its step lock: held for each use of the agent, not
+    while the read is waited for (a peer that cannot be reached held the worker's steps for
+    the probe's whole timeout). The cache replaced meanwhile keeps its agent until the probe's
+    read ends."""
+    src, dst = make(), make(num_blocks=12, seed=1)
+    lock = threading.Lock()
+    state = {"now": "PROC"}
+    asked: list[bool] = []
+
+    def watched(xfer: Any, agent: Any = None) -> str:
+        asked.append(lock.locked())
+        return state["now"]
+
+    ended: list[Any] = []
+    monkeypatch.setattr(dst, "_post", lambda xfer: state["now"])
+    monkeypatch.setattr(dst, "_state", watched)
+    monkeypatch.setattr(dst, "_release", lambda xfer: None)
+    monkeypatch.setattr(dst, "_end_agent", lambda agent, *rest: ended.append(agent))
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            dst.probe(src.peer_info(), timeout_s=30.0, lock=lock)
+        except BaseException as exc:
+            errors.append(exc)
+
+    probe = threading.Thread(target=run)
+    probe.start()
+    try:
+        deadline = time.monotonic() + 10.0
+        while not asked and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert lock.acquire(timeout=1.0)  # a step gets in while the read runs
+        try:
+            old = dst.agent
+            dst.register_kv_caches(_caches(12, torch.float32, 3), range(NUM_LAYERS))
+            assert dst.agent is not old and ended == []  # its read still runs into old
+        finally:
+            lock.release()
+        state["now"] = "DONE"
+        probe.join(10.0)
+        assert not probe.is_alive() and errors == []
+        assert asked and all(asked)  # the agent is asked only under the lock
+        assert ended == [old]  # ended once the probe no longer needs it
+    finally:
+        state["now"] = "DONE"
+        probe.join(10.0)
 
 
 def test_idle_agents_use_no_cpu(make: Callable[..., NixlWorkerConnector]) -> None:
