@@ -24,11 +24,11 @@ from typing import Any
 
 from actors.model.tokenizer import Tokenizer
 from cluster.engine.llm_engine import LLMEngine
+from cluster.engine.local_metrics import LocalMetrics
 from cluster.engine.outputs import RequestOutput
 from cluster.engine.protocol import EngineClient
 from cluster.engine.streams import Mailbox
 from cluster.errors import EngineDeadError
-from cluster.observability.exposition import render_stats
 from scheduler import LoRARequest, RequestStatus, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -43,6 +43,7 @@ class AsyncLLM(EngineClient):
     def __init__(self, engine: LLMEngine, model_name: str = "local") -> None:
         self.engine = engine
         self.model_name = model_name  # the ``model_name`` label of its metrics
+        self.metrics = LocalMetrics(model_name, INSTANCE_ID)  # (fed from the event loop)
         self._lock = asyncio.Lock()  # one call into the engine at a time (``_locked``)
         self._lock_loop: asyncio.AbstractEventLoop | None = None
         # The engine itself, held by a step's thread: a step whose event loop ends (its task
@@ -105,10 +106,13 @@ class AsyncLLM(EngineClient):
                     self._aborts.discard(rid)  # (as vLLM's abort), so the id is free at once
                     self.engine.abort_request([rid])
                     self.engine.processor.forget({rid})  # (its final has no reader)
+                    self.metrics.forgotten(rid)
                 # Raises ValueError (bad prompt, id in use, LoRA not enabled) before any output.
                 self.engine.add_request(
                     rid, prompt, params, lora_request=lora_request, priority=priority
                 )
+                taken = self.engine.processor.requests[rid]
+                self.metrics.added(rid, len(taken.output.prompt_token_ids), taken.samples[0].params)
             self._queues[rid] = queue
         self._ensure_stepping()
         finished = False
@@ -148,8 +152,8 @@ class AsyncLLM(EngineClient):
             self.engine.worker.remove_lora(lora.lora_int_id)
 
     async def metrics_text(self) -> str:
-        """The engine's gauges (running, waiting, KV usage, steps) in Prometheus text; the
-        per-request histograms are the cluster's (the SchedulerActor observes them)."""
+        """Prometheus text: the request-level series the cluster's SchedulerActor records
+        (``LocalMetrics``), then the engine's gauges (running, waiting, KV usage, steps)."""
         s = self.engine.scheduler
         instance = {
             "role": "both",
@@ -160,7 +164,7 @@ class AsyncLLM(EngineClient):
             "num_free_blocks": s.kv_cache_manager.block_pool.num_free_blocks,
             "num_steps": s.num_steps,
         }
-        return render_stats({"instances": {INSTANCE_ID: instance}}, self.model_name)[0]
+        return self.metrics.render({"instances": {INSTANCE_ID: instance}})
 
     async def engine_stats(self) -> dict[str, Any]:
         s = self.engine.scheduler
@@ -241,11 +245,11 @@ class AsyncLLM(EngineClient):
     async def _step_until_idle(self) -> None:
         engine = self.engine
 
-        def step() -> tuple[list[RequestOutput], None] | tuple[None, Exception]:
+        def step() -> tuple[list[RequestOutput], tuple[list[str], int]] | tuple[None, Exception]:
             with self._engine_lock:
                 try:
                     # Snapshots, taken before the next step can change the outputs again.
-                    return [_snapshot(out) for out in engine.step()], None
+                    return [_snapshot(out) for out in engine.step()], engine.last_step
                 except Exception as exc:  # (the engine's own failure, told from the loop's)
                     return None, exc
 
@@ -261,7 +265,7 @@ class AsyncLLM(EngineClient):
                         if idle and not engine.scheduler.has_requests():
                             return
                     try:
-                        snapshots, failed = await asyncio.to_thread(step)
+                        snapshots, took = await asyncio.to_thread(step)
                     except RuntimeError as exc:
                         if "shutdown" not in str(exc):
                             raise
@@ -271,9 +275,10 @@ class AsyncLLM(EngineClient):
                         self._aborts |= aborts
                         logger.debug("the event loop ends: stepping stops", exc_info=True)
                         return
-                    if failed is not None:
-                        raise failed
+                    if isinstance(took, Exception):
+                        raise took
                     assert snapshots is not None
+                    self.metrics.stepped(*took, snapshots)
                 for out in snapshots:
                     queue = self._queues.get(out.request_id)
                     if queue is not None:

@@ -140,6 +140,7 @@ class LLMEngine:
         )
         self.eos_token_id = self.factory.eos_token_id
         self.processor = OutputProcessor(self.tokenizer)
+        self.last_step: tuple[list[str], int] = ([], 0)  # (see ``step``)
         logger.info(
             "engine ready: %d KV blocks of %d tokens (%.0f MiB), max_model_len %d",
             num_blocks,
@@ -205,6 +206,11 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, execute and apply one step; return the requests that changed."""
         scheduler_output = self.scheduler.schedule()
+        # (what the step took up: its samples scheduled for the first time, its tokens)
+        self.last_step = (
+            [r.req_id for r in scheduler_output.scheduled_new_reqs],
+            scheduler_output.total_num_scheduled_tokens,
+        )
         runner_output = self.worker.execute_model(scheduler_output)
         assert isinstance(runner_output, ModelRunnerOutput)  # one worker, no pipeline stages
         core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)

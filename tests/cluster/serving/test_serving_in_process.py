@@ -553,6 +553,65 @@ def test_models_health_and_metrics(serving: OpenAIServing) -> None:
     assert error.value.status == 404
 
 
+def _series(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def test_the_in_process_engine_records_the_clusters_request_series(
+    serving: OpenAIServing, engine: AsyncLLM
+) -> None:
+    """``/metrics`` in front of one process has the series the cluster's SchedulerActor
+    records per request (TTFT, ITL, queue time, e2e, tokens, finish reasons), on its one
+    instance: a request of two samples counts two, an abandoned one as aborted."""
+    before = _series(_run(serving.metrics()))
+    req = CompletionRequest.model_validate(
+        {
+            "model": "tiny-chat",
+            "prompt": [5, 6, 7],
+            "max_tokens": 5,
+            "n": 2,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
+    )
+    _run(serving.completion(req))
+    left = CompletionRequest.model_validate(
+        {"model": "tiny-chat", "prompt": [8, 9], "max_tokens": 200, "stream": True}
+    )
+
+    async def leave() -> None:
+        chunks = await serving.completion(left)
+        await chunks.aclose()
+        await _idle(engine)
+
+    _run(leave())
+    after = _series(_run(serving.metrics()))
+    where = (("instance", "local"), ("model_name", "tiny-chat"), ("role", "both"))
+
+    def grew(name: str, *extra: tuple[str, str]) -> float:
+        key = (name, tuple(sorted((*where, *extra))))
+        return after[key] - before.get(key, 0.0)
+
+    assert grew("tandem:request_success_total", ("finished_reason", "length")) == 2
+    assert grew("tandem:request_success_total", ("finished_reason", "abort")) == 1
+    assert grew("tandem:e2e_request_latency_seconds_count") == 3
+    assert grew("tandem:request_queue_time_seconds_count") == 3
+    assert grew("tandem:time_to_first_token_seconds_count") >= 2  # (the left one: maybe)
+    assert grew("tandem:inter_token_latency_seconds_count") >= 2 * 4
+    assert grew("tandem:request_generation_tokens_sum") >= 10
+    assert grew("tandem:request_prompt_tokens_sum") == 3 + 3 + 2
+    assert grew("tandem:request_params_n_sum") == 2 + 1  # once per request, not per sample
+    assert grew("tandem:request_time_per_output_token_seconds_count") >= 2
+    assert grew("tandem:iteration_tokens_total_count") >= 5
+    assert not engine.metrics._requests  # nothing kept of them
+
+
 def test_operators_see_the_in_process_engine(engine: AsyncLLM) -> None:
     params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
 
