@@ -84,6 +84,11 @@ def scheduler_actor_class() -> Any:
     return ray.remote(SchedulerActor)
 
 
+class ClusterNameTaken(ValueError):
+    """``build_cluster``: the name is another cluster's (it may have been taken a moment
+    ago: another process built one by that name at the same time)."""
+
+
 def build_cluster(
     config: ClusterConfig,
     *,
@@ -108,7 +113,10 @@ def build_cluster(
         options["max_restarts"] = -1
     if detached:
         options["lifetime"] = "detached"
-    handle = scheduler_actor_class().options(**options).remote(config)
+    try:
+        handle = scheduler_actor_class().options(**options).remote(config)
+    except ray.exceptions.ActorAlreadyExistsError as exc:
+        raise ClusterNameTaken(f"a cluster named {name!r} runs already") from exc
     try:
         described = ray.get(handle.start.remote())
     except BaseException:  # (a failed start, or Ctrl-C while it ran)
@@ -183,13 +191,17 @@ def get_or_build_cluster(
     ``shutdown_cluster`` (``tandem down``). ``ValueError`` when ``name`` runs with other
     settings: they cannot change under running requests. One found still starting (another
     replica builds it) is returned once started; one whose builder died before starting it,
-    or whose start failed and was left, is started here."""
+    or whose start failed and was left, is started here. Two replicas building it at once
+    build one: the one that names it second uses the first's."""
     import ray
 
     try:
         handle = get_cluster(name, namespace)
     except ValueError:
-        return build_cluster(config, name=name, namespace=namespace, detached=True)
+        try:
+            return build_cluster(config, name=name, namespace=namespace, detached=True)
+        except ClusterNameTaken:  # another replica named it since: that one is used
+            handle = get_cluster(name, namespace)
     changed = settings_changed(ray.get(handle.settings.remote()), config)
     if changed:
         raise ValueError(

@@ -52,6 +52,35 @@ def test_a_cluster_found_unstarted_is_started(ray_cluster: RayCluster, tiny_mode
         shutdown_cluster(handle)
 
 
+def test_a_name_taken_while_building_uses_the_cluster_that_took_it(
+    ray_cluster: RayCluster, tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two replicas look the name up at once, find none, and both build: the second's
+    creation meets the name taken (not an error that fails its replica): it uses the
+    first's cluster, started."""
+    from cluster.control import launch
+
+    config = cluster_config(tiny_model, [BOTH], engine_actors=True)
+    created = unstarted(config, "raced")
+    looked = []
+
+    def first_finds_none(name: str, namespace: str) -> Any:
+        looked.append(name)
+        if len(looked) == 1:  # the other replica's actor is named just after this look-up
+            raise ValueError(f"no actor {name}")
+        return ray.get_actor(name, namespace=namespace)
+
+    monkeypatch.setattr(launch, "get_cluster", first_finds_none)
+    handle = get_or_build_cluster(config, name="raced", namespace=NAMESPACE)
+    try:
+        assert handle._actor_id == created._actor_id and len(looked) == 2
+        out = ClusterClient(handle).generate([[1, 2, 3]], SamplingParams(max_tokens=2))
+        assert len(out[0].outputs[0].token_ids) == 2
+        assert len(workers_of(handle)) == 1  # no second cluster's workers left behind
+    finally:
+        shutdown_cluster(handle)
+
+
 def test_starts_at_the_same_time_start_one_set_of_workers(
     ray_cluster: RayCluster, tiny_model: Path
 ) -> None:
