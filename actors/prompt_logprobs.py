@@ -63,7 +63,8 @@ def prompt_logprobs(
             logp = model.compute_logits(h).float().log_softmax(dim=-1)
             own_ids = torch.tensor(part, device=logp.device)
             own = logp.gather(1, own_ids[:, None])
-            ranks = ((logp > own).sum(dim=-1) + 1).tolist()
+            # vLLM's rank: tokens at least as likely, itself included (ties count ahead)
+            ranks = (logp >= own).sum(dim=-1).tolist()
             top_values, top_ids = logp.topk(k, dim=-1)  # k = 0: empty
             # One copy to Python per slice (a sync per row costs 7x on a GPU).
             values, ids, owns = top_values.tolist(), top_ids.tolist(), own[:, 0].tolist()

@@ -399,7 +399,7 @@ def test_prompt_logprobs_equal_transformers(tiny_llama: Path) -> None:
                 values, rank = entry
                 row, token = ref[position - 1], prompt[position]
                 assert values[token] == pytest.approx(row[token].item(), abs=1e-4)
-                assert rank == int((row > row[token]).sum()) + 1
+                assert rank == int((row >= row[token]).sum())  # vLLM's: ties count ahead
                 assert set(row.topk(3).indices.tolist()) <= set(values)
     # Asked for nothing: nothing computed or sent. With n > 1, one sample computes them.
     assert engine(tiny_llama).generate(prompts[:1], GREEDY)[0].prompt_logprobs is None
