@@ -330,6 +330,14 @@ def _run_scale(args: argparse.Namespace) -> int:
     except ray.exceptions.RayTaskError as exc:
         print(f"tandem scale: {getattr(exc, 'cause', None) or exc}", file=sys.stderr)
         return 1
+    except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
+        # (a restartable one may be back in a moment: whether the resize happened, it says)
+        print(
+            f"tandem scale: the cluster's scheduler died during the call ({type(exc).__name__})"
+            "; see `tandem scale` again once it is back, or its logs",
+            file=sys.stderr,
+        )
+        return 1
     print(f"pool {result['pool']}: {', '.join(result['instances'])}")
     return 0
 

@@ -254,6 +254,34 @@ def test_down_stops_a_running_cluster(ray_cluster: Any, tiny_model: Path) -> Non
     assert ray.is_initialized()
 
 
+def test_scale_when_the_scheduler_dies_during_the_call_says_so(ray_cluster: Any) -> None:
+    """The central scheduler dies while it resizes (a restartable one may come back): the
+    command says so and exits 1, no traceback."""
+    import ray
+
+    from cluster.control.launch import DEFAULT_NAMESPACE
+
+    @ray.remote(num_cpus=0)
+    class DiesOnScale:
+        def scale_pool(self, *args: Any) -> None:
+            import os
+
+            os._exit(1)
+
+    name = "dies-on-scale"
+    handle = DiesOnScale.options(name=name, namespace=DEFAULT_NAMESPACE).remote()
+    try:
+        ray.get(handle.__ray_ready__.remote())
+        tandem = [sys.executable, "-m", "cluster.tools.cli"]
+        address = ray_cluster.cluster.address
+        scale = [*tandem, "scale", "--name", name, "--address", address, "d=2"]
+        out = subprocess.run(scale, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 1, out
+        assert "died during the call" in out.stderr and "Traceback" not in out.stderr, out
+    finally:
+        ray.kill(handle)
+
+
 def test_serve_over_https_with_a_self_signed_ca(tiny_model: Path, tmp_path: Path) -> None:
     """``tandem serve --ssl-keyfile --ssl-certfile``: the API answers over HTTPS with a
     certificate of our own CA (clients that trust the CA get answers; plain HTTP and clients
