@@ -61,7 +61,7 @@ class Clients:
         self, client_id: str
     ) -> AsyncGenerator[list[tuple[Submission, EngineCoreOutput, int | None]] | dict[str, Any]]:
         """The client's batches until it is dropped (``SchedulerActor.subscribe``), and the
-        notices for every client (``notify_all``: a dict) in between; dropped when the
+        notices for every client (``notify_engines``: a dict) in between; dropped when the
         stream ends, however it ends."""
         outbox = self.outbox(client_id)
         try:
@@ -110,10 +110,11 @@ class Clients:
         outbox.ready.set()
         return True
 
-    def notify_all(self, notice: dict[str, Any]) -> None:
-        """Send ``notice`` to every client before its next batch (the latest one only)."""
+    def notify_engines(self, engines: dict[str, Any]) -> None:
+        """Tell every client the engine actors to stream from (``{iid: handle}``: the
+        subscription's first notice's form), before its next batch (the latest only)."""
         for outbox in self._outboxes.values():
-            outbox.notice = notice
+            outbox.notice = {"engines": engines}
             outbox.ready.set()
 
     async def reap_silent(self) -> None:

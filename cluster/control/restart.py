@@ -317,7 +317,7 @@ async def rebuild(actor: Any) -> None:
         actor._spawn(logged(actor._shrink(draining, None), f"draining {', '.join(draining)}"))
     if actor.autoscaler.enabled:
         actor._spawn(actor.autoscaler.run())
-    actor.clients.notify_all(actor.engine_handles())
+    actor.clients.notify_engines(actor.engine_handles())
     for iid, flight, prefilled in handoffs:
         actor._hand_off(flight, prefilled)
         actor._handed_off(iid, flight, prefilled.internal_id)

@@ -215,7 +215,7 @@ class SchedulerActor(Intake, KVPeers, Migration, Restart, ClusterOperations):
             if engine.remote:
                 engine.keep_adapters(self.lora.registry())
         if self.config.engine_actors:  # clients stream from the new engines too
-            self.clients.notify_all(self.engine_handles())
+            self.clients.notify_engines(self.engine_handles())
 
     def _latency(self, iid: str, kind: str, seconds: float, span_s: float) -> None:
         view = self.views.get(iid)

@@ -332,8 +332,18 @@ def test_a_pool_grows_and_shrinks_under_load(
     prompts = _prompts(6, seed=12)
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     expected = generate_in_process(tiny_model, prompts, params)
-    assert asyncio.run(client.scale_pool("d", 3))["instances"] == ["d-0", "d-1", "d-2"]
-    assert token_ids(client.generate(prompts, params)) == expected
+
+    async def grow_while_subscribed() -> tuple[list[Any], dict[str, Any]]:
+        # This loop's client is subscribed before the pool grows: it learns of the new
+        # engine from the central actor's notice (not from subscribing after it).
+        first = await _collect(client, prompts[0], params)
+        resized = await client.scale_pool("d", 3)
+        rest = [_collect(client, p, params) for p in prompts[1:]]
+        return [first, *await asyncio.gather(*rest)], resized
+
+    outs, resized = asyncio.run(asyncio.wait_for(grow_while_subscribed(), 120))
+    assert resized["instances"] == ["d-0", "d-1", "d-2"]
+    assert token_ids(outs) == expected
     assert _instances(engines)["d-2"]["num_requests_added"] > 0  # a new engine streamed too
     ray.get(engines.set_fault_injection.remote("d-2", 0.0, 0.02))
 
