@@ -43,6 +43,7 @@ class Clients:
         self._outboxes: dict[str, Outbox] = {}
         self._seen: dict[str, float] = {}  # client id -> its last keep-alive (or submit)
         self._dropped: OrderedDict[str, None] = OrderedDict()  # the latest dropped clients
+        self._streams: dict[str, int] = {}  # client id -> the number of its latest stream
 
     def outbox(self, client_id: str) -> Outbox:
         """The client's outbox (a new one if it has none: ``submit`` may come first).
@@ -62,11 +63,20 @@ class Clients:
     ) -> AsyncGenerator[list[tuple[Submission, EngineCoreOutput, int | None]] | dict[str, Any]]:
         """The client's batches until it is dropped (``SchedulerActor.subscribe``), and the
         notices for every client (``notify_engines``: a dict) in between; dropped when the
-        stream ends, however it ends."""
+        stream ends, however it ends. A client that subscribes again while its earlier
+        stream still runs here (it saw that stream fail, e.g. a connection lost for a while)
+        gets the outbox: the earlier stream stops taking from it and ends without dropping
+        the client."""
         outbox = self.outbox(client_id)
+        number = self._streams[client_id] = self._streams.get(client_id, 0) + 1
+        outbox.ready.set()  # (an earlier stream waiting wakes, and leaves)
         try:
             while True:
                 batch = await outbox.take()
+                if self._streams.get(client_id) != number:  # a later stream took over
+                    for submission, out, index in batch:
+                        outbox.put(submission, out, index)
+                    return
                 notice, outbox.notice = outbox.notice, None
                 if notice is not None:
                     yield notice
@@ -78,7 +88,9 @@ class Clients:
                 if outbox.closed and not outbox.pending:
                     return
         finally:
-            self.drop(client_id, outbox)
+            if self._streams.get(client_id) == number:
+                del self._streams[client_id]
+                self.drop(client_id, outbox)
 
     def keepalive(self, client_id: str) -> None:
         self._seen[client_id] = time.monotonic()
