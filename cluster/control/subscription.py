@@ -398,7 +398,11 @@ class Subscription(Delivery):
         """(A thread.) Tell the actor every second that this client lives: if the process
         dies, the actor aborts its requests after ``client_timeout_s`` of silence."""
         while not self._stop.is_set():
-            self.handle.keepalive.remote(self.client_id)
+            try:
+                self.handle.keepalive.remote(self.client_id)
+            except Exception as exc:  # one failed send must not end them all (the actor
+                # would drop this client after its timeout, failing every stream it has)
+                logger.warning("client %s: keep-alive not sent: %s", self.client_id, exc)
             self._stop.wait(KEEPALIVE_S)
 
 
