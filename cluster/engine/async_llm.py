@@ -131,8 +131,23 @@ class AsyncLLM(EngineClient):
                 self.abort(rid)
 
     def abort(self, request_id: str) -> None:
-        self._aborts.add(request_id)
-        self._ensure_stepping()
+        """End a request (its stream ends with ``abort``), from any thread: outside the
+        event loop serving the engine it is handed to that loop."""
+        try:
+            running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        serving = self._lock_loop  # the loop of the latest calls into the engine
+        elsewhere = serving is not None and serving is not running and serving.is_running()
+        if running is not None and not elsewhere:
+            self._aborts.add(request_id)
+            self._ensure_stepping()
+            return
+        if serving is not None and elsewhere:
+            with contextlib.suppress(RuntimeError):  # (it closed meanwhile: as below)
+                serving.call_soon_threadsafe(self.abort, request_id)
+                return
+        self._aborts.add(request_id)  # no loop serves it now: the next one's step applies it
 
     async def lora_adapters(self) -> dict[str, LoRARequest]:
         return dict(self._adapters)

@@ -539,6 +539,34 @@ def test_a_stream_closed_unread_aborts_its_requests(
     _run(leave_at_once())
 
 
+def test_an_abort_from_another_thread_reaches_the_engine(engine: AsyncLLM) -> None:
+    """``abort`` from a thread without the engine's event loop (a watchdog, a signal
+    handler's thread) is handed to that loop: the request ends as aborted."""
+    import threading
+
+    params = SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True)
+    errors: list[BaseException] = []
+
+    def abort() -> None:
+        try:
+            engine.abort("far")
+        except BaseException as exc:  # (it raised: no event loop in this thread)
+            errors.append(exc)
+
+    async def run() -> Any:
+        final = None
+        async for out in engine.generate_async([5, 6, 7], params, request_id="far"):
+            final = out
+            if len(out.outputs[0].token_ids) == 2:
+                threading.Thread(target=abort).start()
+        return final
+
+    final = _run(run())
+    assert errors == []
+    assert final.outputs[0].finish_reason == "abort"
+    assert len(final.outputs[0].token_ids) < 500
+
+
 def test_models_health_and_metrics(serving: OpenAIServing) -> None:
     models = _run(serving.models())
     assert [m["id"] for m in models["data"]] == ["tiny-chat"]
