@@ -15,11 +15,8 @@ from actors.model.tokenizer import Tokenizer
 from cluster.engine.outputs import CompletionOutput, RequestOutput
 from cluster.observability.api_span import APISpan
 from cluster.serving.errors import api_error, generation_error
-from cluster.serving.openai_protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    StreamOptions,
-)
+from cluster.serving.openai_protocol import ChatCompletionRequest, CompletionRequest
+from cluster.serving.sampling_fields import StreamOptions
 from cluster.serving.tool_calls import ToolPlan
 from cluster.serving.tool_streams import ToolStream
 from scheduler import SamplingParams

@@ -12,14 +12,13 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from cluster.serving.openai_protocol import (
+from cluster.serving.openai_protocol import ChatCompletionRequest, CompletionRequest
+from cluster.serving.sampling_fields import (
     ACCEPTED,
     REFUSED_CHAT,
     REFUSED_COMPLETION,
     REFUSED_VLLM,
     REFUSED_VLLM_CHAT,
-    ChatCompletionRequest,
-    CompletionRequest,
 )
 
 openai = pytest.importorskip("openai")
@@ -215,7 +214,7 @@ def test_tool_choice_without_tools_is_a_400_naming_it() -> None:
 
 
 def test_unknown_fields_are_ignored_and_logged_once(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="cluster.serving.openai_protocol"):
+    with caplog.at_level(logging.WARNING, logger="cluster.serving.sampling_fields"):
         for _ in range(3):
             CompletionRequest.model_validate({**BASE["completions"], "frobnicate_xyz": 1})
     logged = [r for r in caplog.records if "frobnicate_xyz" in r.getMessage()]
@@ -227,12 +226,12 @@ def test_unknown_field_names_kept_for_logging_are_bounded(
 ) -> None:
     """Random keys in every request (a hostile or buggy client) do not grow the ingress's
     memory, or its log, without bound."""
-    from cluster.serving import openai_protocol
+    from cluster.serving import sampling_fields
 
-    monkeypatch.setattr(openai_protocol, "_logged_unknown", set())
-    for k in range(openai_protocol._MAX_LOGGED_UNKNOWN + 50):
+    monkeypatch.setattr(sampling_fields, "_logged_unknown", set())
+    for k in range(sampling_fields._MAX_LOGGED_UNKNOWN + 50):
         CompletionRequest.model_validate({**BASE["completions"], f"junk_{k}": 1})
-    assert len(openai_protocol._logged_unknown) == openai_protocol._MAX_LOGGED_UNKNOWN
+    assert len(sampling_fields._logged_unknown) == sampling_fields._MAX_LOGGED_UNKNOWN
 
 
 def test_empty_guided_fields_are_still_asked_for() -> None:
