@@ -1,19 +1,12 @@
-"""The OpenAI-compatible request bodies (``/v1/completions``, ``/v1/chat/completions``) and
-their translation into ``SamplingParams``.
+"""The OpenAI-compatible request bodies: ``/v1/completions``, ``/v1/chat/completions`` (on
+the fields they share, ``sampling_fields.SamplingFields``, which also holds the policy for
+every field: implemented, accepted with no effect, or refused), and the other endpoints'
+(LoRA adapters, pool resizes, tokenize / detokenize).
 
 Field names, defaults and ranges follow OpenAI's API, with vLLM's extras (``top_k``, ``min_p``,
 ``min_tokens``, ``ignore_eos``, ``priority``, ``stop_token_ids``, ``repetition_penalty``, ...).
 A value out of range fails validation with a message that names the field and its range
 (turned into a 400 by the app).
-
-No field is silently dropped. Every field of OpenAI's request schemas (and the vLLM extras that
-change an output) is one of: implemented; accepted with no effect by design (``ACCEPTED``:
-metadata such as ``user`` or ``store``, hints such as ``prompt_cache_key`` -- prefix caching is
-automatic -- or ``prediction``, a latency hint that never changes the output); or refused with
-a 400 naming it when given a value that would change the output (``REFUSED``: ``tools``,
-``response_format``, ... -- ``tools: []`` or ``response_format: {"type":
-"text"}`` ask for nothing and pass). Other unknown fields are ignored, as vLLM does, and logged
-once per name.
 """
 
 from __future__ import annotations
@@ -40,14 +33,14 @@ from cluster.serving.sampling_fields import (
     REFUSED_VLLM_CHAT,
     _log_unknown,
     _refuse_active,
-    _Sampling,
+    SamplingFields,
 )
 from scheduler import StructuredOutputsParams
 
 TokenIds = list[Annotated[int, Field(ge=0)]]
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(SamplingFields):
     """``POST /v1/completions``: a prompt (text, token ids, or a batch of either)."""
 
     prompt: str | list[str] | TokenIds | list[TokenIds]
@@ -147,7 +140,7 @@ class ChatMessage(BaseModel):
         return message
 
 
-class ChatCompletionRequest(_Sampling):
+class ChatCompletionRequest(SamplingFields):
     """``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage] = Field(min_length=1)

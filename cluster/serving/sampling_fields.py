@@ -112,7 +112,7 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False
 
 
-class _Sampling(BaseModel):
+class SamplingFields(BaseModel):
     """Fields both endpoints share."""
 
     model_config = ConfigDict(extra="allow")  # kept only to be logged (``_log_unknown``)
@@ -216,7 +216,7 @@ class _Sampling(BaseModel):
         return {k: v for k, v in data.items() if k not in defaulted} if defaulted else data
 
     @model_validator(mode="after")
-    def _streaming_options(self) -> _Sampling:
+    def _streaming_options(self) -> SamplingFields:
         if self.stream_options is not None and not self.stream:
             raise FieldError("stream_options", "stream_options is only allowed when stream is true")
         if self.stream and self.prompt_logprobs is not None:
