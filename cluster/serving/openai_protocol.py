@@ -31,9 +31,9 @@ from cluster.serving.agent_fields import (
 from cluster.serving.sampling_fields import (
     REFUSED_CHAT,
     REFUSED_VLLM_CHAT,
+    SamplingFields,
     _log_unknown,
     _refuse_active,
-    SamplingFields,
 )
 from scheduler import StructuredOutputsParams
 
