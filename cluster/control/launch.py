@@ -19,6 +19,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_NAME = "tandem-scheduler"
 DEFAULT_NAMESPACE = "tandem"
+HEAD_NODE_RESOURCE = "node:__internal_head__"  # Ray's: the head node alone has it
 
 
 def ray_env_defaults() -> None:
@@ -106,6 +107,10 @@ def build_cluster(
         "namespace": namespace,
         "num_cpus": 0,
         "max_concurrency": 10_000,  # one slot per concurrent generate() stream
+        # On the head node, wherever the builder runs (a Serve replica on a worker node): a
+        # worker node that goes (scaled down, preempted) never takes the control plane with
+        # it; the head's loss ends the Ray cluster anyway. (Ray pins its own state actors so.)
+        "resources": {HEAD_NODE_RESOURCE: 0.001},
     }
     if config.engine_actors:
         # Restartable: the engines, workers and client streams outlive it, and a restarted

@@ -92,3 +92,28 @@ def test_starts_at_the_same_time_start_one_set_of_workers(
         assert_clean(handle)
     finally:
         shutdown_cluster(handle)
+
+
+def test_the_central_scheduler_runs_on_the_head_node_wherever_it_is_built(
+    ray_cluster: RayCluster, tiny_model: Path
+) -> None:
+    """A builder on a worker node (a Serve replica there) puts the central scheduler on the
+    head: a worker node that goes never takes the control plane with it."""
+
+    @ray.remote(num_cpus=0, resources={"decode": 0.001})
+    def build_here(config: ClusterConfig) -> tuple[str, list[Any]]:
+        from cluster.control.launch import build_cluster
+
+        handle = build_cluster(config, name="built-on-a-worker", namespace=NAMESPACE, detached=True)
+        return ray.get_runtime_context().get_node_id(), [handle]
+
+    config = cluster_config(tiny_model, [BOTH], engine_actors=True)
+    builder_node, (handle,) = ray.get(build_here.remote(config), timeout=180)
+    try:
+        assert builder_node == ray_cluster.decode_node_id
+        central_node = ray.get(
+            handle.__ray_call__.remote(lambda _: ray.get_runtime_context().get_node_id())
+        )
+        assert central_node == ray_cluster.head_node_id
+    finally:
+        shutdown_cluster(handle)
