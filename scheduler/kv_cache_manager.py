@@ -79,9 +79,12 @@ class KVCacheManager:
         return KVCacheBlocks(tuple(hits)), len(hits) * self.block_size
 
     def record_prefix_hit(self, request: Request, num_hit_tokens: int) -> None:
-        """Count one admission's look-up (called by the scheduler at admission only)."""
+        """Count one admission's look-up (called by the scheduler at admission only). A
+        request admitted again after any preemption counts as preempted, as in vLLM: also one
+        whose loaded KV was released back to waiting (its status is WAITING again, and its
+        hits are mostly its own blocks)."""
         self.prefix_cache_stats.record(
-            request.num_tokens, num_hit_tokens, request.status == RequestStatus.PREEMPTED
+            request.num_tokens, num_hit_tokens, request.num_preemptions > 0
         )
 
     # -- allocation ------------------------------------------------------------------------

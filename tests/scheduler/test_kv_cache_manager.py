@@ -357,14 +357,19 @@ def test_chunk_hashes_only_its_full_blocks() -> None:
 
 def test_prefix_cache_stats_preempted_apart_and_reset_on_read() -> None:
     kv = make_kv()
-    fresh, resumed = mk(12), mk(20)
+    fresh, resumed, released = mk(12), mk(20), mk(8)
     kv.record_prefix_hit(fresh, 8)
     kv.record_prefix_hit(mk(4), 0)
     resumed.status = RequestStatus.PREEMPTED
+    resumed.num_preemptions = 1
     kv.record_prefix_hit(resumed, 16)
+    # Its loaded KV released back to waiting (a preemption, status WAITING again): admitted
+    # again, it is no new request, and its hits are its own blocks.
+    released.num_preemptions = 1
+    kv.record_prefix_hit(released, 8)
     stats = kv.make_prefix_cache_stats()
     assert (stats.requests, stats.queries, stats.hits) == (2, 16, 8)
-    assert (stats.preempted_requests, stats.preempted_queries, stats.preempted_hits) == (1, 20, 16)
+    assert (stats.preempted_requests, stats.preempted_queries, stats.preempted_hits) == (2, 28, 24)
     assert stats.hit_rate == pytest.approx(0.5)
     assert kv.make_prefix_cache_stats() == PrefixCacheStats()  # reset on read
     free_all(kv)
