@@ -68,7 +68,13 @@ class Admitter:
         if not state.holding:
             return
         still: list[Request] = []
-        for request in state.holding:
+        # Best first under the priority policy (as vLLM's waiting queue, which holds them):
+        # in the order their loads began, a worse one took the last slot and a better one
+        # then preempted a running request that ranks above it.
+        holding = state.holding
+        if self.cfg.policy == "priority":
+            holding = sorted(holding, key=priority_key)
+        for request in holding:
             if request.awaiting_remote_kvs:
                 if request.request_id not in self.remote_kv.finished_recving:
                     still.append(request)

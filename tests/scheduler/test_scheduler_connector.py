@@ -376,3 +376,23 @@ def test_a_remote_load_leaves_a_request_recomputing_its_outputs_the_blocks_it_ne
     assert r.is_finished and r.num_preemptions == 0
     assert load.status == RequestStatus.WAITING  # it waited for the room R needed
     _land_loads_and_drain(s)
+
+
+def test_loads_done_together_are_admitted_best_priority_first() -> None:
+    """Two remote loads end in one step with one slot free: under the priority policy the
+    better one takes it (the worse one, loaded first, took it, and the better one then
+    preempted a running request that ranks above the worse one)."""
+    from tests.scheduler.helpers import InMemoryConnector, add, make_scheduler, step
+
+    s = make_scheduler(connector=InMemoryConnector(), max_num_seqs=2, policy="priority")
+    add(s, "A", 8, priority=1, max_tokens=50)
+    step(s)
+    add(s, "worse", 8, priority=3, kv_transfer_params={"do_remote_prefill": True})
+    step(s)
+    add(s, "better", 8, priority=0, kv_transfer_params={"do_remote_prefill": True})
+    step(s)
+    step(s, finished_recving={"worse", "better"})
+    out, _ = step(s)
+    assert not out.preempted_req_ids  # A keeps its slot
+    assert sorted(r.request_id for r in s.running) == ["A", "better"]
+    assert [r.request_id for r in s.holding] == ["worse"]  # loaded, waits for a slot
