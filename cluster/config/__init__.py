@@ -393,7 +393,11 @@ class ClusterConfig(_Config):
         import yaml
 
         text = Path(source).read_text() if _is_path(source) else str(source)
-        data = yaml.safe_load(text) or {}
+        try:
+            data = yaml.safe_load(text) or {}
+        except yaml.YAMLError as exc:  # a ValueError, as every bad config is to its callers
+            where = f"{source}: " if _is_path(source) else ""
+            raise ValueError(f"{where}not valid YAML: {exc}") from None
         if not isinstance(data, dict):
             raise ValueError("a cluster config must be a YAML mapping")
         return cls.model_validate(data)

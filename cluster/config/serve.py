@@ -160,4 +160,6 @@ INGRESS_ONLY = (
     "max_ongoing_requests",
     "max_request_body_bytes",
     "preprocess_threads",
+    "generation_config",  # the API's sampling defaults
+    "tool_call_parser",
 )

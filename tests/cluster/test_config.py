@@ -245,6 +245,13 @@ def test_bad_grpc_options_name_the_field(kv_transfer: dict[str, object], message
         ClusterConfig.model_validate({"kv_transfer": {"transport": "grpc", **kv_transfer}})
 
 
+def test_a_config_that_is_not_yaml_is_a_value_error_naming_the_file(tmp_path: Path) -> None:
+    bad = tmp_path / "cluster.yaml"
+    bad.write_text("pools: [{name: p\n")
+    with pytest.raises(ValueError, match=r"cluster\.yaml: not valid YAML"):
+        ClusterConfig.from_yaml(bad)
+
+
 def test_a_running_cluster_is_reused_only_with_its_settings() -> None:
     """``tandem serve`` / a Serve redeploy reuses the running cluster when only the ingress's
     part of ``serve`` changed; any other difference is named."""
@@ -254,7 +261,13 @@ def test_a_running_cluster_is_reused_only_with_its_settings() -> None:
     ingress_only = running.model_copy(
         update={
             "serve": running.serve.model_copy(
-                update={"ingress_replicas": 1, "port": 8001, "api_key": None}
+                update={
+                    "ingress_replicas": 1,
+                    "port": 8001,
+                    "api_key": None,
+                    "generation_config": "auto",  # the API's defaults, read by the ingress
+                    "tool_call_parser": "hermes",
+                }
             )
         }
     )
