@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -45,6 +45,7 @@ from cluster.serving.openai_protocol import (
     UnloadLoRAAdapterRequest,
 )
 from cluster.serving.openai_serving import OpenAIServing
+from cluster.serving.sse import EventStream
 
 if TYPE_CHECKING:
     from cluster.control.client import ClusterClient
@@ -123,7 +124,7 @@ def _respond(result: dict[str, Any] | Any) -> Any:
     # (Above the ingress: Serve freezes the app, with what it references, when decorating.)
     if isinstance(result, dict):
         return JSONResponse(result)
-    return StreamingResponse(result, media_type="text/event-stream")
+    return EventStream(result)
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=64)
