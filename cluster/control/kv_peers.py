@@ -12,7 +12,7 @@ from typing import Any
 
 from cluster.config import ClusterConfig
 from cluster.control.adapters import LoRAAdapters
-from cluster.control.placement import InstanceSpec
+from cluster.control.placement import MONITOR, InstanceSpec
 from cluster.control.summaries import InstanceView
 
 logger = logging.getLogger(__name__)
@@ -100,11 +100,11 @@ class KVPeers:
         transport = self.config.kv_transfer.transport
         problem = None
         try:
-            health = await spec.call_stages("health", monitor=True)
+            health = await spec.call_stages("health", group=MONITOR)
             if any(h.get("kv_transport") != transport for h in health):
                 options = self.config.kv_transfer.connector_options()
                 await spec.call_stages("use_kv_transport", transport, options)
-                health = await spec.call_stages("health", monitor=True)
+                health = await spec.call_stages("health", group=MONITOR)
             used = {h.get("kv_transport") for h in health}
             if used != {transport}:  # e.g. NIXL cannot start there any more: it fell back
                 problem = f"its workers use {sorted(map(str, used))}, the cluster {transport}"

@@ -20,7 +20,7 @@ from cluster.control.flights import Flight
 from cluster.control.handoffs import HandOffs
 from cluster.control.heap import refreeze_heap
 from cluster.control.observer import RequestObserver
-from cluster.control.placement import InstanceSpec
+from cluster.control.placement import MONITOR, InstanceSpec
 from cluster.control.summaries import InstanceView
 from scheduler import LoRARequest
 
@@ -375,7 +375,7 @@ class ClusterOperations:
         result: dict[str, list[Any]] = {}
         for iid, spec in self.specs.items():
             stages = await spec.call_stages(
-                "transfer_history", monitor=True, return_exceptions=True
+                "transfer_history", group=MONITOR, return_exceptions=True
             )
             result[iid] = [r for stage in stages if isinstance(stage, list) for r in stage]
         return result
@@ -387,7 +387,7 @@ class ClusterOperations:
         for iid, spec in self.specs.items():
             stages = [
                 s if isinstance(s, dict) else {"ok": False, "error": f"{type(s).__name__}"}
-                for s in await spec.call_stages("health", monitor=True, return_exceptions=True)
+                for s in await spec.call_stages("health", group=MONITOR, return_exceptions=True)
             ]
             result[iid] = {**stages[0], "stages": stages}
         return result

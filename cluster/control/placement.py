@@ -22,6 +22,11 @@ from cluster.control.placeable import check_placeable, launchable_node_groups
 logger = logging.getLogger(__name__)
 
 MONITOR = "monitor"  # the workers' concurrency group for health and history calls
+# The workers' group for KV probes (``kv_probe``): one waits up to its timeout for a peer
+# that cannot be reached, and on the default group (one thread: the steps') no step ran
+# meanwhile. Several threads: a new instance probes every live one at once.
+PROBE = "probe"
+WORKER_GROUPS = {MONITOR: 1, PROBE: 4}
 
 
 @dataclass
@@ -42,17 +47,22 @@ class InstanceSpec:
         return self.stages or ([] if self.handle is None else [self.handle])
 
     async def call_stages(
-        self, method: str, *args: Any, monitor: bool = False, return_exceptions: bool = False
+        self,
+        method: str,
+        *args: Any,
+        group: str | None = None,
+        return_exceptions: bool = False,
     ) -> list[Any]:
-        """``method(*args)`` on every stage's worker, in stage order: the Ray actors (on their
-        monitor thread with ``monitor``, which answers while a step runs) or the in-process
-        workers. ``return_exceptions``: a stage's error is its result (a dead worker)."""
+        """``method(*args)`` on every stage's worker, in stage order: the Ray actors (in their
+        concurrency ``group``, e.g. ``MONITOR``, which answers while a step runs) or the
+        in-process workers. ``return_exceptions``: a stage's error is its result (a dead
+        worker)."""
         if self.actors:
             calls = []
             for actor in self.actors:
                 bound = getattr(actor, method)
-                if monitor:
-                    bound = bound.options(concurrency_group=MONITOR)
+                if group is not None:
+                    bound = bound.options(concurrency_group=group)
                 calls.append(bound.remote(*args))
             return list(await asyncio.gather(*calls, return_exceptions=return_exceptions))
         workers = getattr(self.executor, "workers", None) or [self.executor.worker]
@@ -143,6 +153,15 @@ def worker_options(pool: InstancePool, pp_rank: int = 0) -> dict[str, Any]:
     return options
 
 
+def worker_class() -> Any:
+    """``ModelWorker`` as a Ray actor class, with its concurrency groups."""
+    import ray
+
+    from actors.worker import ModelWorker
+
+    return ray.remote(concurrency_groups=WORKER_GROUPS)(ModelWorker)  # type: ignore[call-overload]
+
+
 def worker_kwargs(
     config: ClusterConfig, pool: InstancePool, pp_rank: int = 0, kv_fallback: str | None = None
 ) -> dict[str, Any]:
@@ -203,7 +222,6 @@ async def start_instances(
     configured one cannot be set up on its node (``transport: auto``)."""
     import ray  # here, not at the top: what only reads an InstanceSpec needs no Ray or torch
 
-    from actors.worker import ModelWorker
     from cluster.control.executors import PipelineExecutor, RayExecutor
     from kv_transfer.registry import available_transports
 
@@ -214,7 +232,7 @@ async def start_instances(
             f"available: {', '.join(available_transports())}"
         )
     check_placeable(config, ray.nodes(), launchable_node_groups())  # type: ignore[no-untyped-call]
-    remote_worker = ray.remote(concurrency_groups={MONITOR: 1})(ModelWorker)  # type: ignore[call-overload]
+    remote_worker = worker_class()
     created: list[tuple[str, InstancePool, list[Any]]] = []
     # With engine actors the central scheduler may die and come back: the workers (like the
     # engines) must not die with it, their creator. Its shutdown kills them; named, they are
@@ -348,7 +366,9 @@ async def connect_kv_peers(
     async def probe_pair(reader: InstanceSpec, source: InstanceSpec) -> list[str]:
         found = []
         for s_stage, peer in enumerate(source.kv_peers):
-            results = await reader.call_stages("kv_probe", peer, 2.0, return_exceptions=True)
+            results = await reader.call_stages(
+                "kv_probe", peer, 2.0, group=PROBE, return_exceptions=True
+            )
             for r_stage, error in enumerate(results):
                 if error is not None:
                     found.append(

@@ -434,9 +434,11 @@ def end_remade_root(actor: Any, ended: EndedTrace) -> None:
 async def _kv_transport_in_use(actor: Any, specs: list[Any]) -> None:
     """``transport: auto`` is resolved again by a restarted actor's ``__init__``; the workers
     know what the cluster chose (it may have fallen back): take theirs."""
+    from cluster.control.placement import MONITOR
+
     counts: dict[str, int] = {}
     for spec in specs:
-        health = await spec.call_stages("health", monitor=True, return_exceptions=True)
+        health = await spec.call_stages("health", group=MONITOR, return_exceptions=True)
         for h in health:
             if isinstance(h, dict) and h.get("kv_transport"):
                 counts[h["kv_transport"]] = counts.get(h["kv_transport"], 0) + 1

@@ -4,7 +4,8 @@ leases), prefill and decode workers on different Ray nodes; tokens equal to a co
 with no prompt token recomputed; the readers' notifications free the prefill blocks at once;
 a lease nobody reads in time expires (the decode side recomputes); a prefill worker killed
 before the read, and one killed mid-read (recompute, nothing leaked); UCX forced onto TCP
-(no kernel copy) still correct. A real ``ray.cluster_utils.Cluster`` (tests/cluster/conftest).
+(no kernel copy) still correct; a probe of a peer that cannot be reached does not hold the
+worker's steps. A real ``ray.cluster_utils.Cluster`` (tests/cluster/conftest).
 Skipped without the ``nixl`` extra."""
 
 from __future__ import annotations
@@ -448,3 +449,92 @@ def test_auto_falls_back_to_ray_when_nixl_cannot_start(
         assert_clean(handle)
     finally:
         shutdown_cluster(handle)
+
+
+# A NIXL agent in a process of its own: it publishes its peer info to the file named by its
+# argument, then waits (stopped by the test, it is a peer that cannot be reached).
+_PEER_PROCESS = """
+import pickle, sys, time
+import torch
+from kv_transfer.nixl_transport import NixlWorkerConnector
+from kv_transfer.blocks import allocate_kv_caches
+connector = NixlWorkerConnector(same_node_copy=False)
+connector.register_kv_caches(allocate_kv_caches(2, 8, 4, 2, 16, torch.float32), range(2))
+open(sys.argv[1], "wb").write(pickle.dumps(connector.peer_info()))
+print("ready", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_probe_of_a_peer_that_cannot_be_reached_does_not_hold_the_workers_steps(
+    ray_cluster: RayCluster, tiny_model: Path, tmp_path: Path
+) -> None:
+    """A new instance probes every live one (``transport: auto``); a probe waits up to its
+    timeout for a peer that does not answer. On the worker's default concurrency group (one
+    thread: the steps') nothing else ran meanwhile; the probe has a group of its own."""
+    import pickle
+    import subprocess
+    import sys
+
+    from cluster.control.placement import (
+        InstanceSpec,
+        connect_kv_peers,
+        worker_class,
+        worker_kwargs,
+        worker_options,
+    )
+
+    peer_file = tmp_path / "peer"
+    source = subprocess.Popen(
+        [sys.executable, "-c", _PEER_PROCESS, str(peer_file)],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).resolve().parents[3],
+    )
+    try:
+        assert source.stdout is not None
+        while (line := source.stdout.readline()) and line.strip() != "ready":
+            pass
+        assert line.strip() == "ready", "the peer process did not start"
+        peer = pickle.loads(peer_file.read_bytes())
+        os.kill(source.pid, signal.SIGSTOP)  # alive, never answering
+
+        config = cluster_config(tiny_model, [PREFILL, DECODE], kv_transfer={"transport": "nixl"})
+        pool = config.pools[1]
+        options = worker_options(pool) | {"resources": {}, "num_cpus": 0}
+        worker = worker_class().options(**options).remote(**worker_kwargs(config, pool))
+        try:
+            ray.get(worker.load_model.remote())
+            ray.get(worker.init_kv_cache.remote(8))
+
+            class Unreachable:  # the stopped peer's instance: nothing to call on it
+                def add_kv_peers(self, peers: list[Any]) -> None:
+                    pass
+
+                def kv_probe(self, peer: Any, timeout_s: float) -> None:
+                    return None
+
+            class InProcess:
+                worker = Unreachable()
+
+            reader = InstanceSpec("d-0", pool, None, worker, {})
+            stopped = InstanceSpec("p-0", config.pools[0], InProcess(), None, {}, kv_peers=[peer])
+
+            async def main() -> list[str]:
+                connecting = asyncio.ensure_future(
+                    connect_kv_peers([reader, stopped], [reader], probe=True)
+                )
+                await asyncio.sleep(1.0)  # the probe is waiting for the stopped peer
+                assert not connecting.done()
+                await worker.kv_peer.remote()  # a call on the steps' thread
+                assert not connecting.done(), "the worker's steps waited for the probe"
+                return await connecting
+
+            errors = asyncio.run(main())
+            assert len(errors) == 1 and "d-0[0] -> p-0[0]" in errors[0]
+            assert "timed out" in errors[0]
+        finally:
+            ray.kill(worker)
+    finally:
+        source.kill()
+        source.wait()
