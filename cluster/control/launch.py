@@ -90,6 +90,34 @@ class ClusterNameTaken(ValueError):
     ago: another process built one by that name at the same time)."""
 
 
+def central_actor_options(
+    config: ClusterConfig, name: str, namespace: str, detached: bool
+) -> dict[str, Any]:
+    """The Ray options of the central ``SchedulerActor``."""
+    options: dict[str, Any] = {
+        "name": name,
+        "namespace": namespace,
+        "num_cpus": 0,
+        "max_concurrency": 10_000,  # one slot per concurrent generate() stream
+        # On the head node, wherever the builder runs (a Serve replica on a worker node): a
+        # worker node that goes (scaled down, preempted) never takes the control plane with
+        # it; the head's loss ends the Ray cluster anyway. (Ray pins its own state actors so.)
+        "resources": {HEAD_NODE_RESOURCE: 0.001},
+        # Never in the builder's placement group (a Serve replica given
+        # placement_group_bundles captures its children into it): no bundle has the head's
+        # resource, so the actor would wait there forever. An explicit strategy is not
+        # captured.
+        "scheduling_strategy": "DEFAULT",
+    }
+    if config.engine_actors:
+        # Restartable: the engines, workers and client streams outlive it, and a restarted
+        # one rebuilds its state from the engines (control/restart.py).
+        options["max_restarts"] = -1
+    if detached:
+        options["lifetime"] = "detached"
+    return options
+
+
 def build_cluster(
     config: ClusterConfig,
     *,
@@ -102,22 +130,7 @@ def build_cluster(
     workers live and die with it."""
     import ray
 
-    options: dict[str, Any] = {
-        "name": name,
-        "namespace": namespace,
-        "num_cpus": 0,
-        "max_concurrency": 10_000,  # one slot per concurrent generate() stream
-        # On the head node, wherever the builder runs (a Serve replica on a worker node): a
-        # worker node that goes (scaled down, preempted) never takes the control plane with
-        # it; the head's loss ends the Ray cluster anyway. (Ray pins its own state actors so.)
-        "resources": {HEAD_NODE_RESOURCE: 0.001},
-    }
-    if config.engine_actors:
-        # Restartable: the engines, workers and client streams outlive it, and a restarted
-        # one rebuilds its state from the engines (control/restart.py).
-        options["max_restarts"] = -1
-    if detached:
-        options["lifetime"] = "detached"
+    options = central_actor_options(config, name, namespace, detached)
     try:
         handle = scheduler_actor_class().options(**options).remote(config)
     except ray.exceptions.ActorAlreadyExistsError as exc:

@@ -84,3 +84,39 @@ def test_local_node_resources_cover_every_custom_resource() -> None:
     )
     assert local_node_resources(staged) == {"s0": 1000.0, "s1": 1000.0}
     check_placeable(staged, [_node(**local_node_resources(staged))])
+
+
+def test_the_central_scheduler_goes_to_the_head_even_from_a_placement_group(
+    ray_cluster: RayCluster,
+) -> None:
+    """Built from a task in a placement group that captures its children (a Serve replica
+    given ``placement_group_bundles``), the central actor is not put in that group -- none of
+    its bundles has the head node's resource: it waited there forever -- but on the head."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from cluster.control.launch import central_actor_options
+
+    @ray.remote(num_cpus=0)
+    class Central:
+        def node_id(self) -> str:
+            return str(ray.get_runtime_context().get_node_id())
+
+    @ray.remote(num_cpus=0.01)
+    def build() -> str:
+        options = central_actor_options(CONFIG, "pg-central", "tandem-tests", detached=False)
+        central = Central.options(**options).remote()  # type: ignore[attr-defined]
+        try:
+            return str(ray.get(central.node_id.remote(), timeout=30))
+        finally:
+            ray.kill(central)
+
+    group = placement_group([{"CPU": 0.01, "prefill": 0.01}])
+    ray.get(group.ready(), timeout=30)
+    try:
+        strategy = PlacementGroupSchedulingStrategy(group, placement_group_capture_child_tasks=True)
+        node = ray.get(build.options(scheduling_strategy=strategy).remote(), timeout=60)
+    finally:
+        remove_placement_group(group)
+    assert node == ray_cluster.head_node_id
