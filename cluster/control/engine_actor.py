@@ -56,6 +56,10 @@ logger = logging.getLogger(__name__)
 
 CENTRAL_WATCH_S = 5.0  # how often an engine asks whether its central actor still exists
 MAX_UNSENT_TRACES = 16384  # ended traces kept while no central actor hears the reports
+# A report the central actor could not be reached for is sent again after these waits (the
+# last one repeated), for at most REPORT_RETRY_FOR_S; then it is dropped.
+REPORT_RETRY_WAITS_S = (0.05, 0.1, 0.25, 0.5, 1.0)
+REPORT_RETRY_FOR_S = 120.0
 
 
 class _EndedPrefilled:
@@ -105,6 +109,7 @@ class EngineActor(ClientStreams):
         self._break: dict[str | None, bool] = {}  # fault injection: streams to break
         self._unreachable_until = 0.0  # fault injection: pings go unanswered until then
         self.num_refilled = 0  # requests whose outputs were sent again (``refill``)
+        self.num_report_retries = 0  # reports sent again: the central actor was not reached
         # Ended traces of reports the central actor did not get (it was away): sent with the
         # next report, so that a restarted one can end their roots.
         self._unsent_traces: dict[str, EndedTrace] = {}
@@ -406,7 +411,13 @@ class EngineActor(ClientStreams):
 
     async def _send_reports(self) -> None:
         """Forever: send the reports in order, one at a time; those made meanwhile are merged
-        into one (a slow central scheduler gets fewer, larger reports, never a backlog)."""
+        into one (a slow central scheduler gets fewer, larger reports, never a backlog). One
+        the central actor could not be reached for (a connection lost for a while, the actor
+        restarting) goes back to the queue's head and is sent again: its milestones (a
+        prefill done, requests lost, finished) are what the central actor acts on."""
+        from ray.exceptions import ActorUnavailableError, RayActorError
+
+        failing_since: float | None = None
         while True:
             await self._wake.wait()
             self._wake.clear()
@@ -415,10 +426,30 @@ class EngineActor(ClientStreams):
                 if self._unsent_traces:
                     report.ended_traces = {**self._unsent_traces, **report.ended_traces}
                     self._unsent_traces = {}
-                rebase_report(report, -time.monotonic())  # ages as of now: it leaves now
+                sent_at = time.monotonic()
+                rebase_report(report, -sent_at)  # ages as of now: it leaves now
                 try:
                     await self.central.report.remote(report)
-                except Exception as exc:
+                    failing_since = None
+                except (ActorUnavailableError, RayActorError) as exc:
+                    failing_since = failing_since or sent_at
+                    tries = self.num_report_retries = self.num_report_retries + 1
+                    if time.monotonic() - failing_since < REPORT_RETRY_FOR_S:
+                        rebase_report(report, sent_at)  # its instants again: it waits here
+                        self._outgoing.appendleft(report)
+                        del report
+                        logger.info(
+                            "instance %s: report not sent, again: %s", self.instance_id, exc
+                        )
+                        waits = REPORT_RETRY_WAITS_S
+                        await asyncio.sleep(waits[min(tries, len(waits)) - 1])
+                        continue
+                    logger.warning("instance %s: a report was lost: %s", self.instance_id, exc)
+                    failing_since = None
+                    self._unsent_traces.update(report.ended_traces)  # sent again later
+                    while len(self._unsent_traces) > MAX_UNSENT_TRACES:
+                        del self._unsent_traces[next(iter(self._unsent_traces))]
+                except Exception as exc:  # the central actor refused it: sending again won't do
                     logger.warning("instance %s: a report was lost: %s", self.instance_id, exc)
                     self._unsent_traces.update(report.ended_traces)  # sent again later
                     while len(self._unsent_traces) > MAX_UNSENT_TRACES:
@@ -431,6 +462,7 @@ class EngineActor(ClientStreams):
         return {
             **self._engine().stats(),
             "num_refilled": self.num_refilled,
+            "num_report_retries": self.num_report_retries,
             # prefilled, their hand-off not confirmed yet (kept for a central restart)
             "num_awaiting_hand_off": len(self._awaiting),
         }

@@ -3,6 +3,9 @@ instance)."""
 
 from __future__ import annotations
 
+import asyncio
+from typing import Any
+
 import pytest
 
 
@@ -103,3 +106,70 @@ def test_a_prefilled_request_ended_before_its_hand_off_is_counted() -> None:
     assert counted[("tandem:request_success_total", "abort")] == 1
     assert counted[("tandem:requests_finished_total", None)] == 1
     assert counted[("tandem:request_params_max_tokens_sum", None)] == 50  # its client's
+
+
+def test_a_report_the_central_actor_could_not_be_reached_for_is_sent_again() -> None:
+    """A report whose send failed because the central actor was unreachable for a while
+    (``ActorUnavailableError``) or restarting was dropped: its milestones with it -- a
+    prefill done (the client had its first token and waited forever for the rest), requests
+    lost, requests finished. It is sent again, in order, its instants unchanged; one the
+    central actor refused (an error in it) is not."""
+    import time
+    from collections import deque
+
+    from ray.exceptions import ActorUnavailableError
+
+    from cluster.control.engine_actor import EngineActor
+    from cluster.control.engine_reports import EngineReport, Prefilled
+    from scheduler.outputs import EngineCoreOutput
+
+    received: list[tuple[EngineReport, float | None]] = []
+    failures = [ActorUnavailableError("connection lost", None), None, ValueError("a bug")]
+
+    class Call:
+        def __init__(self, report: EngineReport) -> None:
+            self.report = report
+
+        def __await__(self) -> Any:
+            failure = failures.pop(0) if failures else None
+            if failure is not None:
+                raise failure
+            received.append((self.report, self.report.prefilled[0].first_token_at))
+            yield from []
+
+    class Central:
+        class report:  # (a Ray actor method)
+            @staticmethod
+            def remote(report: EngineReport) -> Call:
+                return Call(report)
+
+    actor = EngineActor.__new__(EngineActor)
+    actor.instance_id = "p-0"
+    actor.central = Central()
+    actor.num_report_retries = 0
+    actor._unsent_traces = {}
+    actor._outgoing = deque()
+
+    def report(internal: str, first_token_at: float) -> EngineReport:
+        first = EngineCoreOutput(internal, [7], None)
+        prefilled = Prefilled(internal, first, {"handle": 1}, 0, first_token_at, None)
+        return EngineReport("p-0", None, prefilled=[prefilled])  # type: ignore[arg-type]
+
+    async def main() -> None:
+        actor._wake = asyncio.Event()
+        sender = asyncio.ensure_future(actor._send_reports())
+        now = time.monotonic()
+        actor._outgoing.extend([report("a#0", now - 1.0), report("b#0", now - 2.0)])
+        actor._wake.set()
+        for _ in range(200):
+            await asyncio.sleep(0.01)
+            if len(received) == 1 and not actor._outgoing:
+                break
+        sender.cancel()
+
+    asyncio.run(main())
+    assert actor.num_report_retries == 1
+    # "a" was sent again after the connection failure; "b" met the central actor's error.
+    ((sent, age),) = received
+    assert sent.prefilled[0].internal_id == "a#0"
+    assert age is not None and -1.5 < age < -0.95  # its instant less the time it left: once
