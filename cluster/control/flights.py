@@ -129,6 +129,9 @@ class Flight:
     # tokens; the actor learns them only when the request changes instance).
     sent: list[int] = field(default_factory=list)
     num_moves: int = 0  # times it moved off a failed instance
+    # A move is under way (``Migration._move``; its placement may wait for an adapter to
+    # load): ``instance`` still names the one it left until it is placed again.
+    moving: bool = False
     # For metrics (time.monotonic()), as its engines reported them:
     first_token_at: float | None = None
     last_token_at: float | None = None  # as of its last hand-off or move

@@ -79,6 +79,8 @@ class Migration:
         asked: dict[str, list[Submission]] = {}
         waiting: list[tuple[tuple[str, Submission], str]] = []
         for flight in [f for f in self.flights.values() if f.instance == iid]:
+            if flight.moving:  # it left already: being placed elsewhere (an adapter loads)
+                continue
             client = flight.client_id
             if flight.aborting is not None:  # its abort went to the engine that died
                 self._end(flight, flight.aborting, tokens=flight.sent)
@@ -195,6 +197,8 @@ class Migration:
             flight = self._internal.get(item.internal_id)
             if flight is None or flight.instance != iid:
                 continue  # aborted meanwhile
+            if flight.moving:  # (its engine died while it moved: its client answered)
+                continue
             if flight.aborting is not None:  # its abort reached the engine too late
                 self._end(flight, flight.aborting, tokens=item.tokens)
                 continue
@@ -215,6 +219,7 @@ class Migration:
             lora = flight.request.lora_request
             key = ("alone", id(flight)) if lora is None else ("lora", lora.lora_int_id)
             turns.setdefault(key, []).append(flight)
+            flight.moving = True
         await asyncio.gather(*(self._move_in_turn(flights, reason) for flights in turns.values()))
 
     async def _move_in_turn(self, flights: list[Flight], reason: str) -> None:
@@ -224,6 +229,8 @@ class Migration:
             except Exception as exc:
                 error = f"{reason}; the request could not move: {exc}"
                 self._end(flight, FinishReason.ERROR, error, tokens=flight.sent)
+            finally:
+                flight.moving = False
 
     def _end_flight(self, flight: Flight, error: str) -> None:
         """End a flight with an error from the actor (its engine is gone)."""

@@ -238,10 +238,12 @@ class ClusterOperations:
         if leftovers:
             logger.warning("instance %s left with %d requests; they move", iid, len(leftovers))
             self._spawn(self._move(iid, leftovers, f"instance {iid} was removed from its pool"))
-        # A dead (or hung) engine's requests wait for their clients' tokens (``Migration``).
+        # A dead (or hung) engine's requests wait for their clients' tokens (``Migration``);
+        # those it lost before are being placed elsewhere (``Flight.moving``).
         moving = {item.internal_id for item in leftovers} | {o[0] for o in self._orphans.values()}
         for flight in [f for f in self.flights.values() if f.instance == iid]:
-            if flight.internal_id not in moving:  # (cannot happen in one process)
+            if flight.internal_id not in moving and not flight.moving:
+                # (cannot happen in one process)
                 self._end_flight(
                     flight, f"instance {iid} left with the request in an unknown state"
                 )

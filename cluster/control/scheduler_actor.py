@@ -290,6 +290,7 @@ class SchedulerActor(Intake, KVPeers, Migration, Restart, ClusterOperations):
         internal id. Tokens already sent travel with it (a move after a failure): the new
         instance recomputes prompt + those tokens and continues after them."""
         request = flight.request
+        placed_as = flight.internal_id
         for attempt in range(3):  # an instance may fail while an adapter loads: route again
             prefill, decode = self._live("prefill"), self._live("decode")
             if not decode:
@@ -312,6 +313,8 @@ class SchedulerActor(Intake, KVPeers, Migration, Restart, ClusterOperations):
             raise RuntimeError("instances kept failing while the request was being routed")
         if self.flights.get(request.request_id) is not flight:
             return  # aborted while an adapter loaded
+        if flight.internal_id != placed_as:
+            return  # placed meanwhile, while an adapter loaded (by another move)
         if flight.aborting is not None:  # its abort went to an engine that no longer held it
             self._end(flight, flight.aborting, tokens=flight.sent)
             return

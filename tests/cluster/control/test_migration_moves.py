@@ -68,3 +68,41 @@ def test_a_request_whose_adapter_load_hangs_holds_up_none_of_the_others() -> Non
     assert moves.placed == ["b", "d", "a", "e"]
     assert moves.num_moves == 5
     assert all(f.sent == [5, 6] and f.num_moves == 1 for f in moves._internal.values())
+
+
+def test_a_request_being_moved_is_not_moved_again_when_its_old_engine_dies() -> None:
+    """A request its instance lost waits in its move for an adapter to load, still naming
+    that instance; the instance's engine process then dies. It was taken for one of the
+    dead engine's requests (its client asked for its tokens) and moved a second time: two
+    engines decoded it into one stream. It is left to the move under way."""
+
+    async def main() -> Moves:
+        adapter = LoRARequest(lora_name="x", lora_int_id=1, lora_path="/x")
+        moving = flight("a", adapter)
+        moves = Moves([moving], stuck={"a"}, bad=set())
+        moves.flights = {"a": moving}
+        moves.views = {"d-0": SimpleNamespace(alive=True)}
+        moves.started = True
+        moves.failures = []
+        moves.hand_offs = SimpleNamespace(drop=lambda iid: {})
+        moves._confirm = lambda confirmed: None
+        moves._orphans = {}
+        moves.specs = {}
+        asked: list[Any] = []
+        moves.clients = SimpleNamespace(ask_resume=lambda *args: asked.append(args) or True)
+        moving.client_id, moving.submission = "client", 7
+        lost = [Lost(moving.internal_id, [5], None, None, None, None)]
+        task = asyncio.ensure_future(moves._move("d-0", lost, "the worker died"))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert moving.moving and moves.placed == []
+        moves._engine_died("d-0", "its process died")
+        assert not asked and not moves._orphans  # not taken for the dead engine's
+        await moves._move("d-0", lost, "again")  # (a client's answer, had it been asked)
+        moves.release.set()
+        await asyncio.wait_for(task, 5)
+        return moves
+
+    moves = asyncio.run(main())
+    assert moves.placed == ["a"]  # once
+    assert not moves._internal["a@1"].moving and moves.num_moves == 1
