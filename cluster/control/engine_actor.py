@@ -128,6 +128,7 @@ class EngineActor(ClientStreams):
         self._outgoing: deque[EngineReport] = deque()
         self._wake = asyncio.Event()
         self._sender: asyncio.Task[None] | None = None
+        self._stopped = False  # (``stop``: the instance leaves)
         self._watchdog: asyncio.Task[None] | None = None
 
     # -- life cycle --------------------------------------------------------------------------
@@ -176,6 +177,7 @@ class EngineActor(ClientStreams):
     async def stop(self) -> None:
         """Stop stepping (``InstanceEngine.stop``); the clients' streams end after their last
         outputs."""
+        self._stopped = True
         if self.engine is not None:
             await self.engine.stop()
         for outbox in self._outboxes.values():
@@ -252,7 +254,11 @@ class EngineActor(ClientStreams):
                 if held is not None and route is not None:
                     route.tokens = held.tokens
         elif kind == "end":
-            self._end(item[1], FinishReason(item[2]), item[3])
+            # Once stopped, the clients' streams are closed: a final made here would reach
+            # nobody. The request stays for ``take_all``; the central scheduler, which sent
+            # the end, ends it where it moves it (``Flight.aborting``).
+            if not self._stopped:
+                self._end(item[1], FinishReason(item[2]), item[3])
         elif kind == "abort":
             # (A restarted central scheduler drops a prefilled copy whose decode part runs
             # elsewhere: its KV stays leased, as that part may be reading it; the read's

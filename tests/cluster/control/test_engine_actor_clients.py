@@ -4,6 +4,7 @@ instance)."""
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from typing import Any
 
 import pytest
@@ -173,3 +174,49 @@ def test_a_report_the_central_actor_could_not_be_reached_for_is_sent_again() -> 
     ((sent, age),) = received
     assert sent.prefilled[0].internal_id == "a#0"
     assert age is not None and -1.5 < age < -0.95  # its instant less the time it left: once
+
+
+def test_an_end_that_reaches_a_stopped_engine_is_left_to_the_central_scheduler() -> None:
+    """An instance leaving: its engine actor stopped (its clients' streams closed) and an
+    abort's end op came after. The engine ended the request there: its final went into a
+    closed stream, and the central scheduler, told it finished, forgot it -- the client
+    never got a final. It stays for ``take_all``, as lost: whoever moves it ends it."""
+    from types import SimpleNamespace
+
+    from cluster.control.engine_actor import EngineActor
+    from cluster.control.engine_reports import Lost
+    from scheduler.request import FinishReason
+
+    ended: list[str] = []
+    held = {"r@1": SimpleNamespace(tokens=[5, 6])}
+
+    async def stop() -> None:
+        pass
+
+    def end(internal: str, reason: FinishReason, error: str | None) -> bool:
+        ended.append(internal)
+        return held.pop(internal, None) is not None
+
+    engine = SimpleNamespace(
+        instance_id="d-0",
+        held=held,
+        end=end,
+        stop=stop,
+        take_all=lambda: [Lost(i, list(h.tokens), None, None, None, None) for i, h in held.items()],
+        loop=SimpleNamespace(summary=lambda: None),
+    )
+    actor = EngineActor.__new__(EngineActor)
+    actor.instance_id = "d-0"
+    actor.engine = engine  # type: ignore[assignment]
+    actor._stopped = False
+    actor._outboxes = {}
+    actor._awaiting = {}
+    actor._outgoing = deque()
+    actor._routes = {}
+    actor._epoch, actor._next_op, actor._early_ops = 0, 0, {}
+    actor._sender = None
+    asyncio.run(actor.stop())
+    actor.ops(0, 0, [("end", "r@1", FinishReason.ABORT.value, None)])
+    assert ended == []
+    _, lost = actor.take_all()
+    assert [(item.internal_id, item.tokens) for item in lost] == [("r@1", [5, 6])]
