@@ -88,7 +88,7 @@ async def restore_workers(spec: InstanceSpec, timeout_s: float) -> bool:
             spec.info = await within(spec.actors[-1].info.remote())
         except ray.exceptions.RayActorError:
             continue  # still restarting (or dead for good: then until the deadline)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return False
         merger = getattr(spec.executor, "merger", None)
         if merger is not None:  # a pipeline's half-merged stage reports are stale

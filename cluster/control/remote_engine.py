@@ -302,8 +302,8 @@ class RemoteEngine:
         self._flush()  # after what was sent before
         try:
             return await asyncio.wait_for(getattr(self.actor, method).remote(*args), timeout_s)
-        except asyncio.TimeoutError:
-            raise asyncio.TimeoutError(
+        except TimeoutError:
+            raise TimeoutError(
                 f"the engine of instance {self.instance_id} did not answer {method} "
                 f"within {timeout_s:g} s"
             ) from None
@@ -313,7 +313,7 @@ class RemoteEngine:
             return False
         try:
             return bool(await self._ask("holds_requests"))
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return True  # a drain waits for it until its timeout
         except Exception:  # it died meanwhile: what it held moves on (``Migration``)
             return False
@@ -336,7 +336,7 @@ class RemoteEngine:
             return {"role": self.role, "alive": False, "dead": self.dead}
         try:
             result: dict[str, Any] = await self._ask("stats")
-        except asyncio.TimeoutError as exc:
+        except TimeoutError as exc:
             return {"role": self.role, "alive": self.alive, "unresponsive": str(exc)}
         except Exception as exc:  # it died meanwhile (the watch reports it)
             return {"role": self.role, "alive": False, "dead": self.dead or repr(exc)}

@@ -191,7 +191,7 @@ async def rebuild(actor: Any) -> None:
         except ValueError:  # gone since it was listed (killed, or a name released late)
             logger.warning("engine %s left before the rebuild reached it", name)
             names.remove(name)
-    answers = await asyncio.gather(
+    answers: list[Any] = await asyncio.gather(
         *(asyncio.wait_for(h.snapshot.remote(), SNAPSHOT_TIMEOUT_S) for h in handles),
         return_exceptions=True,
     )

@@ -210,7 +210,7 @@ async def send_request(
                         chunks, last = chunks + 1, now
                 if done:
                     break
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as e:
+    except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as e:
         rec.error = f"{type(e).__name__}: {e}"[:2000] if str(e) else type(e).__name__
         return rec
     rec.e2e_s = time.perf_counter() - start
@@ -270,7 +270,7 @@ async def _fetch_model(session: aiohttp.ClientSession, base: str, headers: dict[
             if r.status != 200:
                 raise RuntimeError(f"GET {base}/models: HTTP {r.status}: {(await r.text())[:500]}")
             data = (await r.json()).get("data") or []
-    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+    except (TimeoutError, aiohttp.ClientError) as e:
         raise RuntimeError(
             f"GET {base}/models failed ({e}); is the server up? (or pass --model)"
         ) from e
@@ -453,7 +453,7 @@ def run_bench(args: argparse.Namespace) -> int:
         args.concurrency = [1]
     try:
         model, runs = asyncio.run(run_all(args))
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError, RuntimeError, ValueError) as e:
+    except (TimeoutError, aiohttp.ClientError, OSError, RuntimeError, ValueError) as e:
         print(f"tandem bench: error: {e}", file=sys.stderr)
         return 1
     summaries = [summarize(r, args.slo_ttft_ms, args.slo_tpot_ms) for r in runs]
