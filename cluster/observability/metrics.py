@@ -193,6 +193,28 @@ class RequestTimes:
     decode_s: float | None  # its first token to its last
     inference_s: float | None  # its first step to its last token
 
+    @classmethod
+    def of(
+        cls,
+        arrival: float,
+        scheduled: float | None,
+        first: float | None,
+        now: float,
+        num_tokens: int,
+    ) -> RequestTimes:
+        """From a request's instants (one clock): arrived, first step, first token, ended;
+        ``num_tokens`` it generated."""
+        return cls(
+            e2e_s=now - arrival,
+            ttft_s=None if first is None else first - arrival,
+            tpot_s=(now - first) / (num_tokens - 1)
+            if first is not None and num_tokens > 1
+            else None,
+            prefill_s=None if first is None or scheduled is None else first - scheduled,
+            decode_s=None if first is None else now - first,
+            inference_s=None if scheduled is None else now - scheduled,
+        )
+
 
 class ClusterMetrics:
     """The SchedulerActor's request-level metrics (one registry per actor)."""
