@@ -167,6 +167,8 @@ class OpenAIIngress:
         set_access(self._api_key, self._admin)
         self._grpc_tls = None
         s = config.serve
+        if s.generation_config not in ("auto", "vllm"):  # a folder: there now, or no start
+            sampling_defaults(s.generation_config, None)
         if s.grpc_port is not None and s.ssl_certfile is not None and s.ssl_keyfile is not None:
             # Serve's gRPC proxy is plaintext only: with a certificate, this replica serves
             # the gRPC API itself, over TLS (tandem serve then starts no gRPC proxy).
@@ -227,11 +229,14 @@ class OpenAIIngress:
                         info = await handle.model_info.remote()
                     except Exception as exc:  # a cluster gone, not replaced yet: 503
                         raise api_error(exc) from None
+                    try:
+                        defaults = sampling_defaults(
+                            self._config.serve.generation_config, info.get("model_path")
+                        )
+                    except (OSError, ValueError) as exc:  # the model's own file: unreadable
+                        raise APIError(500, f"serve.generation_config: {exc}") from None
                     client = await asyncio.to_thread(ClusterClient, handle, None, info)
                     tracer = init_tracing(self._config.tracing, "ingress")
-                    defaults = sampling_defaults(
-                        self._config.serve.generation_config, info.get("model_path")
-                    )
                     # In a thread: it reads the tokenizer's whole vocabulary (the prompt bound).
                     self._serving = await asyncio.to_thread(
                         OpenAIServing,

@@ -109,3 +109,51 @@ def test_values_the_scheduler_would_refuse_are_ignored(tmp_path: Path) -> None:
     bad = {"temperature": -1, "top_p": 0, "max_new_tokens": 0, "top_k": 40, "min_p": "x"}
     (tmp_path / "generation_config.json").write_text(json.dumps(bad))
     assert sampling_defaults("auto", tmp_path) == {"top_k": 40}
+
+
+def _ingress(setting: str, model: Path | None = None) -> Any:
+    from cluster.config import ClusterConfig
+    from cluster.serving.app import OpenAIIngress
+
+    config = ClusterConfig.model_validate(
+        {"pools": [{"name": "c", "role": "both"}], "serve": {"generation_config": setting}}
+    )
+
+    class Remote:  # a Serve handle's and a Ray actor's method: ``await x.remote()``
+        def __init__(self, value: Any) -> None:
+            self.value = value
+
+        async def remote(self) -> Any:
+            return self.value
+
+    actor = type("Actor", (), {"model_info": Remote({"model_path": str(model)})})()
+    cluster = type("Cluster", (), {"scheduler": Remote(actor)})()
+    ingress_class = OpenAIIngress.func_or_class  # (Serve's ingress: its __init__ is async)
+    ingress = ingress_class.__new__(ingress_class)
+    asyncio.run(ingress_class.__init__(ingress, cluster, config))
+    return ingress
+
+
+# Serve's ingress wrapper has an async __del__ (run by Serve on a replica's shutdown).
+QUIET_DEL = pytest.mark.filterwarnings("ignore:coroutine .*ASGIIngressWrapper.__del__")
+
+
+@QUIET_DEL
+def test_a_generation_config_folder_without_the_file_stops_the_start(tmp_path: Path) -> None:
+    """A folder given for ``serve.generation_config`` without the file: the ingress does
+    not start (it did, and every request then failed with "internal server error")."""
+    with pytest.raises(FileNotFoundError, match=r"serve\.generation_config: no .*json"):
+        _ingress(str(tmp_path))
+    (tmp_path / "generation_config.json").write_text(json.dumps(MODEL_GENERATION))
+    assert _ingress(str(tmp_path))._serving is None  # starts; connects on first use
+
+
+@QUIET_DEL
+def test_a_models_unreadable_generation_config_is_named_in_each_error(tmp_path: Path) -> None:
+    (tmp_path / "generation_config.json").write_text("{not json")
+    ingress = _ingress("auto", tmp_path)
+    with pytest.raises(APIError) as caught:
+        asyncio.run(ingress.serving())
+    assert caught.value.status == 500
+    assert "serve.generation_config" in str(caught.value)
+    assert "generation_config.json cannot be read" in str(caught.value)
