@@ -170,6 +170,11 @@ class ModelWorker(WorkerMemory, WorkerKV):
 
     def init_kv_cache(self, num_blocks: int) -> None:
         """Allocate ``num_blocks`` blocks per layer (zeroed). Drops all request state."""
+        # Under the step lock: a KV probe (its own thread) may be using the connector.
+        with self._step_lock:
+            self._init_kv_cache(num_blocks)
+
+    def _init_kv_cache(self, num_blocks: int) -> None:
         from kv_transfer.blocks import allocate_kv_caches
 
         model = self._model
@@ -402,7 +407,8 @@ class ModelWorker(WorkerMemory, WorkerKV):
             with self._step_lock:  # not under a running step's feet
                 self.core_share.close()
         if self.connector is not None:
-            self.connector.close()
+            with self._step_lock:  # (a KV probe's thread may be using it)
+                self.connector.close()
 
     def _forward(self, batch: list[Scheduled], hidden_in: torch.Tensor | None) -> torch.Tensor:
         """One forward over the flattened batch (this stage's layers); hidden states of every

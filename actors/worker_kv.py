@@ -32,7 +32,10 @@ class WorkerKV:
     def kv_peer(self) -> Any:
         """What other workers need to read this worker's KV blocks (``nixl``: its agent and
         pool layout), or None for a transport that needs nothing published."""
-        return None if self.connector is None else self.connector.peer_info()
+        if self.connector is None:
+            return None
+        with self._step_lock:  # the transport's agent is not thread-safe (probes run apart)
+            return self.connector.peer_info()
 
     def add_kv_peers(self, peers: list[Any]) -> None:
         """Learn other workers' ``kv_peer`` (the control plane calls this when instances

@@ -67,9 +67,11 @@ class NixlReads(WorkerConnector):
     # Probes' transfers being watched (``probe``, outside the worker's step lock), in the
     # same form: their agents are busy as retired ones' are.
     _probing: list[tuple[list[Any], list[Any], Any]]
-    # Agents replaced while reads they posted ran: (agent, its peers, its registrations),
-    # undone once none of their reads runs (``_end_agent``).
-    _closing: list[tuple[Any, list[str], list[Any]]]
+    # Agents replaced while reads they posted ran: (agent, its peers, its registrations,
+    # the memory they registered -- kept alive: peers may still read it, and a probe's
+    # entry holds only its scratch slab), undone once none of their reads runs
+    # (``_end_agent``).
+    _closing: list[tuple[Any, list[str], list[Any], Any]]
     same_node_copy: bool  # copy from sources of this machine by CMA (``_copy``)
     _direct: dict[str, SourceProcess]  # agent name -> its process, where it can be read so
     num_direct_reads: int
@@ -375,7 +377,7 @@ class NixlReads(WorkerConnector):
                 if any(agent is item[0] for agent in busy):
                     self._closing.append(item)
                 else:
-                    self._end_agent(*item)
+                    self._end_agent(*item[:3])
 
     def _post(self, xfer: Any) -> str:
         """Post a transfer: "DONE", "PROC" or "ERR" (NIXL raises for a peer it knows is

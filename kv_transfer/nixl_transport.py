@@ -198,7 +198,7 @@ class NixlWorkerConnector(NixlPeers):
         # injection in tests) keeps one here past the step that brought it.
         self._delayed: dict[str, tuple[float, _Load]] = {}
         self._retired: list[tuple[list[Any], list[Any], Any]] = []  # (see nixl_reads)
-        self._closing: list[tuple[Any, list[str], list[Any]]] = []  # (see nixl_reads)
+        self._closing: list[tuple[Any, list[str], list[Any], Any]] = []  # (see nixl_reads)
         self._probing: list[tuple[list[Any], list[Any], Any]] = []  # (see nixl_reads)
         self.abort_grace_s = 10.0  # a failed read still running this long: disconnect
         self.num_descriptors = 0  # descriptors of the reads so far (merging at work)
@@ -290,7 +290,7 @@ class NixlWorkerConnector(NixlPeers):
         if any(posted is agent for _, _, posted in (*self._retired, *self._probing)):
             # Its reads still running (a replaced cache's, a probe's) write into memory it
             # registered, from peers it knows: both stay until they end (``_poll_reads``).
-            self._closing.append((agent, peers, registered))
+            self._closing.append((agent, peers, registered, (self.kv_caches, self.scratch)))
         else:
             _end_agent(agent, peers, registered)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -167,3 +168,33 @@ def test_padded_decode_steps_equal_the_eager_step(tiny_llama: Path) -> None:
     )
     assert capped.bucket_for(3, 4) == (4, 4) and capped.bucket_for(3, 5) is None
     assert capped.run(ids, positions, tables) is None
+
+
+def test_the_kv_connector_is_used_under_the_step_lock(tiny_llama: Path) -> None:
+    """KV probes run on a thread of their own and use the connector under the worker's step
+    lock (its agent is not thread-safe): so do a new cache, the worker's peer info and its
+    shutdown -- they used it with no lock, beside a probe."""
+    worker = ModelWorker(str(tiny_llama), dtype="float32", block_size=4, progress=False)
+    worker.load_model()
+    worker.init_kv_cache(8)
+    locked: list[tuple[str, bool]] = []
+
+    class Connector:
+        def __getattr__(self, name: str) -> Any:
+            def call(*args: Any) -> None:
+                locked.append((name, worker._step_lock.locked()))
+
+            return call
+
+    worker.connector = Connector()  # type: ignore[assignment]
+    worker.kv_transfer = "stand-in"
+    worker.init_kv_cache(8)
+    worker.kv_peer()
+    worker.shutdown()
+    assert {name for name, _ in locked} >= {
+        "retire_caches",
+        "register_kv_caches",
+        "peer_info",
+        "close",
+    }
+    assert all(held for _, held in locked), locked

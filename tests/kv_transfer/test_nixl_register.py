@@ -106,3 +106,25 @@ def test_an_agent_whose_reads_still_run_is_undone_once_they_end(
     assert read.released and agents[0].cache_alive_at_deregister == [True]
     assert not connector._closing
     connector.close()
+
+
+def test_a_cache_replaced_while_a_probe_reads_stays_until_its_agent_is_undone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A probe's read was running (it holds only the scratch slab) when the cache was
+    replaced: the old agent waited for it, still registered over the old cache -- which was
+    dropped at once, so a peer with an older handle read freed memory. The old cache now
+    lives until its agent is undone."""
+    connector, agents, alive, old = _registered(monkeypatch)
+    read = FakeRead()
+    connector._probing.append(([read], [connector.scratch], agents[0]))  # as ``probe`` does
+    del old
+    connector.register_kv_caches(_caches(), LAYERS)
+    assert alive[0]() is not None  # still registered with the old agent: kept
+    connector._probing.clear()  # the probe ended
+    read.state = "DONE"
+    connector._poll_reads()
+    assert agents[0].cache_alive_at_deregister == [True]
+    assert not connector._closing
+    assert alive[0]() is None  # then let go
+    connector.close()
