@@ -118,15 +118,22 @@ class OpenAIServing(RequestChecks):
             }
 
         cards = [card(self.model_name, None, self.model_name)]
-        for name, lora in sorted((await self.engine.lora_adapters()).items()):
+        for name, lora in sorted((await self._adapters()).items()):
             cards.append(card(name, self.model_name, lora.lora_path))
         return {"object": "list", "data": cards}
+
+    async def _adapters(self) -> dict[str, LoRARequest]:
+        """The adapters served, by name."""
+        try:
+            return await self.engine.lora_adapters()
+        except Exception as exc:  # the cluster is away: 503, not the catch-all's 500
+            raise api_error(exc) from None
 
     async def resolve(self, model: str | None) -> LoRARequest | None:
         """The adapter a model name stands for (None: the base model); 404 if unknown."""
         if model is None or model == self.model_name:
             return None
-        lora = (await self.engine.lora_adapters()).get(model)
+        lora = (await self._adapters()).get(model)
         if lora is None:
             raise api_error(UnknownModelError(model))
         return lora
@@ -155,11 +162,7 @@ class OpenAIServing(RequestChecks):
     async def load_lora_adapter(self, body: LoadLoRAAdapterRequest) -> str:
         if body.lora_name == self.model_name:
             raise APIError(400, "lora_name is the base model's name", param="lora_name")
-        try:
-            served = await self.engine.lora_adapters()
-        except Exception as exc:  # the cluster is away: 503, not the catch-all's 500
-            raise api_error(exc) from None
-        if body.lora_name in served:
+        if body.lora_name in await self._adapters():
             raise APIError(
                 400,
                 f"The lora adapter '{body.lora_name}' has already been loaded.",

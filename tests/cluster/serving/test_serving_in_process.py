@@ -1309,6 +1309,10 @@ def test_adapter_errors_name_their_field_and_only_a_missing_one_is_a_404(
 
     gone = OpenAIServing(_Away(engine, KeyError("a")), "tiny-chat")  # type: ignore[arg-type]
     assert error(gone, gone.load_lora_adapter(load)).status == 503
+    # Naming an adapter, or listing the models, asks the cluster too: a 503 (it was a 500).
+    by_adapter = CompletionRequest(model="a", prompt="x", max_tokens=1)
+    assert error(gone, gone.completion(by_adapter)).status == 503
+    assert error(gone, gone.models()).status == 503
 
 
 def test_a_stream_that_fails_midway_ends_its_span_as_an_error(engine: AsyncLLM) -> None:
