@@ -157,7 +157,10 @@ class AsyncLLM(EngineClient):
             raise ValueError(f"adapter {name!r} is already loaded")
         lora = LoRARequest(lora_name=name, lora_int_id=next(self._lora_ids), lora_path=path)
         async with self._locked():  # loaded now: a bad adapter fails here, not on a request
-            await asyncio.to_thread(self.engine.worker.add_lora, lora)
+            try:
+                await asyncio.to_thread(self.engine.worker.add_lora, lora)
+            except Exception as exc:  # (a missing file is an OSError): the caller's path
+                raise ValueError(f"lora_path {path!r} could not be loaded: {exc}") from None
         self._adapters[name] = lora
         return lora
 

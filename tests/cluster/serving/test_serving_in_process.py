@@ -1429,3 +1429,20 @@ def test_chat_logprobs_bytes_are_each_tokens_own(serving: OpenAIServing) -> None
     for entry in content:
         (top,) = entry["top_logprobs"]
         assert top["bytes"] == entry["bytes"]  # the token itself is its best here
+
+
+def test_an_adapter_that_cannot_be_loaded_is_a_400_naming_lora_path(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """As on a cluster (and in vLLM): a path with no adapter is the caller's error, a 400
+    naming ``lora_path`` -- in process the loader's FileNotFoundError made it a 500."""
+    from cluster.serving.openai_protocol import LoadLoRAAdapterRequest
+
+    llm = AsyncLLM.from_config(str(model_dir), enable_lora=True, **ENGINE)
+    serving = OpenAIServing(llm, "tiny-chat")
+    body = LoadLoRAAdapterRequest(lora_name="a", lora_path=str(tmp_path / "none"))
+    with pytest.raises(APIError) as caught:
+        _run(serving.load_lora_adapter(body))
+    assert (caught.value.status, caught.value.param) == (400, "lora_path")
+    assert "could not be loaded" in caught.value.message
+    assert _run(llm.lora_adapters()) == {}  # not served
