@@ -175,7 +175,7 @@ class ChatCompletionRequest(SamplingFields):
 
     @model_validator(mode="after")
     def _logprobs(self) -> ChatCompletionRequest:
-        if self.top_logprobs is not None and not self.logprobs:
+        if self.top_logprobs and not self.logprobs:  # (0 is what some SDKs send: as vLLM)
             raise FieldError("top_logprobs", "top_logprobs needs logprobs set to true")
         return self
 

@@ -230,7 +230,7 @@ class SSEStream:
     ) -> None:
         self.rid, self.obj, self.model, self.jobs, self.span = rid, obj, model, jobs, span
         self.created = int(time.time())
-        self.include_usage = options is not None and options.include_usage
+        self.include_usage = options is not None and bool(options.include_usage)
         self.continuous = self.include_usage and bool(options and options.continuous_usage_stats)
         self.finals: Finals = {}
 

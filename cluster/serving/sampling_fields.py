@@ -106,10 +106,12 @@ def _log_unknown(model: BaseModel) -> None:
 
 
 class StreamOptions(BaseModel):
+    """OpenAI's (null: false, as unset)."""
+
     model_config = ConfigDict(extra="ignore")
 
-    include_usage: bool = False
-    continuous_usage_stats: bool = False
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
 
 
 class SamplingFields(BaseModel):
@@ -219,6 +221,8 @@ class SamplingFields(BaseModel):
     def _streaming_options(self) -> SamplingFields:
         if self.stream_options is not None and not self.stream:
             raise FieldError("stream_options", "stream_options is only allowed when stream is true")
+        if self.stream and self.prompt_logprobs == 0:  # accepted (as vLLM): none streamed
+            self.prompt_logprobs = None
         if self.stream and self.prompt_logprobs is not None:
             raise FieldError(
                 "prompt_logprobs", "prompt_logprobs is not available when stream is true (as vLLM)"
@@ -305,4 +309,4 @@ class SamplingFields(BaseModel):
 
     @property
     def include_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.include_usage
+        return self.stream_options is not None and bool(self.stream_options.include_usage)

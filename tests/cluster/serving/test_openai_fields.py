@@ -248,3 +248,25 @@ def test_empty_guided_fields_are_still_asked_for() -> None:
         {**base, "structured_outputs": {"disable_fallback": True}}
     )
     assert nothing.structured() == (None, "")
+
+
+def test_zero_logprobs_fields_ask_for_nothing_and_pass() -> None:
+    """As vLLM: ``top_logprobs: 0`` without ``logprobs`` (some SDKs send it by default), and
+    ``prompt_logprobs: 0`` on a stream, are accepted (they were 400s); more is refused."""
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    assert ChatCompletionRequest.model_validate({**chat, "top_logprobs": 0}).top_logprobs == 0
+    with pytest.raises(ValidationError, match="top_logprobs needs logprobs"):
+        ChatCompletionRequest.model_validate({**chat, "top_logprobs": 2})
+    streamed = {"model": "m", "prompt": "hi", "stream": True}
+    request = CompletionRequest.model_validate({**streamed, "prompt_logprobs": 0})
+    assert request.prompt_logprobs is None  # nothing to compute: none is streamed
+    with pytest.raises(ValidationError, match="prompt_logprobs is not available"):
+        CompletionRequest.model_validate({**streamed, "prompt_logprobs": 1})
+
+
+def test_stream_options_may_be_null() -> None:
+    """A null stream option is accepted, as unset (it was a 400)."""
+    streamed = {"model": "m", "prompt": "hi", "stream": True}
+    options = {"include_usage": None, "continuous_usage_stats": None}
+    null = CompletionRequest.model_validate({**streamed, "stream_options": options})
+    assert null.stream_options is not None and not null.stream_options.include_usage

@@ -1108,7 +1108,7 @@ def test_echo_and_prompt_logprobs_for_loglikelihood(serving: OpenAIServing) -> N
     with pytest.raises(ValidationError, match="0 only with echo"):
         CompletionRequest.model_validate({"model": "tiny-chat", "prompt": "x", "max_tokens": 0})
     with pytest.raises(ValidationError, match="not available when stream"):
-        CompletionRequest.model_validate({**vllm_style, "stream": True})
+        CompletionRequest.model_validate({**vllm_style, "stream": True, "prompt_logprobs": 1})
 
 
 def test_the_engine_serves_one_event_loop_after_another(engine: AsyncLLM) -> None:
