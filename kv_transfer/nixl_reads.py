@@ -114,7 +114,10 @@ class NixlReads(WorkerConnector):
             # data). Most reads take well under a millisecond: poll at once for the first
             # one, then every half millisecond, for at most 50 ms per idle step.
             start = time.monotonic()
-            until = min(start + 0.05, min(r.load.deadline for r in self._reads.values()))
+            # (Not the deadlines of reads that failed already: past, they ended every idle
+            # step's wait at once while their transfers were waited out.)
+            deadlines = [r.load.deadline for r in self._reads.values() if r.error is None]
+            until = min([start + 0.05, *deadlines])
             before = len(self._reads)
             while self._reads and len(self._reads) == before:
                 now = time.monotonic()

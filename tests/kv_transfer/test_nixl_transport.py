@@ -364,6 +364,11 @@ def test_a_failed_read_is_reported_only_once_its_transfer_stops(
     dst._poll_reads()
     assert dst.num_loading() == 1 and not xfer.released  # past its deadline, still running
     assert dst.get_finished()[1:] == (None, None)
+    # An idle step still waits (polls, with sleeps) its 50 ms: the failed read's past
+    # deadline ended each idle step at once (about 500 empty steps a second).
+    began = time.monotonic()
+    dst.start_load_kv(None, idle=True)
+    assert time.monotonic() - began >= 0.045
     time.sleep(0.2)
     dst._poll_reads()
     assert forgotten == ["tandem-kv-source"] and dst.num_loading() == 1
