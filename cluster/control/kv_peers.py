@@ -42,7 +42,7 @@ class KVPeers:
         little from each other instance: if it cannot, the cluster's first instances fall
         back to ``ray``; a later one is refused. A transport the user named is never swapped
         for another: an instance it cannot connect is refused (``RuntimeError``)."""
-        from cluster.control.placement import connect_kv_peers
+        from cluster.control.placement import connect_kv_peers, disconnect_kv_peers, kv_peer_names
 
         if not self.config.disaggregated:
             return
@@ -55,6 +55,10 @@ class KVPeers:
                 logger.info("KV transport: %s%s", self.config.kv_transfer.transport, how)
             return
         if self.specs or not self._kv_auto:  # ``transport: nixl`` as configured: no fallback
+            # Refused: the live workers, told of the new ones, forget them (their agents'
+            # endpoints and handles stayed for as long as the workers lived).
+            names = [name for spec in specs for name in kv_peer_names(spec)]
+            await disconnect_kv_peers(live, names)
             raise RuntimeError(f"the nixl KV transport cannot reach: {'; '.join(errors)}")
         logger.warning(
             "KV transport: nixl cannot reach every worker (%s); falling back to ray",

@@ -38,12 +38,12 @@ class Peers(KVPeers):
 class Spec:
     """An instance's spec: records the stage calls it gets."""
 
-    def __init__(self) -> None:
-        self.instance_id = "p-0"
-        self.kv_peers: list[Any] = ["agent"]
+    def __init__(self, instance_id: str = "p-0") -> None:
+        self.instance_id = instance_id
+        self.kv_peers: list[Any] = [SimpleNamespace(agent=f"agent-{instance_id}")]
         self.calls: list[tuple[Any, ...]] = []
 
-    async def call_stages(self, *args: Any) -> list[Any]:
+    async def call_stages(self, *args: Any, **options: Any) -> list[Any]:
         self.calls.append(args)
         return []
 
@@ -60,7 +60,18 @@ def test_an_explicit_nixl_transport_is_never_swapped_for_ray() -> None:
     peers, spec = Peers(auto=False), Spec()
     with pytest.raises(RuntimeError, match="cannot reach: p-0: RuntimeError: no route to d-0"):
         asyncio.run(peers._connect_kv_peers([spec]))  # type: ignore[list-item]
-    assert peers.switched_to == [] and spec.calls == [] and spec.kv_peers == ["agent"]
+    assert peers.switched_to == [] and spec.calls == [] and len(spec.kv_peers) == 1
+
+
+def test_a_refused_instance_is_forgotten_by_the_live_ones() -> None:
+    """A later instance the live ones cannot reach is refused; they had been told of its
+    workers (before the probe): they forget them -- they kept their agents' endpoints."""
+    peers, live, new = Peers(auto=True), Spec("d-0"), Spec("p-1")
+    peers.specs = {"d-0": live}
+    peers.views = {"d-0": SimpleNamespace(alive=True)}
+    with pytest.raises(RuntimeError, match="cannot reach"):
+        asyncio.run(peers._connect_kv_peers([new]))  # type: ignore[list-item]
+    assert live.calls == [("remove_kv_peers", ["agent-p-1"])]
 
 
 def test_auto_falls_back_to_ray_for_the_first_instances() -> None:
