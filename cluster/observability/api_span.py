@@ -142,10 +142,13 @@ class APISpan:
             async for chunk in chunks:
                 yield chunk
         finally:
-            self.end(self._failed)
-            # now, not when the collector finds them: they hold the requests' streams,
-            # whose closing aborts what still runs
-            await _close_all((chunks, *closing))
+            try:
+                # now, not when the collector finds them: they hold the requests' streams,
+                # whose closing aborts what still runs; and first: a producer left midway
+                # (its client gone) records the outcome so far as it closes
+                await _close_all((chunks, *closing))
+            finally:
+                self.end(self._failed)
 
     def end(self, error: BaseException | None = None) -> None:
         """End the span (once), as an error when ``error`` is given (its HTTP status too)."""

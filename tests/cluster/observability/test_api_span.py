@@ -144,3 +144,30 @@ def test_a_stream_read_to_its_end_closes_what_it_reads_once(traced: Any) -> None
     (done,) = exporter.get_finished_spans()
     assert "tandem.stream.unread" not in done.attributes
     assert closed == ["outputs"]
+
+
+def test_a_stream_left_midway_ends_its_span_with_what_its_producer_recorded(
+    traced: Any,
+) -> None:
+    """The client went after the first chunk: the producer records the usage so far as it
+    is closed -- which came after the span had ended, so the span had none."""
+    tracer, exporter = traced
+
+    async def chunks(span: APISpan) -> AsyncIterator[str]:
+        try:
+            for k in range(3):
+                yield f"chunk {k}"
+        finally:
+            span.record("cmpl-3", USAGE, ["abort"])
+
+    with APISpan(tracer, "text_completion", _request(stream=True)) as span:
+        stream = span.stream(chunks(span))
+
+    async def leave() -> None:
+        assert await anext(stream) == "chunk 0"
+        await stream.aclose()  # type: ignore[attr-defined]
+
+    asyncio.run(leave())
+    (done,) = exporter.get_finished_spans()
+    assert done.attributes["gen_ai.usage.output_tokens"] == 2
+    assert tuple(done.attributes["gen_ai.response.finish_reasons"]) == ("abort",)
