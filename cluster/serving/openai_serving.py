@@ -94,15 +94,25 @@ class OpenAIServing(RequestChecks):
         # whose caller is trusted; the HTTP app gates the route and always sets one).
         self.lora_adapter_root = lora_adapter_root
         self._preprocess = ThreadPoolExecutor(preprocess_threads, "tandem-preprocess")
+        self._closed = False
         # The format ``tool_choice: auto`` parses (the template's own, or the override).
         self.tool_parser = parser_for(self.tokenizer.chat_template, tool_call_parser)
 
     def close(self) -> None:
         """Let go of its threads (its engine is gone: the owner made a new one)."""
+        self._closed = True
         self._preprocess.shutdown(wait=False, cancel_futures=True)
 
     async def _off_loop(self, fn: Any, *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self._preprocess, fn, *args)
+        gone = APIError(503, "the cluster went away; a new one is being connected: retry")
+        if self._closed:
+            raise gone
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._preprocess, fn, *args)
+        except asyncio.CancelledError:
+            if self._closed:  # its queued work was cancelled by ``close``, not its caller
+                raise gone from None
+            raise
 
     # -- models and adapters ----------------------------------------------------------------
     async def models(self) -> dict[str, Any]:

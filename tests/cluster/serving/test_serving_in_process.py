@@ -1446,3 +1446,15 @@ def test_an_adapter_that_cannot_be_loaded_is_a_400_naming_lora_path(
     assert (caught.value.status, caught.value.param) == (400, "lora_path")
     assert "could not be loaded" in caught.value.message
     assert _run(llm.lora_adapters()) == {}  # not served
+
+
+def test_a_request_on_a_serving_closed_under_it_is_a_503(engine: AsyncLLM) -> None:
+    """The ingress lets go of a serving whose cluster is gone (its health check) while
+    requests may still use it: theirs are 503s to retry -- a closed thread pool made them
+    500s ("cannot schedule new futures after shutdown")."""
+    serving = OpenAIServing(engine, "tiny-chat")
+    serving.close()
+    request = CompletionRequest(model="tiny-chat", prompt="x", max_tokens=1)
+    with pytest.raises(APIError) as caught:
+        _run(serving.completion(request))
+    assert caught.value.status == 503
