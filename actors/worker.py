@@ -179,8 +179,8 @@ class ModelWorker(WorkerMemory, WorkerKV):
 
         model = self._model
         cfg = model.config
-        if self.connector is not None:  # before the old cache can go: no peer copies it now
-            self.connector.retire_caches()
+        if self.connector is not None:  # before the old cache can go: no peer reads it now
+            self.connector.release_caches()
         self.kv_caches = []  # the old cache goes before the new one is allocated
         self.decode_graphs = None
         graphs = (

@@ -138,6 +138,14 @@ class WorkerConnector(ABC):
         them from another process any more. A no-op but where a peer reads in place."""
         return None
 
+    def release_caches(self) -> None:
+        """Let go of the caches before the worker allocates the next (``register_kv_caches``
+        follows): the two are never held at once (on a GPU sized for one, the second did
+        not fit). What may still read or write them keeps them alive itself."""
+        self.retire_caches()
+        self.kv_caches = []
+        self._loads.clear()
+
     def peer_info(self) -> Any:
         """What peers must know before they can read from this worker (published once per
         cache through the control plane), or None for a transport that needs nothing."""

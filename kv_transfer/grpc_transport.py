@@ -218,6 +218,11 @@ class GrpcWorkerConnector(WorkerConnector):
         if self._server is None:
             self._start_server()
 
+    def release_caches(self) -> None:
+        """Leases first: no pull starts on the old cache (one running holds what it reads)."""
+        self.leases.end_all()
+        super().release_caches()
+
     def _start_server(self) -> None:
         server = grpc.server(
             futures.ThreadPoolExecutor(self.server_threads, thread_name_prefix="kv-serve"),

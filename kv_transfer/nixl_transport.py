@@ -267,6 +267,16 @@ class NixlWorkerConnector(NixlPeers):
         self._token.renew()
         self._published = None
 
+    def release_caches(self) -> None:
+        """As ``close``, the agent's: it deregisters the cache while still held (memory freed
+        while registered could be read by a peer); reads and probes still running keep what
+        they use (``_retired``, ``_closing``). ``register_kv_caches`` makes a new one."""
+        self.retire_caches()
+        self.leases.end_all()
+        self._drop_reads()
+        self._close_agent()
+        super().release_caches()
+
     def close(self) -> None:
         self._token.clear()  # first: no same-node copy of this cache succeeds from now on
         self._drop_reads()

@@ -192,9 +192,52 @@ def test_the_kv_connector_is_used_under_the_step_lock(tiny_llama: Path) -> None:
     worker.kv_peer()
     worker.shutdown()
     assert {name for name, _ in locked} >= {
-        "retire_caches",
+        "release_caches",
         "register_kv_caches",
         "peer_info",
         "close",
     }
     assert all(held for _, held in locked), locked
+
+
+@pytest.mark.parametrize("transport", ["ray", "grpc", "nixl"])
+def test_a_new_kv_cache_is_allocated_after_the_old_one_went(
+    tiny_llama: Path, transport: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A survivor's cache made anew (an instance restored): the connector let go of the old
+    cache only once the new one was registered, so both were held at once -- on a GPU sized
+    for one, the second did not fit."""
+    import weakref
+
+    from kv_transfer.registry import available_transports
+
+    if transport not in available_transports():
+        pytest.skip(f"the {transport} transport is not installed")
+    import kv_transfer.blocks
+
+    options = {"auth_token": "t"} if transport == "grpc" else {}
+    worker = ModelWorker(
+        str(tiny_llama),
+        dtype="float32",
+        block_size=4,
+        progress=False,
+        kv_transfer=transport,
+        kv_transfer_options=options,
+    )
+    worker.load_model()
+    worker.init_kv_cache(8)
+    old = weakref.ref(worker.kv_caches[0])
+    alive_at_allocation: list[bool] = []
+    allocate = kv_transfer.blocks.allocate_kv_caches
+
+    def watched(*args: Any, **kwargs: Any) -> Any:
+        alive_at_allocation.append(old() is not None)
+        return allocate(*args, **kwargs)
+
+    monkeypatch.setattr(kv_transfer.blocks, "allocate_kv_caches", watched)
+    try:
+        worker.init_kv_cache(8)
+        assert alive_at_allocation == [False]
+        assert worker.connector is not None and worker.connector.kv_caches == worker.kv_caches
+    finally:
+        worker.shutdown()
