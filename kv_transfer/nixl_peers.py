@@ -78,6 +78,8 @@ class NixlPeers(NixlReads):
         serving worker's step lock: its steps go on while a peer that cannot be reached
         holds the probe to its timeout)."""
         guard = lock if lock is not None else contextlib.nullcontext()
+        if lock is not None:
+            self._guard = lock  # what guards the agent from here on (``linger``)
         with guard:
             if self.agent is None or self.layout is None:
                 raise RuntimeError("register_kv_caches first")

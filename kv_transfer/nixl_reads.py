@@ -284,10 +284,10 @@ class NixlReads(WorkerConnector):
             raise TimeoutError("the source's lease has expired (or is about to)")
         return handle
 
-    def _poll_reads(self) -> None:
-        if self.agent is None:
-            return
-        if self._retired:  # transfers of an old cache or a probe: released once they end
+    def _poll_retired(self) -> None:
+        """Release the transfers of an old cache or a probe that ended; then end the
+        replaced agents none of whose transfers runs any more."""
+        if self._retired:
             retired, self._retired = self._retired, []
             for xfers, caches, agent in retired:
                 still = [x for x in xfers if self._state(x, agent) == "PROC"]
@@ -297,6 +297,11 @@ class NixlReads(WorkerConnector):
                 if still:
                     self._retired.append((still, caches, agent))
         self._end_idle_agents()
+
+    def _poll_reads(self) -> None:
+        if self.agent is None:
+            return
+        self._poll_retired()
         for req_id, read in list(self._reads.items()):
             states = [self._state(x) for x in read.xfers]
             now = time.monotonic()  # after the states: a check may have run the copy

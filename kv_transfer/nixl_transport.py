@@ -200,6 +200,8 @@ class NixlWorkerConnector(NixlPeers):
         self._retired: list[tuple[list[Any], list[Any], Any]] = []  # (see nixl_reads)
         self._closing: list[tuple[Any, list[str], list[Any], Any]] = []  # (see nixl_reads)
         self._probing: list[tuple[list[Any], list[Any], Any]] = []  # (see nixl_reads)
+        # Held around each use of the agent by another thread (a probe's: its caller's lock)
+        self._guard: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
         self.abort_grace_s = 10.0  # a failed read still running this long: disconnect
         self.num_descriptors = 0  # descriptors of the reads so far (merging at work)
         # Reads from a worker of this machine by one kernel copy, not a NIXL READ
@@ -283,6 +285,8 @@ class NixlWorkerConnector(NixlPeers):
         self.leases.end_all()
         self._close_agent()
         super().close()
+        if self._retired or self._probing or self._closing:  # transfers still running
+            _linger(self)
 
     def _close_agent(self) -> None:
         agent, self.agent = self.agent, None
@@ -359,3 +363,36 @@ def _end_agent(agent: Any, peers: list[str], registered: list[Any]) -> None:
             agent.deregister_memory(reg)
         except Exception as exc:
             logger.warning("NIXL deregister failed: %s", exc)
+
+
+# Closed connectors whose transfers still ran (a probe's that timed out, a dropped read's):
+# kept here, so the memory those write into outlives them, and polled until every one has
+# ended and their agents are undone -- closed, nothing else polls them.
+_lingering: list[NixlWorkerConnector] = []
+_lingering_lock = threading.Lock()
+LINGER_POLL_S = 0.2
+
+
+def _linger(connector: NixlWorkerConnector) -> None:
+    with _lingering_lock:
+        _lingering.append(connector)
+        if len(_lingering) == 1:  # no reaper runs
+            threading.Thread(target=_reap, name="nixl-linger", daemon=True).start()
+
+
+def _reap() -> None:
+    while True:
+        time.sleep(LINGER_POLL_S)
+        with _lingering_lock:
+            connectors = list(_lingering)
+        ended = []
+        for connector in connectors:
+            with connector._guard:  # a probe may still be watching its read
+                connector._poll_retired()
+                if not (connector._retired or connector._probing or connector._closing):
+                    ended.append(connector)
+        with _lingering_lock:
+            for connector in ended:
+                _lingering.remove(connector)
+            if not _lingering:
+                return

@@ -760,3 +760,34 @@ def test_the_config_builds_it() -> None:
     off = KVTransferConfig(transport="nixl", same_node_copy=False).connector_options()
     assert not create_worker_connector("nixl", **off).same_node_copy
     # (Without the extra: tests/kv_transfer/test_nixl_missing.py.)
+
+
+def test_a_connector_closed_while_a_probes_read_runs_undoes_its_agent_once_it_ends(
+    make: Callable[..., NixlWorkerConnector], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A probe gave up on its read, then the connector closed (``transport: auto`` falling
+    back): nothing polled a closed connector, so the read was never released nor its agent
+    undone, and the scratch slab it wrote into went with the connector. The connector now
+    lingers, polled, until the read ends."""
+    from kv_transfer import nixl_transport
+
+    monkeypatch.setattr(nixl_transport, "LINGER_POLL_S", 0.01)
+    src, dst = make(), make(num_blocks=12, seed=1)
+    state = {"now": "PROC"}
+    released: list[Any] = []
+    ended: list[Any] = []
+    monkeypatch.setattr(dst, "_post", lambda xfer, agent=None: state["now"])
+    monkeypatch.setattr(dst, "_state", lambda xfer, agent=None: state["now"])
+    monkeypatch.setattr(dst, "_release", released.append)
+    monkeypatch.setattr(dst, "_end_agent", lambda agent, peers, registered: ended.append(agent))
+    with pytest.raises(ConnectionError, match="timed out"):
+        dst.probe(src.peer_info(), timeout_s=0.05, lock=threading.Lock())
+    agent = dst._retired[0][2]
+    dst.close()
+    assert dst in nixl_transport._lingering and not released and not ended
+    state["now"] = "DONE"
+    deadline = time.monotonic() + 5.0
+    while dst in nixl_transport._lingering and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert dst not in nixl_transport._lingering
+    assert len(released) == 1 and ended == [agent]
