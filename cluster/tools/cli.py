@@ -379,6 +379,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
     )
+    if args.command in ("sim", "plan", "bench", "generate"):
+        # Their files (--trace, --out, --plot-dir, a cost model): missing or not writable is
+        # the caller's error, said in a line -- not a traceback.
+        try:
+            return _dispatch(args)
+        except OSError as exc:
+            print(f"tandem {args.command}: {exc}", file=sys.stderr)
+            return 2
+    return _dispatch(args)
+
+
+def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "up":
         return _run_up(args)
     if args.command == "scale":

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -539,3 +540,17 @@ def test_a_pipelines_first_stage_writes_the_loads_that_landed_before_it_starts()
         return [output.finished_recving for output in outputs]
 
     assert run_virtual(main()) == [None, {"b"}]
+
+
+def test_a_file_the_tools_cannot_read_or_write_is_a_one_line_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``tandem plan --trace`` of a missing file (or ``--out`` where nothing can be
+    written): the caller's error in a line and exit status 2 (they were tracebacks)."""
+    from cluster.tools.cli import main
+
+    missing = tmp_path / "none.jsonl"
+    assert main(["plan", "--trace", str(missing), "--slo-ttft-ms", "1000"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"tandem plan: [Errno 2] No such file or directory: '{missing}'"
+    )
