@@ -25,6 +25,8 @@ from cluster.config.serve import INGRESS_ONLY, ServeConfig
 from kv_transfer.tracing import TracingConfig
 from scheduler import CacheConfig, LoRAConfig, SchedulerConfig
 
+DEVICE_PATTERN = r"^(cpu|cuda(:[0-9]+)?)$"  # a worker's torch device
+
 __all__ = [
     "INGRESS_ONLY",
     "NIXL_SAFETY_MARGIN_S",
@@ -115,7 +117,11 @@ class InstancePool(_Config):
         "shared step by step with the other auto workers on it (an even share among the busy "
         "ones; steps under 64 tokens run on one thread).",
     )
-    device: str = Field("cpu", description="torch device of the workers: cpu or cuda.")
+    device: str = Field(
+        "cpu",
+        pattern=DEVICE_PATTERN,
+        description="torch device of the workers: cpu or cuda (cuda:N for one GPU).",
+    )
     num_blocks: int | None = Field(None, ge=1, description="KV blocks; else sized by memory.")
     kv_cache_memory_bytes: int | None = Field(None, ge=1)
     memory_budget_bytes: int | None = Field(
@@ -268,7 +274,9 @@ class ClusterConfig(_Config):
     """A whole deployment: the model, the instance pools and how they cooperate."""
 
     model: str | None = Field(None, description="Path, or null for the built-in SmolLM2.")
-    dtype: str = "auto"
+    dtype: Literal[
+        "auto", "float32", "fp32", "float", "bfloat16", "bf16", "float16", "fp16", "half"
+    ] = "auto"
     quantization: Literal["auto", "none", "int8", "int4"] = Field(
         "auto",
         description="Weights held quantized and multiplied by weight-only kernels (CPU): auto "

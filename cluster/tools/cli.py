@@ -17,8 +17,20 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from cluster.tools.serve_cli import DTYPES
 from cluster.tools.signals import interrupted_while_starting, stop_on_signals, wait_for_stop
 from scheduler import SamplingParams
+
+
+def _device(value: str) -> str:
+    """``--device``: as a pool's ``device`` (an argparse error names the flag otherwise)."""
+    import re
+
+    from cluster.config import DEVICE_PATTERN
+
+    if not re.match(DEVICE_PATTERN, value):
+        raise argparse.ArgumentTypeError(f"{value!r}: give cpu, cuda or cuda:N")
+    return value
 
 
 def _generate_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -44,7 +56,7 @@ def _generate_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     p.add_argument("--repetition-penalty", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
-    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    p.add_argument("--dtype", choices=DTYPES, default="auto", help="the weights' dtype")
     p.add_argument(
         "--quantization",
         "-q",
@@ -52,7 +64,7 @@ def _generate_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         default="auto",
         help="weights held quantized (auto: as a GGUF file stores them)",
     )
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", type=_device, default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("-v", "--verbose", action="store_true", help="log engine details")
     p.add_argument(
         "--cluster",

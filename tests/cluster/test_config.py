@@ -278,3 +278,14 @@ def test_a_running_cluster_is_reused_only_with_its_settings() -> None:
     assert settings_changed(running.cluster_settings(), bound) == ["serve.max_waiting_requests"]
     other = ClusterConfig.from_yaml("block_size: 8\npools: [{name: p, role: both}]")
     assert settings_changed(running.cluster_settings(), other) == ["block_size", "pools"]
+
+
+def test_a_pools_device_and_the_dtype_are_checked_when_read() -> None:
+    """A device or dtype torch does not know failed only when the workers started (a
+    traceback from each): now the config names the field."""
+    pools = [{"name": "c", "role": "both"}]
+    ClusterConfig.model_validate({"pools": [{**pools[0], "device": "cuda:1"}], "dtype": "bf16"})
+    with pytest.raises(ValidationError, match=r"pools\.0\.device"):
+        ClusterConfig.model_validate({"pools": [{**pools[0], "device": "gpu0"}]})
+    with pytest.raises(ValidationError, match="dtype"):
+        ClusterConfig.model_validate({"pools": pools, "dtype": "float64"})
