@@ -213,6 +213,16 @@ class ClusterOperations:
         finally:
             self._shrinking.difference_update(instance_ids)
 
+    async def _stop_workers(self, spec: InstanceSpec, after_s: float) -> None:
+        """Kill a retired instance's workers, ``after_s`` from now."""
+        import ray
+
+        if after_s > 0:
+            await asyncio.sleep(after_s)
+            logger.info("instance %s: its workers stop (the reads' lease ended)", spec.instance_id)
+        for actor in spec.actors:
+            ray.kill(actor)
+
     async def _holds_requests(self, iid: str) -> bool:
         """Requests still on the instance: queued, running, finished with KV still to send."""
         if any(f.instance == iid for f in self.flights.values()):
@@ -224,6 +234,12 @@ class ClusterOperations:
         """Take a drained instance out: stop its engine, move what it still holds, stop its
         workers and forget it."""
         engine = self.engines[iid]
+        # Not drained (its drain timed out): decode instances may still read KV it sent.
+        sending = (
+            self.config.disaggregated
+            and self.roles[iid] != "decode"
+            and bool(await _answer(engine.holds_requests()))
+        )
         await engine.stop()
         # Taken after the stop: a step that was running may have finished (or handed off)
         # some of them.
@@ -255,10 +271,10 @@ class ClusterOperations:
         self.lora.forget(iid)
         del engine
         refreeze_heap()  # its block pool is a cycle
-        for actor in spec.actors:
-            import ray
-
-            ray.kill(actor)
+        if sending and spec.actors:  # its workers stay for the reads' lease
+            self._spawn(self._stop_workers(spec, self.config.kv_transfer.effective_lease_s))
+        else:
+            await self._stop_workers(spec, 0.0)
         if self.config.disaggregated:  # the others' transports forget its workers
             from cluster.control.placement import disconnect_kv_peers, kv_peer_names
 
