@@ -93,6 +93,7 @@ class Delivery:
             expected = self._next_index.get(submission, 0)
             if index > expected:
                 self._early.setdefault(submission, {})[index] = out
+                self._watch_gaps()
                 continue
             if index < expected:  # already delivered in part
                 skip = expected - index
@@ -214,8 +215,7 @@ class Delivery:
                     )
                     positions = self._positions()
                     self._spawn(self._refill([i for i in self._actors if i != iid], positions))
-                    if self._gap_watch is None or self._gap_watch.done():
-                        self._gap_watch = self.loop.create_task(self._fill_gaps())
+                    self._watch_gaps()
                     await asyncio.sleep(backoff)  # (a stream that keeps breaking: less often)
                     backoff = min(2 * backoff, 2.0)
         finally:
@@ -236,8 +236,17 @@ class Delivery:
             if early and s in self._open and s not in self._ended
         }
 
+    def _watch_gaps(self) -> None:
+        """Run ``_fill_gaps`` (unless it runs): an output is held back, or a stream broke.
+        Held back, the one before it is usually on its way (a decode engine's tokens before
+        the prefill engine's first); when it is not -- lost with a stream that ended, or in
+        a central scheduler's replay that died with it -- only asking again fills the gap,
+        and nothing else asked: the request hung."""
+        if self._gap_watch is None or self._gap_watch.done():
+            self._gap_watch = self.loop.create_task(self._fill_gaps())
+
     async def _fill_gaps(self) -> None:
-        """After a broken stream: while requests hold back outputs for one before them
+        """While requests hold back outputs for one before them
         that is missing, ask every engine again (after 0.25 s, then less and less often):
         a first token lost with the prefill engine's stream is sent again by the prefill
         engine, which remembers what it handed off, or by the decode engine once the

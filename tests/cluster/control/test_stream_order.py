@@ -20,10 +20,18 @@ from scheduler.outputs import EngineCoreOutput
 from scheduler.request import FinishReason
 
 
+class _Watching:
+    """A gap watch that runs (none is started)."""
+
+    def done(self) -> bool:
+        return False
+
+
 def _subscription() -> tuple[Subscription, asyncio.Queue[Any]]:
     """The delivery half of a Subscription (no actor: outputs are fed in by hand)."""
     sub = Subscription.__new__(Subscription)
     sub._next_index, sub._early, sub._tokens, sub._ended = {}, {}, {}, {}
+    sub._gap_watch = _Watching()  # (no loop here: the gap watch has its own test)
     queue: asyncio.Queue[Any] = asyncio.Queue()
     sub.queues = {7: queue}
     return sub, queue
@@ -371,3 +379,40 @@ def test_a_request_that_cannot_be_placed_ends_its_root_span() -> None:
     (root,) = [s for s in spans if s.name == "tandem.request"]  # (its queue span ends too)
     assert not root.status.is_ok
     assert "no live decode instance" in (root.status.description or "")
+
+
+def test_a_gap_nothing_else_asks_to_fill_is_asked_for_and_never_hangs(monkeypatch: Any) -> None:
+    """An output is held back for one that never comes and no stream broke (its engine's
+    stream ended, or the central scheduler's replay died with it): nothing asked for it
+    again and the request hung. Holding one back starts the gap watch: it asks the engines,
+    and a gap that lasts ends the request with an error."""
+    from cluster.control import delivery
+    from cluster.errors import StreamLostError
+
+    monkeypatch.setattr(delivery, "GAP_GIVE_UP_S", 0.3)
+    asked: list[Any] = []
+
+    class Engine:
+        class refill:  # (a Ray actor method)
+            @staticmethod
+            async def remote(client_id: str, positions: list[tuple[int, int]]) -> None:
+                asked.append(positions)
+
+    async def main() -> None:
+        sub, queue = _subscription()
+        sub.loop = asyncio.get_running_loop()
+        sub._gap_watch = None
+        sub.client_id = "c"
+        sub._actors = {"d-1": Engine()}
+        sub._open = {7: (Request("r", [1, 2, 3], SamplingParams(max_tokens=9)), None)}
+        aborted: list[str] = []
+        sub.abort = aborted.append  # type: ignore[method-assign]
+        _feed(sub, _out([10]), 0)
+        _feed(sub, _out([15, 16]), 5)  # 1 to 4 never come
+        await asyncio.sleep(1.2)
+        assert asked and asked[0] == [(7, 1)]  # the engines were asked from position 1
+        tokens = [queue.get_nowait() for _ in range(queue.qsize())]
+        assert tokens[0].new_token_ids == [10] and isinstance(tokens[-1], StreamLostError)
+        assert aborted == ["r"]  # nothing runs on for nobody
+
+    asyncio.run(main())
