@@ -302,11 +302,23 @@ class Subscription(Delivery):
             if self._next_index.get(submission, 0) or submission in self._early:
                 self._spawn(self._lost_unless_it_ends(submission, request.request_id))
                 continue
-            logger.warning(
-                "request %s was lost with the central actor: sent again", request.request_id
-            )
-            future = self._submit(request, trace_context, submission)
-            future.add_done_callback(functools.partial(self._resubmitted, submission=submission))
+            self._spawn(self._resubmit_unless_it_ends(submission, request, trace_context))
+
+    async def _resubmit_unless_it_ends(
+        self, submission: int, request: Request, trace_context: dict[str, str] | None
+    ) -> None:
+        """A request without output that the restarted central actor does not know: never
+        given to an engine -- unless it ended with no token just before the actor was asked
+        (an error at its prefill, an abort), its final still on its way: it is given
+        ``LOST_GRACE_S`` to arrive, else it is submitted again (it ran twice, for nobody)."""
+        await asyncio.sleep(LOST_GRACE_S)
+        if submission not in self._open or submission in self._ended:
+            return
+        if self._next_index.get(submission, 0) or submission in self._early:
+            return  # under way after all: its outputs arrive
+        logger.warning("request %s was lost with the central actor: sent again", request.request_id)
+        future = self._submit(request, trace_context, submission)
+        future.add_done_callback(functools.partial(self._resubmitted, submission=submission))
 
     async def _lost_unless_it_ends(self, submission: int, request_id: str) -> None:
         """A request with output that the restarted central actor does not know: lost with

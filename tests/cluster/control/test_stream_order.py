@@ -416,3 +416,47 @@ def test_a_gap_nothing_else_asks_to_fill_is_asked_for_and_never_hangs(monkeypatc
         assert aborted == ["r"]  # nothing runs on for nobody
 
     asyncio.run(main())
+
+
+def test_a_request_unknown_after_a_restart_without_output_is_sent_again_unless_it_ends(
+    monkeypatch: Any,
+) -> None:
+    """After the central actor's restart, a request without output that it does not know was
+    never placed -- or ended with no token just before it was asked (an error at its
+    prefill), its final on its way: it was sent again at once and ran twice, for nobody. It
+    is given a moment for its final first."""
+    from collections import Counter
+
+    from cluster.control import subscription
+
+    monkeypatch.setattr(subscription, "LOST_GRACE_S", 0.05)
+
+    async def restart(final: bool) -> list[int]:
+        sub, _ = _subscription()
+        sub.loop = asyncio.get_running_loop()
+        sub.client_id = "c"
+        sub._ops, sub._in_flight, sub._submitting = [], Counter(), set()
+        sub._open = {7: (Request("r", [1, 2, 3], SamplingParams(max_tokens=9)), None)}
+
+        class Handle:
+            class unknown_requests:  # (a Ray actor method)
+                @staticmethod
+                async def remote(client_id: str, pairs: list[Any]) -> list[int]:
+                    return [7]
+
+        sub.handle = Handle()
+        submitted: list[int] = []
+
+        def submit(request: Request, trace_context: Any, submission: int) -> Any:
+            submitted.append(submission)
+            return sub.loop.create_future()
+
+        sub._submit = submit  # type: ignore[method-assign]
+        await sub._resubmit_lost()
+        if final:
+            _feed(sub, _out([], finished=True), 0)  # its final was on its way
+        await asyncio.sleep(0.2)
+        return submitted
+
+    assert asyncio.run(restart(final=True)) == []
+    assert asyncio.run(restart(final=False)) == [7]
