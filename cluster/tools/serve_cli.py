@@ -198,7 +198,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-v", "--verbose", action="store_true", help="log cluster details")
 
 
-DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
+# As ClusterConfig.dtype (the loader's names): tandem generate accepted bf16, fp16 and fp32.
+DTYPES = ("auto", "float32", "fp32", "float", "bfloat16", "bf16", "float16", "fp16", "half")
 
 
 def serve_config(args: argparse.Namespace) -> Any:

@@ -289,3 +289,12 @@ def test_a_pools_device_and_the_dtype_are_checked_when_read() -> None:
         ClusterConfig.model_validate({"pools": [{**pools[0], "device": "gpu0"}]})
     with pytest.raises(ValidationError, match="dtype"):
         ClusterConfig.model_validate({"pools": pools, "dtype": "float64"})
+
+
+def test_the_dtype_flags_accept_what_the_config_accepts() -> None:
+    """``tandem generate/serve --dtype`` take the config's names (bf16 was refused)."""
+    import typing
+
+    from cluster.tools.serve_cli import DTYPES
+
+    assert set(DTYPES) == set(typing.get_args(ClusterConfig.model_fields["dtype"].annotation))
