@@ -54,6 +54,7 @@ class ClusterOperations:
     autoscaler: Any  # control.autoscaler.Autoscaler
     _orphans: dict[tuple[str, Any], tuple[str, str, str]]
     _shrinking: set[str]  # instances whose drain and retire (``_shrink``) run now
+    _lingering: dict[str, InstanceSpec]  # retired instances whose workers wait for a lease
     hand_offs: HandOffs
     _confirm: Callable[[dict[str, list[str]]], None]
 
@@ -214,14 +215,26 @@ class ClusterOperations:
             self._shrinking.difference_update(instance_ids)
 
     async def _stop_workers(self, spec: InstanceSpec, after_s: float) -> None:
-        """Kill a retired instance's workers, ``after_s`` from now."""
+        """Kill a retired instance's workers ``after_s`` from now, then have the others'
+        transports forget them -- not before: a decode instance still reading the KV they
+        sent (the lease) must find them. Cancelled (a shutdown), it kills them all the same;
+        cancelled before it started, the shutdown does: they are ``_lingering`` until then."""
         import ray
 
-        if after_s > 0:
-            await asyncio.sleep(after_s)
-            logger.info("instance %s: its workers stop (the reads' lease ended)", spec.instance_id)
-        for actor in spec.actors:
-            ray.kill(actor)
+        try:
+            if after_s > 0:
+                await asyncio.sleep(after_s)
+                logger.info(
+                    "instance %s: its workers stop (the reads' lease ended)", spec.instance_id
+                )
+        finally:
+            for actor in spec.actors:
+                ray.kill(actor)
+            self._lingering.pop(spec.instance_id, None)
+        if self.config.disaggregated:
+            from cluster.control.placement import disconnect_kv_peers, kv_peer_names
+
+            await disconnect_kv_peers(list(self.specs.values()), kv_peer_names(spec))
 
     async def _holds_requests(self, iid: str) -> bool:
         """Requests still on the instance: queued, running, finished with KV still to send."""
@@ -271,14 +284,11 @@ class ClusterOperations:
         self.lora.forget(iid)
         del engine
         refreeze_heap()  # its block pool is a cycle
-        if sending and spec.actors:  # its workers stay for the reads' lease
-            self._spawn(self._stop_workers(spec, self.config.kv_transfer.effective_lease_s))
-        else:
-            await self._stop_workers(spec, 0.0)
-        if self.config.disaggregated:  # the others' transports forget its workers
-            from cluster.control.placement import disconnect_kv_peers, kv_peer_names
-
-            self._spawn(disconnect_kv_peers(list(self.specs.values()), kv_peer_names(spec)))
+        # Its workers stay for the reads' lease when it sent KV; the others' transports forget
+        # them after that, in the background (a worker may be slow to answer).
+        lease = self.config.kv_transfer.effective_lease_s if sending and spec.actors else 0.0
+        self._lingering[iid] = spec
+        self._spawn(self._stop_workers(spec, lease))
         logger.info("instance %s left the cluster", iid)
 
     # -- LoRA adapters by name (the API's /v1/load_lora_adapter) ------------------------------

@@ -111,6 +111,7 @@ class SchedulerActor(Intake, KVPeers, Migration, Restart, ClusterOperations):
         self._tasks: set[asyncio.Task[None]] = set()  # moves, the client reaper
         self._resizing = asyncio.Lock()  # scale_pool: one resize at a time
         self._shrinking: set[str] = set()  # instances draining to leave (``_shrink``)
+        self._lingering: dict[str, InstanceSpec] = {}  # retired; workers kept for a lease
         self._membership = asyncio.Lock()  # instances joining or retiring, one at a time
         self.observe = RequestObserver(config, self.roles, self.specs)
         self.lora = LoRAAdapters(config, self.specs)  # served by name, loaded per instance
@@ -277,7 +278,7 @@ class SchedulerActor(Intake, KVPeers, Migration, Restart, ClusterOperations):
                     engine.close()
         import ray
 
-        for spec in list(self.specs.values()):
+        for spec in [*self.specs.values(), *self._lingering.values()]:
             for actor in spec.actors:
                 ray.kill(actor)
         if self.config.engine_actors and ray.is_initialized():  # a start cut short, too

@@ -1,6 +1,7 @@
 """``ClusterOperations._retire`` of a prefill instance whose drain timed out: decode
-instances may still read the KV it sent, so its workers stay for the reads' lease; drained,
-or a decode instance, they stop at once."""
+instances may still read the KV it sent, so its workers stay for the reads' lease, and the
+other instances' transports forget them only after it; drained, or a decode instance, they
+stop at once. A shutdown during the lease still stops them."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from cluster.control import operations
 from cluster.control.handoffs import HandOffs
 from cluster.control.operations import ClusterOperations
 
-LEASE_S = 7.5
+LEASE_S = 0.3
 
 
 class Retire(ClusterOperations):
@@ -39,49 +40,77 @@ class Retire(ClusterOperations):
         self.roles = {"p-0": role}
         self.views = {"p-0": SimpleNamespace(alive=True)}
         pool = SimpleNamespace(role=role)
-        self.specs = {"p-0": SimpleNamespace(instance_id="p-0", actors=[], pool=pool, kv_peers=[])}
+        peers = [SimpleNamespace(agent="agent-p-0")]
+        spec = SimpleNamespace(instance_id="p-0", actors=["worker"], pool=pool, kv_peers=peers)
+        self.specs = {"p-0": spec, "d-0": SimpleNamespace(instance_id="d-0")}
         self.flights = {}
         self._orphans = {}
         self.hand_offs = HandOffs()
         self._confirm = lambda confirmed: None
         self.observe: Any = SimpleNamespace(remove_instance=lambda iid, role: None)
         self.lora: Any = SimpleNamespace(forget=lambda iid: None)
-        self.spawned: list[Any] = []
-        self.stopped: list[tuple[str, float]] = []
+        self._lingering = {}
+        self.tasks: list[asyncio.Task[None]] = []
 
     def _spawn(self, coro: Any) -> None:
-        self.spawned.append(coro)
+        self.tasks.append(asyncio.ensure_future(coro))
 
-    async def _stop_workers(self, spec: Any, after_s: float) -> None:
-        self.stopped.append((spec.instance_id, after_s))
+
+EVENTS: list[tuple[str, Any]] = []
 
 
 @pytest.fixture(autouse=True)
-def no_kv_peers(monkeypatch: pytest.MonkeyPatch) -> None:
+def recorded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``ray.kill`` and the KV peers' disconnect only record what they were asked."""
+    import ray
+
     from cluster.control import placement
 
     async def disconnect(specs: list[Any], names: list[str]) -> None:
-        pass
+        EVENTS.append(("disconnect", ([s.instance_id for s in specs], names)))
 
+    EVENTS.clear()
     monkeypatch.setattr(placement, "disconnect_kv_peers", disconnect)
+    monkeypatch.setattr(ray, "kill", lambda actor: EVENTS.append(("kill", actor)))
     monkeypatch.setattr(operations, "refreeze_heap", lambda: None)
 
 
+STOPPED = [("kill", "worker"), ("disconnect", (["d-0"], ["agent-p-0"]))]
+
+
 @pytest.mark.parametrize(
-    ("role", "holds", "delay"),
-    [("prefill", True, LEASE_S), ("prefill", False, 0.0), ("decode", True, 0.0)],
+    ("role", "holds", "lease"),
+    [("prefill", True, True), ("prefill", False, False), ("decode", True, False)],
 )
 def test_a_prefill_instance_retired_undrained_keeps_its_workers_for_the_lease(
-    role: str, holds: bool, delay: float
+    role: str, holds: bool, lease: bool
 ) -> None:
     ops = Retire(role, holds)
-    ops.specs["p-0"].actors = ["worker"]
+    during: list[Any] = []
 
     async def main() -> None:
         await ops._retire("p-0")
-        for coro in ops.spawned:
-            await coro
+        assert "p-0" in ops._lingering  # (a shutdown kills them from here on)
+        await asyncio.sleep(LEASE_S / 3)
+        during.extend(EVENTS)
+        await asyncio.gather(*ops.tasks)
 
     asyncio.run(main())
-    assert ops.stopped == [("p-0", delay)]
+    # Within the lease, neither stopped nor forgotten: a decode instance may still read.
+    assert during == ([] if lease else STOPPED)
+    assert EVENTS == STOPPED and not ops._lingering
     assert "p-0" not in ops.engines and "p-0" not in ops.specs
+
+
+def test_a_shutdown_during_the_lease_still_stops_the_workers() -> None:
+    ops = Retire("prefill", True)
+
+    async def main() -> None:
+        await ops._retire("p-0")
+        await asyncio.sleep(LEASE_S / 3)
+        for task in ops.tasks:  # as ``SchedulerActor.shutdown`` cancels its tasks
+            task.cancel()
+        await asyncio.gather(*ops.tasks, return_exceptions=True)
+
+    asyncio.run(main())
+    assert EVENTS == [("kill", "worker")] and not ops._lingering
