@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections import OrderedDict, deque
 from dataclasses import replace
@@ -110,6 +111,8 @@ class EngineActor(ClientStreams):
         self._unreachable_until = 0.0  # fault injection: pings go unanswered until then
         self.num_refilled = 0  # requests whose outputs were sent again (``refill``)
         self.num_report_retries = 0  # reports sent again: the central actor was not reached
+        self._incarnation = os.urandom(8).hex()  # of ``EngineReport.sequence``
+        self._num_reports = 0
         # Ended traces of reports the central actor did not get (it was away): sent with the
         # next report, so that a restarted one can end their roots.
         self._unsent_traces: dict[str, EndedTrace] = {}
@@ -409,7 +412,8 @@ class EngineActor(ClientStreams):
         for lost in report.lost:
             self._routes.pop(lost.internal_id, None)
         queue = self._outgoing
-        if queue and plain(queue[-1]) and plain(report):
+        # (Never into one already sent: the central actor may have applied it.)
+        if queue and queue[-1].sequence is None and plain(queue[-1]) and plain(report):
             queue[-1] = coalesce(queue[-1], report)
         else:
             queue.append(report)
@@ -420,10 +424,13 @@ class EngineActor(ClientStreams):
         into one (a slow central scheduler gets fewer, larger reports, never a backlog). One
         the central actor could not be reached for (a connection lost for a while, the actor
         restarting) goes back to the queue's head and is sent again: its milestones (a
-        prefill done, requests lost, finished) are what the central actor acts on."""
+        prefill done, requests lost, finished) are what the central actor acts on. Its
+        ``sequence`` stays: should the first try have been applied, the central actor drops
+        the second."""
         from ray.exceptions import ActorUnavailableError, RayActorError
 
         failing_since: float | None = None
+        tries = 0  # of this outage
         while True:
             await self._wake.wait()
             self._wake.clear()
@@ -432,18 +439,22 @@ class EngineActor(ClientStreams):
                 if self._unsent_traces:
                     report.ended_traces = {**self._unsent_traces, **report.ended_traces}
                     self._unsent_traces = {}
+                if report.sequence is None:
+                    self._num_reports += 1
+                    report.sequence = (self._incarnation, self._num_reports)
                 sent_at = time.monotonic()
                 rebase_report(report, -sent_at)  # ages as of now: it leaves now
                 try:
                     await self.central.report.remote(report)
-                    failing_since = None
+                    failing_since, tries = None, 0
                 except (ActorUnavailableError, RayActorError) as exc:
                     failing_since = failing_since or sent_at
-                    tries = self.num_report_retries = self.num_report_retries + 1
+                    tries += 1
                     if time.monotonic() - failing_since < REPORT_RETRY_FOR_S:
                         rebase_report(report, sent_at)  # its instants again: it waits here
                         self._outgoing.appendleft(report)
                         del report
+                        self.num_report_retries += 1
                         logger.info(
                             "instance %s: report not sent, again: %s", self.instance_id, exc
                         )
@@ -451,7 +462,7 @@ class EngineActor(ClientStreams):
                         await asyncio.sleep(waits[min(tries, len(waits)) - 1])
                         continue
                     logger.warning("instance %s: a report was lost: %s", self.instance_id, exc)
-                    failing_since = None
+                    failing_since, tries = None, 0
                     self._unsent_traces.update(report.ended_traces)  # sent again later
                     while len(self._unsent_traces) > MAX_UNSENT_TRACES:
                         del self._unsent_traces[next(iter(self._unsent_traces))]

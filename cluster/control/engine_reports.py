@@ -67,6 +67,10 @@ class EngineReport:
     # Engine actors: what the root span of each traced request that finished needs, should
     # the central actor not know the request (it restarted and lost it: ``EndedTrace``).
     ended_traces: dict[str, EndedTrace] = field(default_factory=dict)
+    # Engine actors: (the sending actor's incarnation, its number), given when it is first
+    # sent. A report sent again (no answer came) may have been applied already: the central
+    # actor applies each number once.
+    sequence: tuple[str, int] | None = None
 
 
 @dataclass(slots=True)

@@ -121,6 +121,9 @@ class SchedulerActor(Intake, KVPeers, Migration, Restart, ClusterOperations):
         self.recovering = config.engine_actors and was_restarted()
         self._recovery: asyncio.Task[None] | None = None
         self._held_reports: list[EngineReport] = []  # reports that came during the rebuild
+        # Per instance: the ``EngineReport.sequence`` of its latest report (one sent again
+        # after a lost answer is not applied twice). One entry per instance ever: small.
+        self._report_sequences: dict[str, tuple[str, int]] = {}
         # After a restart: internal ids below this sequence number were given by the previous
         # process; of those, the ones this process took on (``restart.rebuild``).
         self._first_own_seq = 0
@@ -417,6 +420,15 @@ class SchedulerActor(Intake, KVPeers, Migration, Restart, ClusterOperations):
         """An ``EngineActor``'s report (its instants as ages: ``engine_actor.rebase_report``)."""
         from cluster.control.engine_wire import rebase_report
 
+        if report.sequence is not None:
+            incarnation, number = report.sequence
+            last = self._report_sequences.get(report.instance_id)
+            if last is not None and last[0] == incarnation and number <= last[1]:
+                logger.info(
+                    "instance %s: report %d came again (applied)", report.instance_id, number
+                )
+                return
+            self._report_sequences[report.instance_id] = report.sequence
         rebase_report(report, time.monotonic())
         if self.recovering:  # applied once the state is rebuilt
             self._held_reports.append(report)

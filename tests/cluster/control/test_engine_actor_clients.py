@@ -126,12 +126,14 @@ def test_a_report_the_central_actor_could_not_be_reached_for_is_sent_again() -> 
 
     received: list[tuple[EngineReport, float | None]] = []
     failures = [ActorUnavailableError("connection lost", None), None, ValueError("a bug")]
+    sequences: list[Any] = []
 
     class Call:
         def __init__(self, report: EngineReport) -> None:
             self.report = report
 
         def __await__(self) -> Any:
+            sequences.append(self.report.sequence)
             failure = failures.pop(0) if failures else None
             if failure is not None:
                 raise failure
@@ -150,6 +152,7 @@ def test_a_report_the_central_actor_could_not_be_reached_for_is_sent_again() -> 
     actor.num_report_retries = 0
     actor._unsent_traces = {}
     actor._outgoing = deque()
+    actor._incarnation, actor._num_reports = "x", 0
 
     def report(internal: str, first_token_at: float) -> EngineReport:
         first = EngineCoreOutput(internal, [7], None)
@@ -174,6 +177,37 @@ def test_a_report_the_central_actor_could_not_be_reached_for_is_sent_again() -> 
     ((sent, age),) = received
     assert sent.prefilled[0].internal_id == "a#0"
     assert age is not None and -1.5 < age < -0.95  # its instant less the time it left: once
+    # Sent again under its number: had the first try been applied, the central drops it.
+    assert sequences == [("x", 1), ("x", 1), ("x", 2)]
+
+
+def test_a_report_sent_again_is_applied_once() -> None:
+    """The central actor applies each ``EngineReport.sequence`` once: a report whose answer
+    was lost (applied, then sent again) would otherwise count its latencies and failures,
+    and end its requests, twice."""
+    from cluster.control.engine_reports import EngineReport
+    from cluster.control.scheduler_actor import SchedulerActor
+
+    actor = SchedulerActor.__new__(SchedulerActor)
+    actor._report_sequences = {}
+    actor.recovering = True  # (reports are held: what reaches ``_on_report``)
+    actor._held_reports = []
+    actor._kick_recovery = lambda: None  # type: ignore[method-assign]
+
+    def report(instance: str, sequence: tuple[str, int]) -> EngineReport:
+        return EngineReport(instance, None, sequence=sequence)  # type: ignore[arg-type]
+
+    sent = [
+        report("p-0", ("x", 1)),
+        report("p-0", ("x", 1)),  # sent again: dropped
+        report("p-1", ("y", 1)),  # another instance's number 1
+        report("p-0", ("x", 2)),
+        report("p-0", ("z", 1)),  # a restarted engine actor: numbers start again
+        report("p-0", ("x", 2)),  # (the old incarnation's, late: taken, as before)
+    ]
+    for item in sent:
+        actor.report(item)
+    assert actor._held_reports == [sent[0], sent[2], sent[3], sent[4], sent[5]]
 
 
 def test_an_end_that_reaches_a_stopped_engine_is_left_to_the_central_scheduler() -> None:
