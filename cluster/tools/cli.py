@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -392,11 +393,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(levelname)s %(name)s: %(message)s",
     )
     if args.command in ("sim", "plan", "bench", "generate"):
-        # Their files (--trace, --out, --plot-dir, a cost model): missing or not writable is
-        # the caller's error, said in a line -- not a traceback.
+        # Their files (--trace, --out, --plot-dir, a cost model, a model path): missing or not
+        # writable is the caller's error, said in a line -- not a traceback (-v: with it, for
+        # an OSError that is not about the caller's files).
         try:
             return _dispatch(args)
+        except BrokenPipeError:  # its output piped to a reader that left (`| head`): done
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 1
         except OSError as exc:
+            if getattr(args, "verbose", False):
+                raise
             print(f"tandem {args.command}: {exc}", file=sys.stderr)
             return 2
     return _dispatch(args)

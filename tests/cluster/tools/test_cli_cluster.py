@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -364,3 +365,33 @@ def _serve_over_tls(
     finally:
         if serve.poll() is None:
             serve.kill()
+
+
+def test_an_os_error_of_generate_keeps_its_traceback_with_verbose(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An ``OSError`` is said in one line (a file of the caller's) -- with -v it keeps its
+    traceback (one from deep in a model load is not the caller's); a reader of the output
+    that left (``| head``) ends the command quietly."""
+    from cluster.tools import cli
+
+    def fails(args: Any) -> int:
+        raise PermissionError(13, "Permission denied", "weights.safetensors")
+
+    monkeypatch.setattr(cli, "_dispatch", fails)
+    assert cli.main(["generate", "hi"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "tandem generate: [Errno 13] Permission denied: 'weights.safetensors'"
+    )
+    with pytest.raises(PermissionError):
+        cli.main(["generate", "-v", "hi"])
+
+    def pipe_left(args: Any) -> int:
+        raise BrokenPipeError(32, "Broken pipe")
+
+    dup2: list[int] = []
+    monkeypatch.setattr(cli, "_dispatch", pipe_left)
+    monkeypatch.setattr(cli.os, "dup2", lambda fd, to: dup2.append(to))
+    monkeypatch.setattr(cli.sys, "stdout", SimpleNamespace(fileno=lambda: 99))
+    assert cli.main(["generate", "hi"]) == 1
+    assert dup2 == [99] and capsys.readouterr().err == ""  # (stdout: no flush at exit)
