@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import fnmatch
 import subprocess
+import tomllib
 from pathlib import Path
 
 import pytest
-
-tomllib = pytest.importorskip("tomllib")  # Python 3.11 on
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("scheduler", "kv_transfer", "actors", "cluster")

@@ -168,7 +168,10 @@ class OpenAIIngress:
         self._grpc_tls = None
         s = config.serve
         if s.generation_config not in ("auto", "vllm"):  # a folder: there now, or no start
-            sampling_defaults(s.generation_config, None)
+            try:
+                sampling_defaults(s.generation_config, None)
+            except (OSError, ValueError) as exc:
+                raise type(exc)(f"serve.generation_config: {exc}") from None
         if s.grpc_port is not None and s.ssl_certfile is not None and s.ssl_keyfile is not None:
             # Serve's gRPC proxy is plaintext only: with a certificate, this replica serves
             # the gRPC API itself, over TLS (tandem serve then starts no gRPC proxy).

@@ -32,7 +32,8 @@ KEYS = {
 def sampling_defaults(setting: str, model_path: str | Path | None) -> dict[str, Any]:
     """The defaults by request field: ``setting`` ``auto`` reads the model's own file (in its
     folder, or beside a GGUF file), ``vllm`` none, anything else is a folder holding one.
-    {} where there is no file. A file that cannot be read is an error naming it."""
+    {} where there is no file. A file that cannot be read is an error naming it (the
+    caller names the setting)."""
     if setting == "vllm" or (setting == "auto" and model_path is None):
         return {}
     folder = Path(model_path if setting == "auto" else setting)  # type: ignore[arg-type]
@@ -41,7 +42,7 @@ def sampling_defaults(setting: str, model_path: str | Path | None) -> dict[str, 
     path = folder / "generation_config.json"
     if not path.is_file():
         if setting != "auto":
-            raise FileNotFoundError(f"serve.generation_config: no {path}")
+            raise FileNotFoundError(f"no {path}")
         return {}
     try:
         found = json.loads(path.read_text())

@@ -142,10 +142,16 @@ QUIET_DEL = pytest.mark.filterwarnings("ignore:coroutine .*ASGIIngressWrapper.__
 def test_a_generation_config_folder_without_the_file_stops_the_start(tmp_path: Path) -> None:
     """A folder given for ``serve.generation_config`` without the file: the ingress does
     not start (it did, and every request then failed with "internal server error")."""
-    with pytest.raises(FileNotFoundError, match=r"serve\.generation_config: no .*json"):
+    with pytest.raises(FileNotFoundError, match=r"^serve\.generation_config: no .*json"):
         _ingress(str(tmp_path))
     (tmp_path / "generation_config.json").write_text(json.dumps(MODEL_GENERATION))
-    assert _ingress(str(tmp_path))._serving is None  # starts; connects on first use
+    ingress = _ingress(str(tmp_path))
+    assert ingress._serving is None  # starts; connects on first use
+    (tmp_path / "generation_config.json").unlink()  # gone after the start: each request 500
+    with pytest.raises(APIError) as caught:
+        asyncio.run(ingress.serving())
+    assert caught.value.status == 500
+    assert str(caught.value).count("serve.generation_config") == 1, caught.value
 
 
 @QUIET_DEL
@@ -155,5 +161,5 @@ def test_a_models_unreadable_generation_config_is_named_in_each_error(tmp_path: 
     with pytest.raises(APIError) as caught:
         asyncio.run(ingress.serving())
     assert caught.value.status == 500
-    assert "serve.generation_config" in str(caught.value)
+    assert str(caught.value).count("serve.generation_config") == 1  # (it said it twice)
     assert "generation_config.json cannot be read" in str(caught.value)
