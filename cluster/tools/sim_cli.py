@@ -18,6 +18,33 @@ import sys
 from typing import Any
 
 
+def _bounded(kind: type, low: float, what: str, high: float | None = None) -> Any:
+    """An argparse ``type``: a ``kind`` number, ``low`` or more (``high`` or less) -- said
+    as a usage error naming the flag (a zero count or rate ran on, or divided by zero)."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not low <= value <= (math.inf if high is None else high):  # (NaN too)
+            raise argparse.ArgumentTypeError(f"{text}: give {what}")
+        return value
+
+    return parse
+
+
+POSITIVE = _bounded(int, 1, "1 or more")
+COUNT = _bounded(int, 0, "0 or more")
+RATE = _bounded(float, 1e-9, "a number above 0")
+MILLISECONDS = _bounded(float, 1e-9, "milliseconds above 0")
+
+
+def _token_budgets(text: str) -> tuple[int, ...]:
+    """``--batched-tokens``: N[,N...], each 1 or more."""
+    return tuple(POSITIVE(t.strip()) for t in text.split(","))
+
+
 def add_sim_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "sim",
@@ -32,7 +59,7 @@ def add_sim_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     run.add_argument("--json", action="store_true", help="print the summary as JSON")
     run.add_argument(
         "--instance-start-s",
-        type=float,
+        type=_bounded(float, 0.0, "0 or more seconds"),
         default=0.0,
         help="how long an instance added by the autoscaler takes to serve (0: at once)",
     )
@@ -40,8 +67,8 @@ def add_sim_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "calibrate", help="fit this machine's CPU cost model from timed steps of the engine"
     )
     cal.add_argument("--model", default=None, help="the model (default: the built-in SmolLM2)")
-    cal.add_argument("--threads", type=int, default=1, help="torch threads per instance")
-    cal.add_argument("--block-size", type=int, default=16)
+    cal.add_argument("--threads", type=POSITIVE, default=1, help="torch threads per instance")
+    cal.add_argument("--block-size", type=POSITIVE, default=16)
     cal.add_argument(
         "--quantization",
         choices=["auto", "none", "int8", "int4"],
@@ -49,10 +76,13 @@ def add_sim_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="the weights' form, as the pools to simulate run them (ClusterConfig "
         "quantization; default auto)",
     )
-    cal.add_argument("--repeats", type=int, default=2, help="passes over the scenarios")
+    cal.add_argument("--repeats", type=POSITIVE, default=2, help="passes over the scenarios")
     overhead = cal.add_mutually_exclusive_group()
     overhead.add_argument(
-        "--step-overhead-ms", type=float, default=0.0, help="added to every step (the worker hop)"
+        "--step-overhead-ms",
+        type=_bounded(float, 0.0, "0 or more milliseconds"),
+        default=0.0,
+        help="added to every step (the worker hop)",
     )
     overhead.add_argument(
         "--measure-overhead",
@@ -79,11 +109,17 @@ def add_plan_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser])
         "config's). With a GPU cost model its pools also get device cuda and the model's GPUs",
     )
     add_workload_arguments(p)
-    p.add_argument("--target", type=float, default=0.9, help="SLO attainment to reach (0-1)")
-    p.add_argument("--max-instances", type=int, default=16)
+    p.add_argument(
+        "--target",
+        type=_bounded(float, 1e-9, "a fraction above 0, at most 1", 1.0),
+        default=0.9,
+        help="SLO attainment to reach (0-1]",
+    )
+    p.add_argument("--max-instances", type=POSITIVE, default=16)
     p.add_argument(
         "--batched-tokens",
-        default="2048",
+        type=_token_budgets,
+        default=(2048,),
         metavar="N[,N...]",
         help="max_num_batched_tokens values to try per pool",
     )
@@ -95,9 +131,9 @@ def add_plan_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser])
 
 def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None, metavar="FILE", help="a ClusterConfig YAML file")
-    p.add_argument("--prefill", type=int, default=None, help="prefill instances (no --config)")
-    p.add_argument("--decode", type=int, default=None, help="decode instances (no --config)")
-    p.add_argument("--both", type=int, default=None, help="colocated instances (no --config)")
+    p.add_argument("--prefill", type=COUNT, default=None, help="prefill instances (no --config)")
+    p.add_argument("--decode", type=COUNT, default=None, help="decode instances (no --config)")
+    p.add_argument("--both", type=COUNT, default=None, help="colocated instances (no --config)")
     p.add_argument(
         "--cost",
         default="cpu",
@@ -105,18 +141,18 @@ def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
         "(llama-3-8b|llama-3-70b @ h100-sxm|a100-80gb, e.g. llama-3-70b@h100-sxmx4), or a "
         "fitted model's JSON file",
     )
-    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="per instance")
-    p.add_argument("--max-num-seqs", type=int, default=None, help="per instance")
+    p.add_argument("--max-num-batched-tokens", type=POSITIVE, default=None, help="per instance")
+    p.add_argument("--max-num-seqs", type=POSITIVE, default=None, help="per instance")
 
 
 def add_workload_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", default=None, help="a JSONL workload (arrival_s, prompt_len, ...)")
-    p.add_argument("--rate", type=float, default=2.0, help="Poisson arrivals, requests/s")
-    p.add_argument("--num-requests", type=int, default=200)
+    p.add_argument("--rate", type=RATE, default=2.0, help="Poisson arrivals, requests/s")
+    p.add_argument("--num-requests", type=POSITIVE, default=200)
     p.add_argument("--shape", default="chat", help="chat, summarization, agentic or fixed")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--slo-ttft-ms", type=float, default=None, help="TTFT target (goodput)")
-    p.add_argument("--slo-tpot-ms", type=float, default=None, help="TPOT target (goodput)")
+    p.add_argument("--slo-ttft-ms", type=MILLISECONDS, default=None, help="TTFT target (goodput)")
+    p.add_argument("--slo-tpot-ms", type=MILLISECONDS, default=None, help="TPOT target (goodput)")
 
 
 def cluster_config(args: argparse.Namespace) -> Any:
@@ -295,7 +331,7 @@ def run_plan(args: argparse.Namespace) -> int:
     try:
         base = ClusterConfig.from_yaml(args.config) if args.config else default_cluster_config()
         cost = load_cost_model(args.cost)
-        tokens = tuple(int(t) for t in args.batched_tokens.split(","))
+        tokens = args.batched_tokens
         base, note = for_cost_model(base, cost, args.model)
     except (ValueError, OSError) as exc:
         print(f"tandem plan: {exc}", file=sys.stderr)

@@ -554,3 +554,33 @@ def test_a_file_the_tools_cannot_read_or_write_is_a_one_line_error(
     assert capsys.readouterr().err.strip() == (
         f"tandem plan: [Errno 2] No such file or directory: '{missing}'"
     )
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["sim", "run", "--num-requests", "0"], "--num-requests"),
+        (["sim", "run", "--rate", "0"], "--rate"),
+        (["sim", "run", "--rate", "nan"], "--rate"),
+        (["sim", "run", "--prefill", "-1"], "--prefill"),
+        (["sim", "run", "--slo-tpot-ms", "-5"], "--slo-tpot-ms"),
+        (["sim", "calibrate", "--repeats", "0"], "--repeats"),
+        (["plan", "--target", "0"], "--target"),
+        (["plan", "--target", "1.5"], "--target"),
+        (["plan", "--max-instances", "0"], "--max-instances"),
+        (["plan", "--batched-tokens", "2048,0"], "--batched-tokens"),
+        (["plan", "--batched-tokens", "2048,x"], "--batched-tokens"),
+    ],
+)
+def test_a_count_rate_or_target_out_of_range_is_a_usage_error(
+    argv: list[str], flag: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A value out of range names its flag, as argparse says any usage error: ``sim run
+    --num-requests 0`` printed NaN latencies, ``plan --target 0`` printed the smallest
+    cluster (every shape meets it), ``--max-instances 0`` searched nothing."""
+    from cluster.tools.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    assert f"argument {flag}: " in capsys.readouterr().err
