@@ -397,7 +397,9 @@ class ClusterConfig(_Config):
 
     @classmethod
     def from_yaml(cls, source: str | Path) -> ClusterConfig:
-        """Load from a YAML file path or a YAML string (an empty document = all defaults)."""
+        """Load from a YAML file path or a YAML string (an empty document = all defaults). A
+        path: a ``Path``, a name ending .yaml/.yml, or a file that is there (``--config
+        cluster.json`` or ``cluster.conf``: its text is read, not the name as YAML)."""
         import yaml
 
         text = Path(source).read_text() if _is_path(source) else str(source)
@@ -407,6 +409,8 @@ class ClusterConfig(_Config):
             where = f"{source}: " if _is_path(source) else ""
             raise ValueError(f"{where}not valid YAML: {exc}") from None
         if not isinstance(data, dict):
+            if isinstance(data, str) and data == source:  # a name: of a file that is not there
+                raise FileNotFoundError(f"{source}: no such file (nor a YAML mapping)")
             raise ValueError("a cluster config must be a YAML mapping")
         return cls.model_validate(data)
 
@@ -414,7 +418,12 @@ class ClusterConfig(_Config):
 def _is_path(source: str | Path) -> bool:
     if isinstance(source, Path):
         return True
-    return "\n" not in source and source.endswith((".yaml", ".yml"))
+    if "\n" in source:
+        return False
+    try:
+        return source.endswith((".yaml", ".yml")) or Path(source).is_file()
+    except OSError:  # (a long one-line YAML string: a name too long)
+        return False
 
 
 def served_model_name(config: ClusterConfig) -> str:

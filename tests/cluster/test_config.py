@@ -252,6 +252,23 @@ def test_a_config_that_is_not_yaml_is_a_value_error_naming_the_file(tmp_path: Pa
         ClusterConfig.from_yaml(bad)
 
 
+def test_a_config_file_named_otherwise_than_yaml_is_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--config cluster.json`` (or .conf): its text was not read -- the name was taken for
+    YAML text, and the error said "must be a YAML mapping"."""
+    as_json = tmp_path / "cluster.json"
+    as_json.write_text('{"block_size": 32}')
+    assert ClusterConfig.from_yaml(str(as_json)).block_size == 32
+    monkeypatch.chdir(tmp_path)
+    assert ClusterConfig.from_yaml("cluster.json").block_size == 32  # (a relative name)
+    with pytest.raises(FileNotFoundError, match=r"cluster\.conf: no such file"):
+        ClusterConfig.from_yaml("cluster.conf")
+    assert ClusterConfig.from_yaml("{block_size: 64}").block_size == 64  # YAML text still
+    long_line = "{" + ", ".join(["block_size: 64"] * 40) + "}"  # (no name that long)
+    assert ClusterConfig.from_yaml(long_line).block_size == 64
+
+
 def test_a_running_cluster_is_reused_only_with_its_settings() -> None:
     """``tandem serve`` / a Serve redeploy reuses the running cluster when only the ingress's
     part of ``serve`` changed; any other difference is named."""
