@@ -14,6 +14,7 @@ layer (SchedulerActor, Router, workers) reads these; this module only validates.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -102,7 +103,7 @@ class InstancePool(_Config):
         description="Per pipeline stage, resources added to `resources` (e.g. to put the "
         "stages of one instance on different nodes); one entry per stage.",
     )
-    num_cpus: float = Field(0.0, ge=0.0)
+    num_cpus: float = Field(0.0, ge=0.0, allow_inf_nan=False)
     max_restarts: int = Field(
         0,
         ge=0,
@@ -110,7 +111,7 @@ class InstancePool(_Config):
         description="Ray restarts a dead worker this many times; the instance then rejoins "
         "routing with an empty cache.",
     )
-    num_gpus: float = Field(0.0, ge=0.0)
+    num_gpus: float = Field(0.0, ge=0.0, allow_inf_nan=False)
     num_threads: Annotated[int, Field(ge=1, le=1024)] | Literal["auto"] | None = Field(
         None,
         description="torch threads per worker (Ray's default is 1); auto: the machine's cores, "
@@ -189,9 +190,23 @@ class InstancePool(_Config):
                 f"pool {self.name!r}: replicas ({self.replicas}) must be within autoscaling's "
                 f"min_replicas ({scaling.min_replicas}) and max_replicas ({scaling.max_replicas})"
             )
-        stages = self.stage_resources or []
-        if any(v < 0 for r in [self.resources, *stages] for v in r.values()):
-            raise ValueError(f"pool {self.name!r}: resources must be >= 0")
+        # What Ray refuses only when the first worker is placed (a start that fails late).
+        named = [("resources", self.resources)]
+        named += [(f"stage_resources[{i}]", r) for i, r in enumerate(self.stage_resources or [])]
+        named += [("", {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus})]
+        for where, resources in named:
+            for key, value in resources.items():
+                field = f"{where}.{key}" if where else key
+                if where and key in ("CPU", "GPU"):
+                    raise ValueError(
+                        f"pool {self.name!r}: {field}: set num_{key.lower()}s on the pool "
+                        "(Ray takes CPUs and GPUs from there, not as custom resources)"
+                    )
+                if not (value == 0 or 1e-4 <= value < math.inf):  # (NaN too)
+                    raise ValueError(
+                        f"pool {self.name!r}: {field} is {value}: give 0, or 0.0001 or more "
+                        "(Ray's finest fraction)"
+                    )
         # Validate the nested configs now, so a bad knob fails at load time with its name.
         # The cluster's max_model_len is checked against them by ``ClusterConfig`` (here, a
         # length no knob can conflict with: the model's is known only once it is loaded).
