@@ -302,6 +302,19 @@ def test_every_pod_has_the_otlp_exporter_env(name: str) -> None:
         assert "RAY_AUTH_MODE" not in env, group  # Ray's authentication is left at its default
 
 
+@pytest.mark.parametrize("name", MANIFESTS)
+def test_every_pod_bounds_serves_grpc_messages_as_the_api_bounds_bodies(name: str) -> None:
+    """Serve's gRPC proxy takes messages up to 2 GiB unless told: ``tandem serve`` sets
+    ``RAY_SERVE_GRPC_MAX_MESSAGE_SIZE`` to ``serve.max_request_body_bytes``; the pods must
+    too (the proxy runs on every node)."""
+    from cluster.config.serve import ServeConfig
+
+    limit = str(ServeConfig().max_request_body_bytes)
+    for group, container in all_containers(cluster_spec(load(KUBERAY / name))):
+        env = {e["name"]: e.get("value") for e in container.get("env", [])}
+        assert env.get("RAY_SERVE_GRPC_MAX_MESSAGE_SIZE") == limit, group
+
+
 def test_pods_keep_kuberays_probes_and_no_ignored_health_thresholds() -> None:
     """Every pod keeps KubeRay's injected probes. Not the app's /health: the head waiting for
     the app would wait forever (KubeRay deploys serveConfigV2 once the head is ready), and on
