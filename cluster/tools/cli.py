@@ -343,11 +343,16 @@ def _run_scale(args: argparse.Namespace) -> int:
     except ray.exceptions.RayTaskError as exc:
         print(f"tandem scale: {getattr(exc, 'cause', None) or exc}", file=sys.stderr)
         return 1
-    except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
-        # (a restartable one may be back in a moment: whether the resize happened, it says)
+    except ray.exceptions.RayActorError as exc:
+        # Whether the resize happened is not known; POOL=N again is safe (it sets a count).
+        what = (
+            "could not be reached (it may be restarting)"
+            if isinstance(exc, ray.exceptions.ActorUnavailableError)
+            else "died during the call"
+        )
         print(
-            f"tandem scale: the cluster's scheduler died during the call ({type(exc).__name__})"
-            "; see `tandem scale` again once it is back, or its logs",
+            f"tandem scale: the cluster's scheduler {what}: whether {pool} was resized is not "
+            f"known; run `tandem scale {args.target}` again once it answers, or see its logs",
             file=sys.stderr,
         )
         return 1

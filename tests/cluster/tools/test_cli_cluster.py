@@ -283,6 +283,28 @@ def test_scale_when_the_scheduler_dies_during_the_call_says_so(ray_cluster: Any)
         ray.kill(handle)
 
 
+def test_scale_when_the_scheduler_cannot_be_reached_says_so_not_that_it_died(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An unreachable central scheduler (``ActorUnavailableError``: restarting, or its node
+    cut off) is not a dead one: the command says which, and that POOL=N may be run again."""
+    import ray
+    from ray.exceptions import ActorUnavailableError
+
+    from cluster.tools import cli
+
+    def unreachable(ref: Any) -> Any:
+        raise ActorUnavailableError("the actor is restarting", None)
+
+    handle = SimpleNamespace(scale_pool=SimpleNamespace(remote=lambda *args: "ref"))
+    monkeypatch.setattr(cli, "_running_cluster", lambda args, verb: handle)
+    monkeypatch.setattr(ray, "get", unreachable)
+    assert cli.main(["scale", "decode=2"]) == 1
+    err = capsys.readouterr().err
+    assert "could not be reached (it may be restarting)" in err and "died" not in err, err
+    assert "run `tandem scale decode=2` again" in err
+
+
 def test_serve_over_https_with_a_self_signed_ca(tiny_model: Path, tmp_path: Path) -> None:
     """``tandem serve --ssl-keyfile --ssl-certfile``: the API answers over HTTPS with a
     certificate of our own CA (clients that trust the CA get answers; plain HTTP and clients
