@@ -274,9 +274,13 @@ def _calibrate(args: argparse.Namespace) -> int:
     if args.measure_overhead:
         overhead = measure_overhead()
         print(f"worker hop: {overhead * 1000:.2f} ms", file=sys.stderr)
-    model = calibrate(
-        args.model, args.threads, args.block_size, overhead, args.repeats, args.quantization
-    )
+    try:  # (a model it cannot load: not a GGUF file, an architecture it does not serve)
+        model = calibrate(
+            args.model, args.threads, args.block_size, overhead, args.repeats, args.quantization
+        )
+    except ValueError as exc:
+        print(f"tandem sim calibrate: {exc}", file=sys.stderr)
+        return 2
     text = json.dumps(model.coefficients, indent=2)
     print(f"fitted {model.name}: {text}")
     print(

@@ -584,3 +584,18 @@ def test_a_count_rate_or_target_out_of_range_is_a_usage_error(
         main(argv)
     assert exited.value.code == 2
     assert f"argument {flag}: " in capsys.readouterr().err
+
+
+def test_calibrate_with_a_model_it_cannot_load_is_a_one_line_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``tandem sim calibrate --model`` of a file that is not a model: a line naming it, not
+    a traceback (``tandem generate`` said it so; calibrate did not)."""
+    from cluster.tools.cli import main
+
+    bad = tmp_path / "model.gguf"
+    bad.write_text("not weights")
+    assert main(["sim", "calibrate", "--model", str(bad)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("tandem sim calibrate: ") and "not a GGUF file" in err, err
+    assert "\n" not in err
