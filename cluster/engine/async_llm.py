@@ -309,6 +309,7 @@ class AsyncLLM(EngineClient):
                 queue.put_nowait(dead)
             with contextlib.suppress(Exception), self._engine_lock:  # their blocks back, as
                 engine.abort_request(list(engine.processor.requests))  # far as it can
+            self.metrics.failed_all()  # (their ends are counted: no step reports them)
             logger.exception("the engine's step failed; it serves no more requests")
 
 

@@ -23,6 +23,7 @@ class _Sample:
     scheduled: float | None = None  # its first step
     first: float | None = None  # its first token
     last: float | None = None  # its latest token
+    num_tokens: int = 0  # made so far
     done: bool = False
 
 
@@ -56,7 +57,17 @@ class LocalMetrics:
             now = time.monotonic()
             for index, sample in enumerate(request.samples):
                 if not sample.done:
-                    self._finished(request, index, sample, "abort", 0, now)
+                    self._finished(request, index, sample, "abort", sample.num_tokens, now)
+
+    def failed_all(self) -> None:
+        """The engine died: every request it held ended with an error (no step will report
+        their ends; they were missing from the finished and end-to-end series)."""
+        now = time.monotonic()
+        for request in self._requests.values():
+            for index, sample in enumerate(request.samples):
+                if not sample.done:
+                    self._finished(request, index, sample, "error", sample.num_tokens, now)
+        self._requests.clear()
 
     def stepped(
         self, scheduled_new: list[str], num_tokens: int, outputs: list[RequestOutput]
@@ -87,6 +98,7 @@ class LocalMetrics:
                     elif sample.last is not None:
                         histograms.itl.observe(now - sample.last)
                     sample.last = now
+                    sample.num_tokens = len(completion.token_ids)
                 if completion.finish_reason is not None:
                     reason, num = completion.finish_reason, len(completion.token_ids)
                     self._finished(request, completion.index, sample, reason, num, now)

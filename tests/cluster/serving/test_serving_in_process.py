@@ -483,6 +483,16 @@ def test_a_failed_step_ends_the_engine_and_frees_its_requests(model_dir: Path) -
             async for _ in live:
                 pass
         assert (await llm.check_health()) == {"local": False}
+        # Its end is counted, as an error (it was missing from every per-request series).
+        series = _series(await llm.metrics_text())
+
+        def total(name: str, *labels: tuple[str, str]) -> float:
+            return sum(v for (n, ls), v in series.items() if n == name and set(labels) <= set(ls))
+
+        assert total("tandem:request_success_total", ("finished_reason", "error")) == 1
+        assert total("tandem:e2e_request_latency_seconds_count") == 1
+        assert total("tandem:request_generation_tokens_sum") >= 1  # (made before the failure)
+        assert not llm.metrics._requests
         llm.abort("anything")  # no step of the dead engine after its failure
         await asyncio.sleep(0.05)
         assert steps["n"] == 3
