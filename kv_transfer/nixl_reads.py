@@ -68,9 +68,9 @@ class NixlReads(WorkerConnector):
     # same form: their agents are busy as retired ones' are.
     _probing: list[tuple[list[Any], list[Any], Any]]
     # Agents replaced while reads they posted ran: (agent, its peers, its registrations,
-    # the memory they registered -- kept alive: peers may still read it; where only probes
-    # ran, the scratch slab alone, the cache deregistered at once), undone once none of
-    # their reads runs (``_end_agent``).
+    # the memory they registered -- kept alive: peers may still read it, and a probe's
+    # entry holds only its scratch slab), undone once none of their reads runs
+    # (``_end_agent``).
     _closing: list[tuple[Any, list[str], list[Any], Any]]
     same_node_copy: bool  # copy from sources of this machine by CMA (``_copy``)
     _direct: dict[str, SourceProcess]  # agent name -> its process, where it can be read so

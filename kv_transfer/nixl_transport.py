@@ -235,22 +235,15 @@ class NixlWorkerConnector(NixlPeers):
         if not agent.backends:
             raise RuntimeError(f"NIXL has none of the backends {self.backends} here")
         # A slab of scratch space, registered too: what probes read into (never the cache).
-        # Registered apart from the cache: a probe still reading when the cache goes keeps
-        # the agent and the slab, and the cache can be deregistered and let go at once
-        # (``_close_agent``; the worker's next cache may not fit beside the old one).
         import torch
 
         self.scratch = torch.zeros(layout.slab, dtype=torch.uint8, device=kv_caches[0].device)
-        regions: dict[int, Any] = {}
+        regions: dict[int, Any] = {self.scratch.data_ptr(): layout.slab}
         for cache in kv_caches:
             storage = cache.untyped_storage()
             regions[storage.data_ptr()] = storage.nbytes()
         descs = [(addr, size, layout.device_id, "") for addr, size in regions.items()]
-        slab = [(self.scratch.data_ptr(), layout.slab, layout.device_id, "")]
-        self._registered = [  # the cache's first, the slab's second (``_close_agent``)
-            agent.register_memory(descs, layout.mem_type),
-            agent.register_memory(slab, layout.mem_type),
-        ]
+        self._registered = [agent.register_memory(descs, layout.mem_type)]
         self.agent, self.layout = agent, layout
         self._published = self._token.token  # published with this agent, as one pair
         logger.info(
@@ -292,9 +285,6 @@ class NixlWorkerConnector(NixlPeers):
         self.leases.end_all()
         self._close_agent()
         super().close()
-        # Closed, it may linger (below): it holds only what its transfers write into
-        # (``_retired``, ``_closing``), not the cache the worker may replace meanwhile.
-        self.kv_caches = []
         if self._retired or self._probing or self._closing:  # transfers still running
             _linger(self)
 
@@ -311,21 +301,10 @@ class NixlWorkerConnector(NixlPeers):
             source.close()
         self._direct.clear()
         registered, self._registered = self._registered, []
-        # What its transfers still running write into: a dropped read's, the cache; a
-        # probe's, the scratch slab alone.
-        targets = [t for _, t, posted in (*self._retired, *self._probing) if posted is agent]
-        if any(len(t) != 1 or t[0] is not self.scratch for t in targets):
-            # Its reads still running (a replaced cache's) write into memory it registered,
-            # from peers it knows: both stay until they end (``_poll_reads``).
+        if any(posted is agent for _, _, posted in (*self._retired, *self._probing)):
+            # Its reads still running (a replaced cache's, a probe's) write into memory it
+            # registered, from peers it knows: both stay until they end (``_poll_reads``).
             self._closing.append((agent, peers, registered, (self.kv_caches, self.scratch)))
-        elif targets:
-            # Only probes run, into the slab: the cache is deregistered now, while still
-            # held, and goes with the worker's reference (kept, a whole pool stayed for a
-            # slab's read: on a GPU sized for one cache, the next did not fit). The agent,
-            # its peers and the slab's registration stay until the probes end.
-            cache, slab = registered
-            _end_agent(agent, [], [cache])
-            self._closing.append((agent, peers, [slab], self.scratch))
         else:
             _end_agent(agent, peers, registered)
 

@@ -683,37 +683,6 @@ def test_a_probe_that_times_out_while_its_read_runs_keeps_it_until_it_ends(
     assert released == [xfer] and not dst._retired
 
 
-def test_a_probe_still_reading_when_the_cache_goes_keeps_only_its_scratch_slab(
-    make: Callable[..., NixlWorkerConnector], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A probe gave up on its read (a peer it cannot reach), then the worker made its cache
-    anew (its instance restored: ``release_caches``, then the next cache is allocated). The
-    old agent waits for the read -- and kept the whole old cache with it, registered: on a
-    GPU sized for one cache, the next did not fit. The cache is now deregistered and let go
-    at once; the agent and the scratch slab the read writes into wait for it."""
-    import weakref
-
-    src, dst = make(), make(num_blocks=12, seed=1)
-    state = {"now": "PROC"}
-    released: list[Any] = []
-    ended: list[Any] = []
-    monkeypatch.setattr(dst, "_post", lambda xfer: state["now"])
-    monkeypatch.setattr(dst, "_state", lambda xfer, agent=None: state["now"])
-    monkeypatch.setattr(dst, "_release", released.append)
-    monkeypatch.setattr(dst, "_end_agent", lambda agent, *rest: ended.append(agent))
-    with pytest.raises(ConnectionError, match="timed out"):
-        dst.probe(src.peer_info(), timeout_s=0.05)
-    old_agent, scratch = dst.agent, weakref.ref(dst.scratch)
-    cache = [weakref.ref(c) for c in dst.kv_caches]
-    dst.release_caches()
-    assert all(ref() is None for ref in cache)  # gone before the next cache is allocated
-    assert ended == [] and scratch() is not None  # the agent and the slab wait for the read
-    dst.register_kv_caches(_caches(12, torch.float32, 3), range(NUM_LAYERS))
-    state["now"] = "DONE"
-    dst._poll_reads()
-    assert len(released) == 1 and ended == [old_agent] and not dst._closing
-
-
 def test_a_probe_waits_for_its_read_without_the_workers_lock(
     make: Callable[..., NixlWorkerConnector], monkeypatch: pytest.MonkeyPatch
 ) -> None:
