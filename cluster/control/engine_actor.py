@@ -467,6 +467,7 @@ class EngineActor(ClientStreams):
                     while len(self._unsent_traces) > MAX_UNSENT_TRACES:
                         del self._unsent_traces[next(iter(self._unsent_traces))]
                 except Exception as exc:  # the central actor refused it: sending again won't do
+                    failing_since, tries = None, 0  # (it answered: the outage, if any, ended)
                     logger.warning("instance %s: a report was lost: %s", self.instance_id, exc)
                     self._unsent_traces.update(report.ended_traces)  # sent again later
                     while len(self._unsent_traces) > MAX_UNSENT_TRACES:

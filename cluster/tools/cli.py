@@ -402,7 +402,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         # writable is the caller's error, said in a line -- not a traceback (-v: with it, for
         # an OSError that is not about the caller's files).
         try:
-            return _dispatch(args)
+            code = _dispatch(args)
+            sys.stdout.flush()  # (here: a reader gone shows now, not as Python exits)
+            return code
         except BrokenPipeError:  # its output piped to a reader that left (`| head`): done
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             return 1

@@ -114,3 +114,32 @@ def test_a_shutdown_during_the_lease_still_stops_the_workers() -> None:
 
     asyncio.run(main())
     assert EVENTS == [("kill", "worker")] and not ops._lingering
+
+
+def test_a_shutdown_before_the_stop_task_starts_still_stops_the_workers() -> None:
+    """The task that would stop them cancelled before its first step (a shutdown at once):
+    its ``finally`` never runs, so ``shutdown`` kills what ``_lingering`` holds."""
+    ops = Retire("prefill", True)
+
+    async def main() -> None:
+        await ops._retire("p-0")
+        for task in ops.tasks:  # (before the loop ran it once)
+            task.cancel()
+        await asyncio.gather(*ops.tasks, return_exceptions=True)
+
+    asyncio.run(main())
+    assert EVENTS == [] and list(ops._lingering) == ["p-0"]
+    from cluster.control.scheduler_actor import SchedulerActor
+
+    actor = SchedulerActor.__new__(SchedulerActor)  # what its shutdown reads, nothing held
+
+    async def flush() -> None:
+        pass
+
+    actor.views, actor._tasks, actor.engines, actor.flights, actor.specs = {}, set(), {}, {}, {}
+    actor.clients = SimpleNamespace(close_all=lambda: None)  # type: ignore[assignment]
+    actor.observe = SimpleNamespace(flush=flush)  # type: ignore[assignment]
+    actor.config = SimpleNamespace(engine_actors=False)  # type: ignore[assignment]
+    actor._lingering = ops._lingering
+    asyncio.run(actor.shutdown())
+    assert EVENTS == [("kill", "worker")]

@@ -417,3 +417,11 @@ def test_an_os_error_of_generate_keeps_its_traceback_with_verbose(
     monkeypatch.setattr(cli.sys, "stdout", SimpleNamespace(fileno=lambda: 99))
     assert cli.main(["generate", "hi"]) == 1
     assert dup2 == [99] and capsys.readouterr().err == ""  # (stdout: no flush at exit)
+
+    def left_unread() -> None:  # what it printed was still buffered when the reader left
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(cli, "_dispatch", lambda args: 0)
+    monkeypatch.setattr(cli.sys, "stdout", SimpleNamespace(fileno=lambda: 98, flush=left_unread))
+    assert cli.main(["plan", "--slo-ttft-ms", "500"]) == 1
+    assert dup2 == [99, 98]
