@@ -142,6 +142,9 @@ class Flight:
     # An abort (or a stop) went to its engine in another process, which answers; if that
     # engine no longer holds it, whoever takes it next ends it with this reason.
     aborting: FinishReason | None = None
+    # Its submit's outcome while it is being placed (``Intake._submit``): the same submit
+    # sent again meanwhile (its client had no answer) waits for it. None: rebuilt.
+    placing: asyncio.Future[None] | None = None
 
     @property
     def first_scheduled_at(self) -> float | None:

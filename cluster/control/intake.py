@@ -4,6 +4,7 @@ stream, abort and keep alive (a mixin). Admission (the waiting bound, 429), the 
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import aclosing
@@ -188,6 +189,13 @@ class Intake:
         previous = self.flights.get(rid)
         if previous is not None and self._ended_for_its_client(previous, client_id, submission):
             del self.flights[rid]  # (its engine's last report still finds it by internal id)
+        elif previous is not None and _sent_again(previous, client_id, submission):
+            # Its client got no answer (the actor seemed away) and sent it again while the
+            # first still ran here: it gets the first's outcome. ("Already in use", which the
+            # client took for placed, hung its stream when the first then failed.)
+            if previous.placing is not None:
+                await asyncio.shield(previous.placing)
+            return previous
         elif previous is not None:
             raise ValueError(f"request_id {rid!r} is already in use")
         if request.sampling_params.n != 1:
@@ -215,9 +223,11 @@ class Intake:
         flight.client_id = client_id
         self.observe.arrived(flight, trace_context)
         self.flights[rid] = flight
+        flight.placing = asyncio.get_running_loop().create_future()
         if self._early_aborts.take(rid) or self._aborted_family(request):  # its abort came
             # first (by its own id, or its n > 1 request's): it ends at once
             self._end(flight, FinishReason.ABORT)
+            _settle(flight.placing)
             return flight
         try:
             await self._place(flight)
@@ -227,7 +237,9 @@ class Intake:
                 self._internal.pop(flight.internal_id, None)
                 if flight.trace is not None:  # its root span ends (it was never exported)
                     flight.trace.finish("error", f"not placed: {exc}")
+            _settle(flight.placing, exc)
             raise
+        _settle(flight.placing)
         return flight
 
     def _aborted_family(self, request: Request) -> bool:
@@ -289,3 +301,25 @@ class Intake:
         for engine in self.engines.values():
             if engine.remote:
                 engine.drop_client(client_id)
+
+
+def _sent_again(flight: Flight, client_id: str | None, submission: Submission | None) -> bool:
+    """``flight`` is this very submit, sent again by its client (a submission is never
+    reused: only a retry carries the same one)."""
+    return (
+        client_id is not None
+        and submission is not None
+        and flight.client_id == client_id
+        and flight.submission == submission
+    )
+
+
+def _settle(placing: asyncio.Future[None] | None, exc: BaseException | None = None) -> None:
+    """Give a submit's outcome to the copies of it that wait (``_sent_again``)."""
+    if placing is None or placing.done():
+        return
+    if exc is None:
+        placing.set_result(None)
+        return
+    placing.set_exception(exc if isinstance(exc, Exception) else RuntimeError(repr(exc)))
+    placing.exception()  # (none may wait: not logged as never retrieved)

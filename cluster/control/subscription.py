@@ -210,7 +210,6 @@ class Subscription(Delivery):
         self, ops: list[tuple[Any, asyncio.Future[None] | None]], ids: list[str]
     ) -> None:
         outcomes: list[Exception | None] = []
-        retried = False
         deadline = time.monotonic() + CENTRAL_RESTART_S
         try:
             try:
@@ -232,15 +231,13 @@ class Subscription(Delivery):
                             raise
                         if time.monotonic() > deadline:
                             raise
-                        retried = True
                         await asyncio.sleep(0.2)
                         continue
                     if answer is not None:
                         outcomes = answer
                         break
-                    retried = True  # sent to the actor that died: it may never answer
-                if retried:  # "already in use": placed by the first try (ids are checked here)
-                    outcomes = [None if _in_use(o) else o for o in outcomes]
+                    # Sent to the actor that died: it may never answer. (The actor answers a
+                    # submit sent again with the first try's outcome: ``Intake._submit``.)
             except BaseException as exc:
                 # No answer (the actor died, the reply was lost): some may have been placed,
                 # so each is aborted -- an abort before its submit is remembered by the actor.

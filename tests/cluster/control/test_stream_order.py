@@ -381,6 +381,63 @@ def test_a_request_that_cannot_be_placed_ends_its_root_span() -> None:
     assert "no live decode instance" in (root.status.description or "")
 
 
+def _placing_actor(place: Any) -> Any:
+    """A central actor with engine actors, as far as ``submit_many`` goes; ``place`` places."""
+    from cluster.config import default_cluster_config
+    from cluster.control.clients import Clients
+    from cluster.control.flights import EarlyAborts
+    from cluster.control.observer import RequestObserver
+    from cluster.control.scheduler_actor import SchedulerActor
+
+    actor = SchedulerActor.__new__(SchedulerActor)
+    actor.config = default_cluster_config().model_copy(update={"engine_actors": True})
+    actor.observe = RequestObserver(actor.config, {}, {})
+    actor.flights, actor._internal, actor._early_aborts = {}, {}, EarlyAborts()
+    actor.views = {}
+    actor.clients = Clients(actor.flights, actor.abort, timeout_s=30.0)
+    actor.started, actor.recovering, actor._recovery, actor.max_model_len = True, False, None, 64
+    actor._place = place
+    return actor
+
+
+def test_a_submit_sent_again_while_the_first_is_placed_gets_the_first_ones_outcome() -> None:
+    """A client with no answer (the central actor seemed away) sends its submit again while
+    the first try is still being placed (an adapter loads on the instance). The second was
+    refused "already in use", which the client took for placed -- and when the first then
+    failed, the request hung. The second now gets the first one's outcome."""
+
+    def request() -> Request:
+        return Request("r", [1, 2, 3], SamplingParams(max_tokens=9))
+
+    for fails in (True, False):
+        loading = asyncio.Event()
+        placed: list[Flight] = []
+
+        async def place(flight: Flight) -> None:
+            await loading.wait()
+            if fails:
+                raise RuntimeError("adapter 'x' could not be loaded on d-0")
+            placed.append(flight)
+
+        actor = _placing_actor(place)
+
+        async def main() -> tuple[Any, Any]:
+            first = asyncio.ensure_future(actor.submit_many("c", [(request(), None, 7)]))
+            await asyncio.sleep(0.01)
+            again = asyncio.ensure_future(actor.submit_many("c", [(request(), None, 7)]))
+            await asyncio.sleep(0.01)
+            assert not again.done()  # (it was answered at once: "already in use")
+            loading.set()
+            return await first, await again
+
+        (one,), (two,) = asyncio.run(main())
+        if fails:
+            assert isinstance(two, RuntimeError) and "could not be loaded" in str(two)
+            assert str(one) == str(two) and not actor.flights
+        else:
+            assert one is None and two is None and len(placed) == 1  # placed once
+
+
 def test_a_gap_nothing_else_asks_to_fill_is_asked_for_and_never_hangs(monkeypatch: Any) -> None:
     """An output is held back for one that never comes and no stream broke (its engine's
     stream ended, or the central scheduler's replay died with it): nothing asked for it
