@@ -12,6 +12,8 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from cluster.control.flights import Flight, Outbox, pack_batch
 from cluster.control.migration import _replay
 from cluster.control.subscription import Subscription
@@ -400,42 +402,43 @@ def _placing_actor(place: Any) -> Any:
     return actor
 
 
-def test_a_submit_sent_again_while_the_first_is_placed_gets_the_first_ones_outcome() -> None:
+@pytest.mark.parametrize("fails", [True, False])
+def test_a_submit_sent_again_while_the_first_is_placed_gets_the_first_ones_outcome(
+    fails: bool,
+) -> None:
     """A client with no answer (the central actor seemed away) sends its submit again while
     the first try is still being placed (an adapter loads on the instance). The second was
     refused "already in use", which the client took for placed -- and when the first then
     failed, the request hung. The second now gets the first one's outcome."""
+    loading = asyncio.Event()
+    placed: list[Flight] = []
+
+    async def place(flight: Flight) -> None:
+        await loading.wait()
+        if fails:
+            raise RuntimeError("adapter 'x' could not be loaded on d-0")
+        placed.append(flight)
+
+    actor = _placing_actor(place)
 
     def request() -> Request:
         return Request("r", [1, 2, 3], SamplingParams(max_tokens=9))
 
-    for fails in (True, False):
-        loading = asyncio.Event()
-        placed: list[Flight] = []
+    async def main() -> tuple[Any, Any]:
+        first = asyncio.ensure_future(actor.submit_many("c", [(request(), None, 7)]))
+        await asyncio.sleep(0.01)
+        again = asyncio.ensure_future(actor.submit_many("c", [(request(), None, 7)]))
+        await asyncio.sleep(0.01)
+        assert not again.done()  # (it was answered at once: "already in use")
+        loading.set()
+        return await first, await again
 
-        async def place(flight: Flight) -> None:
-            await loading.wait()
-            if fails:
-                raise RuntimeError("adapter 'x' could not be loaded on d-0")
-            placed.append(flight)
-
-        actor = _placing_actor(place)
-
-        async def main() -> tuple[Any, Any]:
-            first = asyncio.ensure_future(actor.submit_many("c", [(request(), None, 7)]))
-            await asyncio.sleep(0.01)
-            again = asyncio.ensure_future(actor.submit_many("c", [(request(), None, 7)]))
-            await asyncio.sleep(0.01)
-            assert not again.done()  # (it was answered at once: "already in use")
-            loading.set()
-            return await first, await again
-
-        (one,), (two,) = asyncio.run(main())
-        if fails:
-            assert isinstance(two, RuntimeError) and "could not be loaded" in str(two)
-            assert str(one) == str(two) and not actor.flights
-        else:
-            assert one is None and two is None and len(placed) == 1  # placed once
+    (one,), (two,) = asyncio.run(main())
+    if fails:
+        assert isinstance(two, RuntimeError) and "could not be loaded" in str(two)
+        assert str(one) == str(two) and not actor.flights
+    else:
+        assert one is None and two is None and len(placed) == 1  # placed once
 
 
 def test_a_gap_nothing_else_asks_to_fill_is_asked_for_and_never_hangs(monkeypatch: Any) -> None:
