@@ -35,10 +35,13 @@ class Clients:
         abort: Callable[[str], bool],
         timeout_s: float,
         on_drop: Callable[[str], None] | None = None,
+        on_resubscribe: Callable[[str], None] | None = None,
     ) -> None:
         self._flights = flights
         self._abort = abort
         self._on_drop = on_drop  # told each client dropped (after its requests' aborts)
+        # Told each client whose new stream takes over one still running here (``stream``).
+        self._on_resubscribe = on_resubscribe
         self.timeout_s = timeout_s
         self._outboxes: dict[str, Outbox] = {}
         self._seen: dict[str, float] = {}  # client id -> its last keep-alive (or submit)
@@ -68,21 +71,28 @@ class Clients:
         gets the outbox: the earlier stream stops taking from it and ends without dropping
         the client."""
         outbox = self.outbox(client_id)
+        again = client_id in self._streams  # an earlier stream of it still runs here
         number = self._streams[client_id] = self._streams.get(client_id, 0) + 1
         outbox.ready.set()  # (an earlier stream waiting wakes, and leaves)
+        if again and self._on_resubscribe is not None:
+            # What that stream yielded since it broke never reached the client: the asks
+            # for its tokens (``ask_resume``) not answered yet are made again.
+            self._on_resubscribe(client_id)
         try:
             while True:
                 batch = await outbox.take()
-                if self._streams.get(client_id) != number:  # a later stream took over
-                    for submission, out, index in batch:
-                        outbox.put(submission, out, index)
+                if self._taken_over(client_id, number, outbox, batch):
                     return
                 notice, outbox.notice = outbox.notice, None
                 if notice is not None:
                     yield notice
+                    if self._taken_over(client_id, number, outbox, batch):  # at that yield
+                        return
                 if outbox.resume:
                     asks, outbox.resume = outbox.resume, []
                     yield {"resume": asks}
+                    if self._taken_over(client_id, number, outbox, batch):  # (asked again)
+                        return
                 if batch:
                     yield batch
                 if outbox.closed and not outbox.pending:
@@ -91,6 +101,23 @@ class Clients:
             if self._streams.get(client_id) == number:
                 del self._streams[client_id]
                 self.drop(client_id, outbox)
+
+    def _taken_over(
+        self,
+        client_id: str,
+        number: int,
+        outbox: Outbox,
+        batch: list[tuple[Submission, EngineCoreOutput, int | None]],
+    ) -> bool:
+        """A later stream of the client took over stream ``number``: what it took goes back,
+        and the later one is woken (this one's take may have cleared the wake-up that a
+        notice or an ask left for it)."""
+        if self._streams.get(client_id) == number:
+            return False
+        for submission, out, index in batch:
+            outbox.put(submission, out, index)
+        outbox.ready.set()
+        return True
 
     def keepalive(self, client_id: str) -> None:
         self._seen[client_id] = time.monotonic()

@@ -108,6 +108,17 @@ class Migration:
         if spec is not None and spec.actors:
             self._spawn(self._release_workers(iid, spec))
 
+    def _ask_again(self, client_id: str) -> None:
+        """Client ``client_id`` subscribed again while its earlier stream ran here (that one
+        broke on its side): an ask for its tokens that stream took may be lost. Every one of
+        its requests still waiting is asked again (a second answer finds nothing waiting)."""
+        asked: dict[str, list[Submission]] = {}
+        for (client, submission), (_, iid, _) in self._orphans.items():
+            if client == client_id:
+                asked.setdefault(iid, []).append(submission)
+        for iid, submissions in asked.items():
+            self.clients.ask_resume(client_id, iid, submissions)
+
     async def _release_workers(self, iid: str, spec: InstanceSpec) -> None:
         """A dead engine's instance never serves again (a resize replaces it): its workers,
         detached, would hold their resources (a GPU) for as long as Ray ran. They go once

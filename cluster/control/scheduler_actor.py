@@ -95,7 +95,11 @@ class SchedulerActor(Intake, KVPeers, Migration, Restart, ClusterOperations):
         self.flights: dict[str, Flight] = {}  # by the client's request id
         # The clients streaming in batches (submit / subscribe), and their liveness.
         self.clients = Clients(
-            self.flights, self.abort, config.client_timeout_s, on_drop=self._client_dropped
+            self.flights,
+            self.abort,
+            config.client_timeout_s,
+            on_drop=self._client_dropped,
+            on_resubscribe=self._ask_again,
         )
         self._internal: dict[str, Flight] = {}  # by the schedulers' id
         self._early_aborts = EarlyAborts()  # aborts that overtook their submit
