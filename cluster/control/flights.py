@@ -330,14 +330,27 @@ class EarlyAborts:
         self.ttl_s = ttl_s
         self.max_ids = max_ids
         self._pending: dict[str, float] = {}  # request id -> when its abort came
+        # Aborts aimed at given submits of their id, as (client, submission): those end only
+        # these, never a later submit under the id (``Intake.abort``).
+        self._aimed: dict[str, set[tuple[str | None, Submission | None]]] = {}
         self._finished: dict[str, float] = {}  # request id -> when it finished
         self._samples: dict[str, int] = {}  # n > 1 request id -> its samples aborted so far
 
-    def remember(self, request_id: str, taken: int = 0) -> None:
-        """``taken``: for the id of an ``n > 1`` request, its samples that came already."""
+    def remember(
+        self,
+        request_id: str,
+        taken: int = 0,
+        aimed: tuple[str | None, Submission | None] | None = None,
+    ) -> None:
+        """``taken``: for the id of an ``n > 1`` request, its samples that came already;
+        ``aimed``: the one submit (client, submission) it ends (else any of the id)."""
         now = time.monotonic()
         self._prune(now)
         if request_id not in self._finished:
+            if aimed is None:
+                self._aimed.pop(request_id, None)
+            elif request_id not in self._pending or request_id in self._aimed:
+                self._aimed.setdefault(request_id, set()).add(aimed)
             self._pending[request_id] = now
             if taken:
                 self._samples[request_id] = taken
@@ -361,10 +374,17 @@ class EarlyAborts:
         if len(self._finished) > self.max_ids:
             self._prune(now)
 
-    def take(self, request_id: str) -> bool:
-        """Whether an abort of ``request_id`` waits for it (and forget that it did)."""
-        when = self._pending.pop(request_id, None)
+    def take(
+        self, request_id: str, submit: tuple[str | None, Submission | None] = (None, None)
+    ) -> bool:
+        """Whether an abort of ``request_id`` waits for it -- for ``submit`` (client,
+        submission) when the abort was aimed (and forget that it did)."""
         self._finished.pop(request_id, None)  # a new request under an old id
+        aimed = self._aimed.get(request_id)
+        if aimed is not None and submit not in aimed:
+            return False  # a later submit of the id runs (the aimed one may still come)
+        self._aimed.pop(request_id, None)
+        when = self._pending.pop(request_id, None)
         return when is not None and time.monotonic() - when <= self.ttl_s
 
     def take_sample(self, family: str, num_samples: int) -> bool:
@@ -391,3 +411,5 @@ class EarlyAborts:
                 table.pop(next(iter(table)))
         for family in [f for f in self._samples if f not in self._pending]:
             del self._samples[family]
+        for request_id in [r for r in self._aimed if r not in self._pending]:
+            del self._aimed[request_id]

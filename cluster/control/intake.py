@@ -224,7 +224,8 @@ class Intake:
         self.observe.arrived(flight, trace_context)
         self.flights[rid] = flight
         flight.placing = asyncio.get_running_loop().create_future()
-        if self._early_aborts.take(rid) or self._aborted_family(request):  # its abort came
+        aborted = self._early_aborts.take(rid, (client_id, submission))
+        if aborted or self._aborted_family(request):  # its abort came
             # first (by its own id, or its n > 1 request's): it ends at once
             self._end(flight, FinishReason.ABORT)
             _settle(flight.placing)
@@ -263,14 +264,27 @@ class Intake:
             and flight.submission != submission
         )
 
-    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> bool:
+    def abort(
+        self,
+        request_id: str,
+        reason: FinishReason = FinishReason.ABORT,
+        client_id: str | None = None,
+        submission: Submission | None = None,
+    ) -> bool:
         """End a request at whatever stage it is (queued, prefilling, transferring, decoding):
         its blocks are freed on every instance and its stream ends with ``reason`` (``stop``:
         its client found a stop string in its text). False if
         the request is unknown or already finished -- an unknown one may still be on its way
         (Ray can run an abort before the submit sent just before it): it is then aborted as
-        soon as it arrives, within ``EarlyAborts.ttl_s``."""
+        soon as it arrives, within ``EarlyAborts.ttl_s``. ``submission`` (of ``client_id``):
+        only that submit of the id ends (one its client got no answer for), never a later
+        one under the same id."""
         flight = self.flights.get(request_id)
+        if submission is not None and (
+            flight is None or (flight.client_id, flight.submission) != (client_id, submission)
+        ):
+            self._early_aborts.remember(request_id, aimed=(client_id, submission))
+            return False
         if flight is None:
             # The user's id of an n > 1 request: its samples here end now, and the ones
             # still to come as they arrive.

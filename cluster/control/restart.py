@@ -322,7 +322,8 @@ async def rebuild(actor: Any) -> None:
         actor._hand_off(flight, prefilled)
         actor._handed_off(iid, flight, prefilled.internal_id)
     for rid, flight in list(actor.flights.items()):  # aborts that came during the rebuild
-        if actor._early_aborts.take(rid) or actor._aborted_family(flight.request):
+        submit = (flight.client_id, flight.submission)
+        if actor._early_aborts.take(rid, submit) or actor._aborted_family(flight.request):
             actor.abort(rid)
     logger.warning(
         "central scheduler restarted: %d instances, %d requests in flight taken on",

@@ -154,9 +154,15 @@ class Subscription(Delivery):
         self._schedule()
 
     def _abort_remote(self, item: Any) -> None:
-        """Abort the request of a queued op on its own (a stop stays a stop)."""
+        """Abort the request of a queued op on its own (a stop stays a stop); a submit's only
+        as that submit: this call may overtake a later submit of its id (queued here since),
+        which it must not end, on arrival or as an abort remembered for it."""
         reason = FinishReason.STOP if isinstance(item, Stopped) else FinishReason.ABORT
-        self.handle.abort.remote(_op_id(item), reason)
+        if isinstance(item, tuple):
+            request, _, submission = item
+            self.handle.abort.remote(request.request_id, reason, self.client_id, submission)
+        else:
+            self.handle.abort.remote(_op_id(item), reason)
 
     def _submit(
         self, request: Request, trace_context: dict[str, str] | None, submission: int

@@ -77,3 +77,16 @@ def test_an_abort_by_the_users_id_counts_the_samples_that_came_already() -> None
     assert aborts.take_sample("t", 2) is False
     aborts.remember_family("u", running=0, num_samples=None)  # yet to come
     assert aborts.take_sample("u", 2) is True
+
+
+def test_an_abort_aimed_at_a_submit_ends_only_that_submit() -> None:
+    """A client aborts a submit it got no answer for (the central actor seemed away) as that
+    submit: remembered, it ends that submit when it arrives late -- never a later submit of
+    the same id (after a long outage, a caller that reuses its ids)."""
+    aborts = EarlyAborts(ttl_s=60.0)
+    aborts.remember("r", aimed=("c", 1))
+    assert aborts.take("r", ("c", 2)) is False  # a later submit of the id runs
+    assert aborts.take("r", ("c", 1)) is True  # the late first try ends on arrival
+    assert aborts.take("r", ("c", 1)) is False  # (once)
+    aborts.remember("r")
+    assert aborts.take("r", ("c", 5)) is True  # a plain abort: any submit of the id

@@ -10,6 +10,7 @@ import asyncio
 import math
 from collections import OrderedDict
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -439,6 +440,37 @@ def test_a_submit_sent_again_while_the_first_is_placed_gets_the_first_ones_outco
         assert str(one) == str(two) and not actor.flights
     else:
         assert one is None and two is None and len(placed) == 1  # placed once
+
+
+def test_an_abort_of_an_unanswered_submit_ends_that_submit_only() -> None:
+    """A batch the central actor did not answer: the client aborts each of its submits, as
+    that submit. The abort, remembered (its submit had not come), ended any later submit of
+    the id instead -- and the late submit it was meant for ran."""
+    placed: list[Flight] = []
+
+    async def place(flight: Flight) -> None:
+        placed.append(flight)
+
+    def request() -> Request:
+        return Request("r", [1, 2, 3], SamplingParams(max_tokens=9))
+
+    actor = _placing_actor(place)
+    calls: list[tuple[Any, ...]] = []
+    sub = Subscription.__new__(Subscription)
+    sub.client_id = "c"
+    sub.handle = SimpleNamespace(abort=SimpleNamespace(remote=lambda *args: calls.append(args)))
+    sub._abort_remote((request(), None, 7))  # the client's abort of its unanswered submit
+    assert calls == [("r", FinishReason.ABORT, "c", 7)]
+
+    async def main() -> None:
+        assert actor.abort(*calls[0]) is False  # not here yet: remembered for submit 7
+        assert await actor.submit_many("c", [(request(), None, 8)]) == [None]
+        assert "r" in actor.flights and len(placed) == 1  # the later submit runs
+        actor.flights.clear()
+        assert await actor.submit_many("c", [(request(), None, 7)]) == [None]
+        assert "r" not in actor.flights and len(placed) == 1  # the late one ends at once
+
+    asyncio.run(main())
 
 
 def test_a_gap_nothing_else_asks_to_fill_is_asked_for_and_never_hangs(monkeypatch: Any) -> None:
