@@ -142,6 +142,9 @@ class Intake:
         engines there are, again when that changes (a dict), and carries the ends the actor
         decides. (A generator function itself: Ray streams only those.)"""
         await self._ready()
+        # Its outbox is there before the engines are read below: an engine that joins while
+        # they go out is noticed (``notify_engines`` tells only the outboxes there are).
+        self.clients.outbox(client_id)
         async with aclosing(self.clients.stream(client_id)) as batches:
             if self.config.engine_actors:  # where its tokens come from
                 yield {"engines": self.engine_handles()}

@@ -71,6 +71,11 @@ class Migration:
         self.failures.append(
             {"instance_id": iid, "event": "failed", "reason": reason, "time": time.time()}
         )
+        for flight in [f for f in self._internal.values() if f.instance == iid]:
+            if self.flights.get(flight.request.request_id) is not flight:
+                # Its id was reused by its client (``Intake._submit``), which has no use for
+                # it: only its engine's report dropped it, and none comes now.
+                self._forget(flight)
         for flight in self.flights.values():
             if flight.prefilled_on == iid and flight.instance != iid:
                 # Handed off: its first token may have died in this engine's stream while

@@ -320,7 +320,9 @@ class SchedulerActor(Intake, KVPeers, Migration, Restart, ClusterOperations):
         else:
             raise RuntimeError("instances kept failing while the request was being routed")
         if self.flights.get(request.request_id) is not flight:
-            return  # aborted while an adapter loaded
+            # Aborted while an adapter loaded, or (a move) its id was reused meanwhile.
+            self._internal.pop(flight.internal_id, None)
+            return
         if flight.internal_id != placed_as:
             return  # placed meanwhile, while an adapter loaded (by another move)
         if flight.aborting is not None:  # its abort went to an engine that no longer held it
@@ -407,6 +409,9 @@ class SchedulerActor(Intake, KVPeers, Migration, Restart, ClusterOperations):
         """End a flight that no engine holds, with a last output from the actor (``tokens``:
         the tokens its client should have, when the actor knows them: ``_replay``)."""
         if self.flights.get(flight.request.request_id) is not flight:
+            # Ended already, or its id taken by a later submit of its client (``_submit``):
+            # what its engine would have reported ending it never comes now.
+            self._internal.pop(flight.internal_id, None)
             return
         final = EngineCoreOutput(flight.request.request_id, [], reason, error=error)
         self._forget(flight)

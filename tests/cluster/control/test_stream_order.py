@@ -473,6 +473,49 @@ def test_an_abort_of_an_unanswered_submit_ends_that_submit_only() -> None:
     asyncio.run(main())
 
 
+def test_a_flight_whose_id_was_reused_goes_when_its_engine_dies() -> None:
+    """A client reuses the id of a request it has ended (engine actors): the old flight
+    stays by its internal id for its engine's report that ends it. When that engine died
+    instead, nothing dropped it: the actor kept it for good."""
+
+    async def place(flight: Flight) -> None:
+        pass
+
+    actor = _placing_actor(place)
+    old = Flight(
+        Request("r", [1, 2, 3], SamplingParams(max_tokens=9)), None, Outbox(), "d-0", "decode"
+    )
+    old.internal_id, old.submission, old.client_id = "r@0", 1, "c"
+    actor.flights["r"], actor._internal["r@0"] = old, old
+    again = Request("r", [1, 2, 3], SamplingParams(max_tokens=9))
+    outbox = actor.clients.outbox("c")
+    asyncio.run(actor._submit(again, outbox=outbox, submission=2, client_id="c"))
+    assert actor.flights["r"] is not old and "r@0" in actor._internal  # kept for its report
+    actor.views = {"d-0": SimpleNamespace(alive=True)}
+    actor.failures, actor._orphans, actor.specs = [], {}, {}
+    actor.hand_offs = SimpleNamespace(drop=lambda iid: {})
+    actor._confirm = lambda confirmed: None
+    actor._engine_died("d-0", "its process died")
+    assert "r@0" not in actor._internal and actor.flights["r"] is not old
+
+
+def test_an_engine_that_joins_while_a_new_client_subscribes_is_noticed() -> None:
+    """A new client's outbox was made only after its first notice (the engines) went out:
+    an instance that joined in between was told to the outboxes there were, not to it, and
+    the client never streamed from that engine -- its requests placed there got nothing."""
+    actor = _placing_actor(None)
+    actor.engines = {}
+
+    async def main() -> None:
+        stream = actor.subscribe("c")
+        assert await stream.__anext__() == {"engines": {}}
+        actor.clients.notify_engines({"d-1": "handle"})  # an instance joins meanwhile
+        assert await asyncio.wait_for(stream.__anext__(), 1) == {"engines": {"d-1": "handle"}}
+        await stream.aclose()
+
+    asyncio.run(main())
+
+
 def test_a_gap_nothing_else_asks_to_fill_is_asked_for_and_never_hangs(monkeypatch: Any) -> None:
     """An output is held back for one that never comes and no stream broke (its engine's
     stream ended, or the central scheduler's replay died with it): nothing asked for it
