@@ -103,6 +103,12 @@ class Outbox:
         self.ready.set()
 
 
+def made_after(submission: Any, than: Any) -> bool:
+    """Whether a client made ``submission`` after ``than`` (its tags count up; a tag that is a
+    request id, not a count, is never later)."""
+    return isinstance(submission, int) and isinstance(than, int) and submission > than
+
+
 @dataclass(frozen=True)
 class Stopped:
     """A client's op: its request met a stop string (found as the client detokenizes): it

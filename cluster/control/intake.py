@@ -21,6 +21,7 @@ from cluster.control.flights import (
     Submission,
     WireOutput,
     admitted_with_another,
+    made_after,
     pack_batch,
 )
 from cluster.control.observer import RequestObserver
@@ -258,13 +259,16 @@ class Intake:
         """A request its client no longer streams, whose id the client reuses: with engine
         actors the client has its final (or sent an abort) before the engine's report that
         ends it reaches this actor. A client never has two open requests under one id, so
-        another submission of the same client means the earlier one is over for it."""
+        another submission of the same client means the earlier one is over for it -- unless
+        that one was made after it: then this is a late copy of an earlier submit (the client
+        had no answer, aborted it and went on), which must not replace the later one."""
         return (
             self.config.engine_actors
             and client_id is not None
             and flight.client_id == client_id
             and submission is not None
             and flight.submission != submission
+            and not made_after(flight.submission, submission)
         )
 
     def abort(

@@ -39,7 +39,7 @@ from typing import Any
 
 from cluster.control.engine_reports import EndedTrace
 from cluster.control.engine_wire import EngineSnapshot, HeldSnapshot, sequence_of, shift
-from cluster.control.flights import Flight, clone_request
+from cluster.control.flights import Flight, clone_request, made_after
 from cluster.errors import UnavailableError
 
 logger = logging.getLogger(__name__)
@@ -350,7 +350,7 @@ def triage(
     newest: dict[tuple[str, str], Any] = {}  # (client, request id) -> its last submission
     for _, h in held:
         key = (h.route.client_id, h.route.client_request_id)
-        if key not in newest or _later(h.route.submission, newest[key]):
+        if key not in newest or made_after(h.route.submission, newest[key]):
             newest[key] = h.route.submission
     taken: dict[str, tuple[str, Any]] = {}  # client request id -> (client, submission)
     out = []
@@ -367,12 +367,6 @@ def triage(
         taken[route.client_request_id] = mine
         out.append((iid, h, True))
     return out
-
-
-def _later(submission: Any, than: Any) -> bool:
-    """Whether a client made ``submission`` after ``than`` (its tags count up; a tag that is a
-    request id, not a count, is never later)."""
-    return isinstance(submission, int) and isinstance(than, int) and submission > than
 
 
 def _remade_trace(actor: Any, carrier: dict[str, str] | None, request: Any) -> Any:

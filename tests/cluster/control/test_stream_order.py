@@ -465,8 +465,13 @@ def test_an_abort_of_an_unanswered_submit_ends_that_submit_only() -> None:
     async def main() -> None:
         assert actor.abort(*calls[0]) is False  # not here yet: remembered for submit 7
         assert await actor.submit_many("c", [(request(), None, 8)]) == [None]
-        assert "r" in actor.flights and len(placed) == 1  # the later submit runs
-        actor.flights.clear()
+        later = actor.flights["r"]
+        assert len(placed) == 1  # the later submit runs
+        # The late first try, while the later one runs: refused; it replaced the later one
+        # (whose end then nobody could ask for), taking it for one its client had ended.
+        (late,) = await actor.submit_many("c", [(request(), None, 7)])
+        assert isinstance(late, ValueError) and actor.flights["r"] is later
+        del actor.flights["r"]  # (the later one ended)
         assert await actor.submit_many("c", [(request(), None, 7)]) == [None]
         assert "r" not in actor.flights and len(placed) == 1  # the late one ends at once
 
