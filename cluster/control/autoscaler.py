@@ -59,6 +59,7 @@ SHRINK_LOAD = 0.8  # and the load per instance, at the smaller size, under this 
 # load per instance that last broke an SLO
 REJOIN_GRACE_S = 10.0  # past startup_timeout_s, for an instance that came back to report it
 MIN_SAMPLES = 8  # latencies a window needs before they count, either way
+MISSED_ROUNDS = 3  # a pool not read for longer than this many rounds times its wish afresh
 MAX_DECISIONS = 1000
 
 
@@ -214,6 +215,9 @@ class Autoscaler:
         self.desired: dict[str, int] = {}
         self._changed: dict[str, float] = {}  # pool -> when it was last resized
         self._started = time.monotonic()  # no signal is older (a window is never longer)
+        # Every pool is read each round, every ``interval`` (the smallest of the pools').
+        self.interval = min((p.config.interval_s for p in self.policies.values()), default=1.0)
+        self._read: dict[str, float] = {}  # pool -> when its policy last decided
 
     @property
     def enabled(self) -> bool:
@@ -280,6 +284,13 @@ class Autoscaler:
                     continue
             elif signals.replicas:
                 self._empty_since.pop(pool, None)
+            read, self._read[pool] = self._read.get(pool), now
+            if read is not None and now - read > MISSED_ROUNDS * self.interval:
+                # Not read for a while (a resize held the rounds up -- another pool's model
+                # load, an operator's -- or its restarts were awaited): a delay is a wish that
+                # lasted while watched, and one timed before the gap would be acted on at the
+                # first reading after it.
+                policy.reset()
             decision = policy.decide(now, signals)
             if decision is None:
                 continue
@@ -311,9 +322,8 @@ class Autoscaler:
 
     async def run(self) -> None:
         """Step every ``interval_s`` (the smallest of the pools')."""
-        interval = min(p.config.interval_s for p in self.policies.values())
         while True:
-            await asyncio.sleep(interval)
+            await asyncio.sleep(self.interval)
             try:
                 await self.step()
             except Exception:

@@ -451,3 +451,62 @@ def test_an_instance_whose_retire_failed_holds_up_no_shrink() -> None:
         asyncio.run(ops._shrink(["d-1"], None))
     assert ops.seen == [True]  # draining while its shrink ran
     assert not ops._pool_draining("d")  # not after it failed
+
+
+def test_a_wish_timed_before_a_resize_held_the_rounds_up_is_timed_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Pool b (idle, 2 instances) wants to shrink while pool a grows, and a's new instance
+    takes 120 s to load: no round reads b meanwhile. Read again, b times its wish afresh --
+    it shrank at once, on two readings 121 s apart (its downscale_delay_s is 60)."""
+    from cluster.control import autoscaler as module
+
+    clock = [1000.0]
+    monkeypatch.setattr(module.time, "monotonic", lambda: clock[0])
+    scaling = {"max_replicas": 4, "target_ongoing_requests": 10}
+    config = ClusterConfig.model_validate(
+        {
+            "model": "m",
+            "pools": [
+                {
+                    "name": "b",
+                    "role": "decode",
+                    "replicas": 2,
+                    "autoscaling": {**scaling, "downscale_delay_s": 60},
+                },
+                {
+                    "name": "a",
+                    "role": "prefill",
+                    "replicas": 1,
+                    "autoscaling": {**scaling, "upscale_delay_s": 0},
+                },
+            ],
+        }
+    )
+    views = {
+        i: InstanceView(i, "decode" if i[0] == "b" else "prefill", 16, True)
+        for i in ("b-0", "b-1", "a-0")
+    }
+    views["a-0"]._num_active = 30
+    resized: list[tuple[str, int]] = []
+
+    async def scale_pool(pool: str, replicas: int, wait: bool) -> None:
+        resized.append((pool, replicas))
+        if pool == "a":  # its new instance's workers placed, its model loaded
+            clock[0] += 120.0
+            views["a-0"]._num_active = 0
+
+    actor: Any = type("Actor", (), {})()
+    actor.config, actor.views, actor._resizing = config, views, asyncio.Lock()
+    actor._pool_instances = lambda pool: [i for i in views if i[0] == pool]
+    actor._pool_draining = lambda pool: False
+    actor.scale_pool = scale_pool
+    autoscaler = module.Autoscaler(actor)
+    asyncio.run(autoscaler.step())  # b's wish starts; a grows for 120 s
+    clock[0] += 1.0
+    asyncio.run(autoscaler.step())
+    assert resized == [("a", 3)]  # b not shrunk on two readings 121 s apart
+    for _ in range(61):  # watched idle for its delay: now it shrinks
+        clock[0] += 1.0
+        asyncio.run(autoscaler.step())
+    assert resized == [("a", 3), ("b", 1)]
