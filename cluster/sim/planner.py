@@ -26,6 +26,7 @@ from cluster.config import ClusterConfig, InstancePool
 from cluster.sim.cost import CostModel
 from cluster.sim.simulator import SLO, Simulation
 from cluster.sim.workload import WorkItem
+from scheduler import SchedulerConfig
 
 # A split that meets the SLO is served the workload this many times over, back to back: a
 # cluster too small for the rate meets it in a short run while its queue is still short.
@@ -79,7 +80,11 @@ class Candidate:
             template = by_role.get(role) or fallback
             budget = self.budget(role)
             scheduler = {**template.scheduler, "max_num_batched_tokens": budget}
-            seqs = scheduler.get("max_num_seqs", 256)
+            # Lowered to the budget where it is over it (a running request takes a token of
+            # it per step). Unset, it is the scheduler's default: the base's pools run that
+            # many, and a larger one would judge (and print) a shape the base does not have.
+            default = SchedulerConfig.model_fields["max_num_seqs"].default
+            seqs = scheduler.get("max_num_seqs", default)
             scheduler["max_num_seqs"] = min(seqs, budget)
             update = {
                 "name": role,

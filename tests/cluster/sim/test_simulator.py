@@ -599,3 +599,20 @@ def test_calibrate_with_a_model_it_cannot_load_is_a_one_line_error(
     err = capsys.readouterr().err.strip()
     assert err.startswith("tandem sim calibrate: ") and "not a GGUF file" in err, err
     assert "\n" not in err
+
+
+def test_a_planned_pool_runs_as_many_requests_as_its_base_unless_its_budget_is_smaller() -> None:
+    """``tandem plan`` judged (and printed) every shape with max_num_seqs 256 where the base
+    left it unset -- the scheduler's default is 128, and the base's pools run that."""
+    from cluster.sim.planner import Candidate
+    from scheduler import SchedulerConfig
+
+    default = SchedulerConfig.model_fields["max_num_seqs"].default
+    [both] = Candidate(both=1).config(_config([BOTH])).pools
+    assert both.scheduler_config(None).max_num_seqs == default
+    small = Candidate(1, 1, max_num_batched_tokens=4096, decode_batched_tokens=64)
+    seqs = {p.role: p.scheduler["max_num_seqs"] for p in small.config(_config(PD)).pools}
+    assert seqs == {"prefill": default, "decode": 64}  # lowered to the budget only
+    given = {**BOTH, "scheduler": {"max_num_seqs": 512}}
+    [pool] = Candidate(both=1, max_num_batched_tokens=4096).config(_config([given])).pools
+    assert pool.scheduler["max_num_seqs"] == 512  # the base's own, kept
