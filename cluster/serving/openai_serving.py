@@ -239,9 +239,12 @@ class OpenAIServing(RequestChecks):
             if isinstance(prompt, str):
                 ids, text = self._encode(prompt, "prompt", req.add_special_tokens), prompt
             else:
-                ids = list(prompt)
-                text = self.tokenizer.decode(ids, skip_special_tokens=False) if req.echo else None
+                ids, text = list(prompt), None
+            # Checked before echo decodes the ids: one past the tokenizer's integer type
+            # (2**32 and up) makes decode raise OverflowError, a 500 instead of this 400.
             self._check_ids(ids, "prompt")
+            if text is None and req.echo:
+                text = self.tokenizer.decode(ids, skip_special_tokens=False)
             # echo with max_tokens 0: one token is generated (and dropped) to get the
             # prompt's logprobs, as vLLM does.
             wanted = 1 if req.echo_only else req.max_tokens

@@ -128,6 +128,20 @@ def test_errors_are_openai_errors(serving: OpenAIServing) -> None:
     assert vocab_error.value.status == 400 and "vocabulary" in vocab_error.value.message
 
 
+@pytest.mark.parametrize("token", [2**32, 2**64])
+def test_an_echoed_prompt_with_an_id_past_the_tokenizers_range_is_a_400(
+    serving: OpenAIServing, token: int
+) -> None:
+    """``echo`` decoded the prompt's ids before they were checked: one of 2**32 or more made
+    the tokenizer raise OverflowError, a 500 (without echo: this 400)."""
+    req = CompletionRequest.model_validate(
+        {"model": "tiny-chat", "prompt": [5, token], "echo": True, "max_tokens": 1}
+    )
+    with pytest.raises(APIError) as error:
+        _run(serving.completion(req))
+    assert error.value.status == 400 and error.value.param == "prompt"
+
+
 class _Failing:
     """The in-process engine, its streams failing after ``after`` outputs: with an error
     sample (the cluster failed the request: a KV load under ``failure_policy: fail``, no
