@@ -53,7 +53,8 @@ class ToolPlan:
     mode: str  # "auto", "required" or "named"
     parser: str  # the format auto parses
     name: str | None = None  # the named function
-    names: tuple[str, ...] = ()  # the request's functions (auto: calls of others are text)
+    names: tuple[str, ...] = ()  # the request's functions (auto, llama3_json: calls of others
+    # are text; hermes returns them as calls, as vLLM's hermes parser does)
     parallel: bool = True  # parallel_tool_calls (auto: calls after the first are dropped)
 
     def stream(self) -> ToolStream:
