@@ -27,6 +27,7 @@ class KVPeers:
     views: dict[str, InstanceView]
     failures: list[dict[str, Any]]
     lora: LoRAAdapters
+    autoscaler: Any  # control.autoscaler.Autoscaler
     _kv_auto: bool
     _new_view: Callable[[InstanceSpec], InstanceView]
     _spawn: Callable[[Coroutine[Any, Any, None]], None]
@@ -85,6 +86,11 @@ class KVPeers:
 
     def _serves_again(self, iid: str) -> None:
         logger.info("instance %s rejoined with an empty cache", iid)
+        # Its pool has its size back: the latencies of the outage (a smaller pool's) and a
+        # wish timed on them would grow it on a load it now serves.
+        spec = self.specs.get(iid)
+        if spec is not None:
+            self.autoscaler.resized(spec.pool.name)
         self.failures.append(
             {"instance_id": iid, "event": "rejoined", "reason": "", "time": time.time()}
         )

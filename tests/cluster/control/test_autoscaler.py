@@ -510,3 +510,20 @@ def test_a_wish_timed_before_a_resize_held_the_rounds_up_is_timed_again(
         clock[0] += 1.0
         asyncio.run(autoscaler.step())
     assert resized == [("a", 3), ("b", 1)]
+
+
+def test_an_instance_that_rejoins_voids_its_pools_latencies_and_wish() -> None:
+    """An instance back from a failure: its pool has its size again, so the latencies of the
+    outage (a smaller pool's, slower) and a grow timed on them are void -- as after a resize.
+    They still counted: the pool grew after the rejoin, on a load it then served."""
+    from types import SimpleNamespace
+
+    from cluster.control.scheduler_actor import SchedulerActor
+
+    voided: list[str] = []
+    actor = SchedulerActor.__new__(SchedulerActor)
+    actor.specs = {"d-1": SimpleNamespace(pool=SimpleNamespace(name="d"))}  # type: ignore[dict-item]
+    actor.failures = []
+    actor.autoscaler = SimpleNamespace(resized=voided.append)  # type: ignore[assignment]
+    actor._serves_again("d-1")
+    assert voided == ["d"] and actor.failures[-1]["event"] == "rejoined"
