@@ -21,9 +21,12 @@ anything else is refused with a ``ValueError`` naming it, never silently dropped
   ``pipeline_parallel_size``, ``tensor_parallel_size: 1``, ``enable_lora``, ``max_loras``,
   ``max_lora_rank``); ``kv_transfer_config`` (vLLM's connector for P/D) is accepted -- Tandem
   moves KV with its own transport (``kv_transfer.transport``);
-- ``deployment_config``: ``num_replicas``, or ``autoscaling_config`` (its
-  ``initial_replicas`` or ``min_replicas``; the pools do not autoscale yet, so its other knobs
-  are logged as unused);
+- ``deployment_config``: ``num_replicas``, or ``autoscaling_config``: the pool starts at its
+  ``initial_replicas`` (else ``min_replicas``) and, with a ``max_replicas`` above its
+  ``min_replicas``, autoscales (``InstancePool.autoscaling``, the same names:
+  ``target_ongoing_requests``, ``upscale_delay_s``, ``downscale_delay_s``;
+  ``metrics_interval_s`` is its ``interval_s``, ``look_back_period_s`` its ``window_s``; the
+  smoothing factors are logged as unused; ``min_replicas`` 0 is 1: a pool keeps one);
 - ``accelerator_type``: the pool's workers ask Ray for that accelerator and a GPU (without
   it the pool runs on CPU workers, Tandem's default, which is logged -- Ray Serve LLM would
   take a GPU).
@@ -127,7 +130,9 @@ def _translate(by_role: dict[str, Any]) -> dict[str, Any]:
             )
         models.add((source, loading.get("model_id")))
         pool: dict[str, Any] = {"name": role if role != "both" else "colocated", "role": role}
-        pool["replicas"] = _replicas(llm.get("deployment_config") or {}, where)
+        pool["replicas"], scaling = _replicas(llm.get("deployment_config") or {}, where)
+        if scaling is not None:
+            pool["autoscaling"] = scaling
         engine = dict(llm.get("engine_kwargs") or {})
         _engine(engine, data, pool, where)
         accelerator = llm.get("accelerator_type")
@@ -197,32 +202,50 @@ def _engine(engine: dict[str, Any], data: dict[str, Any], pool: dict[str, Any], 
         )
 
 
-def _replicas(deployment: dict[str, Any], where: str) -> int:
+def _replicas(deployment: dict[str, Any], where: str) -> tuple[int, dict[str, Any] | None]:
+    """The pool's starting size and, for a range of sizes, its ``autoscaling`` section."""
     _refuse_keys(deployment, ("num_replicas", "autoscaling_config"), f"{where}.deployment_config")
     if "num_replicas" in deployment:
         replicas = deployment["num_replicas"]
         if not isinstance(replicas, int):
             raise ValueError(
-                f"{where}.deployment_config.num_replicas: {replicas!r} -- a number (pools do "
-                "not autoscale yet: give autoscaling_config.min_replicas for the start)"
+                f"{where}.deployment_config.num_replicas: {replicas!r} -- a number (to "
+                "autoscale, give autoscaling_config: min_replicas, max_replicas)"
             )
-        return replicas
+        return replicas, None
     scaling = deployment.get("autoscaling_config") or {}
     _refuse_keys(scaling, _AUTOSCALING_KEYS, f"{where}.deployment_config.autoscaling_config")
-    replicas = int(scaling.get("initial_replicas") or scaling.get("min_replicas") or 1)
-    if scaling.get("max_replicas", replicas) != replicas or set(scaling) - _REPLICA_KEYS:
+    low = max(int(scaling.get("min_replicas") or 1), 1)  # (0: a pool keeps one instance)
+    high = int(scaling.get("max_replicas") or low)
+    replicas = max(int(scaling.get("initial_replicas") or low), 1)
+    unused = sorted(set(scaling) - _REPLICA_KEYS - set(_AUTOSCALED))
+    if unused:
         logger.warning(
-            "%s: the pool starts with %d instances and does not autoscale yet (max_replicas "
-            "and the tuning of autoscaling_config are not used); resize it with tandem scale "
-            "or /admin/scale_pool",
+            "%s.deployment_config.autoscaling_config: %s not used (Tandem's autoscaler reads "
+            "the ongoing requests per instance, and TTFT/TPOT targets if given)",
             where,
-            replicas,
+            ", ".join(unused),
         )
-    return max(replicas, 1)
+    if high <= low:
+        return replicas, None
+    autoscaling = {"min_replicas": low, "max_replicas": high}
+    for key, ours in _AUTOSCALED.items():
+        if key in scaling:
+            autoscaling[ours] = scaling[key]
+    return replicas, autoscaling
 
 
 _REPLICA_KEYS = {"min_replicas", "max_replicas", "initial_replicas"}
-# Ray Serve's autoscaling knobs: accepted (logged as unused until pools autoscale).
+# Ray Serve's autoscaling knobs that the pool's autoscaler takes (besides the replica counts):
+# their names in ``AutoscalingConfig``.
+_AUTOSCALED = {
+    "target_ongoing_requests": "target_ongoing_requests",
+    "upscale_delay_s": "upscale_delay_s",
+    "downscale_delay_s": "downscale_delay_s",
+    "metrics_interval_s": "interval_s",
+    "look_back_period_s": "window_s",
+}
+# Ray Serve's autoscaling knobs: accepted (those not in _AUTOSCALED logged as unused).
 _AUTOSCALING_KEYS = (
     *sorted(_REPLICA_KEYS),
     "target_ongoing_requests",

@@ -134,13 +134,35 @@ applications:
 
 def test_ray_serve_llm_defaults_and_autoscaling_knobs() -> None:
     """Without model_source the model comes from model_id (Ray Serve LLM's rule); Ray
-    Serve's autoscaling knobs are accepted (the pool starts at min_replicas); differing LoRA
-    limits between prefill and decode are refused."""
+    Serve's autoscaling_config makes the pool start at min_replicas and autoscale between
+    min_replicas and max_replicas, its knobs under their names (they were logged as unused:
+    the pool stayed at min_replicas); differing LoRA limits between prefill and decode are
+    refused."""
     config = cluster_config({"both": {"model_loading_config": {"model_id": "/models/m"}}})
     assert config.model == "/models/m" and config.serve.served_model_name == "/models/m"
     scaling = {"min_replicas": 2, "max_replicas": 4, "upscale_delay_s": 5, "smoothing_factor": 1}
     config = cluster_config({"both": _llm(deployment_config={"autoscaling_config": scaling})})
     assert config.pools[0].replicas == 2
+    autoscaling = config.pools[0].autoscaling
+    assert autoscaling is not None and autoscaling.min_replicas == 2
+    assert autoscaling.max_replicas == 4 and autoscaling.upscale_delay_s == 5
+    serve_names = {
+        "min_replicas": 0,  # (a pool keeps one instance)
+        "initial_replicas": 2,
+        "max_replicas": 3,
+        "metrics_interval_s": 0.5,
+        "look_back_period_s": 20,
+        "target_ongoing_requests": 8,
+    }
+    config = cluster_config({"both": _llm(deployment_config={"autoscaling_config": serve_names})})
+    pool = config.pools[0]
+    assert pool.replicas == 2 and pool.autoscaling is not None
+    assert (pool.autoscaling.min_replicas, pool.autoscaling.max_replicas) == (1, 3)
+    assert pool.autoscaling.interval_s == 0.5 and pool.autoscaling.window_s == 20
+    assert pool.autoscaling.target_ongoing_requests == 8
+    fixed = {"min_replicas": 2, "max_replicas": 2}
+    config = cluster_config({"both": _llm(deployment_config={"autoscaling_config": fixed})})
+    assert config.pools[0].replicas == 2 and config.pools[0].autoscaling is None
     with pytest.raises(ValueError, match="num_replicas"):
         cluster_config({"both": _llm(deployment_config={"num_replicas": "auto"})})
     prefill = _llm(engine_kwargs={"max_loras": 2})
