@@ -19,15 +19,15 @@ from typing import Any
 
 
 def _bounded(kind: type, low: float, what: str, high: float | None = None) -> Any:
-    """An argparse ``type``: a ``kind`` number, ``low`` or more (``high`` or less) -- said
-    as a usage error naming the flag (a zero count or rate ran on, or divided by zero)."""
+    """An argparse ``type``: a finite ``kind`` number, ``low`` or more (``high`` or less) --
+    else a usage error naming the flag (a zero count or rate ran on, or divided by zero)."""
 
     def parse(text: str) -> Any:
         try:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-        if not low <= value <= (math.inf if high is None else high):  # (NaN too)
+        if not low <= value <= (math.inf if high is None else high) or math.isinf(value):
             raise argparse.ArgumentTypeError(f"{text}: give {what}")
         return value
 

@@ -562,6 +562,7 @@ def test_a_file_the_tools_cannot_read_or_write_is_a_one_line_error(
         (["sim", "run", "--num-requests", "0"], "--num-requests"),
         (["sim", "run", "--rate", "0"], "--rate"),
         (["sim", "run", "--rate", "nan"], "--rate"),
+        (["sim", "run", "--rate", "inf"], "--rate"),
         (["sim", "run", "--prefill", "-1"], "--prefill"),
         (["sim", "run", "--slo-tpot-ms", "-5"], "--slo-tpot-ms"),
         (["sim", "calibrate", "--repeats", "0"], "--repeats"),
