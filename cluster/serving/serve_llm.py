@@ -215,9 +215,21 @@ def _replicas(deployment: dict[str, Any], where: str) -> tuple[int, dict[str, An
         return replicas, None
     scaling = deployment.get("autoscaling_config") or {}
     _refuse_keys(scaling, _AUTOSCALING_KEYS, f"{where}.deployment_config.autoscaling_config")
-    low = max(int(scaling.get("min_replicas") or 1), 1)  # (0: a pool keeps one instance)
-    high = int(scaling.get("max_replicas") or low)
-    replicas = max(int(scaling.get("initial_replicas") or low), 1)
+    named = f"{where}.deployment_config.autoscaling_config"
+    least = _count(scaling, "min_replicas", named, 1)
+    high = _count(scaling, "max_replicas", named, max(least, 1))
+    if high < max(least, 1):
+        raise ValueError(
+            f"{named}: max_replicas ({high}) is below min_replicas ({least}) -- Ray Serve "
+            "refuses it too"
+        )
+    replicas = _count(scaling, "initial_replicas", named, least)
+    if not least <= replicas <= high:
+        raise ValueError(
+            f"{named}.initial_replicas: {replicas} -- between min_replicas ({least}) and "
+            f"max_replicas ({high})"
+        )
+    low, replicas = max(least, 1), max(replicas, 1)  # (0: a pool keeps one instance)
     unused = sorted(set(scaling) - _REPLICA_KEYS - set(_AUTOSCALED))
     if unused:
         logger.warning(
@@ -233,6 +245,16 @@ def _replicas(deployment: dict[str, Any], where: str) -> tuple[int, dict[str, An
         if key in scaling:
             autoscaling[ours] = scaling[key]
     return replicas, autoscaling
+
+
+def _count(scaling: dict[str, Any], key: str, where: str, default: int) -> int:
+    """A replica count of ``autoscaling_config``: a whole number, 0 or more."""
+    value = scaling.get(key, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{where}.{key}: {value!r} -- a whole number, 0 or more")
+    return value
 
 
 _REPLICA_KEYS = {"min_replicas", "max_replicas", "initial_replicas"}

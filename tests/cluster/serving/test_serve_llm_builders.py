@@ -132,6 +132,28 @@ applications:
     assert isinstance(builder(app["args"]), Application)
 
 
+@pytest.mark.parametrize(
+    ("scaling", "named"),
+    [
+        # (max_replicas below min_replicas was taken: the pool stayed at min_replicas, fixed)
+        ({"min_replicas": 3, "max_replicas": 2}, r"max_replicas \(2\) is below min_replicas"),
+        ({"min_replicas": 1, "max_replicas": 3, "initial_replicas": 4}, r"\.initial_replicas: 4"),
+        ({"min_replicas": 2, "max_replicas": 3, "initial_replicas": 1}, r"\.initial_replicas: 1"),
+        ({"min_replicas": "two"}, r"autoscaling_config\.min_replicas: 'two'"),
+        ({"max_replicas": 2.5}, r"autoscaling_config\.max_replicas: 2\.5"),
+        ({"min_replicas": -1}, r"autoscaling_config\.min_replicas: -1"),
+        ({"max_replicas": True}, r"autoscaling_config\.max_replicas: True"),
+    ],
+)
+def test_ray_serve_llm_bad_replica_counts_name_the_field(
+    scaling: dict[str, object], named: str
+) -> None:
+    """A replica range Ray Serve would refuse is refused, naming the field (a max_replicas
+    below min_replicas, a string or a fraction were taken or failed inside ``int``)."""
+    with pytest.raises(ValueError, match=named):
+        cluster_config({"both": _llm(deployment_config={"autoscaling_config": scaling})})
+
+
 def test_ray_serve_llm_defaults_and_autoscaling_knobs() -> None:
     """Without model_source the model comes from model_id (Ray Serve LLM's rule); Ray
     Serve's autoscaling_config makes the pool start at min_replicas and autoscale between
