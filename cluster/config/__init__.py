@@ -14,6 +14,7 @@ layer (SchedulerActor, Router, workers) reads these; this module only validates.
 
 from __future__ import annotations
 
+import errno
 import math
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -437,8 +438,10 @@ def _is_path(source: str | Path) -> bool:
         return False
     try:
         return source.endswith((".yaml", ".yml")) or Path(source).is_file()
-    except OSError:  # (a long one-line YAML string: a name too long)
-        return False
+    except OSError as exc:  # (a long one-line YAML string: a name too long)
+        # Any other error (EACCES: a folder it may not look in) is the file's: reading it says
+        # so, where taking the name for YAML said "no such file".
+        return exc.errno != errno.ENAMETOOLONG
 
 
 def served_model_name(config: ClusterConfig) -> str:

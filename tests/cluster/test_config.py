@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import pickle
 from pathlib import Path
 
@@ -41,6 +42,28 @@ def test_pd_yaml_loads(tmp_path: Path) -> None:
     path = tmp_path / "cluster.yaml"
     path.write_text(PD)
     assert ClusterConfig.from_yaml(path) == cfg == ClusterConfig.from_yaml(str(path))
+
+
+def test_a_config_file_that_cannot_be_looked_at_is_read_not_taken_for_yaml(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stat that fails with EACCES (a folder without search permission; root here, so the
+    stat is made to fail) made the name YAML text: "no such file". The name is a path."""
+    path = tmp_path / "cluster.conf"
+    path.write_text("kv_transfer: {transport: grpc}")
+
+    is_file = Path.is_file
+
+    def refused(self: Path) -> bool:
+        if self == path:
+            raise PermissionError(errno.EACCES, "Permission denied", str(self))
+        return is_file(self)
+
+    monkeypatch.setattr(Path, "is_file", refused)
+    assert ClusterConfig.from_yaml(str(path)).kv_transfer.transport == "grpc"
+    assert ClusterConfig.from_yaml("{block_size: 32}").block_size == 32  # YAML text still is
+    long_text = "{" + ", ".join(["block_size: 32"] * 40) + "}"  # (a name too long: text)
+    assert ClusterConfig.from_yaml(long_text).block_size == 32
 
 
 def test_defaults_are_one_colocated_instance() -> None:
