@@ -23,6 +23,12 @@ from typing import Any
 from cluster.sim.cost import LinearCostModel, StepShape
 from cluster.sim.executor import ShapeTracker
 
+
+class UnusableModel(ValueError):
+    """The model to calibrate on could not be loaded (not a GGUF file, an architecture the
+    engine does not serve): a usage error, where any other error of a calibration is a bug."""
+
+
 HANDOFF_LATENCY_S = 0.5e-3
 HANDOFF_BYTES_PER_S = 10e9
 
@@ -80,7 +86,10 @@ def measure_steps(
         progress=False,
         quantization=quantization,
     )
-    worker.load_model()
+    try:
+        worker.load_model()
+    except (ValueError, OSError) as exc:
+        raise UnusableModel(str(exc)) from exc
     num_blocks = 2048
     worker.init_kv_cache(num_blocks)
     info = worker.info()

@@ -268,17 +268,17 @@ def run_sim(args: argparse.Namespace) -> int:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    from cluster.sim.calibrate import calibrate, measure_overhead
+    from cluster.sim.calibrate import UnusableModel, calibrate, measure_overhead
 
     overhead = args.step_overhead_ms / 1000
     if args.measure_overhead:
         overhead = measure_overhead()
         print(f"worker hop: {overhead * 1000:.2f} ms", file=sys.stderr)
-    try:  # (a model it cannot load: not a GGUF file, an architecture it does not serve)
+    try:
         model = calibrate(
             args.model, args.threads, args.block_size, overhead, args.repeats, args.quantization
         )
-    except ValueError as exc:
+    except UnusableModel as exc:  # (any other error of a measurement: a traceback, a bug)
         print(f"tandem sim calibrate: {exc}", file=sys.stderr)
         return 2
     text = json.dumps(model.coefficients, indent=2)

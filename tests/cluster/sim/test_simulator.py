@@ -602,6 +602,22 @@ def test_calibrate_with_a_model_it_cannot_load_is_a_one_line_error(
     assert "\n" not in err
 
 
+def test_calibrate_reports_an_error_after_the_model_loaded_as_a_bug(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Only a model it cannot load is a one-line usage error: a ValueError of the measurement
+    itself (here the cache's set-up) was printed as one too, hiding where it came from."""
+    from actors.worker import ModelWorker
+    from cluster.tools.cli import main
+
+    def broken(self: ModelWorker, num_blocks: int) -> None:
+        raise ValueError("a bug of the measurement")
+
+    monkeypatch.setattr(ModelWorker, "init_kv_cache", broken)
+    with pytest.raises(ValueError, match="a bug of the measurement"):
+        main(["sim", "calibrate"])
+
+
 def test_a_planned_pool_runs_as_many_requests_as_its_base_unless_its_budget_is_smaller() -> None:
     """``tandem plan`` judged (and printed) every shape with max_num_seqs 256 where the base
     left it unset -- the scheduler's default is 128, and the base's pools run that."""
