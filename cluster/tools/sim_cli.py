@@ -17,32 +17,7 @@ import math
 import sys
 from typing import Any
 
-
-def _bounded(kind: type, low: float, what: str, high: float | None = None) -> Any:
-    """An argparse ``type``: a finite ``kind`` number, ``low`` or more (``high`` or less) --
-    else a usage error naming the flag (a zero count or rate ran on, or divided by zero)."""
-
-    def parse(text: str) -> Any:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-        if not low <= value <= (math.inf if high is None else high) or math.isinf(value):
-            raise argparse.ArgumentTypeError(f"{text}: give {what}")
-        return value
-
-    return parse
-
-
-POSITIVE = _bounded(int, 1, "1 or more")
-COUNT = _bounded(int, 0, "0 or more")
-RATE = _bounded(float, 1e-9, "a number above 0")
-MILLISECONDS = _bounded(float, 1e-9, "milliseconds above 0")
-
-
-def _token_budgets(text: str) -> tuple[int, ...]:
-    """``--batched-tokens``: N[,N...], each 1 or more."""
-    return tuple(POSITIVE(t.strip()) for t in text.split(","))
+from cluster.tools.argtypes import COUNT, MILLISECONDS, POSITIVE, RATE, bounded, token_budgets
 
 
 def add_sim_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -59,7 +34,7 @@ def add_sim_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     run.add_argument("--json", action="store_true", help="print the summary as JSON")
     run.add_argument(
         "--instance-start-s",
-        type=_bounded(float, 0.0, "0 or more seconds"),
+        type=bounded(float, 0.0, "0 or more seconds"),
         default=0.0,
         help="how long an instance added by the autoscaler takes to serve (0: at once)",
     )
@@ -80,7 +55,7 @@ def add_sim_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     overhead = cal.add_mutually_exclusive_group()
     overhead.add_argument(
         "--step-overhead-ms",
-        type=_bounded(float, 0.0, "0 or more milliseconds"),
+        type=bounded(float, 0.0, "0 or more milliseconds"),
         default=0.0,
         help="added to every step (the worker hop)",
     )
@@ -111,14 +86,14 @@ def add_plan_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     add_workload_arguments(p)
     p.add_argument(
         "--target",
-        type=_bounded(float, 1e-9, "a fraction above 0, at most 1", 1.0),
+        type=bounded(float, 1e-9, "a fraction above 0, at most 1", 1.0),
         default=0.9,
         help="SLO attainment to reach (0-1]",
     )
     p.add_argument("--max-instances", type=POSITIVE, default=16)
     p.add_argument(
         "--batched-tokens",
-        type=_token_budgets,
+        type=token_budgets,
         default=(2048,),
         metavar="N[,N...]",
         help="max_num_batched_tokens values to try per pool",
