@@ -461,19 +461,20 @@ class EngineActor(ClientStreams):
                         waits = REPORT_RETRY_WAITS_S
                         await asyncio.sleep(waits[min(tries, len(waits)) - 1])
                         continue
-                    logger.warning("instance %s: a report was lost: %s", self.instance_id, exc)
                     failing_since, tries = None, 0
-                    self._unsent_traces.update(report.ended_traces)  # sent again later
-                    while len(self._unsent_traces) > MAX_UNSENT_TRACES:
-                        del self._unsent_traces[next(iter(self._unsent_traces))]
+                    self._lost_report(report, exc)
                 except Exception as exc:  # the central actor refused it: sending again won't do
                     failing_since, tries = None, 0  # (it answered: the outage, if any, ended)
-                    logger.warning("instance %s: a report was lost: %s", self.instance_id, exc)
-                    self._unsent_traces.update(report.ended_traces)  # sent again later
-                    while len(self._unsent_traces) > MAX_UNSENT_TRACES:
-                        del self._unsent_traces[next(iter(self._unsent_traces))]
+                    self._lost_report(report, exc)
                 # Not kept while idle: its KV handles (object references) pin their objects.
                 del report
+
+    def _lost_report(self, report: EngineReport, exc: BaseException) -> None:
+        """A report given up on: its ended traces go with the next one (the newest kept)."""
+        logger.warning("instance %s: a report was lost: %s", self.instance_id, exc)
+        self._unsent_traces.update(report.ended_traces)
+        while len(self._unsent_traces) > MAX_UNSENT_TRACES:
+            del self._unsent_traces[next(iter(self._unsent_traces))]
 
     # -- introspection ------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
