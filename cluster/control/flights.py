@@ -352,11 +352,15 @@ class EarlyAborts:
         ``aimed``: the one submit (client, submission) it ends (else any of the id)."""
         now = time.monotonic()
         self._prune(now)
-        if request_id not in self._finished:
-            if aimed is None:
-                self._aimed.pop(request_id, None)
-            elif request_id not in self._pending or request_id in self._aimed:
+        if aimed is not None:
+            # It ends that one submit, never a later one: an id that finished lately (an
+            # earlier submit of it) is no reason to forget it -- the aimed one may still come.
+            if request_id not in self._pending or request_id in self._aimed:
                 self._aimed.setdefault(request_id, set()).add(aimed)
+            self._pending[request_id] = now
+            return
+        if request_id not in self._finished:
+            self._aimed.pop(request_id, None)
             self._pending[request_id] = now
             if taken:
                 self._samples[request_id] = taken
@@ -387,9 +391,14 @@ class EarlyAborts:
         submission) when the abort was aimed (and forget that it did)."""
         self._finished.pop(request_id, None)  # a new request under an old id
         aimed = self._aimed.get(request_id)
-        if aimed is not None and submit not in aimed:
-            return False  # a later submit of the id runs (the aimed one may still come)
-        self._aimed.pop(request_id, None)
+        if aimed is not None:
+            if submit not in aimed:
+                return False  # a later submit of the id runs (the aimed one may still come)
+            aimed.discard(submit)
+            if aimed:  # aborts aimed at other submits of the id wait on for theirs
+                when = self._pending.get(request_id)
+                return when is not None and time.monotonic() - when <= self.ttl_s
+            del self._aimed[request_id]
         when = self._pending.pop(request_id, None)
         return when is not None and time.monotonic() - when <= self.ttl_s
 

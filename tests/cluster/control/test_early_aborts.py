@@ -90,3 +90,29 @@ def test_an_abort_aimed_at_a_submit_ends_only_that_submit() -> None:
     assert aborts.take("r", ("c", 1)) is False  # (once)
     aborts.remember("r")
     assert aborts.take("r", ("c", 5)) is True  # a plain abort: any submit of the id
+
+
+def test_an_aimed_abort_is_kept_for_an_id_that_finished_lately() -> None:
+    """An earlier submit of the id finished (kept 60 s, so a late plain abort of it does not
+    end the id's next request): an abort aimed at a later submit was dropped on that account,
+    and its submit, arriving late, ran for a client that had given up on it."""
+    aborts = EarlyAborts(ttl_s=60.0)
+    aborts.finished("r")  # submission 1 of r ended
+    aborts.remember("r", aimed=("c", 2))  # submission 2 got no answer: its abort came first
+    assert aborts.take("r", ("c", 3)) is False  # a later submit runs
+    assert aborts.take("r", ("c", 2)) is True
+    aborts.finished("r")
+    aborts.remember("r")  # a plain late abort of the finished one: still not kept
+    assert aborts.take("r", ("c", 4)) is False
+
+
+def test_two_aimed_aborts_of_one_id_each_end_their_submit() -> None:
+    """Two unanswered submits of one id (an outage), each aborted as itself: the first to
+    arrive took both aborts away, and the second ran."""
+    aborts = EarlyAborts(ttl_s=60.0)
+    aborts.remember("r", aimed=("c", 1))
+    aborts.remember("r", aimed=("c", 2))
+    assert aborts.take("r", ("c", 1)) is True
+    assert aborts.take("r", ("c", 3)) is False  # neither is this one
+    assert aborts.take("r", ("c", 2)) is True
+    assert aborts.take("r", ("c", 2)) is False  # (once)
