@@ -290,6 +290,17 @@ class Intake:
         if submission is not None and (
             flight is None or (flight.client_id, flight.submission) != (client_id, submission)
         ):
+            replaced = self._replaced(request_id, client_id, submission)
+            if replaced is not None:
+                # Placed, then its id taken by a later submit of its client (``_submit``)
+                # before this abort came: it runs on in its engine, which ends it now (a
+                # move, or its engine's death, ends it by the flag).
+                if replaced.aborting is None:
+                    replaced.aborting = reason
+                engine = self.engines.get(replaced.instance)
+                if engine is not None and engine.remote and engine.dead is None:
+                    engine.end(replaced.internal_id, reason)
+                return True
             self._early_aborts.remember(request_id, aimed=(client_id, submission))
             return False
         if flight is None:
@@ -316,6 +327,22 @@ class Intake:
         # Between instances, or on an engine that died: the actor answers for it.
         self._end(flight, reason, tokens=flight.sent)
         return True
+
+    def _replaced(
+        self, request_id: str, client_id: str | None, submission: Submission
+    ) -> Flight | None:
+        """The flight of submit ``submission`` of ``request_id`` that a later submit of its
+        client replaced (``_ended_for_its_client``): its engine still holds it (only its
+        engine's report drops it). Looked for only by an aimed abort that missed."""
+        for flight in self._internal.values():
+            if (
+                flight.request.request_id == request_id
+                and flight.client_id == client_id
+                and flight.submission == submission
+                and self.flights.get(request_id) is not flight
+            ):
+                return flight
+        return None
 
     def _client_dropped(self, client_id: str) -> None:
         """Engine actors keep an outbox per client: the dropped one's goes."""

@@ -478,6 +478,38 @@ def test_an_abort_of_an_unanswered_submit_ends_that_submit_only() -> None:
     asyncio.run(main())
 
 
+def test_an_aimed_abort_that_comes_after_a_later_submit_replaced_its_submit_ends_it() -> None:
+    """A submit placed but not answered; its client aborts it (as that submit) and reuses the
+    id at once. Ray runs the later submit first: it takes the id (the first is over for its
+    client), and the abort, finding the later one under the id, was only remembered --
+    nothing ended the first, which decoded on its engine for nobody."""
+
+    async def place(flight: Flight) -> None:
+        flight.instance, flight.internal_id = "d-0", f"r@{flight.submission}"
+        actor._internal[flight.internal_id] = flight
+
+    actor = _placing_actor(place)
+    ends: list[tuple[str, FinishReason]] = []
+    engine = SimpleNamespace(remote=True, dead=None, end=lambda *args: ends.append(args))
+    actor.engines = {"d-0": engine}
+
+    def request() -> Request:
+        return Request("r", [1, 2, 3], SamplingParams(max_tokens=9))
+
+    async def main() -> None:
+        assert await actor.submit_many("c", [(request(), None, 7)]) == [None]
+        first = actor.flights["r"]
+        assert await actor.submit_many("c", [(request(), None, 8)]) == [None]  # overtook
+        later = actor.flights["r"]
+        assert later is not first and actor._internal["r@7"] is first
+        assert actor.abort("r", FinishReason.ABORT, "c", 7) is True
+        assert ends == [("r@7", FinishReason.ABORT)] and first.aborting == FinishReason.ABORT
+        assert actor.flights["r"] is later and later.aborting is None  # the later one runs on
+        assert actor.abort("r", FinishReason.ABORT, "c", 6) is False  # not here: remembered
+
+    asyncio.run(main())
+
+
 def test_a_flight_whose_id_was_reused_goes_when_its_engine_dies() -> None:
     """A client reuses the id of a request it has ended (engine actors): the old flight
     stays by its internal id for its engine's report that ends it. When that engine died
