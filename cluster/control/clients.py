@@ -62,14 +62,16 @@ class Clients:
         return outbox
 
     async def stream(
-        self, client_id: str
+        self, client_id: str, first: Callable[[], dict[str, Any]] | None = None
     ) -> AsyncGenerator[list[tuple[Submission, EngineCoreOutput, int | None]] | dict[str, Any]]:
         """The client's batches until it is dropped (``SchedulerActor.subscribe``), and the
         notices for every client (``notify_engines``: a dict) in between; dropped when the
         stream ends, however it ends. A client that subscribes again while its earlier
         stream still runs here (it saw that stream fail, e.g. a connection lost for a while)
         gets the outbox: the earlier stream stops taking from it and ends without dropping
-        the client."""
+        the client. ``first``: the stream's first notice, made once it took over (a notice
+        the earlier stream takes before then goes to its broken link, and one made before
+        would miss it)."""
         outbox = self.outbox(client_id)
         again = client_id in self._streams  # an earlier stream of it still runs here
         number = self._streams[client_id] = self._streams.get(client_id, 0) + 1
@@ -79,20 +81,24 @@ class Clients:
             # for its tokens (``ask_resume``) not answered yet are made again.
             self._on_resubscribe(client_id)
         try:
+            if first is not None:
+                yield first()
             while True:
-                batch = await outbox.take()
-                if self._taken_over(client_id, number, outbox, batch):
-                    return
+                # Nothing is taken before the stream knows it still streams: a batch held
+                # across a yield and put back after a takeover would land behind (or merge
+                # with) what came meanwhile -- an earlier output after its request's final.
+                await outbox.ready.wait()
+                if self._streams.get(client_id) != number:  # a later stream took over:
+                    return  # (the wake-up stays set for it)
                 notice, outbox.notice = outbox.notice, None
                 if notice is not None:
                     yield notice
-                    if self._taken_over(client_id, number, outbox, batch):  # at that yield
-                        return
+                    continue
                 if outbox.resume:
                     asks, outbox.resume = outbox.resume, []
                     yield {"resume": asks}
-                    if self._taken_over(client_id, number, outbox, batch):  # (asked again)
-                        return
+                    continue
+                batch = await outbox.take()  # (set: no wait, nothing runs in between)
                 if batch:
                     yield batch
                 if outbox.closed and not outbox.pending:
@@ -101,23 +107,6 @@ class Clients:
             if self._streams.get(client_id) == number:
                 del self._streams[client_id]
                 self.drop(client_id, outbox)
-
-    def _taken_over(
-        self,
-        client_id: str,
-        number: int,
-        outbox: Outbox,
-        batch: list[tuple[Submission, EngineCoreOutput, int | None]],
-    ) -> bool:
-        """A later stream of the client took over stream ``number``: what it took goes back,
-        and the later one is woken (this one's take may have cleared the wake-up that a
-        notice or an ask left for it)."""
-        if self._streams.get(client_id) == number:
-            return False
-        for submission, out, index in batch:
-            outbox.put(submission, out, index)
-        outbox.ready.set()
-        return True
 
     def keepalive(self, client_id: str) -> None:
         self._seen[client_id] = time.monotonic()

@@ -146,9 +146,10 @@ class Intake:
         # Its outbox is there before the engines are read below: an engine that joins while
         # they go out is noticed (``notify_engines`` tells only the outboxes there are).
         self.clients.outbox(client_id)
-        async with aclosing(self.clients.stream(client_id)) as batches:
-            if self.config.engine_actors:  # where its tokens come from
-                yield {"engines": self.engine_handles()}
+        # Where its tokens come from (engine actors): read as its stream takes over the
+        # outbox, with nothing awaited in between (``Clients.stream``).
+        first = (lambda: {"engines": self.engine_handles()}) if self.config.engine_actors else None
+        async with aclosing(self.clients.stream(client_id, first)) as batches:
             async for batch in batches:
                 yield batch if isinstance(batch, dict) else pack_batch(batch)
 

@@ -6,6 +6,7 @@ from it, and its end drops nobody."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 
@@ -52,7 +53,7 @@ def test_a_batch_taken_by_a_stream_taken_over_goes_to_the_new_one() -> None:
             await asyncio.sleep(0)  # the second stream waits for outputs
         out = EngineCoreOutput("r", [8, 9])
         clients.outbox("c").put("tag", out, 1)
-        with pytest.raises(StopAsyncIteration):  # the first goes on: takes it, puts it back
+        with pytest.raises(StopAsyncIteration):  # the first goes on: sees the new one, leaves it
             await old.__anext__()
         assert await asyncio.wait_for(second, 5) == [("tag", out, 1)]
         await new.aclose()
@@ -105,6 +106,71 @@ def test_a_stream_taken_over_leaves_the_wake_up_of_an_ask_to_the_new_one() -> No
         with pytest.raises(StopAsyncIteration):
             await old.__anext__()  # takes the wake-up, sees the new one, leaves
         assert await asyncio.wait_for(new.__anext__(), 1) == {"resume": [("d-0", [7])]}
+        await old.aclose()
+        await new.aclose()
+
+    asyncio.run(main())
+
+
+def test_a_batch_a_stream_held_when_taken_over_never_lands_after_the_requests_final() -> None:
+    """An old stream (its link broken) took a batch, then yielded a notice; taken over at that
+    yield, it put the batch back behind what came meanwhile -- the request's final (no
+    position: an error), which merged away its finish reason: the request never ended. A
+    stream now takes a batch only when it has nothing else to yield and still streams."""
+    from scheduler.request import FinishReason
+
+    clients = Clients({}, lambda rid: True, timeout_s=30.0)
+
+    async def main() -> None:
+        old = clients.stream("c")
+        box = clients.outbox("c")
+        box.put(1, EngineCoreOutput("r", [5]), 0)
+        clients.notify_engines({"d-0": None})
+        assert "engines" in await old.__anext__()  # the old one at its yield, a batch due
+        new = clients.stream("c")
+        second = asyncio.ensure_future(new.__anext__())
+        await asyncio.sleep(0)
+        box.put(1, EngineCoreOutput("r", [], FinishReason.ERROR, error="x"), None)
+        with pytest.raises(StopAsyncIteration):
+            await old.__anext__()
+        batches = [await asyncio.wait_for(second, 1)]
+        with contextlib.suppress(TimeoutError):  # (the final was lost: none comes)
+            while not any(o.finished for b in batches for _, o, _ in b):
+                batches.append(await asyncio.wait_for(new.__anext__(), 0.5))
+        tokens = [t for b in batches for _, o, _ in b for t in o.new_token_ids]
+        finals = [o.finish_reason for b in batches for _, o, _ in b if o.finished]
+        assert tokens == [5] and finals == [FinishReason.ERROR], batches
+        await old.aclose()
+        await new.aclose()
+
+    asyncio.run(main())
+
+
+def test_a_resubscribing_client_hears_of_an_engine_that_joins_as_it_takes_over() -> None:
+    """The new stream's list of engines was read before it took the outbox over: an engine
+    that joined in between was told only to the old stream (its link broken), and the
+    client's requests there got no tokens. The list is read as the stream takes over."""
+    clients = Clients({}, lambda rid: True, timeout_s=30.0)
+    engines = {"d-0": "h0"}
+
+    def listed() -> dict[str, object]:
+        return {"engines": dict(engines)}
+
+    async def main() -> None:
+        old = clients.stream("c", listed)
+        assert await old.__anext__() == {"engines": {"d-0": "h0"}}
+        waiting = asyncio.ensure_future(old.__anext__())  # (its link broke)
+        await asyncio.sleep(0)
+        new = clients.stream("c", listed)  # Ray reports each item when it comes:
+        engines["d-1"] = "h1"  # d-1 joins while the new one's first item is on its way
+        clients.notify_engines(dict(engines))
+        seen = [await asyncio.wait_for(new.__anext__(), 1)]
+        for _ in range(3):
+            await asyncio.sleep(0)  # the old stream runs
+        assert waiting.done()
+        with contextlib.suppress(TimeoutError):
+            seen.append(await asyncio.wait_for(new.__anext__(), 0.2))
+        assert any("d-1" in s.get("engines", {}) for s in seen), seen
         await old.aclose()
         await new.aclose()
 
