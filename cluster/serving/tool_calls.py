@@ -194,9 +194,11 @@ def _as_text(message: dict[str, Any]) -> dict[str, Any]:
 
 
 def _loads_or_text(function: dict[str, Any]) -> Any:
+    # Not only JSONDecodeError: an integer past 4,300 digits is a plain ValueError, nesting
+    # past the interpreter's recursion limit a RecursionError (the client's text, not a 500).
     try:
         return json.loads(function.get("arguments") or "{}")
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):
         return function.get("arguments")
 
 
@@ -219,7 +221,13 @@ def required_schema(tools: list[dict[str, Any]], parallel: bool) -> dict[str, An
     for tool in tools:
         parameters = dict(_parameters(tool))
         for key in ("$defs", "definitions"):
-            for def_name, definition in (parameters.pop(key, None) or {}).items():
+            definitions = parameters.pop(key, None) or {}
+            if not isinstance(definitions, dict):
+                raise ValueError(
+                    f"tools: {key} of {tool['function']['name']}'s parameters must be an object "
+                    "(definitions by name)"
+                )
+            for def_name, definition in definitions.items():
                 into = hoisted.setdefault(key, {})
                 if def_name in into and into[def_name] != definition:
                     raise ValueError(

@@ -37,7 +37,7 @@ def _call_from_json(blob: str, strict: bool, names: tuple[str, ...] = ()) -> Too
     must be there and the name one of ``names``."""
     try:
         value = json.loads(blob)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # (a huge integer, nesting past the recursion limit)
         return None
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None

@@ -338,3 +338,26 @@ def test_forced_calls_whole_agree_with_their_streams() -> None:
     named = ToolPlan("named", "hermes", "get_weather").parse('{"city": "Oslo"}', "stop")
     assert named[0] is None and named[2] == "stop"  # a forced function ends with stop
     assert named[1][0].name == "get_weather" and named[1][0].arguments == '{"city": "Oslo"}'
+
+
+def test_arguments_json_cannot_read_stay_text_and_bad_definitions_are_refused() -> None:
+    """Text ``json`` refuses other than with a JSONDecodeError -- nesting past the recursion
+    limit, an integer past 4,300 digits -- is text like any other non-JSON: in the history's
+    calls (it was a 500 on the request) and in a model's output (a 500 after generating).
+    ``$defs`` that are no object are the client's 400 (``ValueError``), not a 500."""
+    for arguments in ("[" * 100_000, "1" * 5000):
+        call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+        history = [{"role": "assistant", "content": "", "tool_calls": [call]}]
+        for template in (TOOLS_TEMPLATE, PLAIN_TEMPLATE):
+            messages, _ = template_messages(history, None, template)
+            assert arguments in json.dumps(messages)  # kept as the text it came as
+        for output in (
+            f"<tool_call>{arguments}</tool_call>",
+            f'{{"name": "f", "parameters": {arguments}}}',
+        ):
+            assert parse_calls("hermes", output)[1] == []
+            assert parse_calls("llama3_json", output, ("f",))[1] == []
+    for defs in ([1], "Loc"):
+        tool = {"type": "function", "function": {"name": "go", "parameters": {"$defs": defs}}}
+        with pytest.raises(ValueError, match=r"\$defs of go's parameters must be an object"):
+            required_schema([tool], parallel=True)
