@@ -194,6 +194,18 @@ class SamplingFields(BaseModel):
 
     _refused = field_validator(*REFUSED_COMPLETION, *REFUSED_VLLM, mode="after")(_refuse_active)
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_ids(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        """An id of more than 20 digits is past any vocabulary (and one of more than 4,300
+        is past what ``int()`` reads: a 500 where the id is checked against the vocabulary)."""
+        for key in value or {}:
+            if len(key) > 20:
+                raise ValueError(
+                    f"token id {key[:20]}... ({len(key)} digits) is outside the vocabulary"
+                )
+        return value
+
     def logit_bias_ids(self) -> list[int]:
         return [int(k) for k in self.logit_bias or {}]
 

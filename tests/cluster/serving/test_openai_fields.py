@@ -270,3 +270,15 @@ def test_stream_options_may_be_null() -> None:
     options = {"include_usage": None, "continuous_usage_stats": None}
     null = CompletionRequest.model_validate({**streamed, "stream_options": options})
     assert null.stream_options is not None and not null.stream_options.include_usage
+
+
+def test_a_logit_bias_id_of_thousands_of_digits_is_a_400_naming_the_field() -> None:
+    """Past 4,300 digits ``int()`` refuses a string: such a key was a 500 where its id is
+    checked against the vocabulary. Any id longer than 20 digits is refused with the body."""
+    base = {"model": "m", "prompt": "hi"}
+    for key in ("1" * 5000, "0" * 4400 + "1", "1" * 21):
+        with pytest.raises(ValidationError, match="outside the vocabulary") as refused:
+            CompletionRequest.model_validate({**base, "logit_bias": {key: 1}})
+        assert refused.value.errors()[0]["loc"] == ("logit_bias",)
+    request = CompletionRequest.model_validate({**base, "logit_bias": {"9" * 20: 1, "007": 2}})
+    assert request.logit_bias_ids() == [10**20 - 1, 7]  # (then past the vocabulary: a 400)
