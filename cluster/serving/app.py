@@ -110,7 +110,9 @@ def validation_error(exc: RequestValidationError) -> APIError:
         if isinstance(cause, FieldError):  # a check across fields names the one at fault
             field = cause.param
         param = param or field
-        problems.append(f"{field}: {error.get('msg', 'invalid')}")
+        problem = f"{field}: {error.get('msg', 'invalid')}"
+        if problem not in problems:  # (each member of a union may refuse the same check)
+            problems.append(problem)
     return APIError(400, "; ".join(problems) or "invalid request", param=param)
 
 

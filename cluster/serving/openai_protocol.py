@@ -34,6 +34,7 @@ from cluster.serving.sampling_fields import (
     SamplingFields,
     _log_unknown,
     _refuse_active,
+    _refuse_surrogates,
 )
 from scheduler import StructuredOutputsParams
 
@@ -278,6 +279,8 @@ class TokenizeCompletionRequest(BaseModel):
     add_special_tokens: bool = True
     return_token_strs: bool = False
 
+    _unicode = model_validator(mode="before")(_refuse_surrogates)
+
     @model_validator(mode="after")
     def _unknown(self) -> TokenizeCompletionRequest:
         _log_unknown(self)
@@ -305,6 +308,8 @@ class TokenizeChatRequest(BaseModel):
         _refuse_active
     )
 
+    _unicode = model_validator(mode="before")(_refuse_surrogates)
+
     @model_validator(mode="after")
     def _unknown(self) -> TokenizeChatRequest:
         _log_unknown(self)
@@ -321,6 +326,8 @@ class DetokenizeRequest(BaseModel):
 
     model: str | None = None
     tokens: list[Annotated[int, Field(ge=0)]]
+
+    _unicode = model_validator(mode="before")(_refuse_surrogates)
 
     @model_validator(mode="after")
     def _unknown(self) -> DetokenizeRequest:

@@ -14,6 +14,7 @@ once per name.
 from __future__ import annotations
 
 import logging
+import re
 import typing
 from typing import Annotated, Any
 
@@ -96,6 +97,48 @@ def _refuse_active(value: Any, info: ValidationInfo) -> Any:
     if any(value == inactive and type(value) is type(inactive) for inactive in inactives):
         return value
     raise ValueError(f"{info.field_name} is not supported")
+
+
+# A UTF-16 surrogate in a Python string: JSON lets a body escape one alone ("\\ud800"), but it
+# is no Unicode text -- UTF-8 cannot encode it, so the tokenizer, the grammar compiler and the
+# response's own encoder would all fail on it (a 500 where the client sent bad text).
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _surrogate_at(body: Any) -> str | None:
+    """Where the first string of a JSON body (a value, or a key: its object's path) holding
+    an unpaired surrogate is (``messages.0.content``; ``body`` at the top); None when none
+    does. Iterative: the JSON parser's nesting bound is not this stack's."""
+    todo: list[tuple[str, Any]] = [("", body)]
+    while todo:
+        path, value = todo.pop()
+        if isinstance(value, str):
+            if _SURROGATE.search(value):
+                return path or "body"
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                if isinstance(key, str) and _SURROGATE.search(key):
+                    return path or "body"
+                todo.append((f"{path}.{key}" if path else str(key), item))
+        elif isinstance(value, list):
+            todo.extend(
+                (f"{path}.{i}" if path else str(i), x)
+                for i, x in enumerate(value)
+                if isinstance(x, str | dict | list)  # (not each id of a token-id prompt)
+            )
+    return None
+
+
+def _refuse_surrogates(data: Any) -> Any:
+    """A body's strings must be Unicode text: a 400 naming the field otherwise."""
+    where = _surrogate_at(data)
+    if where is not None:
+        raise FieldError(
+            where,
+            "the text holds an unpaired UTF-16 surrogate (a lone \\ud800-\\udfff escape), "
+            "which is not valid Unicode",
+        )
+    return data
 
 
 def _log_unknown(model: BaseModel) -> None:
@@ -228,6 +271,8 @@ class SamplingFields(BaseModel):
             and not _takes_none(fields[key].annotation)
         ]
         return {k: v for k, v in data.items() if k not in defaulted} if defaulted else data
+
+    _unicode = model_validator(mode="before")(_refuse_surrogates)
 
     @model_validator(mode="after")
     def _streaming_options(self) -> SamplingFields:

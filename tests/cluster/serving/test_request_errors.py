@@ -109,3 +109,30 @@ def test_a_body_that_is_no_json_is_a_400_without_a_param() -> None:
     status, error = _post("/completions", b'{"model": "m", "prompt": }')
     assert status == 400 and error["param"] is None
     assert error["message"].startswith("could not parse the JSON body: Expecting value")
+
+
+def test_text_with_an_unpaired_surrogate_is_a_400_naming_its_field() -> None:
+    """JSON may escape a UTF-16 surrogate alone (``\\ud800``); that is no Unicode text (UTF-8
+    has no encoding of it): the tokenizer, the grammar compiler and the response encoder
+    would fail on it, a 500. Refused with the body, naming where it is."""
+
+    def post(path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        return _post(path, json.dumps(body).replace("LONE", "\\ud800").encode())
+
+    def refused(path: str, body: dict[str, Any]) -> str:
+        status, error = post(path, body)
+        assert status == 400 and "unpaired UTF-16 surrogate" in error["message"], error
+        assert error["message"].count("surrogate") == 1, error  # (once: a union's members)
+        return str(error["param"])
+
+    user = {"role": "user", "content": "x"}
+    assert refused("/completions", {"model": "m", "prompt": "aLONEb"}) == "prompt"
+    assert refused("/completions", {"prompt": ["ok", "LONE"]}) == "prompt.1"
+    parts = {"role": "user", "content": [{"type": "text", "text": "LONE"}]}
+    assert refused("/chat", {"messages": [parts]}) == "messages.0.content.0.text"
+    assert refused("/chat", {"messages": [user], "guided_regex": "aLONE"}) == "guided_regex"
+    assert refused("/tokenize", {"prompt": "LONE"}) == "prompt"
+    # A key holding one names the object it is in; a surrogate pair is a character.
+    assert refused("/completions", {"prompt": "a", "logit_bias": {"LONE": 1}}) == "logit_bias"
+    pair = _post("/completions", b'{"prompt": "\\ud83d\\ude00", "n": 0}')
+    assert pair[0] == 400 and pair[1]["param"] == "n"  # refused for n alone
