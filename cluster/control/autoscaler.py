@@ -209,6 +209,9 @@ class Autoscaler:
         # by the autoscaler, at min_replicas (scale_pool retires the dead).
         self._restarts = {pool.name: pool.max_restarts > 0 for pool in pools}
         self._empty_since: dict[str, float] = {}  # pool -> when it was first seen with none
+        # Per pool, its failed instances that may come back (``_restarting``) -> when each
+        # was first seen down.
+        self._down_since: dict[str, dict[str, float]] = {}
         self.decisions: deque[Decision] = deque(maxlen=MAX_DECISIONS)  # the latest, in order
         self.counts: dict[tuple[str, str], int] = {}  # (pool, "direction:reason") -> resizes
         self.failed = 0  # resizes that raised (they are asked for again after their delay)
@@ -255,6 +258,26 @@ class Autoscaler:
             first_tokens_per_s=rate,
         )
 
+    def _restarting(self, pool: str, now: float) -> int:
+        """The pool's failed instances that its workers' restarts (max_restarts) may bring
+        back -- not declared dead for good -- each for as long as a recovery may take
+        (startup_timeout_s): they count towards the pool's size, as Ray Serve counts its
+        starting replicas. A resize meanwhile would retire them (``scale_pool`` retires the
+        dead) and load new instances in their place."""
+        if not self._restarts[pool]:
+            return 0
+        actor = self.actor
+        live = set(actor._pool_instances(pool))
+        down = [
+            i
+            for i in actor._pool_instances(pool, alive=False)
+            if i not in live and getattr(actor.engines.get(i), "dead", None) is None
+        ]
+        seen = self._down_since.get(pool, {})
+        self._down_since[pool] = seen = {i: seen.get(i, now) for i in down}
+        bound = self.actor.config.startup_timeout_s + REJOIN_GRACE_S
+        return sum(now - since < bound for since in seen.values())
+
     def resized(self, pool: str) -> None:
         """Pool ``pool`` was resized (by anyone): its latencies so far are the old size's,
         and a wish timed before is void."""
@@ -275,6 +298,7 @@ class Autoscaler:
             now = time.monotonic()
             signals = self.signals(pool, now)
             self.desired[pool] = policy.desired(signals)[0]  # (also while restarts are awaited)
+            restarting = self._restarting(pool, now)
             if signals.replicas == 0 and self._restarts[pool]:
                 # Its workers restart (max_restarts) and it rejoins: wait for that, as long as
                 # a recovery may take (startup_timeout_s). Past it, none came back (restarts
@@ -293,6 +317,11 @@ class Autoscaler:
                 policy.reset()
             decision = policy.decide(now, signals)
             if decision is None:
+                continue
+            if restarting and decision.desired <= decision.replicas + restarting:
+                # Its restarting instances make up the size it wants: a grow would retire
+                # them for new instances' model loads, a shrink would retire them with a
+                # live one (two at once). It waits for them (or for their time to pass).
                 continue
             if decision.desired < decision.replicas and self.actor._pool_draining(pool):
                 # What the draining instances still hold moves to this pool when their drain

@@ -211,7 +211,7 @@ def test_a_pool_whose_instances_never_come_back_is_started_afresh(monkeypatch: A
 
     actor = type("Actor", (), {})()  # the central actor's parts the autoscaler reads
     actor.config, actor.views, actor._resizing = config, {}, asyncio.Lock()
-    actor._pool_instances = lambda pool: list(live) if pool == "d" else []
+    actor._pool_instances = lambda pool, alive=True: list(live) if pool == "d" else []
     actor.scale_pool = scale_pool
     autoscaler = module.Autoscaler(actor)
     assert asyncio.run(autoscaler.step()) == [] and resized == []  # its restart may come
@@ -222,6 +222,65 @@ def test_a_pool_whose_instances_never_come_back_is_started_afresh(monkeypatch: A
     (decision,) = asyncio.run(autoscaler.step())
     assert (decision.replicas, decision.desired, decision.reason) == (0, 1, "no live instance")
     assert resized == [("d", 1)]
+
+
+def test_a_restarting_instance_counts_towards_its_pools_size(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A pool at its minimum (2) whose instance d-1 failed and restarts (max_restarts): the
+    restart brings it back, so the pool is not grown meanwhile -- the grow would retire d-1
+    (scale_pool retires the dead) and load a new instance in its place -- for as long as a
+    recovery may take (startup_timeout_s). Past it, or declared dead for good (its engine
+    actor died), it is replaced."""
+    from types import SimpleNamespace
+
+    from cluster.control import autoscaler as module
+
+    clock = [1000.0]
+    monkeypatch.setattr(module.time, "monotonic", lambda: clock[0])
+    config = ClusterConfig.model_validate(
+        {
+            "model": "m",
+            "startup_timeout_s": 60.0,
+            "pools": [
+                {
+                    "name": "d",
+                    "role": "decode",
+                    "replicas": 2,
+                    "max_restarts": 1,
+                    "autoscaling": {"min_replicas": 2, "max_replicas": 4, "upscale_delay_s": 0},
+                },
+                {"name": "p", "role": "prefill", "replicas": 1},
+            ],
+        }
+    )
+    views = {i: InstanceView(i, "decode", 16, True) for i in ("d-0", "d-1")}
+    views["d-1"].alive = False  # failed: its workers restart
+    resized: list[tuple[str, int]] = []
+
+    async def scale_pool(pool: str, replicas: int, wait: bool) -> None:
+        resized.append((pool, replicas))
+
+    actor: Any = type("Actor", (), {})()  # the central actor's parts the autoscaler reads
+    actor.config, actor.views, actor._resizing = config, views, asyncio.Lock()
+    actor.engines = {i: SimpleNamespace(dead=None) for i in views}
+    actor._pool_instances = lambda pool, alive=True: [
+        i for i in views if i[0] == pool and (views[i].alive or not alive)
+    ]
+    actor._pool_draining = lambda pool: False
+    actor.scale_pool = scale_pool
+    autoscaler = module.Autoscaler(actor)
+    for _ in range(30):  # 30 s of its restart: the pool has its size
+        asyncio.run(autoscaler.step())
+        clock[0] += 1.0
+    assert resized == []
+    clock[0] += 60.0  # past startup_timeout_s (and the grace): no restart brought it back
+    asyncio.run(autoscaler.step())
+    assert resized == [("d", 2)]
+    resized.clear()
+    actor.engines["d-1"].dead = "its engine actor died"  # nothing brings it back
+    asyncio.run(module.Autoscaler(actor).step())
+    assert resized == [("d", 2)]
 
 
 def test_a_pool_does_not_shrink_again_while_an_instance_of_it_drains() -> None:
