@@ -118,6 +118,18 @@ class Stopped:
     request_id: str
 
 
+@dataclass(frozen=True)
+class Abort:
+    """A client's op: abort its submit ``submission`` of ``request_id`` -- that one only,
+    never a later submit of the id (a batch sent again after the central actor's restart
+    carries its aborts again, when the id may be a new request's); ``stopped``: it met a
+    stop string (it ends as ``stop``)."""
+
+    request_id: str
+    submission: Submission
+    stopped: bool = False
+
+
 @dataclass
 class Flight:
     """A request between ``generate`` / ``submit`` and its final output."""

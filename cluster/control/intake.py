@@ -13,6 +13,7 @@ from typing import Any
 from cluster.config import ClusterConfig
 from cluster.control.clients import Clients
 from cluster.control.flights import (
+    Abort,
     EarlyAborts,
     Flight,
     Outbox,
@@ -105,17 +106,24 @@ class Intake:
     async def submit_many(
         self,
         client_id: str,
-        items: list[tuple[Request, dict[str, str] | None, Submission | None] | str | Stopped],
+        items: list[
+            tuple[Request, dict[str, str] | None, Submission | None] | str | Stopped | Abort
+        ],
     ) -> list[Exception | None]:
         """``submit`` for several requests of client ``client_id`` in one call -- (request,
         trace context, submission) each -- and ``abort`` for a bare request id (or, as
-        ``stop``, a ``Stopped`` one), in order.
+        ``stop``, a ``Stopped`` one; an ``Abort``: of that submit only), in order.
         Each gets its own outcome: None (placed; aborts always) or the exception that refused
         it, as a value: one refusal does not fail the others. A client sends what it has at
         once this way, so a burst costs a few Ray calls instead of one each, and an abort
         and a later submit of the same id cannot swap."""
         outcomes: list[Exception | None] = []
         for item in items:
+            if isinstance(item, Abort):
+                reason = FinishReason.STOP if item.stopped else FinishReason.ABORT
+                self.abort(item.request_id, reason, client_id, item.submission)
+                outcomes.append(None)
+                continue
             if isinstance(item, str | Stopped):
                 stopped = isinstance(item, Stopped)
                 rid = item.request_id if isinstance(item, Stopped) else item

@@ -17,7 +17,7 @@ from collections.abc import AsyncGenerator
 from typing import Any
 
 from cluster.control.delivery import Delivery
-from cluster.control.flights import Outcome, Stopped
+from cluster.control.flights import Abort, Outcome, Stopped
 from cluster.engine.streams import Mailbox
 from cluster.errors import StreamLostError
 from scheduler import Request
@@ -142,25 +142,37 @@ class Subscription(Delivery):
                 if len(self._finals) > RECENT_FINALS:
                     self._finals.popitem(last=False)
             self._open.pop(submission, None)
-            self.request_ids.pop(rid, None)
             if running:  # left before the end: nothing may keep running for nobody
-                self.abort(rid)
+                self.abort(rid)  # (this submit: the id is still its own here)
+            self.request_ids.pop(rid, None)
 
     def abort(self, request_id: str, stopped: bool = False) -> None:
         """Abort ``request_id`` on the cluster, after whatever this subscription submitted
         before (from this event loop); ``stopped``: it met a stop string (it ends as
-        ``stop``)."""
-        self._ops.append((Stopped(request_id) if stopped else request_id, None))
+        ``stop``). An id open here is aborted as its submit, never a later one of the id:
+        a batch sent again after the central actor's restart carries the abort again,
+        after a submit that reused the id (in the same batch, or taken on by the restarted
+        actor); by its id alone, it ended that new request."""
+        submission = self.request_ids.get(request_id)
+        item: Any
+        if submission is not None:
+            item = Abort(request_id, submission, stopped)
+        else:  # not streamed here (yet): by its id (``EarlyAborts``)
+            item = Stopped(request_id) if stopped else request_id
+        self._ops.append((item, None))
         self._schedule()
 
     def _abort_remote(self, item: Any) -> None:
         """Abort the request of a queued op on its own (a stop stays a stop); a submit's only
         as that submit: this call may overtake a later submit of its id (queued here since),
         which it must not end, on arrival or as an abort remembered for it."""
-        reason = FinishReason.STOP if isinstance(item, Stopped) else FinishReason.ABORT
+        stopped = isinstance(item, Stopped) or (isinstance(item, Abort) and item.stopped)
+        reason = FinishReason.STOP if stopped else FinishReason.ABORT
         if isinstance(item, tuple):
             request, _, submission = item
             self.handle.abort.remote(request.request_id, reason, self.client_id, submission)
+        elif isinstance(item, Abort):
+            self.handle.abort.remote(item.request_id, reason, self.client_id, item.submission)
         else:
             self.handle.abort.remote(_op_id(item), reason)
 
@@ -265,7 +277,7 @@ class Subscription(Delivery):
                     if outcome is None and outcomes:  # placed: nothing may run for nobody --
                         # ahead of the ops of its id queued since (a new request of the id
                         # reused at once: the abort would end that one instead)
-                        self._ops.insert(0, (item[0].request_id, None))
+                        self._ops.insert(0, (Abort(item[0].request_id, item[2]), None))
                 elif not future.done():
                     if outcome is None and outcomes:
                         future.set_result(None)
@@ -450,7 +462,7 @@ def _in_use(outcome: BaseException | None) -> bool:
 
 def _op_id(item: Any) -> str:
     """The request id of a queued op: an abort's id, or a submit's request's."""
-    if isinstance(item, Stopped):
+    if isinstance(item, Stopped | Abort):
         return item.request_id
     return item if isinstance(item, str) else str(item[0].request_id)
 

@@ -510,6 +510,39 @@ def test_an_aimed_abort_that_comes_after_a_later_submit_replaced_its_submit_ends
     asyncio.run(main())
 
 
+def test_a_batch_sent_again_after_a_restart_aborts_only_the_submit_it_meant() -> None:
+    """A caller leaves request r (submission 0) and reuses its id at once (submission 1):
+    one batch, [abort r, submit r]. The central actor ran it and died before answering; the
+    restarted one took submission 1 on from its engine, and the client sent the batch again.
+    The abort, by the id alone, ended submission 1 -- the new request -- and its submit was
+    answered as placed: the caller got an abort it never asked for."""
+    placed: list[Flight] = []
+
+    async def place(flight: Flight) -> None:
+        placed.append(flight)
+
+    def request() -> Request:
+        return Request("r", [1, 2, 3], SamplingParams(max_tokens=9))
+
+    actor = _placing_actor(place)
+    actor.engines = {}
+    sub = Subscription.__new__(Subscription)
+    sub._ops, sub._flush_scheduled, sub.request_ids = [], True, {"r": 0}
+    sub.abort("r")  # submission 0's stream left (the id is still its own here)
+    ((abort, _),) = sub._ops
+
+    async def main() -> None:
+        # What the restarted actor took on: submission 1, placed by the one that died.
+        assert await actor.submit_many("c", [(request(), None, 1)]) == [None]
+        taken = actor.flights["r"]
+        # The batch sent again: submission 1 runs on, placed once.
+        assert await actor.submit_many("c", [abort, (request(), None, 1)]) == [None, None]
+        assert actor.flights.get("r") is taken and taken.aborting is None
+        assert len(placed) == 1
+
+    asyncio.run(main())
+
+
 def test_a_flight_whose_id_was_reused_goes_when_its_engine_dies() -> None:
     """A client reuses the id of a request it has ended (engine actors): the old flight
     stays by its internal id for its engine's report that ends it. When that engine died

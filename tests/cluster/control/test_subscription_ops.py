@@ -22,7 +22,10 @@ class _Central:
 
     async def submit_many(self, client_id: str, items: list[Any]) -> list[None]:
         ops = [
-            ("abort", i) if isinstance(i, str) else ("submit", i[0].request_id, i[2]) for i in items
+            ("submit", i[0].request_id, i[2])
+            if isinstance(i, tuple)
+            else ("abort", getattr(i, "request_id", i))  # (an id, or an op naming one)
+            for i in items
         ]
         self.calls.append(ops)
         if len(self.calls) == 1:
@@ -45,7 +48,7 @@ class _Central:
     def unsubscribe(self, client_id: str) -> None:
         return None
 
-    def abort(self, request_id: str, reason: Any = None) -> None:
+    def abort(self, request_id: str, reason: Any = None, *aimed: Any) -> None:
         self.calls.append([("direct abort", request_id)])
 
 
