@@ -56,6 +56,9 @@ class Intake:
     _place: Callable[[Flight], Coroutine[Any, Any, None]]
     _forget: Callable[[Flight], None]
     _end: Callable[..., None]
+    # After a restart: the submits (client, submission) that ended on their engines while no
+    # central actor heard of it (the rebuild's; its clients may send them again).
+    _ended_submits: frozenset[tuple[str, Any]] = frozenset()
 
     async def generate(
         self, request: Request, trace_context: dict[str, str] | None = None
@@ -99,6 +102,12 @@ class Intake:
         that was dropped; otherwise returns once it is placed, and ``abort`` reaches it from
         then on."""
         outbox = self.clients.outbox(client_id)
+        await self._ready()
+        if (client_id, submission) in self._ended_submits:
+            # Placed by this actor's previous process, which died before answering, and
+            # ended on its engine meanwhile: its client has (or gets) the final from there.
+            # Placed again, it ran to the end for nobody.
+            return
         await self._submit(
             request, trace_context, outbox=outbox, submission=submission, client_id=client_id
         )

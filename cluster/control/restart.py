@@ -68,6 +68,7 @@ class Restart:
     _held_reports: list[Any]
     _first_own_seq: int
     _taken_on: set[str]
+    _ended_submits: frozenset[tuple[str, Any]]
     observe: Any
 
     def _on_report(self, report: Any) -> None:  # the actor's
@@ -266,6 +267,7 @@ async def rebuild(actor: Any) -> None:
     handoffs = []
     held = [(snap.spec.instance_id, h) for _, snap in found for h in snap.held]
     ended_here = {key for _, snap in found for key in snap.ended}
+    actor._ended_submits = frozenset(ended_here)  # (a submit of them sent again is done)
     for iid, h, take in triage(held, ended_here):
         last = max(last, sequence_of(h.internal_id))
         actor._taken_on.add(h.internal_id)

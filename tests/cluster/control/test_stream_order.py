@@ -543,6 +543,32 @@ def test_a_batch_sent_again_after_a_restart_aborts_only_the_submit_it_meant() ->
     asyncio.run(main())
 
 
+def test_a_submit_sent_again_after_a_restart_that_ended_meanwhile_is_not_run_again() -> None:
+    """The central actor placed submission 7 and died before answering; the request ended on
+    its engine while no central actor ran (its client got the final from the engine). The
+    client sent the submit again: the restarted actor, holding no flight of it, placed it
+    again, and it ran to the end for nobody. The rebuild's ended submits are done."""
+    placed: list[Flight] = []
+
+    async def place(flight: Flight) -> None:
+        placed.append(flight)
+
+    actor = _placing_actor(place)
+    actor._ended_submits = frozenset({("c", 7)})  # (as the rebuild found on the engines)
+
+    def request(rid: str) -> Request:
+        return Request(rid, [1, 2, 3], SamplingParams(max_tokens=9))
+
+    async def main() -> None:
+        assert await actor.submit_many("c", [(request("r"), None, 7)]) == [None]
+        assert not placed and "r" not in actor.flights
+        assert await actor.submit_many("d", [(request("r"), None, 7)]) == [None]  # another's
+        assert await actor.submit_many("c", [(request("s"), None, 8)]) == [None]
+        assert [f.submission for f in placed] == [7, 8]
+
+    asyncio.run(main())
+
+
 def test_a_flight_whose_id_was_reused_goes_when_its_engine_dies() -> None:
     """A client reuses the id of a request it has ended (engine actors): the old flight
     stays by its internal id for its engine's report that ends it. When that engine died
