@@ -172,6 +172,33 @@ def _unusable(exc: BaseException) -> bool:
     return "is not started" in str(exc)
 
 
+SNAPSHOT_RETRY_WAITS_S = (0.5, 1.0, 2.0)  # between asks of an engine that gave a passing fault
+
+
+async def gather_snapshots(
+    handles: list[Any], waits: tuple[float, ...] = SNAPSHOT_RETRY_WAITS_S
+) -> list[Any]:
+    """Each engine's snapshot, or the exception it gave. One that gave a passing fault is
+    asked again after each of ``waits``: left untaken, nothing would ever end its requests
+    or free its resources (its reports go unheard, and it sees a central actor that lives)."""
+
+    def ask(handle: Any) -> Any:
+        return asyncio.wait_for(handle.snapshot.remote(), SNAPSHOT_TIMEOUT_S)
+
+    answers: list[Any] = await asyncio.gather(*(ask(h) for h in handles), return_exceptions=True)
+    for wait_s in waits:
+        again = [
+            i for i, a in enumerate(answers) if isinstance(a, BaseException) and not _unusable(a)
+        ]
+        if not again:
+            break
+        await asyncio.sleep(wait_s)
+        asked = await asyncio.gather(*(ask(handles[i]) for i in again), return_exceptions=True)
+        for i, answer in zip(again, asked, strict=True):
+            answers[i] = answer
+    return answers
+
+
 async def rebuild(actor: Any) -> None:
     """Rebuild ``actor``'s instances and flights from its engine actors' snapshots
     (``actor``: the ``SchedulerActor``, not imported here: it imports this module)."""
@@ -192,24 +219,29 @@ async def rebuild(actor: Any) -> None:
         except ValueError:  # gone since it was listed (killed, or a name released late)
             logger.warning("engine %s left before the rebuild reached it", name)
             names.remove(name)
-    answers: list[Any] = await asyncio.gather(
-        *(asyncio.wait_for(h.snapshot.remote(), SNAPSHOT_TIMEOUT_S) for h in handles),
-        return_exceptions=True,
-    )
+    answers = await gather_snapshots(handles)
     now = time.monotonic()  # the snapshots' ages are as of (about) now
     found: list[tuple[Any, EngineSnapshot]] = []
     spared: set[str] = set()  # engines that did not answer but may live: their workers too
+    unanswered: list[tuple[str, Any, BaseException]] = []
     for name, handle, answer in zip(names, handles, answers, strict=True):
         if isinstance(answer, BaseException) and _unusable(answer):
             # Dead, hung, or never started (the previous process died first): nobody could
             # take it on, so it and its workers go (they would hold their resources for ever).
             logger.warning("engine %s cannot be taken on: %s; killed", name, answer)
             ray.kill(handle)
-        elif isinstance(answer, BaseException):  # (a passing fault: it stays, untaken)
-            logger.warning("engine %s did not answer after the restart: %s", name, answer)
+        elif isinstance(answer, BaseException):  # (a passing fault, asked again: still)
             spared.add(name[len(prefix) :])
+            unanswered.append((name, handle, answer))
         else:
             found.append((handle, answer))
+    if found:  # (else the rebuild fails, and they may answer a fresh process)
+        for name, handle, answer in unanswered:
+            # Untaken, it would run its requests for nobody and hold its resources for as
+            # long as the cluster runs: it goes with its workers, as a dead one.
+            logger.warning("engine %s did not answer after the restart: %s; killed", name, answer)
+            ray.kill(handle)
+            spared.discard(name[len(prefix) :])
     # Workers of an instance whose engine the previous process never created (it died while
     # they loaded) or that was just killed: nobody else knows of them.
     taken = {snap.spec.instance_id for _, snap in found}
