@@ -13,7 +13,7 @@ import numpy as np
 
 from kv_transfer.cma import SourceProcess
 from kv_transfer.nixl_layout import NixlPeer
-from kv_transfer.nixl_reads import NixlReads
+from kv_transfer.nixl_reads import NixlReads, _Retired
 
 logger = logging.getLogger(__name__)
 
@@ -98,8 +98,9 @@ class NixlPeers(NixlReads):
             )
             deadline = time.monotonic() + timeout_s
             state = self._post(xfer)
-            # Watched: its agent and scratch stay while it runs, whatever a step does.
-            watched = ([xfer], [scratch], agent)
+            # Watched: its agent and scratch stay while it runs, whatever a step does; given
+            # up on, its peer is disconnected through its agent after the deadline.
+            watched = _Retired([xfer], [peer.agent], [scratch], agent, deadline)
             self._probing.append(watched)
         while state == "PROC" and time.monotonic() < deadline:
             time.sleep(0.001)
@@ -107,7 +108,7 @@ class NixlPeers(NixlReads):
                 state = self._state(xfer, agent)
         with guard:
             self._probing = [w for w in self._probing if w is not watched]
-            if state == "PROC":  # still copying: released once it ends, scratch kept alive
+            if state == "PROC":  # still copying: released once it ends (or is disconnected)
                 self._retired.append(watched)
             else:
                 self._release(xfer)

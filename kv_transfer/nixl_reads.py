@@ -12,6 +12,12 @@ one that runs on long past the deadline has its source disconnected, and if it r
 then, the step fails (``KVReadStuck``): the blocks it may still write cannot go back to the
 pool, so the instance fails over and its engine ends the worker's process, as a hung one's
 (``cluster/control/engine_loop.py``): no late write can land anywhere then.
+
+Transfers nobody waits for any more but that still run -- a read dropped with its cache, a
+probe's given up on -- become ``_Retired``: kept, with the memory they write into and the
+agent that posted them, and still ended by their deadline: past it, their sources are
+disconnected through that agent (``_poll_retired``), which ends them, and the agent, the old
+cache with it, can be undone.
 """
 
 from __future__ import annotations
@@ -47,6 +53,25 @@ class _Read:
     disconnected: bool = False  # its sources were disconnected (it ran far past its deadline)
 
 
+@dataclass
+class _Retired:
+    """Transfers nobody waits for any more that still ran when they were given up on: a
+    dropped read's (its cache replaced, the connector closed) or a probe's that timed out.
+    Never released while they run (NIXL's release does not stop a UCX copy): kept with the
+    memory they write into and the agent that posted them, which alone can tell their state
+    and close their endpoints (it may no longer be this worker's agent). Past ``deadline``
+    their sources are disconnected through that agent (``_poll_retired``): that ends them,
+    and with them what keeps the agent, and the old cache it registered, alive."""
+
+    xfers: list[Any]
+    sources: list[str]  # the agent each of ``xfers`` reads from
+    keep: list[Any]  # what they write into, kept alive while they run
+    agent: Any  # the agent that posted them
+    deadline: float  # time.monotonic(): the read's deadline, or the probe's
+    disconnected_at: float | None = None  # when their sources were disconnected
+    stuck: bool = False  # still running long after that (logged once)
+
+
 class NixlReads(WorkerConnector):
     """A ``NixlWorkerConnector`` as a reader (its base: the state is the connector's, set up by
     its ``__init__`` and ``register_kv_caches``)."""
@@ -60,13 +85,12 @@ class NixlReads(WorkerConnector):
     _departed: set[str]
     _reads: dict[str, _Read]
     _delayed: dict[str, tuple[float, _Load]]
-    # Transfers still running when their cache was replaced (or a probe gave up): with
-    # what they write into, kept alive, and the agent that posted them, which alone can
-    # tell their state (it may no longer be this worker's agent).
-    _retired: list[tuple[list[Any], list[Any], Any]]
+    # Transfers still running when their cache was replaced (or a probe gave up on them):
+    # see ``_Retired``.
+    _retired: list[_Retired]
     # Probes' transfers being watched (``probe``, outside the worker's step lock), in the
     # same form: their agents are busy as retired ones' are.
-    _probing: list[tuple[list[Any], list[Any], Any]]
+    _probing: list[_Retired]
     # Agents replaced while reads they posted ran: (agent, its peers, its registrations,
     # the memory they registered -- kept alive: peers may still read it, and a probe's
     # entry holds only its scratch slab), undone once none of their reads runs
@@ -285,18 +309,60 @@ class NixlReads(WorkerConnector):
         return handle
 
     def _poll_retired(self) -> None:
-        """Release the transfers of an old cache or a probe that ended; then end the
-        replaced agents none of whose transfers runs any more."""
+        """Release the transfers of an old cache or a probe that ended; disconnect the
+        sources of those still running past their deadline, through the agent that posted
+        them; then end the replaced agents none of whose transfers runs any more."""
         if self._retired:
             retired, self._retired = self._retired, []
-            for xfers, caches, agent in retired:
-                still = [x for x in xfers if self._state(x, agent) == "PROC"]
-                for xfer in xfers:
-                    if xfer not in still:
+            for entry in retired:
+                states = [self._state(x, entry.agent) for x in entry.xfers]
+                running, sources = [], []
+                for xfer, source, state in zip(entry.xfers, entry.sources, states, strict=True):
+                    if state == "PROC":
+                        running.append(xfer)
+                        sources.append(source)
+                    else:
                         self._release(xfer)
-                if still:
-                    self._retired.append((still, caches, agent))
+                if not running:
+                    continue
+                entry.xfers, entry.sources = running, sources
+                self._retired.append(entry)
+                self._time_out_retired(entry)
         self._end_idle_agents()
+
+    def _time_out_retired(self, entry: _Retired) -> None:
+        """A retired transfer past its deadline has its sources disconnected through the
+        agent that posted it (closing the endpoint ends its operations). An agent replaced
+        (or closed) serves no read any more: at once, nothing else uses its endpoints; this
+        worker's own agent (a probe's): ``abort_grace_s`` later, as a live read's, since the
+        disconnect fails every read from that source for ``reconnect_after_s``. Still
+        running ``abort_grace_s`` after that: logged once, and kept -- never released nor
+        freed under its copy (the memory is another cache's or a scratch slab: this one's
+        blocks are not written)."""
+        now = time.monotonic()
+        if entry.disconnected_at is None:
+            current = self.agent is not None and entry.agent is self.agent
+            if now < entry.deadline + (self.abort_grace_s if current else 0.0):
+                return
+            logger.warning(
+                "NIXL transfer given up on still running past its deadline: disconnecting %s",
+                sorted(set(entry.sources)),
+            )
+            for name in dict.fromkeys(entry.sources):
+                if current:
+                    self._disconnect_peer(name)  # connected again later (``_reconnect``)
+                else:
+                    with contextlib.suppress(Exception):  # already gone: nothing to undo
+                        entry.agent.remove_remote_agent(name)
+            entry.disconnected_at = now
+        elif not entry.stuck and now >= entry.disconnected_at + self.abort_grace_s:
+            entry.stuck = True
+            logger.error(
+                "NIXL transfer from %s still runs %.1f s after its source was disconnected: "
+                "the memory it writes into, and its agent, stay until it ends",
+                sorted(set(entry.sources)),
+                now - entry.disconnected_at,
+            )
 
     def _poll_reads(self) -> None:
         if self.agent is None:
@@ -379,7 +445,7 @@ class NixlReads(WorkerConnector):
     def _end_idle_agents(self) -> None:
         """End the replaced agents none of whose transfers runs any more."""
         if self._closing:
-            busy = [agent for _, _, agent in (*self._retired, *self._probing)]
+            busy = [entry.agent for entry in (*self._retired, *self._probing)]
             closing, self._closing = self._closing, []
             for item in closing:
                 if any(agent is item[0] for agent in busy):
@@ -409,17 +475,26 @@ class NixlReads(WorkerConnector):
             xfer.release()
 
     def _drop_reads(self) -> None:
-        """Forget every read (the cache goes: nobody waits for these requests any more). Its
-        transfers still running keep the old cache alive until they end."""
+        """Forget every read (the cache goes: nobody waits for these requests any more, and
+        they are not reported: the next cache comes with a fresh scheduler). Its transfers
+        still running keep the old cache alive until they end; their deadline and sources
+        go with them (``_Retired``), so one whose source hangs is still ended."""
         reads, self._reads = self._reads, {}
         self._delayed.clear()
+        now = time.monotonic()
         for read in reads.values():
-            running = [x for x in read.xfers if self._state(x) == "PROC"]
-            for xfer in read.xfers:
-                if xfer not in running:
+            running, sources = [], []
+            for xfer, source in zip(read.xfers, read.sources, strict=True):
+                if self._state(xfer) == "PROC":
+                    running.append(xfer)
+                    sources.append(source)
+                else:
                     self._release(xfer)
             if running:
-                self._retired.append((running, self.kv_caches, self.agent))
+                entry = _Retired(running, sources, self.kv_caches, self.agent, read.load.deadline)
+                if read.disconnected:  # (already, as a live read: at about its deadline + grace)
+                    entry.disconnected_at = min(now, read.load.deadline + self.abort_grace_s)
+                self._retired.append(entry)
 
     def num_loading(self) -> int:
         return len(self._reads) + len(self._delayed)

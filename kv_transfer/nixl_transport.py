@@ -68,7 +68,7 @@ from kv_transfer.nixl_layout import (
     merge_spans,
 )
 from kv_transfer.nixl_peers import NixlPeers
-from kv_transfer.nixl_reads import _Read
+from kv_transfer.nixl_reads import _Read, _Retired
 
 if TYPE_CHECKING:
     import torch
@@ -197,9 +197,9 @@ class NixlWorkerConnector(NixlPeers):
         # Loads not posted yet: (when to post, the load). Only ``load_delay_s`` (fault
         # injection in tests) keeps one here past the step that brought it.
         self._delayed: dict[str, tuple[float, _Load]] = {}
-        self._retired: list[tuple[list[Any], list[Any], Any]] = []  # (see nixl_reads)
+        self._retired: list[_Retired] = []  # (see nixl_reads)
         self._closing: list[tuple[Any, list[str], list[Any], Any]] = []  # (see nixl_reads)
-        self._probing: list[tuple[list[Any], list[Any], Any]] = []  # (see nixl_reads)
+        self._probing: list[_Retired] = []  # (see nixl_reads)
         # Held around each use of the agent by another thread (a probe's: its caller's lock)
         self._guard: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
         self.abort_grace_s = 10.0  # a failed read still running this long: disconnect
@@ -301,7 +301,7 @@ class NixlWorkerConnector(NixlPeers):
             source.close()
         self._direct.clear()
         registered, self._registered = self._registered, []
-        if any(posted is agent for _, _, posted in (*self._retired, *self._probing)):
+        if any(entry.agent is agent for entry in (*self._retired, *self._probing)):
             # Its reads still running (a replaced cache's, a probe's) write into memory it
             # registered, from peers it knows: both stay until they end (``_poll_reads``).
             self._closing.append((agent, peers, registered, (self.kv_caches, self.scratch)))
@@ -367,7 +367,9 @@ def _end_agent(agent: Any, peers: list[str], registered: list[Any]) -> None:
 
 # Closed connectors whose transfers still ran (a probe's that timed out, a dropped read's):
 # kept here, so the memory those write into outlives them, and polled until every one has
-# ended and their agents are undone -- closed, nothing else polls them.
+# ended and their agents are undone -- closed, nothing else polls them. (Polling also
+# disconnects the sources of those past their deadline, through their agents: a hung peer
+# does not keep a closed connector here for good.)
 _lingering: list[NixlWorkerConnector] = []
 _lingering_lock = threading.Lock()
 LINGER_POLL_S = 0.2

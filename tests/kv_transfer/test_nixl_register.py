@@ -5,6 +5,7 @@ handed out again under UCX."""
 
 from __future__ import annotations
 
+import time
 import weakref
 from typing import Any
 
@@ -13,6 +14,7 @@ import torch
 
 from kv_transfer import nixl_transport
 from kv_transfer.blocks import allocate_kv_caches
+from kv_transfer.nixl_reads import _Retired
 
 LAYERS = range(2)
 
@@ -26,6 +28,7 @@ class FakeAgent:
         self.backends = ["UCX"]
         self.alive = alive
         self.cache_alive_at_deregister: list[bool] = []
+        self.removed: list[str] = []
 
     def register_memory(self, descs: list[Any], mem_type: str) -> Any:
         return ("registration", len(descs), mem_type)
@@ -34,7 +37,7 @@ class FakeAgent:
         self.cache_alive_at_deregister.append(self.alive[0]() is not None)
 
     def remove_remote_agent(self, name: str) -> None:
-        pass
+        self.removed.append(name)
 
     def check_xfer_state(self, xfer: Any) -> str:
         return str(xfer.state)
@@ -96,7 +99,8 @@ def test_an_agent_whose_reads_still_run_is_undone_once_they_end(
     once the read ends, not under it."""
     connector, agents, _, old = _registered(monkeypatch)
     read = FakeRead()
-    connector._retired.append(([read], old, agents[0]))  # as ``_drop_reads`` leaves it
+    # as ``_drop_reads`` leaves it
+    connector._retired.append(_Retired([read], ["peer"], old, agents[0], time.monotonic() + 60))
     connector.register_kv_caches(_caches(), LAYERS)
     assert agents[0].cache_alive_at_deregister == []  # not while the read runs
     connector._poll_reads()
@@ -117,7 +121,9 @@ def test_a_cache_replaced_while_a_probe_reads_stays_until_its_agent_is_undone(
     lives until its agent is undone."""
     connector, agents, alive, old = _registered(monkeypatch)
     read = FakeRead()
-    connector._probing.append(([read], [connector.scratch], agents[0]))  # as ``probe`` does
+    # as ``probe`` does
+    watched = _Retired([read], ["peer"], [connector.scratch], agents[0], time.monotonic() + 60)
+    connector._probing.append(watched)
     del old
     connector.register_kv_caches(_caches(), LAYERS)
     assert alive[0]() is not None  # still registered with the old agent: kept
@@ -127,4 +133,25 @@ def test_a_cache_replaced_while_a_probe_reads_stays_until_its_agent_is_undone(
     assert agents[0].cache_alive_at_deregister == [True]
     assert not connector._closing
     assert alive[0]() is None  # then let go
+    connector.close()
+
+
+def test_a_dropped_read_past_its_deadline_has_its_source_disconnected_by_its_own_agent(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A read dropped with its cache whose source hangs: past its deadline its source is
+    disconnected through the old agent (not the new one), which ends it; then the old agent
+    is undone and the old cache let go."""
+    connector, agents, alive, old = _registered(monkeypatch)
+    read = FakeRead()
+    connector._retired.append(_Retired([read], ["peer"], old, agents[0], time.monotonic() - 1))
+    del old
+    connector.register_kv_caches(_caches(), LAYERS)
+    connector._poll_reads()
+    assert agents[0].removed == ["peer"] and agents[1].removed == []
+    assert agents[0].cache_alive_at_deregister == [] and not read.released  # still running
+    read.state = "ERR"  # the closed endpoint ended it
+    connector._poll_reads()
+    assert read.released and agents[0].cache_alive_at_deregister == [True]
+    assert not connector._retired and not connector._closing and alive[0]() is None
     connector.close()

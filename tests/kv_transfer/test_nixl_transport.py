@@ -12,6 +12,7 @@ import pickle
 import resource
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -445,8 +446,9 @@ def test_a_read_that_never_ends_fails_the_step_and_keeps_its_cache_alive(
     old = dst.kv_caches
     dst.register_kv_caches(_caches(12, torch.float32, 1), range(NUM_LAYERS))  # the recovery
     assert dst.num_loading() == 0 and dst.get_finished()[1:] == (None, None)
-    (running, caches, _), *_ = dst._retired
-    assert running == [xfer] and caches is old  # the memory it writes stays alive
+    (entry,) = dst._retired
+    assert entry.xfers == [xfer] and entry.keep is old  # the memory it writes stays alive
+    assert entry.disconnected_at is not None  # (disconnected already: not again)
     xfer.state = "DONE"
     dst._poll_reads()
     assert xfer.released and not dst._retired
@@ -473,14 +475,118 @@ def test_a_read_running_when_the_cache_is_replaced_is_watched_through_its_own_ag
     dst._reads["r"] = _Read(load, [xfer], 0, 0, now + 100.0, ["tandem-kv-source"])
     dst.register_kv_caches(_caches(12, torch.float32, 4), range(NUM_LAYERS))
     assert dst.agent is not old_agent and not dst._reads
-    ((running,), caches, agent), *_ = dst._retired
-    assert running is xfer and caches is old_caches and agent is old_agent
+    (entry,) = dst._retired
+    assert entry.xfers == [xfer] and entry.keep is old_caches and entry.agent is old_agent
+    assert entry.sources == ["tandem-kv-source"] and entry.deadline == load.deadline
     asked.clear()
     dst._poll_reads()
     assert asked == [old_agent] and not xfer.released
     xfer.state = "DONE"
     dst._poll_reads()
     assert xfer.released and not dst._retired
+
+
+def _watch_removals(agent: Any, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The peers ``agent`` is told to remove (disconnect), in order; it still removes them."""
+    removed: list[str] = []
+    remove = agent.remove_remote_agent
+
+    def watched(name: str) -> None:
+        removed.append(name)
+        remove(name)
+
+    monkeypatch.setattr(agent, "remove_remote_agent", watched)
+    return removed
+
+
+def test_a_dropped_read_past_its_deadline_is_disconnected_through_the_agent_that_posted_it(
+    make: Callable[..., NixlWorkerConnector], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read still running when its cache is replaced keeps the old cache and the old agent
+    alive until it ends. It kept neither its deadline nor its sources: one whose source
+    hangs ran -- and held the whole old cache -- for good. Past its deadline its source is
+    now disconnected through the agent that posted it (the new agent's connection to that
+    source is left alone), which ends it; it is never reported (nobody waits for it)."""
+    src, dst = make(), make(num_blocks=12, seed=1)
+    name = src.agent.name  # type: ignore[union-attr]
+    old_agent, old = dst.agent, weakref.ref(dst.kv_caches[0])
+    removed = _watch_removals(old_agent, monkeypatch)
+    xfer = _RunningTransfer()
+    monkeypatch.setattr(dst, "_state", lambda x, agent=None: x.state)
+    now = time.monotonic()
+    load = _Load(LoadSpec("r", [], DST_IDS, 0, 30.0), None, now, now + 30.0, time.time())
+    dst._reads["r"] = _Read(load, [xfer], 0, 0, now + 100.0, [name])
+    dst.register_kv_caches(_caches(12, torch.float32, 4), range(NUM_LAYERS))
+    dst.add_peers([src.peer_info()])  # the new agent knows the source too
+    new_removed = _watch_removals(dst.agent, monkeypatch)
+    dst._poll_reads()
+    assert removed == [] and not xfer.released  # before its deadline: left to end
+    (entry,) = dst._retired
+    assert entry.deadline == load.deadline and entry.sources == [name]
+    entry.deadline = time.monotonic()  # (its deadline comes)
+    del entry  # (this test's own reference would keep the old cache)
+    dst._poll_reads()
+    assert removed == [name] and not xfer.released  # through the agent that posted it ...
+    assert new_removed == [] and dst.num_peers() == 1 and not dst._disconnected  # ... only
+    assert old() is not None and dst._closing  # still running: all of it kept
+    xfer.state = "ERR"  # the closed endpoint ended it
+    dst._poll_reads()
+    assert xfer.released and not dst._retired and not dst._closing
+    assert old() is None  # the old agent undone, the old cache let go
+    assert dst.get_finished()[1:] == (None, None)
+
+
+def test_a_probe_given_up_on_does_not_hold_a_replaced_cache_for_good(
+    make: Callable[..., NixlWorkerConnector], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A probe that timed out keeps its read (and the agent that posted it) until the read
+    ends; a cache replaced meanwhile stays registered with that agent, so it stays too --
+    for good, when the peer hangs. The probe's peer is now disconnected through the probe's
+    agent: at once once that agent is replaced (nothing else uses it), ``abort_grace_s``
+    after the probe's deadline while it is still this worker's (the disconnect fails every
+    load from that peer for ``reconnect_after_s``)."""
+    src, dst = make(), make(num_blocks=12, seed=1)
+    name = src.agent.name  # type: ignore[union-attr]
+    state = {"now": "PROC"}
+    released: list[Any] = []
+    monkeypatch.setattr(dst, "_post", lambda xfer: state["now"])
+    monkeypatch.setattr(dst, "_state", lambda xfer, agent=None: state["now"])
+    monkeypatch.setattr(dst, "_release", released.append)
+    with pytest.raises(ConnectionError, match="timed out"):
+        dst.probe(src.peer_info(), timeout_s=0.05)
+    dst._poll_reads()
+    assert dst.num_peers() == 1  # this worker's own agent: not yet
+    old_agent, old = dst.agent, weakref.ref(dst.kv_caches[0])
+    removed = _watch_removals(old_agent, monkeypatch)
+    dst.register_kv_caches(_caches(12, torch.float32, 4), range(NUM_LAYERS))
+    assert old() is not None and dst._closing  # registered with the probe's agent: kept
+    dst._poll_reads()
+    assert removed == [name] and not released  # replaced: disconnected at once
+    state["now"] = "ERR"  # the closed endpoint ended it
+    dst._poll_reads()
+    assert len(released) == 1 and not dst._retired and not dst._closing
+    assert old() is None
+
+
+def test_a_probe_given_up_on_disconnects_its_peer_after_the_grace(
+    make: Callable[..., NixlWorkerConnector], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The probe's agent is still this worker's: its peer is disconnected as a stuck read's
+    source is (``abort_grace_s`` past the deadline; connected again later)."""
+    src, dst = make(), make(num_blocks=12, seed=1)
+    name = src.agent.name  # type: ignore[union-attr]
+    monkeypatch.setattr(dst, "_post", lambda xfer: "PROC")
+    monkeypatch.setattr(dst, "_state", lambda xfer, agent=None: "PROC")
+    monkeypatch.setattr(dst, "_release", lambda xfer: None)
+    dst.abort_grace_s = 0.5
+    with pytest.raises(ConnectionError, match="timed out"):
+        dst.probe(src.peer_info(), timeout_s=0.05)
+    dst._poll_reads()
+    assert dst.num_peers() == 1
+    time.sleep(0.5)
+    dst._poll_reads()
+    assert dst.num_peers() == 0 and name in dst._disconnected
+    assert dst._retired  # still running: kept (never released under its copy)
 
 
 @pytest.mark.parametrize("copy", [False, True], ids=["nixl-read", "same-node-copy"])
@@ -676,8 +782,9 @@ def test_a_probe_that_times_out_while_its_read_runs_keeps_it_until_it_ends(
     with pytest.raises(ConnectionError, match="timed out"):
         dst.probe(src.peer_info(), timeout_s=0.05)
     assert not released
-    ((xfer,), (scratch,), _), *_ = dst._retired
-    assert scratch is dst.scratch
+    (entry,) = dst._retired
+    (xfer,), (scratch,) = entry.xfers, entry.keep
+    assert scratch is dst.scratch and entry.sources == [src.agent.name]
     state["now"] = "DONE"
     dst._poll_reads()
     assert released == [xfer] and not dst._retired
@@ -782,7 +889,7 @@ def test_a_connector_closed_while_a_probes_read_runs_undoes_its_agent_once_it_en
     monkeypatch.setattr(dst, "_end_agent", lambda agent, peers, registered: ended.append(agent))
     with pytest.raises(ConnectionError, match="timed out"):
         dst.probe(src.peer_info(), timeout_s=0.05, lock=threading.Lock())
-    agent = dst._retired[0][2]
+    agent = dst._retired[0].agent
     dst.close()
     assert dst in nixl_transport._lingering and not released and not ended
     state["now"] = "DONE"
