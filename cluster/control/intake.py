@@ -14,10 +14,8 @@ from cluster.config import ClusterConfig
 from cluster.control.clients import Clients
 from cluster.control.flights import (
     Abort,
-    EarlyAborts,
     Flight,
     Outbox,
-    RefusedRequests,
     Stopped,
     Submission,
     WireOutput,
@@ -26,6 +24,7 @@ from cluster.control.flights import (
     pack_batch,
 )
 from cluster.control.observer import RequestObserver
+from cluster.control.remembered import EarlyAborts, RefusedRequests
 from cluster.control.router import family_of
 from cluster.control.summaries import InstanceView
 from cluster.engine.streams import Mailbox

@@ -33,13 +33,7 @@ from cluster.control.autoscaler import Autoscaler
 from cluster.control.clients import Clients
 from cluster.control.engine import InstanceEngine, Placement
 from cluster.control.engine_reports import EngineReport, Prefilled
-from cluster.control.flights import (
-    EarlyAborts,
-    Flight,
-    RefusedRequests,
-    clone_request,
-    prefill_request,
-)
+from cluster.control.flights import Flight, clone_request, prefill_request
 from cluster.control.handoffs import HandOffs
 from cluster.control.heap import freeze_heap
 from cluster.control.intake import Intake
@@ -48,6 +42,7 @@ from cluster.control.migration import Migration, _replay
 from cluster.control.observer import RequestObserver
 from cluster.control.operations import ClusterOperations
 from cluster.control.placement import InstanceSpec, StartInstances, kill_orphan_workers
+from cluster.control.remembered import EarlyAborts, RefusedRequests
 from cluster.control.restart import Restart, end_remade_root, was_restarted
 from cluster.control.router import Route, Router, family_of
 from cluster.control.summaries import InstanceView

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 
-from cluster.control.flights import EarlyAborts
+from cluster.control.remembered import EarlyAborts
 
 
 def test_an_abort_before_its_request_waits_for_it() -> None:

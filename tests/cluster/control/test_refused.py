@@ -4,7 +4,7 @@ later samples and prompts refused too, as the front end names them (``{id}#{i}``
 
 from __future__ import annotations
 
-from cluster.control.flights import RefusedRequests
+from cluster.control.remembered import RefusedRequests
 from scheduler import Request, SamplingParams
 
 

@@ -207,7 +207,7 @@ def test_a_request_whose_final_reached_its_client_before_its_engine_died_ends_it
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from cluster.control.flights import EarlyAborts
+    from cluster.control.remembered import EarlyAborts
     from cluster.control.scheduler_actor import SchedulerActor
     from cluster.observability.request_trace import RequestTrace
 
@@ -356,8 +356,8 @@ def test_a_request_that_cannot_be_placed_ends_its_root_span() -> None:
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
     from cluster.config import default_cluster_config
-    from cluster.control.flights import EarlyAborts
     from cluster.control.observer import RequestObserver
+    from cluster.control.remembered import EarlyAborts
     from cluster.control.scheduler_actor import SchedulerActor
 
     exporter = InMemorySpanExporter()
@@ -388,8 +388,8 @@ def _placing_actor(place: Any) -> Any:
     """A central actor with engine actors, as far as ``submit_many`` goes; ``place`` places."""
     from cluster.config import default_cluster_config
     from cluster.control.clients import Clients
-    from cluster.control.flights import EarlyAborts
     from cluster.control.observer import RequestObserver
+    from cluster.control.remembered import EarlyAborts
     from cluster.control.scheduler_actor import SchedulerActor
 
     actor = SchedulerActor.__new__(SchedulerActor)
