@@ -21,7 +21,7 @@ from contextlib import aclosing
 from pathlib import Path
 from typing import Any
 
-from cluster.engine.outputs import RequestOutput
+from cluster.engine.outputs import CompletionOutput, RequestOutput
 from cluster.engine.protocol import EngineClient
 from cluster.engine.streams import merge_streams
 from cluster.errors import UnknownModelError
@@ -507,15 +507,20 @@ async def _outputs(jobs: list[Job], streams: list[Any], firsts: list[RequestOutp
 
 
 async def _collect(outputs: Outputs) -> Finals:
-    """Every job's final output; a sample that failed makes the whole request fail."""
+    """Every job's final output; a sample that failed makes the whole request fail at
+    once, as a stream does: the other samples and prompts are aborted then (``outputs``
+    closed), not run to their end for a response that is an error anyway."""
     finals: Finals = {}
-    try:
-        async for job, out in outputs:
-            finals[job.first_index] = out
-    except Exception as exc:  # e.g. the stream lost with the cluster: a 503, as streamed
-        raise api_error(exc) from None
-    for final in finals.values():
-        for sample in final.outputs:
-            if sample.finish_reason == "error":  # the cluster failed it (as the stream)
-                raise generation_error(sample.error)
+    failed: CompletionOutput | None = None
+    async with aclosing(outputs):
+        try:
+            async for job, out in outputs:
+                finals[job.first_index] = out
+                failed = next((s for s in out.outputs if s.finish_reason == "error"), None)
+                if failed is not None:  # the cluster failed it (as the stream)
+                    break
+        except Exception as exc:  # e.g. the stream lost with the cluster: a 503, as streamed
+            raise api_error(exc) from None
+    if failed is not None:
+        raise generation_error(failed.error)
     return finals

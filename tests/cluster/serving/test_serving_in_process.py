@@ -302,6 +302,67 @@ def test_a_batch_with_a_refused_prompt_stops_the_others(engine: AsyncLLM) -> Non
     assert _run(refused()).status == 429
 
 
+class _FailingSecond:
+    """The in-process engine, failing a batch's second prompt at its second output with an
+    error sample (the cluster failed it: a KV load under ``failure_policy: fail``) while the
+    first prompt runs on; ``tokens``: how many the first one made."""
+
+    def __init__(self, engine: AsyncLLM) -> None:
+        self.engine = engine
+        self.tokens = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)
+
+    async def generate_async(self, *args: Any, request_id: str, **kwargs: Any) -> Any:
+        failing = request_id.endswith("-1")
+        async with aclosing(
+            self.engine.generate_async(*args, request_id=request_id, **kwargs)
+        ) as stream:
+            count = 0
+            async for out in stream:
+                if failing and count == 1:
+                    sample = out.outputs[0]
+                    sample.finish_reason, sample.error = "error", "remote KV load failed"
+                    yield out
+                    return
+                count += 1
+                if not failing:
+                    self.tokens = len(out.outputs[0].token_ids)
+                yield out
+
+
+def test_a_whole_response_with_a_failed_prompt_stops_the_others_at_once(
+    engine: AsyncLLM,
+) -> None:
+    """A non-streamed request one of whose prompts (or samples) the cluster failed is a 503
+    at once, its other prompts aborted then, as a stream's error event does -- not after
+    they ran to their end (hundreds of tokens, their KV blocks held) for an answer that is
+    an error anyway."""
+    serving = OpenAIServing(_FailingSecond(engine), "tiny-chat")  # type: ignore[arg-type]
+    req = CompletionRequest.model_validate(
+        {
+            "model": "tiny-chat",
+            "prompt": [[5, 6, 7], [8, 9]],
+            "max_tokens": 500,
+            "ignore_eos": True,  # (the tiny model's EOS would end it early)
+        }
+    )
+
+    async def failed() -> APIError:
+        try:
+            await serving.completion(req)
+        except APIError as exc:
+            assert not engine._queues, "the other prompt still streams"
+            await _idle(engine)
+            return exc
+        raise AssertionError("not failed")
+
+    error = _run(failed())
+    assert error.status == 503 and "remote KV load failed" in error.message
+    assert serving.engine.tokens < 50  # type: ignore[attr-defined]
+
+
 @pytest.mark.parametrize(
     ("body", "param", "words"),
     [
