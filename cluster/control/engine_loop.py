@@ -382,12 +382,14 @@ class EngineLoop:
                 self.scheduler.add_request(request)
                 self.counters.num_requests_added += 1
             except RequestRejected as exc:  # the client's fault: a 400 at the API
+                self._drop_handles([request])  # never loads: its source lets the KV go
                 errors.append(
                     EngineCoreOutput(
                         request.request_id, [], FinishReason.ERROR, error=rejection(str(exc))
                     )
                 )
             except ValueError as exc:  # the cluster's (a moved request, an id in use): a 503
+                self._drop_handles([request])
                 errors.append(
                     EngineCoreOutput(request.request_id, [], FinishReason.ERROR, error=str(exc))
                 )

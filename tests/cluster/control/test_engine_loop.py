@@ -340,6 +340,35 @@ def test_hand_offs_a_failed_loop_never_admitted_are_reported_unread(tiny_model: 
     assert sorted(connector.take_unread()) == [("late", "p-0"), ("pending", "p-0")]
 
 
+def test_a_hand_off_the_scheduler_refuses_lets_its_source_go() -> None:
+    """A hand-off the decode scheduler refuses at admission (here: past its max_model_len)
+    ends with an error and never loads: its source's in-place lease is reported unread, so
+    the source frees the prompt's blocks now rather than when the lease runs out."""
+    from kv_transfer.connector import KVSegment, PDConnector
+
+    connector = PDConnector("d-0", 4, 5.0)
+    scheduler = Scheduler(
+        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=16),
+        CacheConfig(block_size=4, num_blocks=64),
+        connector=connector,
+    )
+    seen: list[EngineCoreOutput] = []
+    executor: Any = None  # (never stepped)
+    loop = EngineLoop("d-0", scheduler, executor, lambda _, outs: seen.extend(outs))
+    params = {
+        "do_remote_prefill": True,
+        "remote_instance_id": "p-0",
+        "remote_num_tokens": 20,
+        "handle": [KVSegment(0, 2, object(), in_place=True)],
+    }
+    prompt = list(range(3, 23))
+    loop.add_request(Request("long", prompt, GREEDY, eos_token_id=2, kv_transfer_params=params))
+    loop._admit_pending()
+    [refused] = seen
+    assert refused.request_id == "long" and refused.error
+    assert connector.take_unread() == [("long", "p-0")]
+
+
 def test_requests_loading_their_kv_count_as_waiting(tiny_model: Path) -> None:
     """vLLM's num_requests_waiting counts the requests in WAITING_FOR_REMOTE_KVS (Tandem's
     ``holding``): a decode instance busy loading KV read as idle to a gateway."""
