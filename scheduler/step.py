@@ -13,6 +13,7 @@ from scheduler.batch import StepBatch
 from scheduler.kv_cache_manager import NO_BLOCKS
 from scheduler.kv_cache_utils import KVCacheBlocks
 from scheduler.outputs import CachedRequestData, NewRequestData, SchedulerOutput
+from scheduler.queues import priority_key
 from scheduler.remote_kv import RemoteKV
 from scheduler.state import SchedulerState
 
@@ -42,15 +43,23 @@ class StepBuilder:
     def _release_loaded(self) -> bool:
         """KV is short: a request whose remote KV has arrived but that waits for a running
         slot gives its blocks back before any running request is preempted (its blocks stay
-        hashed, so it may find them again). Mutates the state's ``holding`` and ``waiting``.
-        True if one was released."""
+        hashed, so it may find them again). Under ``priority`` only the worst such request,
+        and only if it ranks below the running request that would be preempted instead (a
+        better one released for a worse running request waited, its KV lost, until that one
+        finished). Mutates the state's ``holding`` and ``waiting``. True if one was released."""
         state = self.state
-        for request in reversed(state.holding):
-            if not request.awaiting_remote_kvs:
-                state.holding.remove(request)
-                state.release_to_waiting(request, preemption=True)
-                return True
-        return False
+        loaded = [r for r in state.holding if not r.awaiting_remote_kvs]
+        if not loaded:
+            return False
+        if state.scheduler_config.policy == "priority":
+            request = max(loaded, key=priority_key)
+            if priority_key(request) < priority_key(state.pick_victim()):
+                return False
+        else:
+            request = loaded[-1]
+        state.holding.remove(request)
+        state.release_to_waiting(request, preemption=True)
+        return True
 
     def schedule_running(self) -> None:
         """Give each running request its next tokens, preempting on KV pressure. Mutates the

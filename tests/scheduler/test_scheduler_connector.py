@@ -396,3 +396,32 @@ def test_loads_done_together_are_admitted_best_priority_first() -> None:
     assert not out.preempted_req_ids  # A keeps its slot
     assert sorted(r.request_id for r in s.running) == ["A", "better"]
     assert [r.request_id for r in s.holding] == ["worse"]  # loaded, waits for a slot
+
+
+def test_a_loaded_request_is_not_released_for_a_worse_priority_running_request() -> None:
+    """Priority: a running request short of blocks preempts the worst running request
+    rather than release a loaded request that ranks above it, as vLLM keeps a loaded
+    request's blocks and preempts the lowest-priority running one. It released it: the
+    better request lost its loaded KV and waited, in the queue, until the worse finished."""
+    from tests.scheduler.helpers import add
+
+    s, _ = _decode_side(
+        policy="priority",
+        num_blocks=12,
+        max_num_seqs=2,
+        max_num_batched_tokens=8,
+        max_model_len=48,
+    )
+    better = add(s, "H", 8, priority=0, max_tokens=4, kv_transfer_params=dict(REMOTE))
+    step(s)  # its load starts: 2 blocks
+    add(s, "L", 40, priority=5, max_tokens=4)  # 10 blocks, 8 tokens a step
+    step(s, finished_recving={"H"})
+    for _ in range(4):  # L's prefill takes the whole budget: H, loaded, waits
+        step(s)
+    assert s.holding == [better] and not better.awaiting_remote_kvs
+    out, _ = step(s)  # L's first decode needs a 13th block
+    assert out.preempted_req_ids == {"L"}
+    assert s.holding == [better] and better.num_preemptions == 0
+    out, _ = step(s)
+    assert out.num_scheduled_tokens["H"] == 1  # continues from its loaded KV
+    _land_loads_and_drain(s)
