@@ -59,6 +59,7 @@ class StepBuilder:
             request = loaded[-1]
         state.holding.remove(request)
         state.release_to_waiting(request, preemption=True)
+        self.batch.preempted_for_kv = True  # (as after a preemption: the step admits nobody)
         return True
 
     def schedule_running(self) -> None:

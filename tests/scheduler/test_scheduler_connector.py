@@ -425,3 +425,25 @@ def test_a_loaded_request_is_not_released_for_a_worse_priority_running_request()
     out, _ = step(s)
     assert out.num_scheduled_tokens["H"] == 1  # continues from its loaded KV
     _land_loads_and_drain(s)
+
+
+def test_a_step_that_released_a_loaded_request_for_kv_space_admits_nobody() -> None:
+    """KV ran short and a loaded request gave its blocks back: as after a preemption (vLLM
+    admits nobody in a step that preempted), the step admits no waiting request -- a newer
+    one took the blocks just freed, ahead of the released request and the running one that
+    needed them."""
+    from tests.scheduler.helpers import add
+
+    s, _ = _decode_side(num_blocks=12, max_num_seqs=3, max_num_batched_tokens=8, max_model_len=48)
+    loaded = add(s, "H", 8, max_tokens=4, kv_transfer_params=dict(REMOTE))
+    step(s)  # its load starts: 2 blocks
+    add(s, "L", 40, max_tokens=4)  # 10 blocks, 8 tokens a step
+    step(s, finished_recving={"H"})
+    for _ in range(4):  # L's prefill takes the whole budget: H, loaded, waits
+        step(s)
+    assert s.holding == [loaded]
+    add(s, "W", 2, max_tokens=4)  # a small newcomer: one block
+    out, _ = step(s)  # L's first decode needs a 13th block: H gives its two back
+    assert loaded in s.waiting and "L" in out.num_scheduled_tokens
+    assert "W" not in out.num_scheduled_tokens  # not this step
+    _land_loads_and_drain(s)
