@@ -131,6 +131,10 @@ class EarlyAborts:
         (an abort by the user's id before its samples came); forgotten once ``num_samples``
         of them came, in whatever order."""
         self._finished.pop(family, None)  # a new request under an old id
+        if family in self._aimed:
+            # Aimed at a submit of a request with that very id (a client's ``Abort``), never
+            # at the samples of an ``n > 1`` request that reuses it as its user's id.
+            return False
         when = self._pending.get(family)
         if when is None:
             return False

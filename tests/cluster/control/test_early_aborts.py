@@ -116,3 +116,18 @@ def test_two_aimed_aborts_of_one_id_each_end_their_submit() -> None:
     assert aborts.take("r", ("c", 3)) is False  # neither is this one
     assert aborts.take("r", ("c", 2)) is True
     assert aborts.take("r", ("c", 2)) is False  # (once)
+
+
+def test_an_aimed_abort_never_ends_the_samples_of_a_request_reusing_its_id() -> None:
+    """A request "r" met a stop string: its client sent its abort (as that submit) twice,
+    the second after "r" had finished -- kept, aimed at that submit. The client then reuses
+    the id for an ``n = 2`` request: its samples ``r#0``, ``r#1`` took the aimed abort for an
+    abort by the user's id, and both ended as soon as they came."""
+    aborts = EarlyAborts(ttl_s=60.0)
+    aborts.finished("r")
+    aborts.remember("r", aimed=("c", 0))  # the late second abort of submit 0
+    assert aborts.take_sample("r", 2) is False
+    assert aborts.take_sample("r", 2) is False
+    assert aborts.take("r", ("c", 0)) is True  # (still there for the submit it is aimed at)
+    aborts.remember("r")  # a plain abort by the id: the samples still to come end
+    assert aborts.take_sample("r", 2) is True
