@@ -389,7 +389,10 @@ class EngineLoop:
                     )
                 )
             except ValueError as exc:  # the cluster's (a moved request, an id in use): a 503
-                self._drop_handles([request])
+                if request.request_id not in self.scheduler.requests:
+                    # (An id in use: the request admitted under it reads that same handle --
+                    # its source must keep the blocks.)
+                    self._drop_handles([request])
                 errors.append(
                     EngineCoreOutput(request.request_id, [], FinishReason.ERROR, error=str(exc))
                 )

@@ -369,6 +369,39 @@ def test_a_hand_off_the_scheduler_refuses_lets_its_source_go() -> None:
     assert connector.take_unread() == [("long", "p-0")]
 
 
+def test_a_second_copy_of_a_hand_off_refused_keeps_its_sources_kv() -> None:
+    """A hand-off that arrives again under an id the decode scheduler holds is refused ("in
+    use"), but the copy admitted under that id reads the same handle: reported unread, its
+    source freed the prompt's blocks under that read."""
+    from kv_transfer.connector import KVSegment, PDConnector
+
+    connector = PDConnector("d-0", 4, 5.0)
+    scheduler = Scheduler(
+        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64),
+        CacheConfig(block_size=4, num_blocks=64),
+        connector=connector,
+    )
+    seen: list[EngineCoreOutput] = []
+    executor: Any = None  # (never stepped)
+    loop = EngineLoop("d-0", scheduler, executor, lambda _, outs: seen.extend(outs))
+    params = {
+        "do_remote_prefill": True,
+        "remote_instance_id": "p-0",
+        "remote_num_tokens": 20,
+        "handle": [KVSegment(0, 2, object(), in_place=True)],
+    }
+    prompt = list(range(3, 23))
+    loop.add_request(Request("h", prompt, GREEDY, eos_token_id=2, kv_transfer_params=params))
+    loop._admit_pending()
+    assert not seen and "h" in scheduler.requests
+    again = Request("h", prompt, GREEDY, eos_token_id=2, kv_transfer_params=dict(params))
+    loop.add_request(again)
+    loop._admit_pending()
+    [refused] = seen
+    assert refused.request_id == "h" and "already in use" in (refused.error or "")
+    assert connector.take_unread() == []  # the admitted copy's source keeps its blocks
+
+
 def test_requests_loading_their_kv_count_as_waiting(tiny_model: Path) -> None:
     """vLLM's num_requests_waiting counts the requests in WAITING_FOR_REMOTE_KVS (Tandem's
     ``holding``): a decode instance busy loading KV read as idle to a gateway."""
