@@ -33,6 +33,8 @@ from scheduler import Request
 from scheduler.outputs import EngineCoreOutput, merge_outputs
 from scheduler.request import FinishReason
 
+ENDED_FINAL_WAIT_S = 30.0  # for a final its engine sent while no central actor ran
+
 
 class Intake:
     """Submits, streams, aborts and keep-alives of the ``SchedulerActor``'s clients."""
@@ -105,7 +107,18 @@ class Intake:
         if (client_id, submission) in self._ended_submits:
             # Placed by this actor's previous process, which died before answering, and
             # ended on its engine meanwhile: its client has (or gets) the final from there.
-            # Placed again, it ran to the end for nobody.
+            # Placed again, it ran to the end for nobody. Should that final never come (lost
+            # with a stream), an error ends the request after a while, not a hang; one that
+            # comes after the real final is dropped (the client's stream of it has ended).
+            error = EngineCoreOutput(
+                request.request_id,
+                [],
+                FinishReason.ERROR,
+                error="it ended while the central scheduler restarted, and its final output "
+                "did not reach the client",
+            )
+            loop = asyncio.get_running_loop()
+            loop.call_later(ENDED_FINAL_WAIT_S, outbox.put, submission, error, None)
             return
         await self._submit(
             request, trace_context, outbox=outbox, submission=submission, client_id=client_id

@@ -543,11 +543,15 @@ def test_a_batch_sent_again_after_a_restart_aborts_only_the_submit_it_meant() ->
     asyncio.run(main())
 
 
-def test_a_submit_sent_again_after_a_restart_that_ended_meanwhile_is_not_run_again() -> None:
+def test_a_submit_sent_again_after_a_restart_that_ended_meanwhile_is_not_run_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """The central actor placed submission 7 and died before answering; the request ended on
     its engine while no central actor ran (its client got the final from the engine). The
     client sent the submit again: the restarted actor, holding no flight of it, placed it
     again, and it ran to the end for nobody. The rebuild's ended submits are done."""
+    from cluster.control import intake
+
     placed: list[Flight] = []
 
     async def place(flight: Flight) -> None:
@@ -555,6 +559,7 @@ def test_a_submit_sent_again_after_a_restart_that_ended_meanwhile_is_not_run_aga
 
     actor = _placing_actor(place)
     actor._ended_submits = frozenset({("c", 7)})  # (as the rebuild found on the engines)
+    monkeypatch.setattr(intake, "ENDED_FINAL_WAIT_S", 0.05)
 
     def request(rid: str) -> Request:
         return Request(rid, [1, 2, 3], SamplingParams(max_tokens=9))
@@ -562,6 +567,9 @@ def test_a_submit_sent_again_after_a_restart_that_ended_meanwhile_is_not_run_aga
     async def main() -> None:
         assert await actor.submit_many("c", [(request("r"), None, 7)]) == [None]
         assert not placed and "r" not in actor.flights
+        # Should its engine's final never reach the client, an error ends it after a while.
+        [(_, late, _)] = await asyncio.wait_for(actor.clients.outbox("c").take(), 5)
+        assert late.finish_reason == FinishReason.ERROR and "restarted" in (late.error or "")
         assert await actor.submit_many("d", [(request("r"), None, 7)]) == [None]  # another's
         assert await actor.submit_many("c", [(request("s"), None, 8)]) == [None]
         assert [f.submission for f in placed] == [7, 8]
