@@ -118,7 +118,8 @@ class Intake:
                 "did not reach the client",
             )
             loop = asyncio.get_running_loop()
-            loop.call_later(ENDED_FINAL_WAIT_S, outbox.put, submission, error, None)
+            tag = request.request_id if submission is None else submission
+            loop.call_later(ENDED_FINAL_WAIT_S, outbox.put, tag, error, None)
             return
         await self._submit(
             request, trace_context, outbox=outbox, submission=submission, client_id=client_id
