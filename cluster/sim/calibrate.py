@@ -79,14 +79,14 @@ def measure_steps(
     from actors.worker import ModelWorker
     from scheduler import Request, SamplingParams
 
-    worker = ModelWorker(
-        model,
-        block_size=block_size,
-        num_threads=num_threads,
-        progress=False,
-        quantization=quantization,
-    )
-    try:
+    try:  # (a model it cannot find or load: the caller's, not a bug of the measurement)
+        worker = ModelWorker(
+            model,
+            block_size=block_size,
+            num_threads=num_threads,
+            progress=False,
+            quantization=quantization,
+        )
         worker.load_model()
     except (ValueError, OSError) as exc:
         raise UnusableModel(str(exc)) from exc

@@ -600,6 +600,9 @@ def test_calibrate_with_a_model_it_cannot_load_is_a_one_line_error(
     err = capsys.readouterr().err.strip()
     assert err.startswith("tandem sim calibrate: ") and "not a GGUF file" in err, err
     assert "\n" not in err
+    assert main(["sim", "calibrate", "--model", str(tmp_path / "missing.gguf")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("tandem sim calibrate: ") and "\n" not in err, err
 
 
 def test_calibrate_reports_an_error_after_the_model_loaded_as_a_bug(
