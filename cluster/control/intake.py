@@ -60,6 +60,11 @@ class Intake:
     # After a restart: the submits (client, submission) that ended on their engines while no
     # central actor heard of it (the rebuild's; its clients may send them again).
     _ended_submits: frozenset[tuple[str, Any]] = frozenset()
+    # The flights a later submit of their client replaced (``_submit``), by (client,
+    # submission, request id), for an aimed abort that misses (``_replaced``): one holds while
+    # the flight is still in ``_internal`` (its engine runs it until its report ends it).
+    # Made on first use (an actor built without ``__init__`` has none yet).
+    _superseded: dict[tuple[str | None, Submission, str], Flight] | None = None
 
     async def generate(
         self, request: Request, trace_context: dict[str, str] | None = None
@@ -224,6 +229,7 @@ class Intake:
         previous = self.flights.get(rid)
         if previous is not None and self._ended_for_its_client(previous, client_id, submission):
             del self.flights[rid]  # (its engine's last report still finds it by internal id)
+            self._supersede(previous)  # (an aimed abort of it still finds it)
         elif previous is not None and _sent_again(previous, client_id, submission):
             # Its client got no answer (the actor seemed away) and sent it again while the
             # first still ran here: it gets the first's outcome. ("Already in use", which the
@@ -364,16 +370,38 @@ class Intake:
     ) -> Flight | None:
         """The flight of submit ``submission`` of ``request_id`` that a later submit of its
         client replaced (``_ended_for_its_client``): its engine still holds it (only its
-        engine's report drops it). Looked for only by an aimed abort that missed."""
-        for flight in self._internal.values():
-            if (
-                flight.request.request_id == request_id
-                and flight.client_id == client_id
-                and flight.submission == submission
-                and self.flights.get(request_id) is not flight
-            ):
-                return flight
+        engine's report drops it). Looked for only by an aimed abort that missed: by its key,
+        not a scan of every flight (misses are routine: a stop's later abort)."""
+        if not self._superseded:
+            return None
+        key = (client_id, submission, request_id)
+        flight = self._superseded.get(key)
+        if flight is None:
+            return None
+        if self._runs_superseded(flight):
+            return flight  # (kept: a second abort of it finds it too, until its report)
+        del self._superseded[key]  # ended meanwhile
         return None
+
+    def _supersede(self, flight: Flight) -> None:
+        """Remember ``flight``, whose id a later submit took while its engine still runs it,
+        for ``_replaced``. Entries of flights that ended go in a sweep once they outnumber the
+        flights there are (valid ones are at most those): amortized O(1) per entry."""
+        if self._superseded is None:
+            self._superseded = {}
+        superseded = self._superseded
+        if flight.submission is not None:  # (an aimed abort names its submission)
+            superseded[(flight.client_id, flight.submission, flight.request.request_id)] = flight
+        if len(superseded) > 2 * len(self._internal) + 64:
+            for key in [k for k, f in superseded.items() if not self._runs_superseded(f)]:
+                del superseded[key]
+
+    def _runs_superseded(self, flight: Flight) -> bool:
+        """``flight`` (replaced under its id) is still here: its engine has not ended it."""
+        return (
+            self._internal.get(flight.internal_id) is flight
+            and self.flights.get(flight.request.request_id) is not flight
+        )
 
     def _client_dropped(self, client_id: str) -> None:
         """Engine actors keep an outbox per client: the dropped one's goes."""

@@ -124,6 +124,7 @@ class EarlyAborts:
                 return when is not None and time.monotonic() - when <= self.ttl_s
             del self._aimed[request_id]
         when = self._pending.pop(request_id, None)
+        self._samples.pop(request_id, None)  # (only ids in ``_pending`` have samples counted)
         return when is not None and time.monotonic() - when <= self.ttl_s
 
     def take_sample(self, family: str, num_samples: int) -> bool:
@@ -147,12 +148,14 @@ class EarlyAborts:
         return time.monotonic() - when <= self.ttl_s
 
     def _prune(self, now: float) -> None:
+        # ``_aimed`` and ``_samples`` hold ids in ``_pending`` only: what they keep of an
+        # abort goes with it, here as where ``take`` and ``take_sample`` end one (no sweep).
         for table in (self._pending, self._finished):
             while table and (
                 len(table) > self.max_ids or now - next(iter(table.values())) > self.ttl_s
             ):
-                table.pop(next(iter(table)))
-        for family in [f for f in self._samples if f not in self._pending]:
-            del self._samples[family]
-        for request_id in [r for r in self._aimed if r not in self._pending]:
-            del self._aimed[request_id]
+                request_id = next(iter(table))
+                del table[request_id]
+                if table is self._pending:
+                    self._aimed.pop(request_id, None)
+                    self._samples.pop(request_id, None)

@@ -325,6 +325,9 @@ async def rebuild(actor: Any) -> None:
         flight.first_token_at = shift(h.first_token_at, now)
         flight.last_token_at = shift(h.last_token_at, now)
         flight.trace = _remade_trace(actor, h.route.trace_context, request)
+        other = actor.flights.get(h.route.client_request_id)
+        if other is not None:  # (another client's request under the id: it runs on too)
+            actor._supersede(other)
         actor.flights[h.route.client_request_id] = flight
         actor._internal[h.internal_id] = flight
         if h.prefilled is not None:

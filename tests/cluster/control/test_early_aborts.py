@@ -131,3 +131,22 @@ def test_an_aimed_abort_never_ends_the_samples_of_a_request_reusing_its_id() -> 
     assert aborts.take("r", ("c", 0)) is True  # (still there for the submit it is aimed at)
     aborts.remember("r")  # a plain abort by the id: the samples still to come end
     assert aborts.take_sample("r", 2) is True
+
+
+def test_what_an_abort_keeps_goes_with_it_and_a_consumed_ones_count_is_not_reused() -> None:
+    """``_aimed`` and ``_samples`` were swept whole on every ``remember`` (O(all) each); they
+    hold ids in ``_pending`` only, and now go with theirs. Where ``take`` consumed an abort by
+    a request with the very id of a user's ``n > 1`` request, its count of samples went too:
+    a new abort by that id waits for every sample again, not for what the old count left."""
+    aborts = EarlyAborts(ttl_s=0.05)
+    aborts.remember("a", aimed=("c", 1))
+    aborts.remember("s", taken=1)
+    time.sleep(0.1)
+    aborts.remember("z")  # the two expire
+    assert not aborts._aimed and not aborts._samples and list(aborts._pending) == ["z"]
+
+    aborts = EarlyAborts(ttl_s=60.0)
+    aborts.remember("r", taken=1)  # by the user's id: 1 of its 3 samples came already
+    assert aborts.take("r") is True  # a request under the very id "r" took it
+    aborts.remember("r")  # a new abort by "r", before any sample of its request came
+    assert [aborts.take_sample("r", 3) for _ in range(4)] == [True, True, True, False]

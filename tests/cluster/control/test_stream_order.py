@@ -510,6 +510,58 @@ def test_an_aimed_abort_that_comes_after_a_later_submit_replaced_its_submit_ends
     asyncio.run(main())
 
 
+def test_an_aimed_abort_finds_a_replaced_submit_by_its_key_and_ended_ones_are_not_kept() -> None:
+    """An aimed abort that misses the id's current submit looked for a replaced one in every
+    flight there was (O(flights) per miss, and misses are routine: a stop's later abort). The
+    replaced flights are kept by (client, submission, request id) now: the abort still ends
+    one on its engine, as often as it comes until its report ends it; and the entries of
+    replaced flights that ended go, not kept for good."""
+
+    async def place(flight: Flight) -> None:
+        rid = flight.request.request_id
+        flight.instance, flight.internal_id = "d-0", f"{rid}@{flight.submission}"
+        actor._internal[flight.internal_id] = flight
+
+    actor = _placing_actor(place)
+    ends: list[tuple[str, FinishReason]] = []
+    engine = SimpleNamespace(remote=True, dead=None, end=lambda *args: ends.append(args))
+    actor.engines = {"d-0": engine}
+
+    def request(rid: str) -> Request:
+        return Request(rid, [1, 2, 3], SamplingParams(max_tokens=9))
+
+    async def main() -> None:
+        # "r", submission 7, replaced by 8 while its engine runs it (on for the whole test).
+        assert await actor.submit_many("c", [(request("r"), None, 7)]) == [None]
+        first = actor.flights["r"]
+        assert await actor.submit_many("c", [(request("r"), None, 8)]) == [None]
+        # Many more replaced, each of which then ends (its engine's report): their entries
+        # go; "r"'s, whose flight runs on, stays through every sweep.
+        for i in range(500):
+            rid = f"s{i}"
+            assert await actor.submit_many("c", [(request(rid), None, 1)]) == [None]
+            replaced = actor.flights[rid]
+            assert await actor.submit_many("c", [(request(rid), None, 2)]) == [None]
+            actor._forget(replaced)  # its report: it ended
+            actor._forget(actor.flights[rid])  # (the later one ends too)
+        assert len(actor._internal) == 2  # "r"'s two
+        assert len(actor._superseded) < 100  # (of 501 replaced: a bounded few, not all)
+        assert actor._superseded[("c", 7, "r")] is first
+        # A stop, then its stream's abort: both reach the replaced submit's engine.
+        assert actor.abort("r", FinishReason.STOP, "c", 7) is True
+        assert actor.abort("r", FinishReason.ABORT, "c", 7) is True
+        assert ends == [("r@7", FinishReason.STOP), ("r@7", FinishReason.ABORT)]
+        assert first.aborting == FinishReason.STOP and actor.flights["r"].aborting is None
+        # Its report ends it: an abort of it afterwards misses (remembered) and its entry goes.
+        actor._forget(first)
+        assert actor.abort("r", FinishReason.ABORT, "c", 7) is False
+        assert ("c", 7, "r") not in actor._superseded and len(ends) == 2
+        # So does the abort of a replaced submit that ended long ago.
+        assert actor.abort("s499", FinishReason.ABORT, "c", 1) is False
+
+    asyncio.run(main())
+
+
 def test_a_batch_sent_again_after_a_restart_aborts_only_the_submit_it_meant() -> None:
     """A caller leaves request r (submission 0) and reuses its id at once (submission 1):
     one batch, [abort r, submit r]. The central actor ran it and died before answering; the
