@@ -340,15 +340,14 @@ def test_hand_offs_a_failed_loop_never_admitted_are_reported_unread(tiny_model: 
     assert sorted(connector.take_unread()) == [("late", "p-0"), ("pending", "p-0")]
 
 
-def test_a_hand_off_the_scheduler_refuses_lets_its_source_go() -> None:
-    """A hand-off the decode scheduler refuses at admission (here: past its max_model_len)
-    ends with an error and never loads: its source's in-place lease is reported unread, so
-    the source frees the prompt's blocks now rather than when the lease runs out."""
+def _decode_loop(max_model_len: int) -> tuple[EngineLoop, Any, list[EngineCoreOutput], dict]:
+    """A decode instance's loop (never stepped: no model) with a connector, the outputs it
+    emits, and the kv_transfer_params of a 20-token hand-off read in place from p-0."""
     from kv_transfer.connector import KVSegment, PDConnector
 
     connector = PDConnector("d-0", 4, 5.0)
     scheduler = Scheduler(
-        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=16),
+        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=max_model_len),
         CacheConfig(block_size=4, num_blocks=64),
         connector=connector,
     )
@@ -361,6 +360,14 @@ def test_a_hand_off_the_scheduler_refuses_lets_its_source_go() -> None:
         "remote_num_tokens": 20,
         "handle": [KVSegment(0, 2, object(), in_place=True)],
     }
+    return loop, connector, seen, params
+
+
+def test_a_hand_off_the_scheduler_refuses_lets_its_source_go() -> None:
+    """A hand-off the decode scheduler refuses at admission (here: past its max_model_len)
+    ends with an error and never loads: its source's in-place lease is reported unread, so
+    the source frees the prompt's blocks now rather than when the lease runs out."""
+    loop, connector, seen, params = _decode_loop(max_model_len=16)
     prompt = list(range(3, 23))
     loop.add_request(Request("long", prompt, GREEDY, eos_token_id=2, kv_transfer_params=params))
     loop._admit_pending()
@@ -373,23 +380,8 @@ def test_a_second_copy_of_a_hand_off_refused_keeps_its_sources_kv() -> None:
     """A hand-off that arrives again under an id the decode scheduler holds is refused ("in
     use"), but the copy admitted under that id reads the same handle: reported unread, its
     source freed the prompt's blocks under that read."""
-    from kv_transfer.connector import KVSegment, PDConnector
-
-    connector = PDConnector("d-0", 4, 5.0)
-    scheduler = Scheduler(
-        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64),
-        CacheConfig(block_size=4, num_blocks=64),
-        connector=connector,
-    )
-    seen: list[EngineCoreOutput] = []
-    executor: Any = None  # (never stepped)
-    loop = EngineLoop("d-0", scheduler, executor, lambda _, outs: seen.extend(outs))
-    params = {
-        "do_remote_prefill": True,
-        "remote_instance_id": "p-0",
-        "remote_num_tokens": 20,
-        "handle": [KVSegment(0, 2, object(), in_place=True)],
-    }
+    loop, connector, seen, params = _decode_loop(max_model_len=64)
+    scheduler = loop.scheduler
     prompt = list(range(3, 23))
     loop.add_request(Request("h", prompt, GREEDY, eos_token_id=2, kv_transfer_params=params))
     loop._admit_pending()
