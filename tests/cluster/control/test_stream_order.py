@@ -478,20 +478,29 @@ def test_an_abort_of_an_unanswered_submit_ends_that_submit_only() -> None:
     asyncio.run(main())
 
 
-def test_an_aimed_abort_that_comes_after_a_later_submit_replaced_its_submit_ends_it() -> None:
-    """A submit placed but not answered; its client aborts it (as that submit) and reuses the
-    id at once. Ray runs the later submit first: it takes the id (the first is over for its
-    client), and the abort, finding the later one under the id, was only remembered --
-    nothing ended the first, which decoded on its engine for nobody."""
+def _actor_on_one_engine() -> tuple[Any, list[tuple[str, FinishReason]]]:
+    """A central actor with engine actors that places every request on engine d-0 (internal
+    id ``{id}@{submission}``), and the ends that engine is asked for."""
 
     async def place(flight: Flight) -> None:
-        flight.instance, flight.internal_id = "d-0", f"r@{flight.submission}"
+        rid = flight.request.request_id
+        flight.instance, flight.internal_id = "d-0", f"{rid}@{flight.submission}"
         actor._internal[flight.internal_id] = flight
 
     actor = _placing_actor(place)
     ends: list[tuple[str, FinishReason]] = []
     engine = SimpleNamespace(remote=True, dead=None, end=lambda *args: ends.append(args))
     actor.engines = {"d-0": engine}
+    return actor, ends
+
+
+def test_an_aimed_abort_that_comes_after_a_later_submit_replaced_its_submit_ends_it() -> None:
+    """A submit placed but not answered; its client aborts it (as that submit) and reuses the
+    id at once. Ray runs the later submit first: it takes the id (the first is over for its
+    client), and the abort, finding the later one under the id, was only remembered --
+    nothing ended the first, which decoded on its engine for nobody."""
+
+    actor, ends = _actor_on_one_engine()
 
     def request() -> Request:
         return Request("r", [1, 2, 3], SamplingParams(max_tokens=9))
@@ -517,15 +526,7 @@ def test_an_aimed_abort_finds_a_replaced_submit_by_its_key_and_ended_ones_are_no
     one on its engine, as often as it comes until its report ends it; and the entries of
     replaced flights that ended go, not kept for good."""
 
-    async def place(flight: Flight) -> None:
-        rid = flight.request.request_id
-        flight.instance, flight.internal_id = "d-0", f"{rid}@{flight.submission}"
-        actor._internal[flight.internal_id] = flight
-
-    actor = _placing_actor(place)
-    ends: list[tuple[str, FinishReason]] = []
-    engine = SimpleNamespace(remote=True, dead=None, end=lambda *args: ends.append(args))
-    actor.engines = {"d-0": engine}
+    actor, ends = _actor_on_one_engine()
 
     def request(rid: str) -> Request:
         return Request(rid, [1, 2, 3], SamplingParams(max_tokens=9))
