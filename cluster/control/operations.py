@@ -277,6 +277,13 @@ class ClusterOperations:
                     flight, f"instance {iid} left with the request in an unknown state"
                 )
         spec = self.specs.pop(iid)
+        # Its index is never given again (``_grow`` reads only the instances there are and
+        # the indexes it gave itself, not those of the instances the cluster started with):
+        # a successor under its id would take its late reports, and, with engine actors,
+        # its detached actors' names, which its workers keep for the reads' lease.
+        pool_name, _, index = iid.rpartition("-")
+        if index.isdigit():
+            self._last_index[pool_name] = max(self._last_index.get(pool_name, -1), int(index))
         self.observe.remove_instance(iid, spec.pool.role)  # its series leave /metrics
         self._confirm(self.hand_offs.drop(iid))
         self.views[iid].alive = False  # a flight's decode_target may still point here

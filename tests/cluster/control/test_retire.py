@@ -50,6 +50,7 @@ class Retire(ClusterOperations):
         self.observe: Any = SimpleNamespace(remove_instance=lambda iid, role: None)
         self.lora: Any = SimpleNamespace(forget=lambda iid: None)
         self._lingering = {}
+        self._last_index = {}
         self.tasks: list[asyncio.Task[None]] = []
 
     def _spawn(self, coro: Any) -> None:
@@ -143,3 +144,49 @@ def test_a_shutdown_before_the_stop_task_starts_still_stops_the_workers() -> Non
     actor._lingering = ops._lingering
     asyncio.run(actor.shutdown())
     assert EVENTS == [("kill", "worker")]
+
+
+class Grow(Retire):
+    """``Retire`` with a pool ``p`` that started with ``p-0`` and ``p-1`` (no ``_grow`` gave
+    them: ``_last_index`` has no entry for it), and a ``_grow`` whose start only records the
+    ids it was asked for."""
+
+    def __init__(self) -> None:
+        super().__init__("prefill", False)
+        self.pool = SimpleNamespace(name="p", role="prefill")
+        for iid in ("p-0", "p-1"):
+            self.engines[iid] = self.engines["p-0"]
+            self.roles[iid] = "prefill"
+            self.views[iid] = SimpleNamespace(alive=True)
+            self.specs[iid] = SimpleNamespace(
+                instance_id=iid, actors=["worker"], pool=self.pool, kv_peers=[]
+            )
+        del self.specs["d-0"]
+        self.config.startup_timeout_s = 1.0
+        self.asked: list[str] = []
+
+        async def start(config: Any, wanted: list[Any], *_: Any) -> list[Any]:
+            self.asked.extend(iid for iid, _ in wanted)
+            raise RuntimeError("recorded")
+
+        self._start_instances = start
+
+    @property
+    def kv_fallback(self) -> str | None:
+        return None
+
+
+def test_a_grown_pool_never_reuses_the_index_of_an_instance_it_retired() -> None:
+    """Pool ``p`` started with p-0 and p-1; p-1 leaves; the pool grows again: the new
+    instance is p-2, not a second p-1 (whose late reports it would take, and, with engine
+    actors, whose detached workers' names it would ask for while they wait for the lease)."""
+    ops = Grow()
+
+    async def main() -> None:
+        await ops._retire("p-1")
+        with pytest.raises(RuntimeError, match="recorded"):
+            await ops._grow(ops.pool, 1)
+        await asyncio.gather(*ops.tasks)
+
+    asyncio.run(main())
+    assert ops.asked == ["p-2"]
