@@ -182,8 +182,16 @@ class LlamaForCausalLM(nn.Module):
         self.is_last = self.layer_range.stop == cfg.num_hidden_layers
         # A tied output head reads the embedding, so the last stage keeps it too.
         needs_embedding = self.is_first or (self.is_last and cfg.tie_word_embeddings)
+        # Given its weight, the embedding skips its random init: a ``normal_`` (on the meta
+        # device the loader builds on) imports torch._dynamo, 1-1.5 s of every worker's start.
         self.embed_tokens: nn.Embedding | None = (
-            nn.Embedding(cfg.vocab_size, cfg.hidden_size) if needs_embedding else None
+            nn.Embedding(
+                cfg.vocab_size,
+                cfg.hidden_size,
+                _weight=torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype),
+            )
+            if needs_embedding
+            else None
         )
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in self.layer_range)
         self.norm: RMSNorm | None = (

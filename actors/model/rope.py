@@ -99,6 +99,16 @@ class RotaryEmbedding(torch.nn.Module):
     ) -> None:
         super().__init__()
         self.head_dim = head_dim
+        self.cos_table: torch.Tensor
+        self.signed_sin_table: torch.Tensor
+        if torch.get_default_device().type == "meta":
+            # A model built on the meta device (the loader's, before its weights) gets only
+            # the tables' shapes, and a real rope once it has a device: computing them on
+            # meta tensors imports torch._dynamo (about a second of each worker's start).
+            empty = torch.empty(max_position, head_dim, dtype=dtype)
+            self.register_buffer("cos_table", empty, persistent=False)
+            self.register_buffer("signed_sin_table", empty.clone(), persistent=False)
+            return
         inv, mscale = _inv_freq(head_dim, theta, scaling)
         t = torch.arange(max_position, dtype=torch.float32)
         freqs = torch.outer(t, inv)
@@ -106,8 +116,6 @@ class RotaryEmbedding(torch.nn.Module):
         # Kept in the model's dtype: Hugging Face casts cos/sin to the activations' dtype too.
         sin = emb.sin() * mscale
         sin[:, : head_dim // 2] *= -1  # rotate_half's sign, folded in (see ``rotate``)
-        self.cos_table: torch.Tensor
-        self.signed_sin_table: torch.Tensor
         self.register_buffer("cos_table", (emb.cos() * mscale).to(dtype), persistent=False)
         self.register_buffer("signed_sin_table", sin.to(dtype), persistent=False)
 

@@ -122,3 +122,21 @@ def test_decode_equals_full_recompute(tiny_qwen2: Path) -> None:
         seq.append(token)
         logits = paged.step([("x", [token], len(seq) - 1)])[0][0]
         assert (logits - recompute).abs().max().item() <= TOL
+
+
+def test_loading_imports_neither_dynamo_nor_sympy(tiny_llama: Path) -> None:
+    """Building the model on the meta device and giving it storage runs no op whose meta
+    kernel is a Python reference: those import torch._dynamo and sympy, which took 1.4 s of
+    every worker's start (a fresh process: this one has them from transformers)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from pathlib import Path; from actors.model.loader import load_model; "
+        f"load_model(Path({str(tiny_llama)!r}), progress=False); "
+        "print(sorted(m for m in ('torch._dynamo', 'sympy') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip().splitlines()[-1] == "[]", (
+        out.stdout + out.stderr
+    )
