@@ -47,8 +47,6 @@ and costs nothing measurable when idle (``_make_agent``).
 from __future__ import annotations
 
 import contextlib
-import importlib
-import importlib.util
 import logging
 import os
 import threading
@@ -67,6 +65,7 @@ from kv_transfer.nixl_layout import (
     merge_descriptors,
     merge_spans,
 )
+from kv_transfer.nixl_package import MISSING, nixl_api, nixl_available
 from kv_transfer.nixl_peers import NixlPeers
 from kv_transfer.nixl_reads import _Read, _Retired
 
@@ -86,27 +85,6 @@ __all__ = [
     "merge_spans",
     "nixl_available",
 ]
-
-# The PyPI wheels: ``nixl-cu12`` imports as ``nixl_cu12``; other builds as ``nixl``.
-_MODULES = ("nixl_cu12", "nixl")
-MISSING = (
-    "the nixl KV transport needs NVIDIA NIXL: install the extra, "
-    "`pip install 'tandem-serve[nixl]'` (the nixl-cu12 wheel; install torch first)"
-)
-
-
-def nixl_available() -> bool:
-    """Whether a NIXL package is installed (without importing it)."""
-    return any(importlib.util.find_spec(name) is not None for name in _MODULES)
-
-
-def _nixl_api() -> Any:
-    for name in _MODULES:
-        try:
-            return importlib.import_module(f"{name}._api")
-        except ImportError:
-            continue
-    raise ImportError(MISSING)
 
 
 _AGENT_LOCK = threading.Lock()
@@ -173,7 +151,7 @@ class NixlWorkerConnector(NixlPeers):
         super().__init__(max_parallel_loads)
         if lease_s <= safety_margin_s or safety_margin_s < 0:
             raise ValueError("lease_s must be > safety_margin_s >= 0")
-        self._api = _nixl_api()
+        self._api = nixl_api()
         self.lease_s = lease_s
         self.safety_margin_s = safety_margin_s
         self.backends = list(backends)

@@ -162,7 +162,7 @@ class KVTransferConfig(_Config):
         start: ``cluster.control.placement.connect_kv_peers``)."""
         if not self.auto:
             return self
-        from kv_transfer.nixl_transport import nixl_available
+        from kv_transfer.nixl_package import nixl_available
 
         return self.with_transport("nixl" if nixl_available() else "ray")
 

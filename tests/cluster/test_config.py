@@ -219,7 +219,7 @@ def test_grpc_lease_outlives_the_transfer_deadline_by_default() -> None:
 
 
 def test_auto_picks_nixl_where_it_imports_else_ray(monkeypatch: pytest.MonkeyPatch) -> None:
-    import kv_transfer.nixl_transport as nixl
+    import kv_transfer.nixl_package as nixl
 
     cfg = ClusterConfig.from_yaml("pools: [{name: p, role: prefill}, {name: d, role: decode}]")
     assert cfg.kv_transfer.auto

@@ -7,13 +7,13 @@ from __future__ import annotations
 import pytest
 
 from cluster.config import KVTransferConfig
-from kv_transfer import nixl_transport
+from kv_transfer import nixl_package
 
 
 @pytest.fixture
 def no_nixl(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(nixl_transport, "_MODULES", ("tandem_test_no_such_nixl",))
-    assert not nixl_transport.nixl_available()
+    monkeypatch.setattr(nixl_package, "MODULES", ("tandem_test_no_such_nixl",))
+    assert not nixl_package.nixl_available()
 
 
 def test_the_nixl_transport_names_the_missing_extra(no_nixl: None) -> None:

@@ -59,7 +59,7 @@ def _registered(
         agents.append(FakeAgent(name, alive))
         return agents[-1]
 
-    monkeypatch.setattr(nixl_transport, "_nixl_api", lambda: object())
+    monkeypatch.setattr(nixl_transport, "nixl_api", lambda: object())
     monkeypatch.setattr(nixl_transport, "_make_agent", make_agent)
     connector = nixl_transport.NixlWorkerConnector(same_node_copy=False)
     old = _caches()
