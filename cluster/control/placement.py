@@ -154,12 +154,13 @@ def worker_options(pool: InstancePool, pp_rank: int = 0) -> dict[str, Any]:
 
 
 def worker_class() -> Any:
-    """``ModelWorker`` as a Ray actor class, with its concurrency groups."""
+    """The model worker as a Ray actor class (``WorkerActor``: no torch where its handles
+    go), with its concurrency groups."""
     import ray
 
-    from actors.worker import ModelWorker
+    from actors.worker_actor import WorkerActor
 
-    return ray.remote(concurrency_groups=WORKER_GROUPS)(ModelWorker)  # type: ignore[call-overload]
+    return ray.remote(concurrency_groups=WORKER_GROUPS)(WorkerActor)  # type: ignore[call-overload]
 
 
 def worker_kwargs(

@@ -241,3 +241,35 @@ def test_a_new_kv_cache_is_allocated_after_the_old_one_went(
         assert worker.connector is not None and worker.connector.kv_caches == worker.kv_caches
     finally:
         worker.shutdown()
+
+
+def test_the_actor_class_forwards_every_public_method_and_imports_no_torch() -> None:
+    """``WorkerActor`` (the class Ray loads wherever a worker's handle is unpickled) offers
+    every public method of ``ModelWorker``, and importing it loads no torch."""
+    import inspect
+    import subprocess
+    import sys
+
+    from actors.worker_actor import REMOTE_METHODS, WorkerActor
+
+    public = {
+        n for n, _ in inspect.getmembers(ModelWorker, inspect.isfunction) if not n.startswith("_")
+    }
+    assert set(REMOTE_METHODS) == public
+    assert all(callable(getattr(WorkerActor, n)) for n in public)
+    code = "import sys, actors.worker_actor; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "False", out.stdout + out.stderr
+
+
+def test_the_actor_class_runs_the_worker(tiny_llama: Path) -> None:
+    """Its methods are the worker's: built from the same arguments, it loads the model and
+    sizes the same cache."""
+    from actors.worker_actor import WorkerActor
+
+    actor: Any = WorkerActor(model=str(tiny_llama), block_size=4)
+    direct = ModelWorker(model=str(tiny_llama), block_size=4)
+    actor.load_model()
+    direct.load_model()
+    assert actor.bytes_per_block() == direct.bytes_per_block() > 0
+    assert actor.info() == direct.info()
