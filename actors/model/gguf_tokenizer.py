@@ -12,7 +12,7 @@ from gguf import TokenType
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, processors
 from tokenizers import pre_tokenizers as pre
 
-from actors.model.gguf_loader import Source, _as_file
+from actors.model.gguf_file import Source, _as_file
 
 __all__ = ["gguf_tokenizer"]
 
