@@ -36,12 +36,12 @@ from typing import TYPE_CHECKING, Protocol
 
 import llguidance
 import numpy as np
-import torch
 from llguidance.gbnf_to_lark import any_to_lark
 
 from scheduler.request import SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
+    import torch
     from llguidance._lib import JsonCompileOptions
 
     from actors.model.tokenizer import Tokenizer
@@ -250,6 +250,8 @@ def fill_bitmask(states: Sequence[GrammarState], vocab_size: int) -> torch.Tenso
     broken state's row allows everything. One row after the other, on this thread:
     llguidance's thread pool (``LLExecutor``) measured slower in the engine -- its workers
     spin on the cores the model's next step needs (bench/structured_outputs.py)."""
+    import torch  # (here: the API server checks grammars with this module and no torch)
+
     words = (vocab_size + 31) // 32
     mask = torch.full((len(states), words), -1, dtype=torch.int32)
     for i, state in enumerate(states):
@@ -268,6 +270,8 @@ def fill_bitmask(states: Sequence[GrammarState], vocab_size: int) -> torch.Tenso
 def allowed_tokens(mask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """The bitmask as a bool tensor [rows, vocab_size] (bits unpacked by numpy: the words
     are little-endian, so byte ``b``'s bit ``j`` is token ``8 b + j``)."""
+    import torch
+
     as_bytes = mask.cpu().numpy().view(np.uint8)
     bits = np.unpackbits(as_bytes, axis=-1, count=vocab_size, bitorder="little")
     return torch.from_numpy(bits).to(device=mask.device, dtype=torch.bool)

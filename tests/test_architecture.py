@@ -245,6 +245,33 @@ def test_config_scheduler_and_kv_transfer_import_without_torch() -> None:
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
 
 
+def test_what_the_api_server_and_the_control_plane_load_needs_no_torch() -> None:
+    """The processes that run no model import no torch (a second and a few hundred MB
+    each): the Serve ingress (its modules, a GGUF file's tokenizer, grammar checks), the
+    central scheduler and engine actors, and the worker's actor class that Ray loads wherever
+    a worker's handle is unpickled."""
+    from actors.model.loader import builtin_model_path
+
+    result = _run_hidden(
+        {"torch"},
+        f"""
+        import cluster.serving.app, cluster.serving.openai_serving, cluster.serving.grpc_api
+        import cluster.control.scheduler_actor, cluster.control.engine_actor
+        import actors.worker_actor
+        from pathlib import Path
+        from actors.model.tokenizer import Tokenizer
+        from actors.structured_output import compiler_for
+        tokenizer = Tokenizer.from_path(Path({str(builtin_model_path())!r}))
+        assert tokenizer.encode("Paris")
+        from scheduler.request import StructuredOutputsParams
+        spec = StructuredOutputsParams.model_validate({{"json": {{"type": "object"}}}})
+        compiler_for(tokenizer, tokenizer.vocab_size).compile(spec)
+        print("ok")
+        """,
+    )
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
+
+
 @pytest.mark.parametrize("hidden", ["torch", "numpy"])
 def test_hiding_a_package_really_hides_it(hidden: str) -> None:
     """The check above can fail: importing what the finder hides raises."""
