@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kv_transfer.base import WorkerConnector
+if TYPE_CHECKING:  # (the central scheduler asks for the names, in a process without torch)
+    from kv_transfer.base import WorkerConnector
 
 _TRANSPORTS = {
     "ray": "kv_transfer.ray_transport:RayWorkerConnector",

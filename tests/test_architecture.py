@@ -257,6 +257,8 @@ def test_what_the_api_server_and_the_control_plane_load_needs_no_torch() -> None
         f"""
         import cluster.serving.app, cluster.serving.openai_serving, cluster.serving.grpc_api
         import cluster.control.scheduler_actor, cluster.control.engine_actor
+        from kv_transfer.registry import available_transports
+        assert "nixl" in available_transports()
         import actors.worker_actor
         from pathlib import Path
         from actors.model.tokenizer import Tokenizer
