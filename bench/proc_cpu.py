@@ -20,7 +20,7 @@ _TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
 
 # (hop, words in the process title or command line), first match wins.
 HOPS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("model worker", ("ray::ModelWorker",)),
+    ("model worker", ("ray::WorkerActor", "ray::ModelWorker")),  # (the second: before 11-29)
     ("engine actor", ("ray::EngineActor",)),
     ("scheduler actor", ("ray::SchedulerActor",)),
     ("serve ingress", ("ray::ServeReplica:tandem:OpenAIIngress",)),
@@ -36,6 +36,7 @@ HOPS: tuple[tuple[str, tuple[str, ...]], ...] = (
         ),
     ),
     ("tandem serve", ("tandem serve", "cluster.tools.cli serve")),
+    ("llama-server", ("llama-server",)),  # (bench.serve_configs' baseline)
 )
 
 

@@ -19,7 +19,11 @@ Configurations (``--variants``), each a ``tandem serve`` of the built-in model:
   quantized weight switches to its dense copy at 8 rows (``quantized_dense_min_rows: 8``, the
   default before int4 switched at 16), ``-layerwise``: decode steps layer by layer instead of
   one C call for all layers (``TANDEM_FUSED_DECODE=0``, the default before issue 19's fused
-  decode step); modifiers combine (``coloc-sync-dense``).
+  decode step); modifiers combine (``coloc-sync-dense``);
+- ``llama-server``: llama.cpp's server on the same GGUF file (Q4_1), the issue's baseline: the
+  binary given by ``--llama-server`` (not shipped: build llama.cpp's ``llama-server`` target),
+  2 threads, continuous batching, 32 slots of 512 tokens. The same load client and workloads;
+  it reads ``ignore_eos`` as vLLM does.
 
 Workloads (``--workloads``): ``cN`` (streaming chat at concurrency N, 128-token prompts, 128
 out, as the issue's llama-server comparison), ``prefill-heavy`` (1,024-token prompts, 8 out,
@@ -27,6 +31,7 @@ c=4) and ``decode-heavy`` (64-token prompts, 256 out, c=8).
 
     python -m bench.serve_configs --variants pd coloc pd-dense --workloads c1 c8 c32
     python -m bench.serve_configs --variants pd pd-threads1 --workloads prefill-heavy decode-heavy
+    python -m bench.serve_configs --variants pd llama-server --llama-server PATH --rounds 3
 """
 
 from __future__ import annotations
@@ -90,21 +95,54 @@ def variant_config(name: str) -> dict[str, Any]:
     return data
 
 
+def llama_server_command(args: argparse.Namespace) -> list[str]:
+    """llama.cpp's server on the built-in model's GGUF file, as the issue measured it."""
+    from actors.model.loader import BUILTIN_MODEL, builtin_model_path
+
+    if not args.llama_server:
+        raise SystemExit("the llama-server variant needs --llama-server PATH (llama.cpp's binary)")
+    slots = max(WORKLOADS[w]["concurrency"] for w in args.workloads)
+    return [
+        args.llama_server,
+        "--model",
+        str(builtin_model_path()),
+        "--alias",
+        BUILTIN_MODEL,
+        "--threads",
+        "2",
+        "--parallel",
+        str(slots),
+        "--ctx-size",
+        str(512 * slots),  # 512 tokens a slot: a 128-token chat prompt and 128 out fit
+        "--cont-batching",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(args.port),
+    ]
+
+
 def run_variant(
     args: argparse.Namespace, variant: str, workdir: Path, tag: str
 ) -> dict[str, dict[str, Any]]:
-    """Start ``tandem serve`` in ``variant``, run every workload once, stop it."""
+    """Start ``tandem serve`` in ``variant`` (or llama-server), run every workload once, stop
+    it."""
     url = f"http://127.0.0.1:{args.port}"
-    config = workdir / f"{variant}.yaml"
-    config.write_text(yaml.safe_dump(variant_config(variant)))
     log = (workdir / f"serve-{tag}.log").open("wb")
     env = dict(os.environ)
+    if variant == "llama-server":
+        command = llama_server_command(args)
+    else:
+        config = workdir / f"{variant}.yaml"
+        config.write_text(yaml.safe_dump(variant_config(variant)))
+        command = [str(BIN / "tandem"), "serve", "--config", str(config)]
+        command += ["--port", str(args.port)]
     if "torchq" in variant.split("-"):
         env["TANDEM_QUANT_GEMM"] = "0"  # the server's Ray workers inherit it
     if "layerwise" in variant.split("-"):
         env["TANDEM_FUSED_DECODE"] = "0"
     serve = subprocess.Popen(
-        [str(BIN / "tandem"), "serve", "--config", str(config), "--port", str(args.port)],
+        command,
         env=env,
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -179,6 +217,7 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=8014)
     ap.add_argument("--startup-timeout-s", type=float, default=240.0)
     ap.add_argument("--out", default="bench/results/serve_configs.json")
+    ap.add_argument("--llama-server", help="llama.cpp's llama-server binary (variant llama-server)")
     args = ap.parse_args()
 
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {
