@@ -101,7 +101,10 @@ class RotaryEmbedding(torch.nn.Module):
         self.head_dim = head_dim
         self.cos_table: torch.Tensor
         self.signed_sin_table: torch.Tensor
-        if torch.get_default_device().type == "meta":
+        # (asked of a factory, not ``torch.get_default_device()``: before torch 2.8 that
+        # does not see ``with torch.device("meta")``, and the ``[cuda]`` extra pins an older
+        # torch)
+        if torch.empty(()).is_meta:
             # A model built on the meta device (the loader's, before its weights) gets only
             # the tables' shapes, and a real rope once it has a device: computing them on
             # meta tensors imports torch._dynamo (about a second of each worker's start).
