@@ -273,3 +273,31 @@ def test_the_actor_class_runs_the_worker(tiny_llama: Path) -> None:
     direct.load_model()
     assert actor.bytes_per_block() == direct.bytes_per_block() > 0
     assert actor.info() == direct.info()
+
+
+def test_the_actor_class_forwards_plain_calls_with_arguments_the_worker_takes() -> None:
+    """``WorkerActor``'s forwarders are plain calls taking ``*args, **kwargs``: Ray no longer
+    sees ``ModelWorker``'s signatures, so a keyword the worker does not take fails inside the
+    worker's process (its constructor: the actor dies, reported at "load the model") instead
+    of at ``.remote()``, and a coroutine or generator method would hand Ray a coroutine or a
+    generator object to return (Ray runs those only when the actor class's own method is
+    one)."""
+    import inspect
+
+    from actors.worker_actor import REMOTE_METHODS
+    from cluster.config import ClusterConfig
+    from cluster.control.placement import worker_kwargs
+
+    for name in REMOTE_METHODS:
+        method = getattr(ModelWorker, name)
+        assert not inspect.iscoroutinefunction(method), name
+        assert not inspect.isgeneratorfunction(method), name
+        assert not inspect.isasyncgenfunction(method), name
+    taken = set(inspect.signature(ModelWorker.__init__).parameters) - {"self"}
+    config = ClusterConfig.from_yaml(
+        "pools: [{name: p, role: prefill, pp_size: 2}, {name: d, role: decode}]\n"
+        "model: x\nkv_transfer: {transport: auto}"
+    )
+    for pool in config.pools:
+        for rank in range(pool.pp_size):
+            assert set(worker_kwargs(config, pool, rank, "ray")) <= taken
