@@ -22,8 +22,9 @@ Configurations (``--variants``), each a ``tandem serve`` of the built-in model:
   decode step); modifiers combine (``coloc-sync-dense``);
 - ``llama-server``: llama.cpp's server on the same GGUF file (Q4_1), the issue's baseline: the
   binary given by ``--llama-server`` (not shipped: build llama.cpp's ``llama-server`` target),
-  2 threads, continuous batching, 32 slots of 512 tokens. The same load client and workloads;
-  it reads ``ignore_eos`` as vLLM does.
+  2 threads, continuous batching, 32 slots of 512 tokens. The same load client and workloads
+  (with ``--no-keep-alive``: the server closes kept-alive connections under the client); it
+  reads ``ignore_eos`` as vLLM does.
 
 Workloads (``--workloads``): ``cN`` (streaming chat at concurrency N, 128-token prompts, 128
 out, as the issue's llama-server comparison), ``prefill-heavy`` (1,024-token prompts, 8 out,
@@ -178,6 +179,8 @@ def run_variant(
                     "--seed",
                     str(1000 * list(WORKLOADS).index(name)),
                     "--no-progress",
+                    # (it closes kept-alive connections under the client: a failed request)
+                    *(["--no-keep-alive"] if variant == "llama-server" else []),
                     "--out",
                     str(out),
                 ],

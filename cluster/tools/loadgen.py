@@ -286,7 +286,10 @@ async def run_all(args: argparse.Namespace) -> tuple[str, list[RunResult]]:
     base = args.base_url.rstrip("/")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     timeout = aiohttp.ClientTimeout(total=args.timeout_s)
-    connector = aiohttp.TCPConnector(limit=0)  # the load shape, not aiohttp, bounds concurrency
+    # The load shape, not aiohttp, bounds concurrency. ``--no-keep-alive``: a connection per
+    # request, for servers that close a kept-alive one under the client (llama.cpp's server:
+    # "Can not write request body" on a connection it closed after a few requests).
+    connector = aiohttp.TCPConnector(limit=0, force_close=args.no_keep_alive)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         model = args.model or await _fetch_model(session, base, headers)
         path = "completions" if args.endpoint == "completions" else "chat/completions"
@@ -418,6 +421,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slo-tpot-ms", type=pfloat, help="goodput SLO: TPOT at most this")
     p.add_argument("--timeout-s", type=pfloat, default=300.0, help="per-request timeout")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument(
+        "--no-keep-alive", action="store_true", help="a new connection for every request"
+    )
     p.add_argument("--out", default=None, help="write config, summaries and requests as JSON")
     p.add_argument("--plot-dir", default=None, help="write latency_cdf.png and throughput.png")
     p.set_defaults(bench_parser=p)  # run_bench reports cross-option errors through it
