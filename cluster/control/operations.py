@@ -149,6 +149,12 @@ class ClusterOperations:
         specs = self.specs
         return any(i in specs and specs[i].pool.name == pool_name for i in self._shrinking)
 
+    def _index_used(self, iid: str) -> None:
+        """``iid`` (``{pool}-{index}``) was used: ``_grow`` never gives its index again."""
+        pool_name, _, index = iid.rpartition("-")
+        if index.isdigit():
+            self._last_index[pool_name] = max(self._last_index.get(pool_name, -1), int(index))
+
     async def _grow(self, pool: Any, count: int) -> None:
         from cluster.control.placement import start_instances
 
@@ -281,9 +287,7 @@ class ClusterOperations:
         # the indexes it gave itself, not those of the instances the cluster started with):
         # a successor under its id would take its late reports, and, with engine actors,
         # its detached actors' names, which its workers keep for the reads' lease.
-        pool_name, _, index = iid.rpartition("-")
-        if index.isdigit():
-            self._last_index[pool_name] = max(self._last_index.get(pool_name, -1), int(index))
+        self._index_used(iid)
         self.observe.remove_instance(iid, spec.pool.role)  # its series leave /metrics
         self._confirm(self.hand_offs.drop(iid))
         self.views[iid].alive = False  # a flight's decode_target may still point here

@@ -248,9 +248,7 @@ async def rebuild(actor: Any) -> None:
     orphans = kill_orphan_workers(context.get_actor_id() or "", namespace, taken | spared)
     # No index used before is given again (a late report, a name Ray still releases).
     for iid in orphans | {name[len(prefix) :] for name in listed}:
-        pool, _, index = iid.rpartition("-")
-        if index.isdigit():
-            actor._last_index[pool] = max(actor._last_index.get(pool, -1), int(index))
+        actor._index_used(iid)
     if not found and not spared:
         raise NothingToRebuild("no engine actor left to rebuild the cluster from")
     if not found:  # (they may answer a fresh process)
