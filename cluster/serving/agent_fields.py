@@ -5,6 +5,8 @@ tool definitions, choices and calls of chat requests."""
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -108,11 +110,37 @@ class NamedToolChoice(BaseModel):
     function: NamedFunction
 
 
+# A UTF-16 surrogate in a Python string: JSON lets a body escape one alone ("\\ud800"), but it
+# is no Unicode text -- UTF-8 cannot encode it, so the tokenizer, the grammar compiler and the
+# response's own encoder would all fail on it (a 500 where the client sent bad text).
+SURROGATE = re.compile("[\ud800-\udfff]")
+
+
 class CalledFunction(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     name: str
     arguments: str  # JSON text, as the API returned it
+
+    @field_validator("arguments")
+    @classmethod
+    def _unicode_arguments(cls, value: str) -> str:
+        """The body's own strings are checked for lone surrogates (``_refuse_surrogates``),
+        but ``arguments`` is JSON inside JSON: its escapes (``"\\ud800"``) decode only when
+        the prompt is rendered (``tool_calls._loads_or_text``), and a lone surrogate there
+        made the tokenizer raise a TypeError -- a 500 for the client's text."""
+        if "\\u" not in value:  # no escape: nothing in it decodes to a surrogate
+            return value
+        try:
+            decoded = json.dumps(json.loads(value), ensure_ascii=False)
+        except (ValueError, RecursionError):  # not JSON: rendered as the text it is
+            return value
+        if SURROGATE.search(decoded):
+            raise ValueError(
+                "the arguments' JSON holds an unpaired UTF-16 surrogate (a lone \\ud800-\\udfff "
+                "escape), which is not valid Unicode"
+            )
+        return value
 
 
 class ToolCallItem(BaseModel):

@@ -14,7 +14,6 @@ once per name.
 from __future__ import annotations
 
 import logging
-import re
 import typing
 from typing import Annotated, Any
 
@@ -30,6 +29,7 @@ from pydantic import (
 )
 
 from cluster.serving.agent_fields import (
+    SURROGATE,
     FieldError,
     given_spec,
     response_format_spec,
@@ -99,12 +99,6 @@ def _refuse_active(value: Any, info: ValidationInfo) -> Any:
     raise ValueError(f"{info.field_name} is not supported")
 
 
-# A UTF-16 surrogate in a Python string: JSON lets a body escape one alone ("\\ud800"), but it
-# is no Unicode text -- UTF-8 cannot encode it, so the tokenizer, the grammar compiler and the
-# response's own encoder would all fail on it (a 500 where the client sent bad text).
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
 def _surrogate_at(body: Any) -> str | None:
     """Where the first string of a JSON body (a value, or a key: its object's path) holding
     an unpaired surrogate is (``messages.0.content``; ``body`` at the top); None when none
@@ -113,11 +107,11 @@ def _surrogate_at(body: Any) -> str | None:
     while todo:
         path, value = todo.pop()
         if isinstance(value, str):
-            if _SURROGATE.search(value):
+            if SURROGATE.search(value):
                 return path or "body"
         elif isinstance(value, dict):
             for key, item in value.items():
-                if isinstance(key, str) and _SURROGATE.search(key):
+                if isinstance(key, str) and SURROGATE.search(key):
                     return path or "body"
                 todo.append((f"{path}.{key}" if path else str(key), item))
         elif isinstance(value, list):

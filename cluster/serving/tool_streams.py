@@ -9,6 +9,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from cluster.serving.agent_fields import SURROGATE
+
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
 
@@ -46,8 +48,18 @@ def _call_from_json(blob: str, strict: bool, names: tuple[str, ...] = ()) -> Too
         return None
     arguments = value.get(key, {})
     if isinstance(arguments, str):
+        if SURROGATE.search(value["name"] + arguments):
+            return None  # no text a response can carry: the block stays content, as written
         return ToolCall(value["name"], arguments)
-    return ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False))
+    if SURROGATE.search(value["name"]):
+        return None
+    try:
+        text = json.dumps(arguments, ensure_ascii=False)
+        if SURROGATE.search(text):  # the same JSON, its surrogates kept as escapes
+            text = json.dumps(arguments)
+    except RecursionError:  # (nesting json.loads just took, one frame deeper)
+        return None
+    return ToolCall(value["name"], text)
 
 
 def _parse_llama3(text: str, names: tuple[str, ...]) -> list[ToolCall]:

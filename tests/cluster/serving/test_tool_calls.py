@@ -361,3 +361,31 @@ def test_arguments_json_cannot_read_stay_text_and_bad_definitions_are_refused() 
         tool = {"type": "function", "function": {"name": "go", "parameters": {"$defs": defs}}}
         with pytest.raises(ValueError, match=r"\$defs of go's parameters must be an object"):
             required_schema([tool], parallel=True)
+
+
+def test_a_call_whose_json_decodes_to_a_lone_surrogate_can_still_be_sent() -> None:
+    """A model may write half of a surrogate pair as a JSON escape (``"\\ud83d"`` alone).
+    Decoded, that is no Unicode text: a whole response holding it could not be encoded
+    (Starlette's JSONResponse raised UnicodeEncodeError -- a 500 after the whole generation).
+    The call's arguments keep it as an escape (the same JSON, whole or streamed); a name or
+    string arguments holding one leave the block as the content it was written as."""
+    from starlette.responses import JSONResponse
+
+    names = ("get_weather",)
+    hermes = '<tool_call>{"name": "get_weather", "arguments": {"city": "\\ud83d"}}</tool_call>'
+    llama = '{"name": "get_weather", "parameters": {"city": "\\ud83d"}}'
+    for parser, text in (("hermes", hermes), ("llama3_json", llama)):
+        content, calls = parse_calls(parser, text, names)
+        assert [c.name for c in calls] == ["get_weather"], parser
+        assert json.loads(calls[0].arguments) == {"city": "\ud83d"}  # the JSON the model wrote
+        JSONResponse({"content": content, "tool_calls": [c.as_openai() for c in calls]})
+        for seed in range(4):
+            _, streamed = _stream(ToolPlan("auto", parser, names=names).stream(), text, seed)
+            assert [c["arguments"] for c in streamed] == [calls[0].arguments], (parser, seed)
+    for block in (
+        '{"name": "get_\\ud83d", "arguments": {}}',
+        '{"name": "get_weather", "arguments": "\\ud83d"}',
+    ):
+        text = f"<tool_call>{block}</tool_call>"
+        assert parse_calls("hermes", text) == (text, [])
+        JSONResponse({"content": text})
