@@ -22,7 +22,8 @@ Configurations (``--variants``), each a ``tandem serve`` of the built-in model:
   decode step); modifiers combine (``coloc-sync-dense``);
 - ``llama-server``: llama.cpp's server on the same GGUF file (Q4_1), the issue's baseline: the
   binary given by ``--llama-server`` (not shipped: build llama.cpp's ``llama-server`` target),
-  2 threads, continuous batching, 32 slots of 512 tokens. The same load client and workloads
+  2 threads, continuous batching, a slot per concurrent request, each as long as the longest
+  workload needs (512 tokens for c1-c32). The same load client and workloads
   (with ``--no-keep-alive``: the server closes kept-alive connections under the client); it
   reads ``ignore_eos`` as vLLM does.
 
@@ -96,6 +97,13 @@ def variant_config(name: str) -> dict[str, Any]:
     return data
 
 
+def slot_context(workloads: list[str], margin: int = 64) -> int:
+    """Tokens a llama-server slot needs for ``workloads``: the longest prompt + output, plus
+    ``margin`` for the chat template, in multiples of 256 (at least 512: the c1-c32 runs')."""
+    need = max(WORKLOADS[w]["input"] + WORKLOADS[w]["output"] for w in workloads) + margin
+    return max(512, -(-need // 256) * 256)
+
+
 def llama_server_command(args: argparse.Namespace) -> list[str]:
     """llama.cpp's server on the built-in model's GGUF file, as the issue measured it."""
     from actors.model.loader import BUILTIN_MODEL, builtin_model_path
@@ -103,6 +111,10 @@ def llama_server_command(args: argparse.Namespace) -> list[str]:
     if not args.llama_server:
         raise SystemExit("the llama-server variant needs --llama-server PATH (llama.cpp's binary)")
     slots = max(WORKLOADS[w]["concurrency"] for w in args.workloads)
+    # llama-server splits --ctx-size evenly among its --parallel slots: each slot must hold
+    # the longest workload's prompt and output (and the chat template's tokens), or that
+    # workload's requests fail ("exceeds the available context size") or are truncated.
+    per_slot = slot_context(args.workloads)
     return [
         args.llama_server,
         "--model",
@@ -114,7 +126,7 @@ def llama_server_command(args: argparse.Namespace) -> list[str]:
         "--parallel",
         str(slots),
         "--ctx-size",
-        str(512 * slots),  # 512 tokens a slot: a 128-token chat prompt and 128 out fit
+        str(per_slot * slots),
         "--cont-batching",
         "--host",
         "127.0.0.1",
