@@ -31,6 +31,16 @@ if TYPE_CHECKING:
 
 # Request fields recorded as ``gen_ai.request.<name>`` when set.
 _REQUEST_FIELDS = ("temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty")
+_INT64 = range(-(2**63), 2**63)  # what an OTLP attribute's int holds
+
+
+def _attribute(value: Any) -> Any:
+    """``value`` as an OTLP exporter can send it: an int beyond int64 (the API takes seeds
+    up to 2**64) as its decimal text -- the exporter drops such an attribute and logs a
+    traceback for each span that has one."""
+    if isinstance(value, int) and not isinstance(value, bool) and value not in _INT64:
+        return str(value)
+    return value
 
 
 class APISpan:
@@ -62,12 +72,12 @@ class APISpan:
         for name in _REQUEST_FIELDS:
             value = getattr(request, name, None)
             if value is not None:
-                attributes[f"gen_ai.request.{name}"] = value
+                attributes[f"gen_ai.request.{name}"] = _attribute(value)
         max_tokens = getattr(request, "requested_max_tokens", None) or getattr(
             request, "max_tokens", None
         )
         if max_tokens is not None:
-            attributes["gen_ai.request.max_tokens"] = max_tokens
+            attributes["gen_ai.request.max_tokens"] = _attribute(max_tokens)
         if request.stop:
             stops = [request.stop] if isinstance(request.stop, str) else list(request.stop)
             attributes["gen_ai.request.stop_sequences"] = stops

@@ -171,3 +171,22 @@ def test_a_stream_left_midway_ends_its_span_with_what_its_producer_recorded(
     (done,) = exporter.get_finished_spans()
     assert done.attributes["gen_ai.usage.output_tokens"] == 2
     assert tuple(done.attributes["gen_ai.response.finish_reasons"]) == ("abort",)
+
+
+def test_ints_beyond_int64_are_recorded_as_text_the_exporter_can_send(traced: Any) -> None:
+    """The API takes seeds up to 2**64 (and any top_k); OTLP's ints are int64, and its
+    encoder dropped such an attribute with a logged traceback for every span."""
+    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+
+    tracer, exporter = traced
+    body = {"model": "m", "prompt": "hi", "max_tokens": 2, "seed": 2**64 - 1, "top_k": 2**63}
+    with APISpan(tracer, "text_completion", CompletionRequest.model_validate(body)):
+        pass
+    (done,) = exporter.get_finished_spans()
+    assert done.attributes["gen_ai.request.seed"] == str(2**64 - 1)
+    assert done.attributes["gen_ai.request.top_k"] == str(2**63)
+    assert done.attributes["gen_ai.request.max_tokens"] == 2  # in range: still an int
+    encoded = encode_spans([done]).resource_spans[0].scope_spans[0].spans[0].attributes
+    sent = {a.key: a.value for a in encoded}
+    assert sent["gen_ai.request.seed"].string_value == str(2**64 - 1)
+    assert sent["gen_ai.request.max_tokens"].int_value == 2
