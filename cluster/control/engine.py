@@ -464,6 +464,22 @@ class InstanceEngine:
         self.held.clear()
         return lost
 
+    def take_unread_kv(self) -> list[tuple[str, str]]:
+        """After ``stop`` (the instance leaves its pool): (internal id, source instance) of
+        the hand-offs still here whose KV will not be read now -- queued, arriving, or
+        loading (their reads end with the workers) -- and of unread ones not reported yet.
+        Their sources let the KV go now rather than at the lease's expiry (as a failure's
+        ``abandon_all`` does). The requests themselves move (``take_all``)."""
+        loop = self.loop
+        connector = loop.scheduler.connector
+        if not isinstance(connector, PDConnector):
+            return []
+        for request in loop.pending:
+            connector.remote_kv_dropped(request)
+        loop.pending = []
+        loop.scheduler.abandon_all(RequestStatus.FINISHED_ABORTED)
+        return connector.take_unread()
+
     def fail(self, reason: str) -> None:
         """Declare the instance failed from outside (tests, an operator)."""
         self.loop.fail(reason)

@@ -192,6 +192,7 @@ class EngineActor(ClientStreams):
         hand-off was not confirmed (with their first token) -- instants as ages."""
         engine = self._engine()
         lost = engine.take_all()
+        unread = engine.take_unread_kv()  # (hand-offs held unread: their sources let go)
         for internal, p in self._awaiting.items():
             tokens = list(p.first.new_token_ids)
             lost.append(
@@ -210,6 +211,8 @@ class EngineActor(ClientStreams):
         now = time.monotonic()
         reports = list(self._outgoing)
         self._outgoing.clear()
+        if unread:
+            reports.append(EngineReport(self.instance_id, engine.loop.summary(), kv_unread=unread))
         for report in reports:
             rebase_report(report, -now)
         leftovers = EngineReport(self.instance_id, engine.loop.summary(), lost=lost)

@@ -269,6 +269,11 @@ class ClusterOperations:
             await engine.wait_drained()  # its clients' last outputs
         else:
             leftovers = engine.take_all()
+            # Hand-offs it held unread (queued or loading): their sources let the KV go now.
+            for internal, source in engine.take_unread_kv():
+                other = self.engines.get(source)
+                if other is not None:
+                    other.release_kv(internal)
         engine.close()
         if leftovers:
             logger.warning("instance %s left with %d requests; they move", iid, len(leftovers))

@@ -26,8 +26,10 @@ class Retire(ClusterOperations):
             remote=False,
             holds_requests=lambda: holds,
             take_all=lambda: [],
+            take_unread_kv=lambda: list(self.unread),
             close=lambda: None,
         )
+        self.unread: list[tuple[str, str]] = []  # what the leaving engine held unread
 
         async def stop() -> None:
             pass
@@ -190,3 +192,52 @@ def test_a_grown_pool_never_reuses_the_index_of_an_instance_it_retired() -> None
 
     asyncio.run(main())
     assert ops.asked == ["p-2"]
+
+
+def test_a_decode_instance_retired_undrained_lets_its_sources_go() -> None:
+    """A decode instance leaves with hand-offs still queued or loading (its drain timed out,
+    or ``drain_timeout_s=0``): their requests move, and the prefill instances that lease
+    their KV release it now, not when the lease expires (``kv_leases_expired``)."""
+    ops = Retire("decode", True)
+    released: list[str] = []
+    source = SimpleNamespace(release_kv=released.append)
+    ops.engines["src-0"] = source
+    ops.unread = [("r@1", "src-0"), ("r@2", "src-0"), ("r@3", "gone")]
+
+    async def main() -> None:
+        await ops._retire("p-0")
+        await asyncio.gather(*ops.tasks)
+
+    asyncio.run(main())
+    assert released == ["r@1", "r@2"]  # (an instance that left meanwhile: nothing to tell)
+
+
+def test_a_leaving_engine_names_the_hand_offs_it_held_unread() -> None:
+    """``InstanceEngine.take_unread_kv`` on a decode engine leaving with a load scheduled, a
+    hand-off queued in its scheduler and one not given to it yet: all three sources are named,
+    and its blocks are all free."""
+    from cluster.control.engine import InstanceEngine
+    from kv_transfer.connector import KVSegment, PDConnector
+    from tests.scheduler.helpers import assert_all_free, make_request, make_scheduler
+
+    connector = PDConnector("d-0", 4, 5.0)
+    scheduler = make_scheduler(block_size=4, num_blocks=8, connector=connector, max_model_len=32)
+
+    def hand_off(rid: str, n: int) -> Any:
+        params = {"do_remote_prefill": True, "remote_instance_id": f"p-{rid}"}
+        params |= {"remote_num_tokens": n, "handle": [KVSegment(0, 2, "lease", in_place=True)]}
+        tokens = list(range(10, 10 + n))
+        return make_request(
+            tokens, req_id=rid, max_tokens=4, output_token_ids=[1000], kv_transfer_params=params
+        )
+
+    scheduler.add_request(hand_off("loading", 12))
+    scheduler.add_request(hand_off("queued", 20))
+    loads = scheduler.schedule().kv_connector_metadata.loads
+    assert [load.req_id for load in loads] == ["loading"]
+    leaving = SimpleNamespace(
+        loop=SimpleNamespace(scheduler=scheduler, pending=[hand_off("new", 8)])
+    )
+    unread = InstanceEngine.take_unread_kv(leaving)  # type: ignore[arg-type]
+    assert sorted(unread) == [("loading", "p-loading"), ("new", "p-new"), ("queued", "p-queued")]
+    assert_all_free(scheduler)
