@@ -5,6 +5,8 @@ rejoined instance is connected before it serves again."""
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import logging
 import time
 from collections.abc import Callable, Coroutine
@@ -16,6 +18,11 @@ from cluster.control.placement import MONITOR, InstanceSpec
 from cluster.control.summaries import InstanceView
 
 logger = logging.getLogger(__name__)
+
+# A rejoined instance whose workers cannot reach the others (or be reached) tries again after
+# these pauses, then every last one: a peer that died during its probe, or a passing network
+# fault, must not keep it out for good. Its workers' transport being another is final.
+REJOIN_RETRY_S = (1.0, 2.0, 4.0, 8.0, 15.0, 30.0)
 
 
 class KVPeers:
@@ -98,17 +105,61 @@ class KVPeers:
     async def _rejoin_kv(self, iid: str, view: InstanceView, mark: int) -> None:
         """A rejoined instance's workers: the cluster's KV transport (a restarted process
         starts with the one it was created with, which ``auto`` may have left), their new
-        agents handed to every worker and the others' to them; then it serves again."""
+        agents handed to every worker and the others' to them; then it serves again. A probe
+        that fails (a peer died meanwhile: its own failure is being handled) is tried again
+        (``REJOIN_RETRY_S``) with the instances alive then; the first failure is recorded."""
+        from cluster.control.placement import kv_peer_names
+
+        spec = self.specs[iid]
+        before = kv_peer_names(spec)  # its workers' previous agents: the others forget them
+        refused = False
+        for attempt in itertools.count():
+            if attempt:
+                await asyncio.sleep(REJOIN_RETRY_S[min(attempt, len(REJOIN_RETRY_S)) - 1])
+            if self._left_or_failed(iid, view, mark):
+                return
+            problem, final = await self._connect_rejoined(iid, spec, before)
+            if self._left_or_failed(iid, view, mark):  # failed again, or left
+                return
+            if problem is None:
+                break
+            # Until it connects it would fail every hand-off: it stays out of routing.
+            logger.error(
+                "instance %s cannot rejoin: KV transport: %s%s",
+                iid,
+                problem,
+                "" if final else " (trying again)",
+            )
+            if not refused:
+                refused = True
+                self.failures.append(
+                    {"instance_id": iid, "event": "failed", "reason": f"KV transport: {problem}"}
+                    | {"time": time.time()}
+                )
+                mark = len(self.failures)  # (this failure is not one that ends the rejoin)
+            if final:
+                return
+        view.alive = True
+        self._serves_again(iid)
+
+    def _left_or_failed(self, iid: str, view: InstanceView, mark: int) -> bool:
+        """The rejoining instance failed again since ``mark``, or left its pool."""
+        return self.views.get(iid) is not view or any(
+            f["instance_id"] == iid and f["event"] == "failed" for f in self.failures[mark:]
+        )
+
+    async def _connect_rejoined(
+        self, iid: str, spec: InstanceSpec, before: list[str]
+    ) -> tuple[str | None, bool]:
+        """Connect a rejoined instance's workers with the live ones: what failed (None:
+        nothing), and whether that is final (its workers use another transport)."""
         from cluster.control.placement import (
             connect_kv_peers,
             disconnect_kv_peers,
             kv_peer_names,
         )
 
-        spec = self.specs[iid]
-        before = kv_peer_names(spec)  # its workers' previous agents: the others forget them
         transport = self.config.kv_transfer.transport
-        problem = None
         try:
             health = await spec.call_stages("health", group=MONITOR)
             if any(h.get("kv_transport") != transport for h in health):
@@ -117,27 +168,12 @@ class KVPeers:
                 health = await spec.call_stages("health", group=MONITOR)
             used = {h.get("kv_transport") for h in health}
             if used != {transport}:  # e.g. NIXL cannot start there any more: it fell back
-                problem = f"its workers use {sorted(map(str, used))}, the cluster {transport}"
-            else:
-                live = [s for i, s in self.specs.items() if self.views[i].alive or i == iid]
-                probe = self._kv_auto and transport == "nixl"
-                errors = await connect_kv_peers(live, [spec], probe)
-                problem = "; ".join(errors) or None
-                gone = [n for n in before if n not in kv_peer_names(spec)]
-                await disconnect_kv_peers([s for s in live if s is not spec], gone)
+                return f"its workers use {sorted(map(str, used))}, the cluster {transport}", True
+            live = [s for i, s in self.specs.items() if self.views[i].alive or i == iid]
+            probe = self._kv_auto and transport == "nixl"
+            errors = await connect_kv_peers(live, [spec], probe)
+            gone = [n for n in before if n not in kv_peer_names(spec)]
+            await disconnect_kv_peers([s for s in live if s is not spec], gone)
+            return "; ".join(errors) or None, False
         except Exception as exc:
-            problem = f"{type(exc).__name__}: {exc}"
-        failed_again = any(
-            f["instance_id"] == iid and f["event"] == "failed" for f in self.failures[mark:]
-        )
-        if self.views.get(iid) is not view or failed_again:  # failed again, or left
-            return
-        if problem is not None:  # it would fail every hand-off: it stays out of routing
-            logger.error("instance %s cannot rejoin: KV transport: %s", iid, problem)
-            self.failures.append(
-                {"instance_id": iid, "event": "failed", "reason": f"KV transport: {problem}"}
-                | {"time": time.time()}
-            )
-            return
-        view.alive = True
-        self._serves_again(iid)
+            return f"{type(exc).__name__}: {exc}", False

@@ -79,3 +79,93 @@ def test_auto_falls_back_to_ray_for_the_first_instances() -> None:
     asyncio.run(peers._connect_kv_peers([spec]))  # type: ignore[list-item]
     assert peers.switched_to == ["ray"]
     assert spec.calls == [("use_kv_transport", "ray", {})] and spec.kv_peers == []
+
+
+class Rejoining(Peers):
+    """A rejoined instance ``d-0`` beside a live ``d-1``; the probe's answers in turn."""
+
+    def __init__(self, *answers: list[str]) -> None:
+        super().__init__(auto=True)
+        self.answers = list(answers)
+        self.spec = Spec("d-0")
+        self.specs = {"d-0": self.spec, "d-1": Spec("d-1")}
+        self.views = {"d-0": SimpleNamespace(alive=False), "d-1": SimpleNamespace(alive=True)}
+        self.failures: list[dict[str, Any]] = []
+        self.probed: list[list[str]] = []
+        self.resized: list[str] = []
+        self.autoscaler = SimpleNamespace(resized=self.resized.append)
+        self.spec.pool = SimpleNamespace(name="d")  # type: ignore[attr-defined]
+
+        async def call_stages(*args: Any, **options: Any) -> list[Any]:
+            return [{"kv_transport": "nixl"}] if args[0] == "health" else []
+
+        self.spec.call_stages = call_stages  # type: ignore[method-assign]
+
+    async def connect(self, specs: list[Any], new: list[Any], probe: bool = False) -> list[str]:
+        self.probed.append([s.instance_id for s in specs])
+        return self.answers.pop(0) if self.answers else []
+
+    def rejoin(self) -> None:
+        asyncio.run(self._rejoin_kv("d-0", self.views["d-0"], 0))  # type: ignore[arg-type]
+
+    def events(self) -> list[tuple[str, str]]:
+        return [(f["instance_id"], f["event"]) for f in self.failures]
+
+
+def test_a_rejoin_whose_peer_died_during_its_probe_is_tried_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The soak's kills 7 s apart: d-1 was killed while d-0's restarted workers probed it, so
+    the probe failed both ways, and d-0 stayed out of routing for good (lost capacity), while
+    d-1 rejoined. The rejoin now tries again (with the instances alive then) and serves."""
+    from cluster.control import kv_peers
+
+    died = ["d-0[0] -> d-1[0]: ConnectionError: NIXL could not read (ERR)"]
+    peers = Rejoining(died)
+    monkeypatch.setattr(placement, "connect_kv_peers", peers.connect)
+    monkeypatch.setattr(kv_peers, "REJOIN_RETRY_S", (0.01,), raising=False)
+    real_sleep = asyncio.sleep
+
+    def d1_failed(_: float) -> Any:  # (during the pause, d-1's failure is found)
+        peers.views["d-1"].alive = False
+        peers.failures.append({"instance_id": "d-1", "event": "failed"})
+        return real_sleep(0)
+
+    monkeypatch.setattr(asyncio, "sleep", d1_failed)
+    peers.rejoin()
+    assert peers.views["d-0"].alive
+    assert peers.events() == [("d-0", "failed"), ("d-1", "failed"), ("d-0", "rejoined")]
+    assert peers.probed == [["d-0", "d-1"], ["d-0"]]  # the second time without the dead one
+    assert peers.resized == ["d"]
+
+
+def test_a_rejoin_stops_trying_when_the_instance_fails_again_or_its_transport_changed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from cluster.control import kv_peers
+
+    monkeypatch.setattr(kv_peers, "REJOIN_RETRY_S", (0.0,), raising=False)
+    peers = Rejoining(["unreachable"], ["unreachable"], ["unreachable"])
+    monkeypatch.setattr(placement, "connect_kv_peers", peers.connect)
+    real_sleep = asyncio.sleep
+
+    def fails_again(_: float) -> Any:
+        if len(peers.probed) == 2:
+            peers.failures.append({"instance_id": "d-0", "event": "failed"})
+        return real_sleep(0)
+
+    monkeypatch.setattr(asyncio, "sleep", fails_again)
+    peers.rejoin()
+    assert len(peers.probed) == 2 and not peers.views["d-0"].alive
+    assert peers.events() == [("d-0", "failed"), ("d-0", "failed")]  # its own, then the new
+
+    other = Rejoining()  # NIXL no longer starts on its node: final, no retry
+
+    async def fell_back(*args: Any, **options: Any) -> list[Any]:
+        return [{"kv_transport": "ray"}] if args[0] == "health" else []
+
+    other.spec.call_stages = fell_back  # type: ignore[method-assign]
+    monkeypatch.setattr(placement, "connect_kv_peers", other.connect)
+    other.rejoin()
+    assert other.probed == [] and not other.views["d-0"].alive
+    assert other.events() == [("d-0", "failed")]
