@@ -369,6 +369,21 @@ class ClusterConfig(_Config):
         "instance fails like a dead one (requests move, the worker is killed and, with "
         "max_restarts, restarted). None: wait forever. vLLM's executor waits 300 s too.",
     )
+    engine_ping_timeout_s: float = Field(
+        10.0,
+        gt=0.0,
+        le=600.0,
+        description="engine_actors: an engine process that does not answer its ping (sent "
+        "every health_check_interval_s, or every second when that is 0) within this long is "
+        "taken for hung: it is killed and its requests move on, as a dead one's.",
+    )
+    engine_ask_timeout_s: float = Field(
+        5.0,
+        gt=0.0,
+        le=600.0,
+        description="engine_actors: how long what operators ask of an engine (stats, "
+        "/metrics, where requests are) waits for its answer before going on without it.",
+    )
 
     def cluster_settings(self) -> dict[str, Any]:
         """What a running cluster is built from: every field but the ingress-only part of

@@ -8,8 +8,9 @@ It also watches the actor: one that stops answering ``ping`` (its process died, 
 hangs) is killed and reported to ``on_dead``; so is one that does not stop or hand over
 what it holds when its instance leaves. Its requests move on with the tokens their clients
 have (``control/migration.py``). What the central scheduler asks of it for operators
-(stats, metrics, introspection) waits at most ``ASK_TIMEOUT_S``: a hung engine does not
-hang ``/metrics`` or a resize.
+(stats, metrics, introspection) waits at most ``engine_ask_timeout_s``: a hung engine does
+not hang ``/metrics`` or a resize; one whose ping goes unanswered for
+``engine_ping_timeout_s`` is taken for dead.
 """
 
 from __future__ import annotations
@@ -31,13 +32,12 @@ from scheduler.request import FinishReason
 
 logger = logging.getLogger(__name__)
 
-PING_TIMEOUT_S = 10.0
 ENGINE_WATCH_S = 1.0  # how often an engine is pinged when health checks are off
 # How long the central scheduler waits for an engine's answer to what it asks (stats,
-# metrics, a stop, what it holds) before it goes on without it.
-ASK_TIMEOUT_S = 5.0
-# ... and for a stop (the step that runs ends first: at most ``step_timeout_s``, after which
-# its worker counts as hung anyway) and the hand-over after it, beyond that step.
+# metrics, what it holds) before it goes on without it is ``engine_ask_timeout_s``, for its
+# ping ``engine_ping_timeout_s`` (ClusterConfig); for a stop (the step that runs ends first:
+# at most ``step_timeout_s``, after which its worker counts as hung anyway) and the
+# hand-over after it, this beyond that step.
 STOP_TIMEOUT_S = 30.0
 
 
@@ -184,7 +184,7 @@ class RemoteEngine:
         while self.dead is None:
             await asyncio.sleep(interval)
             try:
-                await asyncio.wait_for(self.actor.ping.remote(), PING_TIMEOUT_S)
+                await asyncio.wait_for(self.actor.ping.remote(), self._ping_timeout_s)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -192,6 +192,10 @@ class RemoteEngine:
                     reason = f"the engine process of instance {self.instance_id} died ({exc!r})"
                     self.declare_dead(reason)
                 return
+
+    @property
+    def _ping_timeout_s(self) -> float:
+        return float(self.config.engine_ping_timeout_s)
 
     @property
     def _stop_timeout_s(self) -> float:
@@ -297,8 +301,11 @@ class RemoteEngine:
                 )
 
     # -- introspection -----------------------------------------------------------------------
-    async def _ask(self, method: str, *args: Any, timeout_s: float = ASK_TIMEOUT_S) -> Any:
-        """The engine's answer to ``method``; ``TimeoutError`` after ``timeout_s``."""
+    async def _ask(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
+        """The engine's answer to ``method``; ``TimeoutError`` after ``timeout_s`` (default
+        ``engine_ask_timeout_s``)."""
+        if timeout_s is None:
+            timeout_s = float(self.config.engine_ask_timeout_s)
         self._flush()  # after what was sent before
         try:
             return await asyncio.wait_for(getattr(self.actor, method).remote(*args), timeout_s)
@@ -365,6 +372,6 @@ class RemoteEngine:
     async def flush_traces(self) -> None:
         if self.dead is None:
             try:  # (its exporter waits up to 5 s itself)
-                await self._ask("flush_traces", timeout_s=ASK_TIMEOUT_S + 5.0)
+                await self._ask("flush_traces", timeout_s=self.config.engine_ask_timeout_s + 5.0)
             except Exception as exc:  # shutting down: its spans are lost, nothing else
                 logger.warning("instance %s: traces not flushed: %s", self.instance_id, exc)
