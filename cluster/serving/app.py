@@ -53,6 +53,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 GRPC_SERVICER = "cluster.proto.tandem_pb2_grpc.add_GenerateServicer_to_server"
+# How often a replica that is stopping (a redeploy, a downscale, ``tandem serve``'s exit)
+# looks whether its requests are done. Serve's default, 2 s, is also the least a stop takes:
+# its first look comes after one period even when nothing runs. Still graceful: it waits
+# for running requests as long as before (``graceful_shutdown_timeout_s``).
+SHUTDOWN_POLL_S = 0.2
 
 app = FastAPI(
     title="Tandem",
@@ -129,7 +134,11 @@ def _respond(result: dict[str, Any] | Any) -> Any:
     return EventStream(result)
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=64)
+@serve.deployment(
+    ray_actor_options={"num_cpus": 0},
+    max_ongoing_requests=64,
+    graceful_shutdown_wait_loop_s=SHUTDOWN_POLL_S,
+)
 class TandemCluster:
     """The app's way to its cluster: the running one named after the app (built if there is
     none). The cluster's lifetime is explicit: it outlives this replica, so redeploying the
@@ -150,7 +159,7 @@ class TandemCluster:
         await asyncio.wait_for(self.handle.describe.remote(), timeout=30)
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 0})
+@serve.deployment(ray_actor_options={"num_cpus": 0}, graceful_shutdown_wait_loop_s=SHUTDOWN_POLL_S)
 @serve.ingress(app)
 class OpenAIIngress:
     """HTTP routes and the gRPC method; tokenization and detokenization happen here."""
