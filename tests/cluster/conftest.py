@@ -288,7 +288,8 @@ def serve_app(
     """The Serve app on the test cluster: a tiny model with a chat template, a prefill and a
     decode instance on their nodes, an API key and an admin key (runtime LoRA loading from
     below the fixture's folder and pool scaling on), adapter "a", a misconfigured adapter
-    "broken", a bound of 6 waiting requests and a body limit of 256 KiB."""
+    "broken", a bound of 6 waiting requests, a body limit of 256 KiB, and a client timeout of
+    5 s (the tests that kill an ingress replica wait it out)."""
     import json
 
     from ray import serve
@@ -320,6 +321,10 @@ def serve_app(
             ],
             "router": {"disaggregation": "always"},
             "lora": {"max_loras": 2, "max_lora_rank": 16},
+            # A dead ingress replica's requests are aborted after this much silence (the
+            # default, 10 s, was most of each dead-replica test); its keep-alives come every
+            # second from a thread, so a busy replica is still far from it.
+            "client_timeout_s": 5.0,
             "serve": {
                 "api_key": API_KEY,
                 "admin_api_key": ADMIN_KEY,

@@ -38,7 +38,7 @@ from scheduler import SamplingParams
 
 ray.init(address=sys.argv[1], namespace="tandem-tests", _node_ip_address="127.0.0.1",
          log_to_driver=False)
-client = ClusterClient(ray.get_actor("clients"))
+client = ClusterClient(ray.get_actor(sys.argv[2]))
 
 async def main():
     params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
@@ -49,40 +49,6 @@ async def main():
 
 asyncio.run(main())
 """
-
-
-def test_a_dead_clients_requests_are_aborted(
-    ray_cluster: RayCluster, tiny_model: Path, tmp_path: Path
-) -> None:
-    config = cluster_config(tiny_model, [BOTH], client_timeout_s=TIMEOUT_S)
-    handle = build_cluster(config, name="clients", namespace="tandem-tests")
-    script = tmp_path / "client.py"
-    script.write_text(textwrap.dedent(CLIENT))
-    root = Path(__file__).resolve().parents[3]
-    env = {**os.environ, "PYTHONPATH": str(root)}
-    try:
-        ray.get(handle.set_fault_injection.remote("c-0", 0.0, 0.05))  # 400 steps: 20 s
-        child = subprocess.Popen(
-            [sys.executable, str(script), ray_cluster.cluster.address],
-            env=env,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        try:
-            assert child.stdout is not None
-            assert child.stdout.readline().strip() == "streaming"
-            assert ray.get(handle.live_request_ids.remote()) == ["orphan"]
-            child.kill()  # no goodbye, no abort: the process is just gone
-            killed = time.monotonic()
-        finally:
-            child.kill()
-            child.wait()
-        wait_until(lambda: not ray.get(handle.live_request_ids.remote()), 15, "the abort")
-        assert time.monotonic() - killed < 10  # client_timeout_s and a reaper round, not 20 s
-        ray.get(handle.set_fault_injection.remote("c-0", 0.0, 0.0))
-        assert_clean(handle)
-    finally:
-        shutdown_cluster(handle)
 
 
 @pytest.fixture(scope="module")
@@ -98,6 +64,38 @@ def client(cluster: Any) -> Any:
     yield ClusterClient(cluster)
     ray.get(cluster.set_fault_injection.remote("c-0", 0.0, 0.0))
     assert_clean(cluster)
+
+
+def test_a_dead_clients_requests_are_aborted(
+    ray_cluster: RayCluster, cluster: Any, client: ClusterClient, tmp_path: Path
+) -> None:
+    """(The module's cluster: ``client`` only cleans up after it -- this test's client is
+    another process.)"""
+    script = tmp_path / "client.py"
+    script.write_text(textwrap.dedent(CLIENT))
+    root = Path(__file__).resolve().parents[3]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    ray.get(cluster.set_fault_injection.remote("c-0", 0.0, 0.05))  # 400 steps: 20 s
+    child = subprocess.Popen(
+        [sys.executable, str(script), ray_cluster.cluster.address, "troubled-clients"],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stdout is not None
+        assert child.stdout.readline().strip() == "streaming"
+        assert ray.get(cluster.live_request_ids.remote()) == ["orphan"]
+        child.kill()  # no goodbye, no abort: the process is just gone
+        killed = time.monotonic()
+    finally:
+        child.kill()
+        child.wait()
+    try:
+        wait_until(lambda: not ray.get(cluster.live_request_ids.remote()), 15, "the abort")
+        assert time.monotonic() - killed < 10  # client_timeout_s and a reaper round, not 20 s
+    finally:
+        ray.get(cluster.set_fault_injection.remote("c-0", 0.0, 0.0))
 
 
 def _tokens(final: Any) -> list[int]:

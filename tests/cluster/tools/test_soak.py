@@ -1,6 +1,6 @@
-"""The soak's short version (``bench/soak.py --quick``): 40 s of mixed traffic through the
+"""The soak's short version (``bench/soak.py --quick``): 30 s of mixed traffic through the
 real Serve app -- streamed and whole, ``n`` = 2, long prompts, LoRA, seeded sampling, dropped
-clients, bursts over the waiting bound -- while a worker is killed every 12 s. Nothing may be
+clients, bursts over the waiting bound -- while a worker is killed every 7 s. Nothing may be
 lost: every greedy output equals its calm reference, every request has an outcome, and the
 KV blocks and the object store are back to idle once the load drains."""
 
