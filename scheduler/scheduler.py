@@ -198,7 +198,7 @@ class Scheduler:
         all_sampled = mro.sampled_token_ids
         all_logprobs = mro.logprobs
         if mro.prompt_logprobs:
-            _store_prompt_logprobs(state.requests, mro.prompt_logprobs)
+            _store_prompt_logprobs(state.requests, mro.prompt_logprobs, state.discarded_in_flight)
         requests = state.requests
         stopped_running: set[str] = set()
         stopped_waiting: list[Request] = []
@@ -423,11 +423,17 @@ class Scheduler:
 
 
 def _store_prompt_logprobs(
-    requests: dict[str, Request], entries: dict[str, tuple[int, list[PromptLogprob]]]
+    requests: dict[str, Request],
+    entries: dict[str, tuple[int, list[PromptLogprob]]],
+    discarded: dict[str, list[Request]],
 ) -> None:
     """Write a step's prompt logprobs into their requests, by position (a chunk computed
-    again after a preemption overwrites what it computed before)."""
+    again after a preemption overwrites what it computed before). An id in ``discarded``
+    names a request whose output of this step is dropped (``drain_discarded``): its entries
+    are dropped with it -- the request now holding the id may be another one."""
     for req_id, (start, items) in entries.items():
+        if req_id in discarded:
+            continue
         request = requests.get(req_id)
         if request is None or request.prompt_logprobs is None:
             continue

@@ -445,3 +445,32 @@ def test_capped_micro_batches_give_the_tokens_of_one_batch_at_a_time(depth: int)
     produced, finish = results[0]
     assert produced["r1"] == [1000, 1001, EOS] and finish["r1"] == "stop"
     assert produced["r0"] == [1000 + i for i in range(6)] and finish["r0"] == "length"
+
+
+def test_prompt_logprobs_of_a_discarded_step_stay_out_of_a_new_request_with_its_id() -> None:
+    """A request freed with prompt chunks in flight: those steps' prompt logprobs are dropped
+    with their tokens (``discarded_in_flight``), never written into a new request that took
+    its id meanwhile."""
+    s = make_scheduler(async_scheduling=True, max_num_batched_tokens=8, max_num_seqs=4)
+    s.add_request(make_request(20, req_id="a", prompt_logprobs=1))
+    p = Pipeline(s, depth=2)
+    for chunk in range(2):  # chunks [0, 8) and [8, 16) in flight, each with its 8 entries
+        out = p.schedule()
+        assert out.num_scheduled_tokens == {"a": 8}
+        entries = [({900 + chunk: -1.0}, 1) for _ in range(8)]
+        p.in_flight[-1][1].prompt_logprobs = {"a": (8 * chunk + 1, entries)}
+    s.finish_requests("a", RequestStatus.FINISHED_ABORTED)
+    new = make_request(5, req_id="a", prompt_logprobs=1)
+    s.add_request(new)
+    p.update()
+    p.update()
+    assert "a" not in p.produced
+    assert new.prompt_logprobs == [None] * 5  # (was 17 entries long, 16 of them stale)
+    out = s.schedule()
+    assert out.num_scheduled_tokens == {"a": 5}
+    own = [({100 + q: -0.5}, 1) for q in range(1, 5)]
+    mro = ModelRunnerOutput(["a"], [[7]], prompt_logprobs={"a": (1, own)})
+    (o,) = s.update_from_output(out, mro)
+    assert o.prompt_logprobs == [None, *own]
+    s.finish_requests("a", RequestStatus.FINISHED_ABORTED)
+    assert_all_free(s)
