@@ -341,6 +341,8 @@ def start_serve(config: Any, *, address: str | None = None, **ray_options: Any) 
     from cluster.serving.app import GRPC_SERVICER, build_app_from_config
 
     s = config.serve
+    if address is None:  # (a joined Ray may run Serve on these ports already: its own)
+        check_ports_free(s)
     # Serve's gRPC proxy takes messages up to 2 GiB unless told otherwise: hold it to the
     # body limit of the HTTP API (read by the proxy, a process of the Ray this starts).
     os.environ.setdefault("RAY_SERVE_GRPC_MAX_MESSAGE_SIZE", str(s.max_request_body_bytes))
@@ -357,6 +359,36 @@ def start_serve(config: Any, *, address: str | None = None, **ray_options: Any) 
     serve.run(build_app_from_config(config), name=APP_NAME, route_prefix="/")
     scheme = "http" if s.ssl_certfile is None else "https"
     return f"{scheme}://{s.host}:{s.port}"
+
+
+def check_ports_free(serve: Any) -> None:
+    """``OSError`` naming the flag when another process listens on the HTTP or the gRPC port.
+    Serve's proxies (and the ingress's TLS gRPC server) bind with ``SO_REUSEPORT``, so a second
+    server on a port -- another ``tandem serve`` on its own Ray -- binds too, and the kernel
+    splits the connections between the two; a probe without ``SO_REUSEPORT`` fails on any
+    listener (``SO_REUSEADDR``: not on a closed one's lingering connections)."""
+    import errno
+    import socket
+
+    ports = [("--port", serve.host, serve.port)]
+    if serve.grpc_port is not None:
+        # Serve's plaintext gRPC proxy binds every interface ([::]), whatever serve.host says.
+        grpc_hosts = [serve.host] if serve.ssl_certfile is not None else ["::", "0.0.0.0"]
+        ports += [("--grpc-port", host, serve.grpc_port) for host in grpc_hosts]
+    for flag, host, port in ports:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                probe.bind((host, port))
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                continue  # (no IPv6 here, an address not on this machine: Serve will say)
+            raise OSError(
+                exc.errno,
+                f"port {port} ({host}) is in use by another process (another tandem serve?): "
+                f"stop it, or give {flag} another port",
+            ) from None
 
 
 def http_options(serve: Any) -> Any:
@@ -426,6 +458,23 @@ def _stop(joined: bool) -> None:
         ray.shutdown()
 
 
+def grpc_banner(serve: Any) -> str:
+    """Where the gRPC API listens, as the ready message says it: over TLS the ingress binds
+    ``serve.host``; Serve's plaintext proxy binds every interface whatever ``--host`` says
+    (it said 127.0.0.1), so without an API key the machine's network may call it."""
+    if serve.grpc_port is None:
+        return ""
+    if serve.ssl_certfile is not None:
+        return f"gRPC tandem.v1.Generate on {serve.host}:{serve.grpc_port} (TLS)\n"
+    line = (
+        f"gRPC tandem.v1.Generate on port {serve.grpc_port} of every interface (Serve's gRPC "
+        "proxy binds them all"
+    )
+    if serve.api_key is None:
+        line += ", and no --api-key is set: --no-grpc keeps it off the network"
+    return line + ")\n"
+
+
 def _print_ready(config: Any, url: str) -> None:
     import ray
 
@@ -437,12 +486,7 @@ def _print_ready(config: Any, url: str) -> None:
     if described.get("kv_transport"):
         print(f"KV transport: {described['kv_transport']}", flush=True)
     auth = ' -H "Authorization: Bearer $TANDEM_API_KEY"' if config.serve.api_key else ""
-    grpc = (
-        f"gRPC tandem.v1.Generate on {config.serve.host}:{config.serve.grpc_port}"
-        f"{' (TLS)' if config.serve.ssl_certfile else ''}\n"
-        if config.serve.grpc_port
-        else ""
-    )
+    grpc = grpc_banner(config.serve)
     print(
         f"ready: {url}/v1 serves {model!r}\n{grpc}"
         f"  curl {url}/v1/chat/completions{auth} -H 'Content-Type: application/json' \\\n"

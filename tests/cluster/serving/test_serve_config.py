@@ -34,6 +34,21 @@ def _args(*argv: str) -> argparse.Namespace:
     return p.parse_args(list(argv))
 
 
+def test_the_ready_message_says_the_grpc_proxy_listens_on_every_interface() -> None:
+    """Serve's plaintext gRPC proxy binds [::]:PORT whatever --host says: the ready message
+    said "on 127.0.0.1:9000" for an API open to the network (no key by default)."""
+    from cluster.config import ServeConfig
+    from cluster.tools.serve_cli import grpc_banner
+
+    open_ = grpc_banner(ServeConfig())
+    assert "127.0.0.1" not in open_ and "every interface" in open_ and "--no-grpc" in open_
+    keyed = grpc_banner(ServeConfig(api_key="k" * 20))
+    assert "every interface" in keyed and "--no-grpc" not in keyed
+    tls = ServeConfig(ssl_keyfile="/k.pem", ssl_certfile="/c.pem")
+    assert grpc_banner(tls) == "gRPC tandem.v1.Generate on 127.0.0.1:9000 (TLS)\n"
+    assert grpc_banner(ServeConfig(grpc_port=None)) == ""
+
+
 def test_flags_override_the_config(tmp_path: Path) -> None:
     config = serve_config(
         _args("--port", "8100", "--api-key", "k" * 20, "--lora-module", "x=/a", "--no-grpc")
@@ -191,3 +206,34 @@ def test_vllm_defaults_names_and_dtypes(tmp_path: Path) -> None:
     file.write_text("lora: {max_loras: 1}\n")
     config = serve_config(_args("--config", str(file), "--max-loras", "4"))
     assert config.lora is not None and config.lora.max_loras == 4
+
+
+def test_a_port_another_server_listens_on_is_refused_before_ray_starts() -> None:
+    """Serve's proxy binds with SO_REUSEPORT: a second ``tandem serve`` on the same port
+    started and said "ready" while the kernel split the connections between the two servers
+    (two models, one of them maybe without the API key). The ports are probed first."""
+    import socket
+
+    from cluster.config import ServeConfig
+    from cluster.tools.serve_cli import check_ports_free
+
+    with socket.socket() as other:  # another server, as Serve's proxy binds its port
+        other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        taken = other.getsockname()[1]
+        with pytest.raises(OSError, match=f"port {taken} .*--port"):
+            check_ports_free(ServeConfig(port=taken, grpc_port=None))
+        with pytest.raises(OSError, match=f"port {taken} .*--grpc-port"):
+            free = _free_port()
+            check_ports_free(ServeConfig(host="127.0.0.1", port=free, grpc_port=taken))
+    check_ports_free(ServeConfig(port=taken, grpc_port=None))  # closed: free again
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
