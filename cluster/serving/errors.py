@@ -67,6 +67,8 @@ def api_error(exc: BaseException, param: str | None = None) -> APIError:
         return APIError(404, str(exc), param="model")
     if isinstance(exc, UnavailableError) or _actor_gone(exc):
         return APIError(503, str(exc))
+    if _deployment_unavailable(exc):  # the app's TandemCluster failed to deploy
+        return APIError(503, f"the cluster is unavailable: {getattr(exc, 'message', exc)}")
     if "no live decode-capable instance" in str(exc):  # every decode instance is gone
         return APIError(503, str(exc))
     if isinstance(exc, ValueError):
@@ -83,6 +85,17 @@ def _actor_gone(exc: BaseException) -> bool:
     except ImportError:  # pragma: no cover - the app runs in Ray
         return False
     return isinstance(exc, RayActorError)
+
+
+def _deployment_unavailable(exc: BaseException) -> bool:
+    """A Serve deployment on the request's path has no replica and will start none (it failed
+    to deploy: e.g. ``TandemCluster`` refusing a running cluster's other settings). Its
+    ``str`` is empty; ``message`` names it."""
+    try:
+        from ray.serve.exceptions import DeploymentUnavailableError
+    except ImportError:  # pragma: no cover - the app runs in Ray
+        return False
+    return isinstance(exc, DeploymentUnavailableError)
 
 
 def generation_error(error: str | None) -> APIError:

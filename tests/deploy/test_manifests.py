@@ -38,7 +38,7 @@ KUBERAY = ROOT / "deploy" / "kuberay"
 CRDS = ROOT / "tests" / "data" / "crds"
 DOCKERFILE = ROOT / "deploy" / "Dockerfile"
 CRD_FILES = {"RayCluster": "ray.io_rayclusters.yaml", "RayService": "ray.io_rayservices.yaml"}
-NOT_CRD = ("serve-k8s.yaml", "grpc-service.yaml")  # a Serve config; a plain Service
+NOT_CRD = ("serve-k8s.yaml",)  # a Serve config
 MANIFESTS = sorted(p.name for p in KUBERAY.glob("*.yaml") if p.name not in NOT_CRD)
 Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # the CRDs are ~1 MB each
 
@@ -211,6 +211,26 @@ def test_rayservice_and_serve_k8s_embed_the_same_cluster_config() -> None:
         assert embedded[key] == standalone[key], key
 
 
+def test_a_running_clusters_pools_are_resized_with_tandem_scale_not_serve_config_v2() -> None:
+    """A pool's ``replicas`` is a cluster setting: a redeploy that changes it is refused by
+    ``TandemCluster`` (``launch.settings_changed``), and applied in place to a RayService that
+    leaves the app without a cluster (every request failed). The RayService and the docs'
+    scaling section resize a running pool with ``tandem scale`` (they said: edit the pool's
+    ``replicas`` in serveConfigV2)."""
+    from cluster.control.launch import settings_changed
+
+    args = app_args(serve_config())
+    running = ClusterConfig.model_validate(args).cluster_settings()
+    bigger = copy.deepcopy(args)
+    bigger["pools"][0]["replicas"] += 1
+    assert settings_changed(running, ClusterConfig.model_validate(bigger)) == ["pools"]
+    docs = (ROOT / "docs" / "deploy.md").read_text()
+    scaling = docs.split("## Scaling prefill and decode independently")[1].split("\n## ")[0]
+    assert "tandem scale" in scaling
+    header = (KUBERAY / "rayservice.yaml").read_text().split("apiVersion:")[0]
+    assert "tandem scale" in header
+
+
 # -- the Ray cluster ---------------------------------------------------------------------------
 
 
@@ -261,7 +281,7 @@ def test_worker_groups_advertise_the_pools_resources(name: str) -> None:
         "dashboard": 8265,
         "client": 10001,
         "serve": 8000,
-        "grpc": 9000,
+        "serve-grpc": 9000,
         "metrics": 8080,
     }
 
@@ -329,26 +349,27 @@ def test_pods_keep_kuberays_probes_and_no_ignored_health_thresholds() -> None:
             assert "livenessProbe" not in container, group  # a slow model load: no restart
 
 
-def test_the_grpc_service_reaches_every_serving_pods_grpc_port() -> None:
-    """KubeRay's serve service carries the `serve` port only (HTTP): gRPC has a Service of its
-    own, over the same pods (healthy proxies of this app), on serveConfigV2's gRPC port."""
-    svc = load(KUBERAY / "grpc-service.yaml")
-    assert (svc["apiVersion"], svc["kind"]) == ("v1", "Service")
-    assert set(svc["spec"]) == {"selector", "ports"}  # ClusterIP, no unknown field
-    selector = svc["spec"]["selector"]
-    assert selector["ray.io/serve"] == "true"  # KubeRay's label: this pod's proxy is healthy
-    (port,) = svc["spec"]["ports"]
+def test_the_serve_service_carries_the_grpc_port_of_the_active_cluster() -> None:
+    """KubeRay (1.6 on) builds its serve service (tandem-serve-svc) from the head container's
+    ports named ``serve`` or ``serve-*``, and selects the active cluster's healthy proxies: the
+    gRPC port is named so, on every group, so gRPC switches with HTTP at a zero-downtime
+    upgrade. (A Service of our own selecting ``ray.io/serve=true`` also took the pending
+    cluster's pods, whose app was still starting: gRPC calls there hung until it was built.)"""
     grpc_port = serve_config()["grpc_options"]["port"]
-    assert (port["name"], port["port"], port["appProtocol"]) == ("grpc", grpc_port, "grpc")
+    http_port = serve_config()["http_options"]["port"]
+    assert not (KUBERAY / "grpc-service.yaml").exists()
     spec = cluster_spec(service())
-    own = {k: v for k, v in selector.items() if k != "ray.io/serve"}
     for group in [spec["headGroupSpec"], *spec["workerGroupSpecs"]]:
         name = group.get("groupName", "head")
-        # Every pod of the app may be selected (each runs a proxy once it hosts a replica).
-        assert own.items() <= group["template"]["metadata"]["labels"].items(), name
         (container,) = group["template"]["spec"]["containers"]
-        named = {p["name"]: p["containerPort"] for p in container["ports"]}
-        assert named[port["targetPort"]] == grpc_port, name
+        serving = {
+            p["name"]: p["containerPort"]
+            for p in container["ports"]
+            if p["name"] == "serve" or p["name"].startswith("serve-")  # KubeRay's isServingPort
+        }
+        assert sorted(serving.values()) == sorted([http_port, grpc_port]), name
+        assert serving["serve"] == http_port, name  # KubeRay's probes and health checks
+        assert all(len(n) <= 15 for n in serving), name  # a port name (IANA_SVC_NAME)
 
 
 def test_raycluster_has_the_same_groups_as_the_rayservice() -> None:
@@ -358,6 +379,25 @@ def test_raycluster_has_the_same_groups_as_the_rayservice() -> None:
 
     plain = cluster_spec(load(KUBERAY / "raycluster.yaml"))
     assert shape(plain) == shape(cluster_spec(service()))
+
+
+def test_the_tls_recipe_makes_only_pods_serving_grpc_over_tls_ready() -> None:
+    """docs/deploy.md's TLS recipe: the ingress replicas serve gRPC over TLS themselves, on
+    the pods that host one; a pod with only the TandemCluster replica has a healthy proxy
+    (``/-/healthz``) and nothing on the gRPC port. The recipe's worker probe checks both, and
+    keeps the ingress off the head (which HTTPS takes out of the serve service)."""
+    docs = (ROOT / "docs" / "deploy.md").read_text()
+    tls = docs.split("\n## TLS\n")[1].split("\n## ")[0]
+    grpc_port = serve_config()["grpc_options"]["port"]
+    (probe,) = [
+        yaml.safe_load(block)["readinessProbe"]
+        for block in re.findall(r"```yaml\n(.*?)```", tls, re.S)
+        if block.startswith("readinessProbe:")
+    ]
+    command = probe["exec"]["command"][-1]
+    assert "https://localhost:8000/-/healthz" in command
+    assert f"/dev/tcp/127.0.0.1/{grpc_port}" in command
+    assert "ingress_num_cpus" in tls
 
 
 # -- the image ------------------------------------------------------------------------------------

@@ -34,3 +34,20 @@ def test_a_bad_prompt_is_named_as_the_field_not_as_pydantics_union_member() -> N
         completion_request(tandem_pb2.GenerateRequest(prompt_token_ids=[-1]))
     assert info.value.status == 400 and info.value.param == "prompt"
     assert "list[" not in info.value.message and "prompt.0:" in info.value.message
+
+
+def test_an_app_whose_cluster_deployment_failed_answers_503_not_500() -> None:
+    """A redeploy that ``TandemCluster`` refuses (a running cluster's other settings) leaves
+    it with no replica for good: every ingress's first call to it raises Serve's
+    ``DeploymentUnavailableError`` (whose ``str`` is empty). That is the cluster being
+    unavailable -- 503 / UNAVAILABLE naming the deployment -- not an internal error (500)."""
+    from ray.serve._private.common import DeploymentID
+    from ray.serve.exceptions import DeploymentUnavailableError
+
+    from cluster.serving.errors import api_error
+    from cluster.serving.grpc_api import STATUS_CODES
+
+    exc = DeploymentUnavailableError(DeploymentID(name="TandemCluster", app_name="tandem"))
+    error = api_error(exc)
+    assert error.status == 503 and "TandemCluster" in error.message
+    assert STATUS_CODES[error.status].name == "UNAVAILABLE"
