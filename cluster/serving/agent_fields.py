@@ -5,7 +5,6 @@ tool definitions, choices and calls of chat requests."""
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Any, Literal
 
@@ -121,26 +120,6 @@ class CalledFunction(BaseModel):
 
     name: str
     arguments: str  # JSON text, as the API returned it
-
-    @field_validator("arguments")
-    @classmethod
-    def _unicode_arguments(cls, value: str) -> str:
-        """The body's own strings are checked for lone surrogates (``_refuse_surrogates``),
-        but ``arguments`` is JSON inside JSON: its escapes (``"\\ud800"``) decode only when
-        the prompt is rendered (``tool_calls._loads_or_text``), and a lone surrogate there
-        made the tokenizer raise a TypeError -- a 500 for the client's text."""
-        if "\\u" not in value:  # no escape: nothing in it decodes to a surrogate
-            return value
-        try:
-            decoded = json.dumps(json.loads(value), ensure_ascii=False)
-        except (ValueError, RecursionError):  # not JSON: rendered as the text it is
-            return value
-        if SURROGATE.search(decoded):
-            raise ValueError(
-                "the arguments' JSON holds an unpaired UTF-16 surrogate (a lone \\ud800-\\udfff "
-                "escape), which is not valid Unicode"
-            )
-        return value
 
 
 class ToolCallItem(BaseModel):

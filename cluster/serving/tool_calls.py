@@ -33,6 +33,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from cluster.serving.agent_fields import SURROGATE
 from cluster.serving.tool_streams import (
     HERMES_CLOSE,
     HERMES_OPEN,
@@ -196,8 +197,15 @@ def _as_text(message: dict[str, Any]) -> dict[str, Any]:
 def _loads_or_text(function: dict[str, Any]) -> Any:
     # Not only JSONDecodeError: an integer past 4,300 digits is a plain ValueError, nesting
     # past the interpreter's recursion limit a RecursionError (the client's text, not a 500).
+    text = function.get("arguments") or "{}"
     try:
-        return json.loads(function.get("arguments") or "{}")
+        value = json.loads(text)
+        # A lone surrogate escape ("\\ud83d": half a pair, as a model may write one and our
+        # own responses keep it) decodes to no Unicode text: the template's JSON of it could
+        # not be tokenized. Such arguments are rendered as the text they came as, escapes kept.
+        if "\\u" in text and SURROGATE.search(json.dumps(value, ensure_ascii=False)):
+            return function.get("arguments")
+        return value
     except (ValueError, RecursionError):
         return function.get("arguments")
 

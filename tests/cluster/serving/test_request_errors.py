@@ -136,26 +136,3 @@ def test_text_with_an_unpaired_surrogate_is_a_400_naming_its_field() -> None:
     assert refused("/completions", {"prompt": "a", "logit_bias": {"LONE": 1}}) == "logit_bias"
     pair = _post("/completions", b'{"prompt": "\\ud83d\\ude00", "n": 0}')
     assert pair[0] == 400 and pair[1]["param"] == "n"  # refused for n alone
-
-
-def test_tool_call_arguments_whose_json_holds_a_lone_surrogate_are_a_400() -> None:
-    """``arguments`` is JSON inside the body's JSON: its own escapes decode only when the
-    history is rendered for the template, past the body's surrogate check. A lone one there
-    made the tokenizer raise a TypeError (a 500, on chat and /tokenize alike)."""
-
-    def history(arguments: str) -> list[dict[str, Any]]:
-        call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}
-        return [
-            {"role": "user", "content": "x"},
-            {"role": "assistant", "tool_calls": [call]},
-            {"role": "tool", "tool_call_id": "c1", "content": "ok"},
-        ]
-
-    field = "messages.1.tool_calls.0.function.arguments"
-    error = _refused("/chat", {"messages": history('{"x": "\\ud800"}')})
-    assert error["param"] == field and "unpaired UTF-16 surrogate" in error["message"], error
-    error = _refused("/tokenize", {"messages": history('{"x": ["a", "\\udfff"]}')})
-    assert error["param"] == field, error
-    # A pair is a character; text that is no JSON is rendered as it came: both pass.
-    for fine in ('{"x": "\\ud83d\\ude00"}', "\\ud800 is no JSON", '{"x": "caf\\u00e9"}'):
-        ChatCompletionRequest.model_validate({"messages": history(fine)})

@@ -389,3 +389,34 @@ def test_a_call_whose_json_decodes_to_a_lone_surrogate_can_still_be_sent() -> No
         text = f"<tool_call>{block}</tool_call>"
         assert parse_calls("hermes", text) == (text, [])
         JSONResponse({"content": text})
+
+
+def test_a_call_with_a_lone_surrogate_escape_comes_back_in_the_next_turn() -> None:
+    """The agent loop: the call a response carried (its arguments keeping a model's half
+    surrogate pair as an escape) is sent back in the history of the next request. It must be
+    taken, and rendered -- with a template that reads calls as objects and with the fallback's
+    text -- as text UTF-8 can encode: its arguments as the text they came as (the next turn was
+    a 400, and before that a 500 from the tokenizer). A pair, or no JSON, renders as before."""
+    from cluster.serving.openai_protocol import ChatCompletionRequest
+
+    text = '<tool_call>{"name": "get_weather", "arguments": {"city": "\\ud83d"}}</tool_call>'
+    _, (call,) = parse_calls("hermes", text, ("get_weather",))
+    for arguments, rendered in (
+        (call.arguments, call.arguments),  # as it came: the escape kept
+        ('{"x": ["a", "\\udfff"]}', '{"x": ["a", "\\udfff"]}'),
+        ('{"x": "\\ud83d\\ude00"}', {"x": "\U0001f600"}),  # a pair: a character
+        ("\\ud800 is no JSON", "\\ud800 is no JSON"),
+    ):
+        called = {"id": "c1", "type": "function"}
+        called["function"] = {"name": "get_weather", "arguments": arguments}
+        history = [
+            {"role": "user", "content": "x"},
+            {"role": "assistant", "content": None, "tool_calls": [called]},
+            {"role": "tool", "tool_call_id": "c1", "content": "ok"},
+        ]
+        ChatCompletionRequest.model_validate({"model": "m", "messages": history})
+        for template in ("{{ tools }}", PLAIN_TEMPLATE):
+            messages, _ = template_messages(history, [WEATHER], template)
+            json.dumps(messages, ensure_ascii=False).encode()  # no lone surrogate in them
+        messages, _ = template_messages(history, [WEATHER], "{{ tools }}")
+        assert messages[1]["tool_calls"][0]["function"]["arguments"] == rendered
