@@ -169,11 +169,42 @@ class KVPeers:
             used = {h.get("kv_transport") for h in health}
             if used != {transport}:  # e.g. NIXL cannot start there any more: it fell back
                 return f"its workers use {sorted(map(str, used))}, the cluster {transport}", True
-            live = [s for i, s in self.specs.items() if self.views[i].alive or i == iid]
             probe = self._kv_auto and transport == "nixl"
-            errors = await connect_kv_peers(live, [spec], probe)
-            gone = [n for n in before if n not in kv_peer_names(spec)]
-            await disconnect_kv_peers([s for s in live if s is not spec], gone)
-            return "; ".join(errors) or None, False
+            while True:
+                live = [s for i, s in self.specs.items() if self.views[i].alive or i == iid]
+                connected = {s.instance_id for s in live}
+                errors = await connect_kv_peers(live, [spec], probe)
+                gone = [n for n in before if n not in kv_peer_names(spec)]
+                await disconnect_kv_peers([s for s in live if s is not spec], gone)
+                if errors or not self._serving_since(connected):
+                    return "; ".join(errors) or None, False
         except Exception as exc:
             return f"{type(exc).__name__}: {exc}", False
+
+    def _serving_since(self, connected: set[str]) -> list[InstanceSpec]:
+        """The instances alive now that are not among ``connected`` (the ones a connection
+        round took): they joined or rejoined during it, connecting without the instance that
+        round was for (not alive then), as it without them -- neither has the other's agents.
+        Whichever of two such instances is let serve second connects again, with the other.
+        Call it right before letting an instance serve (no ``await`` in between)."""
+        return [s for i, s in self.specs.items() if self.views[i].alive and i not in connected]
+
+    async def _connect_serving_since(self, specs: list[InstanceSpec], connected: set[str]) -> None:
+        """New instances ``specs``, connected with the instances ``connected`` (alive then),
+        are about to serve: connect them with any that rejoined meanwhile (``_serving_since``);
+        ``RuntimeError`` if they cannot reach one (as ``_connect_kv_peers`` refuses them)."""
+        from cluster.control.placement import connect_kv_peers, disconnect_kv_peers, kv_peer_names
+
+        if not self.config.disaggregated:
+            return
+        probe = self._kv_auto and self.config.kv_transfer.transport == "nixl"
+        while missed := self._serving_since(connected):
+            connected |= {s.instance_id for s in missed}
+            errors = await connect_kv_peers([*missed, *specs], specs, probe)
+            if errors:
+                names = [name for spec in specs for name in kv_peer_names(spec)]
+                await disconnect_kv_peers(missed, names)
+                raise RuntimeError(
+                    f"the {self.config.kv_transfer.transport} KV transport "
+                    f"cannot reach: {'; '.join(errors)}"
+                )

@@ -181,6 +181,7 @@ class SchedulerActor(Intake, KVPeers, Migration, Restart, ClusterOperations):
     async def _add_instances(self, specs: list[InstanceSpec]) -> None:
         """Start the engines of started instances and let them serve: in this process, or
         each in an ``EngineActor`` of its own (``engine_actors``; they start in parallel)."""
+        connected = {i for i, view in self.views.items() if view.alive}  # (what it connects)
         await self._connect_kv_peers(specs)
         engines: list[Any] = []
         for spec in specs:
@@ -206,6 +207,12 @@ class SchedulerActor(Intake, KVPeers, Migration, Restart, ClusterOperations):
                 for engine in engines:
                     engine.close()
                 raise
+        try:  # (instances that rejoined while these started did not connect with them)
+            await self._connect_serving_since(specs, connected)
+        except BaseException:
+            for engine in engines:
+                engine.close()
+            raise
         for spec, engine in zip(specs, engines, strict=True):
             iid = spec.instance_id
             self.specs[iid] = spec

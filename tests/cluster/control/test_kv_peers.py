@@ -34,6 +34,10 @@ class Peers(KVPeers):
         self.switched_to.append(transport)
         return self.config
 
+    @staticmethod
+    async def unreachable(specs: list[Any], new: list[Any], probe: bool = False) -> list[str]:
+        return [f"{new[0].instance_id}: RuntimeError: no route"]
+
 
 class Spec:
     """An instance's spec: records the stage calls it gets."""
@@ -169,3 +173,52 @@ def test_a_rejoin_stops_trying_when_the_instance_fails_again_or_its_transport_ch
     other.rejoin()
     assert other.probed == [] and not other.views["d-0"].alive
     assert other.events() == [("d-0", "failed")]
+
+
+def test_an_instance_let_serve_during_a_rejoins_probe_is_connected_with_it_too(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two instances back at once (p-0 and d-0 killed seconds apart, say): each connected with
+    the instances alive when its round began, so neither with the other -- p-0's rejoin ended
+    during d-0's probe. d-0 connects again, with p-0, before it serves: neither had the
+    other's agents (every hand-off from p-0 to d-0 would have failed its KV load for good)."""
+    peers = Rejoining()
+    peers.specs["p-0"] = Spec("p-0")  # type: ignore[assignment]
+    peers.views["p-0"] = SimpleNamespace(alive=False)  # type: ignore[assignment]
+    probe = peers.connect
+
+    async def connect(specs: list[Any], new: list[Any], probe_: bool = False) -> list[str]:
+        found = await probe(specs, new, probe_)
+        peers.views["p-0"].alive = True  # its own rejoin ended meanwhile
+        return found
+
+    monkeypatch.setattr(placement, "connect_kv_peers", connect)
+    peers.rejoin()
+    assert peers.probed == [["d-0", "d-1"], ["d-0", "d-1", "p-0"]]
+    assert peers.views["d-0"].alive and peers.events() == [("d-0", "rejoined")]
+
+
+def test_new_instances_connect_with_one_that_rejoined_while_they_started(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A pool grows while d-0 rejoins: the new p-1 connected with the instances alive then
+    (not d-0), and d-0 -- let serve while p-1's engine started -- without p-1 (not there yet).
+    Before p-1 serves it connects with d-0; one it cannot reach refuses it, as at its start."""
+    peers, p1, d0 = Peers(auto=True), Spec("p-1"), Spec("d-0")
+    peers.specs = {"d-0": d0}  # type: ignore[dict-item]
+    peers.views = {"d-0": SimpleNamespace(alive=True)}  # type: ignore[dict-item]
+    rounds: list[list[str]] = []
+
+    async def connect(specs: list[Any], new: list[Any], probe: bool = False) -> list[str]:
+        rounds.append([s.instance_id for s in specs])
+        return []
+
+    monkeypatch.setattr(placement, "connect_kv_peers", connect)
+    asyncio.run(peers._connect_serving_since([p1], set()))  # type: ignore[list-item]
+    assert rounds == [["d-0", "p-1"]]
+    asyncio.run(peers._connect_serving_since([p1], {"d-0"}))  # type: ignore[list-item]
+    assert rounds == [["d-0", "p-1"]]  # nothing new: no round
+    monkeypatch.setattr(placement, "connect_kv_peers", Peers.unreachable)
+    with pytest.raises(RuntimeError, match="cannot reach: p-1"):
+        asyncio.run(peers._connect_serving_since([p1], set()))  # type: ignore[list-item]
+    assert d0.calls == [("remove_kv_peers", ["agent-p-1"])]
