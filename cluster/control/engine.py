@@ -470,14 +470,10 @@ class InstanceEngine:
         loading (their reads end with the workers) -- and of unread ones not reported yet.
         Their sources let the KV go now rather than at the lease's expiry (as a failure's
         ``abandon_all`` does). The requests themselves move (``take_all``)."""
-        loop = self.loop
-        connector = loop.scheduler.connector
+        connector = self.loop.scheduler.connector
         if not isinstance(connector, PDConnector):
             return []
-        for request in loop.pending:
-            connector.remote_kv_dropped(request)
-        loop.pending = []
-        loop.scheduler.abandon_all(RequestStatus.FINISHED_ABORTED)
+        self.loop.abandon_all(RequestStatus.FINISHED_ABORTED)
         return connector.take_unread()
 
     def fail(self, reason: str) -> None:

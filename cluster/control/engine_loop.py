@@ -442,12 +442,20 @@ class EngineLoop:
             future.cancel()
         self._in_flight.clear()
         ids = [r.request_id for r in self.pending]
-        self._drop_handles(self.pending)
-        self.pending = []
         try:
-            ids += self.scheduler.abandon_all(RequestStatus.FINISHED_ERROR)
+            ids = self.abandon_all(RequestStatus.FINISHED_ERROR)
         finally:
             self._lost(ids, message)
+
+    def abandon_all(self, status: RequestStatus) -> list[str]:
+        """The loop failed or stopped for good: end every request it holds with ``status``
+        -- arrived ones and the scheduler's -- and forget their KV state. Hand-offs among them
+        (not admitted yet, queued, loading) are reported unread by the connector, so their
+        sources let the KV go (``PDConnector.take_unread``). Returns the requests' ids."""
+        ids = [r.request_id for r in self.pending]
+        self._drop_handles(self.pending)
+        self.pending = []
+        return ids + self.scheduler.abandon_all(status)
 
     def _lost(self, request_ids: list[str], message: str) -> None:
         """Requests this (dead) instance cannot serve: re-homed by ``on_failure`` (called even

@@ -237,6 +237,7 @@ def test_an_end_that_reaches_a_stopped_engine_is_left_to_the_central_scheduler()
         end=end,
         stop=stop,
         take_all=lambda: [Lost(i, list(h.tokens), None, None, None, None) for i, h in held.items()],
+        take_unread_kv=lambda: [],  # (no hand-off held unread)
         loop=SimpleNamespace(summary=lambda: None),
     )
     actor = EngineActor.__new__(EngineActor)

@@ -217,6 +217,7 @@ def test_a_leaving_engine_names_the_hand_offs_it_held_unread() -> None:
     hand-off queued in its scheduler and one not given to it yet: all three sources are named,
     and its blocks are all free."""
     from cluster.control.engine import InstanceEngine
+    from cluster.control.engine_loop import EngineLoop
     from kv_transfer.connector import KVSegment, PDConnector
     from tests.scheduler.helpers import assert_all_free, make_request, make_scheduler
 
@@ -235,9 +236,9 @@ def test_a_leaving_engine_names_the_hand_offs_it_held_unread() -> None:
     scheduler.add_request(hand_off("queued", 20))
     loads = scheduler.schedule().kv_connector_metadata.loads
     assert [load.req_id for load in loads] == ["loading"]
-    leaving = SimpleNamespace(
-        loop=SimpleNamespace(scheduler=scheduler, pending=[hand_off("new", 8)])
-    )
+    loop = EngineLoop("d-0", scheduler, None, lambda *_: None)  # type: ignore[arg-type]
+    loop.pending = [hand_off("new", 8)]
+    leaving = SimpleNamespace(loop=loop)
     unread = InstanceEngine.take_unread_kv(leaving)  # type: ignore[arg-type]
     assert sorted(unread) == [("loading", "p-loading"), ("new", "p-new"), ("queued", "p-queued")]
     assert_all_free(scheduler)
