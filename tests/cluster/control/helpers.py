@@ -3,6 +3,9 @@ the pools, a config builder, and the reference runs their tokens are compared wi
 
 from __future__ import annotations
 
+import asyncio
+import random
+import time
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +18,20 @@ NUM_BLOCKS = 160
 PREFILL = {"name": "p", "role": "prefill", "resources": {"prefill": 0.01}, "num_blocks": NUM_BLOCKS}
 DECODE = {"name": "d", "role": "decode", "resources": {"decode": 0.01}, "num_blocks": NUM_BLOCKS}
 BOTH = {"name": "c", "role": "both", "num_blocks": NUM_BLOCKS}
+
+
+def random_prompts(count: int, seed: int = 0) -> list[list[int]]:
+    """``count`` prompts of random token ids (3-255), of lengths 1 to 61, the same per seed."""
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 256) for _ in range(1 + (i * 37) % 61)] for i in range(count)]
+
+
+async def until(predicate: Any, timeout_s: float = 20.0) -> None:
+    """Wait in an event loop for ``predicate`` (a blocking call: run in a thread) to hold."""
+    deadline = time.monotonic() + timeout_s
+    while not await asyncio.to_thread(predicate):
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.02)
 
 
 def cluster_config(model: Path, pools: list[dict[str, Any]], **extra: Any) -> ClusterConfig:

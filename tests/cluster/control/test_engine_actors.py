@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import random
 import signal
 import time
 from collections.abc import Iterator
@@ -30,6 +29,8 @@ from tests.cluster.control.helpers import (
     generate_in_process,
     token_ids,
 )
+from tests.cluster.control.helpers import random_prompts as _prompts
+from tests.cluster.control.helpers import until as _until
 
 ray = pytest.importorskip("ray")
 
@@ -42,12 +43,7 @@ LONG = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
 TIMEOUT_S = 1.0
 # A hung engine: stats and /metrics go on without it after ASK_S, it is killed after PING_S
 # (the defaults, 5 s and 10 s, would be most of the hung-engine test's time).
-ASK_S, PING_S = 3.0, 6.0
-
-
-def _prompts(count: int, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 256) for _ in range(1 + (i * 37) % 61)] for i in range(count)]
+ASK_S, PING_S = 4.0, 8.0
 
 
 @pytest.fixture(scope="module")
@@ -91,13 +87,6 @@ def _instances(handle: Any) -> dict[str, Any]:
 def _live_ids(handle: Any) -> list[str]:
     ids: list[str] = ray.get(handle.live_request_ids.remote())
     return ids
-
-
-async def _until(predicate: Any, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not await asyncio.to_thread(predicate):
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.02)
 
 
 def test_each_engine_runs_in_a_process_of_its_own_beside_its_workers(engines: Any) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import random
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,24 +23,14 @@ from tests.cluster.control.helpers import (
     cluster_config,
     generate_in_process,
 )
+from tests.cluster.control.helpers import random_prompts as _prompts
+from tests.cluster.control.helpers import until as _until
 
 ray = pytest.importorskip("ray")
 
 from cluster.control.client import ClusterClient  # noqa: E402
 from cluster.control.launch import build_cluster, shutdown_cluster  # noqa: E402
 from scheduler import SamplingParams  # noqa: E402
-
-
-def _prompts(count: int, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 256) for _ in range(1 + (i * 37) % 61)] for i in range(count)]
-
-
-async def _until(predicate: Any, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not await asyncio.to_thread(predicate):
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.02)
 
 
 @pytest.fixture(scope="module")
