@@ -172,7 +172,7 @@ class KVPeers:
             probe = self._kv_auto and transport == "nixl"
             while True:
                 live = [s for i, s in self.specs.items() if self.views[i].alive or i == iid]
-                connected = {s.instance_id for s in live}
+                connected = {s.instance_id: self.views[s.instance_id] for s in live}
                 errors = await connect_kv_peers(live, [spec], probe)
                 gone = [n for n in before if n not in kv_peer_names(spec)]
                 await disconnect_kv_peers([s for s in live if s is not spec], gone)
@@ -181,15 +181,23 @@ class KVPeers:
         except Exception as exc:
             return f"{type(exc).__name__}: {exc}", False
 
-    def _serving_since(self, connected: set[str]) -> list[InstanceSpec]:
+    def _serving_since(self, connected: dict[str, InstanceView]) -> list[InstanceSpec]:
         """The instances alive now that are not among ``connected`` (the ones a connection
-        round took): they joined or rejoined during it, connecting without the instance that
-        round was for (not alive then), as it without them -- neither has the other's agents.
-        Whichever of two such instances is let serve second connects again, with the other.
+        round took, with their views then): they joined or rejoined during it, connecting
+        without the instance that round was for (not alive then), as it without them --
+        neither has the other's agents. One that failed and rejoined during the round (a new
+        view: ``_rejoined``) counts too: its restarted workers have new agents. Whichever of
+        two such instances is let serve second connects again, with the other.
         Call it right before letting an instance serve (no ``await`` in between)."""
-        return [s for i, s in self.specs.items() if self.views[i].alive and i not in connected]
+        return [
+            s
+            for i, s in self.specs.items()
+            if self.views[i].alive and connected.get(i) is not self.views[i]
+        ]
 
-    async def _connect_serving_since(self, specs: list[InstanceSpec], connected: set[str]) -> None:
+    async def _connect_serving_since(
+        self, specs: list[InstanceSpec], connected: dict[str, InstanceView]
+    ) -> None:
         """New instances ``specs``, connected with the instances ``connected`` (alive then),
         are about to serve: connect them with any that rejoined meanwhile (``_serving_since``);
         ``RuntimeError`` if they cannot reach one (as ``_connect_kv_peers`` refuses them)."""
@@ -199,11 +207,14 @@ class KVPeers:
             return
         probe = self._kv_auto and self.config.kv_transfer.transport == "nixl"
         while missed := self._serving_since(connected):
-            connected |= {s.instance_id for s in missed}
+            connected.update({s.instance_id: self.views[s.instance_id] for s in missed})
             errors = await connect_kv_peers([*missed, *specs], specs, probe)
             if errors:
+                # Refused: every live worker told of them forgets them -- the ones
+                # ``_connect_kv_peers`` told, and those of earlier rounds here, not only
+                # this round's (the new ones are not among ``specs`` yet).
                 names = [name for spec in specs for name in kv_peer_names(spec)]
-                await disconnect_kv_peers(missed, names)
+                await disconnect_kv_peers(list(self.specs.values()), names)
                 raise RuntimeError(
                     f"the {self.config.kv_transfer.transport} KV transport "
                     f"cannot reach: {'; '.join(errors)}"

@@ -181,7 +181,8 @@ class SchedulerActor(Intake, KVPeers, Migration, Restart, ClusterOperations):
     async def _add_instances(self, specs: list[InstanceSpec]) -> None:
         """Start the engines of started instances and let them serve: in this process, or
         each in an ``EngineActor`` of its own (``engine_actors``; they start in parallel)."""
-        connected = {i for i, view in self.views.items() if view.alive}  # (what it connects)
+        # What it connects (by view: one that fails and rejoins meanwhile has new agents).
+        connected = {i: view for i, view in self.views.items() if view.alive}
         await self._connect_kv_peers(specs)
         engines: list[Any] = []
         for spec in specs:

@@ -214,11 +214,46 @@ def test_new_instances_connect_with_one_that_rejoined_while_they_started(
         return []
 
     monkeypatch.setattr(placement, "connect_kv_peers", connect)
-    asyncio.run(peers._connect_serving_since([p1], set()))  # type: ignore[list-item]
+    asyncio.run(peers._connect_serving_since([p1], {}))  # type: ignore[list-item]
     assert rounds == [["d-0", "p-1"]]
-    asyncio.run(peers._connect_serving_since([p1], {"d-0"}))  # type: ignore[list-item]
+    before = {"d-0": peers.views["d-0"]}
+    asyncio.run(peers._connect_serving_since([p1], dict(before)))  # type: ignore[list-item]
     assert rounds == [["d-0", "p-1"]]  # nothing new: no round
+    # d-0 alive when p-1 connected, then failed and rejoined while p-1's engine started:
+    # its restarted workers' agents are new (a new view), so p-1 connects with it again.
+    peers.views["d-0"] = SimpleNamespace(alive=True)  # type: ignore[assignment]
+    asyncio.run(peers._connect_serving_since([p1], dict(before)))  # type: ignore[list-item]
+    assert rounds == [["d-0", "p-1"], ["d-0", "p-1"]]
     monkeypatch.setattr(placement, "connect_kv_peers", Peers.unreachable)
+    d1 = Spec("d-1")  # alive when p-1 connected (``_connect_kv_peers`` told it of p-1)
+    peers.specs["d-1"] = d1  # type: ignore[assignment]
+    peers.views["d-1"] = SimpleNamespace(alive=True)  # type: ignore[assignment]
+    live = {"d-1": peers.views["d-1"]}
     with pytest.raises(RuntimeError, match="cannot reach: p-1"):
-        asyncio.run(peers._connect_serving_since([p1], set()))  # type: ignore[list-item]
+        asyncio.run(peers._connect_serving_since([p1], live))  # type: ignore[list-item]
+    # Refused: d-0 and d-1 alike forget p-1's workers (both were told of them).
     assert d0.calls == [("remove_kv_peers", ["agent-p-1"])]
+    assert d1.calls == [("remove_kv_peers", ["agent-p-1"])]
+
+
+def test_a_peer_that_failed_and_rejoined_during_a_rejoins_probe_is_connected_with_it_too(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """d-1 was alive when d-0's round began, then failed and rejoined before the round ended:
+    its restarted workers' agents are new, and its own round ran without d-0 (not alive then).
+    Its id among those the round took is not enough: d-0 connects again, with d-1's new view."""
+    peers = Rejoining()
+    probe = peers.connect
+    flapped: list[bool] = []
+
+    async def connect(specs: list[Any], new: list[Any], probe_: bool = False) -> list[str]:
+        found = await probe(specs, new, probe_)
+        if not flapped:  # once: d-1 failed and rejoined (``_rejoined``: a new view)
+            flapped.append(True)
+            peers.views["d-1"] = SimpleNamespace(alive=True)  # type: ignore[assignment]
+        return found
+
+    monkeypatch.setattr(placement, "connect_kv_peers", connect)
+    peers.rejoin()
+    assert peers.probed == [["d-0", "d-1"], ["d-0", "d-1"]]
+    assert peers.views["d-0"].alive and peers.events() == [("d-0", "rejoined")]
