@@ -202,12 +202,26 @@ def _loads_or_text(function: dict[str, Any]) -> Any:
         value = json.loads(text)
         # A lone surrogate escape ("\\ud83d": half a pair, as a model may write one and our
         # own responses keep it) decodes to no Unicode text: the template's JSON of it could
-        # not be tokenized. Such arguments are rendered as the text they came as, escapes kept.
+        # not be tokenized. Such a surrogate is rendered as the escape it came as, in the
+        # object it is part of: templates that read the arguments as an object (``.items()``,
+        # ``| items``: GLM-4.5's, Qwen3-Coder's) render them as they would any other.
         if "\\u" in text and SURROGATE.search(json.dumps(value, ensure_ascii=False)):
-            return function.get("arguments")
+            return _escaped_surrogates(value)
         return value
     except (ValueError, RecursionError):
         return function.get("arguments")
+
+
+def _escaped_surrogates(value: Any) -> Any:
+    """``value`` (decoded JSON) with each lone surrogate of its strings, keys too, written as
+    the escape it came as (``\\ud83d``: six characters): the same shape, text UTF-8 encodes."""
+    if isinstance(value, str):
+        return SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", value)
+    if isinstance(value, list):
+        return [_escaped_surrogates(item) for item in value]
+    if isinstance(value, dict):
+        return {_escaped_surrogates(k): _escaped_surrogates(v) for k, v in value.items()}
+    return value
 
 
 # -- forced calls: the schemas structured outputs enforce ------------------------------------

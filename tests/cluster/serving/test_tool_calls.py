@@ -394,16 +394,22 @@ def test_a_call_whose_json_decodes_to_a_lone_surrogate_can_still_be_sent() -> No
 def test_a_call_with_a_lone_surrogate_escape_comes_back_in_the_next_turn() -> None:
     """The agent loop: the call a response carried (its arguments keeping a model's half
     surrogate pair as an escape) is sent back in the history of the next request. It must be
-    taken, and rendered -- with a template that reads calls as objects and with the fallback's
-    text -- as text UTF-8 can encode: its arguments as the text they came as (the next turn was
-    a 400, and before that a 500 from the tokenizer). A pair, or no JSON, renders as before."""
+    taken, and rendered -- with a template that reads calls as objects, one that iterates
+    them, and with the fallback's text -- as text UTF-8 can encode: its arguments an object
+    still, the half pair as the escape it came as (the next turn was a 400, and before that a
+    500 from the tokenizer). A pair, or no JSON, renders as before."""
     from cluster.serving.openai_protocol import ChatCompletionRequest
 
+    items = (
+        "{% for m in messages %}{% for c in m.get('tool_calls') or [] %}"
+        "{% for k, v in c.function.arguments.items() %}{{ k }}={{ v }};{% endfor %}"
+        "{% endfor %}{% endfor %}{{ tools | length }}"
+    )
     text = '<tool_call>{"name": "get_weather", "arguments": {"city": "\\ud83d"}}</tool_call>'
     _, (call,) = parse_calls("hermes", text, ("get_weather",))
     for arguments, rendered in (
-        (call.arguments, call.arguments),  # as it came: the escape kept
-        ('{"x": ["a", "\\udfff"]}', '{"x": ["a", "\\udfff"]}'),
+        (call.arguments, {"city": "\\ud83d"}),  # the escape kept, as six characters
+        ('{"x": ["a", "\\udfff"]}', {"x": ["a", "\\udfff"]}),
         ('{"x": "\\ud83d\\ude00"}', {"x": "\U0001f600"}),  # a pair: a character
         ("\\ud800 is no JSON", "\\ud800 is no JSON"),
     ):
@@ -420,3 +426,6 @@ def test_a_call_with_a_lone_surrogate_escape_comes_back_in_the_next_turn() -> No
             json.dumps(messages, ensure_ascii=False).encode()  # no lone surrogate in them
         messages, _ = template_messages(history, [WEATHER], "{{ tools }}")
         assert messages[1]["tool_calls"][0]["function"]["arguments"] == rendered
+        if isinstance(rendered, dict):  # iterated as an object (GLM-4.5's, Qwen3-Coder's)
+            messages, extra = template_messages(history, [WEATHER], items)
+            render_chat(items, messages, add_generation_prompt=False, **extra).encode()
