@@ -71,6 +71,13 @@ class ServeConfig(_Config):
     grpc_port: int | None = Field(
         9000, ge=1, le=65535, description="gRPC port of tandem.v1.Generate (null: no gRPC)."
     )
+    grpc_server: Literal["proxy", "ingress"] | None = Field(
+        None,
+        description="Who serves plaintext gRPC: Serve's gRPC proxy (grpc_options; it binds "
+        "every interface) or the ingress replicas themselves on host:grpc_port, as they do "
+        "over TLS. Unset: the proxy, but tandem serve picks ingress for a loopback host on a "
+        "Ray of its own.",
+    )
     ingress_replicas: int = Field(
         1, ge=1, le=256, description="Ingress replicas (tokenization, detokenization, HTTP)."
     )
@@ -155,6 +162,7 @@ INGRESS_ONLY = (
     "ssl_certfile",
     "port",
     "grpc_port",
+    "grpc_server",
     "ingress_replicas",
     "ingress_num_cpus",
     "max_ongoing_requests",

@@ -176,20 +176,21 @@ class OpenAIIngress:
         set_max_body_bytes(config.serve.max_request_body_bytes)
         self._admin = AdminAccess.from_config(config.serve)
         set_access(self._api_key, self._admin)
-        self._grpc_tls = None
+        self._grpc_server: Any = None
         s = config.serve
         if s.generation_config not in ("auto", "vllm"):  # a folder: there now, or no start
             try:
                 sampling_defaults(s.generation_config, None)
             except (OSError, ValueError) as exc:
                 raise type(exc)(f"serve.generation_config: {exc}") from None
-        if s.grpc_port is not None and s.ssl_certfile is not None and s.ssl_keyfile is not None:
-            # Serve's gRPC proxy is plaintext only: with a certificate, this replica serves
-            # the gRPC API itself, over TLS (tandem serve then starts no gRPC proxy).
-            from cluster.serving.grpc_api import TLSGenerateServer
+        if s.grpc_port is not None and (s.ssl_certfile is not None or s.grpc_server == "ingress"):
+            # Serve's gRPC proxy is plaintext only and binds every interface: with a
+            # certificate, or asked to, this replica serves the gRPC API itself, on host
+            # (tandem serve then starts no gRPC proxy).
+            from cluster.serving.grpc_api import IngressGenerateServer
 
             host = f"[{s.host}]" if ":" in s.host else s.host  # an IPv6 address
-            self._grpc_tls = TLSGenerateServer(
+            self._grpc_server = IngressGenerateServer(
                 self.serving,
                 self._api_key,
                 f"{host}:{s.grpc_port}",
@@ -198,7 +199,7 @@ class OpenAIIngress:
                 max_message_bytes=s.max_request_body_bytes,
                 max_concurrent_calls=s.max_ongoing_requests,
             )
-            self._grpc_start = asyncio.get_running_loop().create_task(self._start_grpc_tls())
+            self._grpc_start = asyncio.get_running_loop().create_task(self._start_grpc_server())
         if config.serve.allow_runtime_lora_updates:
             logger.warning(
                 "runtime LoRA updates are on: clients with the admin key can make the workers "
@@ -206,13 +207,14 @@ class OpenAIIngress:
                 config.serve.lora_adapter_root,
             )
 
-    async def _start_grpc_tls(self) -> None:
-        assert self._grpc_tls is not None
+    async def _start_grpc_server(self) -> None:
+        server = self._grpc_server
+        assert server is not None
         try:
-            await self._grpc_tls.start()
-            logger.info("gRPC API over TLS on %s", self._grpc_tls.address)
+            await server.start()
+            logger.info("gRPC API%s on %s", " over TLS" if server.tls else "", server.address)
         except Exception:
-            logger.exception("the gRPC API could not listen on %s", self._grpc_tls.address)
+            logger.exception("the gRPC API could not listen on %s", server.address)
 
     async def check_health(self) -> None:
         """Serve's health check: unhealthy (so replaced) if its gRPC server could not start.
@@ -220,8 +222,9 @@ class OpenAIIngress:
         own check then fails, Serve replaces it with one that builds the cluster anew, and the
         next request here connects to that one (it would otherwise fail on the dead one for
         as long as this replica lived)."""
-        if self._grpc_tls is not None and self._grpc_tls.failure is not None:
-            raise RuntimeError(f"the gRPC API over TLS failed to start: {self._grpc_tls.failure}")
+        server = self._grpc_server
+        if server is not None and server.failure is not None:
+            raise RuntimeError(f"the gRPC API failed to start: {server.failure}")
         client = self._client
         if client is not None and await client.gone():
             logger.warning("the cluster is gone: the next request connects to its successor")

@@ -144,20 +144,20 @@ def _usage(usage: Any) -> dict[str, Any]:
     }
 
 
-class TLSGenerateServer:
-    """``tandem.v1.Generate`` over TLS, served by an ingress replica itself (Serve's gRPC
-    proxy has no TLS): a ``grpc.aio`` server on the replica's event loop, bound to
-    ``host:port`` with ``SO_REUSEPORT``, so the replicas on one node share the port and the
-    kernel spreads connections over them. Same validation, auth and status codes as the
-    proxied service."""
+class IngressGenerateServer:
+    """``tandem.v1.Generate`` served by an ingress replica itself: over TLS (Serve's gRPC
+    proxy has none), or plaintext bound to ``host`` (the proxy binds every interface). A
+    ``grpc.aio`` server on the replica's event loop, bound to ``host:port`` with
+    ``SO_REUSEPORT``, so the replicas on one node share the port and the kernel spreads
+    connections over them. Same validation, auth and status codes as the proxied service."""
 
     def __init__(
         self,
         serving: Callable[[], Awaitable[OpenAIServing]],
         api_key: str | None,
         address: str,
-        certfile: str,
-        keyfile: str,
+        certfile: str | None,
+        keyfile: str | None,
         max_message_bytes: int,
         max_concurrent_calls: int,
     ) -> None:
@@ -172,8 +172,11 @@ class TLSGenerateServer:
             ("grpc.max_receive_message_length", max_message_bytes),
         ]
         self._max_concurrent_calls = max_concurrent_calls
-        self._credentials = grpc.ssl_server_credentials(
-            [(Path(keyfile).read_bytes(), Path(certfile).read_bytes())]
+        self.tls = certfile is not None and keyfile is not None
+        self._credentials = (
+            grpc.ssl_server_credentials([(Path(keyfile).read_bytes(), Path(certfile).read_bytes())])
+            if certfile is not None and keyfile is not None
+            else None
         )
         self._server: Any = None
 
@@ -185,7 +188,10 @@ class TLSGenerateServer:
         )
         tandem_pb2_grpc.add_GenerateServicer_to_server(self, server)
         try:
-            server.add_secure_port(self.address, self._credentials)
+            if self._credentials is None:
+                server.add_insecure_port(self.address)
+            else:
+                server.add_secure_port(self.address, self._credentials)
             await server.start()
         except BaseException as exc:
             self.failure = exc

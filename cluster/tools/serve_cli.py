@@ -340,6 +340,7 @@ def start_serve(config: Any, *, address: str | None = None, **ray_options: Any) 
     from cluster.control.launch import init_ray, local_node_resources
     from cluster.serving.app import GRPC_SERVICER, build_app_from_config
 
+    config = grpc_where_it_binds(config, address)
     s = config.serve
     if address is None:  # (a joined Ray may run Serve on these ports already: its own)
         check_ports_free(s)
@@ -351,14 +352,39 @@ def start_serve(config: Any, *, address: str | None = None, **ray_options: Any) 
     else:
         init_ray(address)
     grpc = None
-    # With a certificate, the ingress replicas serve gRPC over TLS themselves: no plaintext
-    # proxy on that port.
-    if s.grpc_port is not None and s.ssl_certfile is None:
+    # With a certificate, or on a loopback host, the ingress replicas serve gRPC themselves:
+    # no proxy on that port.
+    if s.grpc_port is not None and s.ssl_certfile is None and s.grpc_server != "ingress":
         grpc = gRPCOptions(port=s.grpc_port, grpc_servicer_functions=[GRPC_SERVICER])
     serve.start(proxy_location="HeadOnly", http_options=http_options(s), grpc_options=grpc)
     serve.run(build_app_from_config(config), name=APP_NAME, route_prefix="/")
     scheme = "http" if s.ssl_certfile is None else "https"
     return f"{scheme}://{s.host}:{s.port}"
+
+
+def grpc_where_it_binds(config: Any, address: str | None) -> Any:
+    """``config`` with ``serve.grpc_server: ingress`` where plaintext gRPC should come from
+    the ingress replicas: Serve's gRPC proxy binds every interface, so on a loopback host
+    (and a Ray of its own: every replica on this machine) they serve it there themselves."""
+    if address is None and _serves_grpc_itself(config.serve):
+        serve = config.serve.model_copy(update={"grpc_server": "ingress"})
+        return config.model_copy(update={"serve": serve})
+    return config
+
+
+def _serves_grpc_itself(serve: Any) -> bool:
+    """Plaintext gRPC from the ingress replicas (``grpc_server: ingress``) unless the config
+    says otherwise: a loopback host, where Serve's proxy would listen on every interface."""
+    import ipaddress
+
+    if serve.grpc_port is None or serve.ssl_certfile is not None:
+        return False
+    if serve.grpc_server is not None:  # (named in the config)
+        return bool(serve.grpc_server == "ingress")
+    try:
+        return ipaddress.ip_address(serve.host).is_loopback
+    except ValueError:
+        return serve.host == "localhost"
 
 
 def check_ports_free(serve: Any) -> None:
@@ -373,7 +399,8 @@ def check_ports_free(serve: Any) -> None:
     ports = [("--port", serve.host, serve.port)]
     if serve.grpc_port is not None:
         # Serve's plaintext gRPC proxy binds every interface ([::]), whatever serve.host says.
-        grpc_hosts = [serve.host] if serve.ssl_certfile is not None else ["::", "0.0.0.0"]
+        own = serve.ssl_certfile is not None or serve.grpc_server == "ingress"
+        grpc_hosts = [serve.host] if own else ["::", "0.0.0.0"]
         ports += [("--grpc-port", host, serve.grpc_port) for host in grpc_hosts]
     for flag, host, port in ports:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -427,6 +454,7 @@ def run_serve(args: argparse.Namespace) -> int:
                 "object_store_memory": args.object_store_mb << 20,
             }
         )
+        config = grpc_where_it_binds(config, args.address)  # (as start_serve does)
         url = start_serve(config, address=args.address, **options)
         stop_on_signals()  # (ray.init set a SIGTERM handler of its own)
     except (KeyboardInterrupt, SystemExit) as exc:  # (SystemExit: Ray's SIGTERM handler,
@@ -466,6 +494,8 @@ def grpc_banner(serve: Any) -> str:
         return ""
     if serve.ssl_certfile is not None:
         return f"gRPC tandem.v1.Generate on {serve.host}:{serve.grpc_port} (TLS)\n"
+    if serve.grpc_server == "ingress":
+        return f"gRPC tandem.v1.Generate on {serve.host}:{serve.grpc_port}\n"
     line = (
         f"gRPC tandem.v1.Generate on port {serve.grpc_port} of every interface (Serve's gRPC "
         "proxy binds them all"

@@ -47,6 +47,29 @@ def test_the_ready_message_says_the_grpc_proxy_listens_on_every_interface() -> N
     tls = ServeConfig(ssl_keyfile="/k.pem", ssl_certfile="/c.pem")
     assert grpc_banner(tls) == "gRPC tandem.v1.Generate on 127.0.0.1:9000 (TLS)\n"
     assert grpc_banner(ServeConfig(grpc_port=None)) == ""
+    own = ServeConfig(grpc_server="ingress")
+    assert grpc_banner(own) == "gRPC tandem.v1.Generate on 127.0.0.1:9000\n"
+
+
+def test_tandem_serve_on_a_loopback_host_serves_grpc_from_the_ingress() -> None:
+    """Where Serve's plaintext proxy (every interface) gives way to the ingress replicas on
+    the host: a loopback host on a Ray of its own, unless the config names the proxy."""
+    from cluster.tools.serve_cli import grpc_where_it_binds
+
+    def server(address: str | None = None, **serve: object) -> str:
+        config = serve_config(_args())
+        config = config.model_copy(update={"serve": config.serve.model_validate(serve)})
+        chosen = grpc_where_it_binds(config, address)
+        assert grpc_where_it_binds(chosen, address) == chosen  # (start_serve applies it again)
+        return str(chosen.serve.grpc_server or "proxy")  # (unset: the proxy)
+
+    assert server() == "ingress"  # the default: 127.0.0.1
+    assert server(host="::1") == "ingress" and server(host="localhost") == "ingress"
+    assert server(host="0.0.0.0") == "proxy" and server(host="10.1.2.3") == "proxy"
+    assert server("127.0.0.1:6379") == "proxy"  # a joined Ray: replicas on other nodes
+    assert server(grpc_server="proxy") == "proxy"  # named in the config
+    assert server(grpc_port=None) == "proxy"
+    assert server(ssl_keyfile="/k.pem", ssl_certfile="/c.pem") == "proxy"  # (TLS: its own)
 
 
 def test_flags_override_the_config(tmp_path: Path) -> None:

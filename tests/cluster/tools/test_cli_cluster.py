@@ -435,3 +435,63 @@ def test_an_os_error_of_generate_keeps_its_traceback_with_verbose(
     monkeypatch.setattr(cli.sys, "stdout", SimpleNamespace(fileno=lambda: 98, flush=left_unread))
     assert cli.main(["plan", "--slo-ttft-ms", "500"]) == 1
     assert dup2 == [99, 98]
+
+
+def _listeners(port: int) -> set[str]:
+    """The local addresses (hex, as /proc/net/tcp{,6} write them) listening on ``port``."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for row in f.read().splitlines()[1:]:
+                local, state = row.split()[1], row.split()[3]
+                address, hex_port = local.split(":")
+                if state == "0A" and int(hex_port, 16) == port:
+                    found.add(address)
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads Linux's socket tables")
+def test_serve_answers_grpc_on_its_loopback_host_only(tiny_model: Path, tmp_path: Path) -> None:
+    """`tandem serve` on 127.0.0.1 (the default): Serve's plaintext gRPC proxy would bind
+    every interface ([::]), so the ingress replica serves gRPC itself, on 127.0.0.1 alone --
+    the API answers there, and nothing listens on the port's wildcard address."""
+    import grpc
+
+    from cluster.proto import tandem_pb2, tandem_pb2_grpc
+
+    config = tmp_path / "cluster.yaml"
+    config.write_text(
+        f"model: {tiny_model}\nblock_size: 4\n"
+        "pools:\n  - {name: c, role: both, num_blocks: 64, num_threads: 1}\n"
+    )
+    port, grpc_port = free_port(), free_port()
+    args = ["--port", str(port), "--grpc-port", str(grpc_port), "--num-cpus", "2"]
+    with own_ray_env("tandem-grpc-") as env:
+        serve = _tandem("serve", str(config), *args, "--object-store-mb", "80", env=env)
+        try:
+            _until_ready(serve, "ready:", 180)
+            assert serve.stdout is not None
+            lines = [serve.stdout.readline() for _ in range(2)]
+            assert f"gRPC tandem.v1.Generate on 127.0.0.1:{grpc_port}\n" in lines, lines
+            request = tandem_pb2.GenerateRequest(model="tiny", prompt="hello", max_tokens=3)
+            with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+                grpc.channel_ready_future(channel).result(timeout=30)
+                stub = tandem_pb2_grpc.GenerateStub(channel)
+                request.model = _served_model(port)
+                responses = list(stub.Generate(request, timeout=60))
+            assert responses[-1].usage.completion_tokens == 3
+            listening = _listeners(grpc_port)
+            assert listening and all(a.endswith("0100007F") for a in listening), listening
+            serve.send_signal(signal.SIGTERM)
+            rest, _ = serve.communicate(timeout=60)
+            assert serve.returncode == 0, rest
+        finally:
+            if serve.poll() is None:
+                serve.kill()
+
+
+def _served_model(port: int) -> str:
+    import requests
+
+    models = requests.get(f"http://127.0.0.1:{port}/v1/models", timeout=60).json()
+    return str(models["data"][0]["id"])
