@@ -404,7 +404,7 @@ async def run_http(args: argparse.Namespace, instances: int, concurrency: int) -
     from cluster.config import served_model_name
     from cluster.control.launch import DEFAULT_NAMESPACE, app_cluster_name
     from cluster.serving.app import build_app_from_config
-    from cluster.tools.serve_cli import http_options
+    from cluster.tools.serve_listen import http_options
 
     model = builtin_model_path()
     (token,) = Tokenizer.from_path(model).encode("x", add_special_tokens=False)

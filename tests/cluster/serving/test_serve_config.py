@@ -38,7 +38,7 @@ def test_the_ready_message_says_the_grpc_proxy_listens_on_every_interface() -> N
     """Serve's plaintext gRPC proxy binds [::]:PORT whatever --host says: the ready message
     said "on 127.0.0.1:9000" for an API open to the network (no key by default)."""
     from cluster.config import ServeConfig
-    from cluster.tools.serve_cli import grpc_banner
+    from cluster.tools.serve_listen import grpc_banner
 
     open_ = grpc_banner(ServeConfig())
     assert "127.0.0.1" not in open_ and "every interface" in open_ and "--no-grpc" in open_
@@ -54,7 +54,7 @@ def test_the_ready_message_says_the_grpc_proxy_listens_on_every_interface() -> N
 def test_tandem_serve_on_a_loopback_host_serves_grpc_from_the_ingress() -> None:
     """Where Serve's plaintext proxy (every interface) gives way to the ingress replicas on
     the host: a loopback host on a Ray of its own, unless the config names the proxy."""
-    from cluster.tools.serve_cli import grpc_where_it_binds
+    from cluster.tools.serve_listen import grpc_where_it_binds
 
     def server(address: str | None = None, **serve: object) -> str:
         config = serve_config(_args())
@@ -238,7 +238,7 @@ def test_a_port_another_server_listens_on_is_refused_before_ray_starts() -> None
     import socket
 
     from cluster.config import ServeConfig
-    from cluster.tools.serve_cli import check_ports_free
+    from cluster.tools.serve_listen import check_ports_free
 
     with socket.socket() as other:  # another server, as Serve's proxy binds its port
         other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
