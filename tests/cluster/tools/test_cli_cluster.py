@@ -27,6 +27,13 @@ def _tandem(*args: str, env: dict[str, str] | None = None) -> Any:
     )
 
 
+def _sigterm_stops(process: Any) -> None:
+    """A running ``tandem serve`` stops on SIGTERM with status 0."""
+    process.send_signal(signal.SIGTERM)
+    rest, _ = process.communicate(timeout=60)
+    assert process.returncode == 0, rest
+
+
 def _until_ready(process: Any, prefix: str, timeout_s: float) -> list[str]:
     """The lines a ``tandem`` command printed up to the one starting with ``prefix``."""
     lines: list[str] = []
@@ -391,9 +398,7 @@ def _serve_over_tls(
             with pytest.raises(grpc.RpcError) as refused:
                 list(stream)
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
-        serve.send_signal(signal.SIGTERM)
-        rest, _ = serve.communicate(timeout=60)
-        assert serve.returncode == 0, rest
+        _sigterm_stops(serve)
     finally:
         if serve.poll() is None:
             serve.kill()
@@ -482,9 +487,7 @@ def test_serve_answers_grpc_on_its_loopback_host_only(tiny_model: Path, tmp_path
             assert responses[-1].usage.completion_tokens == 3
             listening = _listeners(grpc_port)
             assert listening and all(a.endswith("0100007F") for a in listening), listening
-            serve.send_signal(signal.SIGTERM)
-            rest, _ = serve.communicate(timeout=60)
-            assert serve.returncode == 0, rest
+            _sigterm_stops(serve)
         finally:
             if serve.poll() is None:
                 serve.kill()
