@@ -27,7 +27,7 @@ def _device(value: str) -> str:
     """``--device``: as a pool's ``device`` (an argparse error names the flag otherwise)."""
     import re
 
-    from cluster.config import DEVICE_PATTERN
+    from cluster.config.pools import DEVICE_PATTERN
 
     if not re.match(DEVICE_PATTERN, value):
         raise argparse.ArgumentTypeError(f"{value!r}: give cpu, cuda or cuda:N")
