@@ -18,7 +18,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from cluster.tools.serve_cli import DTYPES
+from cluster.tools.serve_args import DTYPES
 from cluster.tools.signals import interrupted_while_starting, stop_on_signals, wait_for_stop
 from scheduler import SamplingParams
 
@@ -367,7 +367,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     _up_parser(sub)
     _scale_parser(sub)
     _down_parser(sub)
-    from cluster.tools.serve_cli import add_serve_arguments
+    from cluster.tools.serve_args import add_serve_arguments
 
     add_serve_arguments(
         sub.add_parser(

@@ -344,6 +344,6 @@ def test_the_dtype_flags_accept_what_the_config_accepts() -> None:
     """``tandem generate/serve --dtype`` take the config's names (bf16 was refused)."""
     import typing
 
-    from cluster.tools.serve_cli import DTYPES
+    from cluster.tools.serve_args import DTYPES
 
     assert set(DTYPES) == set(typing.get_args(ClusterConfig.model_fields["dtype"].annotation))

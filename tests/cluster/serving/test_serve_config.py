@@ -10,7 +10,8 @@ import pytest
 import yaml
 
 from cluster.config import ClusterConfig
-from cluster.tools.serve_cli import add_serve_arguments, serve_config
+from cluster.tools.serve_args import add_serve_arguments
+from cluster.tools.serve_cli import serve_config
 
 ROOT = Path(__file__).resolve().parents[3]
 
