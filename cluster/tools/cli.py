@@ -380,7 +380,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "everything down.",
         )
     )
-    from cluster.tools.loadgen import add_bench_arguments
+    from cluster.tools.bench_args import add_bench_arguments
 
     add_bench_arguments(
         sub.add_parser(

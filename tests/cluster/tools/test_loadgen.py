@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 from aiohttp import web
 
+from cluster.tools.bench_args import add_bench_arguments
 from cluster.tools.loadgen import (
-    add_bench_arguments,
     make_requests,
     poisson_schedule,
     run_bench,
