@@ -16,170 +16,25 @@ from __future__ import annotations
 
 import contextlib
 import re
-from bisect import bisect_left
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import HistogramMetricFamily, Metric
-from prometheus_client.utils import floatToGoString
 
 from cluster.observability.exposition import LABELS, merge_expositions, render_stats
+from cluster.observability.histograms import (
+    E2E_BUCKETS,
+    ITL_BUCKETS,
+    N_BUCKETS,
+    TOKEN_BUCKETS,
+    TRANSFER_BUCKETS,
+    TTFT_BUCKETS,
+    StepHistogramCollector,
+    StepHistogramFamily,
+    StepHistograms,
+)
 
 FINISH_REASONS = ("stop", "length", "abort", "error")  # (scheduler.request.FinishReason)
-
-# vLLM's buckets (seconds).
-_TTFT_BUCKETS = (
-    0.001,
-    0.005,
-    0.01,
-    0.02,
-    0.04,
-    0.06,
-    0.08,
-    0.1,
-    0.25,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-    160.0,
-    640.0,
-    2560.0,
-)
-_ITL_BUCKETS = (
-    0.01,
-    0.025,
-    0.05,
-    0.075,
-    0.1,
-    0.15,
-    0.2,
-    0.3,
-    0.4,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-)
-_E2E_BUCKETS = (
-    0.3,
-    0.5,
-    0.8,
-    1.0,
-    1.5,
-    2.0,
-    2.5,
-    5.0,
-    10.0,
-    15.0,
-    20.0,
-    30.0,
-    40.0,
-    50.0,
-    60.0,
-    120.0,
-    240.0,
-    480.0,
-    960.0,
-    1920.0,
-    7680.0,
-)
-# Token counts (vLLM's 1-2-5 series).
-_TOKEN_BUCKETS = tuple(float(m * 10**e) for e in range(6) for m in (1, 2, 5))
-_N_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0)  # vLLM's request_params_n buckets
-_TRANSFER_BUCKETS = (
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-    30.0,
-    60.0,
-)
-
-
-class StepHistogram:
-    """One labelled child of a histogram observed on every step of every request (the
-    inter-token latency: one observation per request per step). ``prometheus_client``'s
-    children take a lock per bucket and per sum; these are plain counters, observed and
-    rendered on the actor's event loop only."""
-
-    __slots__ = ("bounds", "counts", "sum")
-
-    def __init__(self, bounds: tuple[float, ...]) -> None:
-        self.bounds = bounds
-        self.counts = [0] * (len(bounds) + 1)  # per bucket (le = bound), the last +Inf
-        self.sum = 0.0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect_left(self.bounds, value)] += 1
-        self.sum += value
-
-
-class _StepHistogramFamily:
-    """A histogram of ``StepHistogram`` children by label values, rendered as Prometheus's."""
-
-    def __init__(self, name: str, doc: str, bounds: tuple[float, ...]) -> None:
-        self.name, self.doc, self.bounds = name, doc, bounds
-        self.children: dict[tuple[str, ...], StepHistogram] = {}
-
-    def labels(self, *values: str) -> StepHistogram:
-        child = self.children.get(values)
-        if child is None:
-            child = self.children[values] = StepHistogram(self.bounds)
-        return child
-
-    def metric(self) -> Metric:
-        family = HistogramMetricFamily(self.name, self.doc, labels=LABELS)
-        edges = [floatToGoString(b) for b in self.bounds] + ["+Inf"]  # type: ignore[no-untyped-call]
-        for values, child in sorted(self.children.items()):
-            total, buckets = 0, []
-            for edge, count in zip(edges, child.counts, strict=True):
-                total += count
-                buckets.append((edge, float(total)))
-            family.add_metric(list(values), buckets, sum_value=child.sum)
-        return family
-
-
-class _StepHistogramCollector:
-    def __init__(self, families: list[_StepHistogramFamily]) -> None:
-        self.families = families
-
-    def collect(self) -> Iterator[Metric]:
-        for family in self.families:
-            yield family.metric()
-
-
-@dataclass(frozen=True)
-class StepHistograms:
-    """One instance's children of the histograms a request's steps observe."""
-
-    ttft: StepHistogram
-    itl: StepHistogram
-    queue: StepHistogram
-    iteration_tokens: StepHistogram
 
 
 @dataclass(frozen=True)
@@ -231,85 +86,85 @@ class ClusterMetrics:
         self.slo_ttft_s = slo_ttft_s
         self.slo_tpot_s = slo_tpot_s
         r = self.registry = CollectorRegistry(auto_describe=True)
-        self.ttft = _StepHistogramFamily(
+        self.ttft = StepHistogramFamily(
             "tandem:time_to_first_token_seconds",
             "Time to first token (arrival to the first token, from the instance that sampled it).",
-            _TTFT_BUCKETS,
+            TTFT_BUCKETS,
         )
-        self.itl = _StepHistogramFamily(
+        self.itl = StepHistogramFamily(
             "tandem:inter_token_latency_seconds",
             "Time between two outputs of a request.",
-            _ITL_BUCKETS,
+            ITL_BUCKETS,
         )
         self.tpot = Histogram(
             "tandem:request_time_per_output_token_seconds",
             "A request's mean time per output token after the first.",
             LABELS,
             registry=r,
-            buckets=_ITL_BUCKETS,
+            buckets=ITL_BUCKETS,
         )
         self.e2e = Histogram(
             "tandem:e2e_request_latency_seconds",
             "Arrival to the last token.",
             LABELS,
             registry=r,
-            buckets=_E2E_BUCKETS,
+            buckets=E2E_BUCKETS,
         )
-        self.queue = _StepHistogramFamily(
+        self.queue = StepHistogramFamily(
             "tandem:request_queue_time_seconds",
             "Arrival to the request's first step.",
-            _E2E_BUCKETS,
+            E2E_BUCKETS,
         )
         # vLLM's request-level series (its names, tandem: prefix).
-        self.iteration_tokens = _StepHistogramFamily(
+        self.iteration_tokens = StepHistogramFamily(
             "tandem:iteration_tokens_total",
             "Tokens scheduled in one engine step.",
-            _TOKEN_BUCKETS,
+            TOKEN_BUCKETS,
         )
-        self.prefill_time = _StepHistogramFamily(
+        self.prefill_time = StepHistogramFamily(
             "tandem:request_prefill_time_seconds",
             "A request's first step to its first token.",
-            _E2E_BUCKETS,
+            E2E_BUCKETS,
         )
-        self.decode_time = _StepHistogramFamily(
+        self.decode_time = StepHistogramFamily(
             "tandem:request_decode_time_seconds",
             "A request's first token to its last.",
-            _E2E_BUCKETS,
+            E2E_BUCKETS,
         )
-        self.inference_time = _StepHistogramFamily(
+        self.inference_time = StepHistogramFamily(
             "tandem:request_inference_time_seconds",
             "A request's first step to its last token.",
-            _E2E_BUCKETS,
+            E2E_BUCKETS,
         )
-        self.prompt_tokens = _StepHistogramFamily(
-            "tandem:request_prompt_tokens", "Prompt tokens of a finished request.", _TOKEN_BUCKETS
+        self.prompt_tokens = StepHistogramFamily(
+            "tandem:request_prompt_tokens", "Prompt tokens of a finished request.", TOKEN_BUCKETS
         )
-        self.generation_tokens = _StepHistogramFamily(
+        self.generation_tokens = StepHistogramFamily(
             "tandem:request_generation_tokens",
             "Tokens generated for a finished request.",
-            _TOKEN_BUCKETS,
+            TOKEN_BUCKETS,
         )
-        self.params_max_tokens = _StepHistogramFamily(
+        self.params_max_tokens = StepHistogramFamily(
             "tandem:request_params_max_tokens",
             "The max_tokens of a finished request.",
-            _TOKEN_BUCKETS,
+            TOKEN_BUCKETS,
         )
-        self.params_n = _StepHistogramFamily(
+        self.params_n = StepHistogramFamily(
             "tandem:request_params_n",
             "The n of a finished request (counted once, with its first sample).",
-            _N_BUCKETS,
+            N_BUCKETS,
         )
         families = [self.ttft, self.itl, self.queue, self.iteration_tokens, self.prefill_time]
         families += [self.decode_time, self.inference_time, self.prompt_tokens]
         families += [self.generation_tokens, self.params_max_tokens, self.params_n]
-        r.register(_StepHistogramCollector(families))
+        r.register(StepHistogramCollector(families))
         self._step_families = families
         self.transfer = Histogram(
             "tandem:kv_transfer_duration_seconds",
             "One KV load, start to data in the blocks (failed ones too).",
             [*LABELS, "outcome"],
             registry=r,
-            buckets=_TRANSFER_BUCKETS,
+            buckets=TRANSFER_BUCKETS,
         )
         self.finished = Counter(
             "tandem:request_success",
