@@ -28,12 +28,14 @@ from cluster.control.remembered import EarlyAborts, RefusedRequests
 from cluster.control.router import family_of
 from cluster.control.summaries import InstanceView
 from cluster.engine.streams import Mailbox
-from cluster.errors import OverloadedError
+from cluster.errors import OverloadedError, UnavailableError
 from scheduler import Request
 from scheduler.outputs import EngineCoreOutput, merge_outputs
 from scheduler.request import FinishReason
 
 ENDED_FINAL_WAIT_S = 30.0  # for a final its engine sent while no central actor ran
+# A submit refused while ``tandem down`` stops the cluster (a 503 the client may retry).
+SHUTTING_DOWN = "the cluster is shutting down (tandem down); retry once it is back"
 
 
 class Intake:
@@ -51,6 +53,7 @@ class Intake:
     observe: RequestObserver
     max_model_len: int
     started: bool
+    stopped: bool = False  # shut down for good (``SchedulerActor.shutdown``)
     _ready: Callable[[], Coroutine[Any, Any, None]]
     _kick_recovery: Callable[[], None]
     engine_handles: Callable[[], dict[str, Any]]
@@ -107,6 +110,8 @@ class Intake:
         (or ``OverloadedError``) for a request that is refused, ``RuntimeError`` for a client
         that was dropped; otherwise returns once it is placed, and ``abort`` reaches it from
         then on."""
+        if self.stopped:  # (before the outbox: ``shutdown`` drops every client)
+            raise UnavailableError(SHUTTING_DOWN)
         outbox = self.clients.outbox(client_id)
         await self._ready()
         if (client_id, submission) in self._ended_submits:
@@ -224,7 +229,12 @@ class Intake:
     ) -> Flight:
         await self._ready()
         if not self.started:
-            raise RuntimeError("the cluster is not started")
+            # Shutting down (``tandem down``: ``shutdown`` clears ``started`` first, then
+            # stops the engines, which takes a while) or not started yet: the client may
+            # retry (503), as it does once the actor is gone -- not a 500.
+            raise UnavailableError(
+                SHUTTING_DOWN if self.stopped else "the cluster is not started yet; retry"
+            )
         rid = request.request_id
         previous = self.flights.get(rid)
         if previous is not None and self._ended_for_its_client(previous, client_id, submission):

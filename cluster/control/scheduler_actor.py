@@ -46,6 +46,7 @@ from cluster.control.remembered import EarlyAborts, RefusedRequests
 from cluster.control.restart import Restart, end_remade_root, was_restarted
 from cluster.control.router import Route, Router, family_of
 from cluster.control.summaries import InstanceView
+from cluster.errors import UnavailableError
 from scheduler import Request
 from scheduler.outputs import EngineCoreOutput
 from scheduler.request import FinishReason
@@ -320,8 +321,8 @@ class SchedulerActor(Intake, KVPeers, Migration, Restart, ClusterOperations):
                     continue  # the instance left its pool meanwhile
             if target.serves and route.decode.serves:
                 break
-        else:
-            raise RuntimeError("instances kept failing while the request was being routed")
+        else:  # (retryable: a 503, not the 500 of a bare RuntimeError)
+            raise UnavailableError("instances kept failing while the request was being routed")
         if self.flights.get(request.request_id) is not flight:
             # Aborted while an adapter loaded, or (a move) its id was reused meanwhile.
             self._internal.pop(flight.internal_id, None)

@@ -107,6 +107,23 @@ def generation_error(error: str | None) -> APIError:
     return APIError(503, error or "generation failed")
 
 
+def ended_by_cluster(sample: Any) -> bool:
+    """A sample (``CompletionOutput``) the cluster ended, not its client or its limits:
+    failed (``error``), or aborted by the cluster itself -- ``tandem down`` ends what is in
+    flight with ``abort`` and a reason ("shutdown"); a client's abort carries none."""
+    reason = sample.finish_reason
+    return reason == "error" or (reason == "abort" and sample.error is not None)
+
+
+def sample_error(sample: Any) -> APIError:
+    """The API error of a sample ``ended_by_cluster``: an abort the cluster decided is a
+    503 the client may retry (it was a 200 with ``finish_reason: "abort"``, which is none
+    of OpenAI's values, and a truncated or empty answer)."""
+    if sample.finish_reason == "abort":
+        return APIError(503, f"the cluster ended the request ({sample.error}); retry")
+    return generation_error(sample.error)
+
+
 def body_path(loc: list[Any], body: Any, missing: bool) -> list[str]:
     """The parts of ``loc`` that step into ``body`` (keys and indexes the client sent),
     without pydantic's union-member tags; a missing field's name (last) is kept too."""

@@ -16,7 +16,13 @@ from pydantic import ValidationError
 
 from cluster.observability.api_span import APISpan
 from cluster.serving.auth import check_api_key
-from cluster.serving.errors import APIError, api_error, body_path, generation_error
+from cluster.serving.errors import (
+    APIError,
+    api_error,
+    body_path,
+    ended_by_cluster,
+    sample_error,
+)
 from cluster.serving.openai_protocol import CompletionRequest
 from cluster.serving.openai_serving import OpenAIServing
 
@@ -101,8 +107,8 @@ async def generate_stream(
         async with aclosing(outputs):  # the caller leaving aborts the request
             async for _, out in outputs:
                 sample = out.outputs[0]
-                if sample.finish_reason == "error":
-                    raise generation_error(sample.error)
+                if ended_by_cluster(sample):
+                    raise sample_error(sample)
                 if not (sample.new_token_ids or sample.new_text or sample.finished):
                     continue
                 response = tandem_pb2.GenerateResponse(

@@ -14,7 +14,7 @@ from typing import Any
 from actors.model.tokenizer import Tokenizer
 from cluster.engine.outputs import CompletionOutput, RequestOutput
 from cluster.observability.api_span import APISpan
-from cluster.serving.errors import api_error, generation_error
+from cluster.serving.errors import api_error, ended_by_cluster, sample_error
 from cluster.serving.openai_protocol import ChatCompletionRequest, CompletionRequest
 from cluster.serving.sampling_fields import StreamOptions
 from cluster.serving.tool_calls import ToolPlan
@@ -264,8 +264,8 @@ class SSEStream:
                     index = job.first_index + sample.index
                     if index in ended or not (sample.new_token_ids or sample.finished):
                         continue
-                    if sample.finish_reason == "error":  # the cluster failed it
-                        raise generation_error(sample.error)
+                    if ended_by_cluster(sample):  # the cluster failed (or ended) it
+                        raise sample_error(sample)
                     if sample.finished:
                         ended.add(index)
                     choices.append(choice(job, sample))

@@ -27,7 +27,7 @@ from cluster.engine.streams import merge_streams
 from cluster.errors import UnknownModelError
 from cluster.observability.api_span import APISpan
 from cluster.serving.agent_fields import NamedToolChoice
-from cluster.serving.errors import APIError, api_error, generation_error
+from cluster.serving.errors import APIError, api_error, ended_by_cluster, sample_error
 from cluster.serving.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -210,7 +210,12 @@ class OpenAIServing(RequestChecks):
         return 200, {"status": "ok", "instances": sorted(instances)}
 
     async def metrics(self) -> str:
-        return await self.engine.metrics_text()
+        """The cluster's exposition; 503 while its central scheduler is away (a failed
+        scrape, not a 500 with a traceback logged at every scrape)."""
+        try:
+            return await self.engine.metrics_text()
+        except Exception as exc:
+            raise api_error(exc) from None
 
     async def scale_pool(self, body: ScalePoolRequest) -> dict[str, Any]:
         """Resize a pool; 400 naming the problem (unknown pool, an engine without pools)."""
@@ -220,6 +225,8 @@ class OpenAIServing(RequestChecks):
             raise APIError(400, str(exc), param="pool") from None
         except TimeoutError as exc:  # the new workers could not be placed or loaded in time
             raise APIError(503, str(exc)) from None
+        except Exception as exc:  # the central scheduler away or rebuilding: 503
+            raise api_error(exc) from None
 
     async def completion_jobs(self, req: CompletionRequest) -> list[Job]:
         """One ``Job`` per prompt (tokenized, checked, with its sampling params); 400s."""
@@ -417,10 +424,10 @@ class OpenAIServing(RequestChecks):
                 raise
             raise api_error(exc) from None
         results = [first.result() for first in firsts]
-        failed = [s for r in results for s in r.outputs if s.finish_reason == "error"]
+        failed = [s for r in results for s in r.outputs if ended_by_cluster(s)]
         if failed:  # the others stop where they are (closing a stream aborts its job)
             await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
-            raise generation_error(failed[0].error)
+            raise sample_error(failed[0])
         return _JobOutputs(jobs, streams, results)
 
     def tool_plan(self, req: ChatCompletionRequest) -> ToolPlan | None:
@@ -516,11 +523,11 @@ async def _collect(outputs: Outputs) -> Finals:
         try:
             async for job, out in outputs:
                 finals[job.first_index] = out
-                failed = next((s for s in out.outputs if s.finish_reason == "error"), None)
+                failed = next((s for s in out.outputs if ended_by_cluster(s)), None)
                 if failed is not None:  # the cluster failed it (as the stream)
                     break
         except Exception as exc:  # e.g. the stream lost with the cluster: a 503, as streamed
             raise api_error(exc) from None
     if failed is not None:
-        raise generation_error(failed.error)
+        raise sample_error(failed)
     return finals

@@ -296,7 +296,8 @@ def _scale_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
 def _down_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "down",
-        help="stop a running cluster (its requests end with 'abort'; workers stop)",
+        help="stop a running cluster (requests in flight or arriving meanwhile get a 503; "
+        "workers stop)",
         description="Stop the named cluster: one started by tandem up, or the one a Serve app "
         "runs on (it outlives the app's redeploys and deletes).",
     )

@@ -55,8 +55,8 @@ def test_a_rebuild_that_lasts_gives_a_clear_503(monkeypatch: pytest.MonkeyPatch)
 
 
 def test_a_rebuild_that_failed_gives_every_call_a_503_naming_why() -> None:
-    """Not the "cluster is not started" of an actor that never started (a 500): the calls
-    that wait for the rebuild and the ones after it say the restart failed and why."""
+    """Not the "not started yet" of an actor that never started: the calls that wait for the
+    rebuild and the ones after it say the restart failed and why."""
     actor = _Rebuilding(0.01, RuntimeError("no engine actor left to rebuild the cluster from"))
 
     async def calls() -> list[BaseException]:

@@ -19,6 +19,7 @@ from cluster.control.executors import LocalExecutor
 from cluster.control.flights import unpack_batch
 from cluster.control.placement import InstanceSpec
 from cluster.control.scheduler_actor import SchedulerActor
+from cluster.errors import UnavailableError
 from scheduler import Request, SamplingParams
 from scheduler.outputs import EngineCoreOutput
 
@@ -156,6 +157,9 @@ def test_shutdown_ends_the_stream_after_the_last_outputs(tiny_model: Path) -> No
         seen = [out for _, out in unpack_batch(await stream.__anext__())]
         await actor.shutdown()
         seen += [o async for tagged in stream for _, o in unpack_batch(tagged)]  # ends: no hang
+        # A request sent meanwhile (``tandem down`` takes a while) may be sent again: a 503.
+        with pytest.raises(UnavailableError, match="shutting down"):
+            await actor.submit(Request("b", _prompt(1), LONG), "client-1")
         return seen
 
     seen = asyncio.run(asyncio.wait_for(run(), 60))

@@ -145,9 +145,13 @@ def test_an_echoed_prompt_with_an_id_past_the_tokenizers_range_is_a_400(
 class _Failing:
     """The in-process engine, its streams failing after ``after`` outputs: with an error
     sample (the cluster failed the request: a KV load under ``failure_policy: fail``, no
-    decode instance left) or by raising ``exc`` (the stream itself broke)."""
+    decode instance left), a sample ending as ``exc`` says (a ``(finish_reason, error)``
+    pair: ``tandem down`` aborts what is in flight with a reason) or by raising ``exc`` (the
+    stream itself broke)."""
 
-    def __init__(self, engine: AsyncLLM, after: int, exc: BaseException | None) -> None:
+    def __init__(
+        self, engine: AsyncLLM, after: int, exc: BaseException | tuple[str, str] | None
+    ) -> None:
         self.engine, self.after, self.exc = engine, after, exc
 
     def __getattr__(self, name: str) -> Any:
@@ -158,10 +162,13 @@ class _Failing:
         async with aclosing(self.engine.generate_async(*args, **kwargs)) as stream:
             async for out in stream:
                 if count == self.after:
-                    if self.exc is not None:
+                    if isinstance(self.exc, BaseException):
                         raise self.exc
                     sample = out.outputs[0]
-                    sample.finish_reason, sample.error = "error", "remote KV load failed"
+                    sample.finish_reason, sample.error = self.exc or (
+                        "error",
+                        "remote KV load failed",
+                    )
                     yield out
                     return
                 count += 1
@@ -170,6 +177,8 @@ class _Failing:
 
 FAILURES = {
     "error sample": (None, 503, "remote KV load failed"),
+    # Not a 200 ending with finish_reason "abort" (none of OpenAI's) and a cut answer.
+    "cluster shut down": (("abort", "shutdown"), 503, "the cluster ended the request (shutdown)"),
     "stream lost": (StreamLostError("the stream from the cluster broke"), 503, "broke"),
     "a bug": (KeyError("oops"), 500, "internal server error"),
 }
@@ -1365,7 +1374,11 @@ def test_adapter_errors_name_their_field_and_only_a_missing_one_is_a_404(
     404 saying the adapter is missing."""
     import ray.exceptions
 
-    from cluster.serving.openai_protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
+    from cluster.serving.openai_protocol import (
+        LoadLoRAAdapterRequest,
+        ScalePoolRequest,
+        UnloadLoRAAdapterRequest,
+    )
 
     def error(serving: OpenAIServing, call: Any) -> APIError:
         try:
@@ -1392,12 +1405,22 @@ def test_adapter_errors_name_their_field_and_only_a_missing_one_is_a_404(
         async def lora_adapters(self) -> dict[str, Any]:
             raise ray.exceptions.ActorDiedError()
 
+        async def metrics_text(self) -> str:
+            raise ray.exceptions.ActorDiedError()
+
+        async def scale_pool(self, pool: str, replicas: int) -> dict[str, Any]:
+            raise ray.exceptions.ActorDiedError()
+
     gone = OpenAIServing(_Away(engine, KeyError("a")), "tiny-chat")  # type: ignore[arg-type]
     assert error(gone, gone.load_lora_adapter(load)).status == 503
     # Naming an adapter, or listing the models, asks the cluster too: a 503 (it was a 500).
     by_adapter = CompletionRequest(model="a", prompt="x", max_tokens=1)
     assert error(gone, gone.completion(by_adapter)).status == 503
     assert error(gone, gone.models()).status == 503
+    # So do a scrape and a resize (they were 500s, a traceback logged at every scrape).
+    assert error(gone, gone.metrics()).status == 503
+    resize = ScalePoolRequest(pool="d", replicas=2)
+    assert error(gone, gone.scale_pool(resize)).status == 503
 
 
 def test_a_stream_that_fails_midway_ends_its_span_as_an_error(engine: AsyncLLM) -> None:
