@@ -66,3 +66,28 @@ class UnknownModelError(LookupError):
 
     def __reduce__(self) -> tuple[type, tuple[str]]:
         return (type(self), (self.name,))
+
+
+class AdapterLoadError(ValueError):
+    """The LoRA adapter a request names (as its model) could not be loaded on the instance it
+    was routed to: its files are not on that instance's node (``missing``: 404, as vLLM's
+    "No adapter found"), or the model cannot take it (400). The message names the adapter and
+    the instance, never the adapter's path (it goes to any client with the API key; the
+    actor logs the loader's own error)."""
+
+    def __init__(self, name: str, instance_id: str, missing: bool) -> None:
+        why = (
+            "its files are not on that instance's node"
+            if missing
+            else "the model cannot take it (see the cluster's log)"
+        )
+        super().__init__(
+            f"The model `{name}` (a LoRA adapter) could not be loaded on instance "
+            f"{instance_id}: {why}."
+        )
+        self.name = name
+        self.instance_id = instance_id
+        self.missing = missing
+
+    def __reduce__(self) -> tuple[type, tuple[str, str, bool]]:  # crosses Ray intact
+        return (type(self), (self.name, self.instance_id, self.missing))

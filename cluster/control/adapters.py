@@ -5,11 +5,15 @@ layers)."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 from cluster.config import ClusterConfig
 from cluster.control.placement import InstanceSpec
+from cluster.errors import AdapterLoadError
 from scheduler import LoRARequest
+
+logger = logging.getLogger(__name__)
 
 # The registry as the engine actors keep it for a restarted central actor: the adapters by
 # name, and the next id to give (ids are never given twice: a worker may still cache an
@@ -85,6 +89,29 @@ class LoRAAdapters:
         self.by_name[name] = lora
         self._changed()
         return lora
+
+    @staticmethod
+    def request_error(lora: LoRARequest, instance_id: str, exc: BaseException) -> BaseException:
+        """What a request naming ``lora`` fails with when its instance could not load it
+        (``ensure``): the adapter's files missing on that node (a worker's
+        ``FileNotFoundError``), or an adapter the model cannot take (``ValueError``), is
+        the client's ``AdapterLoadError`` naming the adapter (404 / 400, as vLLM) -- it was a
+        500. Anything else (the worker died, a bug) stays what it is."""
+        cause = getattr(exc, "cause", None) or exc  # a worker's error, without Ray's
+        if isinstance(cause, FileNotFoundError | NotADirectoryError):
+            missing = True
+        elif isinstance(cause, ValueError):
+            missing = False
+        else:
+            return exc
+        logger.warning(
+            "LoRA adapter %r (%s) could not be loaded on instance %s: %s",
+            lora.lora_name,
+            lora.lora_path,
+            instance_id,
+            cause,
+        )
+        return AdapterLoadError(lora.lora_name, instance_id, missing)
 
     def unload(self, name: str) -> None:
         """Stop serving ``name`` (workers drop it from their cache as others come in)."""

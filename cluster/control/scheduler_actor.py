@@ -314,11 +314,17 @@ class SchedulerActor(Intake, KVPeers, Migration, Restart, ClusterOperations):
                 route = self.router.route(request, prefill, decode, first)
             target = route.prefill or route.decode
             if request.lora_request is not None:
+                view = target
                 try:
                     for view in {route.decode, target}:
                         await self.lora.ensure(view.instance_id, request.lora_request)
                 except KeyError:
                     continue  # the instance left its pool meanwhile
+                except Exception as exc:  # not on that node, or not for this model: a 4xx
+                    failure = self.lora.request_error(request.lora_request, view.instance_id, exc)
+                    if failure is exc:
+                        raise
+                    raise failure from None
             if target.serves and route.decode.serves:
                 break
         else:  # (retryable: a 503, not the 500 of a bare RuntimeError)

@@ -8,7 +8,13 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from cluster.errors import OverloadedError, UnavailableError, UnknownModelError, is_rejection
+from cluster.errors import (
+    AdapterLoadError,
+    OverloadedError,
+    UnavailableError,
+    UnknownModelError,
+    is_rejection,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +71,8 @@ def api_error(exc: BaseException, param: str | None = None) -> APIError:
         return APIError(429, str(exc), headers={"Retry-After": str(exc.retry_after_s)})
     if isinstance(exc, UnknownModelError):
         return APIError(404, str(exc), param="model")
+    if isinstance(exc, AdapterLoadError):  # (a ValueError: before the 400 of any other)
+        return APIError(404 if exc.missing else 400, str(exc), param="model")
     if isinstance(exc, UnavailableError) or _actor_gone(exc):
         return APIError(503, str(exc))
     if _deployment_unavailable(exc):  # the app's TandemCluster failed to deploy

@@ -127,13 +127,20 @@ def test_unknown_routes_and_methods_are_openai_errors(serve_app: ServeApp) -> No
     assert _error(_post(serve_app, "/health", {}), 405)["code"] == 405
 
 
-def test_internal_failure_is_500_without_a_trace(serve_app: ServeApp) -> None:
-    # "broken" is configured with an adapter path that does not exist: a server-side fault.
-    body = {"model": "broken", "prompt": PROMPT, "max_tokens": 2}
-    r = _post(serve_app, "/v1/completions", body)
-    error = _error(r, 500)
-    assert error["message"] == "internal server error"
-    assert "Traceback" not in r.text and "missing-adapter" not in r.text
+def test_an_adapter_missing_on_its_instances_node_is_a_404_naming_it(serve_app: ServeApp) -> None:
+    # "broken" is configured with an adapter path that does not exist on the workers' nodes:
+    # as vLLM's "No adapter found", a 404 naming the adapter (it was a 500), never its path.
+    # (A 500 says no more than "internal server error": test_serving_in_process.py, "a bug".)
+    chat = {"model": "broken", "messages": [{"role": "user", "content": "x"}]}
+    for path, body in (
+        ("/v1/completions", {"model": "broken", "prompt": PROMPT, "max_tokens": 2}),
+        ("/v1/completions", {"model": "broken", "prompt": PROMPT, "stream": True}),
+        ("/v1/chat/completions", chat),
+    ):
+        r = _post(serve_app, path, body)
+        error = _error(r, 404)
+        assert "`broken`" in error["message"] and error["param"] == "model"
+        assert "Traceback" not in r.text and "missing-adapter" not in r.text
 
 
 def test_overload_is_429_with_retry_after(serve_app: ServeApp) -> None:

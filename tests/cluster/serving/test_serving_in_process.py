@@ -1566,3 +1566,29 @@ def test_a_request_on_a_serving_closed_under_it_is_a_503(engine: AsyncLLM) -> No
     with pytest.raises(APIError) as caught:
         _run(serving.completion(request))
     assert caught.value.status == 503
+
+
+def test_an_adapter_its_instance_cannot_load_is_the_clients_error_naming_it() -> None:
+    """A worker's error loading the adapter a request names becomes a 404 (its files are not
+    on that node, as vLLM's "No adapter found") or a 400 (the model cannot take it), naming
+    the adapter but not its path, and crossing Ray intact; a dead worker stays a 503."""
+    import pickle
+
+    import ray.exceptions
+
+    from cluster.control.adapters import LoRAAdapters
+    from cluster.errors import AdapterLoadError
+    from scheduler import LoRARequest
+
+    lora = LoRARequest(lora_name="b", lora_int_id=2, lora_path="/nowhere/b")
+    gone = LoRAAdapters.request_error(lora, "d-1", FileNotFoundError("/nowhere/b: no config"))
+    unfit = LoRAAdapters.request_error(lora, "d-1", ValueError("rank 64 > max_lora_rank 16"))
+    for exc, status in ((gone, 404), (unfit, 400)):
+        assert isinstance(exc, AdapterLoadError)
+        error = api_error(pickle.loads(pickle.dumps(exc)))
+        assert (error.status, error.param) == (status, "model")
+        assert "`b`" in error.message and "d-1" in error.message
+        assert "/nowhere" not in error.message
+    dead = ray.exceptions.ActorDiedError()
+    assert LoRAAdapters.request_error(lora, "d-1", dead) is dead
+    assert api_error(dead).status == 503
