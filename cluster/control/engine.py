@@ -476,8 +476,11 @@ class InstanceEngine:
         self.loop.abandon_all(RequestStatus.FINISHED_ABORTED)
         return connector.take_unread()
 
-    def fail(self, reason: str) -> None:
-        """Declare the instance failed from outside (tests, an operator)."""
+    def fail(self, reason: str, hung: bool = False) -> None:
+        """Declare the instance failed from outside (tests, an operator; ``hung``: its
+        workers did not answer, so they are ended, as after a step timeout)."""
+        if hung and self.loop.alive:
+            self.loop.hung = True
         self.loop.fail(reason)
 
     # -- introspection -----------------------------------------------------------------------

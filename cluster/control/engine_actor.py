@@ -285,8 +285,8 @@ class EngineActor(ClientStreams):
             self._drop_client(item[1])
         elif kind == "draining":
             engine.draining = bool(item[1])
-        elif kind == "fail":
-            engine.fail(item[1])
+        elif kind == "fail":  # (a batch of an older central actor may have no ``hung``)
+            engine.fail(item[1], hung=len(item) > 2 and bool(item[2]))
         elif kind == "adapters":
             self._adapters = item[1]
         else:

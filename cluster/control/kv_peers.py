@@ -31,6 +31,7 @@ class KVPeers:
     # What of the actor this uses (annotations only: the actor's own or its other mixins').
     config: ClusterConfig
     specs: dict[str, InstanceSpec]
+    engines: dict[str, Any]  # InstanceEngine or RemoteEngine
     views: dict[str, InstanceView]
     failures: list[dict[str, Any]]
     lora: LoRAAdapters
@@ -57,6 +58,7 @@ class KVPeers:
         probe = self._kv_auto and self.config.kv_transfer.transport == "nixl"
         live = [s for i, s in self.specs.items() if self.views[i].alive]
         errors = await connect_kv_peers([*live, *specs], specs, probe)
+        self._fail_unanswered(live)
         if not errors:
             if specs and not self.specs:
                 how = " (auto)" if self._kv_auto else ""
@@ -77,6 +79,23 @@ class KVPeers:
         for spec in specs:
             await spec.call_stages("use_kv_transport", "ray", options)
             spec.kv_peers = []
+
+    def _fail_unanswered(self, specs: list[InstanceSpec]) -> None:
+        """Instances whose workers did not answer a connection round in time
+        (``placement.KV_PEERS_TIMEOUT_S``) hang: each fails as after a step timeout -- its
+        requests move, its workers are ended (and, with max_restarts, come back and rejoin)
+        -- rather than serve without the peers the round was for."""
+        engines = getattr(self, "engines", {})
+        for spec in specs:
+            why = getattr(spec, "unanswered", None)
+            if why is None:
+                continue
+            spec.unanswered = None
+            engine = engines.get(spec.instance_id)
+            if engine is not None:
+                reason = f"instance {spec.instance_id}: {why} (hung)"
+                logger.error("%s", reason)
+                engine.fail(reason, hung=True)
 
     def _rejoined(self, iid: str) -> None:
         """A failed instance is back with a fresh scheduler: a new view (empty cache)."""
@@ -154,18 +173,22 @@ class KVPeers:
         """Connect a rejoined instance's workers with the live ones: what failed (None:
         nothing), and whether that is final (its workers use another transport)."""
         from cluster.control.placement import (
+            KV_PEERS_TIMEOUT_S,
             connect_kv_peers,
             disconnect_kv_peers,
             kv_peer_names,
         )
 
+        def within(call: Any) -> Any:  # (a worker that hangs fails this try, not the rejoin)
+            return asyncio.wait_for(call, KV_PEERS_TIMEOUT_S)
+
         transport = self.config.kv_transfer.transport
         try:
-            health = await spec.call_stages("health", group=MONITOR)
+            health = await within(spec.call_stages("health", group=MONITOR))
             if any(h.get("kv_transport") != transport for h in health):
                 options = self.config.kv_transfer.connector_options()
-                await spec.call_stages("use_kv_transport", transport, options)
-                health = await spec.call_stages("health", group=MONITOR)
+                await within(spec.call_stages("use_kv_transport", transport, options))
+                health = await within(spec.call_stages("health", group=MONITOR))
             used = {h.get("kv_transport") for h in health}
             if used != {transport}:  # e.g. NIXL cannot start there any more: it fell back
                 return f"its workers use {sorted(map(str, used))}, the cluster {transport}", True
@@ -174,6 +197,7 @@ class KVPeers:
                 live = [s for i, s in self.specs.items() if self.views[i].alive or i == iid]
                 connected = {s.instance_id: self.views[s.instance_id] for s in live}
                 errors = await connect_kv_peers(live, [spec], probe)
+                self._fail_unanswered(live)  # (itself included: its failure ends the rejoin)
                 gone = [n for n in before if n not in kv_peer_names(spec)]
                 await disconnect_kv_peers([s for s in live if s is not spec], gone)
                 if errors or not self._serving_since(connected):
@@ -209,6 +233,7 @@ class KVPeers:
         while missed := self._serving_since(connected):
             connected.update({s.instance_id: self.views[s.instance_id] for s in missed})
             errors = await connect_kv_peers([*missed, *specs], specs, probe)
+            self._fail_unanswered(missed)
             if errors:
                 # Refused: every live worker told of them forgets them -- the ones
                 # ``_connect_kv_peers`` told, and those of earlier rounds here, not only

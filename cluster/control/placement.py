@@ -40,6 +40,9 @@ class InstanceSpec:
     info: dict[str, Any]  # the last stage's (for a pipeline; it holds the output head)
     stages: list[Any] = field(default_factory=list)  # every stage's actor, in order
     kv_peers: list[Any] = field(default_factory=list)  # the KV transport's per-worker info
+    # Why its workers did not answer a KV-peer call of the last connection round in time
+    # (``connect_kv_peers``): they hang. The caller fails the instance and clears it.
+    unanswered: str | None = None
 
     @property
     def actors(self) -> list[Any]:
@@ -299,6 +302,31 @@ async def start_instances(
     ]
 
 
+# A KV-peer call (``kv_peer``, ``add_kv_peers``, ``remove_kv_peers``) runs on a worker's
+# steps' thread, under its step lock: a worker hung in a step, idle behind a stuck call, or
+# one Ray cannot place again after a restart never answers it. A connection round waits this
+# long for an instance's workers, then takes the instance for hung (``unanswered``): one such
+# worker otherwise held the round -- and the ``_membership`` lock, every resize, a restarted
+# central actor's rebuild -- for ever.
+KV_PEERS_TIMEOUT_S = 60.0
+
+
+def _no_answer(spec: InstanceSpec, method: str) -> str:
+    spec.unanswered = f"its workers did not answer {method} within {KV_PEERS_TIMEOUT_S:g} s"
+    return spec.unanswered
+
+
+async def _stages_within(spec: InstanceSpec, method: str, *args: Any) -> list[Any]:
+    """``spec.call_stages(method, *args, return_exceptions=True)`` for at most
+    ``KV_PEERS_TIMEOUT_S``; past it, one ``TimeoutError`` (and ``spec.unanswered``)."""
+    try:
+        return await asyncio.wait_for(
+            spec.call_stages(method, *args, return_exceptions=True), KV_PEERS_TIMEOUT_S
+        )
+    except TimeoutError:
+        return [TimeoutError(_no_answer(spec, method))]
+
+
 def kv_peer_names(spec: InstanceSpec) -> list[str]:
     """The names of ``spec``'s workers as KV peers (``nixl``: their agents)."""
     names = [getattr(peer, "agent", None) for peer in spec.kv_peers]
@@ -308,11 +336,11 @@ def kv_peer_names(spec: InstanceSpec) -> list[str]:
 async def disconnect_kv_peers(specs: list[InstanceSpec], names: list[str]) -> None:
     """Tell every worker of ``specs`` to forget the KV peers ``names`` (workers that left:
     an instance removed, or a restarted worker's previous agent). Workers that do not answer
-    are skipped: they are gone too."""
+    are skipped: they are gone too (or hang: at most ``KV_PEERS_TIMEOUT_S``)."""
     if not names:
         return
     answers = await asyncio.gather(
-        *(spec.call_stages("remove_kv_peers", names, return_exceptions=True) for spec in specs)
+        *(_stages_within(spec, "remove_kv_peers", names) for spec in specs)
     )
     for spec, results in zip(specs, answers, strict=True):
         failed = [r for r in results if isinstance(r, BaseException)]
@@ -329,19 +357,23 @@ async def connect_kv_peers(
     skipped. ``probe``: also check, with a small read into scratch space (no cache is
     touched), that each new instance's workers reach every other instance's and are reached
     by them, and that every new worker has the transport at all. Returns what failed, one
-    line each; a no-op for transports that publish nothing."""
+    line each; a no-op for transports that publish nothing. Each instance's workers are
+    waited for at most ``KV_PEERS_TIMEOUT_S`` per call: one that does not answer in time is
+    marked ``unanswered`` (a new one's is also an error), for the caller to fail it."""
     errors: list[str] = []
     for spec in new:
-        found = await spec.call_stages("kv_peer")
+        try:
+            found = await asyncio.wait_for(spec.call_stages("kv_peer"), KV_PEERS_TIMEOUT_S)
+        except TimeoutError:
+            errors.append(f"{spec.instance_id}: {_no_answer(spec, 'kv_peer')}")
+            continue
         spec.kv_peers = [p for p in found if p is not None]
         if probe and len(spec.kv_peers) != len(found):
             errors.append(f"{spec.instance_id}: a worker has no NIXL (fell back to another)")
     peers = [p for spec in specs for p in spec.kv_peers]
     if not peers:
         return errors
-    answers = await asyncio.gather(
-        *(spec.call_stages("add_kv_peers", peers, return_exceptions=True) for spec in specs)
-    )
+    answers = await asyncio.gather(*(_stages_within(spec, "add_kv_peers", peers) for spec in specs))
     live = []
     for spec, results in zip(specs, answers, strict=True):
         failed = [r for r in results if isinstance(r, BaseException)]
@@ -367,9 +399,13 @@ async def connect_kv_peers(
     async def probe_pair(reader: InstanceSpec, source: InstanceSpec) -> list[str]:
         found = []
         for s_stage, peer in enumerate(source.kv_peers):
-            results = await reader.call_stages(
-                "kv_probe", peer, 2.0, group=PROBE, return_exceptions=True
-            )
+            try:  # (the probe takes the step lock around each use of the agent)
+                results = await asyncio.wait_for(
+                    reader.call_stages("kv_probe", peer, 2.0, group=PROBE, return_exceptions=True),
+                    KV_PEERS_TIMEOUT_S,
+                )
+            except TimeoutError:
+                results = [f"no answer within {KV_PEERS_TIMEOUT_S:g} s"]
             for r_stage, error in enumerate(results):
                 if error is not None:
                     found.append(

@@ -256,8 +256,8 @@ class RemoteEngine:
     def drop_client(self, client_id: str) -> None:
         self._op(("drop_client", client_id))
 
-    def fail(self, reason: str) -> None:
-        self._op(("fail", reason))
+    def fail(self, reason: str, hung: bool = False) -> None:
+        self._op(("fail", reason, hung))
 
     def keep_adapters(self, registry: Any) -> None:
         """Keep the LoRA registry for a restarted central actor (``EngineSnapshot``)."""

@@ -292,6 +292,8 @@ async def rebuild(actor: Any) -> None:
         actor.observe.add_instance(iid, spec.pool.role)
         actor.engines[iid] = engine
         engine.start()
+    if actor.config.disaggregated:  # workers that did not answer the reconnection hang
+        actor._fail_unanswered([snap.spec for _, snap in found])
     # Every id the previous process gave, held here or not: this one's come after them.
     last = max(snap.max_seq for _, snap in found)
     handoffs = []
@@ -464,11 +466,17 @@ def end_remade_root(actor: Any, ended: EndedTrace) -> None:
 async def _kv_transport_in_use(actor: Any, specs: list[Any]) -> None:
     """``transport: auto`` is resolved again by a restarted actor's ``__init__``; the workers
     know what the cluster chose (it may have fallen back): take theirs."""
-    from cluster.control.placement import MONITOR
+    from cluster.control.placement import KV_PEERS_TIMEOUT_S, MONITOR
+
+    async def health_of(spec: Any) -> list[Any]:  # (a worker Ray cannot place again: none)
+        call = spec.call_stages("health", group=MONITOR, return_exceptions=True)
+        try:
+            return list(await asyncio.wait_for(call, KV_PEERS_TIMEOUT_S))
+        except TimeoutError:
+            return []
 
     counts: dict[str, int] = {}
-    for spec in specs:
-        health = await spec.call_stages("health", group=MONITOR, return_exceptions=True)
+    for health in await asyncio.gather(*(health_of(spec) for spec in specs)):
         for h in health:
             if isinstance(h, dict) and h.get("kv_transport"):
                 counts[h["kv_transport"]] = counts.get(h["kv_transport"], 0) + 1

@@ -203,8 +203,11 @@ class SchedulerActor(Intake, KVPeers, Migration, Restart, ClusterOperations):
                     )
                 )
         if self.config.engine_actors:
-            try:
-                await asyncio.gather(*(engine.ready() for engine in engines))
+            try:  # bounded: a grow holds ``_membership`` (and ``_resizing``) meanwhile
+                await asyncio.wait_for(
+                    asyncio.gather(*(engine.ready() for engine in engines)),
+                    self.config.startup_timeout_s,
+                )
             except BaseException:
                 for engine in engines:
                     engine.close()
