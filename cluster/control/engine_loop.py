@@ -368,8 +368,12 @@ class EngineLoop:
         if s.waiting:
             return True
         if self._async:
+            # Every remaining token already on its way -- by max_tokens or by max_model_len
+            # (``max_num_tokens`` is the smaller): a step started now would compute nothing
+            # (max_tokens beyond max_model_len sent the workers an empty step beside the
+            # last decode of every such request).
             return any(
-                len(r.output_token_ids) + r.num_output_placeholders < r.max_tokens
+                len(r.all_token_ids) + r.num_output_placeholders < r.max_num_tokens
                 for r in s.running
             )
         return any(r.num_in_flight_tokens == 0 for r in s.running)

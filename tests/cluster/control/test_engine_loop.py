@@ -405,3 +405,29 @@ def test_requests_loading_their_kv_count_as_waiting(tiny_model: Path) -> None:
     loop.add_request(_request(1))
     stats = loop.stats()
     assert stats["num_waiting"] == 2 and stats["num_waiting_for_remote_kvs"] == 1
+
+
+def test_async_last_decode_capped_by_max_model_len_overlaps_no_empty_step() -> None:
+    """Async scheduling: once the decode that reaches max_model_len is in flight, nothing of
+    a request whose max_tokens reaches further is left to compute; the loop must not start
+    a second step beside it (it sent the workers an empty one)."""
+    scheduler = Scheduler(
+        SchedulerConfig(
+            max_num_seqs=4, max_num_batched_tokens=64, max_model_len=16, async_scheduling=True
+        ),
+        CacheConfig(block_size=4, num_blocks=16),
+    )
+    executor: Any = None  # (never stepped)
+    loop = EngineLoop("i0", scheduler, executor, lambda _, outs: None, max_in_flight=2)
+    params = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
+    scheduler.add_request(Request("r", list(range(3, 17)), params, eos_token_id=2))  # 14
+    prompt_step = scheduler.schedule()  # samples output 1 (token 15)
+    assert prompt_step.total_num_scheduled_tokens == 14
+    assert loop._can_overlap()
+    last = scheduler.schedule()  # samples output 2 (token 16 = max_model_len)
+    assert last.total_num_scheduled_tokens == 1
+    scheduler.update_from_output(
+        prompt_step, ModelRunnerOutput(req_ids=["r"], sampled_token_ids=[[7]])
+    )
+    assert not loop._can_overlap()
+    assert scheduler.schedule().total_num_scheduled_tokens == 0  # what it would have sent
