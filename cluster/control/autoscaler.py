@@ -221,6 +221,12 @@ class Autoscaler:
         # Every pool is read each round, every ``interval`` (the smallest of the pools').
         self.interval = min((p.config.interval_s for p in self.policies.values()), default=1.0)
         self._read: dict[str, float] = {}  # pool -> when its policy last decided
+        # What a restarted central actor carries on from (``memo``, kept by the engine
+        # actors): per pool, the size of a grow under way -- its new instances' workers die
+        # with this process (``restart.rebuild`` kills them) -- and what ``restore`` found.
+        self._growing: dict[str, int] = {}
+        self._resume: dict[str, int] = {}
+        self._shared: Any = None  # the memo as last given to the engines (without its time)
 
     @property
     def enabled(self) -> bool:
@@ -335,6 +341,10 @@ class Autoscaler:
                 decision.desired,
                 decision.reason,
             )
+            growing = decision.desired > decision.replicas
+            if growing:  # (kept by the engines until it ends: a restart resumes it)
+                self._growing[pool] = decision.desired
+                self._share()
             try:
                 # A shrink returns once its instances drain (out of routing at once): a
                 # drain never holds up the next round, of this pool or another.
@@ -343,20 +353,74 @@ class Autoscaler:
                 logger.warning("autoscaler: pool %s could not be resized: %s", pool, exc)
                 self.failed += 1
                 continue
+            finally:
+                if growing:
+                    self._growing.pop(pool, None)
             self.decisions.append(decision)
             key = (pool, f"{decision.direction}:{_reason_kind(decision.reason)}")
             self.counts[key] = self.counts.get(key, 0) + 1
             taken.append(decision)
+        self._share()  # (a capacity learned, a grow ended)
         return taken
 
     async def run(self) -> None:
-        """Step every ``interval_s`` (the smallest of the pools')."""
+        """Step every ``interval_s`` (the smallest of the pools'); first, after a restart,
+        finish the grows the previous process had under way (``restore``)."""
+        await self._resume_growth()
         while True:
             await asyncio.sleep(self.interval)
             try:
                 await self.step()
             except Exception:
                 logger.exception("autoscaler step failed")
+
+    # -- a restarted central actor --------------------------------------------------------
+    def memo(self) -> dict[str, Any]:
+        """What a restarted central actor's autoscaler carries on from (the engine actors
+        keep it, as the LoRA registry): per pool, the load per instance at which it last
+        broke an SLO (``PoolPolicy.capacity``: without it a pool grown on an SLO shrinks back
+        under the very load that broke it), and the size of a grow under way."""
+        capacity = {p: pol.capacity for p, pol in self.policies.items() if pol.capacity}
+        return {"time": time.time(), "capacity": capacity, "growing": dict(self._growing)}
+
+    def _share(self) -> None:
+        memo = self.memo()
+        kept = {k: v for k, v in memo.items() if k != "time"}
+        share = getattr(self.actor, "_share_autoscaler", None)
+        if kept != self._shared and share is not None:
+            self._shared = kept
+            share(memo)
+
+    def restore(self, memos: list[Any]) -> None:
+        """After a restart (``restart.rebuild``): the newest of the engines' memos."""
+        kept = [m for m in memos if isinstance(m, dict)]
+        if not kept:
+            return
+        memo = max(kept, key=lambda m: m.get("time", 0.0))
+        for pool, capacity in memo.get("capacity", {}).items():
+            if pool in self.policies:
+                self.policies[pool].capacity = capacity
+        self._resume = {p: n for p, n in memo.get("growing", {}).items() if p in self.policies}
+
+    async def _resume_growth(self) -> None:
+        """Grows the previous process decided and did not finish (its new workers were
+        killed as orphans): asked for again at once -- they were timed already -- unless the
+        pool has that size now."""
+        resume, self._resume = self._resume, {}
+        for pool, target in resume.items():
+            if len(self.actor._pool_instances(pool)) >= target:
+                continue
+            logger.info("autoscaler: pool %s -> %d (a grow cut short by a restart)", pool, target)
+            self._growing[pool] = target
+            self._share()
+            try:
+                await self.actor.scale_pool(pool, target, wait=False)
+            except Exception as exc:
+                logger.warning("autoscaler: pool %s could not be resized: %s", pool, exc)
+                self.failed += 1
+            finally:
+                self._growing.pop(pool, None)
+        self._share()
 
     def stats(self) -> dict[str, Any]:
         """Per pool: its size, what it wants, its resizes by direction and reason, and the

@@ -127,6 +127,7 @@ class EngineActor(ClientStreams):
         self._epoch = 0
         self._next_op = 0
         self._adapters: Any = None  # the central actor's LoRA registry, kept for its restart
+        self._autoscaler: Any = None  # the central actor's autoscaler memo, kept alike
         self._early_ops: dict[int, list[tuple[Any, ...]]] = {}
         self._outgoing: deque[EngineReport] = deque()
         self._wake = asyncio.Event()
@@ -289,6 +290,8 @@ class EngineActor(ClientStreams):
             engine.fail(item[1], hung=len(item) > 2 and bool(item[2]))
         elif kind == "adapters":
             self._adapters = item[1]
+        elif kind == "autoscaler":
+            self._autoscaler = item[1]
         else:
             raise ValueError(f"unknown op {kind!r}")
 
@@ -580,6 +583,7 @@ class EngineActor(ClientStreams):
             self._max_seq,
             self._take_unsent_traces(),
             self._past.ended(),
+            autoscaler=self._autoscaler,
         )
 
     def _take_unsent_traces(self) -> dict[str, EndedTrace]:

@@ -138,3 +138,5 @@ class EngineSnapshot:
     # (client, submission) of the requests that ended here in the last minute: a prefilled
     # copy of one of them elsewhere is not handed off again (its confirmation was lost).
     ended: list[tuple[str, Any]] = field(default_factory=list)
+    # The central actor's ``Autoscaler.memo`` (the newest of every engine's is restored).
+    autoscaler: Any = None

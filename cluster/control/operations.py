@@ -383,6 +383,12 @@ class ClusterOperations:
         return self.config.kv_transfer.transport if self.config.disaggregated else None
 
     def describe(self) -> dict[str, Any]:
+        # Serve's health check of the app's cluster calls this every few seconds: a restarted
+        # central actor rebuilds (and its autoscaler runs again) without waiting for a
+        # client, an engine's report or an operator -- none may come to an idle cluster.
+        kick = getattr(self, "_kick_recovery", None)
+        if kick is not None:
+            kick()
         return {
             "instances": {
                 iid: {

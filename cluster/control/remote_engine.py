@@ -259,6 +259,10 @@ class RemoteEngine:
     def fail(self, reason: str, hung: bool = False) -> None:
         self._op(("fail", reason, hung))
 
+    def keep_autoscaler(self, memo: Any) -> None:
+        """Keep the autoscaler's memo for a restarted central actor (``EngineSnapshot``)."""
+        self._op(("autoscaler", memo))
+
     def keep_adapters(self, registry: Any) -> None:
         """Keep the LoRA registry for a restarted central actor (``EngineSnapshot``)."""
         self._op(("adapters", registry))

@@ -336,6 +336,8 @@ async def rebuild(actor: Any) -> None:
             prefilled.scheduled_at = shift(prefilled.scheduled_at, now)
             handoffs.append((iid, flight, prefilled))
     actor.lora.restore([snap.adapters for _, snap in found if snap.adapters is not None])
+    # The autoscaler's memo: the loads that broke SLOs, and a grow the restart cut short.
+    actor.autoscaler.restore([getattr(snap, "autoscaler", None) for _, snap in found])
     actor._seq = itertools.count(last + 1)
     actor._first_own_seq = last + 1
     for _, snap in found:  # traced requests that ended while no central actor heard it

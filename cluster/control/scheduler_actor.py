@@ -229,6 +229,8 @@ class SchedulerActor(Intake, KVPeers, Migration, Restart, ClusterOperations):
             engine.start()
             if engine.remote:
                 engine.keep_adapters(self.lora.registry())
+                if self.autoscaler.enabled:
+                    engine.keep_autoscaler(self.autoscaler.memo())
         if self.config.engine_actors:  # clients stream from the new engines too
             self.clients.notify_engines(self.engine_handles())
 
@@ -243,6 +245,12 @@ class SchedulerActor(Intake, KVPeers, Migration, Restart, ClusterOperations):
         for engine in self.engines.values():
             if engine.remote:
                 engine.keep_adapters(registry)
+
+    def _share_autoscaler(self, memo: Any) -> None:
+        """The engine actors keep the autoscaler's memo for a restarted central actor."""
+        for engine in self.engines.values():
+            if engine.remote and engine.dead is None:
+                engine.keep_autoscaler(memo)
 
     def engine_handles(self) -> dict[str, Any]:
         """The engine actors clients stream from, by instance (``engine_actors``)."""

@@ -586,3 +586,83 @@ def test_an_instance_that_rejoins_voids_its_pools_latencies_and_wish() -> None:
     actor.autoscaler = SimpleNamespace(resized=voided.append)  # type: ignore[assignment]
     actor._serves_again("d-1")
     assert voided == ["d"] and actor.failures[-1]["event"] == "rejoined"
+
+
+def test_a_restarted_central_actor_resumes_a_grow_and_keeps_what_its_pools_learned() -> None:
+    """The central actor dies while a grow it decided loads its new instance (the new
+    workers die with it), its pool having learned the load that broke its SLO. The engine
+    actors keep the autoscaler's memo; the restarted actor's autoscaler asks for the grow
+    again at once -- not after a new upscale delay on empty latency windows, then a model
+    load -- and keeps the capacity, so the pool does not shrink back under that load."""
+    from cluster.control import autoscaler as module
+
+    config = ClusterConfig.model_validate(
+        {
+            "model": "m",
+            "pools": [
+                {
+                    "name": "d",
+                    "role": "decode",
+                    "autoscaling": {
+                        "min_replicas": 1,
+                        "max_replicas": 4,
+                        "target_ongoing_requests": 10,
+                        "upscale_delay_s": 0,
+                    },
+                },
+                {"name": "p", "role": "prefill"},
+            ],
+        }
+    )
+    pool = ["d-0"]
+    resized: list[tuple[str, int]] = []
+    shared: list[dict[str, Any]] = []
+
+    def central() -> Any:
+        actor: Any = type("Actor", (), {})()  # the central actor's parts the autoscaler reads
+        actor.config, actor.views, actor.engines = config, {}, {}
+        actor._resizing = asyncio.Lock()
+        actor._pool_instances = lambda name, alive=True: list(pool) if name == "d" else []
+        actor._pool_draining = lambda name: False
+        actor._share_autoscaler = lambda memo: shared.append(memo)
+        return actor
+
+    async def before_the_restart() -> None:
+        actor = central()
+        loading = asyncio.Event()
+
+        async def scale_pool(name: str, replicas: int, wait: bool) -> None:
+            resized.append((name, replicas))
+            loading.set()
+            await asyncio.Event().wait()  # the process dies during the model load
+
+        actor.scale_pool = scale_pool
+        autoscaler = module.Autoscaler(actor)
+        autoscaler.policies["d"].capacity = 12.0  # (a TPOT breach taught it)
+        autoscaler.signals = lambda name, now: PoolSignals(1, 30, 0.1)  # type: ignore[method-assign]
+        step = asyncio.ensure_future(autoscaler.step())
+        await asyncio.wait_for(loading.wait(), 10)
+        step.cancel()
+
+    asyncio.run(before_the_restart())
+    assert resized == [("d", 3)]
+    assert shared[-1]["growing"] == {"d": 3} and shared[-1]["capacity"] == {"d": 12.0}
+    older = {**shared[-1], "time": shared[-1]["time"] - 60.0, "growing": {}}
+
+    actor = central()
+
+    async def scale_pool(name: str, replicas: int, wait: bool) -> None:
+        resized.append((name, replicas))
+
+    actor.scale_pool = scale_pool
+    restarted = module.Autoscaler(actor)
+    restarted.restore([older, None, shared[-1]])  # the newest of the engines' memos
+    assert restarted.policies["d"].capacity == 12.0
+    asyncio.run(restarted._resume_growth())
+    assert resized == [("d", 3), ("d", 3)]  # at once: it was timed before the restart
+    assert shared[-1]["growing"] == {}
+    pool[:] = ["d-0", "d-1", "d-2"]  # had it grown before the actor died: nothing to do
+    again = module.Autoscaler(actor)
+    again.restore([{**older, "time": older["time"] + 120.0, "growing": {"d": 3}}])
+    asyncio.run(again._resume_growth())
+    assert resized == [("d", 3), ("d", 3)]
