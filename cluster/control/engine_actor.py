@@ -25,30 +25,24 @@ import logging
 import os
 import time
 from collections import OrderedDict, deque
-from dataclasses import replace
 from typing import Any
 
 from cluster.config import ClusterConfig
 from cluster.control.engine import InstanceEngine, Placement, RequestPlace
 from cluster.control.engine_reports import EndedTrace, EngineOutcome, EngineReport, Lost, Prefilled
+from cluster.control.engine_sender import ReportSender
+from cluster.control.engine_snapshot import Snapshots
 from cluster.control.engine_streams import ClientStreams
 from cluster.control.engine_wire import (
-    EngineSnapshot,
-    HeldSnapshot,
     Route,
     WirePlacement,
-    coalesce,
-    plain,
     rebase_placement,
     rebase_report,
     sequence_of,
-    shift,
 )
 from cluster.control.flights import Outbox
 from cluster.control.placement import InstanceSpec
 from cluster.control.refill import PastRequests
-from cluster.observability.request_trace import wall_ns
-from kv_transfer.tracing import sampled
 from scheduler import Request
 from scheduler.outputs import EngineCoreOutput
 from scheduler.request import FinishReason
@@ -56,11 +50,6 @@ from scheduler.request import FinishReason
 logger = logging.getLogger(__name__)
 
 CENTRAL_WATCH_S = 5.0  # how often an engine asks whether its central actor still exists
-MAX_UNSENT_TRACES = 16384  # ended traces kept while no central actor hears the reports
-# A report the central actor could not be reached for is sent again after these waits (the
-# last one repeated), for at most REPORT_RETRY_FOR_S; then it is dropped.
-REPORT_RETRY_WAITS_S = (0.05, 0.1, 0.25, 0.5, 1.0)
-REPORT_RETRY_FOR_S = 120.0
 
 
 class _EndedPrefilled:
@@ -76,7 +65,7 @@ class _EndedPrefilled:
         self.first_scheduled_at = prefilled.scheduled_at
 
 
-class EngineActor(ClientStreams):
+class EngineActor(ClientStreams, ReportSender, Snapshots):
     """The engine of instance ``spec`` (an async Ray actor, ``num_cpus=0``): started by
     ``RemoteEngine`` (``control/remote_engine.py``) for the central ``SchedulerActor``,
     whose handle is ``central``."""
@@ -397,91 +386,6 @@ class EngineActor(ClientStreams):
         report.outcomes[internal] = outcome
         self._on_report(report)
 
-    # -- clients ------------------------------------------------------------------------------
-    # -- reports ------------------------------------------------------------------------------
-    def _on_report(self, report: EngineReport) -> None:
-        if self._latencies:
-            report.latencies, self._latencies = self._latencies, []
-        for prefilled in report.prefilled:  # (a copy: the report's is rebased when sent)
-            self._awaiting[prefilled.internal_id] = replace(prefilled)
-        for internal in report.finished:
-            route = self._routes.pop(internal, None)
-            if route is not None and route.trace_context and sampled(route.trace_context):
-                report.ended_traces[internal] = EndedTrace(
-                    route.trace_context,
-                    route.client_request_id,
-                    route.request.num_prompt_tokens,
-                    wall_ns(route.arrival_time),
-                    time.time_ns(),
-                    report.outcomes.get(internal),
-                )
-        for lost in report.lost:
-            self._routes.pop(lost.internal_id, None)
-        queue = self._outgoing
-        # (Never into one already sent: the central actor may have applied it.)
-        if queue and queue[-1].sequence is None and plain(queue[-1]) and plain(report):
-            queue[-1] = coalesce(queue[-1], report)
-        else:
-            queue.append(report)
-        self._wake.set()
-
-    async def _send_reports(self) -> None:
-        """Forever: send the reports in order, one at a time; those made meanwhile are merged
-        into one (a slow central scheduler gets fewer, larger reports, never a backlog). One
-        the central actor could not be reached for (a connection lost for a while, the actor
-        restarting) goes back to the queue's head and is sent again: its milestones (a
-        prefill done, requests lost, finished) are what the central actor acts on. Its
-        ``sequence`` stays: should the first try have been applied, the central actor drops
-        the second."""
-        from ray.exceptions import ActorUnavailableError, RayActorError
-
-        failing_since: float | None = None
-        tries = 0  # of this outage
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            while self._outgoing:
-                report = self._outgoing.popleft()
-                if self._unsent_traces:
-                    report.ended_traces = {**self._unsent_traces, **report.ended_traces}
-                    self._unsent_traces = {}
-                if report.sequence is None:
-                    self._num_reports += 1
-                    report.sequence = (self._incarnation, self._num_reports)
-                sent_at = time.monotonic()
-                rebase_report(report, -sent_at)  # ages as of now: it leaves now
-                try:
-                    await self.central.report.remote(report)
-                    failing_since, tries = None, 0
-                except (ActorUnavailableError, RayActorError) as exc:
-                    failing_since = failing_since or sent_at
-                    tries += 1
-                    if time.monotonic() - failing_since < REPORT_RETRY_FOR_S:
-                        rebase_report(report, sent_at)  # its instants again: it waits here
-                        self._outgoing.appendleft(report)
-                        del report
-                        self.num_report_retries += 1
-                        logger.info(
-                            "instance %s: report not sent, again: %s", self.instance_id, exc
-                        )
-                        waits = REPORT_RETRY_WAITS_S
-                        await asyncio.sleep(waits[min(tries, len(waits)) - 1])
-                        continue
-                    failing_since, tries = None, 0
-                    self._lost_report(report, exc)
-                except Exception as exc:  # the central actor refused it: sending again won't do
-                    failing_since, tries = None, 0  # (it answered: the outage, if any, ended)
-                    self._lost_report(report, exc)
-                # Not kept while idle: its KV handles (object references) pin their objects.
-                del report
-
-    def _lost_report(self, report: EngineReport, exc: BaseException) -> None:
-        """A report given up on: its ended traces go with the next one (the newest kept)."""
-        logger.warning("instance %s: a report was lost: %s", self.instance_id, exc)
-        self._unsent_traces.update(report.ended_traces)
-        while len(self._unsent_traces) > MAX_UNSENT_TRACES:
-            del self._unsent_traces[next(iter(self._unsent_traces))]
-
     # -- introspection ------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         return {
@@ -511,81 +415,3 @@ class EngineActor(ClientStreams):
 
     async def flush_traces(self) -> None:
         await self.observe.flush()
-
-    # -- a restarted central scheduler ---------------------------------------------------------
-    def snapshot(self) -> EngineSnapshot:
-        """Everything a restarted central scheduler rebuilds its state from: the instance,
-        its load and whole prefix cache, and every request held here (prefilled ones whose
-        hand-off it did not confirm included). Reports still queued keep their milestones
-        but lose their cache events: the snapshot's supersede them."""
-        from scheduler.kv_events import AllBlocksCleared, BlockStored
-
-        engine = self._engine()
-        self._epoch += 1
-        self._next_op = 0
-        self._early_ops.clear()
-        now = time.monotonic()
-        summary = engine.loop.summary()
-        pool = engine.loop.scheduler.kv_cache_manager.block_pool
-        summary.kv_events = [AllBlocksCleared(), BlockStored(tuple(pool.cached))]
-        for queued in self._outgoing:
-            queued.summary.kv_events = []
-        held: list[HeldSnapshot] = []
-        for internal, h in engine.held.items():
-            route = self._routes.get(internal)
-            if route is None:
-                continue
-            p = h.placement
-            held.append(
-                HeldSnapshot(
-                    internal,
-                    route,
-                    p.hand_off,
-                    list(h.tokens),
-                    h.num_cached_tokens,
-                    p.arrival_time - now,
-                    None if h.first_scheduled_at is None else h.first_scheduled_at - now,
-                    shift(h.first_token_at, -now),
-                    shift(h.last_token_at, -now),
-                )
-            )
-        for internal, prefilled in self._awaiting.items():
-            route = self._routes.get(internal)
-            if route is None:
-                continue
-            held.append(
-                HeldSnapshot(
-                    internal,
-                    route,
-                    True,
-                    list(prefilled.first.new_token_ids),
-                    prefilled.num_cached_tokens,
-                    route.request.arrival_time - now,
-                    shift(prefilled.scheduled_at, -now),
-                    shift(prefilled.first_token_at, -now),
-                    shift(prefilled.first_token_at, -now),
-                    prefilled=replace(
-                        prefilled,
-                        first_token_at=shift(prefilled.first_token_at, -now),
-                        scheduled_at=shift(prefilled.scheduled_at, -now),
-                    ),
-                )
-            )
-        return EngineSnapshot(
-            self.spec,
-            self.max_model_len,
-            self._epoch,
-            engine.draining,
-            engine.failed,
-            summary,
-            held,
-            self._adapters,
-            self._max_seq,
-            self._take_unsent_traces(),
-            self._past.ended(),
-            autoscaler=self._autoscaler,
-        )
-
-    def _take_unsent_traces(self) -> dict[str, EndedTrace]:
-        taken, self._unsent_traces = self._unsent_traces, {}
-        return taken
