@@ -28,7 +28,7 @@ from collections import OrderedDict, deque
 from typing import Any
 
 from cluster.config import ClusterConfig
-from cluster.control.engine import InstanceEngine, Placement, RequestPlace
+from cluster.control.engine import InstanceEngine
 from cluster.control.engine_reports import EndedTrace, EngineOutcome, EngineReport, Lost, Prefilled
 from cluster.control.engine_sender import ReportSender
 from cluster.control.engine_snapshot import Snapshots
@@ -41,6 +41,7 @@ from cluster.control.engine_wire import (
     sequence_of,
 )
 from cluster.control.flights import Outbox
+from cluster.control.held import Placement, RequestPlace
 from cluster.control.placement import InstanceSpec
 from cluster.control.refill import PastRequests
 from scheduler import Request

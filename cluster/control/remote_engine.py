@@ -22,10 +22,10 @@ from collections.abc import Callable
 from typing import Any
 
 from cluster.config import ClusterConfig
-from cluster.control.engine import Placement
 from cluster.control.engine_actor import EngineActor
 from cluster.control.engine_reports import EngineReport, Lost
 from cluster.control.engine_wire import WirePlacement, rebase_placement, shift
+from cluster.control.held import Placement
 from cluster.control.placement import InstanceSpec
 from kv_transfer.tracing import root_carrier
 from scheduler.request import FinishReason

@@ -31,11 +31,12 @@ from cluster.config import ClusterConfig
 from cluster.control.adapters import LoRAAdapters
 from cluster.control.autoscaler import Autoscaler
 from cluster.control.clients import Clients
-from cluster.control.engine import InstanceEngine, Placement
+from cluster.control.engine import InstanceEngine
 from cluster.control.engine_reports import EngineReport
 from cluster.control.flights import Flight, clone_request, prefill_request
 from cluster.control.handoffs import HandOffs
 from cluster.control.heap import freeze_heap
+from cluster.control.held import Placement
 from cluster.control.intake import Intake
 from cluster.control.kv_peers import KVPeers
 from cluster.control.migration import Migration, _replay
