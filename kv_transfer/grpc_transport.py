@@ -18,7 +18,7 @@ own range of a lease; the lease ends once all of its layers have been pulled) wi
 deadline, and gets a ``PullHeader`` then raw bytes: per layer, K then V, the lease's blocks in
 order. They land in one buffer that the ``KVPayload`` views (one run of all blocks). No pickle
 crosses the network: protobuf headers, raw tensor bytes. The data messages are encoded and
-decoded by hand (``_frame``, ``_unframe``: protobuf's copies cost more than the network on one
+decoded by hand (``grpc_wire``: protobuf's copies cost more than the network on one
 machine), yet they are ordinary ``PullChunk`` messages that any client of the proto can read.
 
 Every call carries the cluster token (``KVTransferConfig.auth_token``) in its metadata; the
@@ -33,14 +33,12 @@ it afresh: a source back on the same address is reached at once (``_evict``).
 from __future__ import annotations
 
 import hmac
-import itertools
 import logging
 import socket
 import threading
 from collections import Counter, OrderedDict
 from collections.abc import Generator, Iterator
 from concurrent import futures
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import grpc
@@ -59,6 +57,8 @@ except ImportError as exc:  # a source checkout that was never installed
         "the gRPC KV transport's modules are generated from kv_transfer/proto/kv_transfer.proto "
         "at install time: run `pip install -e .` (or `make`) in the repository"
     ) from exc
+# (After the proto: a checkout never installed gets the message above.)
+from kv_transfer.grpc_wire import DTYPES, GrpcLease, as_is, frame, receive
 
 if TYPE_CHECKING:
     from pydantic import SecretStr
@@ -77,12 +77,6 @@ _RECONNECT_BACKOFF = [
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
-_DTYPES: dict[torch.dtype, tuple[int, np.dtype[Any]]] = {
-    torch.float32: (pb.DTYPE_FLOAT32, np.dtype(np.float32)),
-    torch.float16: (pb.DTYPE_FLOAT16, np.dtype(np.float16)),
-    torch.bfloat16: (pb.DTYPE_BFLOAT16, np.dtype(np.int16)),  # bit patterns, as everywhere
-}
-_NUMPY_DTYPES: dict[int, np.dtype[Any]] = {code: dtype for code, dtype in _DTYPES.values()}
 _WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
 
 
@@ -115,20 +109,6 @@ def advertised_host(bind_host: str, advertise_host: str | None) -> str:
 
 _SERVICE = pb.DESCRIPTOR.services_by_name["KVTransfer"].full_name  # tandem.kv.v1.KVTransfer
 _PULL = f"/{_SERVICE}/Pull"
-# The key of PullChunk.data on the wire: field 2, length-delimited.
-_DATA_KEY = bytes([2 << 3 | 2])
-
-
-@dataclass(frozen=True)
-class GrpcLease:
-    """A ``KVSegment.handle`` of this transport: where a lease is served. Small and picklable;
-    it travels in ``kv_transfer_params``. Holds no secret: pulls need the cluster token too."""
-
-    address: str  # host:port of the source worker's KV server
-    lease_id: str
-    first_layer: int  # the model layers [first_layer, last_layer) the lease covers
-    last_layer: int
-    num_blocks: int
 
 
 class _KVServicer:
@@ -228,11 +208,11 @@ class GrpcWorkerConnector(WorkerConnector):
             futures.ThreadPoolExecutor(self.server_threads, thread_name_prefix="kv-serve"),
             options=[("grpc.max_receive_message_length", 1 << 16), ("grpc.so_reuseport", 0)],
         )
-        # Data messages are framed by hand (``_frame``), so responses go out as they are.
+        # Data messages are framed by hand (``frame``), so responses go out as they are.
         pull = grpc.unary_stream_rpc_method_handler(
             _KVServicer(self).Pull,
             request_deserializer=pb.PullRequest.FromString,
-            response_serializer=_as_is,
+            response_serializer=as_is,
         )
         server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(_SERVICE, {"Pull": pull}),)
@@ -294,7 +274,7 @@ class GrpcWorkerConnector(WorkerConnector):
         whether every byte was sent (False: the puller went away first)."""
         caches = [self.kv_caches[layer - self.layers.start] for layer in layers]
         first = caches[0]
-        code, _ = _DTYPES[first.dtype]
+        code, _ = DTYPES[first.dtype]
         num_blocks = len(lease.block_ids)
         layer_bytes = 2 * num_blocks * first[0, 0].nbytes
         header = pb.PullHeader(
@@ -325,7 +305,7 @@ class GrpcWorkerConnector(WorkerConnector):
                 parts.append(data[pos : pos + take])
                 size, pos = size + take, pos + take
                 if size == chunk and sent + size < total:  # the last message waits
-                    yield _frame(parts, size)
+                    yield frame(parts, size)
                     parts, size, sent = [], 0, sent + size
         # Everything is gathered. New caches (a restore) end every lease, and the blocks may
         # hold other data since: a pull that spans that is cut short before its last message,
@@ -333,7 +313,7 @@ class GrpcWorkerConnector(WorkerConnector):
         if lease.ended:
             context.abort(grpc.StatusCode.ABORTED, "the lease ended during the pull")
         if parts:
-            yield _frame(parts, size)
+            yield frame(parts, size)
         return True
 
     # -- decode side -----------------------------------------------------------------------
@@ -357,7 +337,7 @@ class GrpcWorkerConnector(WorkerConnector):
                 wait_for_ready=False,  # a source that is gone fails at once, not at the deadline
             )
             try:
-                return _receive(call, handle, layers)
+                return receive(call, handle, layers)
             except grpc.RpcError as exc:
                 code = exc.code() if hasattr(exc, "code") else None
                 if code == grpc.StatusCode.UNAVAILABLE:
@@ -402,9 +382,9 @@ class GrpcWorkerConnector(WorkerConnector):
                     idle.append(self._channels.pop(old))
         for old_channel in idle:
             old_channel.close()
-        # Responses arrive encoded: ``_receive`` decodes them.
+        # Responses arrive encoded: ``receive`` decodes them.
         return channel, channel.unary_stream(
-            _PULL, request_serializer=pb.PullRequest.SerializeToString, response_deserializer=_as_is
+            _PULL, request_serializer=pb.PullRequest.SerializeToString, response_deserializer=as_is
         )
 
     def _evict(self, address: str, channel: Any) -> None:
@@ -431,90 +411,6 @@ class GrpcWorkerConnector(WorkerConnector):
                     closing = self._evicted.pop(id(channel), None)
         if closing is not None:
             closing.close()
-
-
-def _receive(call: Iterator[bytes], handle: GrpcLease, layers: range) -> KVPayload:
-    """Read a pull's stream into one buffer; check it against the handle and the request
-    before anything is allocated or kept."""
-    first = next(call, None)
-    message = None if first is None else pb.PullChunk.FromString(first)
-    if message is None or message.WhichOneof("kind") != "header":
-        raise ValueError("the KV stream did not start with a header")
-    h = message.header
-    dtype = _NUMPY_DTYPES.get(h.dtype)
-    shape = (h.num_layers, 2, h.num_blocks, h.block_size, h.kv_heads, h.head_dim)
-    if dtype is None:
-        raise ValueError(f"the KV stream has an unknown dtype ({h.dtype})")
-    expected = (layers.start, len(layers), handle.num_blocks)
-    if (h.first_layer, h.num_layers, h.num_blocks) != expected:
-        raise ValueError(
-            f"the KV stream holds layers [{h.first_layer}, +{h.num_layers}) x {h.num_blocks} "
-            f"blocks; asked for {layers} x {handle.num_blocks}"
-        )
-    if h.total_bytes != int(np.prod(shape)) * dtype.itemsize:
-        raise ValueError(f"the KV stream's size ({h.total_bytes} B) does not match its shape")
-    buffer = np.empty(h.total_bytes, dtype=np.uint8)
-    filled = 0
-    for raw in call:
-        start, size = _unframe(raw)
-        if filled + size > h.total_bytes:
-            raise ValueError("the KV stream sent more than its header announced")
-        buffer[filled : filled + size] = np.frombuffer(raw, np.uint8, size, start)
-        filled += size
-    if filled != h.total_bytes:
-        raise ValueError(f"the KV stream ended after {filled} of {h.total_bytes} bytes")
-    data = buffer.view(dtype).reshape(shape)
-    pieces = [data[i, kv] for i, kv in itertools.product(range(h.num_layers), (0, 1))]
-    return KVPayload(
-        runs=[h.num_blocks],
-        pieces=pieces,
-        num_layers=h.num_layers,
-        bfloat16=h.dtype == pb.DTYPE_BFLOAT16,
-        first_layer=h.first_layer,
-    )
-
-
-# -- PullChunk.data on the wire ---------------------------------------------------------------
-# A data message is built and read by hand: protobuf would copy each payload three more times
-# (into the message, out to the wire, out of the parsed message), which costs more than the
-# network on one machine. The bytes are a valid PullChunk all the same:
-#
-#     0x12  varint(len(data))  data          (field 2, length-delimited)
-def _frame(parts: list[memoryview], size: int) -> bytes:
-    """The encoded ``PullChunk(data=b"".join(parts))``, in one copy."""
-    return b"".join([_DATA_KEY, _varint(size), *parts])
-
-
-def _unframe(message: bytes) -> tuple[int, int]:
-    """(offset, length) of the data in an encoded ``PullChunk``; ``ValueError`` if it is not
-    a data message (or is malformed)."""
-    if message[:1] != _DATA_KEY:
-        raise ValueError("the KV stream sent something other than data after its header")
-    size, shift, i = 0, 0, 1
-    while True:
-        if i >= len(message) or shift > 63:
-            raise ValueError("the KV stream sent a malformed data message")
-        byte = message[i]
-        size |= (byte & 0x7F) << shift
-        i, shift = i + 1, shift + 7
-        if not byte & 0x80:
-            break
-    if i + size != len(message):
-        raise ValueError("the KV stream sent a malformed data message")
-    return i, size
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value > 0x7F:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-def _as_is(data: bytes) -> bytes:
-    return data
 
 
 def _join(host: str, port: int) -> str:

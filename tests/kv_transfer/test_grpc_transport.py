@@ -20,13 +20,11 @@ from kv_transfer.blocks import allocate_kv_caches
 from kv_transfer.connector import KVConnectorMetadata, KVSegment, LoadSpec, SaveSpec
 from kv_transfer.grpc_transport import (
     TOKEN_METADATA_KEY,
-    GrpcLease,
     GrpcWorkerConnector,
-    _frame,
     _KVServicer,
-    _unframe,
     advertised_host,
 )
+from kv_transfer.grpc_wire import GrpcLease, frame, unframe
 from kv_transfer.leases import LeaseTable
 from kv_transfer.proto import kv_transfer_pb2 as pb
 from kv_transfer.proto import kv_transfer_pb2_grpc as pb_grpc
@@ -196,10 +194,10 @@ def test_the_stream_is_plain_protobuf_for_any_client(
 def test_data_framing_round_trips_through_protobuf(size: int) -> None:
     payload = bytes(i % 251 for i in range(size))
     parts = [memoryview(payload)[: size // 2], memoryview(payload)[size // 2 :]]
-    framed = _frame(parts, size)
+    framed = frame(parts, size)
     assert pb.PullChunk.FromString(framed).data == payload
     assert pb.PullChunk(data=payload).SerializeToString() == framed
-    start, length = _unframe(framed)
+    start, length = unframe(framed)
     assert framed[start : start + length] == payload
 
 
@@ -215,7 +213,7 @@ def test_data_framing_round_trips_through_protobuf(size: int) -> None:
 )
 def test_malformed_data_messages_are_refused(message: bytes) -> None:
     with pytest.raises(ValueError):
-        _unframe(message)
+        unframe(message)
 
 
 # -- layer ranges (pipeline stages on either side) ---------------------------------------------
