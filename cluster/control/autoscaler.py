@@ -354,8 +354,9 @@ class Autoscaler:
                 self.failed += 1
                 continue
             finally:
-                if growing:
+                if growing:  # (at once: another pool's model load may follow in this round)
                     self._growing.pop(pool, None)
+                    self._share()
             self.decisions.append(decision)
             key = (pool, f"{decision.direction}:{_reason_kind(decision.reason)}")
             self.counts[key] = self.counts.get(key, 0) + 1
@@ -408,7 +409,11 @@ class Autoscaler:
         pool has that size now."""
         resume, self._resume = self._resume, {}
         for pool, target in resume.items():
-            if len(self.actor._pool_instances(pool)) >= target:
+            # As ``step``: its restarting instances count (a resize would retire them for new
+            # model loads), and an operator's resize under way wins (its size is newer).
+            now = time.monotonic()
+            have = len(self.actor._pool_instances(pool)) + self._restarting(pool, now)
+            if have >= target or self.actor._resizing.locked():
                 continue
             logger.info("autoscaler: pool %s -> %d (a grow cut short by a restart)", pool, target)
             self._growing[pool] = target

@@ -57,18 +57,26 @@ class KVPeers:
             return
         probe = self._kv_auto and self.config.kv_transfer.transport == "nixl"
         live = [s for i, s in self.specs.items() if self.views[i].alive]
-        errors = await connect_kv_peers([*live, *specs], specs, probe)
+        wait = self._kv_peers_wait_s()
+        errors = await connect_kv_peers([*live, *specs], specs, probe, wait)
         self._fail_unanswered(live)
+        # A new one that did not answer is an error (refused below): its mark goes with it --
+        # left, it would fail the instance in a later round, had the first start fallen back.
+        hung = [spec for spec in specs if spec.unanswered is not None]
+        for spec in hung:
+            spec.unanswered = None
         if not errors:
             if specs and not self.specs:
                 how = " (auto)" if self._kv_auto else ""
                 logger.info("KV transport: %s%s", self.config.kv_transfer.transport, how)
             return
-        if self.specs or not self._kv_auto:  # ``transport: nixl`` as configured: no fallback
+        # ``transport: nixl`` as configured: no fallback; nor for a worker that hangs (its
+        # ``use_kv_transport`` would never answer either).
+        if self.specs or not self._kv_auto or hung:
             # Refused: the live workers, told of the new ones, forget them (their agents'
             # endpoints and handles stayed for as long as the workers lived).
             names = [name for spec in specs for name in kv_peer_names(spec)]
-            await disconnect_kv_peers(live, names)
+            await disconnect_kv_peers(live, names, wait)
             raise RuntimeError(f"the nixl KV transport cannot reach: {'; '.join(errors)}")
         logger.warning(
             "KV transport: nixl cannot reach every worker (%s); falling back to ray",
@@ -80,9 +88,15 @@ class KVPeers:
             await spec.call_stages("use_kv_transport", "ray", options)
             spec.kv_peers = []
 
+    def _kv_peers_wait_s(self) -> float:
+        """How long a connection round waits for an instance's workers (``placement``)."""
+        from cluster.control.placement import kv_peers_timeout_s
+
+        return kv_peers_timeout_s(self.config.step_timeout_s)
+
     def _fail_unanswered(self, specs: list[InstanceSpec]) -> None:
         """Instances whose workers did not answer a connection round in time
-        (``placement.KV_PEERS_TIMEOUT_S``) hang: each fails as after a step timeout -- its
+        (``_kv_peers_wait_s``) hang: each fails as after a step timeout -- its
         requests move, its workers are ended (and, with max_restarts, come back and rejoin)
         -- rather than serve without the peers the round was for."""
         engines = getattr(self, "engines", {})
@@ -172,15 +186,12 @@ class KVPeers:
     ) -> tuple[str | None, bool]:
         """Connect a rejoined instance's workers with the live ones: what failed (None:
         nothing), and whether that is final (its workers use another transport)."""
-        from cluster.control.placement import (
-            KV_PEERS_TIMEOUT_S,
-            connect_kv_peers,
-            disconnect_kv_peers,
-            kv_peer_names,
-        )
+        from cluster.control.placement import connect_kv_peers, disconnect_kv_peers, kv_peer_names
+
+        wait = self._kv_peers_wait_s()
 
         def within(call: Any) -> Any:  # (a worker that hangs fails this try, not the rejoin)
-            return asyncio.wait_for(call, KV_PEERS_TIMEOUT_S)
+            return asyncio.wait_for(call, wait)
 
         transport = self.config.kv_transfer.transport
         try:
@@ -196,12 +207,14 @@ class KVPeers:
             while True:
                 live = [s for i, s in self.specs.items() if self.views[i].alive or i == iid]
                 connected = {s.instance_id: self.views[s.instance_id] for s in live}
-                errors = await connect_kv_peers(live, [spec], probe)
+                errors = await connect_kv_peers(live, [spec], probe, wait)
                 self._fail_unanswered(live)  # (itself included: its failure ends the rejoin)
                 gone = [n for n in before if n not in kv_peer_names(spec)]
-                await disconnect_kv_peers([s for s in live if s is not spec], gone)
+                await disconnect_kv_peers([s for s in live if s is not spec], gone, wait)
                 if errors or not self._serving_since(connected):
                     return "; ".join(errors) or None, False
+        except TimeoutError:  # (its str is empty)
+            return f"its workers did not answer within {wait:g} s", False
         except Exception as exc:
             return f"{type(exc).__name__}: {exc}", False
 
@@ -230,16 +243,17 @@ class KVPeers:
         if not self.config.disaggregated:
             return
         probe = self._kv_auto and self.config.kv_transfer.transport == "nixl"
+        wait = self._kv_peers_wait_s()
         while missed := self._serving_since(connected):
             connected.update({s.instance_id: self.views[s.instance_id] for s in missed})
-            errors = await connect_kv_peers([*missed, *specs], specs, probe)
+            errors = await connect_kv_peers([*missed, *specs], specs, probe, wait)
             self._fail_unanswered(missed)
             if errors:
                 # Refused: every live worker told of them forgets them -- the ones
                 # ``_connect_kv_peers`` told, and those of earlier rounds here, not only
                 # this round's (the new ones are not among ``specs`` yet).
                 names = [name for spec in specs for name in kv_peer_names(spec)]
-                await disconnect_kv_peers(list(self.specs.values()), names)
+                await disconnect_kv_peers(list(self.specs.values()), names, wait)
                 raise RuntimeError(
                     f"the {self.config.kv_transfer.transport} KV transport "
                     f"cannot reach: {'; '.join(errors)}"

@@ -57,6 +57,7 @@ class ClusterOperations:
     _lingering: dict[str, InstanceSpec]  # retired instances whose workers wait for a lease
     hand_offs: HandOffs
     _confirm: Callable[[dict[str, list[str]]], None]
+    _kv_peers_wait_s: Callable[[], float]
 
     # ... and what of the actor this uses.
     async def _add_instances(self, specs: list[InstanceSpec]) -> None:
@@ -240,7 +241,9 @@ class ClusterOperations:
         if self.config.disaggregated:
             from cluster.control.placement import disconnect_kv_peers, kv_peer_names
 
-            await disconnect_kv_peers(list(self.specs.values()), kv_peer_names(spec))
+            await disconnect_kv_peers(
+                list(self.specs.values()), kv_peer_names(spec), self._kv_peers_wait_s()
+            )
 
     async def _holds_requests(self, iid: str) -> bool:
         """Requests still on the instance: queued, running, finished with KV still to send."""

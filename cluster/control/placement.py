@@ -305,26 +305,41 @@ async def start_instances(
 # A KV-peer call (``kv_peer``, ``add_kv_peers``, ``remove_kv_peers``) runs on a worker's
 # steps' thread, under its step lock: a worker hung in a step, idle behind a stuck call, or
 # one Ray cannot place again after a restart never answers it. A connection round waits this
-# long for an instance's workers, then takes the instance for hung (``unanswered``): one such
-# worker otherwise held the round -- and the ``_membership`` lock, every resize, a restarted
-# central actor's rebuild -- for ever.
-KV_PEERS_TIMEOUT_S = 60.0
+# long for an instance's workers (``kv_peers_timeout_s``), then takes the instance for hung
+# (``unanswered``): one such worker otherwise held the round -- and the ``_membership`` lock,
+# every resize, a restarted central actor's rebuild -- for ever.
+KV_PEERS_TIMEOUT_S = 60.0  # at least; a longer step_timeout_s lengthens it
+STEP_MARGIN_S = 10.0  # past step_timeout_s: the call's own work, after the step it waited for
 
 
-def _no_answer(spec: InstanceSpec, method: str) -> str:
-    spec.unanswered = f"its workers did not answer {method} within {KV_PEERS_TIMEOUT_S:g} s"
-    return spec.unanswered
+def kv_peers_timeout_s(step_timeout_s: float | None) -> float:
+    """How long a connection round waits for an instance's workers: a call waits behind the
+    step in progress, so a worker is taken for hung no sooner than its step would be
+    (``step_timeout_s``), and never later than ``KV_PEERS_TIMEOUT_S`` when steps may run
+    for ever (``step_timeout_s: null``: a round must end)."""
+    if step_timeout_s is None:
+        return KV_PEERS_TIMEOUT_S
+    return max(KV_PEERS_TIMEOUT_S, step_timeout_s + STEP_MARGIN_S)
 
 
-async def _stages_within(spec: InstanceSpec, method: str, *args: Any) -> list[Any]:
-    """``spec.call_stages(method, *args, return_exceptions=True)`` for at most
-    ``KV_PEERS_TIMEOUT_S``; past it, one ``TimeoutError`` (and ``spec.unanswered``)."""
+def _no_answer(spec: InstanceSpec, method: str, timeout_s: float, mark: bool = True) -> str:
+    why = f"its workers did not answer {method} within {timeout_s:g} s"
+    if mark:  # (only a connection round's caller consumes it: ``KVPeers._fail_unanswered``)
+        spec.unanswered = why
+    return why
+
+
+async def _stages_within(
+    spec: InstanceSpec, method: str, *args: Any, timeout_s: float, mark: bool = True
+) -> list[Any]:
+    """``spec.call_stages(method, *args, return_exceptions=True)`` for at most ``timeout_s``;
+    past it, one ``TimeoutError`` (and, ``mark``, ``spec.unanswered``)."""
     try:
         return await asyncio.wait_for(
-            spec.call_stages(method, *args, return_exceptions=True), KV_PEERS_TIMEOUT_S
+            spec.call_stages(method, *args, return_exceptions=True), timeout_s
         )
     except TimeoutError:
-        return [TimeoutError(_no_answer(spec, method))]
+        return [TimeoutError(_no_answer(spec, method, timeout_s, mark))]
 
 
 def kv_peer_names(spec: InstanceSpec) -> list[str]:
@@ -333,14 +348,23 @@ def kv_peer_names(spec: InstanceSpec) -> list[str]:
     return [name for name in names if isinstance(name, str)]
 
 
-async def disconnect_kv_peers(specs: list[InstanceSpec], names: list[str]) -> None:
+async def disconnect_kv_peers(
+    specs: list[InstanceSpec], names: list[str], timeout_s: float | None = None
+) -> None:
     """Tell every worker of ``specs`` to forget the KV peers ``names`` (workers that left:
     an instance removed, or a restarted worker's previous agent). Workers that do not answer
-    are skipped: they are gone too (or hang: at most ``KV_PEERS_TIMEOUT_S``)."""
+    are skipped: they are gone too (or hang: at most ``timeout_s``, default
+    ``KV_PEERS_TIMEOUT_S``). Nothing is
+    marked ``unanswered``: most callers (a retire's ``_stop_workers``, a refused round) never
+    consume the mark, and a stale one would fail a healthy instance in a later round."""
     if not names:
         return
+    wait = KV_PEERS_TIMEOUT_S if timeout_s is None else timeout_s
     answers = await asyncio.gather(
-        *(_stages_within(spec, "remove_kv_peers", names) for spec in specs)
+        *(
+            _stages_within(spec, "remove_kv_peers", names, timeout_s=wait, mark=False)
+            for spec in specs
+        )
     )
     for spec, results in zip(specs, answers, strict=True):
         failed = [r for r in results if isinstance(r, BaseException)]
@@ -349,7 +373,10 @@ async def disconnect_kv_peers(specs: list[InstanceSpec], names: list[str]) -> No
 
 
 async def connect_kv_peers(
-    specs: list[InstanceSpec], new: list[InstanceSpec], probe: bool = False
+    specs: list[InstanceSpec],
+    new: list[InstanceSpec],
+    probe: bool = False,
+    timeout_s: float | None = None,
 ) -> list[str]:
     """Hand every worker of ``specs`` what the KV transport needs to read from the others
     (``nixl``: each worker's agent and pool layout, gathered from the workers of the ``new``
@@ -358,14 +385,16 @@ async def connect_kv_peers(
     touched), that each new instance's workers reach every other instance's and are reached
     by them, and that every new worker has the transport at all. Returns what failed, one
     line each; a no-op for transports that publish nothing. Each instance's workers are
-    waited for at most ``KV_PEERS_TIMEOUT_S`` per call: one that does not answer in time is
-    marked ``unanswered`` (a new one's is also an error), for the caller to fail it."""
+    waited for at most ``timeout_s`` (default ``KV_PEERS_TIMEOUT_S``) per call: one that does
+    not answer in time is marked ``unanswered`` (a new one's is also an error), for the
+    caller to fail it."""
+    wait = KV_PEERS_TIMEOUT_S if timeout_s is None else timeout_s
     errors: list[str] = []
     for spec in new:
         try:
-            found = await asyncio.wait_for(spec.call_stages("kv_peer"), KV_PEERS_TIMEOUT_S)
+            found = await asyncio.wait_for(spec.call_stages("kv_peer"), wait)
         except TimeoutError:
-            errors.append(f"{spec.instance_id}: {_no_answer(spec, 'kv_peer')}")
+            errors.append(f"{spec.instance_id}: {_no_answer(spec, 'kv_peer', wait)}")
             continue
         spec.kv_peers = [p for p in found if p is not None]
         if probe and len(spec.kv_peers) != len(found):
@@ -373,7 +402,9 @@ async def connect_kv_peers(
     peers = [p for spec in specs for p in spec.kv_peers]
     if not peers:
         return errors
-    answers = await asyncio.gather(*(_stages_within(spec, "add_kv_peers", peers) for spec in specs))
+    answers = await asyncio.gather(
+        *(_stages_within(spec, "add_kv_peers", peers, timeout_s=wait) for spec in specs)
+    )
     live = []
     for spec, results in zip(specs, answers, strict=True):
         failed = [r for r in results if isinstance(r, BaseException)]
@@ -402,10 +433,10 @@ async def connect_kv_peers(
             try:  # (the probe takes the step lock around each use of the agent)
                 results = await asyncio.wait_for(
                     reader.call_stages("kv_probe", peer, 2.0, group=PROBE, return_exceptions=True),
-                    KV_PEERS_TIMEOUT_S,
+                    wait,
                 )
             except TimeoutError:
-                results = [f"no answer within {KV_PEERS_TIMEOUT_S:g} s"]
+                results = [f"no answer within {wait:g} s"]
             for r_stage, error in enumerate(results):
                 if error is not None:
                     found.append(

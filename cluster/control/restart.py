@@ -264,7 +264,7 @@ async def rebuild(actor: Any) -> None:
         from cluster.control.placement import connect_kv_peers
 
         try:
-            await connect_kv_peers(specs, specs)
+            await connect_kv_peers(specs, specs, timeout_s=actor._kv_peers_wait_s())
         except Exception as exc:
             logger.warning("KV peers not reconnected after the restart: %s", exc)
     me = context.current_actor
@@ -472,7 +472,7 @@ async def _kv_transport_in_use(actor: Any, specs: list[Any]) -> None:
 
     async def health_of(spec: Any) -> list[Any]:  # (a worker Ray cannot place again: none)
         call = spec.call_stages("health", group=MONITOR, return_exceptions=True)
-        try:
+        try:  # (the monitor's thread: no step to wait behind)
             return list(await asyncio.wait_for(call, KV_PEERS_TIMEOUT_S))
         except TimeoutError:
             return []

@@ -210,9 +210,15 @@ class SchedulerActor(Intake, ReportIntake, KVPeers, Migration, Restart, ClusterO
                     asyncio.gather(*(engine.ready() for engine in engines)),
                     self.config.startup_timeout_s,
                 )
-            except BaseException:
+            except BaseException as exc:
                 for engine in engines:
                     engine.close()
+                if isinstance(exc, TimeoutError):  # (its str is empty: the 503 said nothing)
+                    names = ", ".join(spec.instance_id for spec in specs)
+                    raise TimeoutError(
+                        f"the engine actors of {names} were not ready within "
+                        f"{self.config.startup_timeout_s:g} s"
+                    ) from None
                 raise
         try:  # (instances that rejoined while these started did not connect with them)
             await self._connect_serving_since(specs, connected)

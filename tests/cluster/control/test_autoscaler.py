@@ -642,12 +642,14 @@ def test_a_restarted_central_actor_resumes_a_grow_and_keeps_what_its_pools_learn
         autoscaler.signals = lambda name, now: PoolSignals(1, 30, 0.1)  # type: ignore[method-assign]
         step = asyncio.ensure_future(autoscaler.step())
         await asyncio.wait_for(loading.wait(), 10)
+        kept.update(shared[-1])  # what the engines hold when the process dies
         step.cancel()
 
+    kept: dict[str, Any] = {}
     asyncio.run(before_the_restart())
     assert resized == [("d", 3)]
-    assert shared[-1]["growing"] == {"d": 3} and shared[-1]["capacity"] == {"d": 12.0}
-    older = {**shared[-1], "time": shared[-1]["time"] - 60.0, "growing": {}}
+    assert kept["growing"] == {"d": 3} and kept["capacity"] == {"d": 12.0}
+    older = {**kept, "time": kept["time"] - 60.0, "growing": {}}
 
     actor = central()
 
@@ -656,11 +658,21 @@ def test_a_restarted_central_actor_resumes_a_grow_and_keeps_what_its_pools_learn
 
     actor.scale_pool = scale_pool
     restarted = module.Autoscaler(actor)
-    restarted.restore([older, None, shared[-1]])  # the newest of the engines' memos
+    restarted.restore([older, None, kept])  # the newest of the engines' memos
     assert restarted.policies["d"].capacity == 12.0
     asyncio.run(restarted._resume_growth())
     assert resized == [("d", 3), ("d", 3)]  # at once: it was timed before the restart
     assert shared[-1]["growing"] == {}
+    busy = module.Autoscaler(actor)  # an operator's resize under way: its size is newer
+    busy.restore([kept])
+    actor._resizing = asyncio.Lock()
+
+    async def while_resizing() -> None:
+        async with actor._resizing:
+            await busy._resume_growth()
+
+    asyncio.run(while_resizing())
+    assert resized == [("d", 3), ("d", 3)]
     pool[:] = ["d-0", "d-1", "d-2"]  # had it grown before the actor died: nothing to do
     again = module.Autoscaler(actor)
     again.restore([{**older, "time": older["time"] + 120.0, "growing": {"d": 3}}])

@@ -26,6 +26,7 @@ class Peers(KVPeers):
         self.switched_to: list[str] = []
         self.config: Any = SimpleNamespace(
             disaggregated=True,
+            step_timeout_s=None,
             kv_transfer=SimpleNamespace(transport="nixl", connector_options=lambda: {}),
             with_kv_transport=self._switch,
         )
@@ -35,7 +36,9 @@ class Peers(KVPeers):
         return self.config
 
     @staticmethod
-    async def unreachable(specs: list[Any], new: list[Any], probe: bool = False) -> list[str]:
+    async def unreachable(
+        specs: list[Any], new: list[Any], probe: bool = False, *_: Any
+    ) -> list[str]:
         return [f"{new[0].instance_id}: RuntimeError: no route"]
 
 
@@ -46,6 +49,7 @@ class Spec:
         self.instance_id = instance_id
         self.kv_peers: list[Any] = [SimpleNamespace(agent=f"agent-{instance_id}")]
         self.calls: list[tuple[Any, ...]] = []
+        self.unanswered: str | None = None
 
     async def call_stages(self, *args: Any, **options: Any) -> list[Any]:
         self.calls.append(args)
@@ -54,7 +58,7 @@ class Spec:
 
 @pytest.fixture(autouse=True)
 def unreachable(monkeypatch: pytest.MonkeyPatch) -> None:
-    async def connect(specs: list[Any], new: list[Any], probe: bool = False) -> list[str]:
+    async def connect(specs: list[Any], new: list[Any], probe: bool = False, *_: Any) -> list[str]:
         return list(ERRORS)
 
     monkeypatch.setattr(placement, "connect_kv_peers", connect)
@@ -105,7 +109,9 @@ class Rejoining(Peers):
 
         self.spec.call_stages = call_stages  # type: ignore[method-assign]
 
-    async def connect(self, specs: list[Any], new: list[Any], probe: bool = False) -> list[str]:
+    async def connect(
+        self, specs: list[Any], new: list[Any], probe: bool = False, *_: Any
+    ) -> list[str]:
         self.probed.append([s.instance_id for s in specs])
         return self.answers.pop(0) if self.answers else []
 
@@ -187,7 +193,7 @@ def test_an_instance_let_serve_during_a_rejoins_probe_is_connected_with_it_too(
     peers.views["p-0"] = SimpleNamespace(alive=False)  # type: ignore[assignment]
     probe = peers.connect
 
-    async def connect(specs: list[Any], new: list[Any], probe_: bool = False) -> list[str]:
+    async def connect(specs: list[Any], new: list[Any], probe_: bool = False, *_: Any) -> list[str]:
         found = await probe(specs, new, probe_)
         peers.views["p-0"].alive = True  # its own rejoin ended meanwhile
         return found
@@ -209,7 +215,7 @@ def test_new_instances_connect_with_one_that_rejoined_while_they_started(
     peers.views = {"d-0": SimpleNamespace(alive=True)}  # type: ignore[dict-item]
     rounds: list[list[str]] = []
 
-    async def connect(specs: list[Any], new: list[Any], probe: bool = False) -> list[str]:
+    async def connect(specs: list[Any], new: list[Any], probe: bool = False, *_: Any) -> list[str]:
         rounds.append([s.instance_id for s in specs])
         return []
 
@@ -246,7 +252,7 @@ def test_a_peer_that_failed_and_rejoined_during_a_rejoins_probe_is_connected_wit
     probe = peers.connect
     flapped: list[bool] = []
 
-    async def connect(specs: list[Any], new: list[Any], probe_: bool = False) -> list[str]:
+    async def connect(specs: list[Any], new: list[Any], probe_: bool = False, *_: Any) -> list[str]:
         found = await probe(specs, new, probe_)
         if not flapped:  # once: d-1 failed and rejoined (``_rejoined``: a new view)
             flapped.append(True)

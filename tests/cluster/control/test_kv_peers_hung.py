@@ -56,6 +56,7 @@ class Peers(KVPeers):
         self.engines = {"d-0": Engine()}
         self.config: Any = SimpleNamespace(
             disaggregated=True,
+            step_timeout_s=None,
             kv_transfer=SimpleNamespace(transport="nixl", connector_options=lambda: {}),
         )
 
@@ -74,8 +75,10 @@ def test_a_new_instance_connects_and_the_hung_live_one_fails() -> None:
     assert hung and "d-0" in reason and "did not answer add_kv_peers" in reason
     assert peers.hung.unanswered is None  # dealt with
     assert new.calls == ["kv_peer", "add_kv_peers"] and new.unanswered is None
-    # Forgetting a peer does not wait for it either.
+    # Forgetting a peer does not wait for it either, nor marks it: no caller fails the
+    # instances it tells (a retire's), and a mark left would fail a healthy one later.
     asyncio.run(asyncio.wait_for(placement.disconnect_kv_peers([peers.hung], ["x"]), 10))  # type: ignore[list-item]
+    assert peers.hung.unanswered is None
 
 
 def test_a_hung_new_instance_is_refused() -> None:
@@ -97,3 +100,15 @@ def test_a_restarted_central_actor_learns_the_transport_from_the_workers_that_an
     specs = [Spec("d-0", hung=True), Spec("p-0")]
     asyncio.run(asyncio.wait_for(restart._kv_transport_in_use(actor, specs), 10))
     assert actor.config.chosen == "nixl"
+
+
+def test_a_round_takes_a_worker_for_hung_no_sooner_than_its_step_would_be(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A KV-peer call waits behind the worker's step in progress: a step the step timeout
+    still allows must not get the instance killed by a round; with no step timeout a round
+    still ends."""
+    monkeypatch.setattr(placement, "KV_PEERS_TIMEOUT_S", 60.0)
+    assert placement.kv_peers_timeout_s(None) == 60.0
+    assert placement.kv_peers_timeout_s(2.0) == 60.0
+    assert placement.kv_peers_timeout_s(300.0) == 300.0 + placement.STEP_MARGIN_S
