@@ -48,7 +48,7 @@ from cluster.control.report_intake import ReportIntake
 from cluster.control.restart import Restart, was_restarted
 from cluster.control.router import Route, Router, family_of
 from cluster.control.summaries import InstanceView
-from cluster.errors import UnavailableError
+from cluster.errors import AdapterLoadError, UnavailableError
 from scheduler import Request
 from scheduler.outputs import EngineCoreOutput
 from scheduler.request import FinishReason
@@ -322,9 +322,17 @@ class SchedulerActor(Intake, ReportIntake, KVPeers, Migration, Restart, ClusterO
         instance recomputes prompt + those tokens and continues after them."""
         request = flight.request
         placed_as = flight.internal_id
-        for attempt in range(3):  # an instance may fail while an adapter loads: route again
-            prefill, decode = self._live("prefill"), self._live("decode")
+        # Instances whose node lacks the adapter's files: another node may have them (the
+        # router knows nothing of adapters), so the request is routed again without them.
+        cannot: set[str] = set()
+        failure: BaseException | None = None
+        # An instance may fail while an adapter loads, or lack its files: route again.
+        for attempt in range(3 + len(self.specs)):
+            prefill = [v for v in self._live("prefill") if v.instance_id not in cannot]
+            decode = [v for v in self._live("decode") if v.instance_id not in cannot]
             if not decode:
+                if failure is not None:  # no live decode instance's node has it: the 404
+                    raise failure
                 raise RuntimeError(self._none_left("decode"))
             if flight.sent:  # moving mid-stream: straight to a decode instance
                 route = Route(None, self.router.best_decode(decode))
@@ -343,10 +351,15 @@ class SchedulerActor(Intake, ReportIntake, KVPeers, Migration, Restart, ClusterO
                     failure = self.lora.request_error(request.lora_request, view.instance_id, exc)
                     if failure is exc:
                         raise
-                    raise failure from None
+                    if not (isinstance(failure, AdapterLoadError) and failure.missing):
+                        raise failure from None  # the model cannot take it: so on every node
+                    cannot.add(view.instance_id)
+                    continue
             if target.serves and route.decode.serves:
                 break
         else:  # (retryable: a 503, not the 500 of a bare RuntimeError)
+            if failure is not None:
+                raise failure
             raise UnavailableError("instances kept failing while the request was being routed")
         if self.flights.get(request.request_id) is not flight:
             # Aborted while an adapter loaded, or (a move) its id was reused meanwhile.

@@ -231,3 +231,61 @@ def test_submits_and_aborts_of_one_call_run_in_order(tiny_model: Path) -> None:
     second = asyncio.run(asyncio.wait_for(run(), 60))
     assert second[-1].finish_reason is not None and second[-1].finish_reason.value == "length"
     assert sum(len(o.new_token_ids) for o in second) == GREEDY.max_tokens
+
+
+def test_an_adapter_missing_on_one_instances_node_runs_on_another(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """The router knows nothing of adapters: a request naming one whose files are not on
+    the node of the instance it was routed to is routed again without it (another node may
+    have them), and is a 404 only when no live instance could load it."""
+    from cluster.errors import AdapterLoadError
+    from scheduler import LoRAConfig
+    from tests.cluster.conftest import make_adapter
+
+    lora = LoRAConfig(max_loras=1, max_lora_rank=8)
+    config = ClusterConfig(
+        model=str(tiny_model),
+        block_size=4,
+        lora=lora,
+        pools=[InstancePool(name="c", num_blocks=128, replicas=2)],
+    )
+    specs = []
+    for i in range(2):
+        worker = ModelWorker(str(tiny_model), block_size=4, lora_config=lora, progress=False)
+        worker.load_model()
+        worker.init_kv_cache(128)
+        executor = LocalExecutor(worker)
+        specs.append(InstanceSpec(f"c-{i}", config.pools[0], executor, None, worker.info()))
+    actor = SchedulerActor(config, specs)
+    lacking = {"c-0"}  # the instances whose node lacks the adapter's files
+    ensure = actor.lora.ensure
+
+    async def ensure_on_its_node(instance_id: str, request: Any) -> None:
+        if instance_id in lacking:
+            raise FileNotFoundError(f"{request.lora_path}: no adapter_config.json there")
+        await ensure(instance_id, request)
+
+    path = make_adapter(tiny_model, tmp_path / "a", seed=5)
+
+    async def run() -> tuple[list[EngineCoreOutput], BaseException]:
+        await actor.start()
+        adapter = await actor.load_lora_adapter("a", path)  # (tried on the node that has it)
+        actor.lora.ensure = ensure_on_its_node  # type: ignore[method-assign]
+        actor.lora.reset("c-0")  # (no copy there: the files are not on its node)
+        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        outs = []
+        for i in range(3):  # wherever the router sends them first
+            request = Request(f"r{i}", _prompt(i), params, lora_request=adapter)
+            outs += [out async for out in actor.generate(request)]
+        lacking.add("c-1")
+        with pytest.raises(AdapterLoadError) as missing:
+            await actor.submit(Request("r9", _prompt(9), params, lora_request=adapter), "x")
+        await _idle(actor)
+        await actor.shutdown()
+        return outs, missing.value
+
+    outs, missing = asyncio.run(asyncio.wait_for(run(), 120))
+    finals = [o for o in outs if o.finish_reason is not None]
+    assert [o.finish_reason.value for o in finals] == ["length"] * 3  # type: ignore[union-attr]
+    assert missing.missing and missing.name == "a"
