@@ -57,7 +57,6 @@ class ClusterOperations:
     _lingering: dict[str, InstanceSpec]  # retired instances whose workers wait for a lease
     hand_offs: HandOffs
     _confirm: Callable[[dict[str, list[str]]], None]
-    _kv_peers_wait_s: Callable[[], float]
 
     # ... and what of the actor this uses.
     async def _add_instances(self, specs: list[InstanceSpec]) -> None:
@@ -239,10 +238,15 @@ class ClusterOperations:
                 ray.kill(actor)
             self._lingering.pop(spec.instance_id, None)
         if self.config.disaggregated:
-            from cluster.control.placement import disconnect_kv_peers, kv_peer_names
+            from cluster.control.placement import (
+                disconnect_kv_peers,
+                kv_peer_names,
+                kv_peers_timeout_s,
+            )
 
+            wait = kv_peers_timeout_s(self.config.step_timeout_s)
             await disconnect_kv_peers(
-                list(self.specs.values()), kv_peer_names(spec), self._kv_peers_wait_s()
+                list(self.specs.values()), kv_peer_names(spec), timeout_s=wait
             )
 
     async def _holds_requests(self, iid: str) -> bool:

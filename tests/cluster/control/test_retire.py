@@ -36,7 +36,9 @@ class Retire(ClusterOperations):
 
         engine.stop = stop
         self.config: Any = SimpleNamespace(
-            disaggregated=True, kv_transfer=SimpleNamespace(effective_lease_s=LEASE_S)
+            disaggregated=True,
+            step_timeout_s=None,
+            kv_transfer=SimpleNamespace(effective_lease_s=LEASE_S),
         )
         self.engines = {"p-0": engine}
         self.roles = {"p-0": role}
@@ -69,7 +71,7 @@ def recorded(monkeypatch: pytest.MonkeyPatch) -> None:
 
     from cluster.control import placement
 
-    async def disconnect(specs: list[Any], names: list[str]) -> None:
+    async def disconnect(specs: list[Any], names: list[str], timeout_s: float = 0) -> None:
         EVENTS.append(("disconnect", ([s.instance_id for s in specs], names)))
 
     EVENTS.clear()
