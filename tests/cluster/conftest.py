@@ -220,6 +220,20 @@ def make_adapter(base_dir: Path, path: Path, seed: int) -> str:
     return str(path)
 
 
+# The spans of one disaggregated request: the central actor's, both engines', and the workers'
+# KV save and load (from other processes, each with its own export batch).
+PD_SPAN_NAMES = frozenset(
+    {
+        "tandem.request",
+        "tandem.queue",
+        "tandem.prefill",
+        "tandem.kv_transfer",
+        "tandem.decode",
+        "tandem.kv_save",
+        "tandem.kv_load",
+    }
+)
+
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"

@@ -16,7 +16,13 @@ from typing import Any
 
 import pytest
 
-from tests.cluster.conftest import RayCluster, assert_clean, span_attributes, wait_until
+from tests.cluster.conftest import (
+    PD_SPAN_NAMES,
+    RayCluster,
+    assert_clean,
+    span_attributes,
+    wait_until,
+)
 from tests.cluster.control.helpers import (
     DECODE,
     PREFILL,
@@ -102,15 +108,7 @@ def test_one_trace_across_the_central_actor_and_both_engines(traced: tuple[Any, 
 
     out = asyncio.run(run())
     assert len(out.outputs[0].token_ids) == 6
-    wanted = {
-        "tandem.request",
-        "tandem.queue",
-        "tandem.prefill",
-        "tandem.kv_transfer",
-        "tandem.decode",
-        "tandem.kv_save",
-        "tandem.kv_load",
-    }
+    wanted = set(PD_SPAN_NAMES)
     wait_until(
         lambda: wanted <= {s.name for _, s in receiver.trace(trace_id)},
         30,

@@ -10,7 +10,14 @@ from typing import Any
 
 import pytest
 
-from tests.cluster.conftest import API_KEY, RayCluster, ServeApp, span_attributes, wait_until
+from tests.cluster.conftest import (
+    API_KEY,
+    PD_SPAN_NAMES,
+    RayCluster,
+    ServeApp,
+    span_attributes,
+    wait_until,
+)
 
 requests = pytest.importorskip("requests")
 
@@ -35,17 +42,7 @@ def test_one_trace_across_ingress_scheduler_prefill_and_decode(
     )
     assert r.status_code == 200, r.text
     usage = r.json()["usage"]
-    wanted = {
-        "chat tiny-chat",
-        "tandem.request",
-        "tandem.queue",
-        "tandem.prefill",
-        "tandem.kv_transfer",
-        "tandem.decode",
-        # The workers' spans come from other processes, each with its own export batch.
-        "tandem.kv_save",
-        "tandem.kv_load",
-    }
+    wanted = {"chat tiny-chat", *PD_SPAN_NAMES}  # the ingress's span too
 
     def arrived() -> bool:
         return wanted <= {s.name for _, s in serve_app.traces.trace(trace_id)}
