@@ -112,3 +112,19 @@ def test_a_round_takes_a_worker_for_hung_no_sooner_than_its_step_would_be(
     assert placement.kv_peers_timeout_s(None) == 60.0
     assert placement.kv_peers_timeout_s(2.0) == 60.0
     assert placement.kv_peers_timeout_s(300.0) == 300.0 + placement.STEP_MARGIN_S
+
+
+def test_an_engine_failed_as_hung_reports_it_so_its_workers_are_ended() -> None:
+    """``fail(reason, hung=True)`` -- a round's verdict -- fails the loop as a step timeout
+    does: ``hung`` set before the failure reaches the owner (``InstanceEngine._on_loop_failed``
+    then ends the workers). A plain ``fail`` (a worker found dead) does not."""
+    from cluster.control.engine import InstanceEngine
+    from cluster.control.engine_loop import EngineLoop
+    from tests.scheduler.helpers import make_scheduler
+
+    seen: list[tuple[bool, str]] = []
+    for hung in (True, False):
+        loop = EngineLoop("d-0", make_scheduler(block_size=4, num_blocks=32), None, print)  # type: ignore[arg-type]
+        loop.on_failure = lambda failed, ids, reason: seen.append((failed.hung, reason))
+        InstanceEngine.fail(SimpleNamespace(loop=loop), f"no answer ({hung})", hung=hung)  # type: ignore[arg-type]
+    assert seen == [(True, "no answer (True)"), (False, "no answer (False)")]
