@@ -390,10 +390,16 @@ async def connect_kv_peers(
     caller to fail it."""
     wait = KV_PEERS_TIMEOUT_S if timeout_s is None else timeout_s
     errors: list[str] = []
-    for spec in new:
+
+    async def peers_of(spec: InstanceSpec) -> list[Any] | None:
         try:
-            found = await asyncio.wait_for(spec.call_stages("kv_peer"), wait)
+            return list(await asyncio.wait_for(spec.call_stages("kv_peer"), wait))
         except TimeoutError:
+            return None
+
+    # All at once: a rebuild asks every instance, and hung ones are not waited for in turn.
+    for spec, found in zip(new, await asyncio.gather(*map(peers_of, new)), strict=True):
+        if found is None:
             errors.append(f"{spec.instance_id}: {_no_answer(spec, 'kv_peer', wait)}")
             continue
         spec.kv_peers = [p for p in found if p is not None]

@@ -128,3 +128,25 @@ def test_an_engine_failed_as_hung_reports_it_so_its_workers_are_ended() -> None:
         loop.on_failure = lambda failed, ids, reason: seen.append((failed.hung, reason))
         InstanceEngine.fail(SimpleNamespace(loop=loop), f"no answer ({hung})", hung=hung)  # type: ignore[arg-type]
     assert seen == [(True, "no answer (True)"), (False, "no answer (False)")]
+
+
+def test_the_new_instances_of_a_round_are_asked_at_once() -> None:
+    """A restarted central actor's rebuild connects every instance: asked one after the
+    other, k hung ones held it (503s meanwhile) k timeouts long. Two instances that answer
+    only once both were asked show that the round asks them together."""
+    asked: list[str] = []
+    both = asyncio.Event()
+
+    class Barrier(Spec):
+        async def call_stages(self, method: str, *args: Any, **options: Any) -> list[Any]:
+            if method == "kv_peer":
+                asked.append(self.instance_id)
+                if len(asked) == 2:
+                    both.set()
+                await both.wait()
+            return await super().call_stages(method, *args, **options)
+
+    specs = [Barrier("p-0"), Barrier("d-0")]
+    errors = asyncio.run(placement.connect_kv_peers(specs, specs))  # type: ignore[arg-type]
+    assert errors == [] and sorted(asked) == ["d-0", "p-0"]
+    assert all(s.unanswered is None for s in specs)
