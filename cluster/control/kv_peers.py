@@ -186,20 +186,27 @@ class KVPeers:
     ) -> tuple[str | None, bool]:
         """Connect a rejoined instance's workers with the live ones: what failed (None:
         nothing), and whether that is final (its workers use another transport)."""
-        from cluster.control.placement import connect_kv_peers, disconnect_kv_peers, kv_peer_names
+        from cluster.control.placement import (
+            KV_PEERS_TIMEOUT_S,
+            connect_kv_peers,
+            disconnect_kv_peers,
+            kv_peer_names,
+        )
 
         wait = self._kv_peers_wait_s()
 
-        def within(call: Any) -> Any:  # (a worker that hangs fails this try, not the rejoin)
-            return asyncio.wait_for(call, wait)
+        # A worker that hangs fails this try, not the rejoin. The monitor's calls (``step``
+        # False) wait behind no step.
+        def within(call: Any, step: bool = True) -> Any:
+            return asyncio.wait_for(call, wait if step else KV_PEERS_TIMEOUT_S)
 
         transport = self.config.kv_transfer.transport
         try:
-            health = await within(spec.call_stages("health", group=MONITOR))
+            health = await within(spec.call_stages("health", group=MONITOR), step=False)
             if any(h.get("kv_transport") != transport for h in health):
                 options = self.config.kv_transfer.connector_options()
                 await within(spec.call_stages("use_kv_transport", transport, options))
-                health = await within(spec.call_stages("health", group=MONITOR))
+                health = await within(spec.call_stages("health", group=MONITOR), step=False)
             used = {h.get("kv_transport") for h in health}
             if used != {transport}:  # e.g. NIXL cannot start there any more: it fell back
                 return f"its workers use {sorted(map(str, used))}, the cluster {transport}", True

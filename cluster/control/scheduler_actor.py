@@ -55,6 +55,9 @@ from scheduler.request import FinishReason
 
 logger = logging.getLogger(__name__)
 
+MAX_LOST_ROUTES = 3  # a request routed to an instance that failed meanwhile is routed again
+KEPT_FAILING = "instances kept failing while the request was being routed"
+
 
 class SchedulerActor(Intake, ReportIntake, KVPeers, Migration, Restart, ClusterOperations):
     """Admits and routes requests, hands them off between instances, moves them off failed
@@ -322,18 +325,23 @@ class SchedulerActor(Intake, ReportIntake, KVPeers, Migration, Restart, ClusterO
         instance recomputes prompt + those tokens and continues after them."""
         request = flight.request
         placed_as = flight.internal_id
-        # Instances whose node lacks the adapter's files: another node may have them (the
-        # router knows nothing of adapters), so the request is routed again without them.
+        # Routed again, without them, past instances whose node lacks the adapter's files
+        # (another node may have them: the router knows nothing of adapters) -- at most once
+        # per instance -- and past routes lost to an instance that failed or left while the
+        # adapter loaded, at most MAX_LOST_ROUTES times.
         cannot: set[str] = set()
-        failure: BaseException | None = None
-        # An instance may fail while an adapter loads, or lack its files: route again.
-        for attempt in range(3 + len(self.specs)):
-            prefill = [v for v in self._live("prefill") if v.instance_id not in cannot]
-            decode = [v for v in self._live("decode") if v.instance_id not in cannot]
+        missing: AdapterLoadError | None = None
+        lost = 0
+        for attempt in itertools.count():
+            live = self._live("decode")
+            decode = [v for v in live if v.instance_id not in cannot]
             if not decode:
-                if failure is not None:  # no live decode instance's node has it: the 404
-                    raise failure
+                if missing is not None and not lost:  # no live instance's node has them
+                    raise missing  # (the 404)
+                if missing is not None:  # one that may have had them failed: retryable
+                    raise UnavailableError(KEPT_FAILING)
                 raise RuntimeError(self._none_left("decode"))
+            prefill = [v for v in self._live("prefill") if v.instance_id not in cannot]
             if flight.sent:  # moving mid-stream: straight to a decode instance
                 route = Route(None, self.router.best_decode(decode))
             else:
@@ -345,22 +353,25 @@ class SchedulerActor(Intake, ReportIntake, KVPeers, Migration, Restart, ClusterO
                 try:
                     for view in {route.decode, target}:
                         await self.lora.ensure(view.instance_id, request.lora_request)
-                except KeyError:
-                    continue  # the instance left its pool meanwhile
+                except KeyError:  # the instance left its pool meanwhile
+                    lost += 1
+                    if lost >= MAX_LOST_ROUTES:
+                        raise UnavailableError(KEPT_FAILING) from None
+                    continue
                 except Exception as exc:  # not on that node, or not for this model: a 4xx
                     failure = self.lora.request_error(request.lora_request, view.instance_id, exc)
                     if failure is exc:
                         raise
                     if not (isinstance(failure, AdapterLoadError) and failure.missing):
                         raise failure from None  # the model cannot take it: so on every node
+                    missing = failure
                     cannot.add(view.instance_id)
                     continue
             if target.serves and route.decode.serves:
                 break
-        else:  # (retryable: a 503, not the 500 of a bare RuntimeError)
-            if failure is not None:
-                raise failure
-            raise UnavailableError("instances kept failing while the request was being routed")
+            lost += 1  # it failed (or began to drain) while the adapter loaded
+            if lost >= MAX_LOST_ROUTES:  # (retryable: a 503, not a bare RuntimeError's 500)
+                raise UnavailableError(KEPT_FAILING)
         if self.flights.get(request.request_id) is not flight:
             # Aborted while an adapter loaded, or (a move) its id was reused meanwhile.
             self._internal.pop(flight.internal_id, None)

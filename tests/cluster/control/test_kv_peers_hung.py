@@ -150,3 +150,28 @@ def test_the_new_instances_of_a_round_are_asked_at_once() -> None:
     errors = asyncio.run(placement.connect_kv_peers(specs, specs))  # type: ignore[arg-type]
     assert errors == [] and sorted(asked) == ["d-0", "p-0"]
     assert all(s.unanswered is None for s in specs)
+
+
+def test_a_round_waits_as_long_as_the_configured_step_timeout_allows(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The wait that reaches ``connect_kv_peers`` and ``disconnect_kv_peers`` is the
+    config's (``step_timeout_s`` + the margin), not the floor."""
+    waits: list[tuple[str, float | None]] = []
+
+    async def connect(specs: Any, new: Any, probe: bool = False, timeout_s: Any = None) -> Any:
+        waits.append(("connect", timeout_s))
+        return ["p-1: unreachable"]
+
+    async def disconnect(specs: Any, names: Any, timeout_s: Any = None) -> None:
+        waits.append(("disconnect", timeout_s))
+
+    monkeypatch.setattr(placement, "connect_kv_peers", connect)
+    monkeypatch.setattr(placement, "disconnect_kv_peers", disconnect)
+    peers = Peers()
+    peers.hung.hung = False
+    peers.config.step_timeout_s = 30.0
+    with pytest.raises(RuntimeError, match="cannot reach"):
+        asyncio.run(peers._connect_kv_peers([Spec("p-1")]))  # type: ignore[list-item]
+    wait = 30.0 + placement.STEP_MARGIN_S
+    assert waits == [("connect", wait), ("disconnect", wait)]

@@ -238,8 +238,9 @@ def test_an_adapter_missing_on_one_instances_node_runs_on_another(
 ) -> None:
     """The router knows nothing of adapters: a request naming one whose files are not on
     the node of the instance it was routed to is routed again without it (another node may
-    have them), and is a 404 only when no live instance could load it."""
-    from cluster.errors import AdapterLoadError
+    have them), and is a 404 only when no live instance could load it -- not when the one
+    that had them failed while it loaded (a 503 then: it may come back)."""
+    from cluster.errors import AdapterLoadError, UnavailableError
     from scheduler import LoRAConfig
     from tests.cluster.conftest import make_adapter
 
@@ -259,12 +260,17 @@ def test_an_adapter_missing_on_one_instances_node_runs_on_another(
         specs.append(InstanceSpec(f"c-{i}", config.pools[0], executor, None, worker.info()))
     actor = SchedulerActor(config, specs)
     lacking = {"c-0"}  # the instances whose node lacks the adapter's files
+    failing: set[str] = set()  # the instances that fail while the adapter loads there
+    tried: list[str] = []
     ensure = actor.lora.ensure
 
     async def ensure_on_its_node(instance_id: str, request: Any) -> None:
+        tried.append(instance_id)
         if instance_id in lacking:
             raise FileNotFoundError(f"{request.lora_path}: no adapter_config.json there")
         await ensure(instance_id, request)
+        if instance_id in failing:
+            actor.views[instance_id].alive = False
 
     path = make_adapter(tiny_model, tmp_path / "a", seed=5)
 
@@ -278,6 +284,12 @@ def test_an_adapter_missing_on_one_instances_node_runs_on_another(
         for i in range(3):  # wherever the router sends them first
             request = Request(f"r{i}", _prompt(i), params, lora_request=adapter)
             outs += [out async for out in actor.generate(request)]
+        assert "c-0" in tried  # (at least once routed there first)
+        failing.add("c-1")
+        with pytest.raises(UnavailableError, match="kept failing"):
+            await actor.submit(Request("r8", _prompt(8), params, lora_request=adapter), "x")
+        actor.views["c-1"].alive = True
+        failing.clear()
         lacking.add("c-1")
         with pytest.raises(AdapterLoadError) as missing:
             await actor.submit(Request("r9", _prompt(9), params, lora_request=adapter), "x")
