@@ -99,6 +99,16 @@ class Router:
                 self._families.popitem(last=False)
         return route
 
+    def follow(self, request: Request, route: Route) -> None:
+        """The samples still to come of ``request``'s family follow ``route``: the first
+        sample's instance could not take it after all (its node lacks the adapter's files),
+        and each sibling would fail there first too."""
+        family = family_of(request)
+        known = self._families.get(family) if family is not None else None
+        if family is not None and known is not None:
+            target = route.prefill or route.decode
+            self._families[family] = (target.instance_id, route.prefill is not None, known[2])
+
     def _sibling_route(
         self,
         known: tuple[str, bool, int],

@@ -368,6 +368,8 @@ class SchedulerActor(Intake, ReportIntake, KVPeers, Migration, Restart, ClusterO
                     cannot.add(view.instance_id)
                     continue
             if target.serves and route.decode.serves:
+                if cannot:  # its siblings still to come go where it went, not where it failed
+                    self.router.follow(request, route)
                 break
             lost += 1  # it failed (or began to drain) while the adapter loaded
             if lost >= MAX_LOST_ROUTES:  # (retryable: a 503, not a bare RuntimeError's 500)

@@ -272,6 +272,21 @@ def test_a_sample_placed_again_neither_follows_nor_counts() -> None:
     _assert_free(a, b)
 
 
+def test_the_later_samples_follow_a_first_one_routed_again_without_its_adapter() -> None:
+    """The first sample's instance lacked the adapter's files and it went elsewhere: the
+    samples still to come follow it there (each would fail on the first instance too)."""
+    a, b = _loop("a"), _loop("b")
+    router = _router(disaggregation="never")
+    first, second, third = _samples("f", 3)
+    chosen = _names(router.route(first, [], _v(a, b)))[1]
+    elsewhere = b if chosen == "a" else a
+    again = router.route(first, [], _v(elsewhere), first=False)
+    router.follow(first, again)
+    for later in (second, third):
+        assert _names(router.route(later, [], _v(a, b)))[1] == elsewhere.instance_id
+    assert not router._families
+
+
 def test_only_the_front_ends_sample_ids_make_a_family() -> None:
     """``num_samples`` with an id that is not ``{id}#{sample_index}``: routed on its own."""
     a, b = _loop("a"), _loop("b")
