@@ -351,16 +351,6 @@ class EngineLoop:
             if self.max_in_flight > 1 and not self._async:
                 cap = -(-len(scheduler.running) // self.max_in_flight) or None
             out = scheduler.schedule(cap)
-            if in_flight and not (
-                out.total_num_scheduled_tokens
-                or out.finished_req_ids
-                or out.preempted_req_ids
-                or out.kv_connector_metadata
-            ):
-                # Nothing for the workers (waiting requests that cannot be admitted yet, the
-                # running ones all in flight): the steps in flight go on alone, and the next
-                # result schedules again. (Its update_from_output would have had no work.)
-                break
             self._count(out)
             if self.on_step is not None:
                 self.on_step(self, out.total_num_scheduled_tokens)

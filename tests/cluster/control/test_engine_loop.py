@@ -431,38 +431,3 @@ def test_async_last_decode_capped_by_max_model_len_overlaps_no_empty_step() -> N
     )
     assert not loop._can_overlap()
     assert scheduler.schedule().total_num_scheduled_tokens == 0  # what it would have sent
-
-
-def test_no_empty_step_beside_one_in_flight_while_the_queue_cannot_be_admitted(
-    tiny_model: Path,
-) -> None:
-    """Sync pipelining (two steps in flight) with room for one running request: the second
-    waits, and a step started beside the first one's carried nothing -- a worker call (every
-    stage of a pipeline) for nothing, every other step. None is sent now; the outputs are
-    the one-step-at-a-time loop's."""
-
-    async def run(max_in_flight: int) -> tuple[list[tuple[int, int]], dict[str, list[int]]]:
-        scheduler = Scheduler(
-            SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64, max_model_len=64),
-            CacheConfig(block_size=4, num_blocks=32),
-        )
-        seen: list[EngineCoreOutput] = []
-        loop = EngineLoop(
-            "i0",
-            scheduler,
-            LocalExecutor(_worker(tiny_model)),
-            lambda _, outs: seen.extend(outs),
-            max_in_flight=max_in_flight,
-        )
-        started: list[tuple[int, int]] = []  # (tokens, steps already in flight)
-        loop.on_step = lambda lp, n: started.append((n, len(lp._in_flight)))
-        await _start_and_finish(loop, seen, 2)
-        await loop.stop()
-        tokens: dict[str, list[int]] = {}
-        for out in seen:
-            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-        return started, tokens
-
-    started, tokens = asyncio.run(run(2))
-    assert not [n for n, beside in started if n == 0 and beside > 0], started
-    assert tokens == asyncio.run(run(1))[1] and all(len(t) == 6 for t in tokens.values())
