@@ -99,13 +99,12 @@ class KVPeers:
         (``_kv_peers_wait_s``) hang: each fails as after a step timeout -- its
         requests move, its workers are ended (and, with max_restarts, come back and rejoin)
         -- rather than serve without the peers the round was for."""
-        engines = getattr(self, "engines", {})
         for spec in specs:
-            why = getattr(spec, "unanswered", None)
+            why = spec.unanswered
             if why is None:
                 continue
             spec.unanswered = None
-            engine = engines.get(spec.instance_id)
+            engine = self.engines.get(spec.instance_id)
             if engine is not None:
                 reason = f"instance {spec.instance_id}: {why} (hung)"
                 logger.error("%s", reason)

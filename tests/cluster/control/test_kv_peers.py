@@ -23,6 +23,7 @@ class Peers(KVPeers):
         self._kv_auto = auto
         self.specs = {}
         self.views = {}
+        self.engines: dict[str, Any] = {}
         self.switched_to: list[str] = []
         self.config: Any = SimpleNamespace(
             disaggregated=True,
