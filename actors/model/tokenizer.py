@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -195,6 +196,18 @@ def _byte_level_chars() -> dict[int, str]:
     return chars
 
 
+def _prompt_suffix(tokenizer: Tokenizer, prompt_ids: Sequence[int]) -> list[int]:
+    """The shortest tail of the prompt, 4 to 23 tokens, that decodes to whole characters (no
+    U+FFFD: an output's first delta must not complete a character the prompt began); the
+    whole prompt when it is that short and clean; none when no such tail exists."""
+    ids = list(prompt_ids)
+    for n in range(min(4, len(ids)), min(len(ids), 23) + 1):
+        tail = ids[-n:]
+        if n and "\ufffd" not in tokenizer.decode(tail, skip_special_tokens=False):
+            return tail
+    return []
+
+
 def _token_str(value: Any) -> str | None:
     if isinstance(value, dict):  # {"content": "<s>", ...} in older tokenizer_config files
         content = value.get("content")
@@ -206,12 +219,22 @@ class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas without re-decoding from the start and
     without emitting half of a multi-byte character (held back while it decodes to U+FFFD)."""
 
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        skip_special_tokens: bool = True,
+        prompt_ids: Sequence[int] = (),
+    ) -> None:
+        """``prompt_ids``: the prompt the outputs continue. Its last few tokens prime the
+        window (vLLM's ``FastIncrementalDetokenizer`` does the same), so the first output
+        token renders as it does inside the full text: a SentencePiece decoder strips the
+        leading space of a decoded text (``Strip(" ", 1, 0)``), so "▁Paris" decoded alone
+        is "Paris", while after the prompt it is " Paris"."""
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self.ids: list[int] = []
+        self.ids: list[int] = _prompt_suffix(tokenizer, prompt_ids)
         self.prefix_offset = 0  # window start: context so merges render as in the full text
-        self.read_offset = 0  # tokens already turned into emitted text
+        self.read_offset = len(self.ids)  # tokens already turned into emitted text
 
     def add(self, new_ids: list[int]) -> str:
         """Append tokens; return the newly completed text (may be empty)."""

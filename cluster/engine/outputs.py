@@ -54,11 +54,18 @@ class RequestOutput:
 class _Sample:
     """Per-child detokenization and stop-string state."""
 
-    def __init__(self, index: int, tokenizer: Tokenizer, params: SamplingParams) -> None:
+    def __init__(
+        self,
+        index: int,
+        tokenizer: Tokenizer,
+        params: SamplingParams,
+        prompt_ids: list[int] | None = None,
+    ) -> None:
         self.out = CompletionOutput(
             index=index, logprobs=[] if params.logprobs is not None else None
         )
-        self.detok = IncrementalDetokenizer(tokenizer, params.skip_special_tokens)
+        # (primed with the prompt: its first token renders as inside the full text)
+        self.detok = IncrementalDetokenizer(tokenizer, params.skip_special_tokens, prompt_ids or ())
         self.params = params
         self.max_stop_len = max((len(s) for s in params.stop), default=0)
         self.emitted = 0  # characters of ``out.text`` already handed out as ``new_text``
@@ -200,7 +207,7 @@ class OutputProcessor:
     def add(
         self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams
     ) -> list[str]:
-        samples = [_Sample(i, self.tokenizer, params) for i in range(params.n)]
+        samples = [_Sample(i, self.tokenizer, params, prompt_ids) for i in range(params.n)]
         parent = _Parent(request_id, prompt, prompt_ids, samples)
         self.requests[request_id] = parent
         child_ids = self.child_ids(request_id, params.n)

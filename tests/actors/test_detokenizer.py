@@ -178,3 +178,38 @@ def test_sentencepiece_tokens_bytes_are_their_bytes_and_spaces() -> None:
         tok = Tokenizer(sp, **options)
         joined = b"".join(tok.token_bytes(t) for t in [1, 5, 2, 3, 4])
         assert joined == (" hi €".encode() if fallback else b" hi <0xE2><0x82><0xAC>")
+
+
+def _sentencepiece_tokenizer() -> Tokenizer:
+    """A Llama-2 / Mistral style tokenizer: Metaspace pieces and a decoder that strips the
+    decoded text's leading space (``Strip(" ", 1, 0)``, as tokenizer.json and our GGUF
+    tokenizer build it)."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models
+
+    vocab = {"<unk>": 0, "▁The": 1, "▁capital": 2, "▁of": 3, "▁France": 4, "▁is": 5, "▁Paris": 6}
+    sp = HFTokenizer(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    sp.decoder = decoders.Sequence([*steps, decoders.Strip(" ", 1, 0)])
+    options: dict[str, Any] = {"bos_token_id": None, "eos_token_id": None}
+    options |= {"add_bos_token": False, "chat_template": None}
+    return Tokenizer(sp, **options)
+
+
+def test_first_output_token_keeps_its_leading_space_after_the_prompt() -> None:
+    """vLLM primes its detokenizer with the prompt's tail: "The capital of France is" +
+    "▁Paris" streams " Paris", not "Paris" (the decoder strips a text's first space)."""
+    from cluster.engine.outputs import OutputProcessor
+    from scheduler import EngineCoreOutput, FinishReason, SamplingParams
+
+    tok = _sentencepiece_tokenizer()
+    prompt = [1, 2, 3, 4, 5]
+    assert tok.decode([6]) == "Paris"  # (why priming is needed)
+    assert IncrementalDetokenizer(tok, prompt_ids=prompt).add([6]) == " Paris"
+    assert tok.decode([*prompt, 6]).endswith(" is Paris")
+    processor = OutputProcessor(tok)
+    processor.add("r", None, prompt, SamplingParams(max_tokens=2))
+    (out,), _ = processor.process([EngineCoreOutput("r", [6], None)])
+    assert out.outputs[0].text == out.outputs[0].new_text == " Paris"
+    (out,), _ = processor.process([EngineCoreOutput("r", [2], FinishReason.LENGTH)])
+    assert out.outputs[0].text == " Paris capital"
