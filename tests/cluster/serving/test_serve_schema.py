@@ -249,6 +249,7 @@ def _edge_cases(app: ServeApp) -> list[tuple[str, dict[str, Any]]]:
     prompt = {"model": m, "prompt": "The quick brown fox"}
     chat = {"model": m, "messages": [{"role": "user", "content": "hi"}]}
     cmpl, chat_ = "POST /v1/completions", "POST /v1/chat/completions"
+    wide = {"stream": True, "logprobs": True}
     return [
         (cmpl, {**prompt, "max_tokens": 2**63}),
         (cmpl, {**prompt, "max_tokens": 10**30}),
@@ -263,11 +264,11 @@ def _edge_cases(app: ServeApp) -> list[tuple[str, dict[str, Any]]]:
         (cmpl, {**prompt, "stream": True, "n": 3, "stream_options": {"include_usage": True}}),
         (chat_, {**chat, "max_tokens": 2**63}),
         (chat_, {**chat, "max_completion_tokens": 10**30, "n": 2}),
-        # The longest generations: the whole context, n times (n above the fixture's bound of
-        # 6 waiting requests too: a request is admitted as a whole).
-        (chat_, {**chat, "n": 6, "ignore_eos": True}),
-        (chat_, {**chat, "n": 6, "ignore_eos": True, "stream": True, "logprobs": True}),
-        (chat_, {**chat, "n": 16, "stream": True, "logprobs": True, "top_logprobs": 20}),
+        # The longest generation: the whole context, n times, streamed with logprobs (one such
+        # case: each takes about 10 s here).
+        (chat_, {**chat, **wide, "n": 6, "ignore_eos": True}),
+        # n above the fixture's bound of 6 waiting requests: a request is admitted as a whole.
+        (chat_, {**chat, **wide, "n": 16, "max_tokens": 48, "top_logprobs": 20}),
         (chat_, {**chat, "chat_template_kwargs": {"add_generation_prompt": 1}}),
         (chat_, {**chat, "model": "a", "n": 4, "priority": -(10**30)}),
     ]
