@@ -50,6 +50,14 @@ def interrupted_while_starting(command: str, exc: BaseException) -> int:
         signum = exc.code
     else:
         signum = signal.SIGINT
+    if not _received:
+        # Not ours that stopped the start: Ray's SIGTERM handler (``sys.exit``, installed by
+        # ``ray.init``, still in place). Count it as the first signal and take both signals
+        # back, so that one during the clean-up that follows says so instead of cutting it
+        # short (Ray's handler: a second SystemExit; ours with nothing counted: a
+        # KeyboardInterrupt) and leaving a detached cluster behind.
+        _received.append(int(signum))
+    stop_on_signals()
     print(f"\n{command}: interrupted while starting: shutting down", file=sys.stderr, flush=True)
     return 128 + signum
 
