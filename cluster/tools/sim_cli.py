@@ -19,6 +19,9 @@ from typing import Any
 
 from cluster.tools.argtypes import COUNT, MILLISECONDS, POSITIVE, RATE, bounded, token_budgets
 
+# A generated workload's defaults (None in the arguments: given or not tells a --trace apart).
+DEFAULT_RATE, DEFAULT_NUM_REQUESTS, DEFAULT_SHAPE = 2.0, 200, "chat"
+
 
 def add_sim_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
@@ -121,10 +124,28 @@ def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_workload_arguments(p: argparse.ArgumentParser) -> None:
+    from cluster.sim.workload import SHAPES  # (light: no torch, no ray)
+
     p.add_argument("--trace", default=None, help="a JSONL workload (arrival_s, prompt_len, ...)")
-    p.add_argument("--rate", type=RATE, default=2.0, help="Poisson arrivals, requests/s")
-    p.add_argument("--num-requests", type=POSITIVE, default=200)
-    p.add_argument("--shape", default="chat", help="chat, summarization, agentic or fixed")
+    p.add_argument(
+        "--rate",
+        type=RATE,
+        default=None,
+        help=f"Poisson arrivals, requests/s (default {DEFAULT_RATE:g}); with --trace, its "
+        "arrivals scaled to this mean rate",
+    )
+    p.add_argument(
+        "--num-requests",
+        type=POSITIVE,
+        default=None,
+        help=f"generated requests (default {DEFAULT_NUM_REQUESTS}; not with --trace)",
+    )
+    p.add_argument(
+        "--shape",
+        default=None,
+        choices=sorted(SHAPES),
+        help=f"the generated requests' lengths (default {DEFAULT_SHAPE}; not with --trace)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--slo-ttft-ms", type=MILLISECONDS, default=None, help="TTFT target (goodput)")
     p.add_argument("--slo-tpot-ms", type=MILLISECONDS, default=None, help="TPOT target (goodput)")
@@ -171,7 +192,15 @@ def workload(args: argparse.Namespace, rate: float | None = None) -> Any:
     from cluster.sim.workload import WorkItem, poisson, read_trace
 
     if args.trace is not None:
+        if args.num_requests is not None or args.shape is not None:
+            raise ValueError(
+                "--num-requests and --shape describe a generated workload: a --trace has its "
+                "own requests (--rate scales its arrivals)"
+            )
         items = read_trace(args.trace)
+        if not items:
+            raise ValueError(f"{args.trace}: no requests in the trace")
+        rate = args.rate if rate is None else rate
         if rate is None or len(items) < 2:
             return items
         span = items[-1].arrival_s - items[0].arrival_s
@@ -187,7 +216,12 @@ def workload(args: argparse.Namespace, rate: float | None = None) -> Any:
             )
             for i in items
         ]
-    return poisson(rate or args.rate, args.num_requests, args.shape, args.seed)
+    return poisson(
+        rate or args.rate or DEFAULT_RATE,
+        args.num_requests or DEFAULT_NUM_REQUESTS,
+        args.shape or DEFAULT_SHAPE,
+        args.seed,
+    )
 
 
 def slo(args: argparse.Namespace) -> Any:
@@ -312,16 +346,16 @@ def run_plan(args: argparse.Namespace) -> int:
         cost = load_cost_model(args.cost)
         tokens = args.batched_tokens
         base, note = for_cost_model(base, cost, args.model)
+        rate = args.rate or DEFAULT_RATE
+        burst = False  # no span of arrivals: no rate to keep up with, no longer run
+        if args.trace is not None:  # (a trace's line that is no work item: a ValueError)
+            items = workload(args)  # (at --rate, when given)
+            span = items[-1].arrival_s - items[0].arrival_s if len(items) > 1 else 0.0
+            rate = (len(items) - 1) / span if span > 0 else 1.0
+            burst = span <= 0
     except (ValueError, OSError) as exc:
         print(f"tandem plan: {exc}", file=sys.stderr)
         return 2
-    rate = args.rate
-    burst = False  # no span of arrivals: no rate to keep up with, no longer run
-    if args.trace is not None:
-        items = workload(args)
-        span = items[-1].arrival_s - items[0].arrival_s if len(items) > 1 else 0.0
-        rate = (len(items) - 1) / span if span > 0 else 1.0
-        burst = span <= 0
     longer = "" if burst else f"; the workload {LONGER} times over"
 
     def said(trial: Trial) -> None:

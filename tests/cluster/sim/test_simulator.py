@@ -579,6 +579,9 @@ def test_a_file_the_tools_cannot_read_or_write_is_a_one_line_error(
         (["plan", "--max-instances", "0"], "--max-instances"),
         (["plan", "--batched-tokens", "2048,0"], "--batched-tokens"),
         (["plan", "--batched-tokens", "2048,x"], "--batched-tokens"),
+        # An unknown shape was a KeyError traceback (sim run and plan alike).
+        (["sim", "run", "--shape", "chatt"], "--shape"),
+        (["plan", "--shape", "chatt", "--slo-ttft-ms", "500"], "--shape"),
     ],
 )
 def test_a_count_rate_or_target_out_of_range_is_a_usage_error(
@@ -644,3 +647,32 @@ def test_a_planned_pool_runs_as_many_requests_as_its_base_unless_its_budget_is_s
     given = {**BOTH, "scheduler": {"max_num_seqs": 512}}
     [pool] = Candidate(both=1, max_num_batched_tokens=4096).config(_config([given])).pools
     assert pool.scheduler["max_num_seqs"] == 512  # the base's own, kept
+
+
+def test_a_trace_is_scaled_to_rate_and_refuses_the_generators_flags(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--rate`` with ``--trace`` scales the trace's arrivals (it was silently ignored:
+    ``sim run`` served the trace as recorded, ``plan`` sized for the trace's own rate);
+    ``--num-requests`` / ``--shape`` with a trace are refused, not ignored; a trace line
+    that is no work item is a one-line error in ``plan`` too (it was a traceback)."""
+    import argparse
+
+    from cluster.sim.workload import write_trace
+    from cluster.tools.cli import main
+    from cluster.tools.sim_cli import workload
+
+    trace = tmp_path / "t.jsonl"
+    write_trace([WorkItem(1.0 * i, 64, 8) for i in range(11)], trace)  # 1 request/s
+    args = argparse.Namespace(trace=str(trace), rate=4.0, num_requests=None, shape=None, seed=0)
+    items = workload(args)
+    assert items[-1].arrival_s - items[0].arrival_s == pytest.approx(10 / 4)
+    args.rate = None
+    assert workload(args)[-1].arrival_s == 10.0  # as recorded
+    assert main(["sim", "run", "--trace", str(trace), "--num-requests", "5"]) == 2
+    assert "--num-requests and --shape" in capsys.readouterr().err
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"arrival_s": 0, "prompt_len": 4}\n')  # no output_len
+    assert main(["plan", "--trace", str(bad), "--slo-ttft-ms", "500"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"tandem plan: {bad}:1: not a work item") and "Traceback" not in err
