@@ -205,8 +205,13 @@ class LinearCostModel:
     @classmethod
     def load(cls, path: str | Path) -> LinearCostModel:
         data = json.loads(Path(path).read_text())
+        if not isinstance(data, dict) or data.get("kind", "linear") != "linear":
+            raise ValueError(f"{path}: not a fitted cost model (tandem sim calibrate --out)")
         data.pop("kind", None)
-        return cls(**data)
+        try:
+            return cls(**data)
+        except TypeError as exc:  # a key it does not know, or one it needs missing
+            raise ValueError(f"{path}: not a fitted cost model: {exc}") from None
 
 
 # -- GPUs from first principles --------------------------------------------------------------
@@ -332,7 +337,7 @@ class RooflineCostModel:
 
 def gpu_model(spec: str) -> RooflineCostModel:
     """``MODEL@GPU[xTP]``, e.g. ``llama-3-8b@h100-sxm`` or ``llama-3-70b@h100-sxmx4``."""
-    found = re.fullmatch(r"(?P<model>[^@]+)@(?P<gpu>.+?)(?:x(?P<tp>\d+))?", spec)
+    found = re.fullmatch(r"(?P<model>[^@]+)@(?P<gpu>.+?)(?:x(?P<tp>[1-9]\d*))?", spec)
     if found is None or found["model"] not in MODELS or found["gpu"] not in GPUS:
         raise ValueError(
             f"unknown GPU cost model {spec!r}: MODEL@GPU[xTP] with MODEL in "

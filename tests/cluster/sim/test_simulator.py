@@ -676,3 +676,25 @@ def test_a_trace_is_scaled_to_rate_and_refuses_the_generators_flags(
     assert main(["plan", "--trace", str(bad), "--slo-ttft-ms", "500"]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"tandem plan: {bad}:1: not a work item") and "Traceback" not in err
+
+
+def test_a_cost_model_that_is_not_one_is_a_one_line_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--cost`` of a JSON file that is no fitted model (a bench result, a list) and a GPU
+    spec of 0 GPUs: one line naming it, exit 2 (they were TypeError / AttributeError /
+    ZeroDivisionError tracebacks)."""
+    from cluster.tools.cli import main
+
+    results = tmp_path / "results.json"
+    results.write_text('{"config": {}, "runs": []}')
+    listed = tmp_path / "list.json"
+    listed.write_text("[1, 2]")
+    for cost in (str(results), str(listed)):
+        assert main(["sim", "run", "--cost", cost, "--num-requests", "2"]) == 2
+        assert "not a fitted cost model" in capsys.readouterr().err
+    argv = ["plan", "--cost", "llama-3-8b@h100-sxmx0", "--slo-ttft-ms", "500"]
+    assert main(argv) == 2
+    assert "unknown GPU cost model" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="unknown GPU cost model"):
+        gpu_model("llama-3-8b@h100-sxmx0")
