@@ -220,6 +220,13 @@ class ClusterConfig(_Config):
             raise ValueError("a prefill pool needs a decode (or both) pool to hand KV to")
         if self.router.disaggregation == "always" and "prefill" not in roles:
             raise ValueError("router.disaggregation 'always' needs a pool with role 'prefill'")
+        if self.router.disaggregation == "never" and "prefill" in roles:
+            idle = ", ".join(p.name for p in self.pools if p.role == "prefill")
+            raise ValueError(
+                f"router.disaggregation 'never' routes no request to a prefill pool: {idle} "
+                "would load the model and serve nothing (remove it, or set 'always' or a "
+                "token threshold)"
+            )
         if self.serve.lora_modules and self.lora is None:
             raise ValueError("serve.lora_modules needs LoRA enabled: add a lora section")
         if self.max_model_len is not None:  # (else checked at start, with the model's)

@@ -79,6 +79,11 @@ def test_defaults_are_one_colocated_instance() -> None:
         ("pools: [{name: a, role: prefill}]", "needs a decode"),
         ("pools: [{name: a}, {name: a}]", "repeated: a"),
         ("router: {disaggregation: always}", "needs a pool with role 'prefill'"),
+        (
+            "router: {disaggregation: never}\n"
+            "pools: [{name: p, role: prefill}, {name: d, role: decode}]",
+            "routes no request to a prefill pool: p",
+        ),
         ("router: {disaggregation: -1}", "must be >= 0"),
         # YAML's off/on are booleans: "off" passed as the threshold 0 (disaggregate all)
         ("router: {disaggregation: off}", "not the boolean False"),
