@@ -1,5 +1,7 @@
-"""The flags of ``tandem bench`` (vLLM's ``benchmark_serving`` names where they exist) and
-their cross-checks; ``cluster.tools.loadgen`` runs what they ask for."""
+"""The flags of ``tandem bench`` and their cross-checks; ``cluster.tools.loadgen`` runs what
+they ask for. A ``vllm bench serve`` command line works as it is: its spellings are accepted
+too (``--random-input-len``, ``--goodput ttft:MS``, ``--base-url`` of the server's root with
+``--endpoint /v1/completions``, ``--max-concurrency`` alone, ``--ignore-eos``)."""
 
 from __future__ import annotations
 
@@ -7,8 +9,17 @@ import argparse
 import os
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import urlsplit
 
 LEN_DISTS = ("uniform", "normal", "fixed")
+# --endpoint: ours, and vLLM's (a path under the server's root)
+ENDPOINTS = {
+    "completions": "completions",
+    "chat": "chat",
+    "/v1/completions": "completions",
+    "/v1/chat/completions": "chat",
+}
+GOODPUT_KEYS = {"ttft": "slo_ttft_ms", "tpot": "slo_tpot_ms"}
 MAX_NUM_PROMPTS = 1_000_000
 
 
@@ -52,17 +63,21 @@ def _non_negative_int(s: str) -> int:
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     """Add every ``tandem bench`` option to ``p`` (a subparser)."""
     pint, pfloat = _positive(int), _positive(float)
-    p.add_argument("--base-url", default="http://127.0.0.1:8000/v1", help="the API's /v1 URL")
+    p.add_argument(
+        "--base-url",
+        default="http://127.0.0.1:8000/v1",
+        help="the API's /v1 URL (a server's root, as vLLM's bench takes it, gets /v1)",
+    )
     p.add_argument("--model", default=None, help="model name (default: first of GET /models)")
     p.add_argument(
         "--api-key", default=os.environ.get("OPENAI_API_KEY"), help="Bearer token ($OPENAI_API_KEY)"
     )
     p.add_argument(
         "--endpoint",
-        choices=("completions", "chat"),
+        choices=tuple(ENDPOINTS),
         default="completions",
         help="completions: random token-id prompts (exact length); chat: random words "
-        "(about one token each, so the prompt length is approximate)",
+        "(about one token each, so the prompt length is approximate); vLLM's /v1/... paths too",
     )
     load = p.add_mutually_exclusive_group()
     load.add_argument(
@@ -77,7 +92,12 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
         metavar="R[,R...]",
         help="Poisson arrivals, req/s; 2,8 sweeps",
     )
-    p.add_argument("--max-concurrency", type=pint, help="cap in flight (with --request-rate)")
+    p.add_argument(
+        "--max-concurrency",
+        type=pint,
+        help="cap in flight with --request-rate; alone, as vLLM's (an infinite rate under the "
+        "cap): --concurrency N",
+    )
     p.add_argument("--num-prompts", type=pint, default=64, help="requests per run (default 64)")
     p.add_argument("--seed", type=int, default=0, help="prompts, lengths and arrivals")
     p.add_argument("--duration-s", type=pfloat, help="start no request after this many s per run")
@@ -87,10 +107,19 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
         default=0,
         help="uncounted requests first (prompts of their own: they prime no run's prefix cache)",
     )
-    p.add_argument("--input-len", type=pint, default=128, help="prompt tokens (mean)")
-    p.add_argument("--output-len", type=pint, default=64, help="max_tokens (mean)")
+    # (vLLM's random dataset spells them --random-input-len, ...: both are taken)
     p.add_argument(
-        "--range-ratio", type=float, default=0.0, help="lengths in [L(1-r), L(1+r)], 0 <= r < 1"
+        "--input-len", "--random-input-len", type=pint, default=128, help="prompt tokens (mean)"
+    )
+    p.add_argument(
+        "--output-len", "--random-output-len", type=pint, default=64, help="max_tokens (mean)"
+    )
+    p.add_argument(
+        "--range-ratio",
+        "--random-range-ratio",
+        type=float,
+        default=0.0,
+        help="lengths in [L(1-r), L(1+r)], 0 <= r < 1",
     )
     p.add_argument("--len-dist", choices=LEN_DISTS, default="uniform", help="length distribution")
     p.add_argument("--min-token-id", type=_non_negative_int, default=100, help="prompt ids from")
@@ -101,9 +130,21 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
         action="store_false",
         help="do not send ignore_eos (vLLM extra; outputs may end before max_tokens)",
     )
+    p.add_argument(
+        "--ignore-eos",
+        dest="ignore_eos",
+        action="store_true",
+        help="send ignore_eos: the default here (vLLM's bench asks for it with this flag)",
+    )
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature")
     p.add_argument("--slo-ttft-ms", type=pfloat, help="goodput SLO: TTFT at most this")
     p.add_argument("--slo-tpot-ms", type=pfloat, help="goodput SLO: TPOT at most this")
+    p.add_argument(
+        "--goodput",
+        nargs="+",
+        metavar="KEY:MS",
+        help="vLLM's spelling of the SLOs: ttft:MS and/or tpot:MS",
+    )
     p.add_argument("--timeout-s", type=pfloat, default=300.0, help="per-request timeout")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.add_argument(
@@ -116,9 +157,12 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def check_bench_args(args: argparse.Namespace) -> None:
-    """Cross-option rules; raises ValueError naming the option."""
-    if args.max_concurrency is not None and not args.request_rate:
-        raise ValueError("--max-concurrency needs --request-rate (else use --concurrency)")
+    """Cross-option rules; raises ValueError naming the option. Turns vLLM's spellings into
+    ours (``--goodput``, ``--endpoint /v1/...``, a root ``--base-url``, ``--max-concurrency``
+    alone)."""
+    _take_vllm_spellings(args)
+    if args.max_concurrency is not None and args.concurrency:
+        raise ValueError("--max-concurrency caps --request-rate: --concurrency already fixes it")
     if not 0 <= args.range_ratio < 1:
         raise ValueError(f"--range-ratio must be in [0, 1), got {args.range_ratio}")
     if args.min_token_id > args.max_token_id:
@@ -127,3 +171,30 @@ def check_bench_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--num-prompts must be <= {MAX_NUM_PROMPTS}")
     if args.temperature < 0:
         raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
+
+
+def _take_vllm_spellings(args: argparse.Namespace) -> None:
+    args.endpoint = ENDPOINTS[args.endpoint]
+    url = urlsplit(args.base_url)
+    if url.scheme in ("http", "https") and url.path.strip("/") == "":
+        # vLLM's --base-url is the server's root (its --endpoint the path below it); ours is
+        # the API's /v1 URL: no OpenAI API answers at the root.
+        args.base_url = args.base_url.rstrip("/") + "/v1"
+    if args.max_concurrency is not None and not args.request_rate and not args.concurrency:
+        # vLLM's --max-concurrency without a rate: every request at once (rate inf), at most
+        # N in flight -- N requests in flight, which is --concurrency N.
+        args.concurrency, args.max_concurrency = [args.max_concurrency], None
+    for item in getattr(args, "goodput", None) or ():
+        key, _, value = item.partition(":")
+        if key not in GOODPUT_KEYS:
+            raise ValueError(f"--goodput {item!r}: KEY:MS with KEY ttft or tpot")
+        try:
+            ms = float(value)
+        except ValueError:
+            raise ValueError(f"--goodput {item!r}: {value!r} is not a number of ms") from None
+        if not ms > 0:
+            raise ValueError(f"--goodput {item!r}: must be > 0 ms")
+        name = GOODPUT_KEYS[key]
+        if getattr(args, name) is not None and getattr(args, name) != ms:
+            raise ValueError(f"--goodput {key} and --{name.replace('_', '-')} disagree")
+        setattr(args, name, ms)

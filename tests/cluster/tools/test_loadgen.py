@@ -370,7 +370,11 @@ def test_duration_cap_with_a_request_rate_ends_the_run_at_the_cap(
         (["--request-rate", "0"], "--request-rate"),
         (["--request-rate", "1,-2"], "--request-rate"),
         (["--concurrency", "0"], "--concurrency"),
-        (["--max-concurrency", "4"], "--max-concurrency"),
+        (["--concurrency", "2", "--max-concurrency", "4"], "--max-concurrency"),
+        (["--goodput", "e2el:500"], "--goodput"),
+        (["--goodput", "ttft:fast"], "--goodput"),
+        (["--goodput", "tpot:0"], "--goodput"),
+        (["--goodput", "ttft:500", "--slo-ttft-ms", "400"], "--goodput"),
         (["--range-ratio", "1.5"], "--range-ratio"),
         (["--min-token-id", "500", "--max-token-id", "10"], "--min-token-id"),
         (["--endpoint", "embeddings"], "--endpoint"),
@@ -394,3 +398,22 @@ def test_api_key_defaults_to_env(monkeypatch: pytest.MonkeyPatch) -> None:
     args = p.parse_args([])
     assert args.api_key == "sk-env" and args.endpoint == "completions"
     assert args.base_url == "http://127.0.0.1:8000/v1" and args.timeout_s == 300
+
+
+def test_a_vllm_bench_serve_command_line_runs_as_it_is(server: FakeServer, tmp_path: Path) -> None:
+    """``vllm bench serve``'s spellings: the server's root as --base-url with the endpoint's
+    path, --random-*-len, --max-concurrency without a rate (N in flight), --goodput and
+    --ignore-eos (each was refused, or a 404 at the root's /models)."""
+    argv = ["--base-url", f"http://127.0.0.1:{server.port}", "--endpoint", "/v1/chat/completions"]
+    argv += ["--random-input-len", "8", "--random-output-len", "3", "--random-range-ratio", "0"]
+    argv += ["--max-concurrency", "2", "--goodput", "ttft:5000", "tpot:1000", "--ignore-eos"]
+    rc, doc = _bench([*argv, "--num-prompts", "4"], tmp_path)
+    assert rc == 0
+    config = doc["config"]
+    assert config["base_url"] == f"http://127.0.0.1:{server.port}/v1"
+    assert config["endpoint"] == "chat" and config["concurrency"] == [2]
+    assert config["slo_ttft_ms"] == 5000 and config["slo_tpot_ms"] == 1000
+    assert len(server.bodies) == 4 and server.max_in_flight <= 2
+    assert all("messages" in b and b["max_tokens"] == 3 and b["ignore_eos"] for b in server.bodies)
+    (run,) = doc["runs"]
+    assert run["summary"]["completed"] == 4 and run["summary"]["goodput"]["share"] == 1.0
