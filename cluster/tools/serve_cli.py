@@ -63,7 +63,10 @@ def serve_config(args: argparse.Namespace) -> Any:
     data = config.model_dump(exclude_unset=False)
     if model is not None:
         data["model"] = model
-        data["serve"]["served_model_name"] = model  # vLLM's default: the name as given
+        if not (config_file and config.serve.served_model_name):
+            # vLLM's default: the name as given -- a config file's own name stays, as vLLM
+            # takes its --config file's keys as flags given
+            data["serve"]["served_model_name"] = model
     names = args.served_model_name or []
     if len(names) > 1:
         raise ValueError(

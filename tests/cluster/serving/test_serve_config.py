@@ -217,13 +217,18 @@ def test_help_groups_the_flags(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_vllm_defaults_names_and_dtypes(tmp_path: Path) -> None:
-    """As vllm serve: the served name is MODEL as given, --dtype takes half / float, one
-    --served-model-name; --max-loras over a file's lora section."""
+    """As vllm serve: the served name is MODEL as given (unless the --config file names it),
+    --dtype takes half / float, one --served-model-name; --max-loras over a file's lora
+    section."""
     assert serve_config(_args("/models/X")).serve.served_model_name == "/models/X"
     named = serve_config(_args("/models/X", "--served-model-name", "x"))
     assert named.serve.served_model_name == "x"
     with pytest.raises(ValueError, match="one name"):
         serve_config(_args("/models/X", "--served-model-name", "x", "y"))
+    named_in_file = tmp_path / "named.yaml"
+    named_in_file.write_text("serve: {served_model_name: prod}\n")
+    config = serve_config(_args("/models/X", "--config", str(named_in_file)))
+    assert config.model == "/models/X" and config.serve.served_model_name == "prod"
     for dtype in ("half", "float", "bfloat16"):
         assert serve_config(_args("--dtype", dtype)).dtype == dtype
     file = tmp_path / "lora.yaml"
