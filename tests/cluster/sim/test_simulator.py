@@ -698,3 +698,20 @@ def test_a_cost_model_that_is_not_one_is_a_one_line_error(
     assert "unknown GPU cost model" in capsys.readouterr().err
     with pytest.raises(ValueError, match="unknown GPU cost model"):
         gpu_model("llama-3-8b@h100-sxmx0")
+
+
+def test_of_two_qualifying_splits_the_plan_takes_the_one_that_holds_up_longer() -> None:
+    """Both splits meet the SLO and keep up: the one with the higher attainment over the
+    longer run is the plan, not the one a little higher over the single run (the margin
+    under sustained load is what the plan is for)."""
+    from cluster.sim.planner import Candidate, Trial
+
+    def summary(attainment: float) -> dict[str, Any]:
+        return {"slo_attainment": attainment, "goodput_requests_s": 1.0}
+
+    thin = Trial(Candidate(prefill=1, decode=2), summary(0.99), sustained=summary(0.91))
+    wide = Trial(Candidate(prefill=2, decode=1), summary(0.98), sustained=summary(0.99))
+    assert thin.keeps_up(0.9) and wide.keeps_up(0.9)
+    assert max([thin, wide], key=Trial.rank) is wide
+    burst = Trial(Candidate(both=2), summary(0.95))  # (no longer run: its single run decides)
+    assert max([burst, thin], key=Trial.rank) is burst
