@@ -326,7 +326,8 @@ def test_serve_over_https_with_a_self_signed_ca(tiny_model: Path, tmp_path: Path
     """``tandem serve --ssl-keyfile --ssl-certfile``: the API answers over HTTPS with a
     certificate of our own CA (clients that trust the CA get answers; plain HTTP and clients
     that do not trust it get none), the gRPC API over TLS (served by the ingress replica, not
-    Serve's plaintext proxy), and SIGTERM stops it."""
+    Serve's plaintext proxy, which would bind every interface ([::])) on 127.0.0.1 alone --
+    nothing listens on the port's wildcard address -- and SIGTERM stops it."""
 
     from kv_transfer.tls import TLSMaterial
 
@@ -367,6 +368,9 @@ def _serve_over_tls(
         lines = _until_ready(serve, "ready:", 180)
         url = f"https://127.0.0.1:{port}"
         assert lines[-1].startswith(f"ready: {url}/v1"), lines[-1]
+        assert serve.stdout is not None
+        more = [serve.stdout.readline() for _ in range(2)]
+        assert f"gRPC tandem.v1.Generate on 127.0.0.1:{grpc_port} (TLS)\n" in more, more
         ca = str(tmp_path / "ca.pem")
         body = {"model": "tiny", "prompt": "hello", "max_tokens": 3, "temperature": 0}
         models = requests.get(f"{url}/v1/models", verify=ca, timeout=60).json()
@@ -398,6 +402,9 @@ def _serve_over_tls(
             with pytest.raises(grpc.RpcError) as refused:
                 list(stream)
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        if Path("/proc/net/tcp").exists():  # (Linux's socket tables)
+            listening = _listeners(grpc_port)
+            assert listening and all(a.endswith("0100007F") for a in listening), listening
         _sigterm_stops(serve)
     finally:
         if serve.poll() is None:
@@ -453,48 +460,3 @@ def _listeners(port: int) -> set[str]:
                 if state == "0A" and int(hex_port, 16) == port:
                     found.add(address)
     return found
-
-
-@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads Linux's socket tables")
-def test_serve_answers_grpc_on_its_loopback_host_only(tiny_model: Path, tmp_path: Path) -> None:
-    """`tandem serve` on 127.0.0.1 (the default): Serve's plaintext gRPC proxy would bind
-    every interface ([::]), so the ingress replica serves gRPC itself, on 127.0.0.1 alone --
-    the API answers there, and nothing listens on the port's wildcard address."""
-    import grpc
-
-    from cluster.proto import tandem_pb2, tandem_pb2_grpc
-
-    config = tmp_path / "cluster.yaml"
-    config.write_text(
-        f"model: {tiny_model}\nblock_size: 4\n"
-        "pools:\n  - {name: c, role: both, num_blocks: 64, num_threads: 1}\n"
-    )
-    port, grpc_port = free_port(), free_port()
-    args = ["--port", str(port), "--grpc-port", str(grpc_port), "--num-cpus", "2"]
-    with own_ray_env("tandem-grpc-") as env:
-        serve = _tandem("serve", str(config), *args, "--object-store-mb", "80", env=env)
-        try:
-            _until_ready(serve, "ready:", 180)
-            assert serve.stdout is not None
-            lines = [serve.stdout.readline() for _ in range(2)]
-            assert f"gRPC tandem.v1.Generate on 127.0.0.1:{grpc_port}\n" in lines, lines
-            request = tandem_pb2.GenerateRequest(model="tiny", prompt="hello", max_tokens=3)
-            with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
-                grpc.channel_ready_future(channel).result(timeout=30)
-                stub = tandem_pb2_grpc.GenerateStub(channel)
-                request.model = _served_model(port)
-                responses = list(stub.Generate(request, timeout=60))
-            assert responses[-1].usage.completion_tokens == 3
-            listening = _listeners(grpc_port)
-            assert listening and all(a.endswith("0100007F") for a in listening), listening
-            _sigterm_stops(serve)
-        finally:
-            if serve.poll() is None:
-                serve.kill()
-
-
-def _served_model(port: int) -> str:
-    import requests
-
-    models = requests.get(f"http://127.0.0.1:{port}/v1/models", timeout=60).json()
-    return str(models["data"][0]["id"])
