@@ -129,7 +129,18 @@ applications:
     builder = getattr(importlib.import_module(module), name)
     from ray.serve import Application
 
-    assert isinstance(builder(app["args"]), Application)
+    from cluster.config import ClusterConfig
+
+    built = builder(app["args"])
+    assert isinstance(built, Application)
+    # What Serve would run: the ingress bound to the cluster config the args became (a
+    # builder that dropped or mistranslated them still returned an Application).
+    config = built._bound_deployment.init_args[-1]
+    assert isinstance(config, ClusterConfig)
+    assert config.model == "smollm2" and config.serve.served_model_name == "smollm"
+    assert config.max_model_len == 2048
+    pools = [(p.role, p.replicas, p.autoscaling) for p in config.pools]
+    assert pools == [("prefill", 1, None), ("decode", 1, None)]
 
 
 @pytest.mark.parametrize(

@@ -151,8 +151,8 @@ def _stream_errors(response: Any) -> list[dict[str, Any]]:
     return errors
 
 
-def _send(case: Any, label: str, seen: dict[str, set[int]]) -> None:
-    """One request: no 5xx, no hang, a status the route may answer."""
+def _send(case: Any, label: str, seen: dict[str, set[int]]) -> int:
+    """One request: no 5xx, no hang, a status the route may answer (returned)."""
     auth = ADMIN_AUTH if label.partition(" ")[2] in ADMIN_ROUTES else AUTH
     start = time.monotonic()
     try:
@@ -169,6 +169,7 @@ def _send(case: Any, label: str, seen: dict[str, set[int]]) -> None:
     if status == 200 and "text/event-stream" in response.headers.get("content-type", [""])[0]:
         assert not _stream_errors(response), repro
         assert response.content.rstrip().endswith(b"data: [DONE]"), repro
+    return status
 
 
 def test_schema_has_exactly_the_known_routes(schema: Any) -> None:
@@ -242,40 +243,42 @@ def test_generated_requests_give_no_server_error_and_no_hang(
     assert _served_adapters(serve_app) == protected
 
 
-def _edge_cases(app: ServeApp) -> list[tuple[str, dict[str, Any]]]:
+def _edge_cases(app: ServeApp) -> list[tuple[str, dict[str, Any], int]]:
     """Bodies at the edges of what the schema allows (or just past them), with the real
-    model: huge ``max_tokens``/``n`` must give 400, never a 5xx or a wait."""
+    model: huge ``max_tokens``/``n`` must give 400, never a 5xx or a wait. The third item:
+    the status the case must get."""
     m = app.model
     prompt = {"model": m, "prompt": "The quick brown fox"}
     chat = {"model": m, "messages": [{"role": "user", "content": "hi"}]}
     cmpl, chat_ = "POST /v1/completions", "POST /v1/chat/completions"
     wide = {"stream": True, "logprobs": True}
     return [
-        (cmpl, {**prompt, "max_tokens": 2**63}),
-        (cmpl, {**prompt, "max_tokens": 10**30}),
-        (cmpl, {**prompt, "n": 10**9}),
-        (cmpl, {**prompt, "n": 16, "max_tokens": 2**31}),
-        (cmpl, {**prompt, "n": 16, "best_of": 16, "logprobs": 20, "echo": True}),
-        (cmpl, {**prompt, "seed": 2**64 - 1, "top_k": 10**12, "min_tokens": 10**12}),
-        (cmpl, {**prompt, "seed": -(2**63), "priority": 10**30, "stop_token_ids": [10**30]}),
-        (cmpl, {**prompt, "stop_token_ids": [2**63 - 1], "max_tokens": 4}),
-        (cmpl, {"model": m, "prompt": [10**30], "max_tokens": 1}),
-        (cmpl, {"model": m, "prompt": [[1, 2], [2**63]], "max_tokens": 1}),
-        (cmpl, {**prompt, "stream": True, "n": 3, "stream_options": {"include_usage": True}}),
-        (chat_, {**chat, "max_tokens": 2**63}),
-        (chat_, {**chat, "max_completion_tokens": 10**30, "n": 2}),
+        (cmpl, {**prompt, "max_tokens": 2**63}, 400),
+        (cmpl, {**prompt, "max_tokens": 10**30}, 400),
+        (cmpl, {**prompt, "n": 10**9}, 400),
+        (cmpl, {**prompt, "n": 16, "max_tokens": 2**31}, 400),
+        (cmpl, {**prompt, "n": 16, "best_of": 16, "logprobs": 20, "echo": True}, 200),
+        (cmpl, {**prompt, "seed": 2**64 - 1, "top_k": 10**12, "min_tokens": 10**12}, 400),
+        (cmpl, {**prompt, "seed": -(2**63), "priority": 10**30, "stop_token_ids": [10**30]}, 400),
+        (cmpl, {**prompt, "stop_token_ids": [2**63 - 1], "max_tokens": 4}, 200),
+        (cmpl, {"model": m, "prompt": [10**30], "max_tokens": 1}, 400),
+        (cmpl, {"model": m, "prompt": [[1, 2], [2**63]], "max_tokens": 1}, 400),
+        (cmpl, {**prompt, "stream": True, "n": 3, "stream_options": {"include_usage": True}}, 200),
+        (chat_, {**chat, "max_tokens": 2**63}, 400),
+        (chat_, {**chat, "max_completion_tokens": 10**30, "n": 2}, 400),
         # The longest generation: the whole context, n times, streamed with logprobs (one such
         # case: each takes about 10 s here).
-        (chat_, {**chat, **wide, "n": 6, "ignore_eos": True}),
+        (chat_, {**chat, **wide, "n": 6, "ignore_eos": True}, 200),
         # n above the fixture's bound of 6 waiting requests: a request is admitted as a whole.
-        (chat_, {**chat, **wide, "n": 16, "max_tokens": 48, "top_logprobs": 20}),
-        (chat_, {**chat, "chat_template_kwargs": {"add_generation_prompt": 1}}),
-        (chat_, {**chat, "model": "a", "n": 4, "priority": -(10**30)}),
+        (chat_, {**chat, **wide, "n": 16, "max_tokens": 48, "top_logprobs": 20}, 200),
+        (chat_, {**chat, "chat_template_kwargs": {"add_generation_prompt": 1}}, 200),
+        (chat_, {**chat, "model": "a", "n": 4, "priority": -(10**30)}, 400),
     ]
 
 
 def test_edge_cases_give_no_server_error_and_no_hang(serve_app: ServeApp, schema: Any) -> None:
     seen: dict[str, set[int]] = {}
-    for label, body in _edge_cases(serve_app):
+    for label, body, want in _edge_cases(serve_app):
         method, path = label.split(" ", 1)
-        _send(schema[path][method].Case(body=body), label, seen)
+        status = _send(schema[path][method].Case(body=body), label, seen)
+        assert status == want, (label, body, status)

@@ -407,13 +407,14 @@ def test_a_vllm_bench_serve_command_line_runs_as_it_is(server: FakeServer, tmp_p
     argv = ["--base-url", f"http://127.0.0.1:{server.port}", "--endpoint", "/v1/chat/completions"]
     argv += ["--random-input-len", "8", "--random-output-len", "3", "--random-range-ratio", "0"]
     argv += ["--max-concurrency", "2", "--goodput", "ttft:5000", "tpot:1000", "--ignore-eos"]
+    server.token_delay_s = 0.01  # (each request in flight long enough for the other to start)
     rc, doc = _bench([*argv, "--num-prompts", "4"], tmp_path)
     assert rc == 0
     config = doc["config"]
     assert config["base_url"] == f"http://127.0.0.1:{server.port}/v1"
     assert config["endpoint"] == "chat" and config["concurrency"] == [2]
     assert config["slo_ttft_ms"] == 5000 and config["slo_tpot_ms"] == 1000
-    assert len(server.bodies) == 4 and server.max_in_flight <= 2
+    assert len(server.bodies) == 4 and server.max_in_flight == 2  # N in flight, not 1
     assert all("messages" in b and b["max_tokens"] == 3 and b["ignore_eos"] for b in server.bodies)
     (run,) = doc["runs"]
     assert run["summary"]["completed"] == 4 and run["summary"]["goodput"]["share"] == 1.0
