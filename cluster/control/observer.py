@@ -211,11 +211,14 @@ class RequestObserver:
             since, before = getattr(record, "made_here_from", None) or (first, 0)
             if since is not None and num - before > 1:
                 sink(where.instance_id, "tpot", (now - since) / (num - before - 1), now - since)
+        # Its last token's instant: an engine's record has it; a central flight's is only
+        # as of its last hand-off or move (its engine actor's tokens do not pass here).
+        last = None if isinstance(record, Flight) else getattr(record, "last_token_at", None)
         self.metrics.request_finished(
             "" if where is None else where.instance_id,
             "" if where is None else where.role,
             final.finish_reason.value,
-            RequestTimes.of(arrival, scheduled, first, now, num),
+            RequestTimes.of(arrival, scheduled, first, now, num, last),
             request.num_prompt_tokens,
             num,
             params.max_tokens,

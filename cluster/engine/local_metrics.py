@@ -127,7 +127,7 @@ class LocalMetrics:
             self.instance,
             self.role,
             reason,
-            RequestTimes.of(request.arrival, scheduled, first, now, num),
+            RequestTimes.of(request.arrival, scheduled, first, now, num, sample.last),
             request.num_prompt_tokens,
             num,
             request.max_tokens,

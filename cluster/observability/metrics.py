@@ -56,18 +56,23 @@ class RequestTimes:
         first: float | None,
         now: float,
         num_tokens: int,
+        last: float | None = None,
     ) -> RequestTimes:
         """From a request's instants (one clock): arrived, first step, first token, ended;
-        ``num_tokens`` it generated."""
+        ``num_tokens`` it generated; ``last``: its last token, when known. As vLLM's, the
+        decode and inference times and the TPOT end at the last token, not at the end: a
+        request aborted or failed long after its last token (preempted and waiting, a client
+        that gave up) read as a slow decode, in the histograms that SLOs are judged by."""
+        end = now if first is None or last is None else max(last, first)
         return cls(
             e2e_s=now - arrival,
             ttft_s=None if first is None else first - arrival,
-            tpot_s=(now - first) / (num_tokens - 1)
+            tpot_s=(end - first) / (num_tokens - 1)
             if first is not None and num_tokens > 1
             else None,
             prefill_s=None if first is None or scheduled is None else first - scheduled,
-            decode_s=None if first is None else now - first,
-            inference_s=None if scheduled is None else now - scheduled,
+            decode_s=None if first is None else end - first,
+            inference_s=None if scheduled is None else end - scheduled,
         )
 
 

@@ -193,3 +193,13 @@ def test_an_instance_that_left_leaves_the_exposition() -> None:
         "tandem:inter_token_latency_seconds_count",
         (("instance", "d-0"), ("model_name", "m"), ("role", "decode")),
     ) in _samples(m.render({"instances": {}}))
+
+
+def test_request_times_end_the_decode_at_the_last_token() -> None:
+    """``last`` (the last token) bounds the decode, inference and per-token times, as in
+    vLLM; without it (not known) the end does."""
+    times = RequestTimes.of(0.0, 1.0, 2.0, 10.0, 5, last=3.0)
+    assert times.e2e_s == 10.0 and times.ttft_s == 2.0 and times.prefill_s == 1.0
+    assert times.decode_s == 1.0 and times.inference_s == 2.0 and times.tpot_s == 0.25
+    assert RequestTimes.of(0.0, 1.0, 2.0, 10.0, 5).decode_s == 8.0
+    assert RequestTimes.of(0.0, 1.0, None, 10.0, 0, last=None).inference_s == 9.0

@@ -81,3 +81,28 @@ def test_the_autoscalers_tpot_is_the_pace_on_the_decode_instance_alone() -> None
     ((iid, kind, tpot, _),) = signals
     assert (iid, kind) == ("p-0", "tpot") and 0.03 <= tpot < 0.1
     assert _sums(observer)["tandem:request_time_per_output_token_seconds_sum"] >= 0.33
+
+
+def test_decode_time_and_tpot_end_at_the_last_token_not_at_an_abort() -> None:
+    """As vLLM's (decode time = last token - first token): a request that made 3 tokens
+    50 ms apart, then waited (preempted, its client gone) 5 s before its abort, decoded for
+    0.1 s at 50 ms per token -- not for 5.1 s at 2.55 s per token."""
+    observer = RequestObserver(default_cluster_config(), {}, {})
+    observer.add_instance("p-0", "decode")
+    where = SimpleNamespace(instance_id="p-0", role="decode")
+    now = time.monotonic()
+    record = SimpleNamespace(
+        request=Request("r", [1, 2, 3], SamplingParams(max_tokens=64)),
+        trace=None,
+        sent=[5, 6, 7],
+        first_token_at=now - 5.2,
+        last_token_at=now - 5.1,
+        first_scheduled_at=now - 5.3,
+        placement=SimpleNamespace(client_params=None),
+    )
+    observer.finished(record, EngineCoreOutput("r", [], FinishReason.ABORT), where)
+    sums = _sums(observer)
+    assert 0.04 <= sums["tandem:request_time_per_output_token_seconds_sum"] < 0.1
+    assert 0.09 <= sums["tandem:request_decode_time_seconds_sum"] < 0.2
+    assert 0.19 <= sums["tandem:request_inference_time_seconds_sum"] < 0.3
+    assert sums["tandem:e2e_request_latency_seconds_sum"] >= 5.2  # (the end: the abort)
