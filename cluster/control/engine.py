@@ -327,7 +327,7 @@ class InstanceEngine:
         the workers back if they restart."""
         if loop is not self.loop:
             return
-        lost = self.take_all()
+        lost = self.take_all(reason)
         first_failure = self.failed is None
         self.failed = reason
         connector = loop.scheduler.connector
@@ -383,10 +383,14 @@ class InstanceEngine:
         report = EngineReport(self.instance_id, self.loop.summary(), rejoined=True)
         self.on_report(report)
 
-    def take_all(self) -> list[Lost]:
+    def take_all(self, reason: str | None = None) -> list[Lost]:
         """Every request still here, as lost -- the instance failed, or left its pool after
         its drain timeout: the central scheduler places them again."""
         lost = [h.lost(i) for i, h in self.held.items()]
+        reason = reason or f"instance {self.instance_id} left its pool"
+        for held in self.held.values():
+            if held.trace is not None:  # an engine actor's part: its open spans end here
+                held.trace.left(reason)  # (they were dropped unended, never exported)
         self.held.clear()
         return lost
 

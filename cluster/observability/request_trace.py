@@ -182,6 +182,24 @@ class RequestTrace:
     def moved(self, reason: str) -> None:
         self._event("moved", {"tandem.reason": reason})
 
+    def left(self, reason: str) -> None:
+        """An engine's part whose instance lost the request (it failed, or left its pool):
+        the request goes on elsewhere, as another part with spans of its own, so this part's
+        open spans end here, as errors that say why. (A whole trace -- one process -- goes
+        on with the request: nothing ends.)"""
+        if self.root is not None:
+            return
+        from opentelemetry.trace import Status, StatusCode
+
+        if self.decode is not None and self.decode.is_recording():
+            self.decode.set_attribute("gen_ai.usage.output_tokens", self.output_tokens)
+            self.decode.set_attribute("tandem.preemptions", self.decode_preemptions)
+        for span in (self.queue, self.prefill, self.transfer, self.decode):
+            if span is not None and span.is_recording():
+                span.add_event("moved", {"tandem.reason": reason})
+                span.set_status(Status(StatusCode.ERROR, reason))
+                span.end()
+
     def finish(
         self,
         reason: str,

@@ -257,3 +257,47 @@ def test_a_request_ended_before_it_was_placed_counts_on_no_instance(tiny_model: 
         if line.startswith("tandem:request_success_total{") and 'finished_reason="abort"' in line
     }
     assert aborted.get("") == 1.0 and aborted.get("c-0", 0.0) == 0.0, aborted
+
+
+def test_a_part_its_instance_lost_ends_its_open_spans(traced: Any) -> None:
+    """Engine actors: an instance that fails (or leaves its pool) gives its requests up to
+    be moved (``take_all``). The engine's part of a traced request ends its open spans
+    there, as errors -- they were dropped unended and never exported, so the trace lost the
+    decode span of the instance that made most of the tokens. A whole trace (one process,
+    with its root) goes on with the request: nothing of it ends."""
+    from opentelemetry.trace import set_span_in_context
+
+    from cluster.control.engine import InstanceEngine
+    from cluster.control.held import Held, Placement
+
+    tracer, exporter = traced
+    root = tracer.start_span("tandem.request")
+    part = RequestTrace(
+        tracer, set_span_in_context(root), "r6", 5, time.monotonic(), part=True, output_tokens=1
+    )
+    part.handed_off("d-0", "node-d", "ray", 2)
+    part.tokens(3, 0, "d-0", "node-d")  # (the KV is in: the transfer span ends)
+    whole = RequestTrace(tracer, None, "r7", 5, time.monotonic())
+    whole.scheduled("d-0", "both", None)
+
+    engine = InstanceEngine.__new__(InstanceEngine)
+    engine.instance_id = "d-0"
+    engine.held = {}
+    for internal, trace in (("r6@1", part), ("r7@2", whole)):
+        request = Request(internal, [1, 2, 3, 4, 5], SamplingParams(max_tokens=16))
+        placement = Placement(request, internal.split("@")[0], lambda out, index: None)
+        placement.trace = trace
+        engine.held[internal] = Held(placement, [], None)
+    lost = engine.take_all("instance d-0 failed: its worker died")
+    assert sorted(item.internal_id for item in lost) == ["r6@1", "r7@2"]
+
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    decode = spans["tandem.decode"]
+    assert decode.status.is_ok is False
+    assert decode.status.description == "instance d-0 failed: its worker died"
+    assert decode.attributes["gen_ai.usage.output_tokens"] == 4
+    assert [e.name for e in decode.events] == ["moved"]
+    assert "tandem.prefill" not in spans  # (r7's trace goes on with its request)
+    assert whole.prefill is not None and whole.prefill.is_recording()
+    whole.finish("abort", None)
+    root.end()
