@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from cluster.config import MetricsConfig
 from cluster.engine.outputs import RequestOutput
 from cluster.observability.metrics import ClusterMetrics, RequestTimes
 from scheduler import SamplingParams
@@ -36,10 +37,26 @@ class _Request:
 
 
 class LocalMetrics:
-    """One engine's requests, as one instance's series (``instance``, role ``both``)."""
+    """One engine's requests, as one instance's series (``instance``, role ``both``).
+    Goodput is judged against ``slo`` (``metrics`` of a ``ClusterConfig``; its defaults, as
+    a cluster's, when not given): without SLOs every request served counted as good, and
+    ``goodput_requests_total`` read as ``request_success_total``."""
 
-    def __init__(self, model_name: str, instance: str, role: str = "both") -> None:
-        self.metrics = ClusterMetrics(model_name, None, None)
+    def __init__(
+        self,
+        model_name: str,
+        instance: str,
+        role: str = "both",
+        slo: MetricsConfig | None = None,
+    ) -> None:
+        slo = MetricsConfig() if slo is None else slo
+        ttft, tpot = slo.slo_ttft_ms, slo.slo_tpot_ms
+        self.metrics = ClusterMetrics(
+            model_name,
+            None if ttft is None else ttft / 1000,
+            None if tpot is None else tpot / 1000,
+            vllm_names=slo.vllm_names,
+        )
         self.instance, self.role = instance, role
         self.metrics.add_instance(instance, role)
         self._requests: dict[str, _Request] = {}

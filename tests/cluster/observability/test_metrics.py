@@ -203,3 +203,22 @@ def test_request_times_end_the_decode_at_the_last_token() -> None:
     assert times.decode_s == 1.0 and times.inference_s == 2.0 and times.tpot_s == 0.25
     assert RequestTimes.of(0.0, 1.0, 2.0, 10.0, 5).decode_s == 8.0
     assert RequestTimes.of(0.0, 1.0, None, 10.0, 0, last=None).inference_s == 9.0
+
+
+def test_the_in_process_engines_goodput_is_judged_against_the_slos() -> None:
+    """The in-process engine (``AsyncLLM``) serves the cluster's series, goodput with them:
+    judged against the same SLOs (the cluster's defaults, 2 s TTFT and 200 ms TPOT) -- it
+    had none, so every request served counted as good, however slow."""
+    from cluster.config import MetricsConfig
+    from cluster.engine.local_metrics import LocalMetrics
+
+    def goodput(local: LocalMetrics, ttft: float) -> float:
+        times = RequestTimes(ttft + 1.0, ttft, 0.05, ttft, 1.0, ttft + 1.0)
+        local.metrics.request_finished("local", "both", "length", times, 4, 21, 21)
+        labels = (("instance", "local"), ("model_name", "m"), ("role", "both"))
+        return _samples(local.render({"instances": {}}))[("tandem:goodput_requests_total", labels)]
+
+    assert goodput(LocalMetrics("m", "local"), 5.0) == 0  # past the default 2 s TTFT
+    assert goodput(LocalMetrics("m", "local"), 0.5) == 1
+    lax = MetricsConfig(slo_ttft_ms=None, slo_tpot_ms=None)
+    assert goodput(LocalMetrics("m", "local", slo=lax), 5.0) == 1
