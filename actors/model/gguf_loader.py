@@ -116,15 +116,34 @@ def _rope_scaling_with_freqs(f: GGUFFile) -> dict[str, Any] | None:
 
 
 def _rope_scaling(f: GGUFFile) -> dict[str, Any] | None:
-    kind = _meta(f, "rope.scaling.type")
+    """The file's rope scaling, read as llama.cpp reads it: a factor without
+    ``rope.scaling.type`` is linear, and files converted before the ``rope.scaling.*`` keys
+    hold a linear factor as ``rope.scale_linear``; a factor of 0 means none."""
+    kind = _meta(f, "rope.scaling.type", "linear")
     factor = _meta(f, "rope.scaling.factor")
-    if kind in (None, "none") or factor is None:
+    if factor is None:
+        factor = _meta(f, "rope.scale_linear")
+    if kind == "none" or not factor:
         return None
     scaling: dict[str, Any] = {"rope_type": kind, "factor": float(factor)}
     original = _meta(f, "rope.scaling.original_context_length")
     if original is not None:
         scaling["original_max_position_embeddings"] = int(original)
     return scaling
+
+
+def _eos_ids(f: GGUFFile) -> int | list[int] | None:
+    """``tokenizer.ggml.eos_token_id``, and with it the end-of-turn and end-of-message ids
+    llama.cpp also ends generation at (``eot_token_id`` / ``eom_token_id``: gguf-py's
+    converter moves the chat's end token there when tokenizer.json appends another EOS)."""
+    ids: list[int] = []
+    for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
+        value = f.metadata.get(f"tokenizer.ggml.{key}")
+        if value is not None and int(value) not in ids:
+            ids.append(int(value))
+    if len(ids) > 1:
+        return ids
+    return ids[0] if ids else None
 
 
 def read_gguf_config(src: Source) -> dict[str, Any]:
@@ -160,7 +179,7 @@ def read_gguf_config(src: Source) -> dict[str, Any]:
         "tie_word_embeddings": "output.weight" not in f.tensors,
         "attention_bias": model_type == "qwen2" or "blk.0.attn_q.bias" in f.tensors,
         "bos_token_id": f.metadata.get("tokenizer.ggml.bos_token_id"),
-        "eos_token_id": f.metadata.get("tokenizer.ggml.eos_token_id"),
+        "eos_token_id": _eos_ids(f),
         "torch_dtype": _weight_dtype(f),
     }
 

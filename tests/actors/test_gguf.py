@@ -227,6 +227,33 @@ def test_tiny_model_round_trip(tmp_path: Path, arch: str) -> None:
         assert "model.layers.0.self_attn.q_proj.bias" in got
 
 
+@pytest.mark.parametrize(
+    ("key", "factor"), [("llama.rope.scale_linear", 4.0), ("llama.rope.scaling.factor", 2.0)]
+)
+def test_a_linear_factor_without_a_type_scales_as_in_llama_cpp(
+    tmp_path: Path, key: str, factor: float
+) -> None:
+    """llama.cpp reads a missing ``rope.scaling.type`` as "linear", and the factor from the
+    older ``rope.scale_linear`` when ``rope.scaling.factor`` is missing (GGUF v2 files of
+    linearly scaled Llama 2 fine-tunes hold only that); both were read as no scaling."""
+    from actors.model.config import ModelConfig
+
+    path = tmp_path / "linear.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(1)
+    w.add_context_length(4096)
+    w.add_embedding_length(8)
+    w.add_feed_forward_length(8)
+    w.add_head_count(2)
+    w.add_float32(key, factor)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    cfg = read_gguf_config(path)
+    assert cfg["rope_scaling"] == {"rope_type": "linear", "factor": factor}
+    assert ModelConfig.from_hf(cfg).max_positions == int(4096 * factor)
+
+
 def test_unsupported_architecture(tmp_path: Path) -> None:
     path = tmp_path / "falcon.gguf"
     w = gguf.GGUFWriter(str(path), "falcon")
@@ -235,6 +262,29 @@ def test_unsupported_architecture(tmp_path: Path) -> None:
     w.close()
     with pytest.raises(ValueError, match="falcon"):
         read_gguf_config(path)
+
+
+def test_end_of_turn_and_message_ids_end_generation_too(tmp_path: Path) -> None:
+    """``tokenizer.ggml.eot_token_id`` / ``eom_token_id`` end generation in llama.cpp (gguf-py
+    puts the chat's end token there when tokenizer.json appends another EOS); only
+    ``eos_token_id`` did here, so such a model talked past its turn."""
+    from actors.model.config import ModelConfig
+
+    path = tmp_path / "eot.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(1)
+    w.add_embedding_length(8)
+    w.add_feed_forward_length(8)
+    w.add_head_count(2)
+    w.add_eos_token_id(2)
+    w.add_eot_token_id(7)
+    w.add_eom_token_id(8)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    cfg = read_gguf_config(path)
+    assert cfg["eos_token_id"] == [2, 7, 8]
+    assert ModelConfig.from_hf(cfg).eos_token_ids == (2, 7, 8)
 
 
 def test_sentencepiece_vocab(tmp_path: Path) -> None:
