@@ -28,6 +28,13 @@ _QWEN2_SPLIT = (
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 _LLAMA3_SPLIT = _QWEN2_SPLIT.replace(r"|\p{N}|", r"|\p{N}{1,3}|")
+# ``tokenizer.ggml.pre`` names that llama.cpp (llama-vocab.cpp) splits as Qwen2 / Llama 3 do,
+# e.g. DeepSeek-R1-Distill-Qwen files say "deepseek-r1-qwen". The Llama 3 ones also take a
+# word the vocabulary holds whole without merging, and add BOS unless the file says otherwise;
+# "smaug-bpe" only splits as Llama 3 does.
+_QWEN2_PRES = ("qwen2", "deepseek-r1-qwen", "megrez", "kormo")
+_LLAMA3_PRES = ("llama-bpe", "llama3", "llama-v3", "falcon3", "pixtral")
+_LLAMA3_SPLIT_PRES = (*_LLAMA3_PRES, "smaug-bpe")
 
 
 def _byte_level(pre_name: str) -> tuple[pre.PreTokenizer, normalizers.Normalizer | None]:
@@ -36,8 +43,9 @@ def _byte_level(pre_name: str) -> tuple[pre.PreTokenizer, normalizers.Normalizer
     if pre_name in ("smollm", "starcoder", "refact"):
         # Every digit is its own pre-token, then GPT-2's regex.
         return pre.Sequence([pre.Digits(individual_digits=True), gpt2]), None
-    if pre_name in ("qwen2", "llama-bpe"):
-        split = pre.Split(Regex(_QWEN2_SPLIT if pre_name == "qwen2" else _LLAMA3_SPLIT), "isolated")
+    if pre_name in _QWEN2_PRES or pre_name in _LLAMA3_SPLIT_PRES:
+        pattern = _QWEN2_SPLIT if pre_name in _QWEN2_PRES else _LLAMA3_SPLIT
+        split = pre.Split(Regex(pattern), "isolated")
         no_regex = pre.ByteLevel(add_prefix_space=False, use_regex=False)
         return pre.Sequence([split, no_regex]), normalizers.NFC() if pre_name == "qwen2" else None
     if pre_name not in ("default", "gpt2"):
@@ -68,7 +76,7 @@ def _build_model(md: dict[str, Any]) -> Tokenizer:
     if kind == "gpt2":
         merges = [tuple(m.split(" ", 1)) for m in md.get("tokenizer.ggml.merges", [])]
         pre_name = str(md.get("tokenizer.ggml.pre", "default"))
-        tok = Tokenizer(models.BPE(vocab, merges, ignore_merges=pre_name == "llama-bpe"))
+        tok = Tokenizer(models.BPE(vocab, merges, ignore_merges=pre_name in _LLAMA3_PRES))
         tok.pre_tokenizer, normalizer = _byte_level(pre_name)
         if normalizer is not None:
             tok.normalizer = normalizer
@@ -120,7 +128,10 @@ def gguf_tokenizer(src: Source) -> tuple[Tokenizer, dict[str, Any]]:
     bos_id, eos_id = md.get("tokenizer.ggml.bos_token_id"), md.get("tokenizer.ggml.eos_token_id")
     bos = tokens[bos_id] if bos_id is not None else None
     eos = tokens[eos_id] if eos_id is not None else None
-    add_bos = bool(md.get("tokenizer.ggml.add_bos_token", md["tokenizer.ggml.model"] == "llama"))
+    # llama.cpp's default when the file does not say: SentencePiece and the Llama 3 family add BOS.
+    kind, pre_name = md["tokenizer.ggml.model"], str(md.get("tokenizer.ggml.pre", "default"))
+    bos_default = kind == "llama" or (kind == "gpt2" and pre_name in _LLAMA3_PRES)
+    add_bos = bool(md.get("tokenizer.ggml.add_bos_token", bos_default))
     add_eos = bool(md.get("tokenizer.ggml.add_eos_token", False))
     edges = [(bos, bos_id, add_bos), (eos, eos_id, add_eos)]
     if any(add and t is not None for t, _, add in edges):

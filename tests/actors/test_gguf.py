@@ -327,6 +327,44 @@ def test_sentencepiece_vocab(tmp_path: Path) -> None:
         assert tok.decode(ids) == ref.decode(ids, skip_special_tokens=True), text
 
 
+@pytest.mark.parametrize(
+    ("alias", "canonical"),
+    [
+        ("deepseek-r1-qwen", "qwen2"),
+        ("megrez", "qwen2"),
+        ("llama3", "llama-bpe"),
+        ("falcon3", "llama-bpe"),
+        ("smaug-bpe", "llama-bpe"),
+    ],
+)
+def test_pre_tokenizer_names_llama_cpp_splits_alike(
+    tmp_path: Path, alias: str, canonical: str
+) -> None:
+    """llama.cpp gives these ``tokenizer.ggml.pre`` names the Qwen2 / Llama 3 split (e.g.
+    DeepSeek-R1-Distill-Qwen, a qwen2-arch file, says "deepseek-r1-qwen"); they fell back to
+    GPT-2's split, which cuts "(hello" and digit runs differently."""
+    text = "(hello world) 12345 it's\n\n  x"
+
+    def build(pre_name: str) -> tuple[list[str], bool]:
+        path = tmp_path / f"{pre_name}.gguf"
+        w = gguf.GGUFWriter(str(path), "llama")
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre(pre_name)
+        w.add_token_list(["a", "b", "ab"])
+        w.add_token_merges(["a b"])
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.close()
+        tok, info = gguf_tokenizer(path)
+        assert tok.pre_tokenizer is not None
+        return [p for p, _ in tok.pre_tokenizer.pre_tokenize_str(text)], info["add_bos_token"]
+
+    got, same, gpt2 = build(alias), build(canonical), build("gpt2")
+    assert got[0] == same[0] != gpt2[0]
+    # With no add_bos_token key, llama.cpp adds BOS for the Llama 3 family (not for Qwen2).
+    assert got[1] is (alias in ("llama3", "falcon3"))
+
+
 # --------------------------------------------------------------------------------------------
 # The built-in SmolLM2 file
 # --------------------------------------------------------------------------------------------
