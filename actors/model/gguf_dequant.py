@@ -123,7 +123,10 @@ def dequantize(
     data = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
     block_size, type_size = GGML_QUANT_SIZES[ggml_type]
     n = math.prod(shape)
-    if n % block_size or data.size != n // block_size * type_size:
+    # ggml stores whole blocks per row: a row length that is no multiple of the block size is
+    # no valid tensor, however many bytes (a block would straddle two rows).
+    row_splits_block = bool(shape) and shape[-1] % block_size != 0
+    if n % block_size or row_splits_block or data.size != n // block_size * type_size:
         raise ValueError(
             f"{ggml_type.name}: {data.size} bytes do not hold a tensor of shape {shape}"
         )

@@ -76,6 +76,14 @@ def test_dequantize_rejects_wrong_size() -> None:
         dequantize(np.zeros(33, dtype=np.uint8), QT.Q8_0, (32,))
 
 
+def test_dequantize_rejects_rows_that_split_a_block() -> None:
+    """Two rows of 48 are three Q8_0 blocks' bytes but no ggml tensor (llama.cpp refuses the
+    file): the middle block would straddle the rows. It decoded without a word."""
+    with pytest.raises(ValueError, match="Q8_0"):
+        dequantize(np.zeros(3 * 34, dtype=np.uint8), QT.Q8_0, (2, 48))
+    assert dequantize(np.zeros(3 * 34, dtype=np.uint8), QT.Q8_0, (1, 96)).shape == (1, 96)
+
+
 # --------------------------------------------------------------------------------------------
 # Tiny HF models written as GGUF files
 # --------------------------------------------------------------------------------------------
