@@ -44,6 +44,7 @@ class RequestObserver:
             None if slo.slo_tpot_ms is None else slo.slo_tpot_ms / 1000,
             vllm_names=slo.vllm_names,
         )
+        self.metrics.add_central()
         from kv_transfer.tracing import init_tracing
 
         self.tracer = init_tracing(config.tracing, "scheduler")  # None while tracing is off

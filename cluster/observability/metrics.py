@@ -219,6 +219,19 @@ class ClusterMetrics:
         for reason in FINISH_REASONS:
             self.finished.labels(*labels, reason)
 
+    def add_central(self) -> None:
+        """Export the outcome counters of the requests ended by the central scheduler (none of
+        its instances' doing: never placed, aborted between instances, every end under
+        engine actors) from the start, at 0 -- under ``instance=""`` -- as ``add_instance``
+        does an instance's: the first abort or error of each central actor's life was lost
+        to rate(). (Its histograms stay created at their first request: an instance's set
+        is some 35 KB a scrape.)"""
+        labels = self.labels("", "")
+        for counter in (self.goodput, self.total):
+            counter.labels(*labels)
+        for reason in FINISH_REASONS:
+            self.finished.labels(*labels, reason)
+
     def remove_instance(self, instance: str, role: str) -> None:
         """Stop exporting an instance's series (it left the cluster): without this, every
         instance an autoscaler ever made stayed in each scrape (some 35 KB apiece)."""

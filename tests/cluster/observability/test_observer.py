@@ -106,3 +106,20 @@ def test_decode_time_and_tpot_end_at_the_last_token_not_at_an_abort() -> None:
     assert 0.09 <= sums["tandem:request_decode_time_seconds_sum"] < 0.2
     assert 0.19 <= sums["tandem:request_inference_time_seconds_sum"] < 0.3
     assert sums["tandem:e2e_request_latency_seconds_sum"] >= 5.2  # (the end: the abort)
+
+
+def test_the_central_schedulers_outcome_counters_are_exported_from_the_start() -> None:
+    """Requests the central scheduler ends count under ``instance=""``: those counters are
+    there at 0 from the start, as an instance's are (a series that appears only at its
+    first event loses that event to rate())."""
+    observer = RequestObserver(default_cluster_config(), {}, {})
+    central = {
+        (s.name, s.labels.get("finished_reason"))
+        for family in text_string_to_metric_families(observer.render({"instances": {}}))
+        for s in family.samples
+        if s.labels.get("instance") == "" and s.value == 0
+    }
+    for reason in ("stop", "length", "abort", "error"):
+        assert ("tandem:request_success_total", reason) in central, central
+    assert ("tandem:goodput_requests_total", None) in central
+    assert ("tandem:requests_finished_total", None) in central
