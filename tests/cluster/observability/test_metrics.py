@@ -222,3 +222,23 @@ def test_the_in_process_engines_goodput_is_judged_against_the_slos() -> None:
     assert goodput(LocalMetrics("m", "local"), 0.5) == 1
     lax = MetricsConfig(slo_ttft_ms=None, slo_tpot_ms=None)
     assert goodput(LocalMetrics("m", "local", slo=lax), 5.0) == 1
+
+
+def test_the_slos_are_bucket_bounds_of_their_histograms() -> None:
+    """The share of requests within the TTFT / TPOT SLO reads exactly off the histograms:
+    each SLO is a bound (2 s fell inside vLLM's 1-2.5 s TTFT bucket, 40 ms inside its
+    25-50 ms TPOT one); vLLM's bounds all stay."""
+    from cluster.observability.histograms import ITL_BUCKETS, TTFT_BUCKETS
+
+    m = ClusterMetrics("m", slo_ttft_s=2.0, slo_tpot_s=0.04)
+    m.add_instance("d-0", "decode")
+    bounds: dict[str, set[float]] = {}
+    for family in text_string_to_metric_families(m.render({"instances": {}})):
+        for s in family.samples:
+            if s.name.endswith("_bucket") and s.labels.get("instance") == "d-0":
+                bounds.setdefault(s.name, set()).add(float(s.labels["le"]))
+    ttft = bounds["tandem:time_to_first_token_seconds_bucket"]
+    tpot = bounds["tandem:request_time_per_output_token_seconds_bucket"]
+    assert 2.0 in ttft and set(TTFT_BUCKETS) <= ttft
+    assert 0.04 in tpot and set(ITL_BUCKETS) <= tpot
+    assert 0.04 not in bounds["tandem:inter_token_latency_seconds_bucket"]  # (vLLM's as they are)
