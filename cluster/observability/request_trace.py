@@ -181,6 +181,15 @@ class RequestTrace:
 
     def moved(self, reason: str) -> None:
         self._event("moved", {"tandem.reason": reason})
+        span = self.transfer
+        if span is not None and span.is_recording():
+            # Moved while its KV loaded: that hand-off never ended (the next token, from
+            # the instance it moved to, would have closed the span as a long clean load).
+            from opentelemetry.trace import Status, StatusCode
+
+            span.set_attribute("tandem.kv.outcome", "abandoned")
+            span.set_status(Status(StatusCode.ERROR, f"moved before its KV loaded: {reason}"))
+            self._end(span)
 
     def left(self, reason: str) -> None:
         """An engine's part whose instance lost the request (it failed, or left its pool):

@@ -301,3 +301,23 @@ def test_a_part_its_instance_lost_ends_its_open_spans(traced: Any) -> None:
     assert whole.prefill is not None and whole.prefill.is_recording()
     whole.finish("abort", None)
     root.end()
+
+
+def test_a_request_moved_while_its_kv_loads_ends_the_transfer_span_as_abandoned(
+    traced: Any,
+) -> None:
+    """One process: a decode instance that fails while loading a request's KV moves the
+    request; its transfer span ends there as an error ("abandoned"), not at the next token
+    from another instance, as a long clean load."""
+    tracer, exporter = traced
+    trace = RequestTrace(tracer, None, "r8", 5, time.monotonic())
+    trace.scheduled("p-0", "prefill", None)
+    trace.tokens(1, 0, "p-0", None)
+    trace.handed_off("d-0", None, "ray", 2)
+    trace.moved("instance d-0 failed")
+    trace.tokens(1, None, "d-1", None)
+    (transfer,) = [s for s in exporter.get_finished_spans() if s.name == "tandem.kv_transfer"]
+    assert transfer.status.is_ok is False
+    assert transfer.attributes["tandem.kv.outcome"] == "abandoned"
+    assert "instance d-0 failed" in (transfer.status.description or "")
+    trace.finish("length", None)
