@@ -127,6 +127,8 @@ def _rope_scaling(f: GGUFFile) -> dict[str, Any] | None:
         return None
     scaling: dict[str, Any] = {"rope_type": kind, "factor": float(factor)}
     original = _meta(f, "rope.scaling.original_context_length")
+    if original is None and kind == "yarn":  # (llama.cpp's fallback, and transformers')
+        original = _meta(f, "context_length", 2048)
     if original is not None:
         scaling["original_max_position_embeddings"] = int(original)
     return scaling

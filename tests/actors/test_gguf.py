@@ -262,6 +262,32 @@ def test_a_linear_factor_without_a_type_scales_as_in_llama_cpp(
     assert ModelConfig.from_hf(cfg).max_positions == int(4096 * factor)
 
 
+def test_yarn_without_an_original_context_length_takes_the_files(tmp_path: Path) -> None:
+    """``rope.scaling.type = yarn`` with no ``original_context_length``: llama.cpp (and
+    transformers) take the trained context length; the model's rope raised a KeyError."""
+    from actors.model.config import ModelConfig
+    from actors.model.rope import _inv_freq
+
+    path = tmp_path / "yarn.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(1)
+    w.add_context_length(4096)
+    w.add_embedding_length(8)
+    w.add_feed_forward_length(8)
+    w.add_head_count(2)
+    w.add_string("llama.rope.scaling.type", "yarn")
+    w.add_float32("llama.rope.scaling.factor", 4.0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    cfg = read_gguf_config(path)
+    assert cfg["rope_scaling"]["original_max_position_embeddings"] == 4096
+    config = ModelConfig.from_hf(cfg)
+    assert config.max_positions == 4 * 4096
+    inv, mscale = _inv_freq(4, 10000.0, config.rope_scaling)  # (a KeyError before)
+    assert inv.shape == (2,) and mscale > 1
+
+
 def test_unsupported_architecture(tmp_path: Path) -> None:
     path = tmp_path / "falcon.gguf"
     w = gguf.GGUFWriter(str(path), "falcon")
