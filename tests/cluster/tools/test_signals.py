@@ -66,7 +66,6 @@ def test_a_third_signal_ends_at_once() -> None:
     assert "Traceback" not in err
 
 
-
 def test_a_signal_after_rays_handler_stopped_the_start_does_not_cut_the_clean_up_short() -> None:
     """The start ended by Ray's SIGTERM handler (a SystemExit, nothing counted as ours): a
     second signal, of either kind, says that the clean-up goes on rather than cutting it
