@@ -105,6 +105,26 @@ def _split_objects(body: str) -> list[str]:
 
 
 # -- streaming -------------------------------------------------------------------------------
+def one_per_call(deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One step's ``tool_calls`` deltas with one entry per call: a call's header and its
+    first arguments (or two pieces of its arguments) joined. Two entries of one ``index`` in
+    a chunk are allowed by the schema, but client accumulators kept them as two calls
+    (openai-python's ``accumulate_delta`` before its fix of issue #3201: the stream helpers'
+    final message had a second, nameless call and the first one's arguments lost their
+    start); OpenAI sends one entry per call. A call's deltas of one step are consecutive."""
+    merged: list[dict[str, Any]] = []
+    for delta in deltas:
+        if merged and merged[-1]["index"] == delta["index"]:
+            last = merged[-1]
+            function = dict(last.get("function") or {})
+            more = (delta.get("function") or {}).get("arguments", "")
+            function["arguments"] = function.get("arguments", "") + more
+            merged[-1] = {**last, "function": function}
+        else:
+            merged.append(delta)
+    return merged
+
+
 class ToolStream:
     """One streamed choice's text deltas turned into content and ``tool_calls`` deltas
     (``feed`` per step, ``finish`` at the end); ``calls`` the calls sent."""
@@ -139,7 +159,7 @@ class NamedStream(ToolStream):
         if text:
             self.call.arguments += text
             deltas.append({"index": 0, "function": {"arguments": text}})
-        return "", deltas
+        return "", one_per_call(deltas)
 
 
 class RequiredStream(ToolStream):
@@ -199,7 +219,7 @@ class RequiredStream(ToolStream):
             elif self.depth == 2 and ch == ",":
                 self.in_value, self.key = False, None
         self._flush(args, deltas)
-        return "", deltas
+        return "", one_per_call(deltas)
 
     def finish(self) -> tuple[str, list[dict[str, Any]]]:
         return ("" if self.calls else "".join(self.seen)), []

@@ -429,3 +429,39 @@ def test_a_call_with_a_lone_surrogate_escape_comes_back_in_the_next_turn() -> No
         if isinstance(rendered, dict):  # iterated as an object (GLM-4.5's, Qwen3-Coder's)
             messages, extra = template_messages(history, [WEATHER], items)
             render_chat(items, messages, add_generation_prompt=False, **extra).encode()
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_step_sends_each_call_as_one_delta(seed: int) -> None:
+    """Forced calls: a step's ``tool_calls`` deltas name each call once -- the header with
+    the first arguments of the step. Two entries of one index in a chunk (the header, then
+    the first token's arguments: every named call's first chunk) were kept as two calls by
+    client accumulators that copy a call list's first appearance as it is (openai-python's
+    before its issue #3201), losing the arguments' start."""
+    required = (
+        '[{"name": "get_weather", "parameters": {"city": "Oslo"}}, '
+        '{"name": "get_time", "parameters": {}}]'
+    )
+    for make, text in (
+        (RequiredStream, required),
+        (lambda: NamedStream("get_weather"), '{"city": "Lima"}'),
+    ):
+        for pieces in (_pieces(text, seed), [text]):
+            stream, calls = make(), []
+            for piece in pieces:
+                _, deltas = stream.feed(piece)
+                indexes = [d["index"] for d in deltas]
+                assert len(indexes) == len(set(indexes)), deltas
+                for delta in deltas:
+                    if delta["index"] == len(calls):  # a client's accumulator
+                        calls.append({**delta["function"], "id": delta["id"]})
+                    else:
+                        calls[delta["index"]]["arguments"] += delta["function"]["arguments"]
+            assert [(c["name"], c["arguments"]) for c in calls] == [
+                (c.name, c.arguments) for c in stream.calls
+            ]
+    (header,) = NamedStream("get_weather").feed('{"ci')[1]
+    assert header["type"] == "function" and header["function"] == {
+        "name": "get_weather",
+        "arguments": '{"ci',
+    }
