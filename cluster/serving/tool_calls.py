@@ -121,6 +121,22 @@ def fallback_system_prompt(tools: list[dict[str, Any]]) -> str:
     )
 
 
+def developer_as_system(
+    messages: list[dict[str, Any]], template: str | None
+) -> list[dict[str, Any]]:
+    """OpenAI's ``developer`` role is the system message of its newer models (its docs' own
+    examples, Codex and LangChain for o-series models send it). A chat template that never
+    names the role drops such a message without a word (Qwen's: no branch renders it) or
+    shows the model a role it never saw (SmolLM2's, Llama 3's): it goes in as ``system``, as
+    llama.cpp maps it and vLLM folds it on its Responses API. A template that names the role
+    gets it as sent."""
+    if template is not None and "developer" in template:
+        return messages
+    if not any(m["role"] == "developer" for m in messages):
+        return messages
+    return [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
+
+
 def template_messages(
     messages: list[dict[str, Any]],
     tools: list[dict[str, Any]] | None,
@@ -131,7 +147,9 @@ def template_messages(
     for a template that takes them; otherwise the fallback prompt -- a system message, or
     (``system_role`` false, for templates that refuse one) the start of the first user
     message -- and the history's calls and results written as text (consecutive results in
-    one user turn: strict templates want user and assistant to alternate)."""
+    one user turn: strict templates want user and assistant to alternate). ``developer``
+    messages are ``system`` ones unless the template knows that role (``developer_as_system``)."""
+    messages = developer_as_system(messages, template)
     if template_supports_tools(template):
         parsed = [_with_parsed_arguments(m) for m in messages]
         return parsed, ({"tools": tools} if tools else {})

@@ -431,6 +431,36 @@ def test_a_call_with_a_lone_surrogate_escape_comes_back_in_the_next_turn() -> No
             render_chat(items, messages, add_generation_prompt=False, **extra).encode()
 
 
+def test_developer_messages_reach_a_template_that_knows_no_such_role_as_system() -> None:
+    """OpenAI's ``developer`` messages (its newer models' system messages: what its docs,
+    Codex and LangChain for o-series models send) reached the template as they came: one that
+    renders only the roles it knows (Qwen's) dropped the instructions without a word. They
+    are system messages unless the template names the role; the fallback's tools prompt
+    joins one that comes first, as it joins a system message."""
+    known_roles = (
+        "{% for m in messages %}{% if m['role'] in ('system', 'user', 'assistant') %}"
+        "<|{{ m['role'] }}|>{{ m['content'] }}\n{% endif %}{% endfor %}"
+    )
+    messages = [
+        {"role": "developer", "content": "Answer in French."},
+        {"role": "user", "content": "Hi"},
+    ]
+    for template in (known_roles, PLAIN_TEMPLATE, TOOLS_TEMPLATE):
+        rendered, extra = template_messages(messages, None, template)
+        text = render_chat(template, rendered, add_generation_prompt=False, **extra)
+        assert "<|system|>Answer in French." in text, template
+        assert "developer" not in text
+    rendered, _ = template_messages(messages, [WEATHER], PLAIN_TEMPLATE)
+    assert [m["role"] for m in rendered] == ["system", "user"]
+    assert rendered[0]["content"].startswith("Answer in French.\n\n")
+    assert "<tools>" in rendered[0]["content"]
+    # A template that names the role renders it itself.
+    names_it = known_roles.replace("'assistant')", "'assistant', 'developer')")
+    rendered, _ = template_messages(messages, None, names_it)
+    assert rendered == messages
+    assert "<|developer|>Answer in French." in render_chat(names_it, rendered)
+
+
 @pytest.mark.parametrize("seed", range(8))
 def test_a_step_sends_each_call_as_one_delta(seed: int) -> None:
     """Forced calls: a step's ``tool_calls`` deltas name each call once -- the header with
