@@ -79,6 +79,20 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
         help="completions: random token-id prompts (exact length); chat: random words "
         "(about one token each, so the prompt length is approximate); vLLM's /v1/... paths too",
     )
+    # vllm bench serve's --backend and --dataset-name, where they ask for what this tool does
+    p.add_argument(
+        "--backend",
+        choices=("vllm", "openai", "openai-chat"),
+        default=None,
+        help="vLLM's bench spelling: openai-chat goes with --endpoint /v1/chat/completions, "
+        "vllm and openai with /v1/completions",
+    )
+    p.add_argument(
+        "--dataset-name",
+        choices=("random",),
+        default=None,
+        help="vLLM's bench spelling: random (the only prompts here)",
+    )
     load = p.add_mutually_exclusive_group()
     load.add_argument(
         "--concurrency",
@@ -174,9 +188,19 @@ def check_bench_args(args: argparse.Namespace) -> None:
 
 
 def _take_vllm_spellings(args: argparse.Namespace) -> None:
-    args.endpoint = ENDPOINTS[args.endpoint]
+    given = args.endpoint
+    args.endpoint = ENDPOINTS[given]
+    backend = getattr(args, "backend", None)
+    if backend is not None and (backend == "openai-chat") != (args.endpoint == "chat"):
+        raise ValueError(
+            f"--backend {backend} with --endpoint {given}: openai-chat drives "
+            "/v1/chat/completions, vllm and openai /v1/completions (as in vLLM's bench)"
+        )
     url = urlsplit(args.base_url)
-    if url.scheme in ("http", "https") and url.path.strip("/") == "":
+    root = url.scheme in ("http", "https") and url.path.strip("/") == ""
+    # vLLM's /v1/... endpoint goes under whatever --base-url names (a gateway's prefix too)
+    prefixed = given.startswith("/") and not url.path.rstrip("/").endswith("/v1")
+    if root or prefixed:
         # vLLM's --base-url is the server's root (its --endpoint the path below it); ours is
         # the API's /v1 URL: no OpenAI API answers at the root.
         args.base_url = args.base_url.rstrip("/") + "/v1"

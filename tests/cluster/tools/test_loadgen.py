@@ -378,6 +378,8 @@ def test_duration_cap_with_a_request_rate_ends_the_run_at_the_cap(
         (["--range-ratio", "1.5"], "--range-ratio"),
         (["--min-token-id", "500", "--max-token-id", "10"], "--min-token-id"),
         (["--endpoint", "embeddings"], "--endpoint"),
+        (["--backend", "openai-chat"], "--backend"),  # (its endpoint is /v1/chat/completions)
+        (["--dataset-name", "sharegpt"], "--dataset-name"),
     ],
 )
 def test_bad_options_exit_with_an_error_naming_the_option(
