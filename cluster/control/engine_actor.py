@@ -63,6 +63,9 @@ class _EndedPrefilled:
         self.placement = route  # (its ``client_params``)
         self.sent = list(prefilled.first.new_token_ids)
         self.first_token_at = prefilled.first_token_at
+        # Its one token is its last: decode and inference times end there, as vLLM's do,
+        # not at an abort long after (``RequestTimes.of``: without it they ran to the end).
+        self.last_token_at = prefilled.first_token_at
         self.first_scheduled_at = prefilled.scheduled_at
 
 

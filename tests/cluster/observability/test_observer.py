@@ -123,3 +123,25 @@ def test_the_central_schedulers_outcome_counters_are_exported_from_the_start() -
         assert ("tandem:request_success_total", reason) in central, central
     assert ("tandem:goodput_requests_total", None) in central
     assert ("tandem:requests_finished_total", None) in central
+
+
+def test_a_prefilled_request_ended_before_its_hand_off_decoded_for_no_time() -> None:
+    """Engine actors: a prefilled request aborted while it waited for its hand-off has one
+    token, its last: no decode time, however long after its abort came (it ran to the
+    abort)."""
+    from cluster.control.engine_actor import _EndedPrefilled
+
+    observer = RequestObserver(default_cluster_config(), {}, {})
+    observer.add_instance("p-0", "prefill")
+    now = time.monotonic()
+    request = Request("r", [1, 2, 3], SamplingParams(max_tokens=8))
+    route = SimpleNamespace(request=request, client_params=None)
+    prefilled = SimpleNamespace(
+        first=EngineCoreOutput("r", [5], None), first_token_at=now - 5.0, scheduled_at=now - 5.1
+    )
+    ended = _EndedPrefilled(route, prefilled)  # type: ignore[arg-type]
+    where = SimpleNamespace(instance_id="p-0", role="prefill")
+    observer.finished(ended, EngineCoreOutput("r", [], FinishReason.ABORT), where)
+    sums = _sums(observer)
+    assert sums["tandem:request_decode_time_seconds_sum"] < 0.01
+    assert sums["tandem:request_inference_time_seconds_sum"] < 0.2
