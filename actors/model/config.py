@@ -93,6 +93,12 @@ class ModelConfig:
             scaling.setdefault("rope_type", scaling.get("type", "default"))
             if scaling["rope_type"] == "default" and "freq_factors" not in scaling:
                 scaling = None
+            elif scaling["rope_type"] == "yarn" and not scaling.get(
+                "original_max_position_embeddings"
+            ):
+                # transformers' fallback (and llama.cpp's): the trained context length
+                original = int(cfg.get("max_position_embeddings", 2048))
+                scaling["original_max_position_embeddings"] = original
         eos = cfg.get("eos_token_id")
         eos_ids = (
             tuple(int(e) for e in eos)

@@ -60,3 +60,15 @@ def test_a_sliding_window_caps_the_context_where_the_model_uses_one() -> None:
     assert config("qwen2", sliding_window=4096, use_sliding_window=True).max_context_len == 4096
     # A window at least as long as the positions changes nothing.
     assert config("mistral", sliding_window=65536).max_context_len == 32768
+
+
+def test_yarn_without_an_original_length_rotates_from_the_trained_one() -> None:
+    """A config.json's yarn scaling with no ``original_max_position_embeddings``: the rope
+    takes ``max_position_embeddings``, as transformers does (it raised a KeyError)."""
+    from actors.model.rope import _inv_freq
+
+    cfg = config(rope_scaling={"type": "yarn", "factor": 4.0})
+    assert cfg.rope_scaling is not None
+    assert cfg.rope_scaling["original_max_position_embeddings"] == 32768
+    inv, mscale = _inv_freq(16, 10000.0, cfg.rope_scaling)
+    assert inv.shape == (8,) and mscale > 1
