@@ -40,10 +40,13 @@ class AsyncLLM(EngineClient):
     """An ``LLMEngine`` stepped by an asyncio task. Use it from one event loop at a time (a
     later one, e.g. the next ``asyncio.run``, takes it over)."""
 
-    def __init__(self, engine: LLMEngine, model_name: str = "local") -> None:
+    def __init__(self, engine: LLMEngine, model_name: str = "local", metrics: Any = None) -> None:
+        """``metrics``: a ``MetricsConfig`` (the SLOs goodput is judged against, vLLM's
+        names); None: its defaults, as a cluster's."""
         self.engine = engine
         self.model_name = model_name  # the ``model_name`` label of its metrics
-        self.metrics = LocalMetrics(model_name, INSTANCE_ID)  # (fed from the event loop)
+        # (fed from the event loop)
+        self.metrics = LocalMetrics(model_name, INSTANCE_ID, slo=metrics)
         self._lock = asyncio.Lock()  # one call into the engine at a time (``_locked``)
         self._lock_loop: asyncio.AbstractEventLoop | None = None
         # The engine itself, held by a step's thread: a step whose event loop ends (its task
@@ -62,7 +65,8 @@ class AsyncLLM(EngineClient):
     def from_config(cls, model: str | None = None, **config: Any) -> AsyncLLM:
         """Build the engine (``LLMEngine``'s knobs) and wrap it."""
         name = config.pop("model_name", None) or "local"
-        return cls(LLMEngine(model, **config), name)
+        metrics = config.pop("metrics", None)  # (a MetricsConfig)
+        return cls(LLMEngine(model, **config), name, metrics)
 
     # -- EngineClient ------------------------------------------------------------------------
     @property

@@ -242,3 +242,15 @@ def test_the_slos_are_bucket_bounds_of_their_histograms() -> None:
     assert 2.0 in ttft and set(TTFT_BUCKETS) <= ttft
     assert 0.04 in tpot and set(ITL_BUCKETS) <= tpot
     assert 0.04 not in bounds["tandem:inter_token_latency_seconds_bucket"]  # (vLLM's as they are)
+
+
+def test_the_in_process_engine_takes_its_metrics_settings() -> None:
+    """``AsyncLLM(..., metrics=MetricsConfig(...))``: its SLOs and vLLM's names (it always
+    had the defaults: no SLO could be set, nor vllm_names turned on)."""
+    from cluster.config import MetricsConfig
+    from cluster.engine.async_llm import AsyncLLM
+
+    settings = MetricsConfig(slo_ttft_ms=500, slo_tpot_ms=None, vllm_names=True)
+    metrics = AsyncLLM(None, "m", settings).metrics.metrics  # type: ignore[arg-type]
+    assert metrics.slo_ttft_s == 0.5 and metrics.slo_tpot_s is None and metrics.vllm_names
+    assert AsyncLLM(None, "m").metrics.metrics.slo_ttft_s == 2.0  # type: ignore[arg-type]
