@@ -184,9 +184,13 @@ class InstanceEngine:
 
     def abort(self, internal_ids: list[str]) -> None:
         """End requests wherever they are here, without an output (the caller answers their
-        client); their blocks are freed (after a load in progress into them ends)."""
+        client); their blocks are freed (after a load in progress into them ends). An
+        engine actor's part of a traced request ends its open spans (a restarted central
+        scheduler drops a copy of a request that goes on elsewhere)."""
         for internal in internal_ids:
-            self.held.pop(internal, None)
+            held = self.held.pop(internal, None)
+            if held is not None and held.trace is not None:
+                held.trace.left("dropped here: the request goes on elsewhere")
         self.loop.abort(internal_ids)
 
     def end(self, internal_id: str, reason: FinishReason, error: str | None = None) -> bool:

@@ -203,6 +203,10 @@ class RequestTrace:
         if self.decode is not None and self.decode.is_recording():
             self.decode.set_attribute("gen_ai.usage.output_tokens", self.output_tokens)
             self.decode.set_attribute("tandem.preemptions", self.decode_preemptions)
+        if self.transfer is not None and self.transfer.is_recording():
+            # Lost while its KV loaded: that hand-off never ended (``moved`` marks it so in
+            # one process).
+            self.transfer.set_attribute("tandem.kv.outcome", "abandoned")
         for span in (self.queue, self.prefill, self.transfer, self.decode):
             if span is not None and span.is_recording():
                 span.add_event("moved", {"tandem.reason": reason})

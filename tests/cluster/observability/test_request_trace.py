@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -298,6 +299,25 @@ def test_a_part_its_instance_lost_ends_its_open_spans(traced: Any) -> None:
     assert decode.attributes["gen_ai.usage.output_tokens"] == 4
     assert [e.name for e in decode.events] == ["moved"]
     assert "tandem.prefill" not in spans  # (r7's trace goes on with its request)
+    # A part lost while its KV loaded: its transfer span ends as abandoned.
+    loading = RequestTrace(
+        tracer, set_span_in_context(root), "r9", 5, time.monotonic(), part=True, output_tokens=1
+    )
+    loading.handed_off("d-0", "node-d", "ray", 2)
+    loading.left("instance d-0 failed: its worker died")
+    transfers = [s for s in exporter.get_finished_spans() if s.name == "tandem.kv_transfer"]
+    # (r6's ended at its token from the decode instance: the KV was in)
+    assert [s.attributes.get("tandem.kv.outcome") for s in transfers] == [None, "abandoned"]
+    # A copy a restarted central scheduler drops (``abort``): its open spans end too.
+    dropped = RequestTrace(tracer, set_span_in_context(root), "r10", 5, time.monotonic(), part=True)
+    dropped.scheduled("d-0", "both", None)  # (its prefill span opens)
+    request = Request("r10@3", [1, 2, 3, 4, 5], SamplingParams(max_tokens=16))
+    placement = Placement(request, "r10", lambda out, index: None)
+    placement.trace = dropped
+    engine.held["r10@3"] = Held(placement, [], None)
+    engine.loop = SimpleNamespace(abort=lambda ids: None)
+    engine.abort(["r10@3"])
+    assert dropped.prefill is not None and not dropped.prefill.is_recording()
     assert whole.prefill is not None and whole.prefill.is_recording()
     whole.finish("abort", None)
     root.end()
