@@ -15,7 +15,7 @@ from cluster.control.engine_reports import EngineReport, Prefilled
 from cluster.control.flights import Flight, clone_request
 from cluster.control.handoffs import HandOffs
 from cluster.control.observer import RequestObserver
-from cluster.control.restart import end_remade_root
+from cluster.control.restart_triage import end_remade_root
 from cluster.control.router import Router
 from cluster.control.summaries import InstanceView
 from scheduler.request import FinishReason

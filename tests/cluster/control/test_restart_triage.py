@@ -6,7 +6,7 @@ from __future__ import annotations
 from cluster.control.engine_reports import Prefilled
 from cluster.control.engine_wire import HeldSnapshot, Route
 from cluster.control.refill import PastRequests
-from cluster.control.restart import triage
+from cluster.control.restart_triage import triage
 from scheduler import FinishReason, Request, SamplingParams
 from scheduler.outputs import EngineCoreOutput
 
