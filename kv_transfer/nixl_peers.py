@@ -13,7 +13,8 @@ import numpy as np
 
 from kv_transfer.cma import SourceProcess
 from kv_transfer.nixl_layout import NixlPeer
-from kv_transfer.nixl_reads import NixlReads, _Retired
+from kv_transfer.nixl_reads import NixlReads
+from kv_transfer.nixl_retired import _Retired
 
 logger = logging.getLogger(__name__)
 

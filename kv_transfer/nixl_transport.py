@@ -67,7 +67,8 @@ from kv_transfer.nixl_layout import (
 )
 from kv_transfer.nixl_package import MISSING, nixl_api, nixl_available
 from kv_transfer.nixl_peers import NixlPeers
-from kv_transfer.nixl_reads import _Read, _Retired
+from kv_transfer.nixl_reads import _Read
+from kv_transfer.nixl_retired import _Retired
 
 if TYPE_CHECKING:
     import torch

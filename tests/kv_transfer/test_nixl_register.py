@@ -14,7 +14,7 @@ import torch
 
 from kv_transfer import nixl_transport
 from kv_transfer.blocks import allocate_kv_caches
-from kv_transfer.nixl_reads import _Retired
+from kv_transfer.nixl_retired import _Retired
 
 LAYERS = range(2)
 
