@@ -12,7 +12,7 @@ from typing import Any
 from cluster.config import ClusterConfig
 from cluster.control.flights import Flight
 from cluster.control.observer import RequestObserver
-from cluster.control.operations import _answer
+from cluster.control.operations import answer
 from cluster.control.placement import MONITOR, InstanceSpec
 
 
@@ -61,7 +61,7 @@ class Introspection:
         for iid, ids in by_instance.items():
             engine = self.engines.get(iid)
             if engine is not None:
-                where.update(await _answer(engine.describe_requests(ids)))
+                where.update(await answer(engine.describe_requests(ids)))
         result = {}
         for rid, flight in sorted(self.flights.items()):
             phase, sent = where.get(flight.internal_id, (None, None))
@@ -117,7 +117,7 @@ class Introspection:
         """Per-instance state: requests held, KV usage, counters (for tests and metrics)."""
         await self._ready()
         engines = list(self.engines.items())  # asked at once: one slow engine costs its wait
-        answers = await asyncio.gather(*(_answer(e.stats()) for _, e in engines))
+        answers = await asyncio.gather(*(answer(e.stats()) for _, e in engines))
         instances = {iid: answer for (iid, _), answer in zip(engines, answers, strict=True)}
         return {
             "pid": os.getpid(),
@@ -161,8 +161,8 @@ class Introspection:
     async def check_integrity(self) -> None:
         """Raise ``AssertionError`` if any instance's scheduler is inconsistent."""
         for engine in list(self.engines.values()):
-            await _answer(engine.check_integrity())
+            await answer(engine.check_integrity())
 
     async def reset_prefix_cache(self) -> bool:
-        done = [await _answer(e.reset_prefix_cache()) for e in list(self.engines.values())]
+        done = [await answer(e.reset_prefix_cache()) for e in list(self.engines.values())]
         return all(done)

@@ -253,7 +253,7 @@ class ClusterOperations:
         if any(f.instance == iid for f in self.flights.values()):
             return True
         engine = self.engines.get(iid)
-        return engine is not None and bool(await _answer(engine.holds_requests()))
+        return engine is not None and bool(await answer(engine.holds_requests()))
 
     async def _retire(self, iid: str) -> None:
         """Take a drained instance out: stop its engine, move what it still holds, stop its
@@ -263,7 +263,7 @@ class ClusterOperations:
         sending = (
             self.config.disaggregated
             and self.roles[iid] != "decode"
-            and bool(await _answer(engine.holds_requests()))
+            and bool(await answer(engine.holds_requests()))
         )
         await engine.stop()
         # Taken after the stop: a step that was running may have finished (or handed off)
@@ -333,7 +333,7 @@ class ClusterOperations:
         self.lora.unload(name)
 
 
-async def _answer(value: Any) -> Any:
+async def answer(value: Any) -> Any:
     """What an engine method answers: at once (an ``InstanceEngine``) or awaited (a
     ``RemoteEngine``'s coroutine)."""
     if inspect.isawaitable(value):

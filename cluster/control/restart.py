@@ -39,7 +39,7 @@ from typing import Any
 
 from cluster.control.engine_wire import EngineSnapshot, sequence_of, shift
 from cluster.control.flights import Flight, clone_request
-from cluster.control.restart_triage import _remade_trace, end_remade_root, triage
+from cluster.control.restart_triage import end_remade_root, remade_trace, triage
 from cluster.errors import UnavailableError
 
 logger = logging.getLogger(__name__)
@@ -324,7 +324,7 @@ async def rebuild(actor: Any) -> None:
         flight.scheduled_at = shift(h.scheduled_at, now)
         flight.first_token_at = shift(h.first_token_at, now)
         flight.last_token_at = shift(h.last_token_at, now)
-        flight.trace = _remade_trace(actor, h.route.trace_context, request)
+        flight.trace = remade_trace(actor, h.route.trace_context, request)
         other = actor.flights.get(h.route.client_request_id)
         if other is not None:  # (another client's request under the id: it runs on too)
             actor._supersede(other)

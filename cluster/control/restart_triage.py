@@ -50,7 +50,7 @@ def triage(
     return out
 
 
-def _remade_trace(actor: Any, carrier: dict[str, str] | None, request: Any) -> Any:
+def remade_trace(actor: Any, carrier: dict[str, str] | None, request: Any) -> Any:
     """The root span of a traced request in flight, made again with the ids its engines'
     spans name as their parent (it died unexported with the previous process), from its
     arrival; it ends when an engine reports the request finished, as the first would have."""

@@ -17,7 +17,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from cluster.tools.generate_cli import _generate_parser, _ray_arguments, _run_generate
+from cluster.tools.generate_cli import add_generate_parser, ray_arguments, run_generate
 from cluster.tools.signals import interrupted_while_starting, stop_on_signals, wait_for_stop
 
 
@@ -30,7 +30,7 @@ def _up_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "the Ray cluster at --address. Runs until Ctrl-C, then shuts everything down.",
     )
     p.add_argument("config", nargs="?", default=None, help="a ClusterConfig YAML file")
-    _ray_arguments(p, default_address=None)
+    ray_arguments(p, default_address=None)
     p.add_argument("--num-cpus", type=int, default=None, help="CPUs of a local Ray")
     p.add_argument(
         "--object-store-mb", type=int, default=512, help="object store of a local Ray (MiB)"
@@ -115,7 +115,7 @@ def _scale_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "instances drain first: they take no new request and finish theirs.",
     )
     p.add_argument("target", metavar="POOL=N", help="the pool's name and its new size")
-    _ray_arguments(p, default_address="auto")
+    ray_arguments(p, default_address="auto")
     p.add_argument(
         "--drain-timeout", type=float, default=None, help="seconds a leaving instance may take"
     )
@@ -129,7 +129,7 @@ def _down_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
         description="Stop the named cluster: one started by tandem up, or the one a Serve app "
         "runs on (it outlives the app's redeploys and deletes).",
     )
-    _ray_arguments(p, default_address="auto")
+    ray_arguments(p, default_address="auto")
 
 
 def _running_cluster(args: argparse.Namespace, command: str) -> Any:
@@ -192,7 +192,7 @@ def _run_scale(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tandem", description="Tandem LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
-    _generate_parser(sub)
+    add_generate_parser(sub)
     _up_parser(sub)
     _scale_parser(sub)
     _down_parser(sub)
@@ -268,7 +268,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         from cluster.tools.loadgen import run_bench
 
         return run_bench(args)
-    return _run_generate(args)
+    return run_generate(args)
 
 
 if __name__ == "__main__":

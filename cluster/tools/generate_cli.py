@@ -23,7 +23,7 @@ def _device(value: str) -> str:
     return value
 
 
-def _generate_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def add_generate_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("generate", help="generate text in-process, streamed to the terminal")
     p.add_argument("prompt", nargs="+", help="the prompt (several words are joined)")
     p.add_argument(
@@ -61,10 +61,10 @@ def _generate_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         action="store_true",
         help="generate through a running cluster (tandem up) instead of in-process",
     )
-    _ray_arguments(p, default_address="auto")
+    ray_arguments(p, default_address="auto")
 
 
-def _ray_arguments(p: argparse.ArgumentParser, default_address: str | None) -> None:
+def ray_arguments(p: argparse.ArgumentParser, default_address: str | None) -> None:
     p.add_argument(
         "--address",
         default=default_address,
@@ -130,7 +130,7 @@ def _prompt(args: argparse.Namespace, tokenizer: Any) -> str | list[int]:
     return ids
 
 
-def _run_generate(args: argparse.Namespace) -> int:
+def run_generate(args: argparse.Namespace) -> int:
     try:
         params = SamplingParams(
             max_tokens=args.max_tokens,
