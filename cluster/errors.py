@@ -43,6 +43,17 @@ class StreamLostError(UnavailableError):
     broken stream (503); the request may be sent again."""
 
 
+class ClientDroppedError(RuntimeError):
+    """A submit (or subscribe) of a client the central scheduler dropped -- it fell silent for
+    ``client_timeout_s``, or its stream ended -- that arrived after the drop: the request was
+    not placed and may be sent again (503: a new subscription takes it), not a bug's 500. Not
+    an ``UnavailableError``: a client that reads it must not wait for a restart that is not
+    happening (``subscription._central_gone``)."""
+
+    def __reduce__(self) -> tuple[type, tuple[str]]:  # crosses Ray intact
+        return (type(self), (str(self),))
+
+
 REJECTED = "request rejected: "
 
 

@@ -18,6 +18,7 @@ from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 from cluster.control.flights import Flight, Outbox, Submission
+from cluster.errors import ClientDroppedError
 from scheduler.outputs import EngineCoreOutput
 
 logger = logging.getLogger(__name__)
@@ -50,10 +51,11 @@ class Clients:
 
     def outbox(self, client_id: str) -> Outbox:
         """The client's outbox (a new one if it has none: ``submit`` may come first).
-        ``RuntimeError`` for a client that was dropped: a submit still on its way when the
-        client timed out must fail, not wait in an outbox nobody reads."""
+        ``ClientDroppedError`` (a 503, retryable) for a client that was dropped: a submit
+        still on its way when the client timed out must fail, not wait in an outbox nobody
+        reads."""
         if client_id in self._dropped:
-            raise RuntimeError(f"client {client_id} was dropped (timed out or unsubscribed)")
+            raise ClientDroppedError(f"client {client_id} was dropped (timed out or unsubscribed)")
         outbox = self._outboxes.get(client_id)
         if outbox is None:
             outbox = self._outboxes[client_id] = Outbox()

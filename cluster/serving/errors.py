@@ -10,6 +10,7 @@ from typing import Any
 
 from cluster.errors import (
     AdapterLoadError,
+    ClientDroppedError,
     OverloadedError,
     UnavailableError,
     UnknownModelError,
@@ -73,7 +74,7 @@ def api_error(exc: BaseException, param: str | None = None) -> APIError:
         return APIError(404, str(exc), param="model")
     if isinstance(exc, AdapterLoadError):  # (a ValueError: before the 400 of any other)
         return APIError(404 if exc.missing else 400, str(exc), param="model")
-    if isinstance(exc, UnavailableError) or _actor_gone(exc):
+    if isinstance(exc, UnavailableError | ClientDroppedError) or _actor_gone(exc):
         return APIError(503, str(exc))
     if _deployment_unavailable(exc):  # the app's TandemCluster failed to deploy
         return APIError(503, f"the cluster is unavailable: {getattr(exc, 'message', exc)}")

@@ -175,3 +175,26 @@ def test_a_resubscribing_client_hears_of_an_engine_that_joins_as_it_takes_over()
         await new.aclose()
 
     asyncio.run(main())
+
+
+def test_a_submit_of_a_dropped_client_is_a_retryable_503() -> None:
+    """A submit on its way when the central actor dropped its client (silent for
+    ``client_timeout_s``, or its stream ended) failed with a bare ``RuntimeError``: the API
+    answered 500 "internal server error" (and logged a bug) while the same client's open
+    requests got the ``StreamLostError``'s 503. It is a 503 the client may retry -- and not
+    an ``UnavailableError``, which a subscription takes for a central actor restarting and
+    waits up to a minute for."""
+    import pickle
+
+    from cluster.errors import ClientDroppedError, UnavailableError
+    from cluster.serving.errors import api_error
+
+    clients = Clients({}, lambda rid: True, 5.0)
+    clients.outbox("c")
+    clients.drop("c")
+    with pytest.raises(ClientDroppedError, match="was dropped") as caught:
+        clients.outbox("c")
+    exc = pickle.loads(pickle.dumps(caught.value))  # (it crosses Ray as a value)
+    assert type(exc) is ClientDroppedError and isinstance(exc, RuntimeError)
+    assert not isinstance(exc, UnavailableError)
+    assert api_error(exc).status == 503
