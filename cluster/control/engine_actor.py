@@ -366,13 +366,16 @@ class EngineActor(ClientStreams, ReportSender, Snapshots):
         engine = self._engine()
         held = engine.held.get(internal)
         num_tokens = 0 if held is None else len(held.tokens)
+        # (Its route goes with the report that says it finished -- ``_on_report`` drops it --
+        # which keeps its root span's carrier in ``ended_traces``: a central actor restarted
+        # before that report came ends the span with it, as for a request that ran out.)
         if engine.end(internal, reason, error):
-            self._routes.pop(internal, None)
             self._report_finished(internal, (reason.value, error, num_tokens, time.time_ns()))
             return
         prefilled = self._awaiting.pop(internal, None)
-        route = self._routes.pop(internal, None)
+        route = self._routes.get(internal)
         if prefilled is None or route is None:
+            self._routes.pop(internal, None)
             return
         engine.abort([internal])
         engine.release_kv(internal)  # prefilled, never handed off: nobody will read its KV

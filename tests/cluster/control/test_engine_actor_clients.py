@@ -255,3 +255,57 @@ def test_an_end_that_reaches_a_stopped_engine_is_left_to_the_central_scheduler()
     assert ended == []
     _, lost = actor.take_all()
     assert [(item.internal_id, item.tokens) for item in lost] == [("r@1", [5, 6])]
+
+
+@pytest.mark.parametrize("where", ["held", "prefilled"])
+def test_a_traced_request_ended_by_an_abort_keeps_its_ended_trace(where: str) -> None:
+    """An abort (the central actor's ``end`` op) ends a traced request on an engine actor;
+    the central actor restarts before the report saying so reaches it, and the restarted one
+    does not know the request. Its root span is made again and ended from the report's
+    ``ended_traces`` -- which had none for it: ``_end`` dropped the request's route (its
+    trace carrier) before the report was made, and the root span was never exported."""
+    import time
+    from types import SimpleNamespace
+
+    from cluster.control.engine_actor import EngineActor
+    from cluster.control.engine_reports import EngineReport, Prefilled
+    from cluster.control.engine_wire import Route
+    from scheduler import Request, SamplingParams
+    from scheduler.outputs import EngineCoreOutput
+    from scheduler.request import FinishReason
+
+    carrier = {"traceparent": "00-" + "1" * 32 + "-" + "2" * 16 + "-01"}  # sampled
+    request = Request("r@3", [1, 2, 3], SamplingParams(max_tokens=8), eos_token_id=2)
+    held = {"r@3": SimpleNamespace(tokens=[7])} if where == "held" else {}
+    engine = SimpleNamespace(
+        instance_id="d-0",
+        held=held,
+        end=lambda internal, *args: held.pop(internal, None) is not None,
+        abort=lambda ids: None,
+        release_kv=lambda internal: None,
+        loop=SimpleNamespace(summary=lambda: None),
+    )
+    actor = EngineActor.__new__(EngineActor)
+    actor.instance_id = "d-0"
+    actor._engine = lambda: engine  # type: ignore[assignment,return-value,method-assign]
+    actor._latencies, actor._outgoing = [], deque()
+    actor._routes = {"r@3": Route("c", 1, "r", request, None, carrier, time.monotonic())}
+    actor._awaiting = {}
+    if where == "prefilled":
+        first = EngineCoreOutput("r@3", [7], None)
+        now = time.monotonic()
+        actor._awaiting["r@3"] = Prefilled("r@3", first, {"handle": 1}, 0, now, now)
+        actor._sink = lambda route: lambda out, n: None  # type: ignore[method-assign]
+        actor.observe = SimpleNamespace(finished=lambda *args: None)  # type: ignore[assignment]
+
+    async def main() -> None:
+        actor._wake = asyncio.Event()
+        actor._end("r@3", FinishReason.ABORT, None)
+
+    asyncio.run(main())
+    (report,) = actor._outgoing
+    assert isinstance(report, EngineReport) and report.finished == ["r@3"]
+    ended = report.ended_traces["r@3"]
+    assert ended.carrier == carrier and ended.request_id == "r"
+    assert ended.outcome is not None and ended.outcome[0] == "abort"
+    assert "r@3" not in actor._routes  # (dropped with the report, as before)
