@@ -293,7 +293,13 @@ class EngineLoop:
             if outputs:
                 self.on_outputs(self, outputs)
             self.summarize()
-            idle = out.total_num_scheduled_tokens == 0 and not in_flight
+            # Idle: this step computed nothing, nor will any step still in flight. (Counting
+            # any step in flight as work kept the loop from ever pausing once an empty step
+            # had been started beside the last real one: with waiting requests that cannot
+            # be admitted, every result was followed at once by another empty step.)
+            idle = out.total_num_scheduled_tokens == 0 and not any(
+                step.total_num_scheduled_tokens for step, _, _ in in_flight
+            )
             # The step's objects may hold KV handles (load specs, saved-KV reports): drop them
             # now, not when the next step replaces them, or an idle loop keeps them alive.
             del out, future, result, outputs

@@ -28,6 +28,7 @@ from scheduler import (
     SchedulerOutput,
 )
 from scheduler.outputs import EngineCoreOutput
+from tests.scheduler.helpers import InMemoryConnector
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
@@ -431,3 +432,58 @@ def test_async_last_decode_capped_by_max_model_len_overlaps_no_empty_step() -> N
     )
     assert not loop._can_overlap()
     assert scheduler.schedule().total_num_scheduled_tokens == 0  # what it would have sent
+
+
+class _InstantExecutor:
+    """A worker that answers every step at once, each scheduled request sampling token 7
+    (the prompts fit the budget: no partial prefill); counts the steps that computed
+    nothing."""
+
+    def __init__(self) -> None:
+        self.num_empty_steps = 0
+
+    async def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            self.num_empty_steps += 1
+        req_ids = list(scheduler_output.num_scheduled_tokens)
+        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[[7] for _ in req_ids])
+
+
+def test_empty_steps_beside_an_empty_step_in_flight_are_idle() -> None:
+    """Async scheduling, a waiting request that can never be admitted (a finished prefill
+    request keeps its blocks for a send), nothing left to run: the loop must pause between
+    its empty steps. Once an empty step had been started beside the last decode, one empty
+    step was always in flight, so no result counted as idle and the workers were stepped
+    back to back for as long as the request waited."""
+    scheduler = Scheduler(
+        SchedulerConfig(
+            max_num_seqs=4, max_num_batched_tokens=64, max_model_len=32, async_scheduling=True
+        ),
+        CacheConfig(block_size=4, num_blocks=8),
+        connector=InMemoryConnector(),
+    )
+    executor = _InstantExecutor()
+    loop = EngineLoop(
+        "i0", scheduler, executor, lambda _, outs: None, max_in_flight=2, admission_window_s=0
+    )
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    # 21 tokens in 6 blocks, held after its end (delay_free: no finished_sending comes).
+    prefill_side = {"do_remote_decode": True}
+    sender = Request(
+        "p", list(range(100, 120)), params, eos_token_id=2, kv_transfer_params=prefill_side
+    )
+    waiting = Request("w", list(range(200, 216)), params, eos_token_id=2)  # needs 4 blocks
+
+    async def run() -> None:
+        loop.start()
+        loop.add_request(sender)
+        loop.add_request(waiting)
+        await asyncio.sleep(0.3)
+        await loop.stop()
+
+    asyncio.run(run())
+    assert sender.is_finished and waiting.status == RequestStatus.WAITING
+    assert executor.num_empty_steps > 0
+    # Every empty step is an idle one (the last may still have been in flight), each
+    # followed by idle_sleep_s (none was: back to back, thousands in 0.3 s).
+    assert loop.counters.num_idle_steps >= executor.num_empty_steps - 2
