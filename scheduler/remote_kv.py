@@ -126,14 +126,18 @@ class RemoteKV:
         for req_id in [r for r in self.sync_loading if r in scheduler_output.num_scheduled_tokens]:
             self.sync_loading.discard(req_id)
             request = self.state.requests.get(req_id)
-            if request is not None and request.status == RequestStatus.RUNNING:
+            if request is None:
+                continue
+            # The source's copy is consumed, as in promote -- also for a request preempted
+            # while the step was in flight: it must recompute, not read that copy again.
+            if request.do_remote_prefill:
+                _stop_remote_prefill(request)
+            if request.status == RequestStatus.RUNNING:
                 request.kv_hash_deferred = False
                 # Later steps may be in flight (async): hash only known, computed tokens.
                 self.state.kv_cache_manager.cache_blocks(
                     request, min(request.num_computed_tokens, request.num_tokens)
                 )
-                if request.do_remote_prefill:  # the source's copy is consumed, as in promote
-                    _stop_remote_prefill(request)
 
     # -- the end of a request ------------------------------------------------------------
     def free_request(self, request: Request) -> dict[str, object] | None:

@@ -585,3 +585,34 @@ def test_priority_preemption_with_chunked_prefill_off_counts_the_victims_budget(
     run_to_completion(s)
     assert v2.num_output_tokens == 20
     assert_all_free(s)
+
+
+def test_a_sync_load_completed_while_preempted_is_not_read_again() -> None:
+    """Two batches in flight: a request loads its prompt inside step 1, and step 2 preempts
+    it for a better-priority one before step 1 returns. The load succeeded (its sample is
+    delivered), so the source's copy is consumed, as when it completes for a running
+    request: the resumed request recomputes. It kept do_remote_prefill and read the source
+    again (a prefill instance has freed those blocks after the first read)."""
+    c = _LoadConnector(sync=True)
+    s = make_scheduler(connector=c, policy="priority", max_num_seqs=1)
+    remote = {"do_remote_prefill": True, "remote_num_tokens": 8}
+    a = make_request(
+        list(range(300, 312)), req_id="a", priority=1, max_tokens=4, kv_transfer_params=remote
+    )
+    s.add_request(a)
+    out1 = s.schedule()
+    assert out1.num_scheduled_tokens == {"a": 4}  # 8 loaded in the step, 4 computed
+    mro1 = model_output(s, out1)  # (the worker starts it now: a samples)
+    s.add_request(make_request(list(range(400, 406)), req_id="b", priority=0, max_tokens=4))
+    out2 = s.schedule()
+    assert out2.preempted_req_ids == {"a"} and a.status == RequestStatus.PREEMPTED
+    mro2 = model_output(s, out2)
+    s.update_from_output(out1, mro1)  # the load is good; a's sample is delivered
+    s.update_from_output(out2, mro2)
+    s.check_integrity()
+    assert a.num_output_tokens == 1
+    assert a.kv_transfer_params is not None and not a.kv_transfer_params["do_remote_prefill"]
+    run_to_completion(s)
+    assert [call[2] for call in c.alloc_calls if call[0] == "a"] == [8, 0]
+    assert a.num_output_tokens == 4
+    assert_all_free(s)
