@@ -222,10 +222,7 @@ class QuantizedWeight:
             # float32 one, every code of a row was off by that scale's rounding as well (up to
             # 127 * 2^-9 of a step in bfloat16: 0.75 of a step at worst, not 0.5).
             scale = (w.abs().amax(dim=1).clamp(min=1e-12) / 127.0).to(dtype).float()
-            # (a row too small for ``dtype``'s scale: 0 there, whatever its codes; divided
-            # by a tiny one rather than 0, they are no NaN)
-            safe = scale.clamp(min=torch.finfo(torch.float32).tiny)
-            q = torch.round(w / safe[:, None]).clamp(-127, 127).to(torch.int8)
+            q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
             kernel = _blocked_kernel(dtype, k)
             if kernel is not None:
                 weight = cls("int8", *pack_blocked_int8(q, scale, dtype), 0, (n, k), dtype)
