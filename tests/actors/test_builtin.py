@@ -37,6 +37,20 @@ def test_builtin_answers_paris(smollm: LLM) -> None:
 
 
 @needs_builtin
+def test_the_readme_example_answers_as_the_readme_says() -> None:
+    """README.md's in-process example, with the defaults it uses (the file's own quantized
+    weights): what it prints is what the README says. A rounding change in the int8
+    re-quantization once turned it into "L'Étoile, la Marseillaise, ..." with every test
+    green (the one above holds the dense weights)."""
+    llm = LLM(progress=False, kv_cache_memory_bytes=64 << 20)
+    out = llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(temperature=0, max_tokens=32),
+    )
+    assert out[0].outputs[0].text == "The capital of France is Paris."
+
+
+@needs_builtin
 def test_builtin_logits_match_transformers_on_same_weights(smollm: LLM) -> None:
     """The real architecture (30 layers, GQA 9/3, tied embeddings, rope 1e5) against
     transformers' LlamaForCausalLM holding the same dequantized weights."""
