@@ -102,7 +102,9 @@ class Subscription(Delivery):
         if rid in self.request_ids:
             raise ValueError(f"request_id {rid!r} is already in use")
         if self.task.done():
-            raise RuntimeError(f"the subscription of client {self.client_id} has ended")
+            # (Ended between ``ClusterClient._subscription`` and here -- the central actor
+            # dropped this client, or its stream broke: retryable, a 503, not a bug's 500.)
+            raise StreamLostError(f"the subscription of client {self.client_id} has ended")
         submission = next(self._submissions)
         queue: Mailbox[EngineCoreOutput | BaseException] = Mailbox()
         # Registered before submitting: outputs may come before submit returns.

@@ -96,3 +96,25 @@ def test_an_id_reused_while_its_left_submit_is_on_its_way_is_not_aborted(
     calls = asyncio.run(main())
     assert calls[0] == [("submit", "x", 0)]
     assert calls[1] == [("abort", "x"), ("submit", "x", 1)]
+
+
+def test_a_request_on_a_subscription_just_ended_is_a_retryable_503() -> None:
+    """A subscription that ended (the central actor dropped its client, or its stream
+    broke) between the client's check and a request's start: the request fails with a
+    ``StreamLostError`` (503, retryable), not a bare ``RuntimeError`` (a bug's 500)."""
+    from cluster.control.subscription import Subscription
+    from cluster.errors import StreamLostError
+    from cluster.serving.errors import api_error
+    from scheduler import Request, SamplingParams
+
+    async def main() -> None:
+        sub = Subscription.__new__(Subscription)
+        sub.client_id, sub.request_ids = "client-1", {}
+        sub.task = asyncio.get_running_loop().create_future()
+        sub.task.set_result(None)  # (ended)
+        outputs = sub.stream(Request("r", [1, 2, 3], SamplingParams(max_tokens=2)))
+        with pytest.raises(StreamLostError, match="has ended") as lost:
+            await outputs.__anext__()
+        assert api_error(lost.value).status == 503
+
+    asyncio.run(main())
