@@ -176,9 +176,9 @@ class NixlWorkerConnector(NixlPeers):
         # Loads not posted yet: (when to post, the load). Only ``load_delay_s`` (fault
         # injection in tests) keeps one here past the step that brought it.
         self._delayed: dict[str, tuple[float, _Load]] = {}
-        self._retired: list[_Retired] = []  # (see nixl_reads)
-        self._closing: list[tuple[Any, list[str], list[Any], Any]] = []  # (see nixl_reads)
-        self._probing: list[_Retired] = []  # (see nixl_reads)
+        self._retired: list[_Retired] = []  # (see nixl_retired)
+        self._closing: list[tuple[Any, list[str], list[Any], Any]] = []  # (see nixl_retired)
+        self._probing: list[_Retired] = []  # (see nixl_retired)
         # Held around each use of the agent by another thread (a probe's: its caller's lock)
         self._guard: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
         self.abort_grace_s = 10.0  # a failed read still running this long: disconnect

@@ -77,7 +77,7 @@ class EngineReport:
 class EndedTrace:
     """A traced request that finished on an engine actor: its root span's carrier
     (``root_carrier``) and what the span says, for a central actor that has to make the
-    root again (``restart.end_remade_root``)."""
+    root again (``restart_triage.end_remade_root``)."""
 
     carrier: dict[str, str]
     request_id: str

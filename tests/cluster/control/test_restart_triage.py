@@ -1,4 +1,4 @@
-"""A restarted central scheduler sorts the requests its engines hold (``restart.triage``):
+"""A restarted central scheduler sorts the requests its engines hold (``restart_triage.triage``):
 which copy of a request it takes on, and which it drops instead of handing it off again."""
 
 from __future__ import annotations
