@@ -45,6 +45,8 @@ from cluster.serving.openai_protocol import (
     UnloadLoRAAdapterRequest,
 )
 from cluster.serving.openai_serving import OpenAIServing
+from cluster.serving.responses_api import create_response
+from cluster.serving.responses_protocol import ResponsesRequest
 from cluster.serving.sse import EventStream
 
 if TYPE_CHECKING:
@@ -294,6 +296,13 @@ class OpenAIIngress:
         self._authorize(request)
         serving = await self.serving()
         return _respond(await serving.chat(body, dict(request.headers)))
+
+    @app.post("/v1/responses")
+    async def responses(self, body: ResponsesRequest, request: HTTPRequest) -> Any:
+        """OpenAI's Responses API, run as a chat completion (``serving/responses_api.py``)."""
+        self._authorize(request)
+        serving = await self.serving()
+        return _respond(await create_response(serving, body, dict(request.headers)))
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(

@@ -22,6 +22,7 @@ from cluster.serving.openai_protocol import (
     CompletionRequest,
     TokenizeRequest,
 )
+from cluster.serving.responses_protocol import ResponsesRequest
 
 bare = FastAPI()
 bare.exception_handlers[RequestValidationError] = ingress_app.exception_handlers[
@@ -41,6 +42,11 @@ async def _chat(body: ChatCompletionRequest) -> dict[str, Any]:
 
 @bare.post("/tokenize")
 async def _tokenize(body: TokenizeRequest) -> dict[str, Any]:
+    return {}
+
+
+@bare.post("/responses")
+async def _responses(body: ResponsesRequest) -> dict[str, Any]:
     return {}
 
 
@@ -136,3 +142,28 @@ def test_text_with_an_unpaired_surrogate_is_a_400_naming_its_field() -> None:
     assert refused("/completions", {"prompt": "a", "logit_bias": {"LONE": 1}}) == "logit_bias"
     pair = _post("/completions", b'{"prompt": "\\ud83d\\ude00", "n": 0}')
     assert pair[0] == 400 and pair[1]["param"] == "n"  # refused for n alone
+
+
+def test_responses_refusals_name_the_responses_apis_fields() -> None:
+    """/v1/responses: what it cannot do (continue a stored response, run a tool other than a
+    function, reason) is a 400 naming the field; so is what the chat completion it is built
+    into refuses, under this API's name for the field (input, max_output_tokens)."""
+    base = {"model": "m", "input": "hi"}
+    error = _refused("/responses", {**base, "previous_response_id": "resp_1"})
+    assert error["param"] == "previous_response_id" and "not stored" in error["message"]
+    error = _refused("/responses", {**base, "tools": [{"type": "web_search"}]})
+    assert error["param"] == "tools" and "'web_search'" in error["message"]
+    assert _refused("/responses", {**base, "reasoning": {"effort": "high"}})["param"] == "reasoning"
+    tools = [{"type": "function", "name": "lookup"}]
+    named = {"type": "function", "name": "nope"}
+    error = _refused("/responses", {**base, "tools": tools, "tool_choice": named})
+    assert error["param"] == "tool_choice" and "nope" in error["message"]
+    error = _refused("/responses", {"model": "m", "input": []})
+    assert error["param"] == "input" and "messages" not in error["message"]
+    assert _refused("/responses", {**base, "max_output_tokens": 0})["param"] == "max_output_tokens"
+    assert _refused("/responses", {**base, "temperature": 3})["param"] == "temperature"
+    error = _refused("/responses", {"model": "m", "input": [{"type": "reasoning"}]})
+    assert error["param"].startswith("input")
+    # What asks for nothing passes: no stored response, no reasoning, store false.
+    quiet = {**base, "previous_response_id": None, "reasoning": None, "store": False}
+    assert ResponsesRequest.model_validate(quiet).chat_request().messages[0].content == "hi"

@@ -72,6 +72,7 @@ ROUTES: dict[str, set[int]] = {
     "GET /v1/models": {200},
     "POST /v1/completions": {200, 400, 404, 429},
     "POST /v1/chat/completions": {200, 400, 404, 429},
+    "POST /v1/responses": {200, 400, 404, 429},
     "POST /tokenize": {200, 400, 404},
     "POST /detokenize": {200, 400, 404},
     "POST /v1/load_lora_adapter": {400, 403},
@@ -80,7 +81,7 @@ ROUTES: dict[str, set[int]] = {
     "GET /metrics": {200},
     "POST /admin/scale_pool": {400},
 }
-GENERATION = ("POST /v1/completions", "POST /v1/chat/completions")
+GENERATION = ("POST /v1/completions", "POST /v1/chat/completions", "POST /v1/responses")
 VALID = {  # a body each generation route serves (its model is the fixture's)
     "POST /v1/completions": {"model": "m", "prompt": "fuzz", "max_tokens": 2},
     "POST /v1/chat/completions": {
@@ -88,6 +89,7 @@ VALID = {  # a body each generation route serves (its model is the fixture's)
         "messages": [{"role": "user", "content": "fuzz"}],
         "max_tokens": 2,
     },
+    "POST /v1/responses": {"model": "m", "input": "fuzz", "max_output_tokens": 2},
 }
 
 
@@ -140,15 +142,32 @@ def _prepare(case: Any, label: str, model: str | None, protected: set[str]) -> N
         body["pool"] = f"not-{pool}"
 
 
+def _events(response: Any) -> list[dict[str, Any]]:
+    """The data of an event stream's events (but chat's and completions' `[DONE]`)."""
+    lines = response.content.decode("utf-8", "replace").splitlines()
+    data = [line[len("data: ") :] for line in lines if line.startswith("data: ")]
+    return [json.loads(item) for item in data if item != "[DONE]"]
+
+
 def _stream_errors(response: Any) -> list[dict[str, Any]]:
-    """The error events of an event stream (an error inside a 200 stream)."""
+    """The error events of an event stream (an error inside a 200 stream): chat's and
+    completions' `{"error": ...}`, the Responses API's `{"type": "error", ...}`."""
     errors = []
-    for line in response.content.decode("utf-8", "replace").splitlines():
-        if line.startswith("data: ") and line != "data: [DONE]":
-            event = json.loads(line[len("data: ") :])
-            if "error" in event:
-                errors.append(event["error"])
+    for event in _events(response):
+        if "error" in event:
+            errors.append(event["error"])
+        elif event.get("type") == "error":
+            errors.append(event)
     return errors
+
+
+def _stream_ended(response: Any, label: str) -> bool:
+    """The stream was sent whole: chat and completions end with `data: [DONE]`, a response
+    (as OpenAI's) with its `response.completed` or `response.incomplete` event."""
+    if label != "POST /v1/responses":
+        return bool(response.content.rstrip().endswith(b"data: [DONE]"))
+    events = _events(response)
+    return bool(events) and events[-1].get("type") in ("response.completed", "response.incomplete")
 
 
 def _send(case: Any, label: str, seen: dict[str, set[int]]) -> int:
@@ -168,7 +187,7 @@ def _send(case: Any, label: str, seen: dict[str, set[int]]) -> int:
     assert status in ROUTES[label], repro
     if status == 200 and "text/event-stream" in response.headers.get("content-type", [""])[0]:
         assert not _stream_errors(response), repro
-        assert response.content.rstrip().endswith(b"data: [DONE]"), repro
+        assert _stream_ended(response, label), repro
     return status
 
 

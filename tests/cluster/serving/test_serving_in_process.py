@@ -22,6 +22,8 @@ from cluster.errors import OverloadedError, StreamLostError
 from cluster.serving.errors import APIError, api_error
 from cluster.serving.openai_protocol import ChatCompletionRequest, CompletionRequest
 from cluster.serving.openai_serving import OpenAIServing
+from cluster.serving.responses_api import create_response
+from cluster.serving.responses_protocol import ResponsesRequest
 from tests.actors.conftest import make_checkpoint
 from tests.cluster.conftest import CHAT_TEMPLATE
 
@@ -1601,3 +1603,174 @@ def test_an_adapter_its_instance_cannot_load_is_the_clients_error_naming_it() ->
     dead = ray.exceptions.ActorDiedError()
     assert LoRAAdapters.request_error(lora, "d-1", dead) is dead
     assert api_error(dead).status == 503
+
+
+# -- the Responses API: an adapter over chat completions (serving/responses_api.py) -----------
+def _flat(tool: dict[str, Any]) -> dict[str, Any]:
+    """A chat tool in the Responses API's flat form."""
+    return {"type": "function", **tool["function"]}
+
+
+def _response(serving: OpenAIServing, **body: Any) -> dict[str, Any]:
+    req = ResponsesRequest.model_validate({"model": "tiny-chat", **body})
+    result: dict[str, Any] = _run(create_response(serving, req))
+    return result
+
+
+def _response_events(serving: OpenAIServing, **body: Any) -> list[dict[str, Any]]:
+    """A streamed response's events (each ``event:`` line names its data's type)."""
+    req = ResponsesRequest.model_validate({"model": "tiny-chat", "stream": True, **body})
+
+    async def stream() -> list[dict[str, Any]]:
+        events: list[dict[str, Any]] = []
+        result: Any = await create_response(serving, req)
+        async with aclosing(result) as blocks:
+            async for block in blocks:
+                kind, data = block.removesuffix("\n\n").split("\n")
+                event = json.loads(data.removeprefix("data: "))
+                assert kind == f"event: {event['type']}"
+                events.append(event)
+        return events
+
+    events: list[dict[str, Any]] = _run(stream())
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    return events
+
+
+def test_a_response_is_its_chat_completion_as_output_items(serving: OpenAIServing) -> None:
+    """Text in, a message item out: the chat completion's text and usage; cut by
+    max_output_tokens it is incomplete; instructions are a system message first;
+    text.format holds the output to a schema (then it completes)."""
+    body = _response(serving, input="hello there", max_output_tokens=8, temperature=0)
+    chat = _chat(
+        serving,
+        messages=[{"role": "user", "content": "hello there"}],
+        max_completion_tokens=8,
+        temperature=0,
+    )
+    assert body["object"] == "response" and body["id"].startswith("resp_")
+    (item,) = body["output"]
+    assert item["type"] == "message" and item["role"] == "assistant"
+    assert item["id"].startswith("msg_")
+    text = chat["choices"][0]["message"]["content"]
+    assert item["content"] == [{"type": "output_text", "text": text, "annotations": []}]
+    cut = chat["choices"][0]["finish_reason"] == "length"
+    assert body["status"] == ("incomplete" if cut else "completed")
+    usage = body["usage"]
+    assert usage["input_tokens"] == chat["usage"]["prompt_tokens"]
+    assert usage["output_tokens"] == chat["usage"]["completion_tokens"]
+    assert usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
+    assert usage["output_tokens_details"] == {"reasoning_tokens": 0}
+    assert body["max_output_tokens"] == 8 and body["temperature"] == 0
+    assert body["store"] is False and body["previous_response_id"] is None
+    assert body["error"] is None and body["tools"] == [] and body["tool_choice"] == "auto"
+    req = ResponsesRequest.model_validate({"input": "hi", "instructions": "be brief"})
+    messages = req.chat_request().messages
+    assert [(m.role, m.content) for m in messages] == [("system", "be brief"), ("user", "hi")]
+    verdict = {"type": "json_schema", "name": "verdict", "schema": SMALL_SCHEMA, "strict": True}
+    held = _response(
+        serving, input="well?", max_output_tokens=60, temperature=0, text={"format": verdict}
+    )
+    assert held["status"] == "completed" and held["incomplete_details"] is None
+    value = json.loads(held["output"][0]["content"][0]["text"])
+    assert value["answer"] in ("yes", "no") and isinstance(value["sure"], bool)
+    assert held["text"] == {"format": verdict}
+
+
+def test_a_response_cut_by_max_output_tokens_is_incomplete(serving: OpenAIServing) -> None:
+    """A schema's object cannot end in 3 tokens: the output is cut by max_output_tokens,
+    whole and streamed alike."""
+    verdict = {"type": "json_schema", "name": "verdict", "schema": SMALL_SCHEMA}
+    fields = {"input": "well?", "max_output_tokens": 3, "text": {"format": verdict}}
+    body = _response(serving, **fields)
+    assert body["status"] == "incomplete"
+    assert body["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert body["usage"]["output_tokens"] == 3
+    assert body["output"][-1]["status"] == "incomplete"
+    events = _response_events(serving, **fields)
+    assert events[-1]["type"] == "response.incomplete"
+    final = events[-1]["response"]
+    assert final["status"] == "incomplete" and final["usage"]["output_tokens"] == 3
+    assert final["incomplete_details"] == {"reason": "max_output_tokens"}
+
+
+def test_a_streamed_response_sends_openais_events_in_order(serving: OpenAIServing) -> None:
+    """created, in_progress, the message item added, its text part added, the text's deltas,
+    then each done, then the whole response: what the response would be whole."""
+    fields = {"input": "hello there", "max_output_tokens": 8, "temperature": 0}
+    whole = _response(serving, **fields)
+    events = _response_events(serving, **fields)
+    text = whole["output"][0]["content"][0]["text"]
+    deltas = [e["delta"] for e in events if e["type"] == "response.output_text.delta"]
+    final = "response.incomplete" if whole["status"] == "incomplete" else "response.completed"
+    assert [e["type"] for e in events] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        *["response.output_text.delta"] * len(deltas),
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        final,
+    ]
+    assert "".join(deltas) == text and bool(deltas) == bool(text)
+    created = events[0]["response"]
+    assert created["status"] == "in_progress" and created["output"] == []
+    item_id = events[2]["item"]["id"]
+    assert {e["item_id"] for e in events if "item_id" in e} == {item_id}
+    assert events[-2]["item"]["content"][0]["text"] == text
+    done = events[-1]["response"]
+    assert done["id"] == created["id"] and done["status"] == whole["status"]
+    (item,) = done["output"]
+    assert item["id"] == item_id and item["content"] == whole["output"][0]["content"]
+    assert done["usage"]["output_tokens"] == whole["usage"]["output_tokens"]
+
+
+def test_a_function_call_round_trip(serving: OpenAIServing) -> None:
+    """A named function: a function_call item (streamed, its arguments as deltas); sent back
+    as input items with its output, the call and its result reach the prompt as chat's
+    tool history does."""
+    tools = [_flat(LOOKUP), _flat(PING)]
+    choice = {"type": "function", "name": "lookup"}
+    fields = {"input": "go", "tools": tools, "tool_choice": choice, "max_output_tokens": 40}
+    body = _response(serving, temperature=0, **fields)
+    (call,) = body["output"]
+    assert call["type"] == "function_call" and call["name"] == "lookup"
+    assert call["id"].startswith("fc_") and call["call_id"].startswith("call_")
+    assert call["status"] == "completed" and body["status"] == "completed"
+    assert set(json.loads(call["arguments"])) == {"unit", "day"}
+    assert body["tool_choice"] == choice
+    assert [t["name"] for t in body["tools"]] == ["lookup", "ping"]
+    events = _response_events(serving, temperature=0, **fields)
+    pieces = [e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta"]
+    assert [e["type"] for e in events] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        *["response.function_call_arguments.delta"] * len(pieces),
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    added = events[2]["item"]
+    assert (added["type"], added["name"], added["arguments"]) == ("function_call", "lookup", "")
+    assert "".join(pieces) == events[-3]["arguments"] == call["arguments"]  # greedy: the same
+    follow_up = [
+        {"role": "user", "content": [{"type": "input_text", "text": "go"}]},
+        call,  # as it came back (its id and status too)
+        {"type": "function_call_output", "call_id": call["call_id"], "output": "sunny"},
+    ]
+    req = ResponsesRequest.model_validate(
+        {"model": "tiny-chat", "input": follow_up, "tools": tools, "max_output_tokens": 4}
+    )
+    user, assistant, result = req.chat_request().messages
+    assert (user.role, assistant.role, result.role) == ("user", "assistant", "tool")
+    assert [c.id for c in assistant.tool_calls or []] == [call["call_id"]]
+    assert result.tool_call_id == call["call_id"] and result.content == "sunny"
+    job = _run(serving.chat_job(req.chat_request()))
+    prompt = str(serving.tokenizer.decode(job.prompt_ids))
+    assert '<tool_call>\n{"name": "lookup", "arguments": ' in prompt
+    assert "<tool_response>\nsunny\n</tool_response>" in prompt
+    answer = _run(create_response(serving, req))
+    assert answer["output"] and answer["usage"]["input_tokens"] == len(job.prompt_ids)
