@@ -5,7 +5,8 @@ outputs all apply -- and the answer is mapped back: a whole chat completion to a
 object (its text a ``message`` item, its calls ``function_call`` items), a chat stream's
 chunks to the Responses events (``event: <type>`` and ``data: <json>``, each with its
 ``sequence_number``; no ``[DONE]``, as OpenAI). A response cut by ``max_output_tokens`` is
-``incomplete``; a stream that fails after its 200 ends with an ``error`` event.
+``incomplete`` (streamed, its last event is still ``response.completed``, which the openai
+SDK's stream helper needs); a stream that fails after its 200 ends with an ``error`` event.
 """
 
 from __future__ import annotations
@@ -216,8 +217,11 @@ class _ResponseEvents:
         # Nothing at all: an empty message (as a whole response has).
         events: list[str] = [] if self.output else self.open_message()
         events += self.close(status)
-        kind = "response.incomplete" if status == "incomplete" else "response.completed"
-        events.append(self.event(kind, response=self.response(status)))
+        # ``response.completed`` also for an incomplete one (its status says so): the openai
+        # SDK's stream helper (``get_final_response``), which the Agents SDK builds on,
+        # takes the final response from that event alone -- after OpenAI's
+        # ``response.incomplete`` it raised "Didn't receive a `response.completed` event".
+        events.append(self.event("response.completed", response=self.response(status)))
         return events
 
     def _add(self, item: dict[str, Any]) -> list[str]:

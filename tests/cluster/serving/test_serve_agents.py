@@ -221,3 +221,59 @@ def test_a_conversation_with_tool_results(client: Any, serve_app: ServeApp) -> N
             max_tokens=2,
         )
     assert "tool_call_id" in missing.value.body["message"]
+
+
+def test_the_responses_api_through_the_sdk(serve_app: ServeApp) -> None:
+    """``/v1/responses`` as the Agents SDK drives it: ``responses.parse`` into a Pydantic
+    model (``text.format`` json_schema), ``responses.stream`` (the SDK validates each event
+    and rebuilds the response from them), and a function call answered with a
+    ``function_call_output`` item."""
+    client = serve_app.openai()
+    parsed = client.responses.parse(
+        model=serve_app.model,
+        input="Describe a reading.",
+        text_format=Reading,
+        max_output_tokens=120,
+        temperature=1.0,
+        extra_body={"seed": 8},  # (no such argument in the SDK's Responses API)
+    )
+    assert parsed.status == "completed" and isinstance(parsed.output_parsed, Reading)
+    deltas: list[str] = []
+    with client.responses.stream(
+        model=serve_app.model, input="Hi", max_output_tokens=6, temperature=0
+    ) as stream:
+        for event in stream:
+            if event.type == "response.output_text.delta":
+                deltas.append(event.delta)
+        final = stream.get_final_response()
+    assert final.status == "incomplete" and final.incomplete_details is not None
+    assert final.output_text == "".join(deltas) and final.usage is not None
+    assert final.usage.output_tokens == 6
+    tool = {"type": "function", "name": "weather", **WEATHER["function"]}
+    first = client.responses.create(
+        model=serve_app.model,
+        input="Oslo?",
+        tools=[tool],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_output_tokens=200,  # (a random model's 4 characters may take many byte tokens)
+        temperature=0,
+    )
+    assert first.status == "completed", first.output
+    (call,) = [item for item in first.output if item.type == "function_call"]
+    assert call.name == "weather" and json.loads(call.arguments)["unit"] in ("C", "F")
+    history: list[Any] = [
+        {"role": "user", "content": "Oslo?"},
+        {
+            "type": "function_call",
+            "call_id": call.call_id,
+            "name": call.name,
+            "arguments": call.arguments,
+        },
+        {"type": "function_call_output", "call_id": call.call_id, "output": '{"temp": -3}'},
+    ]
+    answer = client.responses.create(
+        model=serve_app.model, input=history, tools=[tool], max_output_tokens=4, temperature=0
+    )
+    assert answer.usage is not None and first.usage is not None
+    assert answer.usage.input_tokens - first.usage.input_tokens >= len(call.arguments)

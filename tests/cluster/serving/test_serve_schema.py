@@ -163,11 +163,11 @@ def _stream_errors(response: Any) -> list[dict[str, Any]]:
 
 def _stream_ended(response: Any, label: str) -> bool:
     """The stream was sent whole: chat and completions end with `data: [DONE]`, a response
-    (as OpenAI's) with its `response.completed` or `response.incomplete` event."""
+    (as OpenAI's) with its `response.completed` event (an incomplete one too)."""
     if label != "POST /v1/responses":
         return bool(response.content.rstrip().endswith(b"data: [DONE]"))
     events = _events(response)
-    return bool(events) and events[-1].get("type") in ("response.completed", "response.incomplete")
+    return bool(events) and events[-1].get("type") == "response.completed"
 
 
 def _send(case: Any, label: str, seen: dict[str, set[int]]) -> int:
