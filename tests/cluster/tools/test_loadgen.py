@@ -409,6 +409,7 @@ def test_a_vllm_bench_serve_command_line_runs_as_it_is(server: FakeServer, tmp_p
     argv = ["--base-url", f"http://127.0.0.1:{server.port}", "--endpoint", "/v1/chat/completions"]
     argv += ["--random-input-len", "8", "--random-output-len", "3", "--random-range-ratio", "0"]
     argv += ["--max-concurrency", "2", "--goodput", "ttft:5000", "tpot:1000", "--ignore-eos"]
+    argv += ["--backend", "openai-chat", "--dataset-name", "random"]
     server.token_delay_s = 0.01  # (each request in flight long enough for the other to start)
     rc, doc = _bench([*argv, "--num-prompts", "4"], tmp_path)
     assert rc == 0
