@@ -15,7 +15,6 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from typing import Any
@@ -45,6 +44,7 @@ from cluster.serving.openai_responses import (
 )
 from cluster.serving.request_checks import RequestChecks
 from cluster.serving.serving_admin import ModelsAndOperations
+from cluster.serving.sse import ClosingGenerator
 from cluster.serving.tool_calls import (
     ToolPlan,
     parser_for,
@@ -310,7 +310,11 @@ class OpenAIServing(RequestChecks, ModelsAndOperations):
         if failed:  # the others stop where they are (closing a stream aborts its job)
             await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
             raise sample_error(failed[0])
-        return _JobOutputs(jobs, streams, results)
+        # (its closing aborts every job read or not)
+        return ClosingGenerator(
+            _outputs(jobs, streams, results),
+            lambda: asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True),
+        )
 
     def tool_plan(self, req: ChatCompletionRequest) -> ToolPlan | None:
         """How the answer's tool calls are read (None: plain text)."""
@@ -358,28 +362,6 @@ class OpenAIServing(RequestChecks, ModelsAndOperations):
             body = chat_response(rid, req, job, await _collect(outputs), self.tokenizer, tools)
             span.record(rid, body["usage"], finish_reasons(body))
             return body
-
-
-class _JobOutputs(AsyncGenerator[tuple[Job, RequestOutput], None]):
-    """``_outputs``, whose closing aborts every job read or not: an async generator closed
-    (or dropped) before its first step runs no ``finally``, so its streams would stay open
-    and their requests run on with no one to read them."""
-
-    def __init__(self, jobs: list[Job], streams: list[Any], firsts: list[RequestOutput]) -> None:
-        self._gen = _outputs(jobs, streams, firsts)
-        self._streams = streams
-
-    def asend(self, value: None) -> Any:
-        return self._gen.asend(value)
-
-    def athrow(self, *args: Any) -> Any:
-        return self._gen.athrow(*args)
-
-    async def aclose(self) -> None:
-        try:
-            await self._gen.aclose()
-        finally:
-            await asyncio.gather(*(s.aclose() for s in self._streams), return_exceptions=True)
 
 
 async def _outputs(jobs: list[Job], streams: list[Any], firsts: list[RequestOutput]) -> Outputs:

@@ -26,6 +26,7 @@ from cluster.serving.responses_protocol import (
     chat_name,
     renamed_text,
 )
+from cluster.serving.sse import ClosingGenerator
 
 
 async def create_response(
@@ -40,7 +41,8 @@ async def create_response(
     rid = f"resp_{uuid.uuid4().hex}"
     if isinstance(result, dict):
         return whole_response(rid, req, result)
-    return _ResponseStream(result, _ResponseEvents(rid, req, chat.model or serving.model_name))
+    events = _ResponseEvents(rid, req, chat.model or serving.model_name)
+    return ClosingGenerator(events.run(result), result.aclose)  # (closing it aborts the chat)
 
 
 def _renamed(exc: APIError) -> APIError:
@@ -293,24 +295,3 @@ class _ResponseEvents:
             events = [self.event(done, **where, arguments=arguments)]
         events.append(self.event("response.output_item.done", output_index=index, item=item))
         return events
-
-
-class _ResponseStream(AsyncGenerator[str, None]):
-    """A streamed response's events; closing it closes the chat stream under it (which
-    aborts the request), also when it is closed before its first step."""
-
-    def __init__(self, chunks: Any, events: _ResponseEvents) -> None:
-        self._chunks = chunks
-        self._gen = events.run(chunks)
-
-    def asend(self, value: None) -> Any:
-        return self._gen.asend(value)
-
-    def athrow(self, *args: Any) -> Any:
-        return self._gen.athrow(*args)
-
-    async def aclose(self) -> None:
-        try:
-            await self._gen.aclose()
-        finally:
-            await self._chunks.aclose()

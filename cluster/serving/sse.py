@@ -10,7 +10,8 @@ delay without bound. This response closes the body when it ends, however it ends
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from typing import Any, Generic, TypeVar
 
 import anyio
 from starlette.responses import StreamingResponse
@@ -31,3 +32,28 @@ class EventStream(StreamingResponse):
             if close is not None:
                 with anyio.CancelScope(shield=True):  # runs when the request was cancelled
                     await close()
+
+
+T = TypeVar("T")
+
+
+class ClosingGenerator(AsyncGenerator[T, None], Generic[T]):
+    """``gen``, whose closing also runs ``on_close`` -- however early: an async generator
+    closed (or dropped) before its first step runs no ``finally``, so what it reads from
+    (engine streams, a chat stream under another API) would stay open and its requests run
+    on with no one to read them."""
+
+    def __init__(self, gen: AsyncGenerator[T, None], on_close: Callable[[], Awaitable[Any]]):
+        self._gen, self._on_close = gen, on_close
+
+    def asend(self, value: None) -> Any:
+        return self._gen.asend(value)
+
+    def athrow(self, *args: Any) -> Any:
+        return self._gen.athrow(*args)
+
+    async def aclose(self) -> None:
+        try:
+            await self._gen.aclose()
+        finally:
+            await self._on_close()
