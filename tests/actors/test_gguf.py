@@ -235,6 +235,22 @@ def test_tiny_model_round_trip(tmp_path: Path, arch: str) -> None:
         assert "model.layers.0.self_attn.q_proj.bias" in got
 
 
+def _header_only(path: Path, fill: Any) -> Path:
+    """A tiny Llama GGUF file of metadata alone (4k context, no tensors): ``fill(writer)``
+    adds the keys under test."""
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(1)
+    w.add_context_length(4096)
+    w.add_embedding_length(8)
+    w.add_feed_forward_length(8)
+    w.add_head_count(2)
+    fill(w)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    return path
+
+
 @pytest.mark.parametrize(
     ("key", "factor"), [("llama.rope.scale_linear", 4.0), ("llama.rope.scaling.factor", 2.0)]
 )
@@ -246,17 +262,7 @@ def test_a_linear_factor_without_a_type_scales_as_in_llama_cpp(
     linearly scaled Llama 2 fine-tunes hold only that); both were read as no scaling."""
     from actors.model.config import ModelConfig
 
-    path = tmp_path / "linear.gguf"
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(1)
-    w.add_context_length(4096)
-    w.add_embedding_length(8)
-    w.add_feed_forward_length(8)
-    w.add_head_count(2)
-    w.add_float32(key, factor)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.close()
+    path = _header_only(tmp_path / "linear.gguf", lambda w: w.add_float32(key, factor))
     cfg = read_gguf_config(path)
     assert cfg["rope_scaling"] == {"rope_type": "linear", "factor": factor}
     assert ModelConfig.from_hf(cfg).max_positions == int(4096 * factor)
@@ -268,19 +274,11 @@ def test_yarn_without_an_original_context_length_takes_the_files(tmp_path: Path)
     from actors.model.config import ModelConfig
     from actors.model.rope import _inv_freq
 
-    path = tmp_path / "yarn.gguf"
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(1)
-    w.add_context_length(4096)
-    w.add_embedding_length(8)
-    w.add_feed_forward_length(8)
-    w.add_head_count(2)
-    w.add_string("llama.rope.scaling.type", "yarn")
-    w.add_float32("llama.rope.scaling.factor", 4.0)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.close()
-    cfg = read_gguf_config(path)
+    def yarn(w: Any) -> None:
+        w.add_string("llama.rope.scaling.type", "yarn")
+        w.add_float32("llama.rope.scaling.factor", 4.0)
+
+    cfg = read_gguf_config(_header_only(tmp_path / "yarn.gguf", yarn))
     assert cfg["rope_scaling"]["original_max_position_embeddings"] == 4096
     config = ModelConfig.from_hf(cfg)
     assert config.max_positions == 4 * 4096
@@ -304,19 +302,12 @@ def test_end_of_turn_and_message_ids_end_generation_too(tmp_path: Path) -> None:
     ``eos_token_id`` did here, so such a model talked past its turn."""
     from actors.model.config import ModelConfig
 
-    path = tmp_path / "eot.gguf"
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(1)
-    w.add_embedding_length(8)
-    w.add_feed_forward_length(8)
-    w.add_head_count(2)
-    w.add_eos_token_id(2)
-    w.add_eot_token_id(7)
-    w.add_eom_token_id(8)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.close()
-    cfg = read_gguf_config(path)
+    def end_ids(w: Any) -> None:
+        w.add_eos_token_id(2)
+        w.add_eot_token_id(7)
+        w.add_eom_token_id(8)
+
+    cfg = read_gguf_config(_header_only(tmp_path / "eot.gguf", end_ids))
     assert cfg["eos_token_id"] == [2, 7, 8]
     assert ModelConfig.from_hf(cfg).eos_token_ids == (2, 7, 8)
 
