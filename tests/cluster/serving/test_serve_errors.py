@@ -122,8 +122,8 @@ def test_missing_or_wrong_api_key_is_401(serve_app: ServeApp) -> None:
 
 
 def test_unknown_routes_and_methods_are_openai_errors(serve_app: ServeApp) -> None:
-    error = _error(_post(serve_app, "/v1/responses", {"model": serve_app.model}), 404)
-    assert "/v1/responses" in error["message"]
+    error = _error(_post(serve_app, "/v1/embeddings", {"model": serve_app.model}), 404)
+    assert "/v1/embeddings" in error["message"]
     assert _error(_post(serve_app, "/health", {}), 405)["code"] == 405
 
 
