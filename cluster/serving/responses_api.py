@@ -6,7 +6,8 @@ object (its text a ``message`` item, its calls ``function_call`` items), a chat 
 chunks to the Responses events (``event: <type>`` and ``data: <json>``, each with its
 ``sequence_number``; no ``[DONE]``, as OpenAI). A response cut by ``max_output_tokens`` is
 ``incomplete`` (streamed, its last event is still ``response.completed``, which the openai
-SDK's stream helper needs); a stream that fails after its 200 ends with an ``error`` event.
+SDK's stream helper needs); a stream that fails after its 200 ends with an ``error`` event
+and ``response.failed``.
 """
 
 from __future__ import annotations
@@ -176,11 +177,25 @@ class _ResponseEvents:
         output, usage = self.output, self.usage
         return response_body(self.rid, self.req, self.model, self.created, status, output, usage)
 
-    def error(self, error: dict[str, Any]) -> str:
+    def fail(self, error: dict[str, Any]) -> list[str]:
+        """A stream that failed after its 200: an ``error`` event, then ``response.failed``
+        with what was output so far (as OpenAI ends one; Codex reads the failure from
+        ``response.failed`` alone). The open item gets no done events: the openai SDK's
+        stream helper would parse a cut ``text.format`` answer at its text's done event."""
         code, param = error.get("code"), error.get("param")
         message = str(error.get("message", "error"))
-        code = None if code is None else str(code)
-        return self.event("error", code=code, message=message, param=param)
+        text_code = None if code is None else str(code)
+        events = [self.event("error", code=text_code, message=message, param=param)]
+        if self.open is not None:  # the item being streamed: cut where it was
+            item = self.output[self.open]
+            item["status"] = "incomplete"
+            if item["type"] == "message":
+                item["content"] = [_text_part("".join(self.text))]
+        failed = self.response("failed")
+        kind = "rate_limit_exceeded" if code == 429 else "server_error"
+        failed["error"] = {"code": kind, "message": message}
+        events.append(self.event("response.failed", response=failed))
+        return events
 
     async def run(self, chunks: AsyncIterator[str]) -> AsyncGenerator[str, None]:
         yield self.event("response.created", response=self.response("in_progress"))
@@ -191,13 +206,15 @@ class _ResponseEvents:
                 if payload == "[DONE]":
                     break
                 chunk = json.loads(payload)
-                if "error" in chunk:  # the chat stream failed after its 200: an error event
-                    yield self.error(chunk["error"])
+                if "error" in chunk:  # the chat stream failed after its 200
+                    for event in self.fail(chunk["error"]):
+                        yield event
                     return
                 for event in self.feed(chunk):
                     yield event
         except Exception as exc:
-            yield self.error(api_error(exc).body()["error"])
+            for event in self.fail(api_error(exc).body()["error"]):
+                yield event
             return
         for event in self.finish():
             yield event
@@ -292,6 +309,6 @@ class _ResponseEvents:
         else:
             arguments = item["arguments"]
             done = "response.function_call_arguments.done"
-            events = [self.event(done, **where, arguments=arguments)]
+            events = [self.event(done, **where, name=item["name"], arguments=arguments)]
         events.append(self.event("response.output_item.done", output_index=index, item=item))
         return events

@@ -1729,6 +1729,104 @@ def test_a_streamed_response_sends_openais_events_in_order(serving: OpenAIServin
     assert done["usage"]["output_tokens"] == whole["usage"]["output_tokens"]
 
 
+@pytest.mark.parametrize("failure", FAILURES)
+def test_a_response_stream_that_fails_midway_ends_with_response_failed(
+    engine: AsyncLLM, failure: str
+) -> None:
+    """After the 200 went out, a failure is an ``error`` event, then ``response.failed``
+    (its ``error`` saying why, what was output so far), never ``response.completed``; the
+    request is gone from the engine."""
+    exc, status, message = FAILURES[failure]
+    serving = OpenAIServing(_Failing(engine, 2, exc), "tiny-chat")  # type: ignore[arg-type]
+    req = ResponsesRequest.model_validate(
+        {"model": "tiny-chat", "stream": True, "input": "hello there", "max_output_tokens": 20}
+    )
+
+    async def stream() -> list[dict[str, Any]]:
+        result: Any = await create_response(serving, req)
+        async with aclosing(result) as blocks:
+            events = [
+                json.loads(block.split("\n")[1].removeprefix("data: ")) async for block in blocks
+            ]
+        await _idle(engine)
+        return events
+
+    events: list[dict[str, Any]] = _run(stream())
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert "response.completed" not in [e["type"] for e in events]
+    error, failed = events[-2:]
+    assert error["type"] == "error" and error["code"] == str(status)
+    assert message in error["message"]
+    assert failed["type"] == "response.failed"
+    response = failed["response"]
+    assert response["id"] == events[0]["response"]["id"] and response["status"] == "failed"
+    assert response["error"] == {"code": "server_error", "message": error["message"]}
+    added = [e["item"]["id"] for e in events if e["type"] == "response.output_item.added"]
+    assert [item["id"] for item in response["output"]] == added
+
+
+def test_a_response_stream_closed_early_aborts_its_request(
+    serving: OpenAIServing, engine: AsyncLLM
+) -> None:
+    """The client leaves a streamed response -- before its first byte, or after a few
+    events: closing the event stream closes the chat stream under it, which aborts the
+    request at once (not when the collector finds the stream)."""
+
+    async def leave(read: int) -> None:
+        req = ResponsesRequest.model_validate(
+            {"model": "tiny-chat", "stream": True, "input": "hello there", "max_output_tokens": 200}
+        )
+        events: Any = await create_response(serving, req)
+        assert engine.engine.has_unfinished_requests()
+        for _ in range(read):
+            await events.__anext__()
+        await events.aclose()
+        assert engine._aborts  # with the stream still held: not left to the collector
+        await _idle(engine)
+        del events
+
+    _run(leave(0))
+    _run(leave(3))  # (created, in_progress, then one read from the chat stream)
+
+
+def test_input_items_map_to_chat_messages() -> None:
+    """An assistant message and the calls after it are one assistant message (its text, then
+    its tool_calls in order); each function_call_output is a tool message answering its
+    call_id; a call after a tool result starts a new assistant message."""
+    lookup = "lookup"
+    parts = {"type": "input_text", "text": "21"}  # (an output may be text parts)
+    items: list[dict[str, Any]] = [
+        {"role": "user", "content": "Oslo and Rome?"},
+        {
+            "type": "message",
+            "role": "assistant",
+            "id": "msg_1",
+            "status": "completed",
+            "content": [{"type": "output_text", "text": "Checking.", "annotations": []}],
+        },
+        {"type": "function_call", "id": "fc_1", "call_id": "c1", "name": lookup, "arguments": "1"},
+        {"type": "function_call", "id": "fc_2", "call_id": "c2", "name": lookup, "arguments": "2"},
+        {"type": "function_call_output", "call_id": "c1", "output": "-3"},
+        {"type": "function_call_output", "call_id": "c2", "output": [parts]},
+        {"type": "function_call", "call_id": "c3", "name": "ping", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c3", "output": "pong"},
+    ]
+    req = ResponsesRequest.model_validate(
+        {"model": "tiny-chat", "instructions": "be brief", "input": items}
+    )
+    messages = req.chat_request().messages
+    roles = ["system", "user", "assistant", "tool", "tool", "assistant", "tool"]
+    assert [m.role for m in messages] == roles
+    first = messages[2]
+    assert first.content == "Checking."
+    calls = [(c.id, c.function.name, c.function.arguments) for c in first.tool_calls or []]
+    assert calls == [("c1", lookup, "1"), ("c2", lookup, "2")]
+    assert [(m.tool_call_id, m.content) for m in messages[3:5]] == [("c1", "-3"), ("c2", "21")]
+    assert messages[5].content is None
+    assert [c.id for c in messages[5].tool_calls or []] == ["c3"]
+    assert (messages[6].tool_call_id, messages[6].content) == ("c3", "pong")
+
+
 def test_a_function_call_round_trip(serving: OpenAIServing) -> None:
     """A named function: a function_call item (streamed, its arguments as deltas); sent back
     as input items with its output, the call and its result reach the prompt as chat's
@@ -1758,6 +1856,8 @@ def test_a_function_call_round_trip(serving: OpenAIServing) -> None:
     added = events[2]["item"]
     assert (added["type"], added["name"], added["arguments"]) == ("function_call", "lookup", "")
     assert "".join(pieces) == events[-3]["arguments"] == call["arguments"]  # greedy: the same
+    # (OpenAI's done event names the function too: clients generated from its spec need it)
+    assert events[-3]["name"] == "lookup" and events[-3]["item_id"] == added["id"]
     follow_up = [
         {"role": "user", "content": [{"type": "input_text", "text": "go"}]},
         call,  # as it came back (its id and status too)
