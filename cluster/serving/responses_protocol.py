@@ -10,8 +10,9 @@ so chat's own checks refuse a body with a 400 naming this API's field (``input``
 
 Nothing is stored: ``store`` is accepted and ignored, and ``previous_response_id`` is a 400
 (send the whole conversation as ``input``). Tools other than functions are 400s naming
-``tools``; ``background``, ``conversation``, ``prompt`` and ``reasoning`` are 400s when they
-ask for something. Other unknown fields are ignored and logged once, as on chat.
+``tools``; ``background``, ``conversation``, ``prompt``, ``reasoning``, ``context_management``,
+``moderation`` and ``top_logprobs`` are 400s when they ask for something (``max_tool_calls``
+bounds built-in tools only: accepted). Other unknown fields are ignored and logged once.
 """
 
 from __future__ import annotations
@@ -42,7 +43,10 @@ CHAT_NAMES = {
 }
 # OpenAI's fields that would change the output and are not implemented: a 400 naming the
 # field when it asks for something (values that ask for nothing pass, as on chat).
-REFUSED_RESPONSES = ("background", "conversation", "prompt", "reasoning")
+REFUSED_RESPONSES = (
+    *("background", "conversation", "prompt", "reasoning"),
+    *("context_management", "moderation", "top_logprobs"),
+)
 
 
 class TextContent(BaseModel):
@@ -170,6 +174,7 @@ class ResponsesRequest(BaseModel):
     prompt_cache_key: Any = None
     safety_identifier: Any = None
     stream_options: Any = None
+    max_tool_calls: Any = None  # (a bound on built-in tools: none here)
     # Refused: there is no stored response to continue from.
     previous_response_id: str | None = None
     # Refused when they ask for something (REFUSED_RESPONSES).
@@ -177,6 +182,9 @@ class ResponsesRequest(BaseModel):
     conversation: Any = None
     prompt: Any = None
     reasoning: Any = None
+    context_management: Any = None
+    moderation: Any = None
+    top_logprobs: Any = None  # (0 asks for nothing)
     _chat: ChatCompletionRequest | None = PrivateAttr(None)
 
     _unicode = model_validator(mode="before")(_refuse_surrogates)

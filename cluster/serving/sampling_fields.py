@@ -84,8 +84,9 @@ _MAX_LOGGED_UNKNOWN = 256  # distinct names logged; a client sending random keys
 
 
 # A field's own further values that ask for nothing: JSON writers drop a float's ".0", so
-# length_penalty 1 is 1.0 (elsewhere 1 may ask for something: truncate_prompt_tokens 1).
-_ALSO_INACTIVE: dict[str, tuple[Any, ...]] = {"length_penalty": (1,)}
+# length_penalty 1 is 1.0 (elsewhere 1 may ask for something: truncate_prompt_tokens 1); the
+# Responses API's top_logprobs 0 asks for no logprobs.
+_ALSO_INACTIVE: dict[str, tuple[Any, ...]] = {"length_penalty": (1,), "top_logprobs": (0,)}
 
 
 def _takes_none(annotation: Any) -> bool:

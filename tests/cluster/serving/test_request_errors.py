@@ -164,6 +164,15 @@ def test_responses_refusals_name_the_responses_apis_fields() -> None:
     assert _refused("/responses", {**base, "temperature": 3})["param"] == "temperature"
     error = _refused("/responses", {"model": "m", "input": [{"type": "reasoning"}]})
     assert error["param"].startswith("input")
+    # Fields that would change the output, not implemented: refused, not silently dropped.
+    active = {
+        "top_logprobs": 5,
+        "context_management": [{"type": "compaction", "compact_threshold": 1000}],
+        "moderation": {"policy": {"input": {"mode": "block"}}},
+    }
+    for field, value in active.items():
+        assert _refused("/responses", {**base, field: value})["param"] == field
     # What asks for nothing passes: no stored response, no reasoning, store false.
-    quiet = {**base, "previous_response_id": None, "reasoning": None, "store": False}
+    quiet: dict[str, Any] = {**base, "previous_response_id": None, "reasoning": None}
+    quiet |= {"store": False, "top_logprobs": 0, "max_tool_calls": 3}
     assert ResponsesRequest.model_validate(quiet).chat_request().messages[0].content == "hi"
