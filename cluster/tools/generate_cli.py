@@ -100,11 +100,7 @@ def _generate_on_cluster(args: argparse.Namespace, params: SamplingParams) -> in
     async def stream() -> str | None:
         finish = None
         async for out in client.generate_async(prompt, params):
-            sample = out.outputs[0]
-            if sample.new_text:
-                sys.stdout.write(sample.new_text)
-                sys.stdout.flush()
-            finish = sample.finish_reason
+            finish = _show(out)
         return finish
 
     try:
@@ -112,10 +108,7 @@ def _generate_on_cluster(args: argparse.Namespace, params: SamplingParams) -> in
     except ValueError as exc:
         print(f"tandem generate: {exc}", file=sys.stderr)
         return 1
-    sys.stdout.write("\n")
-    if args.verbose:
-        print(f"[finish_reason={finish}]", file=sys.stderr)
-    return 0
+    return _ended(args, finish)
 
 
 def _prompt(args: argparse.Namespace, tokenizer: Any) -> str | list[int]:
@@ -168,14 +161,25 @@ def run_generate(args: argparse.Namespace) -> int:
     finish = None
     try:
         for out in llm.generate_stream(prompt, params):
-            sample = out.outputs[0]
-            if sample.new_text:
-                sys.stdout.write(sample.new_text)
-                sys.stdout.flush()
-            finish = sample.finish_reason
+            finish = _show(out)
     except ValueError as exc:  # e.g. a prompt longer than the context
         print(f"tandem generate: {exc}", file=sys.stderr)
         return 1
+    return _ended(args, finish)
+
+
+def _show(out: Any) -> str | None:
+    """Write an output's new text to the terminal; its sample's finish reason (None: more
+    to come)."""
+    sample = out.outputs[0]
+    if sample.new_text:
+        sys.stdout.write(sample.new_text)
+        sys.stdout.flush()
+    return sample.finish_reason
+
+
+def _ended(args: argparse.Namespace, finish: str | None) -> int:
+    """The generation ended: a newline, and with -v its finish reason."""
     sys.stdout.write("\n")
     if args.verbose:
         print(f"[finish_reason={finish}]", file=sys.stderr)
