@@ -13,14 +13,17 @@ def check_placeable(
     config: ClusterConfig,
     nodes: list[dict[str, Any]],
     launchable: list[dict[str, float]] | None = None,
+    pools: list[InstancePool] | None = None,
 ) -> None:
     """Fail fast, naming the pool, when no live node offers what one of its workers needs
     and the Ray autoscaler cannot launch one that does (Ray would otherwise keep the actor
     pending until the start-up timeout). ``launchable``: the resources of the node groups
     the autoscaler may still add (``launchable_node_groups``); with one that fits, the
-    worker's pending demand is what makes the autoscaler (or KubeRay) add the node."""
+    worker's pending demand is what makes the autoscaler (or KubeRay) add the node. ``pools``:
+    the pools to check (default: every pool of ``config``; a grow checks only its own -- another
+    pool whose nodes are gone must not stop it)."""
     alive = [n.get("Resources", {}) for n in nodes if n.get("Alive", n.get("alive", True))]
-    for pool in config.pools:
+    for pool in config.pools if pools is None else pools:
         for rank in range(pool.pp_size):
             _check_stage(pool, rank, alive, launchable or [])
 

@@ -235,7 +235,11 @@ async def start_instances(
             f"kv_transfer.transport {transport!r} is not available; "
             f"available: {', '.join(available_transports())}"
         )
-    check_placeable(config, ray.nodes(), launchable_node_groups())  # type: ignore[no-untyped-call]
+    # The pools of the instances wanted only: a pool whose nodes are gone (its instances
+    # failed) must not stop another pool from growing.
+    pools = list({pool.name: pool for _, pool in wanted}.values())
+    nodes = ray.nodes()  # type: ignore[no-untyped-call]
+    check_placeable(config, nodes, launchable_node_groups(), pools)
     remote_worker = worker_class()
     created: list[tuple[str, InstancePool, list[Any]]] = []
     # With engine actors the central scheduler may die and come back: the workers (like the

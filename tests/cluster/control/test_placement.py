@@ -100,7 +100,11 @@ def test_the_central_scheduler_goes_to_the_head_even_from_a_placement_group(
 
     @ray.remote(num_cpus=0)
     class Central:
-        def node_id(self) -> str:
+        # Async, as the SchedulerActor is: a sync class given the central options'
+        # max_concurrency (10_000) is a threaded actor that starts 10,000 threads, each taking
+        # the GIL, before it serves -- seconds on a loaded 2-core machine (and Ray aborts the
+        # worker past 10 s) -- which the real, async, central actor never does.
+        async def node_id(self) -> str:
             return str(ray.get_runtime_context().get_node_id())
 
     @ray.remote(num_cpus=0.01)
@@ -108,7 +112,7 @@ def test_the_central_scheduler_goes_to_the_head_even_from_a_placement_group(
         options = central_actor_options(CONFIG, "pg-central", "tandem-tests", detached=False)
         central = Central.options(**options).remote()  # type: ignore[attr-defined]
         try:
-            return str(ray.get(central.node_id.remote(), timeout=30))
+            return str(ray.get(central.node_id.remote(), timeout=90))  # (a worker starts)
         finally:
             ray.kill(central)
 
@@ -116,7 +120,35 @@ def test_the_central_scheduler_goes_to_the_head_even_from_a_placement_group(
     ray.get(group.ready(), timeout=30)
     try:
         strategy = PlacementGroupSchedulingStrategy(group, placement_group_capture_child_tasks=True)
-        node = ray.get(build.options(scheduling_strategy=strategy).remote(), timeout=60)
+        node = ray.get(build.options(scheduling_strategy=strategy).remote(), timeout=150)
     finally:
         remove_placement_group(group)
     assert node == ray_cluster.head_node_id
+
+
+def test_a_grow_checks_only_the_pools_it_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The prefill pool's node is gone (its instances failed): the decode pool still grows --
+    ``start_instances`` checks the pools of the instances it starts, not every pool of the
+    cluster (a ValueError naming pool 'p' refused it) -- and a prefill instance is still
+    refused at once, naming its pool."""
+    import asyncio
+
+    import ray
+
+    from cluster.control import placement
+
+    class Checked(Exception):
+        """Past the placement check (where the workers would be created)."""
+
+    def worker_class() -> None:
+        raise Checked
+
+    monkeypatch.setattr(ray, "nodes", lambda: [_node(decode=1.0)])
+    monkeypatch.setattr(placement, "launchable_node_groups", lambda: [])
+    monkeypatch.setattr(placement, "worker_class", worker_class)
+    config = CONFIG.with_kv_transport("ray")
+    pools = {pool.name: pool for pool in config.pools}
+    with pytest.raises(Checked):
+        asyncio.run(placement.start_instances(config, [("d-1", pools["d"])], 1.0))
+    with pytest.raises(ValueError, match="pool 'p' needs"):
+        asyncio.run(placement.start_instances(config, [("p-1", pools["p"])], 1.0))
