@@ -117,14 +117,19 @@ class ClusterOperations:
             live = self._pool_instances(pool_name)
             # Dead instances (failed, not back) count for nothing: the resize retires them.
             dead = [i for i in self._pool_instances(pool_name, alive=False) if i not in live]
-            leaving = dead + live[replicas:]
             try:
+                if dead and replicas > len(live):
+                    # Before the grow, not after it: their workers may still hold what the
+                    # new ones need (a worker whose step raised lives on with its GPU, and so
+                    # do a pipeline's other stages). On a full cluster the grow would wait for
+                    # that until its timeout, fail, and never reach their retire.
+                    self._leave(dead)  # (one that fails to leave holds up no grow: logged)
+                    await logged(self._shrink(dead, drain_timeout_s), f"retiring {', '.join(dead)}")
+                    dead = []
+                leaving = dead + live[replicas:]
                 if replicas > len(live):
                     await self._grow(pool, replicas - len(live))
-                for iid in leaving:  # out of routing and of the pool's count at once
-                    self.views[iid].draining = True
-                    self.engines[iid].draining = True
-                    self._shrinking.add(iid)  # (before its ``_shrink`` task runs)
+                self._leave(leaving)
             finally:
                 self.autoscaler.resized(pool_name)
         drained = self._shrink(leaving, drain_timeout_s)
@@ -133,6 +138,13 @@ class ClusterOperations:
         else:
             self._spawn(logged(drained, f"draining {', '.join(leaving)}"))
         return {"pool": pool_name, "instances": self._pool_instances(pool_name)}
+
+    def _leave(self, instance_ids: list[str]) -> None:
+        """Out of routing and of their pool's count at once (before their ``_shrink`` runs)."""
+        for iid in instance_ids:
+            self.views[iid].draining = True
+            self.engines[iid].draining = True
+            self._shrinking.add(iid)
 
     def _pool_instances(self, pool_name: str, alive: bool = True) -> list[str]:
         """The pool's instances that serve (alive, not draining; ``alive=False``: all but
@@ -213,9 +225,17 @@ class ClusterOperations:
                     break
                 await asyncio.sleep(0.05)
             async with self._membership:
+                failed: Exception | None = None
                 for iid in instance_ids:
                     if iid in self.engines and self.started:  # (not retired, nor shut down)
-                        await self._retire(iid)
+                        try:
+                            await self._retire(iid)
+                        except Exception as exc:  # the others leave all the same: left
+                            # draining, nothing would ever retire them (resizes skip them)
+                            logger.exception("instance %s could not be retired", iid)
+                            failed = failed or exc
+                if failed is not None:
+                    raise failed
         finally:
             self._shrinking.difference_update(instance_ids)
 

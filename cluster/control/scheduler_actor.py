@@ -215,6 +215,7 @@ class SchedulerActor(
             except BaseException as exc:
                 for engine in engines:
                     engine.close()
+                self._forget_kv_peers(specs)
                 if isinstance(exc, TimeoutError):  # (its str is empty: the 503 said nothing)
                     names = ", ".join(spec.instance_id for spec in specs)
                     raise TimeoutError(
@@ -243,6 +244,19 @@ class SchedulerActor(
                     engine.keep_autoscaler(self.autoscaler.memo())
         if self.config.engine_actors:  # clients stream from the new engines too
             self.clients.notify_engines(self.engine_handles())
+
+    def _forget_kv_peers(self, specs: list[InstanceSpec]) -> None:
+        """New instances refused after ``_connect_kv_peers`` told every live worker of their
+        workers (``nixl``: agents added, same-host sources attached): the live workers forget
+        them again, in the background (the caller kills their workers). Otherwise each
+        failed grow -- the autoscaler asks again after its delay -- left some behind for as
+        long as the live workers ran."""
+        from cluster.control.placement import disconnect_kv_peers, kv_peer_names
+
+        names = [name for spec in specs for name in kv_peer_names(spec)]
+        if names and self.specs:
+            wait = self._kv_peers_wait_s()
+            self._spawn(disconnect_kv_peers(list(self.specs.values()), names, wait))
 
     def _latency(self, iid: str, kind: str, seconds: float, span_s: float) -> None:
         view = self.views.get(iid)

@@ -512,6 +512,42 @@ def test_an_instance_whose_retire_failed_holds_up_no_shrink() -> None:
     assert not ops._pool_draining("d")  # not after it failed
 
 
+def test_a_retire_that_fails_does_not_keep_the_others_of_its_shrink() -> None:
+    """A shrink of d-1 and d-2 (a resize retires the dead with the removed ones): d-1's
+    retire fails, d-2 still leaves -- it was left marked draining, out of routing with its
+    workers (a GPU) held for good, since no resize counts or retires a draining instance --
+    and the failure is still raised (logged by the caller)."""
+    from types import SimpleNamespace
+
+    from cluster.control.operations import ClusterOperations
+
+    class Ops(ClusterOperations):
+        def __init__(self) -> None:
+            self.config: Any = SimpleNamespace(drain_timeout_s=1.0)
+            self.started = True
+            self._membership = asyncio.Lock()
+            self._shrinking: set[str] = set()
+            pool = SimpleNamespace(name="d")
+            self.specs: Any = {i: SimpleNamespace(pool=pool) for i in ("d-1", "d-2")}
+            self.engines: Any = {i: object() for i in ("d-1", "d-2")}
+            self.retired: list[str] = []
+
+        async def _holds_requests(self, iid: str) -> bool:
+            return False
+
+        async def _retire(self, iid: str) -> None:
+            if iid == "d-1":
+                raise RuntimeError("its workers did not stop")
+            self.retired.append(iid)
+            del self.engines[iid]
+
+    ops = Ops()
+    with pytest.raises(RuntimeError, match="did not stop"):
+        asyncio.run(ops._shrink(["d-1", "d-2"], None))
+    assert ops.retired == ["d-2"]
+    assert not ops._pool_draining("d")
+
+
 def test_a_wish_timed_before_a_resize_held_the_rounds_up_is_timed_again(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -196,6 +196,57 @@ def test_a_grown_pool_never_reuses_the_index_of_an_instance_it_retired() -> None
     assert ops.asked == ["p-2"]
 
 
+def test_a_grow_whose_engines_never_start_leaves_no_kv_peer_behind(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With engine actors, a new instance is refused after ``_connect_kv_peers`` told the
+    live workers of its workers (``nixl``: their agents added): its engine actor never
+    became ready. Its workers are killed (``_grow``), and the live workers forget their
+    agents -- as when the connection itself is refused. They kept them for as long as they
+    ran, one more set for each grow the autoscaler asked for again."""
+    import ray
+
+    from cluster.control import remote_engine
+    from cluster.control.scheduler_actor import SchedulerActor
+
+    class Engine:
+        """An engine actor that never serves."""
+
+        def __init__(self, *_: Any) -> None:
+            pass
+
+        async def ready(self) -> None:
+            raise RuntimeError("the engine did not start")
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(remote_engine, "RemoteEngine", Engine)
+    monkeypatch.setattr(ray, "get_runtime_context", lambda: SimpleNamespace(current_actor=None))
+    actor = SchedulerActor.__new__(SchedulerActor)
+    config = SimpleNamespace(engine_actors=True, startup_timeout_s=1.0, step_timeout_s=None)
+    actor.config = config  # type: ignore[assignment]
+    live = SimpleNamespace(instance_id="d-0", kv_peers=[SimpleNamespace(agent="agent-d-0")])
+    new = SimpleNamespace(instance_id="d-1", kv_peers=[SimpleNamespace(agent="agent-d-1")])
+    actor.specs = {"d-0": live}  # type: ignore[dict-item]
+    actor.views = {"d-0": SimpleNamespace(alive=True)}  # type: ignore[dict-item]
+    actor.max_model_len = 64
+    actor._tasks = set()
+
+    async def connect(specs: list[Any]) -> None:  # (the live workers learnt of d-1's agents)
+        pass
+
+    actor._connect_kv_peers = connect  # type: ignore[method-assign]
+
+    async def main() -> None:
+        with pytest.raises(RuntimeError, match="did not start"):
+            await actor._add_instances([new])  # type: ignore[list-item]
+        await asyncio.gather(*actor._tasks)
+
+    asyncio.run(main())
+    assert EVENTS == [("disconnect", (["d-0"], ["agent-d-1"]))]
+
+
 def test_a_decode_instance_retired_undrained_lets_its_sources_go() -> None:
     """A decode instance leaves with hand-offs still queued or loading (its drain timed out,
     or ``drain_timeout_s=0``): their requests move, and the prefill instances that lease
@@ -244,3 +295,48 @@ def test_a_leaving_engine_names_the_hand_offs_it_held_unread() -> None:
     unread = InstanceEngine.take_unread_kv(leaving)  # type: ignore[arg-type]
     assert sorted(unread) == [("loading", "p-loading"), ("new", "p-new"), ("queued", "p-queued")]
     assert_all_free(scheduler)
+
+
+class Resize(ClusterOperations):
+    """``scale_pool`` over pool ``d``: d-0 serves, d-1 failed for good (its worker, whose step
+    raised, lives on with its GPU). ``_grow`` notes what had been retired when it ran."""
+
+    def __init__(self) -> None:
+        pool = SimpleNamespace(name="d", role="decode")
+        self.config: Any = SimpleNamespace(pools=[pool], drain_timeout_s=1.0)
+        self.started = True
+        self._resizing = asyncio.Lock()
+        self._membership = asyncio.Lock()
+        self._shrinking: set[str] = set()
+        self._start_instances = object()  # (it may start instances)
+        ids = ("d-0", "d-1")
+        self.specs: Any = {i: SimpleNamespace(pool=pool, actors=["worker"]) for i in ids}
+        self.views: Any = {i: SimpleNamespace(alive=i == "d-0", draining=False) for i in ids}
+        self.engines: Any = {i: SimpleNamespace(draining=False) for i in ids}
+        self.autoscaler: Any = SimpleNamespace(resized=lambda pool: None)
+        self.retired: list[str] = []
+        self.retired_when_grown: list[str] | None = None
+
+    async def _ready(self) -> None:
+        pass
+
+    async def _holds_requests(self, iid: str) -> bool:
+        return False
+
+    async def _retire(self, iid: str) -> None:
+        self.retired.append(iid)
+        del self.specs[iid], self.views[iid], self.engines[iid]
+
+    async def _grow(self, pool: Any, count: int) -> None:
+        self.retired_when_grown = list(self.retired)
+
+
+def test_a_grow_retires_the_dead_instances_before_it_places_new_workers() -> None:
+    """Pool d back to 2 instances after d-1 failed: d-1 is retired (its workers stopped)
+    before the new instance's workers are placed -- they may need its GPU. Retired after the
+    grow, on a full cluster the grow timed out waiting for that GPU and d-1 was never
+    retired: the autoscaler asked again and again, each time in vain."""
+    ops = Resize()
+    result = asyncio.run(ops.scale_pool("d", 2))
+    assert ops.retired_when_grown == ["d-1"]
+    assert ops.retired == ["d-1"] and result == {"pool": "d", "instances": ["d-0"]}
