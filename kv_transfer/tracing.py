@@ -72,17 +72,23 @@ def init_tracing(config: TracingConfig, component: str) -> Tracer | None:
     from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 
     if _provider is None:
+        # The exporter first, the provider kept only once whole: an exporter that cannot be
+        # made (an OTLP protocol it does not speak) must fail every call, not leave a
+        # provider without it for the next call -- whose tracer then dropped every span of
+        # the process without a word.
+        processor = BatchSpanProcessor(
+            _exporter(config), schedule_delay_millis=config.export_delay_ms
+        )
         attributes = {"service.name": config.service_name, "tandem.component": component}
         node = _ray_node_id()
         if node is not None:
             attributes["tandem.node_id"] = node
         resource = Resource.create(attributes)
         sampler = ParentBased(TraceIdRatioBased(config.sampling_ratio))
-        _provider = TracerProvider(resource=resource, sampler=sampler, id_generator=_id_generator())
-        _provider.add_span_processor(
-            BatchSpanProcessor(_exporter(config), schedule_delay_millis=config.export_delay_ms)
-        )
-        atexit.register(_provider.shutdown)
+        provider = TracerProvider(resource=resource, sampler=sampler, id_generator=_id_generator())
+        provider.add_span_processor(processor)
+        atexit.register(provider.shutdown)
+        _provider = provider
     tracer = _provider.get_tracer(f"tandem.{component}")
     _tracers[component] = tracer
     return tracer
