@@ -127,11 +127,14 @@ class WorkerConnector(ABC):
         """The worker's caches (one tensor per layer it holds) and which model layers they
         are. Drops any load in progress, and every load's outcome not yet reported: a new
         cache comes with a fresh scheduler, which may hold a request of the same id again (a
-        lost request placed anew) whose own load has not landed."""
+        lost request placed anew) whose own load has not landed. The step report not yet
+        taken goes too (a step that raised after its loads landed never returned it): its
+        loads, bytes and saves belong to the old scheduler's requests."""
         self.kv_caches = kv_caches
         self.layers = layers
         self._loads.clear()
         self._recving_done, self._recving_failed = set(), set()
+        self._report = KVConnectorReport()
 
     def retire_caches(self) -> None:
         """The worker is about to let its caches go (a new cache follows): nothing may read

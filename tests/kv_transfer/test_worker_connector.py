@@ -193,6 +193,22 @@ def test_new_caches_drop_load_outcomes_not_yet_reported(saved: Saved) -> None:
     assert dst.get_finished() == (None, None, None)
 
 
+def test_new_caches_drop_the_step_report_not_yet_taken(saved: Saved) -> None:
+    """A step whose forward raised after its loads had landed (and a save had been made)
+    never returned its ``report()``; the recovery resets this surviving worker's cache for a
+    fresh scheduler. That scheduler's first report must not carry the old step's loads,
+    bytes or saves: they were counted again in the KV metrics (a failed one as a recompute)
+    and, in a pipeline instance, left a merger entry that never completes."""
+    src, dst, handle = saved
+    _load(dst, LoadSpec("r", handle, [0, 1, 2], 0, timeout_s=5.0))
+    src.wait_for_save(KVConnectorMetadata(saves=[SaveSpec("q", 10)]), {"q": SRC_TABLE})
+    for connector, seed in ((dst, 2), (src, 3)):
+        connector.register_kv_caches(_caches(12, torch.float32, seed), range(NUM_LAYERS))
+        report = connector.report()
+        assert report.loads == [] and report.saved == {}
+        assert report.bytes_loaded == 0 and report.bytes_saved == 0
+
+
 @pytest.mark.parametrize("slow", ["transport", "load_delay_s"])
 def test_fetch_past_the_timeout_fails_and_its_late_data_is_never_written(
     saved: Saved, slow: str
