@@ -39,7 +39,7 @@ class NixlPeers(NixlReads):
                     self.agent.add_remote_agent(peer.metadata)
                 except Exception as exc:  # e.g. a worker that died since: reads from it fail
                     logger.warning(
-                        "NIXL peer %s not added: %s: %s", peer.agent, type(exc).__name__, exc
+                        "NIXL peer %s not added: %s: %s", peer.agent, type(exc).__name__, str(exc)
                     )
                     continue
                 self._peers[peer.agent] = peer.layout

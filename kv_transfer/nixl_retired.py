@@ -130,10 +130,13 @@ class NixlRetired(WorkerConnector):
         try:
             return str((agent or self.agent).check_xfer_state(xfer))
         except Exception as exc:
-            logger.warning("NIXL transfer failed: %s: %s", type(exc).__name__, exc)
+            logger.warning("NIXL transfer failed: %s: %s", type(exc).__name__, str(exc))
             return "ERR"
 
     def _release(self, xfer: Any) -> None:
-        """Release an ended transfer (never a running one: see ``_poll_reads``)."""
-        with contextlib.suppress(Exception):
+        """Release an ended transfer (never a running one: see ``_poll_reads``). A handle NIXL
+        would not release holds its agent's C++ side past ``_end_agent``: logged."""
+        try:
             xfer.release()
+        except Exception as exc:
+            logger.warning("NIXL transfer not released: %s: %s", type(exc).__name__, str(exc))

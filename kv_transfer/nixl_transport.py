@@ -211,18 +211,23 @@ class NixlWorkerConnector(NixlPeers):
             os.environ.setdefault(key, value)
         name = f"tandem-kv-{uuid.uuid4().hex[:16]}"
         agent = _make_agent(self._api, name, self.backends, self.progress_wait_us)
-        if not agent.backends:
-            raise RuntimeError(f"NIXL has none of the backends {self.backends} here")
-        # A slab of scratch space, registered too: what probes read into (never the cache).
-        import torch
+        try:
+            if not agent.backends:
+                raise RuntimeError(f"NIXL has none of the backends {self.backends} here")
+            # A slab of scratch space, registered too: what probes read into (never the cache).
+            import torch
 
-        self.scratch = torch.zeros(layout.slab, dtype=torch.uint8, device=kv_caches[0].device)
-        regions: dict[int, Any] = {self.scratch.data_ptr(): layout.slab}
-        for cache in kv_caches:
-            storage = cache.untyped_storage()
-            regions[storage.data_ptr()] = storage.nbytes()
-        descs = [(addr, size, layout.device_id, "") for addr, size in regions.items()]
-        self._registered = [agent.register_memory(descs, layout.mem_type)]
+            device = kv_caches[0].device
+            self.scratch = torch.zeros(layout.slab, dtype=torch.uint8, device=device)
+            regions: dict[int, Any] = {self.scratch.data_ptr(): layout.slab}
+            for cache in kv_caches:
+                storage = cache.untyped_storage()
+                regions[storage.data_ptr()] = storage.nbytes()
+            descs = [(addr, size, layout.device_id, "") for addr, size in regions.items()]
+            self._registered = [agent.register_memory(descs, layout.mem_type)]
+        except BaseException:
+            _end_agent(agent, [], [])  # now: the traceback would keep it for the collector
+            raise
         self.agent, self.layout = agent, layout
         self._published = self._token.token  # published with this agent, as one pair
         logger.info(
@@ -311,7 +316,7 @@ class NixlWorkerConnector(NixlPeers):
             try:
                 notifs = self.agent.get_new_notifs()
             except Exception as exc:  # e.g. a reader that died: its notifications are lost
-                logger.warning("NIXL notifications: %s: %s", type(exc).__name__, exc)
+                logger.warning("NIXL notifications: %s: %s", type(exc).__name__, str(exc))
                 notifs = {}
             for messages in notifs.values():
                 for message in messages:
@@ -333,7 +338,13 @@ class NixlWorkerConnector(NixlPeers):
 
 
 def _end_agent(agent: Any, peers: list[str], registered: list[Any]) -> None:
-    """Undo what an agent set up: its peers, then its memory registrations."""
+    """Undo what an agent set up, then end it, in NIXL's order: its peers (their endpoints
+    close), its memory registrations, the agent (its progress thread, its UCX worker). A
+    ``nixl_agent`` has no close: its C++ side ends with the last reference to it, dropped
+    here -- the Python object may live on (a variable, a log record's traceback, a cycle)
+    until the garbage collector ends it at some later moment, in another test or thread, and
+    UCX aborts the process when it destroys an endpoint with work still queued. Callers end
+    an agent only once none of its transfers runs (a handle not released would hold it)."""
     for name in peers:
         with contextlib.suppress(Exception):  # already gone: nothing to undo
             agent.remove_remote_agent(name)
@@ -341,7 +352,8 @@ def _end_agent(agent: Any, peers: list[str], registered: list[Any]) -> None:
         try:
             agent.deregister_memory(reg)
         except Exception as exc:
-            logger.warning("NIXL deregister failed: %s", exc)
+            logger.warning("NIXL deregister failed: %s", str(exc))
+    agent.agent = None  # the binding's last reference: the agent ends here, in this thread
 
 
 # Closed connectors whose transfers still ran (a probe's that timed out, a dropped read's):

@@ -215,6 +215,18 @@ def test_a_new_kv_cache_is_allocated_after_the_old_one_went(
         pytest.skip(f"the {transport} transport is not installed")
     import kv_transfer.blocks
 
+    bindings: list[weakref.ref[Any]] = []  # nixl: each agent's C++ side, dead once ended
+    if transport == "nixl":
+        from kv_transfer import nixl_transport
+
+        make_agent = nixl_transport._make_agent
+
+        def recorded(*args: Any) -> Any:
+            agent = make_agent(*args)
+            bindings.append(weakref.ref(agent.agent))
+            return agent
+
+        monkeypatch.setattr(nixl_transport, "_make_agent", recorded)
     options = {"auth_token": "t"} if transport == "grpc" else {}
     worker = ModelWorker(
         str(tiny_llama),
@@ -239,8 +251,14 @@ def test_a_new_kv_cache_is_allocated_after_the_old_one_went(
         worker.init_kv_cache(8)
         assert alive_at_allocation == [False]
         assert worker.connector is not None and worker.connector.kv_caches == worker.kv_caches
+        if transport == "nixl":  # the old cache's agent ended with it; the new one serves
+            assert [ref() is None for ref in bindings] == [True, False]
     finally:
         worker.shutdown()
+    # The old cache's agent ended with it, the new one at shutdown: neither is left for the
+    # garbage collector, which would end it during some later test, under UCX's feet.
+    assert len(bindings) == (2 if transport == "nixl" else 0)
+    assert not [ref for ref in bindings if ref() is not None]
 
 
 def test_the_actor_class_forwards_every_public_method_and_imports_no_torch() -> None:

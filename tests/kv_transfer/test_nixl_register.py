@@ -19,12 +19,17 @@ from kv_transfer.nixl_retired import _Retired
 LAYERS = range(2)
 
 
+class _Binding:
+    """Stands in for an agent's C++ side (``nixl_agent.agent``): the agent ends with it."""
+
+
 class FakeAgent:
     """What ``register_kv_caches`` and ``_close_agent`` use of a NIXL agent; on deregister it
     notes whether the registered cache (watched through ``alive``) still exists."""
 
     def __init__(self, name: str, alive: list[weakref.ref[torch.Tensor]]) -> None:
         self.name = name
+        self.agent: _Binding | None = _Binding()
         self.backends = ["UCX"]
         self.alive = alive
         self.cache_alive_at_deregister: list[bool] = []
@@ -78,6 +83,27 @@ def test_the_old_cache_is_deregistered_before_it_is_dropped(
     assert alive[0]() is None  # then let go
     assert connector.agent is agents[1]
     connector.close()
+
+
+def test_a_closed_agent_ends_at_once_after_its_peers_and_memory(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``nixl_agent`` has no close: its C++ side (progress thread, UCX worker) ends with the
+    last reference to it. Closing drops that reference once the peers are removed and the
+    memory deregistered, whoever still holds the Python object (here the test; a traceback or
+    a cycle left one to the garbage collector, which could end it during a later test, with
+    UCX's work still queued: the process aborts)."""
+    connector, agents, *_ = _registered(monkeypatch)
+    agent = agents[0]
+    connector._peers["peer"] = connector.layout  # (a peer it knows)
+    seen: list[tuple[list[str], list[bool]]] = []  # what was undone when the agent ended
+
+    def ended() -> None:
+        seen.append((list(agent.removed), list(agent.cache_alive_at_deregister)))
+
+    weakref.finalize(agent.agent, ended)
+    connector.close()
+    assert seen == [(["peer"], [True])] and agent.agent is None  # last, and at once
 
 
 class FakeRead:

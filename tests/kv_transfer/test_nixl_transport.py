@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 
+from kv_transfer import nixl_transport
 from kv_transfer.base import WorkerConnector, _Load
 from kv_transfer.blocks import allocate_kv_caches
 from kv_transfer.connector import KVConnectorMetadata, KVReadStuck, KVSegment, LoadSpec, SaveSpec
@@ -47,8 +48,19 @@ def _caches(
 
 @pytest.fixture
 def make() -> Iterator[Callable[..., NixlWorkerConnector]]:
-    """Builds connectors holding ``layers`` of a cache; every one knows every other."""
+    """Builds connectors holding ``layers`` of a cache; every one knows every other. At the
+    end every endpoint is closed first, while every agent still answers, then every
+    connector; and every agent any of them made has ended -- none is left for the garbage
+    collector to end at some later moment, under whatever another test runs (UCX aborts the
+    process when it destroys an endpoint with work still queued)."""
     made: list[NixlWorkerConnector] = []
+    bindings: list[weakref.ref[Any]] = []  # each agent's C++ side: dead once it has ended
+    make_agent = nixl_transport._make_agent
+
+    def recorded(*args: Any) -> Any:
+        agent = make_agent(*args)
+        bindings.append(weakref.ref(agent.agent))
+        return agent
 
     def build(
         num_blocks: int = 8,
@@ -68,9 +80,19 @@ def make() -> Iterator[Callable[..., NixlWorkerConnector]]:
         made.append(connector)
         return connector
 
-    yield build
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(nixl_transport, "_make_agent", recorded)
+        yield build
+    for connector in made:
+        connector.remove_peers(list(connector._peers))
     for connector in made:
         connector.close()
+    deadline = time.monotonic() + 5.0  # (transfers still running end on the linger thread)
+    while any(c in nixl_transport._lingering for c in made) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not any(c in nixl_transport._lingering for c in made), "transfers still run"
+    # No gc.collect(): an agent that only a collection would end is what this rules out.
+    assert [ref for ref in bindings if ref() is not None] == []
 
 
 def _save(src: WorkerConnector, num_tokens: int = 10, req_id: str = "r") -> list[KVSegment]:
@@ -120,6 +142,17 @@ def _sending(c: WorkerConnector, wait_s: float = 0.0) -> set[str] | None:
         if ended or time.monotonic() >= deadline:
             return ended
         time.sleep(0.005)
+
+
+def _recorded(method: Callable[..., Any], calls: list[Any]) -> Callable[..., Any]:
+    """``method``, noting the first argument of each call (the transfer released, the agent
+    ended): what a test watches for still happens, nothing is left for the collector."""
+
+    def call(first: Any, *rest: Any) -> Any:
+        calls.append(first)
+        return method(first, *rest)
+
+    return call
 
 
 # -- the round trip --------------------------------------------------------------------------
@@ -551,7 +584,7 @@ def test_a_probe_given_up_on_does_not_hold_a_replaced_cache_for_good(
     released: list[Any] = []
     monkeypatch.setattr(dst, "_post", lambda xfer: state["now"])
     monkeypatch.setattr(dst, "_state", lambda xfer, agent=None: state["now"])
-    monkeypatch.setattr(dst, "_release", released.append)
+    monkeypatch.setattr(dst, "_release", _recorded(dst._release, released))
     with pytest.raises(ConnectionError, match="timed out"):
         dst.probe(src.peer_info(), timeout_s=0.05)
     dst._poll_reads()
@@ -575,9 +608,9 @@ def test_a_probe_given_up_on_disconnects_its_peer_after_the_grace(
     source is (``abort_grace_s`` past the deadline; connected again later)."""
     src, dst = make(), make(num_blocks=12, seed=1)
     name = src.agent.name  # type: ignore[union-attr]
-    monkeypatch.setattr(dst, "_post", lambda xfer: "PROC")
-    monkeypatch.setattr(dst, "_state", lambda xfer, agent=None: "PROC")
-    monkeypatch.setattr(dst, "_release", lambda xfer: None)
+    state = {"now": "PROC"}
+    monkeypatch.setattr(dst, "_post", lambda xfer: state["now"])
+    monkeypatch.setattr(dst, "_state", lambda xfer, agent=None: state["now"])
     dst.abort_grace_s = 0.5
     with pytest.raises(ConnectionError, match="timed out"):
         dst.probe(src.peer_info(), timeout_s=0.05)
@@ -587,6 +620,9 @@ def test_a_probe_given_up_on_disconnects_its_peer_after_the_grace(
     dst._poll_reads()
     assert dst.num_peers() == 0 and name in dst._disconnected
     assert dst._retired  # still running: kept (never released under its copy)
+    state["now"] = "ERR"  # the closed endpoint ended it: released here, not when dst closes
+    dst._poll_reads()
+    assert not dst._retired
 
 
 @pytest.mark.parametrize("copy", [False, True], ids=["nixl-read", "same-node-copy"])
@@ -778,7 +814,7 @@ def test_a_probe_that_times_out_while_its_read_runs_keeps_it_until_it_ends(
     released: list[Any] = []
     monkeypatch.setattr(dst, "_post", lambda xfer, agent=None: state["now"])
     monkeypatch.setattr(dst, "_state", lambda xfer, agent=None: state["now"])
-    monkeypatch.setattr(dst, "_release", released.append)
+    monkeypatch.setattr(dst, "_release", _recorded(dst._release, released))
     with pytest.raises(ConnectionError, match="timed out"):
         dst.probe(src.peer_info(), timeout_s=0.05)
     assert not released
@@ -809,8 +845,7 @@ def test_a_probe_waits_for_its_read_without_the_workers_lock(
     ended: list[Any] = []
     monkeypatch.setattr(dst, "_post", lambda xfer: state["now"])
     monkeypatch.setattr(dst, "_state", watched)
-    monkeypatch.setattr(dst, "_release", lambda xfer: None)
-    monkeypatch.setattr(dst, "_end_agent", lambda agent, *rest: ended.append(agent))
+    monkeypatch.setattr(dst, "_end_agent", _recorded(dst._end_agent, ended))
     errors: list[BaseException] = []
 
     def run() -> None:
@@ -876,8 +911,6 @@ def test_a_connector_closed_while_a_probes_read_runs_undoes_its_agent_once_it_en
     back): nothing polled a closed connector, so the read was never released nor its agent
     undone, and the scratch slab it wrote into went with the connector. The connector now
     lingers, polled, until the read ends."""
-    from kv_transfer import nixl_transport
-
     monkeypatch.setattr(nixl_transport, "LINGER_POLL_S", 0.01)
     src, dst = make(), make(num_blocks=12, seed=1)
     state = {"now": "PROC"}
@@ -885,8 +918,8 @@ def test_a_connector_closed_while_a_probes_read_runs_undoes_its_agent_once_it_en
     ended: list[Any] = []
     monkeypatch.setattr(dst, "_post", lambda xfer, agent=None: state["now"])
     monkeypatch.setattr(dst, "_state", lambda xfer, agent=None: state["now"])
-    monkeypatch.setattr(dst, "_release", released.append)
-    monkeypatch.setattr(dst, "_end_agent", lambda agent, peers, registered: ended.append(agent))
+    monkeypatch.setattr(dst, "_release", _recorded(dst._release, released))
+    monkeypatch.setattr(dst, "_end_agent", _recorded(dst._end_agent, ended))
     with pytest.raises(ConnectionError, match="timed out"):
         dst.probe(src.peer_info(), timeout_s=0.05, lock=threading.Lock())
     agent = dst._retired[0].agent
