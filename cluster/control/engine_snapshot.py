@@ -30,6 +30,7 @@ class Snapshots:
     _awaiting: dict[str, Prefilled]
     _adapters: Any
     _autoscaler: Any
+    _stopped: bool
     _max_seq: int
     _past: PastRequests
     _unsent_traces: dict[str, EndedTrace]
@@ -106,6 +107,7 @@ class Snapshots:
             self._take_unsent_traces(),
             self._past.ended(),
             autoscaler=self._autoscaler,
+            stopped=self._stopped,
         )
 
     def _take_unsent_traces(self) -> dict[str, EndedTrace]:

@@ -140,3 +140,5 @@ class EngineSnapshot:
     ended: list[tuple[str, Any]] = field(default_factory=list)
     # The central actor's ``Autoscaler.memo`` (the newest of every engine's is restored).
     autoscaler: Any = None
+    # Stopped by a retire that the previous central actor died in: it never steps again.
+    stopped: bool = False

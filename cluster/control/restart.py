@@ -199,6 +199,20 @@ async def gather_snapshots(
     return answers
 
 
+def resume_drains(actor: Any, snaps: list[EngineSnapshot]) -> None:
+    """Instances the previous process was draining out of their pools: their drain went with
+    it; it goes on (otherwise nothing would ever retire them: resizes skip draining ones).
+    One whose engine it had stopped already (it died in the retire) never steps again: it is
+    retired at once -- its requests waited the whole drain timeout before they moved."""
+    from cluster.control.operations import logged
+
+    draining = [s.spec.instance_id for s in snaps if s.draining and not s.stopped]
+    stopped = [s.spec.instance_id for s in snaps if s.stopped]
+    for ids, timeout_s in ((draining, None), (stopped, 0.0)):
+        if ids:
+            actor._spawn(logged(actor._shrink(ids, timeout_s), f"draining {', '.join(ids)}"))
+
+
 async def rebuild(actor: Any) -> None:
     """Rebuild ``actor``'s instances and flights from its engine actors' snapshots
     (``actor``: the ``SchedulerActor``, not imported here: it imports this module)."""
@@ -347,13 +361,7 @@ async def rebuild(actor: Any) -> None:
                 end_remade_root(actor, ended)
     actor.started = True
     actor._spawn(actor.clients.reap_silent())
-    # Instances the previous process was draining out of their pools: their drain went with
-    # it; it goes on (otherwise nothing would ever retire them: resizes skip draining ones).
-    draining = [snap.spec.instance_id for _, snap in found if snap.draining]
-    if draining:
-        from cluster.control.operations import logged
-
-        actor._spawn(logged(actor._shrink(draining, None), f"draining {', '.join(draining)}"))
+    resume_drains(actor, [snap for _, snap in found])
     if actor.autoscaler.enabled:
         actor._spawn(actor.autoscaler.run())
     actor.clients.notify_engines(actor.engine_handles())

@@ -40,3 +40,33 @@ def test_an_engine_that_was_briefly_unreachable_is_asked_again() -> None:
     assert isinstance(answers[3], ActorDiedError)
     # Only the passing faults are asked again, each until it answers or the waits run out.
     assert (fine_asked, late_asked, never_asked, dead_asked) == ([1], [3], [4], [1])
+
+
+def test_the_drains_go_on_and_a_stopped_engine_is_retired_at_once() -> None:
+    """The previous central actor drained d-1 and had stopped d-2's engine (it died in the
+    retire, before it moved d-2's requests). d-1's drain goes on; d-2 never steps again: it
+    is retired at once, not after the drain timeout (600 s by default) its requests waited."""
+    from cluster.control.restart import resume_drains
+
+    shrinks: list[tuple[list[str], float | None]] = []
+
+    async def shrink(ids: list[str], timeout_s: float | None) -> None:
+        shrinks.append((ids, timeout_s))
+
+    async def main() -> None:
+        tasks: list[asyncio.Task[None]] = []
+        actor = SimpleNamespace(
+            _shrink=shrink, _spawn=lambda c: tasks.append(asyncio.ensure_future(c))
+        )
+
+        def snap(iid: str, draining: bool, stopped: bool = False) -> Any:
+            return SimpleNamespace(
+                spec=SimpleNamespace(instance_id=iid), draining=draining, stopped=stopped
+            )
+
+        snaps = [snap("d-0", False), snap("d-1", True), snap("d-2", True, stopped=True)]
+        resume_drains(actor, snaps)
+        await asyncio.gather(*tasks)
+
+    asyncio.run(main())
+    assert shrinks == [(["d-1"], None), (["d-2"], 0.0)]
