@@ -28,10 +28,16 @@ def hash_block_tokens(
 
 def request_extra_keys(request: Request, block_index: int) -> tuple[Any, ...] | None:
     """Keys that make equal tokens different content: the LoRA adapter (every block) and the
-    cache salt (first block only, which by the chain separates every later block too)."""
+    cache salt (first block only, which by the chain separates every later block too).
+
+    The adapter is its name and path (vLLM's key) and its id: an adapter unloaded and loaded
+    again under the same name and path -- new weights written to its folder -- gets a new id
+    (ids are never given twice: workers cache weights by id), and its requests must not
+    find the KV the old weights computed."""
     keys: tuple[Any, ...] = ()
-    if request.lora_request is not None:
-        keys += (("lora", request.lora_request.lora_name, request.lora_request.lora_path),)
+    lora = request.lora_request
+    if lora is not None:
+        keys += (("lora", lora.lora_name, lora.lora_path, lora.lora_int_id),)
     if block_index == 0 and request.cache_salt is not None:
         keys += (("cache_salt", request.cache_salt),)
     return keys or None

@@ -110,13 +110,27 @@ def test_extra_keys_make_equal_tokens_differ_on_every_block() -> None:
 
 def test_lora_on_every_block_salt_on_first_only() -> None:
     r = mk(8, adapter=lora(1), cache_salt="s")
-    tag = ("lora", "adapter-1", "/adapters/1")
+    tag = ("lora", "adapter-1", "/adapters/1", 1)
     assert request_extra_keys(r, 0) == (tag, ("cache_salt", "s"))
     assert request_extra_keys(r, 1) == (tag,)
     assert request_extra_keys(mk(8, cache_salt="s"), 1) is None
     first, second = hashes(r)
     assert first == hash_block_tokens(None, r.all_token_ids[:4], (tag, ("cache_salt", "s")))
     assert second == hash_block_tokens(first, r.all_token_ids[4:], (tag,))
+
+
+def test_an_adapter_loaded_again_does_not_hit_its_old_weights_blocks() -> None:
+    """Unloading an adapter and loading it again under the same name and path (new weights
+    written to its folder) gives it a new id; its requests must not find the KV the old
+    weights computed (they found it: the key was the name and path only)."""
+    kv = make_kv()
+    old = LoRARequest(lora_name="adapter-1", lora_int_id=1, lora_path="/adapters/1")
+    again = LoRARequest(lora_name="adapter-1", lora_int_id=7, lora_path="/adapters/1")
+    served = mk(13, adapter=old)
+    admit(kv, served)
+    assert kv.get_computed_blocks(mk(13, adapter=old))[1] == 12
+    assert kv.get_computed_blocks(mk(13, adapter=again))[1] == 0
+    free_all(kv, served)
 
 
 def test_lora_and_salt_requests_only_hit_their_own_blocks() -> None:
