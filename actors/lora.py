@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import torch
@@ -98,6 +98,36 @@ class LoRAManager:
     def active_loras(self) -> set[int]:
         """Ids of the adapters holding a device slot."""
         return set(self._slots)
+
+    def unreadable(self, loras: Iterable[LoRARequest]) -> dict[int, str]:
+        """Bring the adapters one batch needs into the CPU cache (evicting none of them), and
+        name those that cannot be read, by id, with the error their requests end with. An
+        adapter evicted since it was first loaded is read again from its path; if its files
+        were removed or damaged meanwhile (or the node never had them), only its requests
+        fail -- that error stopped the whole instance. The message names the adapter, not
+        its path (it goes to clients); the cause is logged."""
+        wanted = {lora.lora_int_id: lora for lora in loras}
+        if len(wanted) > self.max_loras:
+            return {}  # a scheduler bug: ``prepare`` refuses the batch with its own error
+        protect = set(wanted)
+        bad: dict[int, str] = {}
+        for lora_id, lora in wanted.items():
+            try:
+                self._load(lora, protect)
+            except Exception as exc:  # missing files, a damaged header, a changed config...
+                logger.error(
+                    "LoRA adapter %r (id %d) could not be read from %s: %s",
+                    lora.lora_name,
+                    lora_id,
+                    lora.lora_path,
+                    exc,
+                )
+                bad[lora_id] = (
+                    f"the LoRA adapter `{lora.lora_name}` could not be loaded on this "
+                    f"instance ({type(exc).__name__}; its files may have been removed or "
+                    "changed since it was loaded)"
+                )
+        return bad
 
     def prepare(self, segments: Sequence[tuple[LoRARequest | None, int]]) -> LoRABatch | None:
         """``segments``: per request in batch order, (its adapter or None, its tokens this step).

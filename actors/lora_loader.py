@@ -242,7 +242,15 @@ def load_adapter(path: Path, cfg: ModelConfig, max_rank: int, dtype: torch.dtype
     rank_pattern = config.get("rank_pattern") or {}
     alpha_pattern = config.get("alpha_pattern") or {}
     rslora = bool(config.get("use_rslora", False))
-    found = _collect_pairs(_read_tensors(path), cfg, where)
+    try:
+        tensors = _read_tensors(path)
+    except (OSError, ValueError):
+        raise
+    except Exception as exc:  # a damaged file: safetensors' own error, the unpickler's
+        raise ValueError(
+            f"{where}: its weights could not be read ({type(exc).__name__}: {exc})"
+        ) from exc
+    found = _collect_pairs(tensors, cfg, where)
 
     geometry = _module_geometry(cfg)
     grouped: dict[tuple[int, str], list[tuple[int, torch.Tensor, torch.Tensor, slice]]] = {}

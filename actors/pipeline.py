@@ -40,10 +40,13 @@ class StageReport:
 class IntermediateOutput:
     """A stage's output for the next stage: the hidden states of every scheduled token (in
     the batch order every stage derives from the same ``SchedulerOutput``), or None when the
-    step computed nothing, and the connector reports of the stages so far."""
+    step computed nothing, the connector reports of the stages so far, and the requests
+    those stages failed (their LoRA adapter could not be read there), with why: the last
+    stage samples none of them and reports them (``ModelRunnerOutput.failed_req_ids``)."""
 
     hidden_states: torch.Tensor | None
     stage_reports: list[StageReport] = field(default_factory=list)
+    failed_req_ids: dict[str, str] = field(default_factory=dict)
 
 
 class StageReportMerger:

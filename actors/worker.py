@@ -327,11 +327,15 @@ class ModelWorker(WorkerMemory, WorkerKV):
         # Decodes first: the attention backend batches them. (Every stage sorts the same
         # scheduler output the same way, so hidden-state rows line up across stages.)
         batch.sort(key=lambda s: s.num_tokens != 1)
-        hidden = self._forward(batch, None if intermediate is None else intermediate.hidden_states)
+        # Requests whose adapter cannot be read fail alone: their rows are computed without
+        # it (shapes stay those of the step, on every stage) and never sampled.
+        failed = self._unreadable_adapters(batch, intermediate)
+        hidden_in = None if intermediate is None else intermediate.hidden_states
+        hidden = self._forward(batch, hidden_in, failed)
         if not self.is_last_stage:
-            return self._with_connector_reports(None, hidden, meta, intermediate)
-        logits = self._logits(batch, hidden)
-        sampling = [s for s in batch if s.samples]
+            return self._with_connector_reports(None, hidden, meta, intermediate, failed)
+        logits = self._logits(batch, hidden, failed)
+        sampling = [s for s in batch if s.samples and s.state.req_id not in failed]
         rows = [
             SamplingRow(
                 params=s.state.params,
@@ -354,16 +358,45 @@ class ModelWorker(WorkerMemory, WorkerKV):
                 s.state.grammar.accept(s.state.req_id, token)
             lp = sampled.logprobs[i]
             by_req[s.state.req_id] = ([token], None if lp is None else [lp])
+        for s in batch:
+            if failed and s.samples and s.state.req_id in failed:
+                # A stand-in for the sample it did not get, so that a step already scheduled
+                # after this one (async scheduling) still finds its input token; the
+                # scheduler ends the request with this step's output and drops the rest.
+                s.state.token_ids.append(0)
         req_ids = [s.state.req_id for s in batch]
         tokens = [by_req.get(r, ([], None))[0] for r in req_ids]
         logprobs = [by_req.get(r, ([], None))[1] for r in req_ids]
+        prompt_lps = prompt_logprobs(self._model, batch, hidden)
+        if prompt_lps and failed:
+            prompt_lps = {r: v for r, v in prompt_lps.items() if r not in failed} or None
         output = ModelRunnerOutput(
             req_ids=req_ids,
             sampled_token_ids=tokens,
             logprobs=logprobs if any(lp is not None for lp in logprobs) else None,
-            prompt_logprobs=prompt_logprobs(self._model, batch, hidden),
+            prompt_logprobs=prompt_lps,
+            failed_req_ids=failed or None,
         )
         return self._with_connector_reports(output, None, meta, intermediate)
+
+    def _unreadable_adapters(
+        self, batch: list[Scheduled], intermediate: IntermediateOutput | None
+    ) -> dict[str, str]:
+        """The step's requests that fail here, with why: those whose LoRA adapter cannot be
+        read (``LoRAManager.unreadable``), and those an earlier pipeline stage failed."""
+        failed = {} if intermediate is None else dict(intermediate.failed_req_ids)
+        if self.lora_manager is None:
+            return failed
+        loras = [s.state.lora for s in batch if s.state.lora is not None and s.num_tokens > 0]
+        if not loras:
+            return failed
+        bad = self.lora_manager.unreadable(loras)
+        if bad:
+            for s in batch:
+                lora = s.state.lora
+                if lora is not None and lora.lora_int_id in bad:
+                    failed.setdefault(s.state.req_id, bad[lora.lora_int_id])
+        return failed
 
     def _with_connector_reports(
         self,
@@ -371,10 +404,12 @@ class ModelWorker(WorkerMemory, WorkerKV):
         hidden: torch.Tensor | None,
         meta: Any,
         intermediate: IntermediateOutput | None,
+        failed: dict[str, str] | None = None,
     ) -> ModelRunnerOutput | IntermediateOutput:
         """Save this step's hand-offs (the forward pass has written their KV) and attach the
         connector's reports: to ``output`` for a single worker; for a pipeline stage, to the
-        stages' list that travels with the hidden states (``actors.pipeline``)."""
+        stages' list that travels with the hidden states (``actors.pipeline``), with the
+        requests failed so far (``failed``)."""
         report = None
         if self.connector is not None:
             if meta and (meta.saves or meta.releases):
@@ -397,7 +432,7 @@ class ModelWorker(WorkerMemory, WorkerKV):
         if report is not None:
             reports.append(report)
         if not self.is_last_stage:
-            return IntermediateOutput(hidden, reports)
+            return IntermediateOutput(hidden, reports, dict(failed or {}))
         assert output is not None
         output.kv_connector_output = reports  # merged by the instance's StageReportMerger
         return output
@@ -410,9 +445,14 @@ class ModelWorker(WorkerMemory, WorkerKV):
             with self._step_lock:  # (a KV probe's thread may be using it)
                 self.connector.close()
 
-    def _forward(self, batch: list[Scheduled], hidden_in: torch.Tensor | None) -> torch.Tensor:
+    def _forward(
+        self,
+        batch: list[Scheduled],
+        hidden_in: torch.Tensor | None,
+        failed: dict[str, str] | None = None,
+    ) -> torch.Tensor:
         """One forward over the flattened batch (this stage's layers); hidden states of every
-        token."""
+        token. The rows of ``failed`` requests run without their adapter (never sampled)."""
         model = self._model
         input_ids: list[int] = []
         positions: list[int] = []
@@ -426,7 +466,10 @@ class ModelWorker(WorkerMemory, WorkerKV):
             raise ValueError(f"position {max(positions)} exceeds the model's {max_pos} positions")
         lora = None
         if self.lora_manager is not None:
-            lora = self.lora_manager.prepare([(s.state.lora, s.num_tokens) for s in batch])
+            skip = failed or {}
+            lora = self.lora_manager.prepare(
+                [(None if s.state.req_id in skip else s.state.lora, s.num_tokens) for s in batch]
+            )
         graphs = self.decode_graphs
         if graphs is not None and lora is None and all(s.num_tokens == 1 for s in batch):
             # Single-token decodes only: a captured step, when a bucket fits.
@@ -455,14 +498,17 @@ class ModelWorker(WorkerMemory, WorkerKV):
         )
         return hidden
 
-    def _logits(self, batch: list[Scheduled], hidden: torch.Tensor) -> torch.Tensor:
-        """Logits of the last token of each sampling request."""
+    def _logits(
+        self, batch: list[Scheduled], hidden: torch.Tensor, failed: dict[str, str] | None = None
+    ) -> torch.Tensor:
+        """Logits of the last token of each sampling request (not of ``failed`` ones)."""
         model = self._model
         logit_rows: list[int] = []
         row = 0
+        skip = failed or {}
         for s in batch:
             row += s.num_tokens
-            if s.samples:
+            if s.samples and s.state.req_id not in skip:
                 logit_rows.append(row - 1)
         if not logit_rows:
             return hidden.new_empty((0, model.config.vocab_size))

@@ -100,6 +100,9 @@ class ModelRunnerOutput:
     # Transport-specific reports for the scheduler-side connector (e.g. where a saved
     # request's KV now lives); handed to ``SchedulerConnector.update_connector_output``.
     kv_connector_output: Any = None
+    # Requests of this step the workers could not compute (their LoRA adapter could not be
+    # read), with why: they sampled nothing, and end with that error; the others go on.
+    failed_req_ids: dict[str, str] | None = None
 
     def __post_init__(self) -> None:
         if len(self.req_ids) != len(self.sampled_token_ids):

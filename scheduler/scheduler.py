@@ -22,7 +22,7 @@ from scheduler.kv_connector import SchedulerConnector
 from scheduler.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput, SchedulerStats
 from scheduler.queues import RequestQueue
 from scheduler.remote_kv import RemoteKV
-from scheduler.request import PromptLogprob, Request, RequestRejected, RequestStatus
+from scheduler.request import FinishReason, PromptLogprob, Request, RequestRejected, RequestStatus
 from scheduler.state import SchedulerState
 from scheduler.step import StepBuilder
 from scheduler.stop import append_and_check_stop, check_stop
@@ -202,6 +202,7 @@ class Scheduler:
         requests = state.requests
         stopped_running: set[str] = set()
         stopped_waiting: list[Request] = []
+        failed = mro.failed_req_ids
         # The hot loop (once per scheduled request per step): locals, no helper for the
         # common single-token case.
         discarded = state.discarded_in_flight
@@ -215,6 +216,13 @@ class Scheduler:
             request.num_in_flight_tokens -= num_scheduled
             status = request.status
             if status > _PREEMPTED:  # aborted or stopped while this step was in flight
+                continue
+            if failed and req_id in failed:
+                outputs.append(
+                    self._fail_request(
+                        request, num_scheduled, failed[req_id], stopped_running, stopped_waiting
+                    )
+                )
                 continue
             i = index.get(req_id)
             if i is None:
@@ -269,6 +277,34 @@ class Scheduler:
             if request is not None and request.is_finished:
                 state.free_blocks(request)
         return outputs
+
+    def _fail_request(
+        self,
+        request: Request,
+        num_scheduled: int,
+        error: str,
+        stopped_running: set[str],
+        stopped_waiting: list[Request],
+    ) -> EngineCoreOutput:
+        """The workers could not compute ``request`` in a step (its LoRA adapter could not be
+        read): it ends with ``error`` (its id joins ``stopped_running`` or
+        ``stopped_waiting``). The blocks hashed for that step's tokens and later ones do not
+        hold its adapter's KV: they lose their hash before they are freed."""
+        if request.status == _RUNNING:
+            start = request.num_computed_tokens - request.num_in_flight_tokens - num_scheduled
+            self.state.kv_cache_manager.uncache_uncomputed_blocks(request, max(start, 0))
+            stopped_running.add(request.request_id)
+        else:  # preempted while the step was in flight (its blocks are already gone)
+            stopped_waiting.append(request)
+        request.status = RequestStatus.FINISHED_ERROR
+        return EngineCoreOutput(
+            request.request_id,
+            [],
+            FinishReason.ERROR,
+            num_cached_tokens=request.num_cached_tokens or 0,
+            kv_transfer_params=self.remote_kv.free_request(request),
+            error=error,
+        )
 
     # -- freeing and preemption: done by the state and RemoteKV --------------------------
     def free_request(self, request: Request) -> dict[str, object] | None:

@@ -20,6 +20,9 @@ logger = logging.getLogger(__name__)
 # unloaded adapter under its id, and would apply it to a new adapter given the same id).
 Registry = tuple[dict[str, LoRARequest], int]
 
+# A worker's errors for adapter files it cannot read on its node (another node may).
+_UNREADABLE = (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
+
 
 class LoRAAdapters:
     """Adapters by name, and per instance the ids it has loaded. ``specs`` is the actor's own
@@ -93,12 +96,13 @@ class LoRAAdapters:
     @staticmethod
     def request_error(lora: LoRARequest, instance_id: str, exc: BaseException) -> BaseException:
         """What a request naming ``lora`` fails with when its instance could not load it
-        (``ensure``): the adapter's files missing on that node (a worker's
-        ``FileNotFoundError``), or an adapter the model cannot take (``ValueError``), is
-        the client's ``AdapterLoadError`` naming the adapter (404 / 400, as vLLM) -- it was a
-        500. Anything else (the worker died, a bug) stays what it is."""
+        (``ensure``): the adapter's files missing or unreadable on that node (a worker's
+        ``FileNotFoundError``, ``PermissionError``...), or an adapter the model cannot take
+        or a damaged one (``ValueError``), is the client's ``AdapterLoadError`` naming the
+        adapter (404 / 400, as vLLM) -- it was a 500. Anything else (the worker died, a bug)
+        stays what it is."""
         cause = getattr(exc, "cause", None) or exc  # a worker's error, without Ray's
-        if isinstance(cause, FileNotFoundError | NotADirectoryError):
+        if isinstance(cause, _UNREADABLE):
             missing = True
         elif isinstance(cause, ValueError):
             missing = False

@@ -308,6 +308,21 @@ def test_unsupported_tensor_is_named(
         manager(model).add_lora(req)
 
 
+def test_a_damaged_weights_file_is_a_value_error_naming_the_adapter(
+    model: LlamaForCausalLM, adapters: dict[str, Path], tmp_path: Path
+) -> None:
+    """A truncated adapter_model.safetensors raises safetensors' own error, which is no
+    ValueError: the control plane made it a 500 (not the 400 naming the adapter)."""
+    bad = _broken_copy(adapters["a"], tmp_path / "bad")
+    weights = bad / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])  # (the header alone is longer)
+    req = LoRARequest(lora_name="bad", lora_int_id=9, lora_path=str(bad))
+    mgr = manager(model)
+    with pytest.raises(ValueError, match=r"LoRA adapter .*bad: its weights could not be read"):
+        mgr.add_lora(req)
+    assert mgr.list_loras() == set()
+
+
 def test_bfloat16_adapter_close_to_reference(
     tiny_llama: Path, adapters: dict[str, Path], reference: Any
 ) -> None:
@@ -351,3 +366,55 @@ def test_engine_greedy_with_adapters_matches_peft_generate(
             seq.append(int(reference(name, seq)[-1].argmax()))
         assert out.outputs[0].token_ids == seq[len(tokens) :], name
     assert llm.engine.worker.list_loras() == {1, 2}
+
+
+def test_an_adapter_gone_from_disk_fails_only_its_requests(
+    tiny_llama: Path, adapters: dict[str, Path], reference: Any, tmp_path: Path
+) -> None:
+    """An adapter evicted from the worker's cache is read again from its path when its
+    requests next run. Its files were removed meanwhile: its request ends with an error that
+    names it, and the engine goes on -- requests on another adapter and on the base model
+    give their reference tokens. (The step raised, which stopped the engine, and in a
+    cluster the instance with every request on it.)"""
+    from cluster import LLM, SamplingParams
+
+    llm = LLM(
+        str(tiny_llama),
+        dtype="float32",
+        progress=False,
+        block_size=4,
+        num_blocks=128,
+        enable_lora=True,
+        max_loras=1,  # max_cpu_loras = 1: loading b evicts the first adapter
+    )
+    engine = llm.engine
+    gone_dir = tmp_path / "gone"
+    shutil.copytree(adapters["a"], gone_dir)
+    gone = LoRARequest(lora_name="gone", lora_int_id=9, lora_path=str(gone_dir))
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    names: list[str | None] = ["gone", "b", None]
+    prompts = [prompt(n, 60 + n) for n in (7, 5, 6)]
+    for i, (name, tokens) in enumerate(zip(names, prompts, strict=True)):
+        lr = gone if name == "gone" else None if name is None else lora(adapters, name)
+        engine.add_request(str(i), tokens, params, lora_request=lr)
+    assert engine.worker.list_loras() == {2}  # "gone" was evicted by b's load
+    shutil.rmtree(gone_dir)
+    final = {}
+    for _ in range(50):
+        if not engine.has_unfinished_requests():
+            break
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+    failed = final["0"].outputs[0]
+    assert failed.finish_reason == "error" and failed.token_ids == []
+    assert failed.error is not None and "`gone`" in failed.error
+    assert str(gone_dir) not in failed.error  # (clients see the name, never the path)
+    for rid, name, tokens in (("1", "b", prompts[1]), ("2", None, prompts[2])):
+        seq = list(tokens)
+        for _ in range(4):
+            seq.append(int(reference(name, seq)[-1].argmax()))
+        assert final[rid].outputs[0].token_ids == seq[len(tokens) :], name
+    engine.scheduler.check_integrity()
+    pool = engine.scheduler.kv_cache_manager.block_pool
+    assert pool.num_free_blocks == pool.num_blocks

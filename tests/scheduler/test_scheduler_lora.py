@@ -7,13 +7,16 @@ from __future__ import annotations
 import pytest
 
 from scheduler import EngineCoreOutput, LoRAConfig, RequestStatus, Scheduler, SchedulerOutput
+from scheduler.request import FinishReason
 from tests.scheduler.helpers import (
     counting_step,
+    drain,
     expected,
     finish_counting,
     lora,
     make_request,
     make_scheduler,
+    model_output,
     request_ids,
     token_range,
 )
@@ -205,3 +208,30 @@ def test_priority_preemption_is_not_made_for_a_newcomer_blocked_by_the_adapter_l
     assert b.num_preemptions == 0
     _finish(s, produced)
     assert produced == {"A": expected(6), "B": expected(6), "N": expected(2)}
+
+
+def test_a_request_the_workers_could_not_compute_fails_alone() -> None:
+    """A worker that cannot read a request's adapter (its files went after an eviction)
+    names it in ``failed_req_ids``: that request ends with the error, its blocks are freed
+    without the hashes of the step (they hold no KV of its adapter), and the others go on.
+    (The failure stopped the whole instance.)"""
+    s = make_scheduler(lora=LoRAConfig(max_loras=2))
+    s.add_request(make_request(token_range(1000, 8), req_id="bad", max_tokens=4, lora=lora(1)))
+    s.add_request(make_request(token_range(2000, 8), req_id="ok", max_tokens=4, lora=lora(2)))
+    s.add_request(make_request(token_range(3000, 8), req_id="base", max_tokens=4))
+    bad = s.requests["bad"]
+    out = s.schedule()
+    result = model_output(s, out)
+    result.failed_req_ids = {"bad": "the LoRA adapter `adapter-1` could not be loaded"}
+    outputs = {o.request_id: o for o in s.update_from_output(out, result)}
+    s.check_integrity()
+    assert outputs["bad"].finish_reason == FinishReason.ERROR
+    assert outputs["bad"].new_token_ids == []
+    assert outputs["bad"].error is not None and "adapter-1" in outputs["bad"].error
+    assert bad.status == RequestStatus.FINISHED_ERROR and "bad" not in s.requests
+    assert outputs["ok"].new_token_ids == [7] and outputs["base"].new_token_ids == [7]
+    # Its prompt's blocks were hashed when they were allocated: none may serve a later
+    # request of that adapter.
+    again = make_request(token_range(1000, 8), req_id="again", lora=lora(1))
+    assert s.kv_cache_manager.get_computed_blocks(again)[1] == 0
+    assert drain(s) == {"ok": [7, 7, 7], "base": [7, 7, 7]}  # (drain: every token 7)

@@ -1603,6 +1603,10 @@ def test_an_adapter_its_instance_cannot_load_is_the_clients_error_naming_it() ->
     dead = ray.exceptions.ActorDiedError()
     assert LoRAAdapters.request_error(lora, "d-1", dead) is dead
     assert api_error(dead).status == 503
+    # Files the worker may not read there: another node may (a 404 if none can), not a 500.
+    denied = LoRAAdapters.request_error(lora, "d-1", PermissionError(13, "Permission denied"))
+    assert isinstance(denied, AdapterLoadError) and denied.missing
+    assert api_error(denied).status == 404
 
 
 # -- the Responses API: an adapter over chat completions (serving/responses_api.py) -----------
