@@ -286,6 +286,22 @@ class KVCacheManager:
         self.num_cached_block[req_id] = first
         self._refresh_hint(request)
 
+    def forget_hashes(self, request: Request, start: int, end: int) -> None:
+        """``request``'s tokens ``[start, end)`` were not computed as its block hashes say (a
+        step could not apply its LoRA adapter): no block may be found under the hashes of the
+        blocks they fall in, wherever it is -- in its table, in the table of a request that
+        hit it (its ref count is then above one), or back in the free queue (freed by a
+        preemption or an abort while the step ran). A copy of that content computed right
+        elsewhere loses its hash too (a prefix-cache miss, never wrong KV). The tables are
+        left as they are: a block that lost its hash is never hashed again by a request that
+        counts it as hashed, and ``request`` is about to be freed."""
+        if not self.enable_caching or end <= start:
+            return
+        bs = self.block_size
+        for block_hash in update_block_hashes(request, bs)[start // bs : cdiv(end, bs)]:
+            for block in list(self.block_pool.cached.get(block_hash, {}).values()):
+                self.block_pool.uncache_block(block)
+
     def uncomputed_blocks(self, request: Request) -> list[KVCacheBlock]:
         """Blocks ``request`` hashed ahead of ``num_computed_tokens`` (this step fills them)."""
         req_id = request.request_id

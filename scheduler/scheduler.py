@@ -208,6 +208,8 @@ class Scheduler:
         discarded = state.discarded_in_flight
         for req_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
             if discarded and req_id in discarded:
+                if failed and req_id in failed:  # freed meanwhile: its blocks went back
+                    self._forget_step(discarded[req_id][0], scheduler_output, num_scheduled)
                 state.drain_discarded(req_id, num_scheduled)
                 continue
             request = requests.get(req_id)
@@ -216,12 +218,13 @@ class Scheduler:
             request.num_in_flight_tokens -= num_scheduled
             status = request.status
             if status > _PREEMPTED:  # aborted or stopped while this step was in flight
+                if failed and req_id in failed:  # (its blocks wait for a send or a load)
+                    self._forget_step(request, scheduler_output, num_scheduled)
                 continue
             if failed and req_id in failed:
+                self._forget_step(request, scheduler_output, num_scheduled)
                 outputs.append(
-                    self._fail_request(
-                        request, num_scheduled, failed[req_id], stopped_running, stopped_waiting
-                    )
+                    self._fail_request(request, failed[req_id], stopped_running, stopped_waiting)
                 )
                 continue
             i = index.get(req_id)
@@ -281,20 +284,17 @@ class Scheduler:
     def _fail_request(
         self,
         request: Request,
-        num_scheduled: int,
         error: str,
         stopped_running: set[str],
         stopped_waiting: list[Request],
     ) -> EngineCoreOutput:
         """The workers could not compute ``request`` in a step (its LoRA adapter could not be
         read): it ends with ``error`` (its id joins ``stopped_running`` or
-        ``stopped_waiting``). The blocks hashed for that step's tokens and later ones do not
-        hold its adapter's KV: they lose their hash before they are freed."""
+        ``stopped_waiting``). The blocks of that step's tokens have lost their hashes
+        already (``_forget_step``)."""
         if request.status == _RUNNING:
-            start = request.num_computed_tokens - request.num_in_flight_tokens - num_scheduled
-            self.state.kv_cache_manager.uncache_uncomputed_blocks(request, max(start, 0))
             stopped_running.add(request.request_id)
-        else:  # preempted while the step was in flight (its blocks are already gone)
+        else:  # preempted while the step was in flight (its blocks went back to the pool)
             stopped_waiting.append(request)
         request.status = RequestStatus.FINISHED_ERROR
         return EngineCoreOutput(
@@ -305,6 +305,21 @@ class Scheduler:
             kv_transfer_params=self.remote_kv.free_request(request),
             error=error,
         )
+
+    def _forget_step(
+        self, request: Request, scheduler_output: SchedulerOutput, num_scheduled: int
+    ) -> None:
+        """A step could not apply ``request``'s adapter: the blocks its tokens of that step
+        (and of later steps in flight) fall in hold KV computed without it, under its
+        adapter's hashes. No request may find them again, wherever they are: in its table,
+        in the table of a request that hit them (another sample of its prompt, admitted in
+        the same step or in one started meanwhile), or back in the free queue (it was
+        preempted, aborted or stopped while the step was in flight)."""
+        start = _step_start(scheduler_output, request.request_id)
+        end = start + num_scheduled
+        if request.status == _RUNNING:
+            end = max(end, request.num_computed_tokens)  # (later steps in flight)
+        self.state.kv_cache_manager.forget_hashes(request, start, end)
 
     # -- freeing and preemption: done by the state and RemoteKV --------------------------
     def free_request(self, request: Request) -> dict[str, object] | None:
@@ -456,6 +471,16 @@ class Scheduler:
     @num_steps.setter
     def num_steps(self, value: int) -> None:
         self.state.num_steps = value
+
+
+def _step_start(scheduler_output: SchedulerOutput, req_id: str) -> int:
+    """Where ``req_id``'s tokens of the step begin (its computed tokens when it was
+    scheduled; its counters may have moved since: later steps, a preemption)."""
+    for new in scheduler_output.scheduled_new_reqs:
+        if new.req_id == req_id:
+            return new.num_computed_tokens
+    cached = scheduler_output.scheduled_cached_reqs
+    return cached.num_computed_tokens[cached.req_ids.index(req_id)]
 
 
 def _store_prompt_logprobs(

@@ -235,3 +235,67 @@ def test_a_request_the_workers_could_not_compute_fails_alone() -> None:
     again = make_request(token_range(1000, 8), req_id="again", lora=lora(1))
     assert s.kv_cache_manager.get_computed_blocks(again)[1] == 0
     assert drain(s) == {"ok": [7, 7, 7], "base": [7, 7, 7]}  # (drain: every token 7)
+
+
+def _again_hits(s: Scheduler, prompt: list[int]) -> int:
+    """Prompt tokens a new request of adapter 1 would find in the prefix cache."""
+    again = make_request(prompt, req_id="again", lora=lora(1))
+    return s.kv_cache_manager.get_computed_blocks(again)[1]
+
+
+def test_no_block_a_failed_step_filled_is_found_again_wherever_it_is() -> None:
+    """The step that could not apply a request's adapter wrote KV computed without it into
+    blocks hashed under that adapter. Whoever else holds such a block -- another sample of
+    the prompt, which hit it in the same step -- or wherever it went -- back to the free
+    queue, its request preempted or aborted while the step was in flight (pipeline stages,
+    async scheduling) -- no later request of the adapter may find it: one did, and read the
+    prompt's first block as computed without its adapter."""
+    error = "the LoRA adapter `adapter-1` could not be loaded"
+    prompt = token_range(1000, 8)
+    # Two samples of one prompt admitted together: the second hits the first's block 0.
+    s = make_scheduler(lora=LoRAConfig(max_loras=2))
+    for rid in ("s0", "s1"):
+        s.add_request(make_request(prompt, req_id=rid, max_tokens=4, lora=lora(1)))
+    out = s.schedule()
+    assert out.num_scheduled_tokens == {"s0": 8, "s1": 4}
+    result = model_output(s, out)
+    result.failed_req_ids = {"s0": error, "s1": error}
+    assert all(o.finish_reason == FinishReason.ERROR for o in s.update_from_output(out, result))
+    s.check_integrity()
+    assert _again_hits(s, prompt) == 0
+
+    # Aborted while its failing step is in flight.
+    s = make_scheduler(lora=LoRAConfig(max_loras=2))
+    s.add_request(make_request(prompt, req_id="r", max_tokens=4, lora=lora(1)))
+    out = s.schedule()
+    result = model_output(s, out)
+    s.finish_requests("r", RequestStatus.FINISHED_ABORTED)
+    result.failed_req_ids = {"r": error}
+    assert s.update_from_output(out, result) == []
+    s.check_integrity()
+    assert _again_hits(s, prompt) == 0
+
+    # Sync pipelining: r's failing step is in flight when a's decode preempts it for a block.
+    s = make_scheduler(
+        num_blocks=3,
+        max_model_len=12,
+        max_num_seqs=4,
+        max_num_batched_tokens=16,
+        lora=LoRAConfig(max_loras=2),
+    )
+    s.add_request(make_request(token_range(2000, 4), req_id="a", max_tokens=4))
+    first = s.schedule()  # a's prompt (1 block)
+    s.add_request(make_request(prompt, req_id="r", max_tokens=4, lora=lora(1)))
+    second = s.schedule()  # a is in flight: r's prompt (2 blocks, the last free ones)
+    assert second.num_scheduled_tokens == {"r": 8}
+    s.update_from_output(first, model_output(s, first))
+    third = s.schedule()  # a's decode needs a block: r is preempted, its step in flight
+    assert third.preempted_req_ids == {"r"} and third.num_scheduled_tokens == {"a": 1}
+    result = model_output(s, second)
+    result.failed_req_ids = {"r": error}
+    [failed] = s.update_from_output(second, result)
+    assert failed.request_id == "r" and failed.finish_reason == FinishReason.ERROR
+    s.check_integrity()
+    assert _again_hits(s, prompt) == 0
+    s.update_from_output(third, model_output(s, third))
+    assert drain(s) == {"a": [7, 7]}
