@@ -93,7 +93,9 @@ class EngineLoop:
         pipeline-parallel instance, 2 with async scheduling, else 1. ``on_failure``: when the
         instance fails, its unfinished requests go there (to move elsewhere) instead of ending
         with an error. ``step_timeout_s``: a step that has not returned by then fails the
-        instance (``hung`` tells the owner why)."""
+        instance (``hung`` tells the owner why) -- counted from its start or, for a step
+        started behind another one in flight (the worker runs them in turn), from when that
+        one returned."""
         self.instance_id = instance_id
         self.scheduler = scheduler
         self.executor = executor
@@ -128,6 +130,9 @@ class EngineLoop:
         self._in_flight: deque[tuple[SchedulerOutput, asyncio.Future[ModelRunnerOutput], float]] = (
             deque()
         )
+        # When the last result came back (time.monotonic()): the step now oldest, if it was
+        # started before that, queued behind the one that returned until then.
+        self._last_result_at = 0.0
         self._wake = asyncio.Event()
         self._stopping = False
         self._task: asyncio.Task[None] | None = None
@@ -285,8 +290,11 @@ class EngineLoop:
             if not in_flight:
                 continue
             out, future, started = in_flight[0]
-            result = await self._result(future, started)  # raises: the worker is gone or hangs
+            # (Its clock starts when it reaches the worker: not before the previous returned.)
+            since = max(started, self._last_result_at)
+            result = await self._result(future, since)  # raises: the worker is gone or hangs
             in_flight.popleft()
+            self._last_result_at = time.monotonic()
             outputs = scheduler.update_from_output(out, result)
             self._count_result(result)
             self.counters.num_generated_tokens += sum(len(o.new_token_ids) for o in outputs)

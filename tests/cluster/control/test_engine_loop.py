@@ -487,3 +487,56 @@ def test_empty_steps_beside_an_empty_step_in_flight_are_idle() -> None:
     # Every empty step is an idle one (the last may still have been in flight), each
     # followed by idle_sleep_s (none was: back to back, thousands in 0.3 s).
     assert loop.counters.num_idle_steps >= executor.num_empty_steps - 2
+
+
+class _OneAtATimeExecutor:
+    """A worker that runs the steps it is given one after another (as a Ray actor runs one
+    caller's calls), each computing for ``step_s``; every scheduled request samples token 7
+    (the prompt fits the budget: no partial prefill)."""
+
+    def __init__(self, step_s: float) -> None:
+        self.step_s = step_s
+        self._worker = asyncio.Lock()
+
+    async def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        async with self._worker:
+            if scheduler_output.total_num_scheduled_tokens:
+                await asyncio.sleep(self.step_s)
+        req_ids = list(scheduler_output.num_scheduled_tokens)
+        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[[7] for _ in req_ids])
+
+
+def test_a_step_queued_behind_another_is_timed_from_when_that_one_returned() -> None:
+    """Async scheduling starts step N+1 while step N runs; the worker runs N+1 after N. Each
+    step takes 0.4 s, within the 0.65 s step timeout, yet step N+1 (0.8 s after its start,
+    half of it queued behind N) failed the instance as hung: its workers would be killed
+    and its requests moved."""
+    scheduler = Scheduler(
+        SchedulerConfig(
+            max_num_seqs=4, max_num_batched_tokens=64, max_model_len=32, async_scheduling=True
+        ),
+        CacheConfig(block_size=4, num_blocks=16),
+    )
+    seen: list[EngineCoreOutput] = []
+    loop = EngineLoop(
+        "i0",
+        scheduler,
+        _OneAtATimeExecutor(0.4),
+        lambda _, outs: seen.extend(outs),
+        max_in_flight=2,
+        admission_window_s=0,
+        step_timeout_s=0.65,
+    )
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+
+    async def run() -> None:
+        loop.start()
+        loop.add_request(Request("r", [3, 4, 5, 6], params, eos_token_id=2))
+        while not any(o.finished for o in seen):
+            await asyncio.sleep(0.01)
+        await loop.stop()
+
+    asyncio.run(asyncio.wait_for(run(), 30))
+    assert loop.error is None and not loop.hung
+    assert [t for o in seen for t in o.new_token_ids] == [7, 7, 7, 7]
+    assert loop.counters.max_in_flight == 2
