@@ -170,6 +170,12 @@ class SamplingParams(BaseModel):
             return ()
         return value
 
+    @field_validator("seed", mode="before")
+    @classmethod
+    def _minus_one_is_no_seed(cls, value: object) -> object:
+        # vLLM's rule: seed -1 asks for a random draw (no seed), not the fixed seed -1.
+        return None if value == -1 else value
+
     @field_validator("logit_bias", mode="before")
     @classmethod
     def _bias_pairs(cls, value: object) -> object:

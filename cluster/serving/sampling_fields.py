@@ -350,7 +350,8 @@ class SamplingFields(BaseModel):
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=value("repetition_penalty", 1.0),
-            seed=None if self.seed is None else self.seed % 2**63,
+            # -1: no seed (vLLM's rule), not 2**63 - 1 -- every such request drew the same text
+            seed=None if self.seed is None or self.seed == -1 else self.seed % 2**63,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},

@@ -282,3 +282,17 @@ def test_a_logit_bias_id_of_thousands_of_digits_is_a_400_naming_the_field() -> N
         assert refused.value.errors()[0]["loc"] == ("logit_bias",)
     request = CompletionRequest.model_validate({**base, "logit_bias": {"9" * 20: 1, "007": 2}})
     assert request.logit_bias_ids() == [10**20 - 1, 7]  # (then past the vocabulary: a 400)
+
+
+def test_seed_minus_one_asks_for_no_seed() -> None:
+    """vLLM's rule (``SamplingParams``: seed -1 is None): -1 is a fresh draw each time, not
+    a fixed seed -- it became 2**63 - 1 here, so every such request returned the same text."""
+    from scheduler import SamplingParams
+
+    assert SamplingParams(seed=-1).seed is None
+    assert SamplingParams(seed=-2).seed == -2 and SamplingParams(seed=0).seed == 0
+    for endpoint, model in (("completions", CompletionRequest), ("chat", ChatCompletionRequest)):
+        unseeded = model.model_validate({**BASE[endpoint], "seed": -1})
+        assert unseeded.sampling_params(16, None).seed is None
+        seeded = model.model_validate({**BASE[endpoint], "seed": -2})
+        assert seeded.sampling_params(16, None).seed == -2 % 2**63
