@@ -168,8 +168,10 @@ def _take_rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
 
 
 def _min_tokens_entries(rows: Sequence[SamplingRow], vocab: int) -> tuple[list[int], list[int]]:
-    """(row, token id) pairs to mask: EOS (unless ignore_eos) and stop ids of the rows that
-    have not yet produced ``min_tokens`` outputs. Ids outside the vocabulary are skipped."""
+    """(row, token id) pairs to mask: EOS and stop ids of the rows that have not yet produced
+    ``min_tokens`` outputs. EOS is masked with ``ignore_eos`` too, as vLLM does (its
+    ``all_stop_token_ids`` always hold EOS): ``min_tokens`` means no EOS before then, whether or
+    not one would end the request. Ids outside the vocabulary are skipped."""
     mask_rows: list[int] = []
     mask_ids: list[int] = []
     for i, row in enumerate(rows):
@@ -177,7 +179,7 @@ def _min_tokens_entries(rows: Sequence[SamplingRow], vocab: int) -> tuple[list[i
         if len(row.output_token_ids) >= p.min_tokens:
             continue
         ids = set(p.stop_token_ids)
-        if row.eos_token_id is not None and not p.ignore_eos:
+        if row.eos_token_id is not None:
             ids.add(row.eos_token_id)
         for token_id in ids:
             if 0 <= token_id < vocab:

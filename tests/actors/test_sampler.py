@@ -363,14 +363,17 @@ def test_min_tokens_masks_eos_and_stop_ids_until_reached() -> None:
     assert sampler(logits, rows).token_ids == [4, 4, 3, 3]
 
 
-def test_min_tokens_with_ignore_eos_or_no_eos_masks_only_stop_ids() -> None:
-    logits = MIN_TOKENS_LOGITS.repeat(3, 1)
+def test_min_tokens_masks_eos_with_ignore_eos_and_only_stop_ids_without_eos() -> None:
+    """vLLM masks its ``all_stop_token_ids`` below min_tokens, EOS among them whatever
+    ``ignore_eos`` says: ignore_eos with min_tokens 2 sampled EOS as its first token here."""
+    logits = MIN_TOKENS_LOGITS.repeat(4, 1)
     rows = [
         row(temperature=0.0, eos=3, ignore_eos=True, min_tokens=2, stop_token_ids=(5,)),
         row(temperature=0.0, eos=None, min_tokens=2, stop_token_ids=(3,)),
         row(temperature=0.0, eos=None, min_tokens=2, stop_token_ids=(99,)),  # out of vocab
+        row(temperature=0.0, eos=3, ignore_eos=True, output=[7, 7], min_tokens=2),  # reached
     ]
-    assert sampler(logits, rows).token_ids == [3, 5, 3]
+    assert sampler(logits, rows).token_ids == [4, 5, 3, 3]
 
 
 def test_min_tokens_when_sampling() -> None:
