@@ -162,6 +162,11 @@ class ResponsesRequest(BaseModel):
     temperature: float | None = None
     top_p: float | None = None
     seed: int | None = None
+    # vLLM's extras on this API (its ``ResponsesRequest``), passed on as chat's.
+    top_k: int | None = None
+    logit_bias: dict[str, float] | None = None
+    skip_special_tokens: bool | None = None  # (null: as unset, as on chat)
+    priority: int | None = None
     text: TextConfig | None = None
     stream: bool | None = None
     user: str | None = None
@@ -235,6 +240,10 @@ class ResponsesRequest(BaseModel):
             "temperature": self.temperature,
             "top_p": self.top_p,
             "seed": self.seed,
+            "top_k": self.top_k,
+            "logit_bias": self.logit_bias,
+            "skip_special_tokens": self.skip_special_tokens,
+            "priority": self.priority,
             "user": self.user,
             "stream": bool(self.stream),
             "tool_choice": choice,

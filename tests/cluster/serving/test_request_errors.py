@@ -176,3 +176,21 @@ def test_responses_refusals_name_the_responses_apis_fields() -> None:
     quiet: dict[str, Any] = {**base, "previous_response_id": None, "reasoning": None}
     quiet |= {"store": False, "top_logprobs": 0, "max_tool_calls": 3}
     assert ResponsesRequest.model_validate(quiet).chat_request().messages[0].content == "hi"
+
+
+def test_vllms_responses_sampling_fields_reach_the_chat_request() -> None:
+    """vLLM's ``ResponsesRequest`` takes ``top_k``, ``logit_bias``, ``skip_special_tokens`` and
+    ``priority``: they were unknown fields here, dropped with a log line (top_k 1 sampled at
+    random, a -100 bias banned nothing). Passed on to chat, they act and are checked there."""
+    base = {"model": "m", "input": "hi"}
+    body = {**base, "top_k": 1, "logit_bias": {"7": -100}, "skip_special_tokens": False}
+    chat = ResponsesRequest.model_validate({**body, "priority": 3}).chat_request()
+    assert (chat.top_k, chat.skip_special_tokens, chat.priority) == (1, False, 3)
+    params = chat.sampling_params(16, None)
+    assert params.top_k == 1 and params.logit_bias == ((7, -100.0),)
+    assert not params.skip_special_tokens
+    unset = ResponsesRequest.model_validate({**base, "priority": None}).chat_request()
+    assert (unset.top_k, unset.logit_bias, unset.priority) == (None, None, 0)
+    assert unset.skip_special_tokens
+    assert _refused("/responses", {**base, "logit_bias": {"7": 500}})["param"] == "logit_bias"
+    assert _refused("/responses", {**base, "top_k": -2})["param"] == "top_k"
