@@ -30,10 +30,10 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster.config import ClusterConfig, served_model_name
+from cluster.engine.generation_config import sampling_defaults
 from cluster.serving.agent_fields import FieldError
 from cluster.serving.auth import AdminAccess, KeyCheck, check_api_key, set_access
 from cluster.serving.errors import APIError, api_error, body_path
-from cluster.serving.generation_config import sampling_defaults
 from cluster.serving.limits import BodyLimit, BodyTooLarge, body_too_large, set_max_body_bytes
 from cluster.serving.openai_protocol import (
     ChatCompletionRequest,

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 from cluster.engine.async_llm import AsyncLLM
+from cluster.engine.generation_config import sampling_defaults
 from cluster.serving.errors import APIError
-from cluster.serving.generation_config import sampling_defaults
 from cluster.serving.openai_protocol import ChatCompletionRequest, CompletionRequest
 from cluster.serving.openai_serving import OpenAIServing
 from tests.actors.conftest import make_checkpoint
