@@ -1,7 +1,9 @@
-"""The API's sampling defaults from the model's ``generation_config.json`` (vLLM's
+"""Sampling defaults from the model's ``generation_config.json`` (vLLM's
 ``--generation-config``): what a request leaves unset is what the model's authors tuned it for
 (Llama-3-Instruct: temperature 0.6, top_p 0.9), not temperature 1 -- the same sampling a vLLM
-user gets for the same request.
+user gets for the same request. The API reads them per request field (``cluster.serving``),
+the in-process ``LLM`` as its default ``SamplingParams`` (vLLM's
+``LLM.get_default_sampling_params``).
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from cluster.engine.generation_config import sampling_defaults
 from cluster.engine.llm_engine import LLMEngine
 from cluster.engine.outputs import RequestOutput
 from scheduler import LoRARequest, SamplingParams
@@ -25,14 +26,28 @@ class LLM:
     """Continuous batching in-process: every prompt is queued at once and the engine steps
     until all are done; a streaming variant yields each request's progress per step."""
 
-    def __init__(self, model: str | None = None, **config: Any) -> None:
+    def __init__(
+        self, model: str | None = None, *, generation_config: str = "auto", **config: Any
+    ) -> None:
+        """``generation_config``: vLLM's -- ``auto`` (the model's ``generation_config.json``),
+        ``vllm`` (the usual defaults), or a folder holding one: the sampling a call without
+        ``sampling_params`` gets (``get_default_sampling_params``)."""
         self.engine = LLMEngine(model, **config)
+        self.default_sampling_params = SamplingParams(
+            **sampling_defaults(generation_config, self.engine.worker.model_path)
+        )
         self._ids = itertools.count()
         # Per live request: its call's outputs not yielded yet (a snapshot: True), see ``_run``.
         self._queues: dict[str, deque[tuple[RequestOutput, bool]]] = {}
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` / ``chat`` use without ``sampling_params`` (vLLM's): the model's
+        ``generation_config.json`` values (temperature, top_p, top_k, min_p,
+        repetition_penalty, max_new_tokens as max_tokens) over the usual defaults."""
+        return self.default_sampling_params
 
     def generate(
         self,
@@ -91,7 +106,8 @@ class LLM:
     ) -> list[str]:
         items = _as_list(prompts)
         n = len(items)
-        param_list = _broadcast(params if params is not None else SamplingParams(), n, "sampling")
+        default = self.default_sampling_params
+        param_list = _broadcast(params if params is not None else default, n, "sampling")
         lora_list = _broadcast(lora, n, "lora_request")
         prio = list(priority) if priority is not None else [0] * n
         if len(prio) != n:

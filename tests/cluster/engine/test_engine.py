@@ -405,3 +405,26 @@ def test_prompt_logprobs_equal_transformers(tiny_llama: Path) -> None:
     assert engine(tiny_llama).generate(prompts[:1], GREEDY)[0].prompt_logprobs is None
     fanned = engine(tiny_llama).generate(prompts[:1], params.model_copy(update={"n": 3}))[0]
     assert fanned.prompt_logprobs == runs[0][0].prompt_logprobs
+
+
+def test_calls_without_sampling_params_use_the_models_generation_config(tmp_path: Path) -> None:
+    """vLLM's ``LLM`` (``generation_config="auto"``): ``generate`` / ``chat`` without
+    ``sampling_params`` sample with the model's ``generation_config.json``, not temperature 1
+    and 16 tokens (what they got here); ``vllm`` turns that off."""
+    import json
+
+    from tests.actors.conftest import make_checkpoint
+
+    path = make_checkpoint(tmp_path / "tuned", "llama")
+    (path / "generation_config.json").write_text(
+        json.dumps({"temperature": 0.0, "top_k": 20, "max_new_tokens": 5})
+    )
+    llm = engine(path)
+    defaults = llm.get_default_sampling_params()
+    assert (defaults.temperature, defaults.top_k, defaults.max_tokens) == (0.0, 20, 5)
+    prompt = make_prompts(11)[0]
+    greedy = SamplingParams(temperature=0.0, max_tokens=5)
+    expected = llm.generate(prompt, greedy)[0].outputs[0].token_ids
+    assert llm.generate(prompt)[0].outputs[0].token_ids == expected
+    usual = engine(path, generation_config="vllm").get_default_sampling_params()
+    assert usual == SamplingParams()
