@@ -52,6 +52,9 @@ class Delivery:
     def _spawn(self, coro: Any) -> None:  # the subscription's
         raise NotImplementedError
 
+    async def _unheard_ends(self) -> None:  # the subscription's
+        raise NotImplementedError
+
     def _deliver_batch(self, wire: list[Any]) -> None:
         queues, next_index, early, tokens = self.queues, self._next_index, self._early, self._tokens
         for submission, out, index in unpack_indexed(wire):
@@ -152,8 +155,10 @@ class Delivery:
         move on after them (``control/migration.py``)."""
         stream = self._engines.get(iid)
         if stream is not None:
-            await asyncio.wait({stream}, timeout=RESUME_WAIT_S)
+            done, _ = await asyncio.wait({stream}, timeout=RESUME_WAIT_S)
             stream.cancel()  # nothing of the dead engine may arrive after the answer
+            if not done:  # (a stream that ended by itself saw the engine die: it asked)
+                self._spawn(self._unheard_ends())
         items: list[tuple[int, list[int] | None, Outcome | None]] = []
         for s in submissions:
             if s in self._ended or s not in self._open:  # its final is here: it is over
@@ -204,6 +209,10 @@ class Delivery:
                         logger.warning(
                             "client %s: instance %s's stream ended: %s", self.client_id, iid, exc
                         )
+                        # What it sent last may never have come: the final of a request
+                        # that ended there just before (the central actor, told so, forgot
+                        # it, so no move or resume brings it, and no gap shows it).
+                        self._spawn(self._unheard_ends())
                         return
                     logger.warning(
                         "client %s: instance %s's stream broke (%s); %s: streaming again "

@@ -293,11 +293,13 @@ class Subscription(Delivery):
         self._submitting.add(task)
         task.add_done_callback(self._submitting.discard)
 
-    async def _resubmit_lost(self) -> None:
+    async def _resubmit_lost(self, after_restart: bool = True) -> None:
         """After a central actor's restart: ask it which open requests it does not know. One
         without any output yet was acknowledged by the dead process but never given to an
         engine: it is submitted again. One with output was on an engine the restarted actor
-        could not take it back from: it ends with an error (never a hang)."""
+        could not take it back from: it ends with an error (never a hang). Not
+        ``after_restart`` (an engine died; the central actor that placed them lives): a
+        request it does not know has ended, and ends with an error unless its final comes."""
         pending = {_op_id(item) for item, _ in self._ops} | set(self._in_flight)
         asked = {  # (a submit still on its way is not lost: it is being sent again)
             submission: item
@@ -316,10 +318,26 @@ class Subscription(Delivery):
             request, trace_context = asked[submission]
             if submission not in self._open:
                 continue  # ended meanwhile
-            if self._next_index.get(submission, 0) or submission in self._early:
-                self._spawn(self._lost_unless_it_ends(submission, request.request_id))
+            if (
+                not after_restart
+                or self._next_index.get(submission, 0)
+                or submission in self._early
+            ):
+                why = "the central scheduler's restart" if after_restart else "its engine"
+                self._spawn(self._lost_unless_it_ends(submission, request.request_id, why))
                 continue
             self._spawn(self._resubmit_unless_it_ends(submission, request, trace_context))
+
+    async def _unheard_ends(self) -> None:
+        """An engine this client streamed from died. A request that ended there just before
+        -- its report reached the central actor, which forgot it -- may have lost its last
+        output (its final, often with its last tokens) with the engine's stream, and nobody
+        sends it again: the central actor moves and resumes only what it still holds, no
+        engine remembers it, and nothing comes after a final to show a gap. The requests the
+        central actor no longer knows get ``LOST_GRACE_S`` for their final, then fail (they
+        waited for ever). (First ``LOST_GRACE_S`` for the engine's last reports to land.)"""
+        await asyncio.sleep(LOST_GRACE_S)
+        await self._resubmit_lost(after_restart=False)
 
     async def _resubmit_unless_it_ends(
         self, submission: int, request: Request, trace_context: dict[str, str] | None
@@ -337,7 +355,9 @@ class Subscription(Delivery):
         future = self._submit(request, trace_context, submission)
         future.add_done_callback(functools.partial(self._resubmitted, submission=submission))
 
-    async def _lost_unless_it_ends(self, submission: int, request_id: str) -> None:
+    async def _lost_unless_it_ends(
+        self, submission: int, request_id: str, why: str = "the central scheduler's restart"
+    ) -> None:
         """A request with output that the restarted central actor does not know: lost with
         the restart -- unless it ended just before the actor was asked, and its final is
         still on its way from its engine (the actor forgets a request once its engine
@@ -347,11 +367,7 @@ class Subscription(Delivery):
             return
         queue = self.queues.get(submission)
         if queue is not None:
-            queue.put_nowait(
-                StreamLostError(
-                    f"request {request_id} was lost with the central scheduler's restart"
-                )
-            )
+            queue.put_nowait(StreamLostError(f"request {request_id} was lost with {why}"))
 
     def _resubmitted(self, future: asyncio.Future[None], *, submission: int) -> None:
         """A refused resubmit ends its request's stream with the reason."""

@@ -752,3 +752,66 @@ def test_a_request_unknown_after_a_restart_without_output_is_sent_again_unless_i
 
     assert asyncio.run(restart(final=True)) == []
     assert asyncio.run(restart(final=False)) == [7]
+
+
+def test_a_final_lost_with_an_engine_that_died_ends_its_request_instead_of_hanging(
+    monkeypatch: Any,
+) -> None:
+    """A request finished on its engine, which reported it (the central actor forgot it);
+    the batch with its last token and its final never reached the client: the engine's
+    process died first (or a retire killed it before a client that was reconnecting took
+    its last batch). Nothing asked for it again -- no move or resume (the central actor no
+    longer holds it), no gap (nothing comes after a final) -- and the request waited for
+    ever. Once an engine dies, the open requests the central actor no longer knows get a
+    moment for their final, then fail; one it still knows (it moves on) is left alone."""
+    from collections import Counter
+
+    import ray
+
+    from cluster.control import subscription
+    from cluster.errors import StreamLostError
+
+    monkeypatch.setattr(subscription, "LOST_GRACE_S", 0.05)
+
+    async def ready(value: Any) -> Any:
+        return value
+
+    class Engine:
+        class subscribe:  # (a Ray actor method: a streaming generator)
+            @staticmethod
+            def remote(client_id: str, positions: Any) -> Any:
+                async def batches() -> Any:
+                    yield ready(pack_batch([(7, _out([10, 11]), 0)]))
+                    raise ray.exceptions.ActorDiedError()  # [12] and the final went with it
+
+                return batches()
+
+        class ping:
+            @staticmethod
+            async def remote() -> str:
+                raise ray.exceptions.ActorDiedError()
+
+    async def engine_dies(central_knows_it: bool) -> list[Any]:
+        sub, queue = _subscription()
+        sub.loop = asyncio.get_running_loop()
+        sub.client_id = "c"
+        sub._ops, sub._in_flight, sub._submitting = [], Counter(), set()
+        sub._engines, sub._actors = {}, {}
+        sub._open = {7: (Request("r", [1, 2, 3], SamplingParams(max_tokens=3)), None)}
+
+        class Handle:
+            class unknown_requests:  # (a Ray actor method)
+                @staticmethod
+                async def remote(client_id: str, pairs: list[Any]) -> list[int]:
+                    return [] if central_knows_it else [7]
+
+        sub.handle = Handle()
+        sub._follow({"d-1": Engine()})
+        await asyncio.sleep(0.5)
+        return [queue.get_nowait() for _ in range(queue.qsize())]
+
+    outs = asyncio.run(engine_dies(central_knows_it=False))
+    assert outs[0].new_token_ids == [10, 11]
+    assert isinstance(outs[-1], StreamLostError)  # an error (a 503), not a wait for ever
+    outs = asyncio.run(engine_dies(central_knows_it=True))  # it moves on: resumed, not failed
+    assert [o.new_token_ids for o in outs] == [[10, 11]]
