@@ -20,6 +20,7 @@ import torch
 from actors.lora_loader import AdapterWeights, adapter_nbytes, load_adapter
 from actors.model.config import ModelConfig
 from scheduler.config import LoRAConfig
+from scheduler.outputs import ADAPTER_UNREADABLE
 from scheduler.request import LoRARequest
 
 logger = logging.getLogger(__name__)
@@ -123,7 +124,7 @@ class LoRAManager:
                     exc,
                 )
                 bad[lora_id] = (
-                    f"the LoRA adapter `{lora.lora_name}` could not be loaded on this "
+                    f"{ADAPTER_UNREADABLE}{lora.lora_name}` could not be loaded on this "
                     f"instance ({type(exc).__name__}; its files may have been removed or "
                     "changed since it was loaded)"
                 )

@@ -15,6 +15,12 @@ from scheduler.request import FinishReason, LoRARequest, PromptLogprob, Request,
 # Top-n logprobs of one sampled position: token id -> logprob (includes the sampled token).
 TokenLogprobs = dict[int, float]
 
+# How the error of a request whose workers could not read its LoRA adapter again begins
+# (``ModelRunnerOutput.failed_req_ids``, made by ``actors.lora.LoRAManager.unreadable``): the
+# control plane then stops counting the adapter as loaded on that instance
+# (``LoRAAdapters.unreadable``).
+ADAPTER_UNREADABLE = "the LoRA adapter `"
+
 
 @dataclass
 class NewRequestData:

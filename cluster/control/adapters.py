@@ -66,6 +66,16 @@ class LoRAAdapters:
         """The instance left the cluster (a pool shrank)."""
         self._loaded.pop(instance_id, None)
 
+    def unreadable(self, instance_id: str, lora_int_id: int) -> None:
+        """The instance's workers could not read the adapter again (its files went, or
+        changed, after they evicted it): it no longer counts as loaded there. The next
+        request for it loads it there first (``ensure``): the client's 404 naming it, or
+        another instance -- not a step that fails it the same way, a 503 "retry", on this
+        instance for as long as the cluster runs."""
+        loaded = self._loaded.get(instance_id)
+        if loaded is not None:
+            loaded.discard(lora_int_id)
+
     async def ensure(self, instance_id: str, lora: LoRARequest) -> None:
         """Load ``lora`` on the instance's workers unless they have it."""
         loaded = self._loaded[instance_id]

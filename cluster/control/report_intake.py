@@ -11,6 +11,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from cluster.config import ClusterConfig
+from cluster.control.adapters import LoRAAdapters
 from cluster.control.engine_reports import EngineReport, Prefilled
 from cluster.control.flights import Flight, clone_request
 from cluster.control.handoffs import HandOffs
@@ -18,6 +19,7 @@ from cluster.control.observer import RequestObserver
 from cluster.control.restart_triage import end_remade_root
 from cluster.control.router import Router
 from cluster.control.summaries import InstanceView
+from scheduler.outputs import ADAPTER_UNREADABLE
 from scheduler.request import FinishReason
 
 logger = logging.getLogger(__name__)
@@ -33,6 +35,7 @@ class ReportIntake:
     router: Router
     observe: RequestObserver
     hand_offs: HandOffs
+    lora: LoRAAdapters
     failures: list[dict[str, Any]]
     recovering: bool
     _internal: dict[str, Flight]
@@ -100,6 +103,13 @@ class ReportIntake:
             if flight is not None and flight.instance == iid:
                 self._forget(flight)
                 outcome = report.outcomes.get(internal)
+                lora = flight.request.lora_request
+                if lora is not None and outcome is not None and outcome[0] == "error":
+                    error = outcome[1]
+                    if error is not None and error.startswith(ADAPTER_UNREADABLE):
+                        # Its workers could not read the adapter again: loaded there anew
+                        # before the next request for it runs (``ensure``).
+                        self.lora.unreadable(iid, lora.lora_int_id)
                 if flight.trace is not None and outcome is not None and self.engines[iid].remote:
                     flight.trace.finish(*outcome)  # the root span; the engine ended its own
         for internal, ended in report.ended_traces.items():  # (with those of lost reports)

@@ -377,6 +377,7 @@ def test_an_adapter_gone_from_disk_fails_only_its_requests(
     give their reference tokens. (The step raised, which stopped the engine, and in a
     cluster the instance with every request on it.)"""
     from cluster import LLM, SamplingParams
+    from scheduler.outputs import ADAPTER_UNREADABLE
 
     llm = LLM(
         str(tiny_llama),
@@ -409,6 +410,7 @@ def test_an_adapter_gone_from_disk_fails_only_its_requests(
     failed = final["0"].outputs[0]
     assert failed.finish_reason == "error" and failed.token_ids == []
     assert failed.error is not None and "`gone`" in failed.error
+    assert failed.error.startswith(ADAPTER_UNREADABLE)  # (the control plane reads it)
     assert str(gone_dir) not in failed.error  # (clients see the name, never the path)
     for rid, name, tokens in (("1", "b", prompts[1]), ("2", None, prompts[2])):
         seq = list(tokens)

@@ -106,3 +106,41 @@ def test_a_request_being_moved_is_not_moved_again_when_its_old_engine_dies() -> 
     moves = asyncio.run(main())
     assert moves.placed == ["a"]  # once
     assert not moves._internal["a@1"].moving and moves.num_moves == 1
+
+
+def test_an_adapter_its_workers_could_not_read_is_loaded_again_before_its_next_request() -> None:
+    """A request its workers ended because they could not read its adapter again (its files
+    went after an eviction: ``LoRAManager.unreadable``) leaves the adapter no longer counted
+    as loaded on that instance: the next request for it has ``ensure`` load it there again
+    first -- the client's 404 naming it, or another instance that still has it -- instead of
+    running there and failing the same way (a 503 "retry") for as long as the cluster runs.
+    A request that failed otherwise leaves the count as it was."""
+    from cluster.control.adapters import LoRAAdapters
+    from cluster.control.engine_reports import EngineReport
+    from cluster.control.report_intake import ReportIntake
+    from scheduler.outputs import ADAPTER_UNREADABLE
+
+    class Intake(ReportIntake):
+        """The mixin with what ``_on_report`` uses of the actor; one in-process engine."""
+
+        def __init__(self, flights: list[Flight]) -> None:
+            self._internal = {f.internal_id: f for f in flights}
+            self.engines: Any = {"d-0": SimpleNamespace(remote=False)}
+            self.views: Any = {"d-0": SimpleNamespace(update=lambda summary: None)}
+            self.hand_offs: Any = None
+            config: Any = SimpleNamespace(lora=object(), serve=SimpleNamespace(lora_modules={}))
+            self.lora = LoRAAdapters(config, {})
+
+        def _forget(self, flight: Flight) -> None:
+            pass
+
+    adapter = LoRARequest(lora_name="x", lora_int_id=3, lora_path="/gone/x")
+    intake = Intake([flight("other", adapter), flight("gone", adapter)])
+    intake.lora.reset("d-0")
+    intake.lora._loaded["d-0"].add(3)  # (``ensure`` loaded it there)
+    failed = {"other@1": "remote KV load failed", "gone@1": f"{ADAPTER_UNREADABLE}x` could not"}
+    for internal, loaded in (("other@1", {3}), ("gone@1", set())):
+        outcome = ("error", failed[internal], 0, 0)
+        report = EngineReport("d-0", None, finished=[internal], outcomes={internal: outcome})
+        intake._on_report(report)  # type: ignore[arg-type]
+        assert intake.lora._loaded["d-0"] == loaded, internal
