@@ -49,7 +49,7 @@ def sweep(rates: list[float], num_requests: int, seed: int) -> dict[str, Any]:
             points = []
             for rate in rates:
                 work = poisson(rate, num_requests, SHAPE, seed)
-                s = Simulation(config, cost).run(work, slo).summary()
+                s = Simulation(config, cost).run(work, slo).summary(offered_rate=rate)
                 points.append(
                     {
                         "rate": rate,

@@ -34,6 +34,9 @@ OUT = Path("bench/results/simulator_validation.json")
 SERVED_MODEL = Path("cluster/sim/models/cpu-smollm2.json")
 # The served steps' cost is fitted on runs at these rates (--fit-serving), not validated on.
 FIT_RATES = {"colocated": [0.3, 2.2], "disaggregated": [1.0]}
+# The issue's bar: |simulated - real| / real within this, on these metrics, in every run.
+BAR = 0.15
+BAR_METRICS = ("ttft_p50_ms", "tpot_p50_ms", "throughput_tok_s")
 
 # mode -> (the cluster's YAML, or None for tandem serve's default; prompt tokens; output
 # tokens; request rates). The default config hands off prompts over 256 uncached tokens.
@@ -219,6 +222,21 @@ def compare(real: dict[str, Any], sim: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def bar_verdict(results: list[dict[str, Any]], bar: float = BAR) -> dict[str, dict[str, Any]]:
+    """Per mode: whether every run's |error| on ``BAR_METRICS`` is within ``bar``, and the
+    (rate, metric, error) of each miss. An error of either sign counts by its size; a NaN one
+    (a real value of 0) misses."""
+    verdict: dict[str, dict[str, Any]] = {}
+    for result in results:
+        mode = verdict.setdefault(result["mode"], {"met": True, "misses": []})
+        for metric in BAR_METRICS:
+            error = result["comparison"][metric]["error"]
+            if not abs(error) <= bar:  # (NaN: not met)
+                mode["met"] = False
+                mode["misses"].append({"rate": result["rate"], "metric": metric, "error": error})
+    return verdict
+
+
 def table(results: list[dict[str, Any]]) -> str:
     head = "| mode | rate | metric | real | simulated | error |\n|---|---|---|---|---|---|"
     lines = [head]
@@ -294,6 +312,13 @@ def main() -> None:
             }
         )
     print(table(results))
+    verdict = bar_verdict(results)
+    for mode, v in verdict.items():
+        misses = ", ".join(
+            f"{m['metric']} {m['error']:+.1%} at {m['rate']:g}/s" for m in v["misses"]
+        )
+        state = "met" if v["met"] else f"not met ({misses})"
+        print(f"{mode}: the {BAR:.0%} bar on {', '.join(BAR_METRICS)}: {state}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(
         json.dumps(
@@ -302,6 +327,7 @@ def main() -> None:
                 "num_prompts": args.num_prompts,
                 "cost_model": cost.name,
                 "results": results,
+                "bar": {"tolerance": BAR, "metrics": list(BAR_METRICS), "verdict": verdict},
                 "fit_runs": fit_runs,
                 "runs": runs,
             },

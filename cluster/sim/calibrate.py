@@ -97,8 +97,10 @@ def measure_steps(
     rng = random.Random(0)
     ids = itertools.count()
     samples: list[tuple[StepShape, float]] = []
+    groups: list[str] = []  # each sample's scenario (the repeats of one share it)
 
     def run(prompts: list[int], outputs: list[int], record: bool = True) -> None:
+        group = f"{sorted(prompts)}->{sorted(outputs)}"
         scheduler = _scheduler(block_size, num_blocks, max_num_batched_tokens)
         tracker = ShapeTracker()
         for prompt_len, out_len in zip(prompts, outputs, strict=True):
@@ -114,6 +116,7 @@ def measure_steps(
             scheduler.update_from_output(out, result)
             if record and shape.tokens:
                 samples.append((shape, seconds))
+                groups.append(group)
 
     run([64] * 4, [8] * 4, record=False)  # warm-up
     fits = int(info["max_context_len"])  # scenarios past it are left out
@@ -140,6 +143,7 @@ def measure_steps(
         "small_rows": 0 if weights_held(worker) == "dense" else projections_dense_min_rows(worker),
         "kv_bytes_per_token": kv_bytes_token,
         "num_layers": info["num_layers"],
+        "groups": groups,  # (calibrate pops it: for the held-out errors, not the notes)
     }
 
 
@@ -207,6 +211,7 @@ def calibrate(
         f"cpu:{about['model']}:threads={num_threads}:{about['weights']}",
         samples,
         kv_bytes_token=about["kv_bytes_per_token"],
+        groups=about.pop("groups"),
         capacity_tokens=about.pop("capacity_tokens"),
         small_rows=about.pop("small_rows"),
         # A hand-off on one node with nixl (docs/kv_transport.md: 1.5 ms for 512 tokens of

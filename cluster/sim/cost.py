@@ -92,6 +92,39 @@ def _features(shape: StepShape, small_rows: int = 0) -> list[float]:
     ]
 
 
+def _least_squares(x: Any, y: Any) -> tuple[list[int], Any]:
+    """``LinearCostModel.fit``'s solve: least squares of the relative error over the terms
+    that are not all zero; a term (not ``const``) that fits negative is dropped and the rest
+    refitted. Returns the terms used and their coefficients."""
+    import numpy as np
+
+    weight = 1.0 / np.maximum(y, 1e-9)
+    used = [i for i in range(len(TERMS)) if x[:, i].any()]
+    while True:
+        coef, *_ = np.linalg.lstsq(x[:, used] * weight[:, None], y * weight, rcond=None)
+        negative = [i for i, c in zip(used, coef, strict=True) if c < 0 and i != 0]
+        if not negative:
+            return used, coef
+        used.remove(negative[0])
+
+
+def _held_out_errors(x: Any, y: Any, groups: list[Any]) -> Any:
+    """Relative errors of each group's samples under a fit of all the other groups (leave one
+    group out; a group alone is not scored: nothing would be left to fit on)."""
+    import numpy as np
+
+    labels = np.array([str(g) for g in groups])
+    errors: list[float] = []
+    for label in dict.fromkeys(labels.tolist()):
+        test = labels == label
+        if test.all():
+            continue
+        used, coef = _least_squares(x[~test], y[~test])
+        predicted = x[test][:, used] @ coef
+        errors += (np.abs(predicted - y[test]) / np.maximum(y[test], 1e-9)).tolist()
+    return np.array(errors)
+
+
 @dataclass
 class LinearCostModel:
     """seconds = Σ coefficient x term (``TERMS``); a KV transfer = ``transfer_latency_s`` +
@@ -139,24 +172,25 @@ class LinearCostModel:
 
     @classmethod
     def fit(
-        cls, name: str, samples: list[tuple[StepShape, float]], kv_bytes_token: int, **kw: Any
+        cls,
+        name: str,
+        samples: list[tuple[StepShape, float]],
+        kv_bytes_token: int,
+        groups: list[Any] | None = None,
+        **kw: Any,
     ) -> LinearCostModel:
         """Least squares of the relative error over ``samples`` (shape, measured seconds):
         a 10 ms decode step weighs as much as a 1 s prefill. No coefficient is negative: a
-        term that would fit negative is dropped and the rest refitted."""
+        term that would fit negative is dropped and the rest refitted. The notes' errors are
+        in sample (the fit's own steps); ``groups`` (each sample's scenario) adds each
+        scenario's error when it is left out of the fit (``held_out_*``): what the model does
+        on steps it was not fitted to."""
         import numpy as np
 
         small_rows = int(kw.get("small_rows", 0))
         x = np.array([_features(s, small_rows) for s, _ in samples], dtype=np.float64)
         y = np.array([t for _, t in samples], dtype=np.float64)
-        weight = 1.0 / np.maximum(y, 1e-9)
-        used = [i for i in range(len(TERMS)) if x[:, i].any()]
-        while True:
-            coef, *_ = np.linalg.lstsq(x[:, used] * weight[:, None], y * weight, rcond=None)
-            negative = [i for i, c in zip(used, coef, strict=True) if c < 0 and i != 0]
-            if not negative:
-                break
-            used.remove(negative[0])
+        used, coef = _least_squares(x, y)
         coefficients = {TERMS[i]: float(c) for i, c in zip(used, coef, strict=True)}
         predicted = x[:, used] @ coef
         errors = np.abs(predicted - y) / np.maximum(y, 1e-9)
@@ -165,6 +199,11 @@ class LinearCostModel:
             "median_relative_error": float(np.median(errors)),
             "p90_relative_error": float(np.quantile(errors, 0.9)),
         }
+        held = _held_out_errors(x, y, groups) if groups is not None else []
+        if len(held):
+            notes["groups"] = len({str(g) for g in groups or ()})
+            notes["held_out_median_relative_error"] = float(np.median(held))
+            notes["held_out_p90_relative_error"] = float(np.quantile(held, 0.9))
         return cls(name, coefficients, kv_bytes_token, notes=notes, **kw)
 
     def serving(

@@ -214,7 +214,10 @@ def plan(
             curve = []
             for factor in CURVE:
                 work_at = repeated(workload(rate * factor), LONGER)
-                summary = Simulation(config, cost).run(work_at, slo, seed).summary()
+                result = Simulation(config, cost).run(work_at, slo, seed)
+                # goodput against the rate asked for (not the sample's own span: the curve's
+                # points would all read the seed's few % above their rate)
+                summary = result.summary(offered_rate=rate * factor)
                 curve.append(
                     {
                         "rate": rate * factor,

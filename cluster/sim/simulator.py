@@ -97,7 +97,12 @@ class SimResult:
     decisions: list[dict[str, Any]] = field(default_factory=list)
     autoscaling: dict[str, Any] = field(default_factory=dict)  # Autoscaler.stats() at the end
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self, offered_rate: float | None = None) -> dict[str, Any]:
+        """TTFT / TPOT / e2e percentiles, throughput and, with an SLO, attainment and goodput.
+        ``offered_rate``: the rate the workload was generated at; goodput is then attainment x
+        that rate, comparable with it. Without it, per second of the arrivals' own span: a
+        Poisson sample's span is off its rate's by a few % (one seed, the same factor at every
+        rate), so it is not the offered rate's goodput."""
         done = [r for r in self.records if r.error is None and r.end_s is not None]
         ttft = [r.ttft for r in done if r.ttft is not None]
         tpot = [t for r in done if (t := r.tpot) is not None]
@@ -119,6 +124,9 @@ class SimResult:
         if self.slo is not None:
             met = sum(r.meets(self.slo) for r in self.records)
             out["slo_attainment"] = met / len(self.records) if self.records else math.nan
+            if offered_rate is not None:
+                out["goodput_requests_s"] = offered_rate * met / len(self.records) if met else 0.0
+                return out
             # Per second of arrivals (the offered load's span, not the tail that drains
             # after it): at full attainment, the offered rate.
             arrivals = [r.arrival_s for r in self.records]

@@ -296,6 +296,13 @@ def _calibrate(args: argparse.Namespace) -> int:
         f"step error: median {model.notes['median_relative_error']:.1%}, "
         f"p90 {model.notes['p90_relative_error']:.1%} over {model.notes['samples']} steps"
     )
+    if "held_out_median_relative_error" in model.notes:
+        print(
+            f"step error on a scenario left out of the fit: median "
+            f"{model.notes['held_out_median_relative_error']:.1%}, p90 "
+            f"{model.notes['held_out_p90_relative_error']:.1%} over {model.notes['groups']} "
+            "scenarios (the figures above are the fit's own steps)"
+        )
     if args.out:
         model.save(args.out)
         print(f"written to {args.out}")

@@ -50,3 +50,26 @@ def test_quantized_steps_are_fitted_piecewise_at_the_dense_switch() -> None:
     for shape, want in samples:
         assert piecewise.step_time(shape) == pytest.approx(want, rel=1e-6)
     assert max(abs(straight.step_time(s) / t - 1) for s, t in samples) > 0.05
+
+
+def test_the_fit_reports_its_error_on_scenarios_it_was_not_fitted_to() -> None:
+    """The notes' errors are the fit's own steps; a scenario left out of the fit shows what the
+    model does on steps it has not seen, which is what the simulator asks of it. Decode steps
+    that cost more per row past 4 rows, fitted with one straight line: each step's error with
+    its scenario left out is at least its error in sample."""
+
+    def seconds(rows: int) -> float:
+        return 0.008 + 0.001 * rows if rows <= 4 else 0.003 * rows
+
+    samples, groups = [], []
+    for rows in (1, 2, 3, 4, 8, 16, 32):
+        for _ in range(2):  # (each scenario twice, as calibrate's repeats)
+            samples.append((StepShape(num_decodes=rows), seconds(rows)))
+            groups.append(f"decode x{rows}")
+    fitted = LinearCostModel.fit("line", samples, 1, groups=groups)
+    notes = fitted.notes
+    assert notes["samples"] == 14 and notes["groups"] == 7
+    assert notes["held_out_median_relative_error"] >= notes["median_relative_error"]
+    assert notes["held_out_p90_relative_error"] > notes["p90_relative_error"]
+    # Without scenarios, only the in-sample figures (a saved model compares equal as before).
+    assert "held_out_median_relative_error" not in LinearCostModel.fit("l", samples, 1).notes

@@ -15,7 +15,7 @@ import pytest
 from cluster.config import ClusterConfig
 from cluster.sim.clock import SimulationStalled, run_virtual
 from cluster.sim.cost import LinearCostModel, StepShape, gpu_model
-from cluster.sim.simulator import SLO, RequestRecord, Simulation, percentile
+from cluster.sim.simulator import SLO, RequestRecord, SimResult, Simulation, percentile
 from cluster.sim.workload import WorkItem, poisson
 from scheduler import Scheduler
 
@@ -252,6 +252,23 @@ def test_slo_attainment_and_percentiles() -> None:
     assert good.tpot == pytest.approx(0.1)
     assert percentile([1.0, 2.0, 3.0, 4.0], 0.5) == 2.5
     assert math.isnan(percentile([], 0.9))
+
+
+def test_goodput_against_the_offered_rate_is_at_most_that_rate() -> None:
+    """Five requests that met the SLO, arriving 0.8 s apart -- a sample of a 1 req/s Poisson
+    workload that came out short: per second of its own span the goodput reads 1.25 req/s,
+    above the rate offered; against the offered rate it is attainment x 1.0."""
+    slo = SLO(ttft_s=1.0, tpot_s=1.0)
+    records = [RequestRecord(0.8 * i, 8, 2, 0.8 * i + 0.1, 0.8 * i + 0.2, 2) for i in range(5)]
+    result = SimResult(records, 3.4, 0.1, slo)
+    assert result.summary()["goodput_requests_s"] == pytest.approx(1.25)  # 5 x 4/5 / 3.2 s
+    assert result.summary(offered_rate=1.0)["goodput_requests_s"] == pytest.approx(1.0)
+    refused = RequestRecord(4.0, 8, 2, end_s=4.0, error="refused")
+    summary = SimResult([*records, refused], 4.2, 0.1, slo).summary(offered_rate=1.0)
+    assert summary["slo_attainment"] == pytest.approx(5 / 6)
+    assert summary["goodput_requests_s"] == pytest.approx(5 / 6)
+    nothing = SimResult([refused], 0.0, 0.1, slo).summary(offered_rate=1.0)
+    assert nothing["goodput_requests_s"] == 0.0
 
 
 def test_gpu_roofline_is_memory_bound_for_decode_and_compute_bound_for_prefill() -> None:
