@@ -25,9 +25,12 @@ on first touch), requests of each ``--sweep-prompt-tokens`` length go one at a t
 
 KV transfer, from the workers' ``TransferRecord``s joined by request id:
 
-- transfer time = save copy (gather the blocks + ``ray.put``, on the prefill worker) + load copy
-  (``ray.get`` + write into the blocks, on the decode worker): the time spent moving data. A
-  transfer is two copies on one node, so a memcpy-bound path peaks near 0.5x memcpy;
+- transfer time = save + load, as the workers' ``TransferRecord``s time them, and so per
+  transport (``--kv-transport``; the default ``auto`` is ``nixl`` where it imports, else
+  ``ray``; the run records which): ``ray`` -- save copy (gather the blocks + ``ray.put``) + load
+  copy (``ray.get`` + write into the blocks), two copies, so a memcpy-bound path peaks near
+  0.5x memcpy; ``nixl`` -- a lease + the load end to end (READ posted, or the same-node copy,
+  to the blocks usable, as the decode worker polls: once per step under load), one copy;
 - load e2e = the decode worker's fetch start -> data in its blocks (includes waiting for the
   step in progress);
 - per request: bytes / transfer time; aggregate: total bytes / the union of the saves' and
@@ -191,6 +194,7 @@ def run_sweep_phase(
         block_size=BLOCK_SIZE,
         pools=pd_pools(num_blocks, args.sweep_threads, PLACEMENTS[placement]),
         router={"disaggregation": "always"},
+        kv_transfer={"transport": args.kv_transport},
     )
     params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     ids: dict[int, list[str]] = {length: [] for length in lengths}
@@ -220,6 +224,7 @@ def run_sweep_phase(
         "placement": placement,
         "where": where,
         "pd_same_node": not pd_distinct(described),
+        "kv_transport": described.get("kv_transport"),  # (auto resolved)
         "num_blocks_per_worker": num_blocks,
         "info": client.info,
         "warmup": {
@@ -260,6 +265,12 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--num-blocks", type=int, default=None, help="KV blocks per worker (levels)")
     ap.add_argument("--colocated-threads", type=int, default=2)
     ap.add_argument("--pd-threads", type=int, default=1, help="per prefill / decode worker")
+    ap.add_argument(
+        "--kv-transport",
+        choices=["auto", "nixl", "ray", "grpc"],
+        default="auto",
+        help="the P/D clusters' KV transport (auto: nixl where it imports, else ray)",
+    )
     ap.add_argument(
         "--sweep-prompt-tokens", type=int, nargs="+", default=None, help="default: 128 512 2048"
     )
@@ -328,14 +339,16 @@ def main() -> None:
         "ray": ray.__version__,
         "dtype": info["dtype"],
         "dtype_arg": args.dtype,
+        "kv_transport_arg": args.kv_transport,  # (each phase records it resolved)
         "bytes_per_block": info["bytes_per_block"],
         "object_store_mb_per_node": args.object_store_mb,
         "node_labels": labels,
         "args": vars(args),
         "metrics": {
             "tok_s": "output tokens / wall time of the run",
-            "transfer_s": "save copy (gather + ray.put) + load copy (ray.get + write to blocks)",
-            "load_e2e_s": "decode side: fetch start -> in the blocks (includes waiting)",
+            "transfer_s": "save + load copy seconds of the transport's TransferRecords (ray: "
+            "gather + ray.put, ray.get + write; nixl: lease, READ posted -> seen done)",
+            "load_e2e_s": "decode side: load start -> in the blocks (includes waiting)",
             "per_request_bw": "bytes / transfer_s",
             "aggregate_bw_busy": "bytes / union of the saves' and loads' copy intervals",
             "aggregate_bw_wall": "bytes / wall time of the run",

@@ -157,7 +157,14 @@ def tandem_cluster(config: Any, name: str) -> Iterator[Any]:
 def cluster_configs(args: argparse.Namespace, num_blocks: int) -> dict[str, Any]:
     from cluster.config import ClusterConfig, InstancePool
 
-    common: dict[str, Any] = {"model": args.model, "dtype": args.dtype, "block_size": BLOCK_SIZE}
+    common: dict[str, Any] = {
+        "model": args.model,
+        "dtype": args.dtype,
+        "block_size": BLOCK_SIZE,
+        # (auto: nixl where it imports, else ray -- what a transfer is, and so the numbers,
+        # depend on which: pd_report.transfer_note)
+        "kv_transfer": {"transport": getattr(args, "kv_transport", "auto")},
+    }
     both = InstancePool(
         name="both",
         role="both",

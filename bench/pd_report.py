@@ -14,6 +14,28 @@ TRANSFER_TARGET = 0.25  # of memcpy bandwidth, on one node
 COLOCATED_TARGET = 0.8  # of in-process LLM throughput
 
 
+def transfer_note(transport: str | None) -> str:
+    """What a transfer is for ``transport`` (the workers' ``TransferRecord``s), and where a
+    memcpy-bound path would peak against one memcpy of the same bytes."""
+    if transport == "ray":
+        return (
+            "ray: a transfer is two copies (gather + ray.put, ray.get + write into the blocks): "
+            "a memcpy-bound path peaks near 0.5."
+        )
+    if transport == "nixl":
+        return (
+            "nixl: a transfer is a lease + one copy straight into the blocks (a READ, or the "
+            "same-node copy), its load timed end to end as the decode worker polls (once per "
+            "step under load): a memcpy-bound path peaks near 1.0."
+        )
+    if transport == "grpc":
+        return (
+            "grpc: a transfer is a lease + a pull (the source serializes, the socket copies) "
+            "+ the write into the blocks: several copies, below 0.5."
+        )
+    return f"transport {transport!r} not recorded: what a transfer is is unknown."
+
+
 # -- the phases' reports (print, and return the JSON part) -----------------------------------------
 def levels_report(args: argparse.Namespace, levels: dict[str, Any]) -> dict[str, Any]:
     """Print the levels' tables and targets; returns their JSON part."""
@@ -24,8 +46,10 @@ def levels_report(args: argparse.Namespace, levels: dict[str, Any]) -> dict[str,
     summary = _summarize(levels["rows"])
     verdicts = _verdicts(summary, memcpy, max(args.concurrency))
     _print_tables(summary, memcpy, verdicts)
+    print(transfer_note(levels["described"]["disaggregated"].get("kv_transport")))
     return {
         "levels": {
+            "kv_transport": levels["described"]["disaggregated"].get("kv_transport"),
             "num_blocks_per_worker": levels["num_blocks"],
             "expected_kv_bytes_per_request": expected,
             "instances": levels["described"],
@@ -177,7 +201,10 @@ def _print_sweep(sweep: dict[str, Any], rows: list[dict[str, Any]]) -> None:
     same = sweep["pd_same_node"]
     goal = f"target >= {TRANSFER_TARGET} of memcpy" if same else "information, no target"
     print(f"\n### KV transfer sweep, {sweep['placement']} ({goal})\n")
-    print(f"{sweep['where']}; one request at a time, max_tokens 2; ms and MiB/s per request\n")
+    print(
+        f"{sweep['where']}; KV transport {sweep.get('kv_transport')}; one request at a time, "
+        "max_tokens 2; ms and MiB/s per request\n"
+    )
     print(
         "| prompt tok | reqs | KiB/req | save ms | load ms | load e2e ms | MiB/s p50 "
         "| MiB/s max | memcpy MiB/s | ratio | verdict |"
@@ -199,8 +226,8 @@ def _print_sweep(sweep: dict[str, Any], rows: list[dict[str, Any]]) -> None:
         f"\nwarm-up: {w['requests']} x {w['prompt_tokens']} tokens ({mib(w['bytes'])} MiB); "
         f"per request p50 {mib(w['bw_first_half'])} MiB/s (first half), "
         f"{mib(w['bw_second_half'])} MiB/s (second half). "
-        "memcpy: np.copyto into a preallocated, pre-touched array, best of >= 10. A transfer is "
-        "two copies (put, write into blocks): a memcpy-bound path peaks near 0.5."
+        "memcpy: np.copyto into a preallocated, pre-touched array, best of >= 10. "
+        + transfer_note(sweep.get("kv_transport"))
     )
 
 
