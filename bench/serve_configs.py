@@ -203,8 +203,7 @@ def run_variant(
             # (It has exited; its interpreter's start-up, about 0.26 s of CPU here, is in.)
             spent["load client"] = proc_cpu.children_cpu_s() - client_before
             summary = json.loads(out.read_text())["runs"][0]["summary"]
-            # The two warm-up requests have the workload's shape and are in the CPU window.
-            tokens = summary["total_output_tokens"] * (w["prompts"] + WARMUP) / w["prompts"]
+            tokens = window_tokens(summary)
             summary["cpu_ms_per_token"] = {
                 hop: seconds * 1e3 / max(tokens, 1) for hop, seconds in spent.items()
             }
@@ -213,6 +212,16 @@ def run_variant(
         stop(serve)
         log.close()
     return results
+
+
+def window_tokens(summary: dict[str, Any], warmup: int = WARMUP) -> float:
+    """Output tokens streamed in a workload's CPU window: its successful requests' (a failed
+    one streamed none, or not all) and the ``warmup`` requests', each taken as a successful
+    request's mean (they have the workload's shape). Scaling the total by (prompts + warm-up)
+    / prompts instead counted every failed request as a successful one's tokens it never
+    streamed: fewer tokens than that per CPU second, so more CPU per token."""
+    completed, tokens = summary["completed"], summary["total_output_tokens"]
+    return float(tokens + warmup * tokens / completed) if completed else 0.0
 
 
 def hop_medians(summaries: list[dict[str, Any]]) -> dict[str, float]:

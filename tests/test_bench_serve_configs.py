@@ -32,3 +32,14 @@ def test_each_llama_server_slot_holds_the_longest_request(
 
 def test_the_chat_workloads_keep_their_512_token_slots() -> None:
     assert serve_configs.slot_context(["c1", "c8", "c32"]) == 512
+
+
+def test_cpu_per_token_divides_by_the_tokens_the_window_streamed() -> None:
+    """8 prompts of 128 tokens, 3 failed, 2 warm-up requests: the window streamed 7 x 128
+    tokens (scaling the 5 x 128 by 10 / 8 gave 800: the CPU per token 12 % high)."""
+    summary = {"completed": 5, "failed": 3, "total_output_tokens": 5 * 128}
+    assert serve_configs.window_tokens(summary) == 7 * 128
+    clean = {"completed": 8, "failed": 0, "total_output_tokens": 8 * 128}
+    assert serve_configs.window_tokens(clean) == 10 * 128
+    nothing = {"completed": 0, "failed": 8, "total_output_tokens": 0}
+    assert serve_configs.window_tokens(nothing) == 0.0
