@@ -424,10 +424,12 @@ class Subscription(Delivery):
                         raise
                     await asyncio.sleep(0.2)
         except BaseException as exc:
-            # What the open requests end with: the client's error (HTTP 503), naming why.
-            ended = StreamLostError(
-                f"the stream from the cluster broke: {type(exc).__name__}: {exc}"
-            )
+            # What the open requests end with: the client's error (HTTP 503), naming why --
+            # the kind only: Ray's text of it (an actor's node IP address, process id) is
+            # the log's.
+            if not isinstance(exc, asyncio.CancelledError):
+                logger.warning("client %s: the stream broke: %r", self.client_id, exc)
+            ended = StreamLostError(f"the stream from the cluster broke ({type(exc).__name__})")
             raise
         finally:
             self._stop.set()

@@ -74,8 +74,13 @@ def api_error(exc: BaseException, param: str | None = None) -> APIError:
         return APIError(404, str(exc), param="model")
     if isinstance(exc, AdapterLoadError):  # (a ValueError: before the 400 of any other)
         return APIError(404 if exc.missing else 400, str(exc), param="model")
-    if isinstance(exc, UnavailableError | ClientDroppedError) or _actor_gone(exc):
+    if isinstance(exc, UnavailableError | ClientDroppedError):
         return APIError(503, str(exc))
+    if _actor_gone(exc):
+        # Ray's text names the actor's id, process id, node IP address and namespace (or the
+        # address it could not reach): the operator's to read, in the log, not every client's.
+        logger.warning("a cluster actor is unreachable: %s", exc)
+        return APIError(503, "the cluster is unavailable (an actor died or restarts); retry")
     if _deployment_unavailable(exc):  # the app's TandemCluster failed to deploy
         return APIError(503, f"the cluster is unavailable: {getattr(exc, 'message', exc)}")
     if "no live decode-capable instance" in str(exc):  # every decode instance is gone

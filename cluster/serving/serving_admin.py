@@ -119,7 +119,12 @@ class ModelsAndOperations:
         try:
             instances = await self.engine.check_health()
         except Exception as exc:
-            return 503, {"status": "unavailable", "error": str(exc)}
+            # An open route: a remote task's error carries its traceback (files, lines), an
+            # actor's its node IP address and process id. Logged, not answered.
+            logger.warning("health: the workers could not be asked: %r", exc)
+            why = "timed out" if isinstance(exc, TimeoutError) else type(exc).__name__
+            error = f"the workers could not be asked ({why})"
+            return 503, {"status": "unavailable", "error": error}
         down = sorted(i for i, ok in instances.items() if not ok)
         if down:
             return 503, {"status": "unavailable", "down": down}

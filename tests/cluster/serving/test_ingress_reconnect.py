@@ -16,7 +16,7 @@ ray = pytest.importorskip("ray")
 
 from cluster.config import ClusterConfig  # noqa: E402
 from cluster.serving.app import OpenAIIngress  # noqa: E402
-from cluster.serving.errors import APIError  # noqa: E402
+from cluster.serving.errors import APIError, api_error  # noqa: E402
 
 CONFIG = ClusterConfig.model_validate({"model": "m", "pools": [{"name": "c"}]})
 
@@ -59,3 +59,49 @@ def test_the_health_check_lets_go_only_of_a_cluster_gone_for_good(gone: bool) ->
         assert (ingress._client, ingress._serving, closed) == (None, None, [True])
     else:  # restarting, or only slow: kept
         assert (ingress._client, ingress._serving, closed) == (client, serving, [])
+
+
+UNREACHABLE = (
+    "RpcError: failed to connect to all addresses; last error: UNKNOWN: "
+    "ipv4:10.1.2.3:10123: Failed to connect to remote host: Connection refused"
+)
+
+
+def test_a_503_for_an_actor_away_names_none_of_rays_internals() -> None:
+    """Ray's actor errors name the actor's id, process id, node IP address and namespace (or
+    the address it could not reach): a client -- over HTTP, gRPC, or the open /health route
+    -- gets the retryable 503 and no more; the operator reads the rest in the log."""
+    died = ray.exceptions.RayActorError(
+        None,
+        "The actor died unexpectedly before finishing this task.\n\tclass_name: "
+        "SchedulerActor\n\tactor_id: 5f3c\n\tpid: 4242\n\tnamespace: tandem\n\tip: 10.1.2.3",
+    )
+    for exc in (ray.exceptions.ActorUnavailableError(UNREACHABLE, None), died):
+        error = api_error(exc)
+        assert error.status == 503
+        assert "10.1.2.3" not in error.message and "4242" not in error.message
+
+    async def unreachable() -> Any:
+        raise ray.exceptions.ActorUnavailableError(UNREACHABLE, None)
+
+    async def scheduler() -> Any:
+        return SimpleNamespace(model_info=SimpleNamespace(remote=unreachable))
+
+    ingress = _ingress(SimpleNamespace(scheduler=SimpleNamespace(remote=scheduler)))
+    response = asyncio.run(ingress.health())  # (no key: an open route)
+    assert response.status_code == 503 and b"10.1.2.3" not in response.body
+
+
+def test_health_says_why_the_workers_could_not_be_asked_without_a_remote_traceback() -> None:
+    from cluster.serving.serving_admin import ModelsAndOperations
+
+    async def check_health() -> Any:  # what str() of a RayTaskError reads like
+        raise RuntimeError(
+            "ray::SchedulerActor.worker_health() (pid=4242, ip=10.1.2.3)\n  File "
+            '"/srv/tandem/cluster/control/scheduler_actor.py", line 812, in worker_health'
+        )
+
+    serving = SimpleNamespace(engine=SimpleNamespace(check_health=check_health))
+    status, body = asyncio.run(ModelsAndOperations.health(serving))  # type: ignore[arg-type]
+    assert status == 503 and body["status"] == "unavailable"
+    assert "10.1.2.3" not in body["error"] and "scheduler_actor.py" not in body["error"]
