@@ -60,6 +60,11 @@ GRPC_SERVICER = "cluster.proto.tandem_pb2_grpc.add_GenerateServicer_to_server"
 # its first look comes after one period even when nothing runs. Still graceful: it waits
 # for running requests as long as before (``graceful_shutdown_timeout_s``).
 SHUTDOWN_POLL_S = 0.2
+# How long a stopping replica's own gRPC server (TLS, or grpc_server: ingress) lets the calls
+# in flight run on. Serve does not count those calls, so they are drained in ``__del__``, its
+# last call on the replica. In effect: until they end, or until Serve kills the replica at its
+# graceful_shutdown_timeout_s (20 s by default), as the HTTP requests are drained.
+GRPC_SHUTDOWN_GRACE_S = 3600.0
 
 app = FastAPI(
     title="Tandem",
@@ -235,6 +240,20 @@ class OpenAIIngress:
                 if old is not None:
                     old.close()
 
+    async def __del__(self) -> None:
+        """Serve's last call on a replica that stops (a redeploy, a downscale, ``tandem
+        serve``'s exit), once the requests Serve counts are done. The calls of the gRPC server
+        this replica runs itself are not among them: they were cut mid-stream by the kill that
+        follows (and their requests generated on for nobody until the cluster dropped this
+        client). The server takes no new call now and lets those in flight end."""
+        server = getattr(self, "_grpc_server", None)
+        if server is None:
+            return
+        start = getattr(self, "_grpc_start", None)
+        if start is not None:  # (a server that failed to start logged it)
+            await asyncio.gather(start, return_exceptions=True)
+        await server.stop(grace=GRPC_SHUTDOWN_GRACE_S)
+
     async def serving(self) -> OpenAIServing:
         """Connect to the SchedulerActor on first use (it is ready once the app is)."""
         if self._serving is None:
@@ -253,7 +272,10 @@ class OpenAIIngress:
                             self._config.serve.generation_config, info.get("model_path")
                         )
                     except (OSError, ValueError) as exc:  # the model's own file: unreadable
-                        raise APIError(500, f"serve.generation_config: {exc}") from None
+                        logger.error("serve.generation_config: %s", exc)  # (it names a path)
+                        raise APIError(
+                            500, "serve.generation_config: the model's file cannot be read"
+                        ) from None
                     client = await asyncio.to_thread(ClusterClient, handle, None, info)
                     tracer = init_tracing(self._config.tracing, "ingress")
                     # In a thread: it reads the tokenizer's whole vocabulary (the prompt bound).
@@ -338,8 +360,9 @@ class OpenAIIngress:
         """200 when every instance's workers answer; 503 naming the ones that do not."""
         try:
             serving = await self.serving()
-        except Exception as exc:
-            return JSONResponse({"status": "unavailable", "error": str(exc)}, status_code=503)
+        except Exception as exc:  # (an open route: what the API would answer, no more)
+            error = api_error(exc).message
+            return JSONResponse({"status": "unavailable", "error": error}, status_code=503)
         status, body = await serving.health()
         return JSONResponse(body, status_code=status)
 

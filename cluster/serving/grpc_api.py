@@ -95,6 +95,7 @@ async def generate_stream(
         check_api_key(api_key, _metadata(grpc_context, "authorization"))
         request = completion_request(message)
         api = await serving()
+        request.model = request.model or api.model_name  # the served one, as over HTTP
         headers = {} if grpc_context is None else dict(grpc_context.invocation_metadata())
         span = APISpan(api.tracer, "text_completion", request, headers)
         lora = await api.resolve(request.model)
@@ -150,6 +151,31 @@ def _usage(usage: Any) -> dict[str, Any]:
     }
 
 
+class _KeyCheck(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """The API key, checked from a call's metadata before its message is read -- as the HTTP
+    API checks it before the body (``auth.KeyCheck``): without the key, a caller cannot make
+    this replica receive a message of up to the size limit on each of its concurrent calls.
+    (``generate_stream`` checks it again: the same check behind Serve's proxy.)"""
+
+    def __init__(self, api_key: str) -> None:
+        self._api_key = api_key
+
+    async def intercept_service(self, continuation: Any, details: Any) -> Any:
+        metadata = details.invocation_metadata or ()
+        authorization = next((str(v) for k, v in metadata if k.lower() == "authorization"), None)
+        try:
+            check_api_key(self._api_key, authorization)
+        except APIError as exc:
+            message = exc.message
+
+            async def refuse(request_iterator: Any, context: Any) -> None:
+                # A client-streaming handler: it ends the call without reading the message.
+                await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+            return grpc.stream_unary_rpc_method_handler(refuse)
+        return await continuation(details)
+
+
 class IngressGenerateServer:
     """``tandem.v1.Generate`` served by an ingress replica itself: over TLS (Serve's gRPC
     proxy has none), or plaintext bound to ``host`` (the proxy binds every interface). A
@@ -190,7 +216,9 @@ class IngressGenerateServer:
         from cluster.proto import tandem_pb2_grpc
 
         server = grpc.aio.server(
-            options=self._options, maximum_concurrent_rpcs=self._max_concurrent_calls
+            options=self._options,
+            maximum_concurrent_rpcs=self._max_concurrent_calls,
+            interceptors=None if self._api_key is None else [_KeyCheck(self._api_key)],
         )
         tandem_pb2_grpc.add_GenerateServicer_to_server(self, server)
         try:
@@ -204,10 +232,11 @@ class IngressGenerateServer:
             raise
         self._server = server
 
-    async def stop(self) -> None:
-        if self._server is not None:
-            await self._server.stop(grace=None)
-            self._server = None
+    async def stop(self, grace: float | None = None) -> None:
+        """Take no new call; those in flight get ``grace`` seconds to end (None: ended now)."""
+        server, self._server = self._server, None
+        if server is not None:
+            await server.stop(grace=grace)
 
     async def Generate(self, request: Any, context: Any) -> AsyncIterator[Any]:
         try:

@@ -1500,6 +1500,31 @@ def test_a_grpc_call_is_an_ingress_span_in_its_callers_trace(engine: AsyncLLM) -
     assert failed.attributes["http.response.status_code"] == 404
 
 
+def test_a_grpc_call_without_a_model_is_traced_as_the_served_model(engine: AsyncLLM) -> None:
+    """proto3 has no unset string: a call that leaves ``model`` out is for the served model,
+    and its span says so, as an HTTP request's does (it was "text_completion None", without
+    gen_ai.request.model: what is grouped by model missed every such gRPC call)."""
+    from cluster.proto import tandem_pb2
+    from cluster.serving.grpc_api import generate_stream
+
+    tracer, exporter = _traced()
+    serving = OpenAIServing(engine, "tiny-chat", tracer=tracer)
+
+    async def connect() -> OpenAIServing:
+        return serving
+
+    message = tandem_pb2.GenerateRequest(prompt_token_ids=[7, 8, 9], max_tokens=2, ignore_eos=True)
+
+    async def call() -> list[Any]:
+        async with aclosing(generate_stream(connect, None, message, _CallContext({}))) as stream:
+            return [r async for r in stream]
+
+    assert _run(call())[-1].usage.completion_tokens == 2
+    (span,) = exporter.get_finished_spans()
+    assert span.name == "text_completion tiny-chat"
+    assert span.attributes["gen_ai.request.model"] == "tiny-chat"
+
+
 def test_add_special_tokens_is_vllms(
     serving: OpenAIServing, monkeypatch: pytest.MonkeyPatch
 ) -> None:
