@@ -102,3 +102,22 @@ class AdapterLoadError(ValueError):
 
     def __reduce__(self) -> tuple[type, tuple[str, str, bool]]:  # crosses Ray intact
         return (type(self), (self.name, self.instance_id, self.missing))
+
+
+def failure_text(exc: BaseException) -> str:
+    """``Kind: message`` of a failure that ends requests: their error reaches clients (the
+    503 of a request that could not move elsewhere). Ray's own errors name an actor's id,
+    process id, node address and namespace, and a remote task's its traceback's files: of
+    those only the kind (a task's: its own exception's kind and message) -- the rest is the
+    log's."""
+    try:
+        from ray.exceptions import RayError, RayTaskError
+    except ImportError:  # pragma: no cover - the control plane runs in Ray
+        return f"{type(exc).__name__}: {exc}"
+    cause = getattr(exc, "cause", None)
+    if isinstance(exc, RayTaskError) and isinstance(cause, BaseException):
+        exc = cause  # (the worker's own exception: its text is the worker code's)
+    if isinstance(exc, RayError):
+        return type(exc).__name__
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

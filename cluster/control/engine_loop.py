@@ -29,7 +29,7 @@ from typing import Any
 
 from cluster.control.executors import Executor
 from cluster.control.summaries import EngineSummary
-from cluster.errors import rejection
+from cluster.errors import failure_text, rejection
 from kv_transfer.connector import KVConnectorReport, KVReadStuck, PDConnector
 from scheduler import ModelRunnerOutput, Request, RequestStatus, Scheduler, SchedulerOutput
 from scheduler.outputs import EngineCoreOutput
@@ -271,7 +271,8 @@ class EngineLoop:
             if isinstance(exc, KVReadStuck) or isinstance(getattr(exc, "cause", None), KVReadStuck):
                 # A copy may still land in its cache: its process must end, as a hung one's.
                 self.hung = True
-            self._fail_all(f"instance {self.instance_id} failed: {type(exc).__name__}: {exc}")
+            # (The text ends its requests, and reaches their clients: no Ray internals.)
+            self._fail_all(f"instance {self.instance_id} failed: {failure_text(exc)}")
 
     async def _run(self) -> None:
         scheduler = self.scheduler

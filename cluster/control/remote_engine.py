@@ -27,6 +27,7 @@ from cluster.control.engine_reports import EngineReport, Lost
 from cluster.control.engine_wire import WirePlacement, rebase_placement, shift
 from cluster.control.held import Placement
 from cluster.control.placement import InstanceSpec
+from cluster.errors import failure_text
 from kv_transfer.tracing import root_carrier
 from scheduler.request import FinishReason
 
@@ -189,7 +190,13 @@ class RemoteEngine:
                 raise
             except Exception as exc:
                 if self.dead is None:
-                    reason = f"the engine process of instance {self.instance_id} died ({exc!r})"
+                    # (Its requests end with it where they cannot move, and clients read it:
+                    # Ray's text of it -- the actor's id, pid, node address -- is the log's.)
+                    logger.warning(
+                        "instance %s: its engine's ping failed: %r", self.instance_id, exc
+                    )
+                    what = failure_text(exc)
+                    reason = f"the engine process of instance {self.instance_id} died ({what})"
                     self.declare_dead(reason)
                 return
 
@@ -297,11 +304,13 @@ class RemoteEngine:
         except Exception as exc:
             if self.dead is None and not self._stopping:
                 died = isinstance(exc, ray.exceptions.RayActorError)
+                logger.warning("instance %s: an op batch failed: %r", self.instance_id, exc)
+                what = failure_text(exc)  # (the reason reaches clients: no Ray internals)
                 self.declare_dead(
-                    f"the engine process of instance {self.instance_id} died ({exc!r})"
+                    f"the engine process of instance {self.instance_id} died ({what})"
                     if died
                     else f"an op batch may not have reached the engine of instance "
-                    f"{self.instance_id} ({exc!r}): every later one would wait for it"
+                    f"{self.instance_id} ({what}): every later one would wait for it"
                 )
 
     # -- introspection -----------------------------------------------------------------------

@@ -273,9 +273,8 @@ class OpenAIIngress:
                         )
                     except (OSError, ValueError) as exc:  # the model's own file: unreadable
                         logger.error("serve.generation_config: %s", exc)  # (it names a path)
-                        raise APIError(
-                            500, "serve.generation_config: the model's file cannot be read"
-                        ) from None
+                        why = "the model's generation_config.json cannot be read (see the log)"
+                        raise APIError(500, f"serve.generation_config: {why}") from None
                     client = await asyncio.to_thread(ClusterClient, handle, None, info)
                     tracer = init_tracing(self._config.tracing, "ingress")
                     # In a thread: it reads the tokenizer's whole vocabulary (the prompt bound).

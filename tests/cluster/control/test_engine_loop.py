@@ -142,6 +142,39 @@ def test_failing_worker_fails_its_requests(tiny_model: Path) -> None:
     assert not loop.alive and loop.error is not None
 
 
+def test_a_worker_lost_to_ray_fails_its_requests_naming_none_of_rays_internals(
+    tiny_model: Path,
+) -> None:
+    """What a failed step ends its requests with reaches their clients (the 503 of a request
+    that could not move: a one-instance pool, say). Ray's errors name the worker actor's id,
+    process id and node address, a task's its traceback's files: the log has them; the
+    requests get the kind of failure (a task's: its own exception, as the worker raised it)."""
+    import ray.exceptions
+
+    died = ray.exceptions.RayActorError(
+        None,
+        "The actor died unexpectedly before finishing this task.\n\tclass_name: ModelWorker"
+        "\n\tactor_id: 5f3c\n\tpid: 4242\n\tnamespace: tandem\n\tip: 10.1.2.3",
+    )
+    raised = ray.exceptions.RayTaskError(
+        "execute_model",
+        'Traceback (most recent call last):\n  File "/srv/tandem/actors/worker.py", line 340, '
+        "in execute_model\nRuntimeError: CUDA out of memory",
+        RuntimeError("CUDA out of memory"),
+        proctitle="ray::ModelWorker.execute_model",
+        pid=4242,
+        ip="10.1.2.3",
+    ).as_instanceof_cause()
+    for error, kind in ((died, "RayActorError"), (raised, "RuntimeError: CUDA out of memory")):
+        loop, _, seen = _loop(tiny_model, fail_at_step=1, error=error)
+        asyncio.run(asyncio.wait_for(_start_and_finish(loop, seen, 2), 30))
+        finals = [o for o in seen if o.finished]
+        assert len(finals) == 2 and all(o.error and kind in o.error for o in finals), finals
+        for text in (str(o.error) for o in finals):
+            assert "10.1.2.3" not in text and "4242" not in text, text
+            assert "worker.py" not in text and "5f3c" not in text, text
+
+
 @pytest.mark.parametrize("wrapped", [False, True], ids=["in-process", "through-ray"])
 def test_a_stuck_kv_read_ends_the_worker_as_a_hung_step_does(
     tiny_model: Path, wrapped: bool
