@@ -48,6 +48,10 @@ class SamplingRow:
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]  # outputs so far, before this step's sample
     eos_token_id: int | None
+    # The model's other EOS ids (its config's): held back below min_tokens with the EOS,
+    # ignore_eos or not, as vLLM's all_stop_token_ids hold them (without ignore_eos they
+    # are stop ids too; with it they are not, and only this mask keeps them back).
+    other_eos_ids: Sequence[int] = ()
 
 
 @dataclass
@@ -170,8 +174,9 @@ def _take_rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
 def _min_tokens_entries(rows: Sequence[SamplingRow], vocab: int) -> tuple[list[int], list[int]]:
     """(row, token id) pairs to mask: EOS and stop ids of the rows that have not yet produced
     ``min_tokens`` outputs. EOS is masked with ``ignore_eos`` too, as vLLM does (its
-    ``all_stop_token_ids`` always hold EOS): ``min_tokens`` means no EOS before then, whether or
-    not one would end the request. Ids outside the vocabulary are skipped."""
+    ``all_stop_token_ids`` always hold EOS and the config's other EOS ids, ``other_eos_ids``):
+    ``min_tokens`` means no EOS before then, whether or not one would end the request. Ids
+    outside the vocabulary are skipped."""
     mask_rows: list[int] = []
     mask_ids: list[int] = []
     for i, row in enumerate(rows):
@@ -179,6 +184,7 @@ def _min_tokens_entries(rows: Sequence[SamplingRow], vocab: int) -> tuple[list[i
         if len(row.output_token_ids) >= p.min_tokens:
             continue
         ids = set(p.stop_token_ids)
+        ids.update(row.other_eos_ids)
         if row.eos_token_id is not None:
             ids.add(row.eos_token_id)
         for token_id in ids:

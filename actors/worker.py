@@ -336,6 +336,7 @@ class ModelWorker(WorkerMemory, WorkerKV):
             return self._with_connector_reports(None, hidden, meta, intermediate, failed)
         logits = self._logits(batch, hidden, failed)
         sampling = [s for s in batch if s.samples and s.state.req_id not in failed]
+        eos_ids = tuple(self.config.eos_token_ids)  # (min_tokens holds them all back)
         rows = [
             SamplingRow(
                 params=s.state.params,
@@ -344,6 +345,7 @@ class ModelWorker(WorkerMemory, WorkerKV):
                     s.state.token_ids, s.state.num_prompt_tokens, len(s.state.token_ids)
                 ),
                 eos_token_id=s.state.eos_token_id,
+                other_eos_ids=eos_ids,
             )
             for s in sampling
         ]

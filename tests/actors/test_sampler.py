@@ -376,6 +376,21 @@ def test_min_tokens_masks_eos_with_ignore_eos_and_only_stop_ids_without_eos() ->
     assert sampler(logits, rows).token_ids == [4, 5, 3, 3]
 
 
+def test_min_tokens_holds_back_the_configs_other_eos_ids_with_ignore_eos() -> None:
+    """vLLM's ``all_stop_token_ids`` hold the generation config's other EOS ids too, whatever
+    ``ignore_eos`` says (Llama 3.1 Instruct: EOS <|eot_id|>, the config adds <|end_of_text|>
+    and <|eom_id|>). Without ignore_eos they are stop ids here as well; with it they are not,
+    and the config's second EOS (5) came as the first token of a min_tokens 2 request."""
+    logits = MIN_TOKENS_LOGITS.repeat(3, 1)
+    params = SamplingParams(temperature=0.0, ignore_eos=True, min_tokens=2)
+    rows = [
+        SamplingRow(params, [], [], 3, other_eos_ids=(3, 5)),
+        SamplingRow(params, [], [7], 3, other_eos_ids=(3, 5, 99)),  # (99: past the vocabulary)
+        SamplingRow(params, [], [7, 7], 3, other_eos_ids=(3, 5)),  # reached: EOS may come
+    ]
+    assert sampler(logits, rows).token_ids == [4, 4, 3]
+
+
 def test_min_tokens_when_sampling() -> None:
     counts = draw(MIN_TOKENS_LOGITS, 3_000, eos=3, min_tokens=1, stop_token_ids=(5,))
     assert counts[3] == 0 and counts[5] == 0 and counts.sum() == 3_000
