@@ -72,6 +72,7 @@ class Subscription(Delivery):
         self._actors: dict[str, Any] = {}  # their handles
         self._gap_watch: asyncio.Task[None] | None = None  # after a broken stream
         self._generation = 0  # how often the central actor came back from a restart
+        self._central_away = False  # its process died: the client waits for its restart
         # Submitted, not finished: what a restarted central actor may have to be sent again.
         self._open: dict[int, tuple[Request, dict[str, str] | None]] = {}
         self._submissions = itertools.count()
@@ -293,13 +294,17 @@ class Subscription(Delivery):
         self._submitting.add(task)
         task.add_done_callback(self._submitting.discard)
 
-    async def _resubmit_lost(self, after_restart: bool = True) -> None:
+    async def _resubmit_lost(
+        self, after_restart: bool = True, generation: int | None = None
+    ) -> None:
         """After a central actor's restart: ask it which open requests it does not know. One
         without any output yet was acknowledged by the dead process but never given to an
         engine: it is submitted again. One with output was on an engine the restarted actor
         could not take it back from: it ends with an error (never a hang). Not
         ``after_restart`` (an engine died; the central actor that placed them lives): a
-        request it does not know has ended, and ends with an error unless its final comes."""
+        request it does not know has ended, and ends with an error unless its final comes --
+        unless the central actor restarted meanwhile (``generation``, as of the engine's death):
+        then the restart's own check, which sends those without output again, decides."""
         pending = {_op_id(item) for item, _ in self._ops} | set(self._in_flight)
         asked = {  # (a submit still on its way is not lost: it is being sent again)
             submission: item
@@ -314,6 +319,8 @@ class Subscription(Delivery):
         except Exception as exc:
             logger.warning("client %s: could not reconcile: %s", self.client_id, exc)
             return
+        if not after_restart and self._restarted_since(generation):
+            return  # (the restarted actor knows none of what its dead process had not placed)
         for submission in unknown:
             request, trace_context = asked[submission]
             if submission not in self._open:
@@ -324,7 +331,8 @@ class Subscription(Delivery):
                 or submission in self._early
             ):
                 why = "the central scheduler's restart" if after_restart else "its engine"
-                self._spawn(self._lost_unless_it_ends(submission, request.request_id, why))
+                lost = self._lost_unless_it_ends(submission, request.request_id, why, generation)
+                self._spawn(lost)
                 continue
             self._spawn(self._resubmit_unless_it_ends(submission, request, trace_context))
 
@@ -335,9 +343,21 @@ class Subscription(Delivery):
         sends it again: the central actor moves and resumes only what it still holds, no
         engine remembers it, and nothing comes after a final to show a gap. The requests the
         central actor no longer knows get ``LOST_GRACE_S`` for their final, then fail (they
-        waited for ever). (First ``LOST_GRACE_S`` for the engine's last reports to land.)"""
+        waited for ever). (First ``LOST_GRACE_S`` for the engine's last reports to land.) Not
+        while the central actor restarts, or once it did: its own check (``_resubmit_lost``
+        after the restart) asks after every open request, and sends again those without
+        output that the restarted actor does not know -- which this check would fail.
+        """
+        generation = self._generation
         await asyncio.sleep(LOST_GRACE_S)
-        await self._resubmit_lost(after_restart=False)
+        if self._restarted_since(generation):
+            return
+        await self._resubmit_lost(after_restart=False, generation=generation)
+
+    def _restarted_since(self, generation: int | None) -> bool:
+        """Whether the central actor is away, or came back from a restart, since
+        ``generation``."""
+        return generation is not None and (self._central_away or self._generation != generation)
 
     async def _resubmit_unless_it_ends(
         self, submission: int, request: Request, trace_context: dict[str, str] | None
@@ -356,14 +376,21 @@ class Subscription(Delivery):
         future.add_done_callback(functools.partial(self._resubmitted, submission=submission))
 
     async def _lost_unless_it_ends(
-        self, submission: int, request_id: str, why: str = "the central scheduler's restart"
+        self,
+        submission: int,
+        request_id: str,
+        why: str = "the central scheduler's restart",
+        generation: int | None = None,
     ) -> None:
         """A request with output that the restarted central actor does not know: lost with
         the restart -- unless it ended just before the actor was asked, and its final is
         still on its way from its engine (the actor forgets a request once its engine
-        reports it ended): it is given ``LOST_GRACE_S`` to arrive."""
+        reports it ended): it is given ``LOST_GRACE_S`` to arrive. ``generation``: asked after an
+        engine's death, as of then (a restart since decides instead)."""
         await asyncio.sleep(LOST_GRACE_S)
         if submission not in self._open or submission in self._ended:
+            return
+        if self._restarted_since(generation):
             return
         queue = self.queues.get(submission)
         if queue is not None:
@@ -403,6 +430,7 @@ class Subscription(Delivery):
                         batch = await ref
                         if lost_at is not None:  # a restarted central actor answers
                             lost_at = None
+                            self._central_away = False
                             self._generation += 1
                             self._spawn(self._resubmit_lost())
                         if isinstance(batch, dict):  # a notice: the engine actors to stream
@@ -419,6 +447,7 @@ class Subscription(Delivery):
                         raise
                     if lost_at is None:
                         lost_at = time.monotonic()
+                        self._central_away = True
                         logger.warning("client %s: the central scheduler is away", self.client_id)
                     if time.monotonic() - lost_at > CENTRAL_RESTART_S:
                         raise

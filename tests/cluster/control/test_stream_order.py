@@ -35,6 +35,7 @@ def _subscription() -> tuple[Subscription, asyncio.Queue[Any]]:
     sub = Subscription.__new__(Subscription)
     sub._next_index, sub._early, sub._tokens, sub._ended = {}, {}, {}, {}
     sub._gap_watch = _Watching()  # (no loop here: the gap watch has its own test)
+    sub._generation, sub._central_away = 0, False  # (no restart of the central actor)
     queue: asyncio.Queue[Any] = asyncio.Queue()
     sub.queues = {7: queue}
     return sub, queue
@@ -815,3 +816,64 @@ def test_a_final_lost_with_an_engine_that_died_ends_its_request_instead_of_hangi
     assert isinstance(outs[-1], StreamLostError)  # an error (a 503), not a wait for ever
     outs = asyncio.run(engine_dies(central_knows_it=True))  # it moves on: resumed, not failed
     assert [o.new_token_ids for o in outs] == [[10, 11]]
+
+
+def test_an_engine_death_during_a_central_restart_leaves_the_unknown_to_the_restarts_check(
+    monkeypatch: Any,
+) -> None:
+    """An engine and the central actor died together (one node): the restarted central actor
+    knows none of the requests that were on that engine, nor those its dead process had not
+    given an engine yet -- the restart's own check (``_resubmit_lost`` after it) sends the
+    ones without output again. The engine's check asked the restarted actor too and failed
+    them first, with a 503 "lost with its engine" (and the resubmit ran on for nobody)."""
+    from collections import Counter
+
+    import ray
+
+    from cluster.control import subscription
+    from cluster.errors import StreamLostError
+
+    monkeypatch.setattr(subscription, "LOST_GRACE_S", 0.05)
+
+    async def ready(value: Any) -> Any:
+        return value
+
+    class Engine:
+        class subscribe:  # (a Ray actor method: a streaming generator)
+            @staticmethod
+            def remote(client_id: str, positions: Any) -> Any:
+                async def batches() -> Any:
+                    yield ready(pack_batch([]))  # (request 7 has no output yet)
+                    raise ray.exceptions.ActorDiedError()
+
+                return batches()
+
+        class ping:
+            @staticmethod
+            async def remote() -> str:
+                raise ray.exceptions.ActorDiedError()
+
+    async def engine_dies() -> list[Any]:
+        sub, queue = _subscription()
+        sub.loop = asyncio.get_running_loop()
+        sub.client_id = "c"
+        sub._ops, sub._in_flight, sub._submitting = [], Counter(), set()
+        sub._engines, sub._actors = {}, {}
+        sub._open = {7: (Request("r", [1, 2, 3], SamplingParams(max_tokens=3)), None)}
+
+        class Handle:
+            class unknown_requests:  # (a Ray actor method)
+                @staticmethod
+                async def remote(client_id: str, pairs: list[Any]) -> list[int]:
+                    # The restarted actor answers (its stream came back meanwhile): it knows
+                    # nothing of request 7, which its dead process had not placed.
+                    sub._generation += 1
+                    return [7]
+
+        sub.handle = Handle()
+        sub._follow({"d-1": Engine()})
+        await asyncio.sleep(0.5)
+        return [queue.get_nowait() for _ in range(queue.qsize())]
+
+    outs = asyncio.run(engine_dies())
+    assert not [o for o in outs if isinstance(o, StreamLostError)]  # the restart's check decides
