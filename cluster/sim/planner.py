@@ -216,8 +216,12 @@ def plan(
                 work_at = repeated(workload(rate * factor), LONGER)
                 result = Simulation(config, cost).run(work_at, slo, seed)
                 # goodput against the rate asked for (not the sample's own span: the curve's
-                # points would all read the seed's few % above their rate)
-                summary = result.summary(offered_rate=rate * factor)
+                # points would all read the seed's few % above their rate) -- where there is
+                # one: a burst (arrivals with no span) was offered at no rate (``rate`` is a
+                # stand-in), and its goodput is per second of the run, the same at each point
+                arrivals = [w.arrival_s for w in work_at]
+                spread = len(arrivals) > 1 and max(arrivals) > min(arrivals)
+                summary = result.summary(offered_rate=rate * factor if spread else None)
                 curve.append(
                     {
                         "rate": rate * factor,

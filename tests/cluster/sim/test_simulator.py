@@ -451,6 +451,25 @@ def test_the_plan_refuses_a_cluster_that_meets_the_slo_only_while_its_queue_is_s
     assert repeated(burst, LONGER) == burst
 
 
+def test_a_bursts_goodput_curve_is_per_second_of_the_run_not_of_a_stand_in_rate(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``tandem plan --trace`` of a burst (every arrival at once) plans at a stand-in rate of
+    1 request/s: its curve serves the same burst at each point. Its goodput is per second of
+    the run, one value (``test_a_memory_budget_sizes_the_kv_and_a_burst_has_a_goodput``); as
+    attainment x the stand-in rate it read 0.5 and 2.0 requests/s, as if it scaled."""
+    from cluster.sim import planner
+    from cluster.sim.planner import plan
+
+    monkeypatch.setattr(planner, "CURVE", (0.5, 2.0))
+    burst = [WorkItem(0.0, 8, 2)] * 5
+    result = plan(_config([BOTH]), COST, lambda rate: list(burst), 1.0, SLO(1.0, 1.0))
+    assert result.chosen is not None and result.chosen.candidate.instances == 1
+    first, last = (point["goodput"] for point in result.curve)
+    assert first == last > 0
+    assert first == pytest.approx(result.chosen.summary["goodput_requests_s"])
+
+
 def test_the_planner_tries_each_pools_token_budget_on_its_own() -> None:
     from cluster.sim.planner import Candidate, candidates
 
