@@ -323,10 +323,10 @@ def test_a_request_unknown_after_a_restart_is_lost_only_if_its_final_does_not_co
     ended just before it was asked (its final, from its engine, still on its way) or was
     lost with the restart: it is given a moment for its final before its stream fails (it
     failed at once: a request that completed reached its user as an error)."""
-    from cluster.control import subscription
+    from cluster.control import lost_requests
     from cluster.errors import StreamLostError
 
-    monkeypatch.setattr(subscription, "LOST_GRACE_S", 0.05)
+    monkeypatch.setattr(lost_requests, "LOST_GRACE_S", 0.05)
     sub, queue = _subscription()
     sub._open = {7: (Request("r", [1, 2, 3], SamplingParams(max_tokens=9)), None)}
     _feed(sub, _out([4, 5]), 0)
@@ -720,9 +720,9 @@ def test_a_request_unknown_after_a_restart_without_output_is_sent_again_unless_i
     is given a moment for its final first."""
     from collections import Counter
 
-    from cluster.control import subscription
+    from cluster.control import lost_requests
 
-    monkeypatch.setattr(subscription, "LOST_GRACE_S", 0.05)
+    monkeypatch.setattr(lost_requests, "LOST_GRACE_S", 0.05)
 
     async def restart(final: bool) -> list[int]:
         sub, _ = _subscription()
@@ -769,10 +769,10 @@ def test_a_final_lost_with_an_engine_that_died_ends_its_request_instead_of_hangi
 
     import ray
 
-    from cluster.control import subscription
+    from cluster.control import lost_requests
     from cluster.errors import StreamLostError
 
-    monkeypatch.setattr(subscription, "LOST_GRACE_S", 0.05)
+    monkeypatch.setattr(lost_requests, "LOST_GRACE_S", 0.05)
 
     async def ready(value: Any) -> Any:
         return value
@@ -830,10 +830,10 @@ def test_an_engine_death_during_a_central_restart_leaves_the_unknown_to_the_rest
 
     import ray
 
-    from cluster.control import subscription
+    from cluster.control import lost_requests
     from cluster.errors import StreamLostError
 
-    monkeypatch.setattr(subscription, "LOST_GRACE_S", 0.05)
+    monkeypatch.setattr(lost_requests, "LOST_GRACE_S", 0.05)
 
     async def ready(value: Any) -> Any:
         return value
