@@ -755,6 +755,47 @@ def test_a_request_unknown_after_a_restart_without_output_is_sent_again_unless_i
     assert asyncio.run(restart(final=False)) == [7]
 
 
+def _dying_engine(first: Any) -> Any:
+    """An engine actor's handle whose stream sends the batch ``first``, then dies with the
+    engine (what it would have sent next -- request 7's last token and its final -- went
+    with it); its pings say it is dead."""
+    import ray
+
+    async def ready(value: Any) -> Any:
+        return value
+
+    class Engine:
+        class subscribe:  # (a Ray actor method: a streaming generator)
+            @staticmethod
+            def remote(client_id: str, positions: Any) -> Any:
+                async def batches() -> Any:
+                    yield ready(first)
+                    raise ray.exceptions.ActorDiedError()
+
+                return batches()
+
+        class ping:
+            @staticmethod
+            async def remote() -> str:
+                raise ray.exceptions.ActorDiedError()
+
+    return Engine()
+
+
+def _following_subscription() -> tuple[Any, Any]:
+    """A subscription (and request 7's queue) on the running loop, ready to follow engines,
+    with request 7 open."""
+    from collections import Counter
+
+    sub, queue = _subscription()
+    sub.loop = asyncio.get_running_loop()
+    sub.client_id = "c"
+    sub._ops, sub._in_flight, sub._submitting = [], Counter(), set()
+    sub._engines, sub._actors = {}, {}
+    sub._open = {7: (Request("r", [1, 2, 3], SamplingParams(max_tokens=3)), None)}
+    return sub, queue
+
+
 def test_a_final_lost_with_an_engine_that_died_ends_its_request_instead_of_hanging(
     monkeypatch: Any,
 ) -> None:
@@ -765,40 +806,15 @@ def test_a_final_lost_with_an_engine_that_died_ends_its_request_instead_of_hangi
     longer holds it), no gap (nothing comes after a final) -- and the request waited for
     ever. Once an engine dies, the open requests the central actor no longer knows get a
     moment for their final, then fail; one it still knows (it moves on) is left alone."""
-    from collections import Counter
 
-    import ray
 
     from cluster.control import lost_requests
     from cluster.errors import StreamLostError
 
     monkeypatch.setattr(lost_requests, "LOST_GRACE_S", 0.05)
 
-    async def ready(value: Any) -> Any:
-        return value
-
-    class Engine:
-        class subscribe:  # (a Ray actor method: a streaming generator)
-            @staticmethod
-            def remote(client_id: str, positions: Any) -> Any:
-                async def batches() -> Any:
-                    yield ready(pack_batch([(7, _out([10, 11]), 0)]))
-                    raise ray.exceptions.ActorDiedError()  # [12] and the final went with it
-
-                return batches()
-
-        class ping:
-            @staticmethod
-            async def remote() -> str:
-                raise ray.exceptions.ActorDiedError()
-
     async def engine_dies(central_knows_it: bool) -> list[Any]:
-        sub, queue = _subscription()
-        sub.loop = asyncio.get_running_loop()
-        sub.client_id = "c"
-        sub._ops, sub._in_flight, sub._submitting = [], Counter(), set()
-        sub._engines, sub._actors = {}, {}
-        sub._open = {7: (Request("r", [1, 2, 3], SamplingParams(max_tokens=3)), None)}
+        sub, queue = _following_subscription()
 
         class Handle:
             class unknown_requests:  # (a Ray actor method)
@@ -807,7 +823,7 @@ def test_a_final_lost_with_an_engine_that_died_ends_its_request_instead_of_hangi
                     return [] if central_knows_it else [7]
 
         sub.handle = Handle()
-        sub._follow({"d-1": Engine()})
+        sub._follow({"d-1": _dying_engine(pack_batch([(7, _out([10, 11]), 0)]))})
         await asyncio.sleep(0.5)
         return [queue.get_nowait() for _ in range(queue.qsize())]
 
@@ -826,40 +842,15 @@ def test_an_engine_death_during_a_central_restart_leaves_the_unknown_to_the_rest
     given an engine yet -- the restart's own check (``_resubmit_lost`` after it) sends the
     ones without output again. The engine's check asked the restarted actor too and failed
     them first, with a 503 "lost with its engine" (and the resubmit ran on for nobody)."""
-    from collections import Counter
 
-    import ray
 
     from cluster.control import lost_requests
     from cluster.errors import StreamLostError
 
     monkeypatch.setattr(lost_requests, "LOST_GRACE_S", 0.05)
 
-    async def ready(value: Any) -> Any:
-        return value
-
-    class Engine:
-        class subscribe:  # (a Ray actor method: a streaming generator)
-            @staticmethod
-            def remote(client_id: str, positions: Any) -> Any:
-                async def batches() -> Any:
-                    yield ready(pack_batch([]))  # (request 7 has no output yet)
-                    raise ray.exceptions.ActorDiedError()
-
-                return batches()
-
-        class ping:
-            @staticmethod
-            async def remote() -> str:
-                raise ray.exceptions.ActorDiedError()
-
     async def engine_dies() -> list[Any]:
-        sub, queue = _subscription()
-        sub.loop = asyncio.get_running_loop()
-        sub.client_id = "c"
-        sub._ops, sub._in_flight, sub._submitting = [], Counter(), set()
-        sub._engines, sub._actors = {}, {}
-        sub._open = {7: (Request("r", [1, 2, 3], SamplingParams(max_tokens=3)), None)}
+        sub, queue = _following_subscription()
 
         class Handle:
             class unknown_requests:  # (a Ray actor method)
@@ -871,7 +862,7 @@ def test_an_engine_death_during_a_central_restart_leaves_the_unknown_to_the_rest
                     return [7]
 
         sub.handle = Handle()
-        sub._follow({"d-1": Engine()})
+        sub._follow({"d-1": _dying_engine(pack_batch([]))})  # (7 has no output yet)
         await asyncio.sleep(0.5)
         return [queue.get_nowait() for _ in range(queue.qsize())]
 
